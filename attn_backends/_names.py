@@ -1,0 +1,27 @@
+"""Backend names: the C registry's table, resolved case-insensitively ('-' == '_').
+
+The table comes from the C core once at import; resolution is a dict lookup in Python so that
+torch.compile can trace it (a call into the C module would break the graph).
+"""
+
+from __future__ import annotations
+
+from . import _C
+
+TABLE = tuple(_C.backend_table())  # (name, aliases, kind, summary) rows, registry order
+CANONICAL = tuple(row[0] for row in TABLE)
+ALL_NAMES = tuple(n for row in TABLE for n in (row[0], *row[1]))
+_BY_NAME = {n: row[0] for row in TABLE for n in (row[0], *row[1])}
+
+
+def resolve(name: str) -> str:
+    """Canonical name for any accepted name; ValueError listing the valid names otherwise."""
+    canonical = _BY_NAME.get(name)
+    if canonical is not None:
+        return canonical
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str, got {type(name).__name__}")
+    canonical = _BY_NAME.get(name.lower().replace("-", "_"))
+    if canonical is None:
+        raise ValueError(f"unknown backend {name!r}; valid names are: {', '.join(ALL_NAMES)}")
+    return canonical

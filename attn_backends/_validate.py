@@ -1,0 +1,155 @@
+"""Argument checks for the public API: every error names the argument and what was expected.
+
+Types and dtypes raise TypeError, shapes and values raise ValueError.  The checks run on every
+call, so they read each tensor's metadata once and avoid building anything they do not need.
+The C core checks again at the op boundary (direct torch.ops calls), with RuntimeError.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+_CAUSAL = {False: 0, True: 1, "top_left": 1, "bottom_right": 2}
+
+
+def _shape(t: torch.Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def check_qkv(q, k, v):
+    """Checks q, k, v of the (B, H, S, D) layout; returns (B, Hq, Sq, D, Hkv, Sk, Dv).
+
+    The common case is one boolean expression; only a call that fails it pays for the search
+    that names the offending argument (qkv_error)."""
+    try:
+        B, Hq, Sq, D = q.shape
+        Bk, Hkv, Sk, Dk = k.shape
+        Bv, Hv, Skv, Dv = v.shape
+        dt = q.dtype
+        dev = q.device
+        ok = (
+            dt in FLOAT_DTYPES and k.dtype is dt and v.dtype is dt and Bk == B and Bv == B
+            and Hv == Hkv and Skv == Sk and Dk == D and D > 0 and Hkv > 0 and Hq % Hkv == 0
+            and k.device == dev and v.device == dev
+        )
+    except (AttributeError, TypeError, ValueError):
+        ok = False
+    if ok:
+        return B, Hq, Sq, D, Hkv, Sk, Dv
+    return qkv_error(q, k, v)
+
+
+def qkv_error(q, k, v):
+    """Raises the error that names what is wrong with q, k, v (or returns the sizes if nothing is)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D (B, Hq, Sq, D), got shape {_shape(q)}")
+    if k.dim() != 4:
+        raise ValueError(f"k must be 4-D (B, Hkv, Sk, D), got shape {_shape(k)}")
+    if v.dim() != 4:
+        raise ValueError(f"v must be 4-D (B, Hkv, Sk, Dv), got shape {_shape(v)}")
+    dt = q.dtype
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {dt}")
+    if k.dtype != dt or v.dtype != dt:
+        raise TypeError(f"q, k and v must have the same dtype, got {dt}, {k.dtype} and {v.dtype}")
+    dev = q.device
+    if k.device != dev or v.device != dev:
+        raise ValueError(f"q, k and v must be on the same device, got {dev}, {k.device} and {v.device}")
+    B, Hq, Sq, D = q.shape
+    Bk, Hkv, Sk, Dk = k.shape
+    Bv, Hv, Skv, Dv = v.shape
+    if Bk != B or Bv != B:
+        raise ValueError(f"q, k and v must have the same batch size, got {B}, {Bk} and {Bv}")
+    if Hv != Hkv:
+        raise ValueError(f"k and v must have the same number of heads, got {Hkv} and {Hv}")
+    if Skv != Sk:
+        raise ValueError(f"k and v must have the same sequence length, got {Sk} and {Skv}")
+    if Dk != D:
+        raise ValueError(f"q and k must have the same head dim, got {D} and {Dk}")
+    if D < 1:
+        raise ValueError("the head dim of q and k must be at least 1")
+    if (Hq % Hkv != 0) if Hkv else Hq != 0:
+        raise ValueError(
+            f"the number of query heads ({Hq}) must be a multiple of the number of key/value heads ({Hkv})"
+        )
+    return B, Hq, Sq, D, Hkv, Sk, Dv
+
+
+def check_mask(attn_mask, q: torch.Tensor, B: int, Hq: int, Sq: int, Sk: int) -> torch.Tensor:
+    """bool (True = may attend) or floating (added to the scores), broadcastable to (B, Hq, Sq, Sk)."""
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and attn_mask.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"attn_mask must be bool (True = may attend) or floating (added to the scores), got {attn_mask.dtype}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask must be on the same device as q ({q.device}), got {attn_mask.device}")
+    nd = attn_mask.dim()
+    if nd > 4:
+        raise ValueError(f"attn_mask must have at most 4 dims (B, Hq, Sq, Sk), got shape {_shape(attn_mask)}")
+    want = (B, Hq, Sq, Sk)[4 - nd:]
+    for have, need in zip(attn_mask.shape, want):
+        if have != need and have != 1:
+            raise ValueError(
+                f"attn_mask of shape {_shape(attn_mask)} is not broadcastable to (B, Hq, Sq, Sk) = {(B, Hq, Sq, Sk)}"
+            )
+    return attn_mask if nd else attn_mask.reshape(1)
+
+
+def check_causal(causal) -> int:
+    """False | True | "top_left" | "bottom_right" -> 0, 1, 1, 2."""
+    try:
+        return _CAUSAL[causal]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f'causal must be False, True, "top_left" or "bottom_right", got {causal!r}'
+        ) from None
+
+
+def check_window(window) -> tuple[int, int]:
+    """None or (left, right), each >= -1 (-1 = unbounded on that side)."""
+    if window is None:
+        return -1, -1
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(f"window must be None or a pair (left, right), got {window!r}")
+    left, right = window
+    for side, val in (("left", left), ("right", right)):
+        if isinstance(val, bool) or not isinstance(val, int):
+            raise TypeError(f"window {side} must be an int, got {type(val).__name__}")
+        if val < -1:
+            raise ValueError(f"window {side} must be >= -1 (-1 = unbounded), got {val}")
+    return left, right
+
+
+def check_scale(scale, D: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(D)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    scale = float(scale)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
+    return scale
+
+
+def check_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
+    return softcap
+
+
+def check_dropout(dropout_p) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    return dropout_p

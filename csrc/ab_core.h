@@ -1,0 +1,199 @@
+/* ab_core.h -- the C core's one public header.
+ *
+ * What it is: the plain types every layer below the torch shim speaks (tensor views, the attention
+ * parameter struct, status codes) and the entry points of the core (CPU kernels, dropout stream,
+ * CPU feature detection, backend names, the lazy CUDA loader).
+ *
+ * Why it exists: the core never sees a torch or Python type.  csrc/torch_shim.cpp turns torch tensors
+ * into ab_tensor views and fills one ab_attn_params; csrc/ab_module.c exposes the non-tensor parts to
+ * Python.  Kernels return an ab_status and write a message into an ab_error; they never exit or throw.
+ *
+ * Shape glossary (used in every comment of the project):
+ *   B        batch
+ *   Hq, Hkv  query heads, key/value heads (Hq % Hkv == 0; Hq / Hkv query heads share one KV head)
+ *   Sq, Sk   query length, key length
+ *   D, Dv    head dim of q/k, head dim of v (and of the output)
+ *   cu_seqlens  (B + 1,) int32 prefix sums of the packed sequence lengths (varlen)
+ * Strides are in elements, never bytes.  Offsets are computed in int64_t throughout.
+ */
+#ifndef AB_CORE_H
+#define AB_CORE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define AB_VERSION "0.1.0"
+#define AB_MAX_DIMS 4
+
+#if defined(__GNUC__)
+#define AB_EXPORT __attribute__((visibility("default")))
+#else
+#define AB_EXPORT
+#endif
+
+typedef enum ab_status {
+  AB_OK = 0,
+  AB_ERR_INVALID = 1,     /* bad argument: shapes, dtypes, strides */
+  AB_ERR_UNSUPPORTED = 2, /* valid call this kernel does not serve */
+  AB_ERR_NOMEM = 3,
+  AB_ERR_CUDA = 4,        /* a CUDA runtime call failed */
+  AB_ERR_UNAVAILABLE = 5  /* a library or device is missing */
+} ab_status;
+
+typedef struct ab_error {
+  char msg[512];
+} ab_error;
+
+/* Formats msg (printf style) into err and returns code; err may be NULL. */
+ab_status ab_error_set(ab_error* err, ab_status code, const char* fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+typedef enum ab_dtype {
+  AB_DTYPE_F32 = 0,
+  AB_DTYPE_F16 = 1,
+  AB_DTYPE_BF16 = 2,
+  AB_DTYPE_F64 = 3,
+  AB_DTYPE_BOOL = 4,
+  AB_DTYPE_I32 = 5,
+  AB_DTYPE_I64 = 6,
+  AB_DTYPE_U8 = 7,
+  AB_DTYPE_OTHER = 8
+} ab_dtype;
+
+const char* ab_dtype_name(ab_dtype dtype);
+size_t ab_dtype_size(ab_dtype dtype);
+int ab_dtype_is_floating(ab_dtype dtype);
+
+typedef enum ab_device_type {
+  AB_DEVICE_CPU = 0,
+  AB_DEVICE_CUDA = 1,
+  AB_DEVICE_MPS = 2,
+  AB_DEVICE_OTHER = 3
+} ab_device_type;
+
+/* A strided view of someone else's memory.  ndim == 0 means "absent" (optional operand); data may be
+ * NULL for a present operand with no elements. */
+typedef struct ab_tensor {
+  void* data;
+  ab_dtype dtype;
+  ab_device_type device;
+  int32_t device_index;
+  int32_t ndim;
+  int64_t sizes[AB_MAX_DIMS];
+  int64_t strides[AB_MAX_DIMS];
+} ab_tensor;
+
+typedef enum ab_causal {
+  AB_CAUSAL_NONE = 0,
+  AB_CAUSAL_TOP_LEFT = 1,     /* query i sees keys j <= i */
+  AB_CAUSAL_BOTTOM_RIGHT = 2  /* query i sees keys j <= i + Sk - Sq (KV-cache convention) */
+} ab_causal;
+
+/* Everything a kernel needs for one attention call, filled in one place (the shim).
+ * Forward reads q, k, v, mask and writes out, lse.  Backward also reads dout, dlse (optional), out,
+ * lse and writes dq, dk, dv and dmask (optional: the gradient of a float mask, (B, Hq, Sq, Sk)). */
+typedef struct ab_attn_params {
+  int64_t B, Hq, Hkv, Sq, Sk, D, Dv;
+
+  ab_tensor q;     /* (B, Hq, Sq, D) */
+  ab_tensor k;     /* (B, Hkv, Sk, D) */
+  ab_tensor v;     /* (B, Hkv, Sk, Dv) */
+  ab_tensor mask;  /* (B, Hq, Sq, Sk) after broadcasting (zero strides); bool or floating; optional */
+  ab_tensor out;   /* (B, Hq, Sq, Dv) */
+  ab_tensor lse;   /* (B, Hq, Sq) float32 (float64 for float64 inputs) */
+
+  ab_tensor dout;  /* (B, Hq, Sq, Dv) */
+  ab_tensor dlse;  /* (B, Hq, Sq) optional */
+  ab_tensor dq;    /* (B, Hq, Sq, D) */
+  ab_tensor dk;    /* (B, Hkv, Sk, D) */
+  ab_tensor dv;    /* (B, Hkv, Sk, Dv) */
+  ab_tensor dmask; /* (B, Hq, Sq, Sk) float32, optional */
+
+  double scale;    /* multiplies q.k */
+  double softcap;  /* > 0: score = softcap * tanh(score / softcap) */
+  double dropout_p;
+  ab_causal causal;
+  int64_t window_left, window_right; /* -1 = unbounded on that side */
+  uint64_t seed, offset;             /* dropout stream (ab_philox.h) */
+} ab_attn_params;
+
+/* Checks shapes, dtypes and strides of the operands the forward (backward = 0) or the backward
+ * (backward = 1) reads and writes; names the offending argument in err. */
+ab_status ab_attn_params_check(const ab_attn_params* p, int backward, ab_error* err);
+
+/* ---- CPU execution: the caller lends its thread pool (torch's, through the shim) ---------------- */
+
+typedef void (*ab_range_fn)(int64_t begin, int64_t end, void* ctx);
+
+typedef struct ab_cpu_pool {
+  /* Runs fn over [begin, end) split into chunks of at least grain; returns 0 on success. */
+  int (*parallel_for)(int64_t begin, int64_t end, int64_t grain, ab_range_fn fn, void* ctx);
+  int num_threads;
+} ab_cpu_pool;
+
+/* Runs fn serially; the pool used by the core's own tests and when no pool is given. */
+extern const ab_cpu_pool ab_cpu_pool_serial;
+
+/* math: the exact reference kernel.  Scores, softmax and accumulation in float32 (float64 for
+ * float64 inputs); any strides; every feature of ab_attn_params. */
+ab_status ab_math_cpu_fwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err);
+ab_status ab_math_cpu_bwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err);
+
+/* Writes the dropout keep-mask (1 = kept) the kernels use for (B, H, Sq, Sk), contiguous uint8. */
+ab_status ab_dropout_mask_cpu(uint64_t seed, uint64_t offset, double p, int64_t B, int64_t H,
+                              int64_t Sq, int64_t Sk, uint8_t* keep, const ab_cpu_pool* pool,
+                              ab_error* err);
+
+/* ---- CPU features (CPUID and XGETBV: an ISA counts only if the OS saves its registers) ---------- */
+
+typedef struct ab_cpu_features {
+  int sse42, avx, avx2, fma, f16c;
+  int avx512f, avx512bw, avx512vl, avx512dq, avx512_vnni, avx512_bf16, avx512_fp16;
+  int avx_vnni, amx_tile, amx_bf16, amx_int8;
+  char vendor[13];
+  char brand[49];
+} ab_cpu_features;
+
+const ab_cpu_features* ab_cpu_features_get(void);
+
+/* ---- Backend names --------------------------------------------------------------------------- */
+
+typedef enum ab_backend_kind {
+  AB_KIND_BUNDLED = 0,  /* our kernels */
+  AB_KIND_TORCH = 1,    /* torch's own (SDPA, FlexAttention), called from Python */
+  AB_KIND_EXTERNAL = 2, /* an optional package, used only if installed */
+  AB_KIND_PLANNER = 3   /* "auto" */
+} ab_backend_kind;
+
+typedef struct ab_backend_info {
+  const char* name;          /* canonical */
+  const char* const* aliases; /* NULL-terminated */
+  ab_backend_kind kind;
+  const char* summary;
+} ab_backend_info;
+
+int ab_backend_count(void);
+const ab_backend_info* ab_backend_at(int index);
+/* Canonical index for any accepted name (case-insensitive), or -1. */
+int ab_backend_lookup(const char* name);
+
+/* ---- The CUDA library, loaded on first use --------------------------------------------------- */
+
+struct ab_cuda_api;
+/* Loads libattn_backends_cuda.so from beside this module once; NULL (and err) when absent. */
+const struct ab_cuda_api* ab_cuda_load(ab_error* err);
+/* Path the loader looks at; for the report. */
+const char* ab_cuda_library_path(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* AB_CORE_H */

@@ -1,0 +1,82 @@
+/* ab_cpu_features.c -- which x86 instruction sets this process may use, detected once.
+ *
+ * An ISA counts only when CPUID reports it AND the OS saves its registers on a context switch
+ * (XGETBV: XMM/YMM for AVX, opmask/ZMM for AVX-512, tile data for AMX).  Other architectures report
+ * no x86 features and run the generic C paths.
+ */
+#include <pthread.h>
+#include <string.h>
+
+#include "ab_core.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+
+static unsigned long long read_xcr0(void) {
+  unsigned int eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return ((unsigned long long)edx << 32) | eax;
+}
+
+static void detect(ab_cpu_features* f) {
+  unsigned int a, b, c, d, max_leaf;
+  memset(f, 0, sizeof *f);
+  max_leaf = __get_cpuid_max(0, NULL);
+  if (max_leaf == 0) return;
+  __cpuid(0, a, b, c, d);
+  memcpy(f->vendor + 0, &b, 4);
+  memcpy(f->vendor + 4, &d, 4);
+  memcpy(f->vendor + 8, &c, 4);
+  f->vendor[12] = 0;
+
+  __cpuid(1, a, b, c, d);
+  const int osxsave = (c >> 27) & 1;
+  unsigned long long xcr0 = osxsave ? read_xcr0() : 0;
+  const int os_avx = (xcr0 & 0x6) == 0x6;       /* XMM and YMM state */
+  const int os_avx512 = (xcr0 & 0xe6) == 0xe6;  /* plus opmask, ZMM_Hi256, Hi16_ZMM */
+  const int os_amx = (xcr0 & 0x60000) == 0x60000; /* XTILECFG and XTILEDATA */
+  f->sse42 = (c >> 20) & 1;
+  f->avx = os_avx && ((c >> 28) & 1);
+  f->fma = f->avx && ((c >> 12) & 1);
+  f->f16c = f->avx && ((c >> 29) & 1);
+
+  if (max_leaf >= 7) {
+    __cpuid_count(7, 0, a, b, c, d);
+    f->avx2 = f->avx && ((b >> 5) & 1);
+    f->avx512f = os_avx512 && ((b >> 16) & 1);
+    f->avx512dq = f->avx512f && ((b >> 17) & 1);
+    f->avx512bw = f->avx512f && ((b >> 30) & 1);
+    f->avx512vl = f->avx512f && ((b >> 31) & 1);
+    f->avx512_vnni = f->avx512f && ((c >> 11) & 1);
+    f->avx512_fp16 = f->avx512f && ((d >> 23) & 1);
+    f->amx_bf16 = os_amx && ((d >> 22) & 1);
+    f->amx_tile = os_amx && ((d >> 24) & 1);
+    f->amx_int8 = os_amx && ((d >> 25) & 1);
+    __cpuid_count(7, 1, a, b, c, d);
+    f->avx_vnni = f->avx2 && ((a >> 4) & 1);
+    f->avx512_bf16 = f->avx512f && ((a >> 5) & 1);
+  }
+
+  unsigned int max_ext = __get_cpuid_max(0x80000000u, NULL);
+  if (max_ext >= 0x80000004u) {
+    unsigned int regs[12];
+    for (unsigned int leaf = 0; leaf < 3; ++leaf)
+      __cpuid(0x80000002u + leaf, regs[leaf * 4], regs[leaf * 4 + 1], regs[leaf * 4 + 2],
+              regs[leaf * 4 + 3]);
+    memcpy(f->brand, regs, 48);
+    f->brand[48] = 0;
+  }
+}
+#else
+static void detect(ab_cpu_features* f) { memset(f, 0, sizeof *f); }
+#endif
+
+static ab_cpu_features g_features;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+static void detect_once(void) { detect(&g_features); }
+
+const ab_cpu_features* ab_cpu_features_get(void) {
+  pthread_once(&g_once, detect_once);
+  return &g_features;
+}

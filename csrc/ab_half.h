@@ -1,0 +1,62 @@
+/* ab_half.h -- float16 / bfloat16 <-> float32 conversions for the C kernels.
+ *
+ * Plain integer code, so the generic path needs no compiler extension; the ISA paths use the
+ * hardware instructions instead.  Rounding is to nearest, ties to even, as torch's casts do.
+ */
+#ifndef AB_HALF_H
+#define AB_HALF_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float ab_bits_to_f32(uint32_t u) {
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+static inline uint32_t ab_f32_to_bits(float f) {
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+static inline float ab_bf16_to_f32(uint16_t h) { return ab_bits_to_f32((uint32_t)h << 16); }
+
+static inline uint16_t ab_f32_to_bf16(float f) {
+  uint32_t x = ab_f32_to_bits(f);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* quiet NaN */
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return (uint16_t)(x >> 16);
+}
+
+static inline float ab_f16_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
+  if (exp == 0) {
+    /* zero or subnormal: mant * 2^-24 is exact in float32 */
+    float f = (float)mant * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  if (exp == 31) return ab_bits_to_f32(sign | 0x7f800000u | (mant << 13));
+  return ab_bits_to_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+static inline uint16_t ab_f32_to_f16(float f) {
+  uint32_t x = ab_f32_to_bits(f);
+  uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+  uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* >= 65520 rounds to inf */
+  if (ax < 0x38800000u) {
+    /* below 2^-14: the result is subnormal, mant = round(|f| * 2^24) (1024 is the smallest normal) */
+    return (uint16_t)(sign | (uint16_t)lrintf(ab_bits_to_f32(ax) * 16777216.0f));
+  }
+  uint32_t h = (ax >> 13) - (112u << 10);
+  uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+  return (uint16_t)(sign | h);
+}
+
+#endif /* AB_HALF_H */

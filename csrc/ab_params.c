@@ -1,0 +1,157 @@
+/* ab_params.c -- errors, dtype helpers and the one validation of ab_attn_params.
+ *
+ * Every kernel entry point calls ab_attn_params_check first, so a direct call of the torch op with
+ * inconsistent operands fails with a message naming the argument instead of reading out of bounds.
+ */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+
+#include "ab_core.h"
+
+ab_status ab_error_set(ab_error* err, ab_status code, const char* fmt, ...) {
+  if (err) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->msg, sizeof err->msg, fmt, ap);
+    va_end(ap);
+  }
+  return code;
+}
+
+const char* ab_dtype_name(ab_dtype dtype) {
+  switch (dtype) {
+    case AB_DTYPE_F32: return "float32";
+    case AB_DTYPE_F16: return "float16";
+    case AB_DTYPE_BF16: return "bfloat16";
+    case AB_DTYPE_F64: return "float64";
+    case AB_DTYPE_BOOL: return "bool";
+    case AB_DTYPE_I32: return "int32";
+    case AB_DTYPE_I64: return "int64";
+    case AB_DTYPE_U8: return "uint8";
+    default: return "unsupported dtype";
+  }
+}
+
+size_t ab_dtype_size(ab_dtype dtype) {
+  switch (dtype) {
+    case AB_DTYPE_F32: case AB_DTYPE_I32: return 4;
+    case AB_DTYPE_F16: case AB_DTYPE_BF16: return 2;
+    case AB_DTYPE_F64: case AB_DTYPE_I64: return 8;
+    case AB_DTYPE_BOOL: case AB_DTYPE_U8: return 1;
+    default: return 0;
+  }
+}
+
+int ab_dtype_is_floating(ab_dtype dtype) {
+  return dtype == AB_DTYPE_F32 || dtype == AB_DTYPE_F16 || dtype == AB_DTYPE_BF16 ||
+         dtype == AB_DTYPE_F64;
+}
+
+/* Checks ndim, sizes (a negative expected size matches anything) and non-negative strides. */
+static ab_status check_shape(ab_error* err, const char* name, const ab_tensor* t, int ndim,
+                             const int64_t* expect) {
+  if (t->ndim == 0) return ab_error_set(err, AB_ERR_INVALID, "%s is missing", name);
+  if (t->ndim != ndim)
+    return ab_error_set(err, AB_ERR_INVALID, "%s must be %d-D, got %d-D", name, ndim, t->ndim);
+  for (int d = 0; d < ndim; ++d) {
+    if (expect[d] >= 0 && t->sizes[d] != expect[d])
+      return ab_error_set(err, AB_ERR_INVALID,
+                          "%s has size %lld in dim %d, expected %lld", name,
+                          (long long)t->sizes[d], d, (long long)expect[d]);
+    if (t->strides[d] < 0)
+      return ab_error_set(err, AB_ERR_INVALID, "%s has a negative stride in dim %d", name, d);
+  }
+  return AB_OK;
+}
+
+static ab_status check_dtype(ab_error* err, const char* name, const ab_tensor* t, ab_dtype want) {
+  if (t->dtype != want)
+    return ab_error_set(err, AB_ERR_INVALID, "%s must be %s, got %s", name, ab_dtype_name(want),
+                        ab_dtype_name(t->dtype));
+  return AB_OK;
+}
+
+static ab_status check_device(ab_error* err, const char* name, const ab_tensor* t,
+                              const ab_tensor* q) {
+  if (t->device != q->device || t->device_index != q->device_index)
+    return ab_error_set(err, AB_ERR_INVALID, "%s is on a different device than q", name);
+  return AB_OK;
+}
+
+#define AB_TRY(expr)                \
+  do {                              \
+    ab_status s_ = (expr);          \
+    if (s_ != AB_OK) return s_;     \
+  } while (0)
+
+ab_status ab_attn_params_check(const ab_attn_params* p, int backward, ab_error* err) {
+  const ab_dtype dt = p->q.dtype;
+  if (!ab_dtype_is_floating(dt))
+    return ab_error_set(err, AB_ERR_INVALID,
+                        "q must be float16, bfloat16, float32 or float64, got %s",
+                        ab_dtype_name(dt));
+  if (p->B < 0 || p->Hq < 0 || p->Hkv < 0 || p->Sq < 0 || p->Sk < 0 || p->D < 1 || p->Dv < 0)
+    return ab_error_set(err, AB_ERR_INVALID, "negative size or zero head dim");
+  if (p->Hkv == 0 ? p->Hq != 0 : p->Hq % p->Hkv != 0)
+    return ab_error_set(err, AB_ERR_INVALID,
+                        "number of query heads (%lld) must be a multiple of key/value heads (%lld)",
+                        (long long)p->Hq, (long long)p->Hkv);
+  const ab_dtype lse_dt = dt == AB_DTYPE_F64 ? AB_DTYPE_F64 : AB_DTYPE_F32;
+  const int64_t qs[4] = {p->B, p->Hq, p->Sq, p->D};
+  const int64_t ks[4] = {p->B, p->Hkv, p->Sk, p->D};
+  const int64_t vs[4] = {p->B, p->Hkv, p->Sk, p->Dv};
+  const int64_t os[4] = {p->B, p->Hq, p->Sq, p->Dv};
+  const int64_t ls[3] = {p->B, p->Hq, p->Sq};
+  const int64_t ms[4] = {p->B, p->Hq, p->Sq, p->Sk};
+  AB_TRY(check_shape(err, "q", &p->q, 4, qs));
+  AB_TRY(check_shape(err, "k", &p->k, 4, ks));
+  AB_TRY(check_shape(err, "v", &p->v, 4, vs));
+  AB_TRY(check_dtype(err, "k", &p->k, dt));
+  AB_TRY(check_dtype(err, "v", &p->v, dt));
+  AB_TRY(check_device(err, "k", &p->k, &p->q));
+  AB_TRY(check_device(err, "v", &p->v, &p->q));
+  if (p->mask.ndim) {
+    AB_TRY(check_shape(err, "attn_mask", &p->mask, 4, ms));
+    AB_TRY(check_device(err, "attn_mask", &p->mask, &p->q));
+    if (p->mask.dtype != AB_DTYPE_BOOL && !ab_dtype_is_floating(p->mask.dtype))
+      return ab_error_set(err, AB_ERR_INVALID, "attn_mask must be bool or floating, got %s",
+                          ab_dtype_name(p->mask.dtype));
+  }
+  AB_TRY(check_shape(err, "out", &p->out, 4, os));
+  AB_TRY(check_dtype(err, "out", &p->out, dt));
+  AB_TRY(check_shape(err, "lse", &p->lse, 3, ls));
+  AB_TRY(check_dtype(err, "lse", &p->lse, lse_dt));
+  if (!isfinite(p->scale))
+    return ab_error_set(err, AB_ERR_INVALID, "scale must be finite, got %g", p->scale);
+  if (!(p->softcap >= 0.0) || !isfinite(p->softcap))
+    return ab_error_set(err, AB_ERR_INVALID, "softcap must be >= 0 and finite, got %g", p->softcap);
+  if (!(p->dropout_p >= 0.0 && p->dropout_p < 1.0))
+    return ab_error_set(err, AB_ERR_INVALID, "dropout_p must be in [0, 1), got %g", p->dropout_p);
+  if (p->window_left < -1 || p->window_right < -1)
+    return ab_error_set(err, AB_ERR_INVALID, "window values must be >= -1, got (%lld, %lld)",
+                        (long long)p->window_left, (long long)p->window_right);
+  if (p->causal != AB_CAUSAL_NONE && p->causal != AB_CAUSAL_TOP_LEFT &&
+      p->causal != AB_CAUSAL_BOTTOM_RIGHT)
+    return ab_error_set(err, AB_ERR_INVALID, "causal must be 0, 1 or 2, got %d", (int)p->causal);
+  if (!backward) return AB_OK;
+
+  AB_TRY(check_shape(err, "grad_out", &p->dout, 4, os));
+  AB_TRY(check_dtype(err, "grad_out", &p->dout, dt));
+  AB_TRY(check_device(err, "grad_out", &p->dout, &p->q));
+  if (p->dlse.ndim) {
+    AB_TRY(check_shape(err, "grad_lse", &p->dlse, 3, ls));
+    AB_TRY(check_dtype(err, "grad_lse", &p->dlse, lse_dt));
+  }
+  AB_TRY(check_shape(err, "dq", &p->dq, 4, qs));
+  AB_TRY(check_shape(err, "dk", &p->dk, 4, ks));
+  AB_TRY(check_shape(err, "dv", &p->dv, 4, vs));
+  AB_TRY(check_dtype(err, "dq", &p->dq, dt));
+  AB_TRY(check_dtype(err, "dk", &p->dk, dt));
+  AB_TRY(check_dtype(err, "dv", &p->dv, dt));
+  if (p->dmask.ndim) {
+    AB_TRY(check_shape(err, "grad_mask", &p->dmask, 4, ms));
+    AB_TRY(check_dtype(err, "grad_mask", &p->dmask, lse_dt));
+  }
+  return AB_OK;
+}

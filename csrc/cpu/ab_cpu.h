@@ -1,0 +1,95 @@
+/* ab_cpu.h -- helpers shared by the C CPU kernels (internal to csrc/cpu).
+ *
+ * Row loads and stores between any input dtype and the float32/float64 accumulation type, the
+ * visible key range of a query row (causal + window), masks, scratch allocation, and the parallel
+ * driver that records the first failure of any chunk.
+ */
+#ifndef AB_CPU_H
+#define AB_CPU_H
+
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../ab_core.h"
+#include "../ab_half.h"
+
+/* Element offset of index (a, b, c, d) in a 4-D view; 64-bit so no product can overflow. */
+static inline int64_t ab_off4(const ab_tensor* t, int64_t a, int64_t b, int64_t c, int64_t d) {
+  return a * t->strides[0] + b * t->strides[1] + c * t->strides[2] + d * t->strides[3];
+}
+
+static inline int64_t ab_off3(const ab_tensor* t, int64_t a, int64_t b, int64_t c) {
+  return a * t->strides[0] + b * t->strides[1] + c * t->strides[2];
+}
+
+/* The keys query row i may see through causal and window alone: [*lo, *hi).  Empty when lo >= hi.
+ * Alignment: i' = i + Sk - Sq for bottom-right causal, i' = i otherwise (docs/semantics.md). */
+static inline void ab_row_key_range(const ab_attn_params* p, int64_t i, int64_t* lo, int64_t* hi) {
+  const int64_t ii = p->causal == AB_CAUSAL_BOTTOM_RIGHT ? i + p->Sk - p->Sq : i;
+  int64_t l = 0, h = p->Sk;
+  if (p->causal != AB_CAUSAL_NONE && ii + 1 < h) h = ii + 1;
+  if (p->window_right >= 0 && ii + p->window_right + 1 < h) h = ii + p->window_right + 1;
+  if (p->window_left >= 0 && ii - p->window_left > l) l = ii - p->window_left;
+  if (h < 0) h = 0;
+  if (l > p->Sk) l = p->Sk;
+  *lo = l;
+  *hi = h;
+}
+
+static inline int ab_mask_is_bool(const ab_attn_params* p) {
+  return p->mask.ndim > 0 && p->mask.dtype == AB_DTYPE_BOOL;
+}
+
+static inline int ab_mask_is_float(const ab_attn_params* p) {
+  return p->mask.ndim > 0 && p->mask.dtype != AB_DTYPE_BOOL;
+}
+
+static inline double ab_load_scalar(const void* base, ab_dtype dt, int64_t off) {
+  switch (dt) {
+    case AB_DTYPE_F32: return ((const float*)base)[off];
+    case AB_DTYPE_F16: return ab_f16_to_f32(((const uint16_t*)base)[off]);
+    case AB_DTYPE_BF16: return ab_bf16_to_f32(((const uint16_t*)base)[off]);
+    case AB_DTYPE_F64: return ((const double*)base)[off];
+    case AB_DTYPE_BOOL: case AB_DTYPE_U8: return ((const uint8_t*)base)[off] != 0;
+    default: return NAN;
+  }
+}
+
+/* 64-byte aligned scratch, so rows start on a cache line; free with ab_scratch_free. */
+static inline void* ab_scratch_alloc(size_t bytes) {
+  size_t rounded = (bytes + 63) & ~(size_t)63;
+  return aligned_alloc(64, rounded ? rounded : 64);
+}
+
+static inline void ab_scratch_free(void* ptr) { free(ptr); }
+
+/* Shared state of one parallel kernel call: the first failing chunk's status wins. */
+typedef struct ab_par_status {
+  atomic_int status;
+  ab_error* err;
+} ab_par_status;
+
+static inline void ab_par_fail(ab_par_status* st, ab_status code, const char* what) {
+  int expected = AB_OK;
+  if (atomic_compare_exchange_strong(&st->status, &expected, (int)code))
+    ab_error_set(st->err, code, "%s", what);
+}
+
+/* Below this many multiply-adds a call runs on the calling thread: waking the pool costs more
+ * than it saves. */
+#define AB_PAR_MIN_WORK (1 << 18)
+
+/* Runs fn over [0, n) on the pool (serially when pool is NULL or the work, in multiply-adds, is
+ * small); returns the first failing chunk's status. */
+static inline ab_status ab_par_run(const ab_cpu_pool* pool, int64_t n, int64_t grain, double work,
+                                   ab_range_fn fn, void* ctx, ab_par_status* st) {
+  if (n <= 0) return AB_OK;
+  if (!pool || work < (double)AB_PAR_MIN_WORK) pool = &ab_cpu_pool_serial;
+  if (pool->parallel_for(0, n, grain < 1 ? 1 : grain, fn, ctx) != 0)
+    return ab_error_set(st->err, AB_ERR_INVALID, "the thread pool failed to run the kernel");
+  return (ab_status)atomic_load(&st->status);
+}
+
+#endif /* AB_CPU_H */

@@ -1,0 +1,39 @@
+/* ab_cuda.h -- the launcher table of libattn_backends_cuda.so.
+ *
+ * The CUDA library is a separate shared object (static cudart) that the core dlopen()s the first
+ * time a CUDA tensor arrives, so `import attn_backends` never touches CUDA.  Its one exported
+ * symbol, ab_cuda_api_get, returns this table.  Launchers take raw pointers, strides and a
+ * cudaStream_t (as void*) inside ab_attn_params; outputs and workspaces are allocated by the caller
+ * (torch's caching allocator).  A launcher returns a status and fills err; it never throws.
+ */
+#ifndef AB_CUDA_H
+#define AB_CUDA_H
+
+#include "../ab_core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped whenever the table's layout or a launcher's contract changes; the loader refuses a
+ * library with another version (a stale build beside a fresh module). */
+#define AB_CUDA_API_VERSION 1
+
+typedef struct ab_cuda_api {
+  int api_version;
+  const char* archs; /* the -gencode targets the library was built for, e.g. "sm_80 sm_90a" */
+  /* Compute capability of device `device` (e.g. 90 for 9.0), or an error if there is none. */
+  ab_status (*device_capability)(int device, int* cc, ab_error* err);
+  /* 1 if the library holds code for compute capability cc (cubin or PTX that can JIT). */
+  int (*supports_cc)(int cc);
+  /* math forward: exact reference, every feature, float16/bfloat16/float32/float64. */
+  ab_status (*math_fwd)(const ab_attn_params* p, void* stream, ab_error* err);
+} ab_cuda_api;
+
+AB_EXPORT const ab_cuda_api* ab_cuda_api_get(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* AB_CUDA_H */

@@ -1,0 +1,369 @@
+// torch_shim.cpp -- the one C++ file that includes torch headers.
+//
+// What it does: registers the attn_backends::* ops with torch's dispatcher through the LibTorch
+// stable ABI (TORCH_TARGET_VERSION 2.10, so one build runs on every torch >= 2.10), turns torch
+// tensors into ab_tensor views, allocates outputs through torch's allocator, lends torch's thread
+// pool and current CUDA stream to the C core, and turns a failing ab_status into a torch error.
+//
+// What it must not do: compute anything.  Every kernel lives in the C core or the CUDA library.
+//
+// Ops (schemas below; Python registers fake kernels and autograd in attn_backends/_ops.py):
+//   math_fwd      -> (out (B, Hq, Sq, Dv), lse (B, Hq, Sq))
+//   math_bwd      -> (dq, dk, dv, dmask)
+//   dropout_mask  -> the keep-mask the kernels draw, for tests
+#include <dlfcn.h>
+
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+
+extern "C" {
+#include "ab_core.h"
+#include "ab_shim.h"
+#include "cuda/ab_cuda.h"
+}
+
+using torch::headeronly::ScalarType;
+using torch::stable::Tensor;
+
+namespace {
+
+[[noreturn]] void fail(const std::string& msg) { throw std::runtime_error("attn_backends: " + msg); }
+
+void check(ab_status status, const ab_error& err) {
+  if (status != AB_OK) fail(err.msg);
+}
+
+ab_dtype to_ab_dtype(ScalarType t) {
+  switch (t) {
+    case ScalarType::Float: return AB_DTYPE_F32;
+    case ScalarType::Half: return AB_DTYPE_F16;
+    case ScalarType::BFloat16: return AB_DTYPE_BF16;
+    case ScalarType::Double: return AB_DTYPE_F64;
+    case ScalarType::Bool: return AB_DTYPE_BOOL;
+    case ScalarType::Int: return AB_DTYPE_I32;
+    case ScalarType::Long: return AB_DTYPE_I64;
+    case ScalarType::Byte: return AB_DTYPE_U8;
+    default: return AB_DTYPE_OTHER;
+  }
+}
+
+ab_device_type to_ab_device(torch::stable::DeviceType t) {
+  switch (t) {
+    case torch::stable::DeviceType::CPU: return AB_DEVICE_CPU;
+    case torch::stable::DeviceType::CUDA: return AB_DEVICE_CUDA;
+    case torch::stable::DeviceType::MPS: return AB_DEVICE_MPS;
+    default: return AB_DEVICE_OTHER;
+  }
+}
+
+ab_tensor view_of(const Tensor& t, const char* name) {
+  ab_tensor v{};
+  const int64_t nd = t.dim();
+  if (nd < 1 || nd > AB_MAX_DIMS)
+    fail(std::string(name) + " must have 1 to 4 dims, got " + std::to_string(nd));
+  v.ndim = static_cast<int32_t>(nd);
+  for (int64_t d = 0; d < nd; ++d) {
+    v.sizes[d] = t.size(d);
+    v.strides[d] = t.stride(d);
+  }
+  v.data = t.numel() ? t.data_ptr() : nullptr;
+  v.dtype = to_ab_dtype(t.scalar_type());
+  auto dev = t.device();
+  v.device = to_ab_device(dev.type());
+  v.device_index = dev.index();
+  return v;
+}
+
+// The mask as a (B, Hq, Sq, Sk) view: dims aligned to the right, size-1 dims broadcast with
+// stride 0, as torch broadcasting does.  Never copies.
+ab_tensor mask_view(const Tensor& m, int64_t B, int64_t Hq, int64_t Sq, int64_t Sk) {
+  ab_tensor src = view_of(m, "attn_mask");
+  const int64_t want[4] = {B, Hq, Sq, Sk};
+  ab_tensor v = src;
+  v.ndim = 4;
+  const int shift = 4 - src.ndim;
+  for (int d = 0; d < 4; ++d) {
+    const int sd = d - shift;
+    const int64_t size = sd >= 0 ? src.sizes[sd] : 1;
+    const int64_t stride = sd >= 0 ? src.strides[sd] : 0;
+    if (size != want[d] && size != 1) {
+      std::string shape = "(";
+      for (int s = 0; s < src.ndim; ++s) shape += (s ? ", " : "") + std::to_string(src.sizes[s]);
+      fail("attn_mask of shape " + shape + ") is not broadcastable to (B, Hq, Sq, Sk) = (" +
+           std::to_string(B) + ", " + std::to_string(Hq) + ", " + std::to_string(Sq) + ", " +
+           std::to_string(Sk) + ")");
+    }
+    v.sizes[d] = want[d];
+    v.strides[d] = size == 1 ? 0 : stride;
+  }
+  return v;
+}
+
+int pool_parallel_for(int64_t begin, int64_t end, int64_t grain, ab_range_fn fn, void* ctx) {
+  return torch_parallel_for(begin, end, grain, fn, ctx) == AOTI_TORCH_SUCCESS ? 0 : -1;
+}
+
+ab_cpu_pool torch_pool() {
+  uint32_t n = 1;
+  if (torch_get_num_threads(&n) != AOTI_TORCH_SUCCESS || n == 0) n = 1;
+  return ab_cpu_pool{pool_parallel_for, static_cast<int>(n)};
+}
+
+// The current CUDA stream, looked up at run time: a CPU-only torch has no libtorch_cuda, and this
+// file must load there.
+void* current_cuda_stream(int32_t device_index) {
+  using getter = AOTITorchError (*)(int32_t, void**);
+  static getter fn = []() -> getter {
+    void* lib = dlopen("libtorch_cuda.so", RTLD_NOLOAD | RTLD_LAZY);
+    void* sym = lib ? dlsym(lib, "aoti_torch_get_current_cuda_stream") : nullptr;
+    if (!sym) sym = dlsym(RTLD_DEFAULT, "aoti_torch_get_current_cuda_stream");
+    return reinterpret_cast<getter>(sym);
+  }();
+  if (!fn) fail("this torch build has no CUDA support (aoti_torch_get_current_cuda_stream missing)");
+  void* stream = nullptr;
+  if (fn(device_index, &stream) != AOTI_TORCH_SUCCESS) fail("could not get the current CUDA stream");
+  return stream;
+}
+
+const ab_cuda_api* cuda_api() {
+  ab_error err{};
+  const ab_cuda_api* api = ab_cuda_load(&err);
+  if (!api) fail(err.msg);
+  return api;
+}
+
+// Reads the (seed, offset) pair that the Python layer drew from torch's generator.
+void read_seed(const Tensor& r, uint64_t& seed, uint64_t& offset) {
+  if (!r.is_cpu() || r.scalar_type() != ScalarType::Long || r.dim() != 1 || r.size(0) != 2)
+    fail("rng_state must be a CPU int64 tensor of shape (2,) holding [seed, offset]");
+  const int64_t* d = static_cast<const int64_t*>(r.data_ptr());
+  seed = static_cast<uint64_t>(d[0]);
+  offset = static_cast<uint64_t>(d[r.stride(0)]);
+}
+
+void read_rng(const std::optional<Tensor>& rng, double dropout_p, ab_attn_params& p) {
+  p.seed = p.offset = 0;
+  if (!(dropout_p > 0)) return;
+  if (!rng.has_value()) fail("dropout_p > 0 needs rng_state (an int64 tensor [seed, offset])");
+  read_seed(*rng, p.seed, p.offset);
+}
+
+// Allocation goes straight to at::empty_strided through the stable C shim: the by-name dispatcher
+// route (torch::stable::new_empty) costs microseconds per tensor, which small calls notice.
+Tensor empty_strided(const Tensor& like, const std::vector<int64_t>& sizes,
+                     const std::vector<int64_t>& strides, int32_t dtype) {
+  int32_t device_type = 0;
+  if (aoti_torch_get_device_type(like.get(), &device_type) != AOTI_TORCH_SUCCESS)
+    fail("could not read the device of an input");
+  AtenTensorHandle handle = nullptr;
+  if (aoti_torch_empty_strided(static_cast<int64_t>(sizes.size()), sizes.data(), strides.data(),
+                               dtype, device_type, like.get_device_index(),
+                               &handle) != AOTI_TORCH_SUCCESS)
+    fail("allocation failed");
+  return Tensor(handle);
+}
+
+std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t s = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    strides[d] = s;
+    s *= sizes[d] > 1 ? sizes[d] : 1;
+  }
+  return strides;
+}
+
+// Gradients take their input's layout when it is dense and non-overlapping (a transposed
+// (B, S, H, D) view gets a gradient with the same memory order), else the contiguous one.
+// attn_backends/_ops.py:grad_strides is the same rule for the fake kernels.
+std::vector<int64_t> grad_strides(const Tensor& t) {
+  const int64_t nd = t.dim();
+  std::vector<int64_t> sizes(nd), strides(nd);
+  for (int64_t d = 0; d < nd; ++d) {
+    sizes[d] = t.size(d);
+    strides[d] = t.stride(d);
+  }
+  std::vector<int64_t> order;
+  for (int64_t d = 0; d < nd; ++d)
+    if (sizes[d] != 1) order.push_back(d);
+  bool dense = t.numel() > 0;
+  // insertion sort by stride (at most 4 dims), ties keep the outer dim outer
+  for (size_t a = 1; a < order.size(); ++a)
+    for (size_t b = a; b > 0 && strides[order[b]] < strides[order[b - 1]]; --b)
+      std::swap(order[b], order[b - 1]);
+  int64_t expect = 1;
+  for (int64_t d : order) {
+    if (strides[d] != expect) dense = false;
+    expect *= sizes[d];
+  }
+  return dense ? strides : contiguous_strides(sizes);
+}
+
+std::vector<int64_t> sizes_of(const Tensor& t) {
+  std::vector<int64_t> sizes(t.dim());
+  for (int64_t d = 0; d < t.dim(); ++d) sizes[d] = t.size(d);
+  return sizes;
+}
+
+int32_t aoti_dtype(ScalarType t) {
+  switch (t) {
+    case ScalarType::Double: return aoti_torch_dtype_float64();
+    case ScalarType::Half: return aoti_torch_dtype_float16();
+    case ScalarType::BFloat16: return aoti_torch_dtype_bfloat16();
+    case ScalarType::Bool: return aoti_torch_dtype_bool();
+    default: return aoti_torch_dtype_float32();
+  }
+}
+
+int32_t lse_dtype(const Tensor& q) {
+  return q.scalar_type() == ScalarType::Double ? aoti_torch_dtype_float64()
+                                               : aoti_torch_dtype_float32();
+}
+
+// Fills shapes, the q/k/v/mask views and the options shared by forward and backward.
+ab_attn_params make_params(const Tensor& q, const Tensor& k, const Tensor& v,
+                           const std::optional<Tensor>& mask, const std::optional<Tensor>& rng,
+                           int64_t causal, double scale, int64_t wl, int64_t wr, double softcap,
+                           double dropout_p) {
+  if (q.dim() != 4 || k.dim() != 4 || v.dim() != 4)
+    fail("q, k and v must be 4-D: (B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv)");
+  ab_attn_params p{};
+  p.B = q.size(0);
+  p.Hq = q.size(1);
+  p.Sq = q.size(2);
+  p.D = q.size(3);
+  p.Hkv = k.size(1);
+  p.Sk = k.size(2);
+  p.Dv = v.size(3);
+  p.q = view_of(q, "q");
+  p.k = view_of(k, "k");
+  p.v = view_of(v, "v");
+  if (mask.has_value()) p.mask = mask_view(*mask, p.B, p.Hq, p.Sq, p.Sk);
+  p.causal = static_cast<ab_causal>(causal);
+  p.scale = scale;
+  p.window_left = wl;
+  p.window_right = wr;
+  p.softcap = softcap;
+  p.dropout_p = dropout_p;
+  read_rng(rng, dropout_p, p);
+  return p;
+}
+
+std::tuple<Tensor, Tensor> math_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    std::optional<Tensor> mask, std::optional<Tensor> rng,
+                                    int64_t causal, double scale, int64_t window_left,
+                                    int64_t window_right, double softcap, double dropout_p) {
+  ab_attn_params p = make_params(q, k, v, mask, rng, causal, scale, window_left, window_right,
+                                 softcap, dropout_p);
+  // out is laid out (B, Sq, Hq, Dv) in memory and returned as a (B, Hq, Sq, Dv) view, so the usual
+  // out.transpose(1, 2).reshape(B, Sq, Hq * Dv) that follows attention costs no copy.
+  std::vector<int64_t> out_sizes{p.B, p.Hq, p.Sq, p.Dv};
+  std::vector<int64_t> phys = contiguous_strides({p.B, p.Sq, p.Hq, p.Dv});
+  std::vector<int64_t> out_strides{phys[0], phys[2], phys[1], phys[3]};
+  Tensor out = empty_strided(q, out_sizes, out_strides, aoti_dtype(q.scalar_type()));
+  std::vector<int64_t> lse_sizes{p.B, p.Hq, p.Sq};
+  Tensor lse = empty_strided(q, lse_sizes, contiguous_strides(lse_sizes), lse_dtype(q));
+  p.out = view_of(out, "out");
+  p.lse = view_of(lse, "lse");
+  ab_error err{};
+  if (p.q.device == AB_DEVICE_CPU) {
+    ab_cpu_pool pool = torch_pool();
+    check(ab_math_cpu_fwd(&p, &pool, &err), err);
+  } else if (p.q.device == AB_DEVICE_CUDA) {
+    const ab_cuda_api* api = cuda_api();
+    torch::stable::accelerator::DeviceGuard guard(p.q.device_index);
+    check(api->math_fwd(&p, current_cuda_stream(p.q.device_index), &err), err);
+  } else {
+    fail("math_fwd has kernels for CPU and CUDA tensors only");
+  }
+  return std::make_tuple(out, lse);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> math_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, std::optional<Tensor> grad_lse, std::optional<Tensor> mask,
+    std::optional<Tensor> rng, int64_t causal, double scale, int64_t window_left,
+    int64_t window_right, double softcap, double dropout_p, bool mask_grad) {
+  ab_attn_params p = make_params(q, k, v, mask, rng, causal, scale, window_left, window_right,
+                                 softcap, dropout_p);
+  p.out = view_of(out, "out");
+  p.lse = view_of(lse, "lse");
+  p.dout = view_of(grad_out, "grad_out");
+  if (grad_lse.has_value()) p.dlse = view_of(*grad_lse, "grad_lse");
+  const int32_t dt = aoti_dtype(q.scalar_type());
+  Tensor dq = empty_strided(q, sizes_of(q), grad_strides(q), dt);
+  Tensor dk = empty_strided(k, sizes_of(k), grad_strides(k), dt);
+  Tensor dv = empty_strided(v, sizes_of(v), grad_strides(v), dt);
+  if (mask_grad && !(mask.has_value() && mask->scalar_type() != ScalarType::Bool))
+    fail("mask_grad needs a floating attn_mask");
+  std::vector<int64_t> dmask_sizes{p.B, p.Hq, p.Sq, p.Sk};
+  if (!mask_grad) dmask_sizes = {0};
+  Tensor dmask = empty_strided(q, dmask_sizes, contiguous_strides(dmask_sizes), lse_dtype(q));
+  p.dq = view_of(dq, "dq");
+  p.dk = view_of(dk, "dk");
+  p.dv = view_of(dv, "dv");
+  if (mask_grad) p.dmask = view_of(dmask, "grad_mask");
+  ab_error err{};
+  if (p.q.device == AB_DEVICE_CPU) {
+    ab_cpu_pool pool = torch_pool();
+    check(ab_math_cpu_bwd(&p, &pool, &err), err);
+  } else {
+    fail("math_bwd has a kernel for CPU tensors only (the CUDA backward is not built yet)");
+  }
+  return std::make_tuple(dq, dk, dv, dmask);
+}
+
+Tensor dropout_mask(const Tensor& rng, int64_t B, int64_t H, int64_t Sq, int64_t Sk,
+                    double dropout_p) {
+  uint64_t seed = 0, offset = 0;
+  read_seed(rng, seed, offset);
+  if (B < 0 || H < 0 || Sq < 0 || Sk < 0) fail("dropout_mask sizes must be non-negative");
+  std::vector<int64_t> shape{B, H, Sq, Sk};
+  Tensor keep = empty_strided(rng, shape, contiguous_strides(shape), aoti_torch_dtype_bool());
+  ab_cpu_pool pool = torch_pool();
+  ab_error err{};
+  check(ab_dropout_mask_cpu(seed, offset, dropout_p, B, H, Sq, Sk,
+                            static_cast<uint8_t*>(keep.numel() ? keep.data_ptr() : nullptr), &pool,
+                            &err),
+        err);
+  return keep;
+}
+
+}  // namespace
+
+extern "C" ab_shim_info ab_shim_info_get(void) {
+  return ab_shim_info{static_cast<uint64_t>(TORCH_FEATURE_VERSION),
+                      static_cast<uint64_t>(TORCH_ABI_VERSION)};
+}
+
+STABLE_TORCH_LIBRARY(attn_backends, m) {
+  m.def(
+      "math_fwd(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? rng_state, int causal, "
+      "float scale, int window_left, int window_right, float softcap, float dropout_p) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "math_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor? grad_lse, Tensor? attn_mask, Tensor? rng_state, int causal, float scale, "
+      "int window_left, int window_right, float softcap, float dropout_p, bool mask_grad) "
+      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
+  m.def("dropout_mask(Tensor rng_state, int B, int H, int Sq, int Sk, float dropout_p) -> Tensor");
+}
+
+STABLE_TORCH_LIBRARY_IMPL(attn_backends, CPU, m) {
+  m.impl("math_fwd", TORCH_BOX(&math_fwd));
+  m.impl("math_bwd", TORCH_BOX(&math_bwd));
+  m.impl("dropout_mask", TORCH_BOX(&dropout_mask));
+}
+
+STABLE_TORCH_LIBRARY_IMPL(attn_backends, CUDA, m) {
+  m.impl("math_fwd", TORCH_BOX(&math_fwd));
+  m.impl("math_bwd", TORCH_BOX(&math_bwd));
+}

@@ -1,0 +1,187 @@
+"""Build of attn_backends: one abi3 extension module plus an optional CUDA library.
+
+    pip install --no-build-isolation -e .     # torch must already be installed (see README.md)
+
+What gets built:
+  attn_backends/_C.abi3.so   C11 core + the C++ torch shim (LibTorch stable ABI, target 2.10),
+                             CPython limited API (3.10+).  Loading it registers the torch ops.
+  attn_backends/libattn_backends_cuda.so
+                             CUDA kernels (static cudart), built when nvcc is found; loaded by the
+                             core the first time a CUDA tensor arrives.
+
+Environment:
+  ATTN_BACKENDS_CUDA=0            skip the CUDA library even if nvcc is found
+  ATTN_BACKENDS_CUDA_ARCHS=...    targets, e.g. "80" or "80+PTX;90a" (default "80+PTX;86;89;90a");
+                                  "+PTX" also embeds PTX for that arch, so newer GPUs can JIT it
+  ATTN_BACKENDS_NVCC_THREADS=N    parallel nvcc jobs (default: CPU count)
+  CUDA_HOME                       where to look for bin/nvcc (else PATH)
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+TORCH_TARGET_VERSION = "0x020a000000000000"  # 2.10: the oldest torch one build must run on
+PY_LIMITED_API = "0x030A0000"  # CPython 3.10
+DEFAULT_ARCHS = "80+PTX;86;89;90a"
+
+C_FLAGS = ["-std=c11", "-O3", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+CXX_FLAGS = ["-std=c++17", "-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"]
+
+
+def torch_paths():
+    import torch  # imported here so `setup.py --help` works without torch
+
+    base = Path(torch.__file__).resolve().parent
+    return str(base / "include"), str(base / "lib")
+
+
+def find_nvcc():
+    if os.environ.get("ATTN_BACKENDS_CUDA", "1") == "0":
+        return None
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (Path(home) / "bin" / "nvcc").exists():
+        return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def parse_archs(spec):
+    """'80+PTX;90a' -> (['80', '90a'], ['80']): cubin targets and PTX targets."""
+    cubins, ptx = [], []
+    for tok in re.split(r"[;,\s]+", spec.strip()):
+        if not tok:
+            continue
+        tok = tok.replace(".", "").lower()
+        with_ptx = tok.endswith("+ptx")
+        arch = tok[:-4] if with_ptx else tok
+        if not re.fullmatch(r"\d{2,3}a?", arch):
+            raise SystemExit(f"ATTN_BACKENDS_CUDA_ARCHS: cannot parse {tok!r} (expected e.g. 80, 90a, 80+PTX)")
+        cubins.append(arch)
+        if with_ptx:
+            ptx.append(arch)
+    if not cubins:
+        raise SystemExit("ATTN_BACKENDS_CUDA_ARCHS is empty; use ATTN_BACKENDS_CUDA=0 to skip CUDA")
+    return cubins, ptx
+
+
+class BuildExt(build_ext):
+    """Compiles .c and .cpp with their own flags, then the CUDA library when nvcc is present."""
+
+    def build_extensions(self):
+        self.nvcc = find_nvcc()
+        self.archs = parse_archs(os.environ.get("ATTN_BACKENDS_CUDA_ARCHS", DEFAULT_ARCHS)) if self.nvcc else ([], [])
+        arch_str = " ".join([f"sm_{a}" for a in self.archs[0]] + [f"compute_{a}" for a in self.archs[1]])
+        for ext in self.extensions:
+            ext.define_macros.append(("AB_CUDA_ARCHS", f'"{arch_str}"'))
+        compiler = self.compiler
+        original = compiler._compile
+
+        def _compile(obj, src, ext, cc_args, extra_postargs, pp_opts):
+            flags = CXX_FLAGS if src.endswith(".cpp") else C_FLAGS
+            return original(obj, src, ext, cc_args, list(extra_postargs) + flags, pp_opts)
+
+        compiler._compile = _compile
+        if "-Wstrict-prototypes" in compiler.compiler_so:
+            compiler.compiler_so.remove("-Wstrict-prototypes")
+        super().build_extensions()
+        out_dir = Path(self.get_ext_fullpath("attn_backends._C")).parent
+        lib = out_dir / "libattn_backends_cuda.so"
+        if self.nvcc:
+            self.build_cuda_library(lib, arch_str)
+        elif lib.exists():
+            lib.unlink()  # a stale library from an earlier build must not be picked up
+
+    def build_cuda_library(self, lib, arch_str):
+        cubins, ptx = self.archs
+        gencode = []
+        for a in cubins:
+            gencode += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        for a in ptx:
+            gencode += ["-gencode", f"arch=compute_{a},code=compute_{a}"]
+        sms = ",".join(str(int(re.sub("a$", "", a))) for a in cubins)
+        ptx_sm = min((int(re.sub("a$", "", a)) for a in ptx), default=0)
+        build = Path(self.build_temp) / "cuda"
+        build.mkdir(parents=True, exist_ok=True)
+        # the build facts go through a generated header: nvcc splits -D values at commas and spaces
+        (build / "ab_cuda_config.h").write_text(
+            "/* generated by setup.py */\n"
+            f'#define AB_CUDA_ARCHS "{arch_str}"\n'
+            f"#define AB_CUDA_SM_LIST {sms}\n"
+            f"#define AB_CUDA_PTX_SM {ptx_sm}\n"
+        )
+        common = ["-O3", "-std=c++17", f"-I{CSRC}", f"-I{build}", "-Xcompiler", "-fPIC,-fvisibility=hidden"]
+        jobs = []
+        for src in sorted((CSRC / "cuda").glob("*.cu")):
+            obj = build / (src.stem + ".o")
+            jobs.append([self.nvcc, *common, *gencode, "-c", str(src), "-o", str(obj)])
+        # the core's parameter checks and error formatting, shared with the C module
+        params_obj = build / "ab_params.o"
+        jobs.append(["gcc", *C_FLAGS, "-fPIC", f"-I{CSRC}", "-c", str(CSRC / "ab_params.c"), "-o", str(params_obj)])
+        threads = int(os.environ.get("ATTN_BACKENDS_NVCC_THREADS", os.cpu_count() or 1))
+        print(f"attn_backends: building the CUDA library for {arch_str} with {self.nvcc}", flush=True)
+        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+            results = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), jobs))
+        for cmd, res in zip(jobs, results):
+            if res.returncode != 0:
+                sys.stderr.write(res.stdout + res.stderr)
+                raise SystemExit(f"attn_backends: CUDA build failed: {' '.join(cmd)}")
+        objs = [j[-1] for j in jobs]
+        link = [self.nvcc, "-shared", "-cudart", "static", *gencode, "-o", str(lib), *objs,
+                "-Xlinker", "--exclude-libs,ALL", "-lrt", "-ldl", "-lpthread"]
+        res = subprocess.run(link, capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.stderr.write(res.stdout + res.stderr)
+            raise SystemExit("attn_backends: linking the CUDA library failed")
+
+    def copy_extensions_to_source(self):
+        # --inplace and editable installs: the CUDA library travels with the module it sits beside
+        super().copy_extensions_to_source()
+        built = Path(self.build_lib) / "attn_backends" / "libattn_backends_cuda.so"
+        package_dir = Path(self.get_finalized_command("build_py").get_package_dir("attn_backends"))
+        target = package_dir / built.name
+        if built.exists():
+            shutil.copyfile(built, target)
+        elif target.exists():
+            target.unlink()
+
+    def get_outputs(self):
+        outputs = super().get_outputs()
+        if getattr(self, "nvcc", None):
+            outputs.append(str(Path(self.get_ext_fullpath("attn_backends._C")).parent / "libattn_backends_cuda.so"))
+        return outputs
+
+
+def extensions():
+    torch_include, torch_lib = torch_paths()
+    sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.c"))
+    sources += sorted(str(p.relative_to(ROOT)) for p in (CSRC / "cpu").glob("*.c"))
+    sources += ["csrc/torch_shim.cpp"]
+    return [
+        Extension(
+            "attn_backends._C",
+            sources=sources,
+            include_dirs=[str(CSRC), torch_include],
+            define_macros=[("Py_LIMITED_API", PY_LIMITED_API), ("TORCH_TARGET_VERSION", TORCH_TARGET_VERSION)],
+            library_dirs=[torch_lib],
+            libraries=["torch_cpu"],
+            extra_link_args=["-ldl", "-lpthread"],
+            language="c++",
+            py_limited_api=True,
+        )
+    ]
+
+
+setup(
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildExt},
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
+)

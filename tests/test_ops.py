@@ -1,0 +1,135 @@
+"""The torch integration: ops pass torch.library.opcheck, torch.compile(fullgraph=True) traces
+forward and backward with no graph break, the package imports on a CPU-only torch without
+touching CUDA, and `python -m attn_backends` reports the environment."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import attn_backends as ab
+from attn_backends import _dispatch
+
+ops = torch.ops.attn_backends
+
+
+def _inputs(requires_grad=True, dtype=torch.float32):
+    q = torch.randn(2, 4, 9, 16, dtype=dtype, requires_grad=requires_grad)
+    k = torch.randn(2, 2, 11, 16, dtype=dtype, requires_grad=requires_grad)
+    v = torch.randn(2, 2, 11, 8, dtype=dtype, requires_grad=requires_grad)
+    return q, k, v
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["plain", "causal_softcap_window", "float_mask_grad", "bool_mask_dropout", "float64"],
+)
+def test_opcheck_forward(variant):
+    q, k, v = _inputs(dtype=torch.float64 if variant == "float64" else torch.float32)
+    rng = _dispatch.draw_rng_state()
+    args = {
+        "plain": (q, k, v, None, None, 0, 0.25, -1, -1, 0.0, 0.0),
+        "causal_softcap_window": (q, k, v, None, None, 2, 0.25, 3, 1, 5.0, 0.0),
+        "float_mask_grad": (q, k, v, torch.randn(1, 4, 9, 11, requires_grad=True), None, 1, 0.25, -1, -1, 0.0, 0.0),
+        "bool_mask_dropout": (q, k, v, torch.rand(2, 1, 9, 11) > 0.2, rng, 0, 0.25, -1, -1, 0.0, 0.3),
+        "float64": (q, k, v, None, rng, 1, 0.25, -1, -1, 0.0, 0.2),
+    }[variant]
+    torch.library.opcheck(ops.math_fwd.default, args)
+
+
+def test_opcheck_backward_and_dropout_mask():
+    q, k, v = _inputs(requires_grad=False)
+    mask = torch.randn(9, 11)
+    out, lse = ops.math_fwd(q, k, v, mask, None, 1, 0.25, -1, -1, 0.0, 0.0)
+    dout = torch.randn_like(out)
+    torch.library.opcheck(ops.math_bwd.default,
+                          (dout, q, k, v, out, lse, torch.randn_like(lse), mask, None, 1, 0.25, -1, -1, 0.0, 0.0, True))
+    torch.library.opcheck(ops.dropout_mask.default, (_dispatch.draw_rng_state(), 2, 3, 5, 7, 0.3))
+
+
+def _grads(fn, q, k, v, **kw):
+    out = fn(q, k, v, **kw)
+    g = torch.autograd.grad(out.square().sum(), (q, k, v))
+    return out.detach(), g
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_forward_and_backward(backend):
+    torch._dynamo.reset()
+    q, k, v = _inputs()
+
+    def f(q, k, v):
+        return ab.attention(q, k, v, causal="bottom_right", softcap=3.0, window=(4, -1))
+
+    compiled = torch.compile(f, fullgraph=True, backend=backend)
+    out_c, g_c = _grads(compiled, q, k, v)
+    out_e, g_e = _grads(f, q, k, v)
+    torch.testing.assert_close(out_c, out_e)
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b)
+
+
+def test_compile_fullgraph_with_mask_grad_dropout_and_lse():
+    torch._dynamo.reset()
+    q, k, v = _inputs()
+    bias = torch.randn(1, 4, 9, 11, requires_grad=True)
+
+    def f(q, k, v, bias):
+        out, lse = ab.attention(q, k, v, attn_mask=bias, dropout_p=0.2, return_lse=True)
+        return out.square().sum() + lse.sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v, bias)
+    grads = torch.autograd.grad(loss, (q, k, v, bias))
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+    assert grads[3].shape == bias.shape
+
+
+def test_compile_dynamic_shapes_and_no_grad():
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v: ab.attention(q, k, v, causal=True), fullgraph=True,
+                             backend="aot_eager", dynamic=True)
+    for S in (5, 9, 17):
+        q = torch.randn(1, 2, S, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(q, q, q), ab.attention(q, q, q, causal=True))
+
+
+def test_import_touches_no_cuda():
+    code = (
+        "import attn_backends as ab, torch\n"
+        "q = torch.randn(1, 1, 4, 8)\n"
+        "ab.attention(q, q, q)\n"
+        "maps = open('/proc/self/maps').read()\n"
+        "assert 'libattn_backends_cuda' not in maps, 'CUDA library loaded'\n"
+        "assert 'libcuda.so' not in maps, 'CUDA driver loaded'\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr
+    assert "ok" in res.stdout
+
+
+def test_report_lists_versions_devices_features_and_backends():
+    res = subprocess.run([sys.executable, "-m", "attn_backends"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    text = res.stdout
+    for needle in ("attn_backends", "torch", "python", "torch stable ABI", "target 2.10", "devices", "cpu",
+                   "cpu features", "backends"):
+        assert needle in text
+    for name in ab._names.CANONICAL:
+        assert f"  {name} " in text
+    assert "math" in text and "available" in text
+
+
+def test_build_info_and_cpu_features():
+    info = ab._C.build_info()
+    assert info["version"] == ab.__version__
+    assert info["torch_target_version"] == "2.10"
+    feats = ab._C.cpu_features()
+    assert isinstance(feats["avx2"], bool)
+    if feats["avx512f"]:
+        assert feats["avx2"], "AVX-512 without AVX2 means the OS-support check is wrong"

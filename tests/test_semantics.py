@@ -1,0 +1,307 @@
+"""Semantics every backend shares (docs/semantics.md), checked on the math backend on CPU: fully
+masked rows, empty shapes, lse and its gradient, float-mask gradients, dropout replay and
+reproducibility, gradcheck in float64, layouts, determinism, inputs never modified."""
+
+import math
+
+import pytest
+import torch
+
+import attn_backends as ab
+from attn_backends import _dispatch
+from attn_backends._testing import Case, check_2x, make_inputs, reference_attention
+
+ops = torch.ops.attn_backends
+
+
+def attn(q, k, v, **kw):
+    kw.setdefault("backend", "math")
+    return ab.attention(q, k, v, **kw)
+
+
+# ---- fully masked rows -------------------------------------------------------------------------
+
+def _dead_row_setups(B, H, Sq, Sk):
+    bool_mask = torch.rand(B, H, Sq, Sk) > 0.5
+    bool_mask[..., 0] = True  # every other row keeps a visible key
+    bool_mask[:, :, 1] = False
+    float_mask = torch.randn(B, H, Sq, Sk)
+    float_mask[:, :, 1] = -math.inf
+    return {
+        "bool": (dict(attn_mask=bool_mask), [1]),
+        "float": (dict(attn_mask=float_mask), [1]),
+        # Sq > Sk with bottom-right causal: the first Sq - Sk queries see no key
+        "bottom_right": (dict(causal="bottom_right"), list(range(Sq - Sk))),
+    }
+
+
+@pytest.mark.parametrize("kind", ["bool", "float", "bottom_right"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_zero_grad(kind, dtype):
+    B, H, Sq, Sk, D = 2, 3, 9, 5, 16
+    opts, dead = _dead_row_setups(B, H, Sq, Sk)[kind]
+    q, k, v = (torch.randn(B, H, s, D, dtype=dtype, requires_grad=True) for s in (Sq, Sk, Sk))
+    out, lse = attn(q, k, v, return_lse=True, **opts)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert torch.all(out[:, :, dead] == 0)
+    assert torch.all(lse[:, :, dead] == -math.inf)
+    live = [i for i in range(Sq) if i not in dead]
+    assert torch.isfinite(lse[:, :, live]).all()
+    (out.float().square().sum() + lse[:, :, live].sum()).backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.all(q.grad[:, :, dead] == 0)
+
+
+def test_window_past_the_last_key_masks_rows():
+    q = torch.randn(1, 1, 4, 8)
+    k = torch.randn(1, 1, 2, 8)
+    out, lse = attn(q, k, k, window=(0, 0), return_lse=True)  # query i sees only key i
+    assert torch.all(out[:, :, 2:] == 0) and torch.all(lse[:, :, 2:] == -math.inf)
+    assert torch.isfinite(lse[:, :, :2]).all()
+
+
+# ---- empty shapes ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(B=0, Hq=2, Hkv=2, Sq=3, Sk=4),
+        dict(B=2, Hq=0, Hkv=0, Sq=3, Sk=4),
+        dict(B=2, Hq=2, Hkv=1, Sq=0, Sk=4),
+        dict(B=2, Hq=2, Hkv=1, Sq=3, Sk=0),
+    ],
+    ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()),
+)
+def test_empty_shapes(shape):
+    B, Hq, Hkv, Sq, Sk, D, Dv = shape["B"], shape["Hq"], shape["Hkv"], shape["Sq"], shape["Sk"], 8, 6
+    q = torch.randn(B, Hq, Sq, D, requires_grad=True)
+    k = torch.randn(B, Hkv, Sk, D, requires_grad=True)
+    v = torch.randn(B, Hkv, Sk, Dv, requires_grad=True)
+    out, lse = attn(q, k, v, return_lse=True)
+    assert out.shape == (B, Hq, Sq, Dv) and lse.shape == (B, Hq, Sq)
+    if Sk == 0:
+        assert torch.all(out == 0) and torch.all(lse == -math.inf)
+    out.sum().backward()
+    assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
+    assert torch.all(q.grad == 0)
+
+
+# ---- lse ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gradient_through_lse(dtype, gen):
+    case = Case(B=2, Hq=4, Hkv=2, Sq=13, Sk=21, D=24, dtype=dtype, causal="bottom_right", mask="bool_rows")
+    q, k, v, mask = make_inputs(case, requires_grad=True, generator=gen)
+    out, lse = attn(q, k, v, causal=case.causal, attn_mask=mask, return_lse=True)
+    w = torch.randn(lse.shape, generator=gen, dtype=dtype)
+    live = torch.isfinite(lse)
+
+    def loss(o, l):
+        return o.square().sum() + torch.where(live, l * w.to(l.dtype), torch.zeros_like(l)).sum()
+
+    ours = torch.autograd.grad(loss(out, lse), (q, k, v))
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    r_out, r_lse = reference_attention(*leaves64, causal=case.causal, attn_mask=mask)
+    ref = torch.autograd.grad(loss(r_out, r_lse), leaves64)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    d_out, d_lse = reference_attention(*leaves, causal=case.causal, attn_mask=mask, dtype=dtype)
+    same = torch.autograd.grad(loss(d_out, d_lse), leaves)
+    for name, a, r, s in zip(("dq", "dk", "dv"), ours, ref, same):
+        check_2x(name, a, r, s, 3, dtype)
+
+
+def test_lse_dtype_is_float32_or_float64():
+    for dtype, want in [(torch.float16, torch.float32), (torch.bfloat16, torch.float32),
+                        (torch.float32, torch.float32), (torch.float64, torch.float64)]:
+        q = torch.randn(1, 2, 3, 8, dtype=dtype)
+        _, lse = attn(q, q, q, return_lse=True)
+        assert lse.dtype == want
+
+
+# ---- float mask gradients ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("mask_shape", [(2, 4, 7, 11), (1, 4, 7, 11), (7, 11), (2, 1, 1, 11)])
+def test_float_mask_gradient(mask_shape, gen):
+    q = torch.randn(2, 4, 7, 16, generator=gen, requires_grad=True)
+    k = torch.randn(2, 2, 11, 16, generator=gen, requires_grad=True)
+    v = torch.randn(2, 2, 11, 16, generator=gen, requires_grad=True)
+    bias = torch.randn(mask_shape, generator=gen, requires_grad=True)
+    out = attn(q, k, v, attn_mask=bias, causal=True, softcap=4.0)
+    g = torch.randn(out.shape, generator=gen)
+    ours = torch.autograd.grad(out, (q, k, v, bias), g)
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    r_out, _ = reference_attention(*leaves64[:3], attn_mask=leaves64[3], causal=True, softcap=4.0)
+    ref = torch.autograd.grad(r_out, leaves64, g.double())
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+    d_out, _ = reference_attention(*leaves[:3], attn_mask=leaves[3], causal=True, softcap=4.0, dtype=torch.float32)
+    same = torch.autograd.grad(d_out, leaves, g)
+    for name, a, r, s in zip(("dq", "dk", "dv", "dmask"), ours, ref, same):
+        check_2x(name, a, r, s, 3, torch.float32)
+    assert ours[3].shape == bias.shape
+
+
+# ---- dropout -----------------------------------------------------------------------------------
+
+def _keep_mask_for_next_call(seed, B, H, Sq, Sk, p):
+    """The keep-mask the next attention call will draw after torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    rng = _dispatch.draw_rng_state()
+    return ops.dropout_mask(rng, B, H, Sq, Sk, p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_output_and_gradients_replay_the_same_mask(dtype, p, gen):
+    case = Case(B=2, Hq=4, Hkv=2, Sq=19, Sk=37, D=24, dtype=dtype, causal=True, mask="float_rows")
+    q, k, v, mask = make_inputs(case, requires_grad=True, generator=gen)
+    keep = _keep_mask_for_next_call(1234, case.B, case.Hq, case.Sq, case.Sk, p)
+    torch.manual_seed(1234)
+    out = attn(q, k, v, causal=True, attn_mask=mask, dropout_p=p)
+    g = torch.randn(out.shape, generator=gen, dtype=torch.float32).to(dtype)
+    ours = torch.autograd.grad(out, (q, k, v), g)
+    opts = dict(causal=True, attn_mask=mask, keep=keep, dropout_p=p)
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    r_out, _ = reference_attention(*leaves64, **opts)
+    ref = torch.autograd.grad(r_out, leaves64, g.double())
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    d_out, _ = reference_attention(*leaves, dtype=dtype, **opts)
+    same = torch.autograd.grad(d_out, leaves, g)
+    check_2x("out", out, r_out, d_out, 2, dtype)
+    for name, a, r, s in zip(("dq", "dk", "dv"), ours, ref, same):
+        check_2x(name, a, r, s, 3, dtype)
+
+
+def test_dropout_is_reproducible_under_manual_seed():
+    q, k, v = (torch.randn(2, 2, 33, 16) for _ in range(3))
+    torch.manual_seed(7)
+    a = attn(q, k, v, dropout_p=0.3)
+    torch.manual_seed(7)
+    b = attn(q, k, v, dropout_p=0.3)
+    c = attn(q, k, v, dropout_p=0.3)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_dropout_keep_fraction_matches_p():
+    n_rows, Sk = 512, 509  # Sk not a multiple of 4: every word position of the Philox block is used
+    for p in (0.1, 0.3, 0.9):
+        keep = ops.dropout_mask(_dispatch.draw_rng_state(), 1, 1, n_rows, Sk, p)
+        n = keep.numel()
+        frac = keep.double().mean().item()
+        sigma = math.sqrt(p * (1 - p) / n)
+        assert abs(frac - (1 - p)) < 6 * sigma, (p, frac)
+        # no structure along keys or rows: per-column keep rates stay within a loose band
+        cols = keep.double().mean(dim=(0, 1, 2))
+        assert (cols - (1 - p)).abs().max() < 6 * math.sqrt(p * (1 - p) / n_rows)
+
+
+def test_dropout_keeps_expectation():
+    # E[out] over dropout masks equals the output without dropout
+    q, k, v = (torch.randn(1, 1, 4, 8, dtype=torch.float64) for _ in range(3))
+    ref = attn(q, k, v)
+    acc = torch.zeros_like(ref)
+    n = 4000
+    for _ in range(n):
+        acc += attn(q, k, v, dropout_p=0.5)
+    assert (acc / n - ref).abs().max() < 0.1
+
+
+def test_dropout_zero_is_exactly_no_dropout():
+    q, k, v = (torch.randn(2, 2, 9, 8) for _ in range(3))
+    assert torch.equal(attn(q, k, v, dropout_p=0.0), attn(q, k, v))
+
+
+# ---- gradcheck ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        dict(causal=True),
+        dict(causal="bottom_right", window=(2, 1)),
+        dict(softcap=3.0, mask="float"),
+        dict(mask="bool"),
+        dict(dropout_p=0.3),
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "plain",
+)
+def test_gradcheck_float64(opts):
+    opts = dict(opts)
+    B, Hq, Hkv, Sq, Sk, D, Dv = 1, 2, 1, 5, 7, 4, 3
+    q = torch.randn(B, Hq, Sq, D, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(B, Hkv, Sk, D, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(B, Hkv, Sk, Dv, dtype=torch.float64, requires_grad=True)
+    inputs = [q, k, v]
+    kind = opts.pop("mask", None)
+    if kind == "float":
+        inputs.append(torch.randn(1, Hq, Sq, Sk, dtype=torch.float64, requires_grad=True))
+    elif kind == "bool":
+        m = torch.rand(B, 1, Sq, Sk) > 0.4
+        m[..., 0] = True
+        opts["attn_mask"] = m
+
+    def f(*args):
+        if len(args) == 4:
+            opts["attn_mask"] = args[3]
+        torch.manual_seed(0)  # the same dropout mask on every evaluation
+        out, lse = attn(*args[:3], return_lse=True, **opts)
+        return out, lse
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-6)
+
+
+# ---- layouts, determinism, no mutation ---------------------------------------------------------
+
+def test_output_is_laid_out_b_s_h_d():
+    q = torch.randn(2, 4, 5, 8)
+    out = attn(q, q, q)
+    assert out.shape == (2, 4, 5, 8)
+    assert out.transpose(1, 2).is_contiguous()
+
+
+def test_gradients_follow_input_layout():
+    x = torch.randn(2, 5, 4, 8, requires_grad=True)  # (B, S, H, D) projection output
+    q = x.transpose(1, 2)
+    kv = torch.randn(2, 4, 6, 8, requires_grad=True)
+    out = attn(q, kv, kv)
+    dq, dkv = torch.autograd.grad(out.sum(), (q, kv))
+    assert dq.stride() == q.stride()
+    assert dkv.stride() == kv.stride()
+
+
+def test_non_contiguous_mask(gen):
+    case = Case(B=2, Hq=2, Hkv=2, Sq=6, Sk=6, D=8)
+    q, k, v, _ = make_inputs(case, generator=gen)
+    m = torch.rand(2, 2, 6, 6, generator=gen) > 0.3
+    out = attn(q, k, v, attn_mask=m.transpose(-1, -2))
+    ref, _ = reference_attention(q, k, v, attn_mask=m.transpose(-1, -2).contiguous())
+    assert (out.double() - ref).abs().max() < 1e-5
+
+
+def test_results_do_not_depend_on_thread_count():
+    case = Case(B=2, Hq=8, Hkv=2, Sq=130, Sk=70, D=32, causal=True)
+    q, k, v, _ = make_inputs(case, requires_grad=True)
+    results = []
+    n = torch.get_num_threads()
+    try:
+        for threads in (1, max(2, n)):
+            torch.set_num_threads(threads)
+            out = attn(q, k, v, causal=True)
+            grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+            results.append((out.detach(), *grads))
+    finally:
+        torch.set_num_threads(n)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_inputs_are_never_modified(gen):
+    case = Case(B=2, Hq=4, Hkv=2, Sq=11, Sk=11, D=16, mask="float_rows", layout="bshd")
+    q, k, v, mask = make_inputs(case, requires_grad=True, generator=gen)
+    mask.requires_grad_(True)
+    before = [t.detach().clone() for t in (q, k, v, mask)]
+    out, lse = attn(q, k, v, attn_mask=mask, causal=True, softcap=2.0, dropout_p=0.2, return_lse=True)
+    (out.sum() + lse[torch.isfinite(lse)].sum()).backward()
+    for a, b in zip(before, (q, k, v, mask)):
+        assert torch.equal(a, b.detach())
