@@ -1,0 +1,96 @@
+"""Per-call cost: ab.attention vs F.scaled_dot_product_attention on tiny CPU shapes.
+
+At B=1 H=1 S=16 D=64 the arithmetic is a few thousand multiply-adds, so the time is mostly what a
+call costs: argument checks, planning, the dispatcher, allocation, autograd bookkeeping.  Both are
+timed side by side, interleaved round by round, and the table shows medians and the ratio
+(target: ours <= 1.5x torch's, forward and forward+backward).
+
+    python benchmarks/bench_overhead.py [--rounds 40] [--json benchmarks/results/overhead.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch.utils import benchmark
+
+import attn_backends as ab
+
+
+def make_calls(B, H, S, D, dtype, backend):
+    q, k, v = (torch.randn(B, H, S, D, dtype=dtype) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+    def ours_fwd():
+        ab.attention(q, k, v, backend=backend)
+
+    def torch_fwd():
+        F.scaled_dot_product_attention(q, k, v)
+
+    def ours_fwd_bwd():
+        ab.attention(qg, kg, vg, backend=backend).sum().backward()
+
+    def torch_fwd_bwd():
+        F.scaled_dot_product_attention(qg, kg, vg).sum().backward()
+
+    return {
+        "forward": (ours_fwd, torch_fwd),
+        "forward+backward": (ours_fwd_bwd, torch_fwd_bwd),
+    }
+
+
+def interleaved(fns, rounds, number):
+    """Median seconds per call of each fn, alternating fns every round so drift hits all alike."""
+    timers = [benchmark.Timer("fn()", globals={"fn": fn}) for fn in fns]
+    for t in timers:
+        t.timeit(number)  # warm-up
+    samples = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, t in enumerate(timers):
+            samples[i].append(t.timeit(number).median)
+    return [statistics.median(s) for s in samples]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="1,1,16,64", help="B,H,S,D")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--number", type=int, default=200, help="calls per timing sample")
+    ap.add_argument("--json", default=None, help="write results here")
+    args = ap.parse_args(argv)
+    B, H, S, D = (int(x) for x in args.shape.split(","))
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    print(f"per-call cost, B={B} H={H} S={S} D={D} {args.dtype}, backend={args.backend!r}, "
+          f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds")
+    print(f"{'pass':<18}{'ours us':>10}{'torch us':>10}{'ratio':>8}")
+    for name, (ours, theirs) in make_calls(B, H, S, D, dtype, args.backend).items():
+        t_ours, t_torch = interleaved([ours, theirs], args.rounds, args.number)
+        ratio = t_ours / t_torch
+        rows.append(dict(pass_=name, ours_us=t_ours * 1e6, torch_us=t_torch * 1e6, ratio=ratio))
+        print(f"{name:<18}{t_ours * 1e6:>10.1f}{t_torch * 1e6:>10.1f}{ratio:>8.2f}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(dict(
+                benchmark="overhead", date=time.strftime("%Y-%m-%d"), command=" ".join([sys.executable] + sys.argv),
+                machine=platform.processor() or platform.machine(), cpu=ab._C.cpu_features()["brand"].strip(),
+                threads=torch.get_num_threads(), torch=torch.__version__, attn_backends=ab.__version__,
+                shape=dict(B=B, H=H, S=S, D=D), dtype=args.dtype, backend=args.backend,
+                results=[{("pass" if k == "pass_" else k): v for k, v in r.items()} for r in rows],
+            ), f, indent=2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
