@@ -9,17 +9,19 @@ Semantics shared by every backend: docs/semantics.md.  Architecture: docs/archit
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+import contextlib
+from typing import Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch  # loads libtorch before our module registers its ops
 
 from . import _C, _ops  # noqa: F401  (registers ops, fake kernels, autograd)
-from . import _dispatch
+from . import _dispatch, _planner, _report
 from ._names import resolve as _resolve
+from ._planner import Plan
 
 __version__ = _C.__version__
 
-__all__ = ["attention", "resolve", "__version__"]
+__all__ = ["attention", "resolve", "backends", "explain", "use", "Plan", "BackendInfo", "__version__"]
 
 Causal = Union[bool, str]
 
@@ -46,7 +48,10 @@ def attention(
         k: (B, Hkv, Sk, D) keys; Hq must be a multiple of Hkv (GQA / MQA).
         v: (B, Hkv, Sk, Dv) values.
         backend: any accepted name (``"auto"``, ``"flash"``, ``"flash_attention_2"``, ``"math"``, ...),
-            case-insensitive.  An unknown name raises ValueError listing the valid ones.
+            case-insensitive.  ``"auto"`` means the ``use(...)`` context's backend, else
+            ATTN_BACKENDS_BACKEND, else the planner's choice.  A named backend that cannot serve the
+            call falls back along its chain with one warning (``explain`` shows the plan).  An
+            unknown name raises ValueError listing the valid ones.
         causal: False, True (== "top_left": query i sees keys j <= i) or "bottom_right"
             (query i sees keys j <= i + Sk - Sq, the KV-cache convention).
         attn_mask: bool (True = may attend) or float (added to the scores), broadcastable to
@@ -59,7 +64,8 @@ def attention(
         softcap: > 0 applies softcap * tanh(score / softcap) before the mask and softmax.
         return_lse: also return lse (B, Hq, Sq), the natural log of the softmax denominator
             (float32; float64 for float64 inputs).  Rows with no visible key have lse = -inf.
-        strict: raise instead of falling back when the named backend cannot serve the call.
+        strict: raise instead of falling back when the named backend cannot serve the call
+            (also ATTN_BACKENDS_STRICT=1); the error lists every backend and why not.
 
     Returns:
         out (B, Hq, Sq, Dv) in q's dtype, or (out, lse) with return_lse=True.  A query row with no
@@ -67,6 +73,47 @@ def attention(
     """
     return _dispatch.attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap,
                                return_lse, strict)
+
+
+class BackendInfo(NamedTuple):
+    """One row of ``backends()``."""
+
+    name: str
+    aliases: Tuple[str, ...]
+    kind: str  # "planner", "bundled" (our kernels), "torch" (SDPA, FlexAttention), "external" (a package)
+    available: bool  # can run on a device this machine has
+    why_not: str  # "" when available
+    devices: Tuple[str, ...]  # device types it has a kernel or route for
+    lossy: bool
+    supports_backward: bool
+
+
+def backends() -> List[BackendInfo]:
+    """Every backend the library knows, in registry order, with whether it can run here and why not."""
+    return [BackendInfo(*row) for row in _report.backend_rows()]
+
+
+def explain(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> Plan:
+    """The plan for ``attention(q, k, v, **kwargs)`` without running it: the backend that would
+    serve the call, the candidates tried, and for every backend why it cannot.  ``print()`` it for
+    a table.  Takes the keyword arguments of ``attention``."""
+    return _dispatch.explain(q, k, v, **kwargs)
+
+
+@contextlib.contextmanager
+def use(backend: str) -> Iterator[str]:
+    """Default backend for calls made in this context (``backend="auto"`` or left out).
+
+    Context-local (contextvars): safe across threads and asyncio tasks; nests.  An explicit
+    ``backend=`` argument still wins.  Under torch.compile the backend is fixed when the graph is
+    traced.  Outside any ``use``, the default is ATTN_BACKENDS_BACKEND, else "auto".
+    """
+    name = _resolve(backend)
+    token = _planner._context_backend.set(name)
+    try:
+        yield name
+    finally:
+        _planner._context_backend.reset(token)
 
 
 def resolve(name: str) -> str:

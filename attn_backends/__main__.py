@@ -1,5 +1,5 @@
-"""python -m attn_backends: the environment and backend report."""
+"""python -m attn_backends: the environment and backend report (--matrix, --names: markdown)."""
 
-from ._report import report
+from ._report import main
 
-print(report())
+main()

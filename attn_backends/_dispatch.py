@@ -1,124 +1,115 @@
-"""From a validated call to a kernel: pick the backend, draw the dropout seed, run it.
-
-This is the issue-2 planner: the math kernel wherever we have one (CPU; CUDA forward), the eager
-composite elsewhere.  Named backends that are not built yet fall back to math with one warning.
+"""From a call to a kernel: validate, describe the call for the planner, run the chosen backend.
 
 Per-call cost matters (benchmarks/bench_overhead.py): the common path validates with one
-expression, caches the plan per (name, device type, grad, strict), and calls the op below the
-autograd layer when no gradient is needed, so the Python autograd wrapper is paid only in training.
+expression, builds the planner signature from metadata already read, finds the plan in a dict,
+and calls the op below the autograd layer when no gradient is needed.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
-from . import _eager, _ops, _validate
-from ._names import resolve
+from . import _planner, _validate
+from ._names import ID, resolve
+from ._providers import RUNNERS
 
-logger = logging.getLogger("attn_backends")
-
-_SERVED = {"auto", "math", "eager"}
-_warned: set = set()
-_plans: dict = {}
 _cuda_lib = os.path.join(os.path.dirname(__file__), "libattn_backends_cuda.so")
-_math_fwd = _ops.ops.math_fwd.default
-_MathFunction = _ops.MathFunction
-_below_autograd = torch._C._AutoDispatchBelowAutograd
-_is_compiling = torch.compiler.is_compiling
-_CPU = torch.device("cpu")
-
-
-def draw_rng_state() -> torch.Tensor:
-    """(seed, offset) for the kernels' Philox stream, drawn from torch's default CPU generator, so
-    torch.manual_seed reproduces the dropout mask."""
-    return torch.randint(0, 2**62, (2,), dtype=torch.int64)
-
-
-def _warn_once(requested: str, chosen: str, reason: str) -> None:
-    key = (requested, chosen, reason)
-    if key not in _warned:
-        _warned.add(key)
-        logger.warning("backend %r cannot serve this call (%s); using %r", requested, reason, chosen)
-
-
 _cuda_devices: dict = {}
+_DTYPE_IDS = _planner.DTYPE_IDS
+_DEVICE_IDS = _planner.DEVICE_IDS
+_deterministic = torch.are_deterministic_algorithms_enabled
+_is_compiling = torch.compiler.is_compiling
 
 
-def cuda_math_ready(index: int) -> str:
-    """'' when our CUDA math kernel can run on cuda:index, else why not (asked once per device)."""
-    why = _cuda_devices.get(index)
-    if why is None:
+def cuda_device_info(index) -> tuple:
+    """(compute capability x10, our CUDA library holds code for it, why not) for cuda:index.
+    Asked once per device, the first time a tensor of that device arrives."""
+    index = index or 0
+    info = _cuda_devices.get(index)
+    if info is None:
         if not os.path.exists(_cuda_lib):
-            why = "the CUDA library was not built (no nvcc at install time)"
+            major, minor = torch.cuda.get_device_capability(index)
+            info = (major * 10 + minor, False, "the CUDA library was not built (no nvcc at install time)")
         else:
             from . import _C
 
             cc, ok, why = _C.cuda_device(index)
-            if ok and cc < 80:
-                ok, why = False, f"compute capability {cc // 10}.{cc % 10} < 8.0"
-            why = "" if ok else why
-        _cuda_devices[index] = why
-    return why
+            info = (cc, bool(ok), why)
+        _cuda_devices[index] = info
+    return info
 
 
-def choose(name: str, device: torch.device, need_grad: bool, strict: bool) -> str:
-    """'math' (our C/CUDA kernel) or 'eager' (the aten composite); cached per argument tuple."""
-    device_type = device.type
-    key = (name, device_type, device.index, need_grad, strict)
-    chosen = _plans.get(key)
-    if chosen is not None:
-        return chosen
-    reason = "" if name in _SERVED else f"{name} is not built in this version"
-    if reason and strict:
-        raise RuntimeError(f"backend {name!r} cannot serve this call: {reason}")
-    if device_type == "cpu":
-        chosen = "math"
-    elif device_type == "cuda" and not need_grad and not cuda_math_ready(device.index or 0):
-        chosen = "math"
-    else:
-        chosen = "eager"
-        if name == "math":
-            if device_type != "cuda":
-                reason = f"math has no {device_type} kernel"
-            elif need_grad:
-                reason = "math has no CUDA backward yet"
-            else:
-                reason = cuda_math_ready(device.index or 0)
-            if strict:
-                raise RuntimeError(f"backend 'math' cannot serve this call: {reason}")
-    if reason:
-        _warn_once(name, chosen, reason)
-    _plans[key] = chosen
-    return chosen
+def cuda_math_ready(index) -> str:
+    """'' when our CUDA kernels can run on cuda:index, else why not."""
+    cc, ok, why = cuda_device_info(index)
+    if ok and cc < 80:
+        return f"compute capability {cc // 10}.{cc % 10} < 8.0"
+    return "" if ok else why
 
 
-def attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse, strict):
+def _static_int(x) -> int:
+    """A size as a Python int while torch.compile traces with dynamic shapes.
+
+    The planner's signature must be constants, but with dynamic shapes sizes are symbolic, and
+    neither int() nor bool() turns them into constants under dynamo.  Comparisons in control flow
+    do: each becomes a guard.  This bisection pins x to its value with ~40 guards, so the graph is
+    reused only for that value (head dims, in practice, never change).  Trace time only.
+    """
+    lo, hi = 0, 1 << 40
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if x <= mid:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse):
+    """Validates a dense call; returns (run arguments, planner signature)."""
     B, Hq, Sq, D, Hkv, Sk, Dv = _validate.check_qkv(q, k, v)
     causal_i = _validate.check_causal(causal)
     wl, wr = _validate.check_window(window) if window is not None else (-1, -1)
     scale_f = _validate.check_scale(scale, D)
     softcap_f = _validate.check_softcap(softcap) if softcap else 0.0
     p = _validate.check_dropout(dropout_p) if dropout_p else 0.0
+    mask_kind = mask_grad = 0
     if attn_mask is not None:
         attn_mask = _validate.check_mask(attn_mask, q, B, Hq, Sq, Sk)
-    name = resolve(backend) if backend is not None else "auto"
+        mask_kind = 1 if attn_mask.dtype == torch.bool else 2
+        mask_grad = mask_kind == 2 and attn_mask.requires_grad
+    requested = resolve(backend) if backend is not None else "auto"
+    if requested == "auto":
+        requested = _planner.default_backend()
     need_grad = torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad
-        or (attn_mask is not None and attn_mask.requires_grad)
-    )
-    chosen = choose(name, _CPU if q.is_cpu else q.device, need_grad, strict)
-    if chosen == "math":
-        rng = draw_rng_state() if p > 0 else None
-        if need_grad:
-            out, lse = _MathFunction.apply(q, k, v, attn_mask, rng, causal_i, scale_f, wl, wr, softcap_f, p)
-        elif _is_compiling():
-            out, lse = _math_fwd(q, k, v, attn_mask, rng, causal_i, scale_f, wl, wr, softcap_f, p)
-        else:
-            with _below_autograd():
-                out, lse = _math_fwd(q, k, v, attn_mask, rng, causal_i, scale_f, wl, wr, softcap_f, p)
+        q.requires_grad or k.requires_grad or v.requires_grad or bool(mask_grad))
+    if q.is_cpu:
+        dev, cc, lib_ok = 0, 0, 0
     else:
-        out, lse = _eager.attention(q, k, v, attn_mask, causal_i, scale_f, wl, wr, softcap_f, p)
+        device = q.device
+        dev = _DEVICE_IDS.get(device.type, 3)
+        cc, lib_ok = cuda_device_info(device.index)[:2] if dev == 1 else (0, 0)
+    gqa, square = Hq != Hkv, Sq == Sk
+    if _is_compiling():
+        D, Dv = _static_int(D), _static_int(Dv)
+        gqa = True if gqa else False  # noqa: SIM210 (a branch, not bool(): see _static_int)
+        square = True if square else False  # noqa: SIM210
+    sig = (dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, gqa, square, mask_kind, mask_grad, causal_i,
+           wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, _deterministic(), bool(return_lse), 0,
+           _planner.settings["mps_fix"], ID[requested], _planner.CPU_ISA)
+    return (q, k, v, attn_mask, causal_i, scale_f, wl, wr, softcap_f, p, need_grad, bool(return_lse)), sig
+
+
+def attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse, strict):
+    args, sig = prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse)
+    chosen = _planner.choose(sig, strict or _planner.STRICT)
+    out, lse = RUNNERS[chosen](*args)
     return (out, lse) if return_lse else out
+
+
+def explain(q, k, v, backend="auto", causal=False, attn_mask=None, dropout_p=0.0, scale=None, window=None,
+            softcap=0.0, return_lse=False, strict=False):
+    _, sig = prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse)
+    return _planner.build(sig)

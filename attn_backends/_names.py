@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from . import _C
 
-TABLE = tuple(_C.backend_table())  # (name, aliases, kind, summary) rows, registry order
+# (name, aliases, kind, summary, lossy, provider, caps per device) rows; the index is the C id
+TABLE = tuple(_C.backend_table())
 CANONICAL = tuple(row[0] for row in TABLE)
 ALL_NAMES = tuple(n for row in TABLE for n in (row[0], *row[1]))
+ID = {name: i for i, name in enumerate(CANONICAL)}
 _BY_NAME = {n: row[0] for row in TABLE for n in (row[0], *row[1])}
 
 

@@ -1,5 +1,6 @@
-"""`python -m attn_backends`: versions, build, devices, CPU features and every backend with
-whether it is available here and, if not, why (modelled on `python -m xformers.info`)."""
+"""`python -m attn_backends`: versions, build, devices, CPU features, every backend with whether it
+can run here and why not, and the support matrix (backend x device x feature) generated from the
+C registry.  Modelled on `python -m xformers.info`."""
 
 from __future__ import annotations
 
@@ -9,27 +10,104 @@ import sys
 
 import torch
 
-from . import _C, _dispatch
+from . import _C, _planner
 from ._names import TABLE
 
+DEVICES = ("cpu", "cuda", "mps", "other")
 
-def backend_status() -> list[tuple[str, str, str, str]]:
-    """(name, aliases, kind, status) for every registry row; status is 'available' or 'no: why'."""
+FEATURES = (  # (registry name, column title)
+    ("bool_mask", "bool mask"), ("float_mask", "float mask"), ("mask_grad", "mask grad"),
+    ("causal_top_left", "causal TL"), ("causal_bottom_right", "causal BR"), ("window", "window"),
+    ("softcap", "softcap"), ("dropout", "dropout"), ("backward", "backward"),
+    ("deterministic", "determ. bwd"), ("lse", "lse"), ("gqa", "GQA"), ("dv_ne_d", "Dv != D"),
+    ("dense", "dense"), ("varlen", "varlen"),
+)
+
+
+def _present_devices() -> dict:
+    """Which device types this machine has, and for CUDA the capability facts the planner uses."""
+    present = {"cpu": True, "cuda": False, "mps": False, "other": False}
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        present["cuda"] = True
+    mps = getattr(torch.backends, "mps", None)
+    present["mps"] = bool(mps is not None and mps.is_available())
+    return present
+
+
+def _cuda_facts() -> tuple:
+    from ._dispatch import cuda_device_info
+
+    return cuda_device_info(torch.cuda.current_device())
+
+
+def backend_rows() -> list:
+    """(name, aliases, kind, available, why_not, devices, lossy, supports_backward) per backend."""
+    present = _present_devices()
     rows = []
-    cuda_lib = os.path.exists(_dispatch._cuda_lib)
-    for name, aliases, kind, summary in TABLE:
-        if name in ("auto", "math", "eager"):
-            status = "available"
-            if name == "math":
-                status += " (CPU forward+backward" + ("; CUDA forward)" if cuda_lib else ")")
-        elif kind == "torch" and name in ("sdpa", "_native_math"):
-            status = "no: routing to torch SDPA is not built in this version"
-        elif kind == "external":
-            status = "no: external packages are not wired in this version"
-        else:
-            status = "no: not built in this version (falls back to math with a warning)"
-        rows.append((name, ", ".join(aliases), kind, status))
+    for i, (name, aliases, kind, _summary, lossy, _provider, caps) in enumerate(TABLE):
+        devices = tuple(d for d, c in zip(DEVICES, caps) if c[0] is None)
+        supports_backward = any(c[0] is None and "backward" in c[2] for c in caps)
+        if kind == "planner":
+            rows.append((name, aliases, kind, True, "", devices, bool(lossy), True))
+            continue
+        why = ""
+        available = False
+        for dev in ("cuda", "mps", "cpu"):
+            if not present[dev]:
+                continue
+            cc, lib_ok = (_cuda_facts()[:2] if dev == "cuda" else (0, 0))
+            sig = (DEVICES.index(dev), cc, int(lib_ok), 0 if dev != "mps" else 0, 64, 64, 0, 1, 0, 0, 0, 0, 0, 0,
+                   0, 0, 0, 0, 0, i, _planner.CPU_ISA)
+            reason = _C.plan(sig)[2][i]
+            if not reason:
+                available = True
+                break
+            why = why or f"{dev}: {reason}"
+        if not any(present[d] for d in devices):
+            why = why or "no device of a type it runs on"
+        rows.append((name, aliases, kind, available, "" if available else why, devices, bool(lossy),
+                     supports_backward))
     return rows
+
+
+def support_matrix_markdown() -> str:
+    """The registry as one markdown table per device (generated; docs/backends.md embeds it)."""
+    out = []
+    for d, dev in enumerate(DEVICES):
+        out.append(f"### {dev}")
+        out.append("")
+        head = ["backend", "dtypes", "head dim"] + [t for _, t in FEATURES]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|" + "---|" * len(head))
+        for name, _aliases, kind, _s, lossy, _p, caps in TABLE[1:]:
+            why, dtypes, feats, min_d, max_d, mult, min_cc, lib = caps[d]
+            label = f"`{name}`" + (" (lossy)" if lossy else "")
+            if why is not None:
+                out.append(f"| {label} | - | - | " + " | ".join(["-"] * len(FEATURES)) + f" |")
+                continue
+            dts = ", ".join(x.replace("float", "f").replace("bf", "bf") for x in dtypes)
+            dim = "any" if not (min_d or max_d or mult) else f"{min_d or 1}..{max_d or 'any'}" + (f", %{mult}" if mult else "")
+            if min_cc:
+                dim += f"; sm{min_cc}+"
+            cells = []
+            for key, _ in FEATURES:
+                if key == "causal_top_left" and "bottom_right_aligned" in feats:
+                    cells.append("Sq=Sk")
+                else:
+                    cells.append("yes" if key in feats else "")
+            out.append(f"| {label} | {dts} | {dim} | " + " | ".join(cells) + " |")
+        out.append("")
+    out.append("A `-` row: no kernel or route on that device (the report says why). For torch SDPA, bottom-right "
+               "causal and windows are passed as an explicit mask. `flash_attn_pkg` aligns causal and windows "
+               "bottom-right, so it serves top-left calls only when Sq == Sk.")
+    return "\n".join(out)
+
+
+def names_markdown() -> str:
+    lines = ["| canonical | kind | accepted aliases |", "|---|---|---|"]
+    for name, aliases, kind, summary, *_ in TABLE:
+        lines.append(f"| `{name}` | {kind} | {', '.join(f'`{a}`' for a in aliases) or '-'} |")
+    return "\n".join(lines)
 
 
 def report() -> str:
@@ -48,10 +126,10 @@ def report() -> str:
     add("build")
     add(f"  torch stable ABI       target {info['torch_target_version']} (headers {info['torch_headers_version']})")
     add(f"  compiler               {info['compiler']}")
-    archs = info["cuda_archs"] or "none (built without nvcc)"
     present = os.path.exists(info["cuda_library"])
-    add(f"  CUDA archs             {archs}")
+    add(f"  CUDA archs             {info['cuda_archs'] or 'none (built without nvcc)'}")
     add(f"  CUDA library           {info['cuda_library'] if present else 'not built'}")
+    add(f"  CPU kernel path        {_planner.ISA_NAMES[_planner.CPU_ISA]}")
     add("")
     add("devices")
     add(f"  cpu                    {feats['brand'].strip() or feats['vendor'] or platform.processor()}"
@@ -59,7 +137,7 @@ def report() -> str:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             cc = torch.cuda.get_device_capability(i)
-            add(f"  cuda:{i}                 {torch.cuda.get_device_name(i)} (compute capability {cc[0]}.{cc[1]})")
+            add(f"  cuda:{i:<17}{torch.cuda.get_device_name(i)} (compute capability {cc[0]}.{cc[1]})")
     else:
         add(f"  cuda                   not available (torch CUDA build: {torch.version.cuda or 'no'})")
     mps = getattr(torch.backends, "mps", None)
@@ -69,11 +147,37 @@ def report() -> str:
     flags = [k for k, v in feats.items() if isinstance(v, bool) and v]
     add("  " + (" ".join(flags) if flags else "none detected (generic C paths)"))
     add("")
-    add("backends")
-    rows = backend_status()
+    add("settings")
+    add(f"  default backend        {_planner.default_backend()} (ATTN_BACKENDS_BACKEND)")
+    add(f"  strict                 {_planner.STRICT} (ATTN_BACKENDS_STRICT)")
+    add(f"  MPS mask fix           {_planner.settings['mps_fix']} (ATTN_BACKENDS_DISABLE_MPS_FIX)")
+    add("")
+    add("backends (available on this machine, or why not)")
+    rows = backend_rows()
     w = max(len(r[0]) for r in rows)
-    for name, aliases, kind, status in rows:
-        add(f"  {name:<{w}}  {kind:<8}  {status}")
-        if aliases:
-            add(f"  {'':<{w}}  {'':<8}  aliases: {aliases}")
+    for name, aliases, kind, available, why, devices, lossy, bwd in rows:
+        status = "available" if available else f"no: {why}"
+        extra = []
+        if devices and kind != "planner":
+            extra.append("devices " + ",".join(devices))
+        if lossy:
+            extra.append("lossy")
+        if kind != "planner" and devices and not bwd:
+            extra.append("forward only")
+        add(f"  {name:<{w}}  {kind:<8}  {status}" + (f"  [{'; '.join(extra)}]" if extra else ""))
     return "\n".join(out)
+
+
+def main(argv=None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m attn_backends", description="environment and backend report")
+    ap.add_argument("--matrix", action="store_true", help="print the support matrix (markdown) instead")
+    ap.add_argument("--names", action="store_true", help="print the accepted names (markdown) instead")
+    args = ap.parse_args(argv)
+    if args.matrix:
+        print(support_matrix_markdown())
+    elif args.names:
+        print(names_markdown())
+    else:
+        print(report())

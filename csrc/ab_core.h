@@ -163,27 +163,6 @@ typedef struct ab_cpu_features {
 
 const ab_cpu_features* ab_cpu_features_get(void);
 
-/* ---- Backend names --------------------------------------------------------------------------- */
-
-typedef enum ab_backend_kind {
-  AB_KIND_BUNDLED = 0,  /* our kernels */
-  AB_KIND_TORCH = 1,    /* torch's own (SDPA, FlexAttention), called from Python */
-  AB_KIND_EXTERNAL = 2, /* an optional package, used only if installed */
-  AB_KIND_PLANNER = 3   /* "auto" */
-} ab_backend_kind;
-
-typedef struct ab_backend_info {
-  const char* name;          /* canonical */
-  const char* const* aliases; /* NULL-terminated */
-  ab_backend_kind kind;
-  const char* summary;
-} ab_backend_info;
-
-int ab_backend_count(void);
-const ab_backend_info* ab_backend_at(int index);
-/* Canonical index for any accepted name (case-insensitive), or -1. */
-int ab_backend_lookup(const char* name);
-
 /* ---- The CUDA library, loaded on first use --------------------------------------------------- */
 
 struct ab_cuda_api;

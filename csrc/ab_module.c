@@ -9,8 +9,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "ab_core.h"
+#include "ab_planner.h"
 #include "ab_shim.h"
 #include "cuda/ab_cuda.h"
 
@@ -89,7 +91,52 @@ static const char* kind_name(ab_backend_kind kind) {
   }
 }
 
-/* [(name, (aliases...), kind, summary), ...] in the registry's order. */
+static const char* const k_feature_names[] = {
+    "bool_mask", "float_mask", "mask_grad", "causal_top_left", "bottom_right_aligned",
+    "causal_bottom_right", "window", "softcap", "dropout", "backward", "deterministic", "lse",
+    "gqa", "dv_ne_d", "dense", "varlen"};
+
+static PyObject* str_tuple(const char* const* items, Py_ssize_t n) {
+  PyObject* t = PyTuple_New(n);
+  if (!t) return NULL;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* s = PyUnicode_FromString(items[i]);
+    if (!s) {
+      Py_DECREF(t);
+      return NULL;
+    }
+    PyTuple_SetItem(t, i, s); /* steals s */
+  }
+  return t;
+}
+
+/* (unavailable or None, dtypes, features, min_d, max_d, d_multiple, min_cc, needs_cuda_lib) */
+static PyObject* caps_tuple(const ab_caps* k) {
+  const char* dts[4];
+  const char* fts[16];
+  Py_ssize_t nd = 0, nf = 0;
+  static const ab_dtype order[] = {AB_DTYPE_F16, AB_DTYPE_BF16, AB_DTYPE_F32, AB_DTYPE_F64};
+  for (int i = 0; i < 4; ++i)
+    if (k->dtypes & AB_DTYPE_BIT(order[i])) dts[nd++] = ab_dtype_name(order[i]);
+  for (int i = 0; i < 16; ++i)
+    if (k->features & (1u << i)) fts[nf++] = k_feature_names[i];
+  PyObject* dt = str_tuple(dts, nd);
+  PyObject* ft = dt ? str_tuple(fts, nf) : NULL;
+  if (!ft) {
+    Py_XDECREF(dt);
+    return NULL;
+  }
+  PyObject* why = k->unavailable ? PyUnicode_FromString(k->unavailable) : Py_NewRef(Py_None);
+  if (!why) {
+    Py_DECREF(dt);
+    Py_DECREF(ft);
+    return NULL;
+  }
+  return Py_BuildValue("(NNNiiiii)", why, dt, ft, k->min_d, k->max_d, k->d_multiple, k->min_cc,
+                       k->needs_cuda_lib);
+}
+
+/* [(name, aliases, kind, summary, lossy, provider, (caps cpu, cuda, mps, other)), ...] in id order. */
 static PyObject* ab_py_backend_table(PyObject* self, PyObject* unused) {
   (void)self;
   (void)unused;
@@ -100,17 +147,23 @@ static PyObject* ab_py_backend_table(PyObject* self, PyObject* unused) {
     const ab_backend_info* b = ab_backend_at(i);
     Py_ssize_t na = 0;
     while (b->aliases[na]) ++na;
-    PyObject* aliases = PyTuple_New(na);
-    if (!aliases) goto fail;
-    for (Py_ssize_t a = 0; a < na; ++a) {
-      PyObject* s = PyUnicode_FromString(b->aliases[a]);
-      if (!s) {
+    PyObject* aliases = str_tuple(b->aliases, na);
+    PyObject* caps = aliases ? PyTuple_New(AB_DEV_COUNT) : NULL;
+    if (!caps) {
+      Py_XDECREF(aliases);
+      goto fail;
+    }
+    for (int d = 0; d < AB_DEV_COUNT; ++d) {
+      PyObject* c = caps_tuple(&b->caps[d]);
+      if (!c) {
         Py_DECREF(aliases);
+        Py_DECREF(caps);
         goto fail;
       }
-      PyTuple_SetItem(aliases, a, s); /* steals s */
+      PyTuple_SetItem(caps, d, c);
     }
-    PyObject* row = Py_BuildValue("(sNss)", b->name, aliases, kind_name(b->kind), b->summary);
+    PyObject* row = Py_BuildValue("(sNssiiN)", b->name, aliases, kind_name(b->kind), b->summary,
+                                  b->lossy, b->provider, caps);
     if (!row) goto fail;
     PyList_SetItem(list, i, row); /* steals row */
   }
@@ -118,6 +171,65 @@ static PyObject* ab_py_backend_table(PyObject* self, PyObject* unused) {
 fail:
   Py_DECREF(list);
   return NULL;
+}
+
+/* set_provider(id, available, why_not) */
+static PyObject* ab_py_set_provider(PyObject* self, PyObject* args) {
+  (void)self;
+  int id, available;
+  const char* why;
+  if (!PyArg_ParseTuple(args, "ips", &id, &available, &why)) return NULL;
+  if (id < 0 || id >= AB_BK_COUNT) {
+    PyErr_SetString(PyExc_ValueError, "backend id out of range");
+    return NULL;
+  }
+  ab_provider_set(id, available, why);
+  Py_RETURN_NONE;
+}
+
+/* plan(call) -> (chosen id or -1, (order...), (reason per id...), path).  call is the tuple
+ * (device, cuda_cc, cuda_lib_ok, dtype, D, Dv, gqa, square, mask, mask_grad, causal, window,
+ *  softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix, requested, cpu_isa). */
+static PyObject* ab_py_plan(PyObject* self, PyObject* arg) {
+  (void)self;
+  ab_call c;
+  int device, dtype, causal;
+  long long D, Dv;
+  memset(&c, 0, sizeof c);
+  if (!PyArg_ParseTuple(arg, "iiiiLLiiiiiiiiiiiiiii", &device, &c.cuda_cc, &c.cuda_lib_ok, &dtype,
+                        &D, &Dv, &c.gqa, &c.square, &c.mask, &c.mask_grad, &causal, &c.window,
+                        &c.softcap, &c.dropout, &c.need_grad, &c.deterministic, &c.want_lse,
+                        &c.varlen, &c.mps_fix, &c.requested, &c.cpu_isa))
+    return NULL;
+  if (device < 0 || device >= AB_DEV_COUNT || dtype < 0 || dtype > AB_DTYPE_OTHER || causal < 0 ||
+      causal > 2 || c.requested < 0 || c.requested >= AB_BK_COUNT) {
+    PyErr_SetString(PyExc_ValueError, "plan: a field of the call is out of range");
+    return NULL;
+  }
+  c.device = (ab_device_type)device;
+  c.dtype = (ab_dtype)dtype;
+  c.causal = (ab_causal)causal;
+  c.D = D;
+  c.Dv = Dv;
+  ab_plan p;
+  ab_plan_build(&c, &p);
+  PyObject* order = PyTuple_New(p.norder);
+  PyObject* reasons = order ? PyTuple_New(AB_BK_COUNT) : NULL;
+  if (!reasons) {
+    Py_XDECREF(order);
+    return NULL;
+  }
+  for (int i = 0; i < p.norder; ++i) PyTuple_SetItem(order, i, PyLong_FromLong(p.order[i]));
+  for (int i = 0; i < AB_BK_COUNT; ++i) {
+    PyObject* s = PyUnicode_FromString(p.reason[i]);
+    if (!s) {
+      Py_DECREF(order);
+      Py_DECREF(reasons);
+      return NULL;
+    }
+    PyTuple_SetItem(reasons, i, s);
+  }
+  return Py_BuildValue("(iNNs)", p.chosen, order, reasons, p.path);
 }
 
 /* lookup(name) -> canonical name, or None when the name is unknown. */
@@ -159,7 +271,11 @@ static PyMethodDef ab_methods[] = {
     {"build_info", ab_py_build_info, METH_NOARGS,
      "build_info() -> dict: version, torch ABI target, CUDA archs, compiler."},
     {"backend_table", ab_py_backend_table, METH_NOARGS,
-     "backend_table() -> list of (name, aliases, kind, summary) rows of the registry."},
+     "backend_table() -> the registry: (name, aliases, kind, summary, lossy, provider, caps) rows."},
+    {"set_provider", ab_py_set_provider, METH_VARARGS,
+     "set_provider(id, available, why_not): record whether a torch feature or package exists."},
+    {"plan", ab_py_plan, METH_O,
+     "plan(call) -> (chosen, order, reasons, path) for a described call (see ab_planner.h)."},
     {"cuda_device", ab_py_cuda_device, METH_O,
      "cuda_device(index) -> (cc, supported, why_not): loads the CUDA library and asks the device."},
     {"lookup", ab_py_lookup, METH_O,

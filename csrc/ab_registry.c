@@ -1,49 +1,167 @@
-/* ab_registry.c -- every backend name the project accepts, as data.
+/* ab_registry.c -- every backend the project accepts, as data: names, aliases and what each one
+ * serves on each device.  The planner (ab_planner.c) reads only this table.
  *
- * One row per canonical backend with the aliases people already type (flash-attn, HF transformers
- * attn_implementation, diffusers/finetrainers attention_backend, SageAttention function names).
- * Lookup is case-insensitive and treats '-' as '_', so "Flash-Attn" and "flash_attn" agree.
+ * Names cover the ones people type today: flash-attn, HF transformers attn_implementation,
+ * diffusers/finetrainers attention_backend, SageAttention function names, nanoGPT-style flags.
+ * Lookup is case-insensitive and treats '-' as '_'.
+ *
+ * When a kernel lands on a device, its row changes here and nowhere else.
  */
 #include <ctype.h>
+#include <stdio.h>
 #include <string.h>
 
-#include "ab_core.h"
+#include "ab_planner.h"
 
 #define ALIASES(...) ((const char* const[]){__VA_ARGS__, NULL})
 #define NO_ALIASES ((const char* const[]){NULL})
 
-static const ab_backend_info g_backends[] = {
-    {"auto", NO_ALIASES, AB_KIND_PLANNER, "the planner picks the fastest exact backend"},
-    {"flash",
-     ALIASES("flash_attn", "flash_attn_2", "flash_attention_2", "flash_attention_3", "fa2", "fa3"),
-     AB_KIND_BUNDLED, "fused online-softmax kernel (FlashAttention-2 algorithm)"},
-    {"flash_varlen", ALIASES("varlen"), AB_KIND_BUNDLED, "flash over packed variable-length sequences"},
-    {"sage",
-     ALIASES("sage_varlen", "sageattention", "_sage_qk_int8_pv_fp16_cuda",
-             "_sage_qk_int8_pv_fp16_triton", "_sage_qk_int8_pv_fp8_cuda",
-             "_sage_qk_int8_pv_fp8_cuda_sm90"),
-     AB_KIND_BUNDLED, "INT8 Q.K^T (SageAttention recipe), inference only, lossy"},
-    {"math", ALIASES("manual", "reference"), AB_KIND_BUNDLED, "exact reference kernel"},
-    {"eager", NO_ALIASES, AB_KIND_BUNDLED,
-     "universal fallback: math where we have a kernel, else aten ops through the dispatcher"},
-    {"sdpa", ALIASES("native", "torch"), AB_KIND_TORCH, "torch's scaled_dot_product_attention, its choice"},
-    {"_native_flash", NO_ALIASES, AB_KIND_TORCH, "torch SDPA with its flash backend forced"},
-    {"_native_efficient", NO_ALIASES, AB_KIND_TORCH, "torch SDPA with its memory-efficient backend forced"},
-    {"_native_cudnn", NO_ALIASES, AB_KIND_TORCH, "torch SDPA with its cuDNN backend forced"},
-    {"_native_math", NO_ALIASES, AB_KIND_TORCH, "torch SDPA with its math backend forced"},
-    {"flex", ALIASES("flex_attention"), AB_KIND_TORCH, "torch FlexAttention"},
-    {"paged_attention", NO_ALIASES, AB_KIND_BUNDLED, "KV-cache decode over a paged cache"},
-    {"xformers", NO_ALIASES, AB_KIND_EXTERNAL, "the xformers package, if installed"},
-    {"flash_attn_pkg", NO_ALIASES, AB_KIND_EXTERNAL, "the flash_attn package, if installed"},
-    {"sageattention_pkg", NO_ALIASES, AB_KIND_EXTERNAL, "the sageattention package, if installed"},
+#define DT(d) AB_DTYPE_BIT(AB_DTYPE_##d)
+#define ALL_DT (DT(F32) | DT(F16) | DT(BF16) | DT(F64))
+#define NO_F64 (DT(F32) | DT(F16) | DT(BF16))
+#define HALF_DT (DT(F16) | DT(BF16))
+
+#define MASKS (AB_F_BOOL_MASK | AB_F_FLOAT_MASK)
+#define CAUSAL (AB_F_CAUSAL_TL | AB_F_CAUSAL_BR)
+/* every feature of the dense semantics (docs/semantics.md) */
+#define FULL                                                                                   \
+  (MASKS | AB_F_MASK_GRAD | CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_DROPOUT | AB_F_BACKWARD | \
+   AB_F_DETERMINISTIC | AB_F_LSE | AB_F_GQA | AB_F_DV | AB_F_DENSE)
+/* torch SDPA: bottom-right causal and windows are passed as an explicit bool mask */
+#define SDPA_F                                                                                \
+  (MASKS | AB_F_MASK_GRAD | CAUSAL | AB_F_WINDOW | AB_F_DROPOUT | AB_F_BACKWARD |              \
+   AB_F_DETERMINISTIC | AB_F_GQA | AB_F_DV | AB_F_DENSE)
+
+#define NONE(why) {why, 0, 0, 0, 0, 0, 0, 0}
+#define CAPS(dtypes, features) {NULL, dtypes, features, 0, 0, 0, 0, 0}
+#define CAPS_D(dtypes, features, min_d, max_d, mult, min_cc, lib) \
+  {NULL, dtypes, features, min_d, max_d, mult, min_cc, lib}
+
+#define NOT_BUILT "not built in this version"
+#define NO_KERNEL "no kernel for this device"
+
+static ab_backend_info g_backends[AB_BK_COUNT] = {
+    [AB_BK_AUTO] = {"auto", NO_ALIASES, AB_KIND_PLANNER, "the planner picks the fastest exact backend", 0, 0,
+                    {NONE("the planner, not a backend"), NONE("the planner, not a backend"),
+                     NONE("the planner, not a backend"), NONE("the planner, not a backend")}},
+    [AB_BK_FLASH] = {"flash",
+                     ALIASES("flash_attn", "flash_attn_2", "flash_attn_3", "flash_attention",
+                             "flash_attention_2", "flash_attention_3", "fa", "fa2", "fa3", "_flash_3",
+                             "flash_hub", "_flash_3_hub", "flash_attn_func", "flash_attn_qkvpacked_func",
+                             "flash_attn_kvpacked_func", "flash_attn_with_kvcache",
+                             "kernels_community/flash_attn", "kernels_community/flash_attn3",
+                             "kernels_community/vllm_flash_attn3"),
+                     AB_KIND_BUNDLED, "fused online-softmax kernel (FlashAttention-2 algorithm)", 0, 0,
+                     {NONE(NOT_BUILT), NONE(NOT_BUILT), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
+    [AB_BK_FLASH_VARLEN] = {"flash_varlen",
+                            ALIASES("varlen", "flash_attn_varlen", "flash_attn_varlen_func",
+                                    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+                                    "_flash_varlen_3", "flash_varlen_hub", "_flash_3_varlen_hub"),
+                            AB_KIND_BUNDLED, "flash over packed variable-length sequences", 0, 0,
+                            {NONE(NOT_BUILT), NONE(NOT_BUILT), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
+    [AB_BK_SAGE] = {"sage",
+                    ALIASES("sage_varlen", "sage_hub", "sageattention", "sage_attention", "sageattn",
+                            "sageattn_varlen", "_sage_qk_int8_pv_fp16_cuda",
+                            "_sage_qk_int8_pv_fp16_triton", "_sage_qk_int8_pv_fp8_cuda",
+                            "_sage_qk_int8_pv_fp8_cuda_sm90", "sageattn_qk_int8_pv_fp16_cuda",
+                            "sageattn_qk_int8_pv_fp16_triton", "sageattn_qk_int8_pv_fp8_cuda",
+                            "sageattn_qk_int8_pv_fp8_cuda_sm90"),
+                    AB_KIND_BUNDLED, "INT8 Q.K^T (SageAttention recipe), inference only, lossy", 1, 0,
+                    {NONE(NOT_BUILT), NONE(NOT_BUILT), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
+    [AB_BK_MATH] = {"math", ALIASES("manual", "reference", "math_reference"), AB_KIND_BUNDLED,
+                    "exact reference kernel (float32 scores and accumulation)", 0, 0,
+                    {CAPS(ALL_DT, FULL),
+                     CAPS_D(ALL_DT, FULL & ~(AB_F_BACKWARD | AB_F_MASK_GRAD), 0, 0, 0, 80, 1),
+                     NONE("no kernel for MPS (eager runs the aten composite there)"),
+                     NONE("no kernel for this device (eager runs the aten composite there)")}},
+    [AB_BK_EAGER] = {"eager", ALIASES("eager_attention"), AB_KIND_BUNDLED,
+                     "universal fallback: the math kernel where we have one, else aten ops", 0, 0,
+                     {CAPS(ALL_DT, FULL), CAPS(ALL_DT, FULL), CAPS(NO_F64, FULL), CAPS(ALL_DT, FULL)}},
+    [AB_BK_SDPA] = {"sdpa", ALIASES("native", "torch", "torch_sdpa", "scaled_dot_product_attention",
+                                    "pytorch", "_native_npu", "_native_xla"),
+                    AB_KIND_TORCH, "torch.nn.functional.scaled_dot_product_attention, its choice", 0, 1,
+                    {CAPS(ALL_DT, SDPA_F), CAPS(ALL_DT, SDPA_F), CAPS(NO_F64, SDPA_F),
+                     CAPS(ALL_DT, SDPA_F)}},
+    [AB_BK_NATIVE_FLASH] = {"_native_flash", ALIASES("sdpa_flash", "torch_flash"), AB_KIND_TORCH,
+                            "torch SDPA with its flash kernel forced", 0, 1,
+                            {CAPS(ALL_DT, SDPA_F & ~(AB_F_MASK_GRAD | AB_F_GQA | AB_F_DV)),
+                             CAPS_D(HALF_DT, AB_F_CAUSAL_TL | AB_F_DROPOUT | AB_F_BACKWARD | AB_F_GQA | AB_F_DENSE,
+                                    1, 256, 8, 80, 0),
+                             NONE("torch has no flash kernel for MPS"),
+                             NONE("torch has no flash kernel for this device")}},
+    [AB_BK_NATIVE_EFFICIENT] = {"_native_efficient",
+                                ALIASES("sdpa_efficient", "torch_efficient", "mem_efficient",
+                                        "memory_efficient"),
+                                AB_KIND_TORCH, "torch SDPA with its memory-efficient kernel forced", 0, 1,
+                                {NONE("torch has no memory-efficient kernel on CPU"),
+                                 CAPS_D(NO_F64, SDPA_F & ~(AB_F_GQA | AB_F_DETERMINISTIC), 1, 0, 8, 50, 0),
+                                 NONE("torch has no memory-efficient kernel for MPS"),
+                                 NONE("torch has no memory-efficient kernel for this device")}},
+    [AB_BK_NATIVE_CUDNN] = {"_native_cudnn", ALIASES("sdpa_cudnn", "torch_cudnn", "cudnn"), AB_KIND_TORCH,
+                            "torch SDPA with its cuDNN kernel forced", 0, 1,
+                            {NONE("cuDNN attention runs on CUDA only"),
+                             CAPS_D(HALF_DT, AB_F_CAUSAL_TL | AB_F_BACKWARD | AB_F_DENSE, 1, 128, 8, 80, 0),
+                             NONE("cuDNN attention runs on CUDA only"),
+                             NONE("cuDNN attention runs on CUDA only")}},
+    [AB_BK_NATIVE_MATH] = {"_native_math", ALIASES("sdpa_math", "torch_math"), AB_KIND_TORCH,
+                           "torch SDPA with its math kernel forced", 0, 1,
+                           {CAPS(ALL_DT, SDPA_F), CAPS(ALL_DT, SDPA_F), CAPS(NO_F64, SDPA_F),
+                            CAPS(ALL_DT, SDPA_F)}},
+    [AB_BK_FLEX] = {"flex", ALIASES("flex_attention", "flexattention"), AB_KIND_TORCH,
+                    "torch FlexAttention (score_mod with the masks, causal, window, softcap)", 0, 1,
+                    /* torch raises "FlexAttention does not support backward on CPU" */
+                    {CAPS(NO_F64, MASKS | CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_LSE | AB_F_GQA |
+                                      AB_F_DENSE),
+                     CAPS(NO_F64, MASKS | CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_BACKWARD |
+                                      AB_F_LSE | AB_F_GQA | AB_F_DENSE),
+                     NONE("FlexAttention does not run on MPS"),
+                     NONE("FlexAttention does not run on this device")}},
+    [AB_BK_PAGED] = {"paged_attention", ALIASES("paged", "sdpa_paged", "eager_paged", "flash_paged"),
+                     AB_KIND_BUNDLED, "KV-cache decode over a paged cache", 0, 0,
+                     {NONE(NOT_BUILT), NONE(NOT_BUILT), NONE(NOT_BUILT), NONE(NOT_BUILT)}},
+    [AB_BK_XFORMERS] = {"xformers", ALIASES("xformers_attention", "memory_efficient_attention"),
+                        AB_KIND_EXTERNAL, "xformers.ops.memory_efficient_attention, if installed", 0, 1,
+                        {NONE("xformers runs on CUDA only"),
+                         CAPS_D(NO_F64, MASKS | CAUSAL | AB_F_DROPOUT | AB_F_BACKWARD | AB_F_GQA | AB_F_DV |
+                                            AB_F_DENSE, 1, 0, 0, 50, 0),
+                         NONE("xformers runs on CUDA only"), NONE("xformers runs on CUDA only")}},
+    [AB_BK_FLASH_ATTN_PKG] = {"flash_attn_pkg", ALIASES("flash_attn_package", "dao_flash_attn"),
+                              AB_KIND_EXTERNAL, "the flash_attn package (flash_attn_func), if installed", 0, 1,
+                              {NONE("the flash_attn package runs on CUDA only"),
+                               CAPS_D(HALF_DT, CAUSAL | AB_F_BR_ALIGNED | AB_F_WINDOW | AB_F_SOFTCAP |
+                                                   AB_F_DROPOUT | AB_F_BACKWARD | AB_F_LSE | AB_F_GQA |
+                                                   AB_F_DENSE, 1, 256, 0, 80, 0),
+                               NONE("the flash_attn package runs on CUDA only"),
+                               NONE("the flash_attn package runs on CUDA only")}},
+    [AB_BK_SAGE_PKG] = {"sageattention_pkg", ALIASES("sageattention_package", "sageattn_pkg"),
+                        AB_KIND_EXTERNAL, "the sageattention package (sageattn), if installed; lossy", 1, 1,
+                        {NONE("the sageattention package runs on CUDA only"),
+                         CAPS_D(HALF_DT, AB_F_CAUSAL_TL | AB_F_DENSE, 64, 128, 32, 80, 0),
+                         NONE("the sageattention package runs on CUDA only"),
+                         NONE("the sageattention package runs on CUDA only")}},
 };
 
-#define N_BACKENDS ((int)(sizeof g_backends / sizeof g_backends[0]))
+/* Provider availability, set once at import by the Python layer (under the GIL). */
+static int g_provider_available[AB_BK_COUNT];
+static char g_provider_why[AB_BK_COUNT][AB_REASON_LEN];
 
-int ab_backend_count(void) { return N_BACKENDS; }
+void ab_provider_set(int id, int available, const char* why_not) {
+  if (id < 0 || id >= AB_BK_COUNT) return;
+  g_provider_available[id] = available != 0;
+  snprintf(g_provider_why[id], sizeof g_provider_why[id], "%s", why_not ? why_not : "");
+}
+
+/* 1 if available; else 0 and *why.  Non-provider backends are always "present". */
+int ab_provider_available(int id, const char** why) {
+  if (!g_backends[id].provider || g_provider_available[id]) return 1;
+  *why = g_provider_why[id][0] ? g_provider_why[id] : "not installed";
+  return 0;
+}
+
+int ab_backend_count(void) { return AB_BK_COUNT; }
 
 const ab_backend_info* ab_backend_at(int index) {
-  return index >= 0 && index < N_BACKENDS ? &g_backends[index] : NULL;
+  return index >= 0 && index < AB_BK_COUNT ? &g_backends[index] : NULL;
 }
 
 /* Compares a user-typed name with a table name: ASCII case-insensitive, '-' equal to '_'. */
@@ -58,7 +176,7 @@ static int name_equal(const char* typed, const char* table) {
 
 int ab_backend_lookup(const char* name) {
   if (!name) return -1;
-  for (int i = 0; i < N_BACKENDS; ++i) {
+  for (int i = 0; i < AB_BK_COUNT; ++i) {
     if (name_equal(name, g_backends[i].name)) return i;
     for (const char* const* a = g_backends[i].aliases; *a; ++a)
       if (name_equal(name, *a)) return i;

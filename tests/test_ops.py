@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import attn_backends as ab
-from attn_backends import _dispatch
+from attn_backends import _providers
 
 ops = torch.ops.attn_backends
 
@@ -28,7 +28,7 @@ def _inputs(requires_grad=True, dtype=torch.float32):
 )
 def test_opcheck_forward(variant):
     q, k, v = _inputs(dtype=torch.float64 if variant == "float64" else torch.float32)
-    rng = _dispatch.draw_rng_state()
+    rng = _providers.draw_rng_state()
     args = {
         "plain": (q, k, v, None, None, 0, 0.25, -1, -1, 0.0, 0.0),
         "causal_softcap_window": (q, k, v, None, None, 2, 0.25, 3, 1, 5.0, 0.0),
@@ -46,7 +46,7 @@ def test_opcheck_backward_and_dropout_mask():
     dout = torch.randn_like(out)
     torch.library.opcheck(ops.math_bwd.default,
                           (dout, q, k, v, out, lse, torch.randn_like(lse), mask, None, 1, 0.25, -1, -1, 0.0, 0.0, True))
-    torch.library.opcheck(ops.dropout_mask.default, (_dispatch.draw_rng_state(), 2, 3, 5, 7, 0.3))
+    torch.library.opcheck(ops.dropout_mask.default, (_providers.draw_rng_state(), 2, 3, 5, 7, 0.3))
 
 
 def _grads(fn, q, k, v, **kw):
@@ -133,3 +133,28 @@ def test_build_info_and_cpu_features():
     assert isinstance(feats["avx2"], bool)
     if feats["avx512f"]:
         assert feats["avx2"], "AVX-512 without AVX2 means the OS-support check is wrong"
+
+
+@pytest.mark.parametrize("name", ["sdpa", "_native_math", "flash", "eager"])
+def test_compile_fullgraph_through_the_planner(name):
+    torch._dynamo.reset()
+    q, k, v = _inputs()
+
+    def f(q, k, v):
+        return ab.attention(q, k, v, backend=name, causal="bottom_right")
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    out_c, g_c = _grads(compiled, q, k, v)
+    out_e, g_e = _grads(f, q, k, v)
+    torch.testing.assert_close(out_c, out_e)
+    for a, b in zip(g_c, g_e):
+        torch.testing.assert_close(a, b)
+
+
+def test_compile_fullgraph_inside_use():
+    torch._dynamo.reset()
+    q, k, v = _inputs(requires_grad=False)
+    compiled = torch.compile(lambda q, k, v: ab.attention(q, k, v), fullgraph=True, backend="aot_eager")
+    with ab.use("sdpa"):
+        out = compiled(q, k, v)
+    torch.testing.assert_close(out, ab.attention(q, k, v))

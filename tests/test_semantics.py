@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import attn_backends as ab
-from attn_backends import _dispatch
+from attn_backends import _providers
 from attn_backends._testing import Case, check_2x, make_inputs, reference_attention
 
 ops = torch.ops.attn_backends
@@ -146,7 +146,7 @@ def test_float_mask_gradient(mask_shape, gen):
 def _keep_mask_for_next_call(seed, B, H, Sq, Sk, p):
     """The keep-mask the next attention call will draw after torch.manual_seed(seed)."""
     torch.manual_seed(seed)
-    rng = _dispatch.draw_rng_state()
+    rng = _providers.draw_rng_state()
     return ops.dropout_mask(rng, B, H, Sq, Sk, p)
 
 
@@ -186,7 +186,7 @@ def test_dropout_is_reproducible_under_manual_seed():
 def test_dropout_keep_fraction_matches_p():
     n_rows, Sk = 512, 509  # Sk not a multiple of 4: every word position of the Philox block is used
     for p in (0.1, 0.3, 0.9):
-        keep = ops.dropout_mask(_dispatch.draw_rng_state(), 1, 1, n_rows, Sk, p)
+        keep = ops.dropout_mask(_providers.draw_rng_state(), 1, 1, n_rows, Sk, p)
         n = keep.numel()
         frac = keep.double().mean().item()
         sigma = math.sqrt(p * (1 - p) / n)

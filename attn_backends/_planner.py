@@ -1,0 +1,227 @@
+"""The Python side of the planner: describes a call for the C planner (csrc/ab_planner.c), caches
+plans by call signature, logs fallbacks once, raises in strict mode, renders explanations.
+
+A call signature is a tuple of small ints (device, dtype, head dims, mask kind, flags, requested
+backend, ...): the C planner's ab_call.  Plans are cached per signature, so planning costs one
+dict lookup after the first call of a kind.  Under torch.compile, ``choose`` runs at trace time
+(``assume_constant_result``) and the chosen backend is baked into the graph.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import importlib.util
+import logging
+import os
+
+import torch
+
+from . import _C
+from ._names import CANONICAL, ID, TABLE, resolve
+
+logger = logging.getLogger("attn_backends")
+
+DEVICE_IDS = {"cpu": 0, "cuda": 1, "mps": 2}
+DEVICE_NAMES = ("cpu", "cuda", "mps", "other")
+DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
+CAUSAL_NAMES = ("none", "top_left", "bottom_right")
+MASK_NAMES = ("none", "bool", "float")
+ISA_NAMES = ("generic", "avx2", "avx512")
+
+# signature fields, in the order of the C planner's ab_call
+FIELDS = ("device", "cuda_cc", "cuda_lib_ok", "dtype", "D", "Dv", "gqa", "square", "mask", "mask_grad",
+          "causal", "window", "softcap", "dropout", "need_grad", "deterministic", "want_lse", "varlen",
+          "mps_fix", "requested", "cpu_isa")
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _env_backend() -> str:
+    raw = os.environ.get("ATTN_BACKENDS_BACKEND", "").strip()
+    if not raw:
+        return "auto"
+    try:
+        return resolve(raw)
+    except ValueError as e:
+        logger.warning("ignoring ATTN_BACKENDS_BACKEND: %s", e)
+        return "auto"
+
+
+ENV_BACKEND = _env_backend()
+STRICT = _env_flag("ATTN_BACKENDS_STRICT")
+settings = {"mps_fix": not _env_flag("ATTN_BACKENDS_DISABLE_MPS_FIX")}
+
+_context_backend = contextvars.ContextVar("attn_backends_backend", default=None)
+
+
+@torch.compiler.assume_constant_result
+def default_backend() -> str:
+    """The backend ``backend="auto"`` means here: the innermost ab.use(...), else
+    ATTN_BACKENDS_BACKEND, else auto."""
+    name = _context_backend.get()
+    return ENV_BACKEND if name is None else name
+
+
+def cpu_isa() -> int:
+    """The instruction-set path the CPU kernels run with (reported in plans)."""
+    f = _C.cpu_features()
+    if f["avx512f"] and f["avx512bw"] and f["avx512vl"] and f["avx512dq"]:
+        return 2
+    if f["avx2"] and f["fma"]:
+        return 1
+    return 0
+
+
+CPU_ISA = cpu_isa()
+
+
+def _detect_providers() -> None:
+    """Tells the C registry which torch features and optional packages this process has.
+    Packages are looked up, not imported: importing them is deferred to their first use."""
+    from torch.nn.attention import SDPBackend
+
+    sdpa = {"_native_flash": "FLASH_ATTENTION", "_native_efficient": "EFFICIENT_ATTENTION",
+            "_native_cudnn": "CUDNN_ATTENTION", "_native_math": "MATH"}
+    _C.set_provider(ID["sdpa"], True, "")
+    for name, member in sdpa.items():
+        ok = hasattr(SDPBackend, member)
+        _C.set_provider(ID[name], ok, "" if ok else f"this torch has no SDPBackend.{member}")
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+
+        _C.set_provider(ID["flex"], True, "")
+    except ImportError as e:  # pragma: no cover - every supported torch has it
+        _C.set_provider(ID["flex"], False, f"torch FlexAttention is unavailable ({e})")
+    for name, module in (("xformers", "xformers"), ("flash_attn_pkg", "flash_attn"),
+                         ("sageattention_pkg", "sageattention")):
+        ok = importlib.util.find_spec(module) is not None
+        _C.set_provider(ID[name], ok, "" if ok else f"the {module} package is not installed")
+
+
+_detect_providers()
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The planner's answer for one kind of call: what serves it and why the others cannot."""
+
+    requested: str
+    chosen: str | None
+    path: str
+    order: tuple
+    reasons: dict
+    call: dict
+
+    @property
+    def fell_back(self) -> bool:
+        return self.requested != "auto" and self.chosen != self.requested
+
+    def describe_call(self) -> str:
+        c = self.call
+        dev = c["device"] + (f" (compute capability {c['cuda_cc'] // 10}.{c['cuda_cc'] % 10})" if c["cuda_cc"] else "")
+        parts = [dev, c["dtype"], f"D={c['D']}" + (f" Dv={c['Dv']}" if c["Dv"] != c["D"] else "")]
+        if c["gqa"]:
+            parts.append("GQA")
+        if c["varlen"]:
+            parts.append("varlen")
+        if c["causal"] != "none":
+            parts.append(f"causal={c['causal']}")
+        if c["mask"] != "none":
+            parts.append(f"{c['mask']} mask" + (" (needs grad)" if c["mask_grad"] else ""))
+        for flag in ("window", "softcap", "dropout"):
+            if c[flag]:
+                parts.append(flag)
+        parts.append("training" if c["need_grad"] else "inference")
+        if c["deterministic"]:
+            parts.append("deterministic")
+        if c["want_lse"]:
+            parts.append("lse")
+        return ", ".join(parts)
+
+    def __str__(self) -> str:
+        lines = [f"call:      {self.describe_call()}",
+                 f"requested: {self.requested}",
+                 f"chosen:    {self.chosen or 'nothing can serve this call'}" + (f" ({self.path})" if self.chosen else "")]
+        if self.order:
+            lines.append(f"tried:     {' -> '.join(self.order)}")
+        w = max(len(n) for n in CANONICAL)
+        lines.append("")
+        lines.append(f"  {'backend':<{w}}  can serve?")
+        for name in CANONICAL[1:]:
+            why = self.reasons[name]
+            mark = "yes (chosen)" if name == self.chosen else ("yes" if not why else f"no: {why}")
+            lines.append(f"  {name:<{w}}  {mark}")
+        return "\n".join(lines)
+
+
+_plans: dict = {}
+_warned: set = set()
+
+
+def describe(sig: tuple) -> dict:
+    d = dict(zip(FIELDS, sig))
+    d["device"] = DEVICE_NAMES[d["device"]]
+    d["dtype"] = DTYPE_NAMES[d["dtype"]] if d["dtype"] < len(DTYPE_NAMES) else "other"
+    d["causal"] = CAUSAL_NAMES[d["causal"]]
+    d["mask"] = MASK_NAMES[d["mask"]]
+    d["requested"] = CANONICAL[d["requested"]]
+    d["cpu_isa"] = ISA_NAMES[d["cpu_isa"]]
+    return d
+
+
+def build(sig: tuple) -> Plan:
+    """The plan for a call signature (FIELDS order), cached."""
+    plan = _plans.get(sig)
+    if plan is None:
+        chosen, order, reasons, path = _C.plan(sig)
+        plan = Plan(
+            requested=CANONICAL[sig[19]],
+            chosen=CANONICAL[chosen] if chosen >= 0 else None,
+            path=path,
+            order=tuple(CANONICAL[i] for i in order),
+            reasons={CANONICAL[i]: r for i, r in enumerate(reasons)},
+            call=describe(sig),
+        )
+        if len(_plans) < 65536:  # bounded: signatures are few in practice
+            _plans[sig] = plan
+    return plan
+
+
+def strict_message(plan: Plan) -> str:
+    lines = [f"backend {plan.requested!r} cannot serve this call ({plan.describe_call()}): "
+             f"{plan.reasons.get(plan.requested) or 'nothing can'}",
+             "every backend and why not:"]
+    for name in CANONICAL[1:]:
+        lines.append(f"  {name}: {plan.reasons[name] or 'can serve'}")
+    return "\n".join(lines)
+
+
+@torch.compiler.assume_constant_result
+def choose(sig: tuple, strict: bool) -> str:
+    """The backend that serves a call of this signature; logs a fallback once per (requested,
+    chosen, reason) and the backend used once per signature; raises when strict and the named
+    backend cannot serve, or when nothing can."""
+    plan = build(sig)
+    if plan.chosen is None or (strict and plan.fell_back):
+        raise RuntimeError(strict_message(plan))
+    if plan.fell_back:
+        _warn_once(plan.requested, plan.chosen, plan.reasons[plan.requested], plan)
+    elif plan.call["device"] == "mps" and plan.chosen == "eager" and plan.reasons["sdpa"].startswith("torch SDPA on MPS"):
+        _warn_once(plan.requested, plan.chosen, plan.reasons["sdpa"], plan)
+    if sig not in _warned:
+        _warned.add(sig)
+        logger.info("attn_backends: %s serves %s (requested %s, %s)", plan.chosen, plan.describe_call(),
+                    plan.requested, plan.path)
+    return plan.chosen
+
+
+def _warn_once(requested: str, chosen: str, reason: str, plan: Plan) -> None:
+    key = (requested, chosen, reason)
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning("attn_backends: %r cannot serve this call (%s): %s; using %r instead", requested,
+                       plan.describe_call(), reason, chosen)

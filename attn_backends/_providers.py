@@ -1,0 +1,205 @@
+"""How each backend is called once the planner has chosen it.
+
+Every runner takes the validated call
+    (q, k, v, attn_mask, causal, scale, window_left, window_right, softcap, dropout_p, need_grad, want_lse)
+with causal as 0/1/2 (none, top-left, bottom-right) and returns (out, lse or None).  The planner
+only routes a call to a runner whose registry row says it can serve it exactly, so runners do not
+re-check capabilities.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from . import _eager, _ops
+
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_is_compiling = torch.compiler.is_compiling
+
+
+def draw_rng_state() -> torch.Tensor:
+    """(seed, offset) for the kernels' Philox stream, drawn from torch's default CPU generator, so
+    torch.manual_seed reproduces the dropout mask on every device."""
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64)
+
+
+def _kernel(fwd_op, function):
+    """Runner for one of our kernels: the autograd Function when a gradient is needed, else the op
+    called below the autograd key (saving the Python autograd wrapper)."""
+
+    def run(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+        rng = draw_rng_state() if p > 0 else None
+        args = (q, k, v, mask, rng, causal, scale, wl, wr, softcap, p)
+        if need_grad:
+            return function.apply(*args)
+        if _is_compiling():
+            return fwd_op(*args)
+        with _below_autograd():
+            return fwd_op(*args)
+
+    return run
+
+
+run_math = _kernel(_ops.ops.math_fwd.default, _ops.MathFunction)
+
+
+def run_eager(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+    """HF's eager, our way: the math kernel where this device has one, else the aten composite."""
+    if q.is_cpu:
+        return run_math(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse)
+    if q.is_cuda and not need_grad:
+        from ._dispatch import cuda_math_ready
+
+        if not cuda_math_ready(q.device.index):
+            return run_math(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse)
+    return _eager.attention(q, k, v, mask, causal, scale, wl, wr, softcap, p)
+
+
+# ---- torch SDPA ----------------------------------------------------------------------------------
+
+def _sdpa_mask(q, k, mask, causal, wl, wr):
+    """(attn_mask, is_causal) for F.sdpa: its is_causal is top-left only, so bottom-right causal and
+    windows become an explicit bool mask, combined with the caller's mask."""
+    Sq, Sk = q.shape[2], k.shape[2]
+    if causal == 1 and mask is None and wl < 0 and wr < 0:
+        return None, True
+    vis = _eager.visible_keys(Sq, Sk, causal, wl, wr, q.device)
+    if vis is None:
+        combined = mask
+    elif mask is None:
+        combined = vis
+    elif mask.dtype == torch.bool:
+        combined = mask & vis
+    else:
+        combined = mask.masked_fill(~vis, -math.inf)
+    if combined is not None and combined.dtype != torch.bool and combined.dtype != q.dtype:
+        combined = combined.to(q.dtype)  # F.sdpa wants a float mask in q's dtype
+    return combined, False
+
+
+def _sdpa(forced=None):
+    def run(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+        attn_mask, is_causal = _sdpa_mask(q, k, mask, causal, wl, wr)
+        kwargs = dict(attn_mask=attn_mask, dropout_p=p, is_causal=is_causal, scale=scale,
+                      enable_gqa=q.shape[1] != k.shape[1])
+        if forced is None:
+            return F.scaled_dot_product_attention(q, k, v, **kwargs), None
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(getattr(SDPBackend, forced)):
+            return F.scaled_dot_product_attention(q, k, v, **kwargs), None
+
+    return run
+
+
+# ---- torch FlexAttention -------------------------------------------------------------------------
+
+def run_flex(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+    from torch.nn.attention import flex_attention as fa
+
+    B, Hq, Sq = q.shape[0], q.shape[1], q.shape[2]
+    Sk = k.shape[2]
+    shift = Sk - Sq if causal == 2 else 0
+    full = mask.expand(B, Hq, Sq, Sk) if mask is not None else None
+
+    def score_mod(score, b, h, qi, kj):
+        if softcap > 0:
+            score = softcap * torch.tanh(score / softcap)
+        ok = None
+        if full is not None:
+            if full.dtype == torch.bool:
+                ok = full[b, h, qi, kj]
+            else:
+                score = score + full[b, h, qi, kj].to(score.dtype)
+        ii = qi + shift
+        for cond in ((kj <= ii) if causal else None, (kj >= ii - wl) if wl >= 0 else None,
+                     (kj <= ii + wr) if wr >= 0 else None):
+            if cond is not None:
+                ok = cond if ok is None else ok & cond
+        return score if ok is None else torch.where(ok, score, -math.inf)
+
+    kwargs = dict(score_mod=score_mod, scale=scale, enable_gqa=Hq != k.shape[1])
+    if not want_lse:
+        return fa.flex_attention(q, k, v, **kwargs), None
+    if hasattr(fa, "AuxRequest"):
+        out, aux = fa.flex_attention(q, k, v, return_aux=fa.AuxRequest(lse=True), **kwargs)
+        return out, aux.lse
+    return fa.flex_attention(q, k, v, return_lse=True, **kwargs)
+
+
+# ---- optional packages ---------------------------------------------------------------------------
+
+def _bshd(t):
+    return t.transpose(1, 2)
+
+
+def run_flash_attn_pkg(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+    """flash_attn.flash_attn_func on (B, S, H, D); its causal and window are bottom-right aligned
+    (the planner only routes top-left calls here when Sq == Sk, where the two agree)."""
+    import flash_attn
+
+    res = flash_attn.flash_attn_func(
+        _bshd(q), _bshd(k), _bshd(v), dropout_p=p, softmax_scale=scale, causal=causal != 0,
+        window_size=(wl, wr), softcap=softcap, deterministic=torch.are_deterministic_algorithms_enabled(),
+        return_attn_probs=want_lse)
+    if want_lse:
+        out, lse = res[0], res[1]
+        return _bshd(out), lse
+    return _bshd(res), None
+
+
+def run_xformers(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+    """xformers.ops.memory_efficient_attention on (B, S, H, D), or (B, S, G, H/G, D) for GQA."""
+    from xformers.ops import fmha, memory_efficient_attention
+
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if causal and mask is None:
+        bias = fmha.attn_bias.LowerTriangularMask() if causal == 1 else fmha.attn_bias.LowerTriangularFromBottomRightMask()
+    elif mask is None:
+        bias = None
+    else:
+        vis = _eager.visible_keys(Sq, Sk, causal, -1, -1, q.device)
+        add = mask if mask.dtype != torch.bool else torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, -math.inf)
+        if vis is not None:
+            add = add.masked_fill(~vis, -math.inf)
+        # xformers wants the bias's last dim padded to a multiple of 8 in memory
+        pad = (Sk + 7) // 8 * 8
+        store = torch.zeros(B, Hq, Sq, pad, dtype=q.dtype, device=q.device)
+        store[..., :Sk] = add.to(q.dtype)
+        bias = store[..., :Sk]
+    qs, ks, vs = _bshd(q), _bshd(k), _bshd(v)
+    if Hq != Hkv:
+        g = Hq // Hkv
+        qs = qs.reshape(B, Sq, Hkv, g, D)
+        ks = ks.unsqueeze(3).expand(B, Sk, Hkv, g, D)
+        vs = vs.unsqueeze(3).expand(B, Sk, Hkv, g, v.shape[-1])
+        if isinstance(bias, torch.Tensor):
+            bias = bias.reshape(B, Hkv, g, Sq, Sk)
+    out = memory_efficient_attention(qs, ks, vs, attn_bias=bias, p=p, scale=scale)
+    return out.reshape(B, Sq, Hq, v.shape[-1]).transpose(1, 2), None
+
+
+def run_sage_pkg(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+    """sageattention.sageattn on (B, H, S, D) ("HND" layout)."""
+    import sageattention
+
+    return sageattention.sageattn(q, k, v, tensor_layout="HND", is_causal=causal == 1, sm_scale=scale), None
+
+
+RUNNERS = {
+    "math": run_math,
+    "eager": run_eager,
+    "sdpa": _sdpa(),
+    "_native_flash": _sdpa("FLASH_ATTENTION"),
+    "_native_efficient": _sdpa("EFFICIENT_ATTENTION"),
+    "_native_cudnn": _sdpa("CUDNN_ATTENTION"),
+    "_native_math": _sdpa("MATH"),
+    "flex": run_flex,
+    "flash_attn_pkg": run_flash_attn_pkg,
+    "xformers": run_xformers,
+    "sageattention_pkg": run_sage_pkg,
+}

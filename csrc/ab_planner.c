@@ -1,0 +1,159 @@
+/* ab_planner.c -- chooses the backend for a described call and says why every other one cannot
+ * serve it.  Reads only the registry (ab_registry.c); no tensors, no torch, no Python, so the
+ * tests can describe any device (a CUDA 6.1 GPU, an MPS machine, a build without CUDA).
+ *
+ * Candidates, in order:
+ *   1. the requested backend (unless "auto"),
+ *   2. its chain (sage -> flash; flash_attn_pkg -> flash; _native_* -> sdpa; math -> eager; ...),
+ *   3. the device's priority list: CPU flash, math, eager; CUDA flash, sdpa, math, eager (our
+ *      kernels first on 8.0+, torch SDPA's kernels first below that, since ours need 8.0);
+ *      MPS sdpa, eager; other devices eager.
+ * The first candidate with no reason against it is chosen.  eager serves every call, so a plan
+ * always ends somewhere unless the call itself is impossible.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "ab_planner.h"
+
+#define END (-1)
+
+static const int k_auto[AB_DEV_COUNT][8] = {
+    [AB_DEVICE_CPU] = {AB_BK_FLASH, AB_BK_FLASH_VARLEN, AB_BK_MATH, AB_BK_EAGER, END},
+    [AB_DEVICE_CUDA] = {AB_BK_FLASH, AB_BK_FLASH_VARLEN, AB_BK_SDPA, AB_BK_MATH, AB_BK_EAGER, END},
+    [AB_DEVICE_MPS] = {AB_BK_SDPA, AB_BK_EAGER, END},
+    [AB_DEVICE_OTHER] = {AB_BK_EAGER, END},
+};
+
+/* What a named backend falls back to before the device's list. */
+static const int* chain_of(int id) {
+  static const int flash[] = {AB_BK_FLASH_VARLEN, END};
+  static const int flash_varlen[] = {AB_BK_FLASH, END};
+  static const int to_flash[] = {AB_BK_FLASH, AB_BK_FLASH_VARLEN, END};
+  static const int sage_pkg[] = {AB_BK_SAGE, AB_BK_FLASH, AB_BK_FLASH_VARLEN, END};
+  static const int to_sdpa[] = {AB_BK_SDPA, END};
+  static const int to_eager[] = {AB_BK_EAGER, END};
+  static const int none[] = {END};
+  switch (id) {
+    case AB_BK_FLASH: return flash;
+    case AB_BK_FLASH_VARLEN: return flash_varlen;
+    case AB_BK_SAGE: case AB_BK_XFORMERS: case AB_BK_FLASH_ATTN_PKG: return to_flash;
+    case AB_BK_SAGE_PKG: return sage_pkg;
+    case AB_BK_NATIVE_FLASH: case AB_BK_NATIVE_EFFICIENT: case AB_BK_NATIVE_CUDNN:
+    case AB_BK_NATIVE_MATH: case AB_BK_FLEX: return to_sdpa;
+    case AB_BK_MATH: return to_eager;
+    default: return none;
+  }
+}
+
+static const char* dtype_list(uint32_t bits, char* buf, size_t n) {
+  static const ab_dtype order[] = {AB_DTYPE_F16, AB_DTYPE_BF16, AB_DTYPE_F32, AB_DTYPE_F64};
+  size_t used = 0;
+  buf[0] = 0;
+  for (size_t i = 0; i < sizeof order / sizeof order[0]; ++i)
+    if (bits & AB_DTYPE_BIT(order[i]))
+      used += (size_t)snprintf(buf + used, used < n ? n - used : 0, "%s%s", used ? ", " : "",
+                               ab_dtype_name(order[i]));
+  return buf;
+}
+
+static int is_torch_sdpa(int id) {
+  return id == AB_BK_SDPA || id == AB_BK_NATIVE_FLASH || id == AB_BK_NATIVE_EFFICIENT ||
+         id == AB_BK_NATIVE_CUDNN || id == AB_BK_NATIVE_MATH;
+}
+
+#define WHY(...)                       \
+  do {                                 \
+    snprintf(out, n, __VA_ARGS__);     \
+    return;                            \
+  } while (0)
+
+/* Writes why backend id cannot serve call c into out ("" when it can). */
+static void why_not(const ab_call* c, int id, char* out, size_t n) {
+  const ab_backend_info* b = ab_backend_at(id);
+  const ab_caps* k = &b->caps[c->device < AB_DEV_COUNT ? c->device : AB_DEVICE_OTHER];
+  const uint32_t f = k->features;
+  const char* pw = NULL;
+  char buf[96];
+  out[0] = 0;
+  if (k->unavailable) WHY("%s", k->unavailable);
+  if (!ab_provider_available(id, &pw)) WHY("%s", pw);
+  if (c->device == AB_DEVICE_CUDA) {
+    if (k->min_cc && c->cuda_cc < k->min_cc)
+      WHY("needs compute capability >= %d.%d, this GPU is %d.%d", k->min_cc / 10, k->min_cc % 10,
+          c->cuda_cc / 10, c->cuda_cc % 10);
+    if (k->needs_cuda_lib && !c->cuda_lib_ok)
+      WHY("the CUDA library is not built for compute capability %d.%d", c->cuda_cc / 10,
+          c->cuda_cc % 10);
+  }
+  if (!(k->dtypes & AB_DTYPE_BIT(c->dtype)))
+    WHY("no %s support here (supports %s)", ab_dtype_name(c->dtype), dtype_list(k->dtypes, buf, sizeof buf));
+  if ((k->min_d && c->D < k->min_d) || (k->max_d && c->D > k->max_d))
+    WHY("head dim %lld outside %d..%d", (long long)c->D, k->min_d ? k->min_d : 1, k->max_d);
+  if (k->d_multiple && c->D % k->d_multiple)
+    WHY("head dim %lld is not a multiple of %d", (long long)c->D, k->d_multiple);
+  if (c->Dv != c->D && !(f & AB_F_DV))
+    WHY("needs the value head dim equal to the query head dim (Dv %lld != D %lld)", (long long)c->Dv,
+        (long long)c->D);
+  if (c->varlen && !(f & AB_F_VARLEN)) WHY("does not take packed (varlen) sequences");
+  if (!c->varlen && !(f & AB_F_DENSE)) WHY("takes packed (varlen) sequences only");
+  if (c->mask == 1 && !(f & AB_F_BOOL_MASK)) WHY("no bool attn_mask support");
+  if (c->mask == 2 && !(f & AB_F_FLOAT_MASK)) WHY("no float attn_mask support");
+  if (c->mask_grad && !(f & AB_F_MASK_GRAD)) WHY("cannot compute the gradient of a float attn_mask");
+  if (c->causal == AB_CAUSAL_TOP_LEFT && !(f & AB_F_CAUSAL_TL)) WHY("no top-left causal mask");
+  if (c->causal == AB_CAUSAL_BOTTOM_RIGHT && !(f & AB_F_CAUSAL_BR)) WHY("no bottom-right causal mask");
+  if (c->window && !(f & AB_F_WINDOW)) WHY("no sliding window");
+  if ((f & AB_F_BR_ALIGNED) && !c->square &&
+      (c->causal == AB_CAUSAL_TOP_LEFT || (c->window && c->causal == AB_CAUSAL_NONE)))
+    WHY("aligns causal masks and windows bottom-right, which differs from top-left when Sq != Sk");
+  if (c->softcap && !(f & AB_F_SOFTCAP)) WHY("no softcap");
+  if (c->dropout && !(f & AB_F_DROPOUT)) WHY("no dropout");
+  if (c->need_grad && !(f & AB_F_BACKWARD)) WHY("forward only, and this call needs a gradient");
+  if (c->need_grad && c->deterministic && !(f & AB_F_DETERMINISTIC))
+    WHY("its backward is not deterministic and deterministic algorithms are requested");
+  if (c->want_lse && !(f & AB_F_LSE)) WHY("cannot return lse");
+  if (c->gqa && !(f & AB_F_GQA)) WHY("no grouped-query attention (Hq != Hkv)");
+  if (c->device == AB_DEVICE_MPS && c->mps_fix && c->mask && !c->need_grad && is_torch_sdpa(id))
+    WHY("torch SDPA on MPS gives NaN with an attention mask in evaluation "
+        "(ATTN_BACKENDS_DISABLE_MPS_FIX=1 or --disable_mps_fix uses it anyway)");
+  if (b->lossy && c->requested == AB_BK_AUTO) WHY("lossy, so never chosen by auto (name it to use it)");
+}
+
+static void push(ab_plan* p, int id) {
+  for (int i = 0; i < p->norder; ++i)
+    if (p->order[i] == id) return;
+  p->order[p->norder++] = id;
+}
+
+void ab_plan_build(const ab_call* call, ab_plan* plan) {
+  memset(plan, 0, sizeof *plan);
+  plan->chosen = -1;
+  for (int id = 0; id < AB_BK_COUNT; ++id)
+    if (id == AB_BK_AUTO)
+      snprintf(plan->reason[id], AB_REASON_LEN, "the planner, not a backend");
+    else
+      why_not(call, id, plan->reason[id], AB_REASON_LEN);
+  const int dev = call->device < AB_DEV_COUNT ? call->device : AB_DEVICE_OTHER;
+  if (call->requested > AB_BK_AUTO && call->requested < AB_BK_COUNT) {
+    push(plan, call->requested);
+    for (const int* c = chain_of(call->requested); *c != END; ++c) push(plan, *c);
+  }
+  for (const int* c = k_auto[dev]; *c != END; ++c) push(plan, *c);
+  for (int i = 0; i < plan->norder; ++i)
+    if (plan->reason[plan->order[i]][0] == 0) {
+      plan->chosen = plan->order[i];
+      break;
+    }
+  if (plan->chosen < 0) return;
+  static const char* isa[] = {"generic", "avx2", "avx512"};
+  const ab_backend_info* b = ab_backend_at(plan->chosen);
+  if (b->kind != AB_KIND_BUNDLED)
+    snprintf(plan->path, sizeof plan->path, "%s", b->kind == AB_KIND_TORCH ? "torch" : "package");
+  else if (call->device == AB_DEVICE_CPU)
+    snprintf(plan->path, sizeof plan->path, "cpu %s",
+             isa[call->cpu_isa >= 0 && call->cpu_isa <= 2 ? call->cpu_isa : 0]);
+  else if (call->device == AB_DEVICE_CUDA)
+    snprintf(plan->path, sizeof plan->path, "cuda sm%d", call->cuda_cc);
+  else
+    snprintf(plan->path, sizeof plan->path, "aten composite");
+}

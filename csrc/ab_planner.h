@@ -1,0 +1,144 @@
+/* ab_planner.h -- the backend registry (capabilities as data) and the planner.
+ *
+ * Every backend is one row: canonical name, aliases, kind, and per device (CPU, CUDA, MPS, other)
+ * what it can serve: dtypes, head dims, masks, causal alignments, window, softcap, dropout,
+ * backward, lse, GQA, dense or packed input, compute capability.  The planner takes a described
+ * call (ab_call: no tensors, so tests can describe any device) and returns the chosen backend and,
+ * for every backend, why it cannot serve the call ("" when it can).
+ *
+ * Order of candidates: a named backend first, then its chain (e.g. sage -> flash), then the
+ * device's priority list (auto's list).  Lossy backends never come from auto; forward-only ones are
+ * never chosen when a gradient is needed.
+ */
+#ifndef AB_PLANNER_H
+#define AB_PLANNER_H
+
+#include <stdint.h>
+
+#include "ab_core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum ab_backend_id {
+  AB_BK_AUTO = 0,
+  AB_BK_FLASH,
+  AB_BK_FLASH_VARLEN,
+  AB_BK_SAGE,
+  AB_BK_MATH,
+  AB_BK_EAGER,
+  AB_BK_SDPA,
+  AB_BK_NATIVE_FLASH,
+  AB_BK_NATIVE_EFFICIENT,
+  AB_BK_NATIVE_CUDNN,
+  AB_BK_NATIVE_MATH,
+  AB_BK_FLEX,
+  AB_BK_PAGED,
+  AB_BK_XFORMERS,
+  AB_BK_FLASH_ATTN_PKG,
+  AB_BK_SAGE_PKG,
+  AB_BK_COUNT
+} ab_backend_id;
+
+#define AB_DEV_COUNT 4 /* indexed by ab_device_type: CPU, CUDA, MPS, OTHER */
+
+typedef enum ab_backend_kind {
+  AB_KIND_PLANNER = 0,  /* "auto" */
+  AB_KIND_BUNDLED = 1,  /* our kernels */
+  AB_KIND_TORCH = 2,    /* torch's own (SDPA, FlexAttention), called from Python */
+  AB_KIND_EXTERNAL = 3  /* an optional package, used only if installed */
+} ab_backend_kind;
+
+/* Feature bits of ab_caps.features. */
+enum {
+  AB_F_BOOL_MASK = 1u << 0,
+  AB_F_FLOAT_MASK = 1u << 1,
+  AB_F_MASK_GRAD = 1u << 2,     /* gradient of a float mask */
+  AB_F_CAUSAL_TL = 1u << 3,     /* top-left causal */
+  AB_F_BR_ALIGNED = 1u << 4,    /* aligns causal and window bottom-right whatever is asked (flash-attn):
+                                   serves top-left semantics only when Sq == Sk */
+  AB_F_CAUSAL_BR = 1u << 5,     /* bottom-right causal */
+  AB_F_WINDOW = 1u << 6,
+  AB_F_SOFTCAP = 1u << 7,
+  AB_F_DROPOUT = 1u << 8,
+  AB_F_BACKWARD = 1u << 9,
+  AB_F_DETERMINISTIC = 1u << 10, /* backward bitwise reproducible run after run */
+  AB_F_LSE = 1u << 11,
+  AB_F_GQA = 1u << 12,
+  AB_F_DV = 1u << 13,            /* Dv != D */
+  AB_F_DENSE = 1u << 14,         /* serves (B, H, S, D) calls */
+  AB_F_VARLEN = 1u << 15         /* serves packed (total, H, D) calls with cu_seqlens */
+};
+
+#define AB_DTYPE_BIT(d) (1u << (d))
+
+/* What one backend serves on one device. */
+typedef struct ab_caps {
+  const char* unavailable; /* NULL when implemented on this device, else why not */
+  uint32_t dtypes;         /* AB_DTYPE_BIT(...) */
+  uint32_t features;       /* AB_F_* */
+  int32_t min_d, max_d, d_multiple; /* head dim constraints (0 = none) */
+  int32_t min_cc;          /* CUDA: lowest compute capability, x10 (80 = 8.0) */
+  int32_t needs_cuda_lib;  /* our CUDA library must hold code for the device */
+} ab_caps;
+
+typedef struct ab_backend_info {
+  const char* name;            /* canonical */
+  const char* const* aliases;  /* NULL-terminated */
+  ab_backend_kind kind;
+  const char* summary;
+  int32_t lossy;               /* approximate (sage): never chosen by auto */
+  int32_t provider;            /* availability decided at import (a torch feature or a package) */
+  ab_caps caps[AB_DEV_COUNT];
+} ab_backend_info;
+
+int ab_backend_count(void);
+const ab_backend_info* ab_backend_at(int index);
+/* Canonical index for any accepted name (ASCII case-insensitive, '-' == '_'), or -1. */
+int ab_backend_lookup(const char* name);
+
+/* Records whether a provider backend (torch feature, optional package) exists in this process. */
+void ab_provider_set(int id, int available, const char* why_not);
+/* 1 if backend id is present in this process (always, for non-providers); else 0 and *why_not. */
+int ab_provider_available(int id, const char** why_not);
+
+/* A call, described without tensors. */
+typedef struct ab_call {
+  ab_device_type device;
+  int32_t cuda_cc;       /* x10, 0 when not CUDA */
+  int32_t cuda_lib_ok;   /* our CUDA library is present and holds code for cuda_cc */
+  ab_dtype dtype;
+  int64_t D, Dv;
+  int32_t gqa;           /* Hq != Hkv */
+  int32_t square;        /* Sq == Sk */
+  int32_t mask;          /* 0 none, 1 bool, 2 float */
+  int32_t mask_grad;
+  ab_causal causal;
+  int32_t window, softcap, dropout;
+  int32_t need_grad, deterministic, want_lse, varlen;
+  int32_t mps_fix;       /* MPS: torch SDPA with a mask in evaluation gives NaN; avoid it */
+  int32_t requested;     /* ab_backend_id */
+  int32_t cpu_isa;       /* ab_cpu_isa the CPU kernels run with (reported, never limiting) */
+} ab_call;
+
+/* Instruction-set paths of the CPU kernels; a generic C path always exists. */
+typedef enum ab_cpu_isa { AB_ISA_GENERIC = 0, AB_ISA_AVX2 = 1, AB_ISA_AVX512 = 2 } ab_cpu_isa;
+
+#define AB_REASON_LEN 192
+
+typedef struct ab_plan {
+  int32_t chosen;                          /* ab_backend_id, -1 when nothing can serve */
+  int32_t order[AB_BK_COUNT];              /* candidates in the order they were tried */
+  int32_t norder;
+  char reason[AB_BK_COUNT][AB_REASON_LEN]; /* why each backend cannot serve ("" = it can) */
+  char path[32];                           /* how the chosen one runs: "cpu avx512", "cuda sm90", "torch" */
+} ab_plan;
+
+void ab_plan_build(const ab_call* call, ab_plan* plan);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* AB_PLANNER_H */

@@ -1,0 +1,68 @@
+"""Writes docs/backends.md from the C registry and this machine's report.
+
+    python docs/generate_backends.py
+
+The names table and the support matrix come from the registry (csrc/ab_registry.c), never by
+hand; tests/test_planner.py fails when the page is stale.  The report section is the output of
+`python -m attn_backends` on the machine that ran this script.
+"""
+
+import datetime
+import os
+import subprocess
+import sys
+
+from attn_backends._report import names_markdown, support_matrix_markdown
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+INTRO = """# Backends
+
+Every name below works wherever a backend is named (`backend=`, `ab.use(...)`,
+`ATTN_BACKENDS_BACKEND`, `--attn_implementation`), case-insensitively, with `-` and `_` alike.
+`ab.resolve(name)` gives the canonical name; an unknown name raises a ValueError listing these.
+
+## How a backend is chosen
+
+The planner (`csrc/ab_planner.c`) takes a description of the call (device and compute capability,
+whether our CUDA library has code for it, dtype, head dims, GQA, mask kind, causal alignment,
+window, softcap, dropout, whether a gradient is needed, deterministic mode, whether lse is wanted)
+and tries, in order: the named backend, its chain, then the device's list.
+
+| device | auto's list |
+|---|---|
+| CPU | flash, flash_varlen, math, eager |
+| CUDA | flash, flash_varlen (our kernels need 8.0+ and a library built for the GPU), sdpa, math, eager |
+| MPS | sdpa, eager (a mask in evaluation skips sdpa: torch SDPA gives NaN there) |
+| other | eager |
+
+Chains: flash <-> flash_varlen; sage, xformers, flash_attn_pkg -> flash; sageattention_pkg -> sage ->
+flash; `_native_*`, flex -> sdpa; math -> eager; then the device's list. Lossy backends (sage) are
+never chosen by `auto`; forward-only ones never when a gradient is needed. A fallback logs one
+WARNING per (requested, chosen, reason) on the `attn_backends` logger and an INFO line names the
+backend used; `strict=True` or `ATTN_BACKENDS_STRICT=1` raises instead, listing every backend and
+why. `ab.explain(q, k, v, **kwargs)` prints the plan for a call.
+
+## Accepted names
+
+"""
+
+MATRIX = """
+
+## Support matrix (generated from the registry)
+
+"""
+
+
+def main():
+    report = subprocess.run([sys.executable, "-m", "attn_backends"], capture_output=True, text=True,
+                            check=True).stdout
+    text = (INTRO + names_markdown() + MATRIX + support_matrix_markdown() +
+            f"\n\n## The report on the machine that generated this page ({datetime.date.today()})\n\n"
+            "`python -m attn_backends`:\n\n```\n" + report.rstrip() + "\n```\n")
+    with open(os.path.join(HERE, "backends.md"), "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""The planner, without the hardware: described calls on described devices (CPU with and without
+AVX-512, MPS, CUDA 6.1 / 7.5 / 8.0 / 8.6 / 9.0, a build without CUDA) get the expected backend and
+reasons; every accepted name serves a real CPU call (falling back with one warning where it must);
+strict mode raises with every backend's reason; use() and the environment set the default."""
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import attn_backends as ab
+from attn_backends import _C, _names, _planner
+from attn_backends._testing import Case, check_against_reference
+
+CPU, CUDA, MPS, OTHER = 0, 1, 2, 3
+DT = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
+
+
+def plan(device=CPU, cc=0, lib=1, dtype="float32", D=64, Dv=None, gqa=0, square=1, mask=0, mask_grad=0,
+         causal=0, window=0, softcap=0, dropout=0, need_grad=0, deterministic=0, want_lse=0, varlen=0,
+         mps_fix=1, requested="auto", isa=2):
+    sig = (device, cc, lib, DT[dtype], D, D if Dv is None else Dv, gqa, square, mask, mask_grad, causal, window,
+           softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix, _names.ID[ab.resolve(requested)],
+           isa)
+    return _planner.build(sig)
+
+
+# ---- described devices --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=["generic", "avx2", "avx512"])
+def test_cpu_auto_uses_our_kernels_whatever_the_isa(isa):
+    p = plan(device=CPU, isa=isa, need_grad=1, mask=1, causal=2, window=1, softcap=1, dropout=1, want_lse=1)
+    assert p.chosen == "math"
+    assert p.reasons["flash"] == "not built in this version"
+    assert p.path == "cpu " + ("generic", "avx2", "avx512")[isa]
+    assert p.order[: len(("flash", "flash_varlen", "math", "eager"))] == ("flash", "flash_varlen", "math", "eager")
+
+
+@pytest.mark.parametrize("cc", [61, 75])
+def test_old_gpus_route_to_torch_sdpa_then_eager(cc):
+    p = plan(device=CUDA, cc=cc, lib=0)
+    assert p.chosen == "sdpa"
+    assert "compute capability >= 8.0" in p.reasons["math"]
+    assert f"this GPU is {cc // 10}.{cc % 10}" in p.reasons["math"]
+    # what sdpa cannot do (softcap, lse) goes to eager
+    assert plan(device=CUDA, cc=cc, lib=0, softcap=1).chosen == "eager"
+    assert plan(device=CUDA, cc=cc, lib=0, want_lse=1).chosen == "eager"
+    # torch's own kernels keep their limits
+    assert "compute capability >= 8.0" in plan(device=CUDA, cc=cc, dtype="float16", requested="_native_flash").reasons["_native_flash"]
+
+
+@pytest.mark.parametrize("cc", [80, 86, 90])
+def test_ampere_and_newer_use_our_kernels_for_what_they_serve(cc):
+    # inference: sdpa first while our CUDA flash is not built; our math serves lse calls exactly
+    p = plan(device=CUDA, cc=cc, dtype="bfloat16")
+    assert p.chosen == "sdpa" and p.reasons["flash"] == "not built in this version"
+    assert plan(device=CUDA, cc=cc, want_lse=1).chosen == "math"
+    assert plan(device=CUDA, cc=cc, softcap=1, requested="math").chosen == "math"
+    # math on CUDA is forward only: training falls along its chain to eager
+    p = plan(device=CUDA, cc=cc, softcap=1, need_grad=1, requested="math")
+    assert p.chosen == "eager" and p.reasons["math"] == "forward only, and this call needs a gradient"
+
+
+def test_build_without_cuda_library():
+    p = plan(device=CUDA, cc=90, lib=0, want_lse=1)
+    assert p.reasons["math"] == "the CUDA library is not built for compute capability 9.0"
+    assert p.chosen == "eager"
+
+
+def test_mps_padding_mask_in_evaluation_goes_to_eager(caplog):
+    assert plan(device=MPS).chosen == "sdpa"
+    p = plan(device=MPS, mask=1)
+    assert p.chosen == "eager" and p.reasons["sdpa"].startswith("torch SDPA on MPS gives NaN")
+    assert plan(device=MPS, mask=1, mps_fix=0).chosen == "sdpa"  # --disable_mps_fix
+    assert plan(device=MPS, mask=1, need_grad=1).chosen == "sdpa"  # training is not affected
+    assert plan(device=MPS, dtype="float64").chosen is None  # MPS has no float64 at all
+    assert "no kernel for MPS" in plan(device=MPS, requested="math").reasons["math"]
+    assert plan(device=MPS, requested="math").chosen == "eager"
+
+
+def test_other_devices_use_eager():
+    p = plan(device=OTHER, mask=2, causal=1)
+    assert p.chosen == "eager"
+    assert p.order == ("eager",)
+
+
+def test_forward_only_and_lossy_backends():
+    _C.set_provider(_names.ID["sageattention_pkg"], True, "")
+    try:
+        p = plan(device=CUDA, cc=90, dtype="bfloat16", causal=1)
+        assert p.chosen != "sageattention_pkg"
+        assert "lossy" in p.reasons["sageattention_pkg"]
+        assert plan(device=CUDA, cc=90, dtype="bfloat16", requested="sageattention_pkg").chosen == "sageattention_pkg"
+        p = plan(device=CUDA, cc=90, dtype="bfloat16", need_grad=1, requested="sageattention_pkg")
+        assert p.reasons["sageattention_pkg"] == "forward only, and this call needs a gradient"
+        assert p.order[:3] == ("sageattention_pkg", "sage", "flash")
+    finally:
+        _planner._detect_providers()
+
+
+def test_deterministic_mode_excludes_nondeterministic_backwards():
+    p = plan(device=CUDA, cc=80, dtype="float16", need_grad=1, deterministic=1, requested="_native_efficient")
+    assert "not deterministic" in p.reasons["_native_efficient"]
+    assert p.chosen == "sdpa"
+    assert plan(device=CUDA, cc=80, dtype="float16", need_grad=1, requested="_native_efficient").chosen == "_native_efficient"
+
+
+def test_flash_attn_package_alignment_rule():
+    _C.set_provider(_names.ID["flash_attn_pkg"], True, "")
+    try:
+        ok = plan(device=CUDA, cc=80, dtype="float16", causal=1, square=1, requested="flash_attn_pkg")
+        assert ok.chosen == "flash_attn_pkg"
+        bad = plan(device=CUDA, cc=80, dtype="float16", causal=1, square=0, requested="flash_attn_pkg")
+        assert "bottom-right" in bad.reasons["flash_attn_pkg"]
+        assert plan(device=CUDA, cc=80, dtype="float16", causal=2, square=0, requested="flash_attn_pkg").chosen == "flash_attn_pkg"
+        assert "no float32" in plan(device=CUDA, cc=80, requested="flash_attn_pkg").reasons["flash_attn_pkg"]
+        assert "head dim 512" in plan(device=CUDA, cc=80, dtype="float16", D=512, requested="flash_attn_pkg").reasons["flash_attn_pkg"]
+    finally:
+        _planner._detect_providers()
+
+
+def test_reasons_cover_every_feature():
+    p = plan(device=CUDA, cc=80, dtype="float16", mask=2, mask_grad=1, requested="_native_cudnn")
+    assert p.reasons["_native_cudnn"] == "no float attn_mask support"
+    assert "no sliding window" in plan(device=CUDA, cc=80, dtype="float16", window=1, requested="_native_cudnn").reasons["_native_cudnn"]
+    assert "no dropout" in plan(device=CPU, dropout=1, requested="flex").reasons["flex"]
+    assert "cannot return lse" in plan(want_lse=1, requested="sdpa").reasons["sdpa"]
+    assert "no softcap" in plan(softcap=1, requested="sdpa").reasons["sdpa"]
+    assert "gradient of a float attn_mask" in plan(mask=2, mask_grad=1, need_grad=1, requested="flex").reasons["flex"]
+    assert "Dv 32 != D 64" in plan(Dv=32, requested="flex").reasons["flex"]
+    assert "no grouped-query" in plan(device=CUDA, cc=80, gqa=1, requested="_native_efficient").reasons["_native_efficient"]
+    assert "not a multiple of 8" in plan(device=CUDA, cc=80, D=36, requested="_native_efficient").reasons["_native_efficient"]
+
+
+def test_named_backend_chains():
+    assert plan(requested="_native_efficient").order[:2] == ("_native_efficient", "sdpa")
+    assert plan(requested="_native_efficient").chosen == "sdpa"
+    assert plan(requested="flex", dropout=1).chosen == "sdpa"
+    assert plan(requested="sdpa", softcap=1).chosen == "math"  # CPU: on to our kernels
+    assert plan(requested="paged_attention").chosen == "math"
+    assert plan(requested="eager", softcap=1, dropout=1, mask=2).chosen == "eager"
+
+
+# ---- every accepted name on a real CPU call -----------------------------------------------------
+
+CPU_CASE = Case(B=2, Hq=4, Hkv=2, Sq=9, Sk=13, D=16, causal="bottom_right", mask="bool_rows")
+
+
+def _run(name, strict=False):
+    def fn(q, k, v, mask, c):
+        out = ab.attention(q, k, v, backend=name, causal=c.causal, attn_mask=mask, strict=strict)
+        return out, None
+    return fn
+
+
+@pytest.mark.parametrize("name", _names.ALL_NAMES)
+def test_every_name_serves_a_cpu_float32_call(name, caplog, gen):
+    caplog.set_level(logging.INFO, logger="attn_backends")
+    _planner._warned.clear()
+    check_against_reference(CPU_CASE, _run(name), grad=True, check_lse=False, generator=gen)
+    shapes = ((2, 4, 9, 16), (2, 2, 13, 16), (2, 2, 13, 16))
+    p = ab.explain(*[torch.empty(s, requires_grad=True) for s in shapes], backend=name,
+                   causal="bottom_right", attn_mask=torch.ones(2, 1, 9, 13, dtype=torch.bool))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    if p.requested in ("auto", p.chosen):
+        assert not warnings
+    else:
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        msg = warnings[0].getMessage()
+        assert repr(p.requested) in msg and repr(p.chosen) in msg and p.reasons[p.requested] in msg
+
+
+@pytest.mark.parametrize("name", _names.ALL_NAMES)
+def test_strict_raises_for_names_that_cannot_serve(name, gen):
+    q, k, v = (torch.randn(2, 4, 9, 16), torch.randn(2, 2, 13, 16), torch.randn(2, 2, 13, 16))
+    p = ab.explain(q, k, v, backend=name, causal="bottom_right")
+    if p.fell_back:
+        with pytest.raises(RuntimeError, match="every backend and why not") as e:
+            ab.attention(q, k, v, backend=name, causal="bottom_right", strict=True)
+        for other in _names.CANONICAL[1:]:
+            assert f"  {other}: " in str(e.value)
+    else:
+        ab.attention(q, k, v, backend=name, causal="bottom_right", strict=True)
+
+
+def test_strict_from_the_environment():
+    code = ("import attn_backends as ab, torch\n"
+            "q = torch.randn(1, 1, 4, 8)\n"
+            "try:\n    ab.attention(q, q, q, backend='flash')\nexcept RuntimeError as e:\n    print('raised')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, ATTN_BACKENDS_STRICT="1"))
+    assert "raised" in res.stdout, res.stderr
+
+
+def test_one_warning_per_requested_chosen_reason(caplog):
+    _planner._warned.clear()
+    caplog.set_level(logging.INFO, logger="attn_backends")
+    q = torch.randn(1, 2, 5, 8)
+    for _ in range(3):
+        ab.attention(q, q, q, backend="flash")
+    ab.attention(q, q, q[..., :4], backend="flash")  # another signature, same (requested, chosen, reason)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    infos = [r for r in caplog.records if r.levelno == logging.INFO]
+    assert len(warnings) == 1
+    assert len(infos) == 2 and all("math serves" in r.getMessage() for r in infos)
+
+
+def test_plans_are_cached_by_signature():
+    q = torch.randn(1, 2, 5, 8)
+    ab.attention(q, q, q, causal=True)
+    n = len(_planner._plans)
+    for S in (5, 6, 7):
+        q = torch.randn(1, 2, S, 8)
+        ab.attention(q, q, q, causal=True)
+    assert len(_planner._plans) == n  # sequence length is not part of the signature
+
+
+# ---- defaults: use(), environment ---------------------------------------------------------------
+
+def test_use_sets_the_default_and_nests():
+    q = torch.randn(1, 1, 4, 8)
+    assert ab.explain(q, q, q).requested == "auto"
+    with ab.use("flash_attention_2") as name:
+        assert name == "flash"
+        assert ab.explain(q, q, q).requested == "flash"
+        with ab.use("sdpa"):
+            assert ab.explain(q, q, q).requested == "sdpa"
+            assert ab.explain(q, q, q, backend="math").requested == "math"  # explicit wins
+        assert ab.explain(q, q, q).requested == "flash"
+    assert ab.explain(q, q, q).requested == "auto"
+    with pytest.raises(ValueError, match="unknown backend"):
+        with ab.use("nope"):
+            pass
+
+
+def test_use_is_thread_local():
+    q = torch.randn(1, 1, 4, 8)
+    seen = {}
+    barrier = threading.Barrier(3)
+
+    def worker(name):
+        with ab.use(name):
+            barrier.wait()
+            seen[name] = ab.explain(q, q, q).requested
+            barrier.wait()
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in ("math", "sdpa", "eager")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen == {"math": "math", "sdpa": "sdpa", "eager": "eager"}
+
+
+def test_default_backend_from_the_environment():
+    code = ("import attn_backends as ab, torch\nq = torch.randn(1, 1, 4, 8)\n"
+            "print(ab.explain(q, q, q).requested)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, ATTN_BACKENDS_BACKEND="Flash-Attn"))
+    assert res.stdout.strip() == "flash", res.stderr
+
+
+# ---- registry, explain, backends ----------------------------------------------------------------
+
+def test_c_and_python_name_resolution_agree():
+    for name in _names.ALL_NAMES:
+        for typed in (name, name.upper(), name.replace("_", "-")):
+            assert _C.lookup(typed) == ab.resolve(typed)
+    assert _C.lookup("nope") is None
+
+
+def test_explain_renders_a_table():
+    q = torch.randn(2, 4, 9, 16)
+    k = torch.randn(2, 2, 9, 16)
+    p = ab.explain(q, k, k, backend="flash", causal=True, softcap=5.0)
+    text = str(p)
+    assert "requested: flash" in text and "chosen:    math (cpu " in text
+    for name in _names.CANONICAL[1:]:
+        assert f"  {name} " in text
+    assert "flash  " in text and "no: not built in this version" in text
+    assert "GQA" in text and "causal=top_left" in text and "softcap" in text
+
+
+def test_backends_lists_every_backend():
+    rows = ab.backends()
+    assert [r.name for r in rows] == list(_names.CANONICAL)
+    by = {r.name: r for r in rows}
+    assert by["math"].available and by["math"].supports_backward and "cpu" in by["math"].devices
+    assert by["eager"].available and set(by["eager"].devices) == {"cpu", "cuda", "mps", "other"}
+    assert not by["paged_attention"].available and by["paged_attention"].why_not
+    assert by["sage"].lossy and by["sageattention_pkg"].lossy
+    assert not by["sageattention_pkg"].supports_backward
+    assert by["flash"].aliases and "flash_attention_2" in by["flash"].aliases
+    for r in rows:
+        assert r.available or r.why_not, r
+
+
+def test_support_matrix_in_docs_is_generated_from_the_registry():
+    from attn_backends._report import support_matrix_markdown
+
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "backends.md")
+    with open(path) as f:
+        text = f.read()
+    assert support_matrix_markdown() in text, "docs/backends.md is stale: run python docs/generate_backends.py"
