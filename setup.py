@@ -18,6 +18,7 @@ Environment:
 """
 
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -34,7 +35,15 @@ TORCH_TARGET_VERSION = "0x020a000000000000"  # 2.10: the oldest torch one build 
 PY_LIMITED_API = "0x030A0000"  # CPython 3.10
 DEFAULT_ARCHS = "80+PTX;86;89;90a"
 
-C_FLAGS = ["-std=c11", "-O3", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+C_FLAGS = ["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-O3", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+# per-ISA kernel builds: csrc/cpu/*_<isa>.c get that ISA's flags (and FMA contraction)
+ISA_FLAGS = {
+    "_generic.c": ["-ffp-contract=fast"],
+    "_avx2.c": ["-ffp-contract=fast"] + (["-mavx2", "-mfma", "-mf16c"] if X86 else []),
+    "_avx512.c": ["-ffp-contract=fast"]
+    + (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"] if X86 else []),
+}
 CXX_FLAGS = ["-std=c++17", "-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"]
 
 
@@ -87,6 +96,7 @@ class BuildExt(build_ext):
 
         def _compile(obj, src, ext, cc_args, extra_postargs, pp_opts):
             flags = CXX_FLAGS if src.endswith(".cpp") else C_FLAGS
+            flags = flags + next((f for suffix, f in ISA_FLAGS.items() if src.endswith(suffix)), [])
             return original(obj, src, ext, cc_args, list(extra_postargs) + flags, pp_opts)
 
         compiler._compile = _compile
@@ -169,6 +179,8 @@ def extensions():
         Extension(
             "attn_backends._C",
             sources=sources,
+            # a changed header rebuilds everything: the kernels are headers included per ISA
+            depends=sorted(str(p.relative_to(ROOT)) for p in CSRC.rglob("*.h")),
             include_dirs=[str(CSRC), torch_include],
             define_macros=[("Py_LIMITED_API", PY_LIMITED_API), ("TORCH_TARGET_VERSION", TORCH_TARGET_VERSION)],
             library_dirs=[torch_lib],

@@ -21,7 +21,7 @@ from ._planner import Plan
 
 __version__ = _C.__version__
 
-__all__ = ["attention", "resolve", "backends", "explain", "use", "Plan", "BackendInfo", "__version__"]
+__all__ = ["attention", "attention_varlen", "resolve", "backends", "explain", "use", "Plan", "BackendInfo", "__version__"]
 
 Causal = Union[bool, str]
 
@@ -73,6 +73,41 @@ def attention(
     """
     return _dispatch.attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap,
                                return_lse, strict)
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    backend: Optional[str] = "auto",
+    causal: Causal = False,
+    dropout_p: float = 0.0,
+    scale: Optional[float] = None,
+    window: Optional[Tuple[int, int]] = None,
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    strict: bool = False,
+):
+    """Attention over packed variable-length sequences, as flash-attn's ``flash_attn_varlen_func``.
+
+    Args:
+        q: (total_q, Hq, D): the query rows of every sequence, one after another.
+        k: (total_k, Hkv, D); v: (total_k, Hkv, Dv).
+        cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,): sequence b is rows cu[b] .. cu[b+1].  Checked
+            on the host: start at 0, never decrease, end at the total, same batch for q and k.
+        max_seqlen_q, max_seqlen_k: upper bounds of the lengths (a longer sequence is an error).
+        Other arguments as in ``attention``; causal and window align per sequence.
+
+    Returns:
+        out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) float32, as flash-attn.
+    """
+    return _dispatch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
+                                      causal, dropout_p, scale, window, softcap, return_lse, strict)
 
 
 class BackendInfo(NamedTuple):

@@ -13,7 +13,7 @@ import torch
 
 from . import _planner, _validate
 from ._names import ID, resolve
-from ._providers import RUNNERS
+from ._providers import RUNNERS, VARLEN_RUNNERS
 
 _cuda_lib = os.path.join(os.path.dirname(__file__), "libattn_backends_cuda.so")
 _cuda_devices: dict = {}
@@ -113,3 +113,38 @@ def explain(q, k, v, backend="auto", causal=False, attn_mask=None, dropout_p=0.0
             softcap=0.0, return_lse=False, strict=False):
     _, sig = prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse)
     return _planner.build(sig)
+
+
+def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window, softcap,
+                   return_lse):
+    from . import _varlen
+
+    Tq, Hq, D, Tk, Hkv, Dv = _varlen.check_qkv(q, k, v)
+    hcu_q, hcu_k, B, len_q, len_k = _varlen.check_cu_seqlens(cu_q, cu_k, max_q, max_k, Tq, Tk)
+    causal_i = _validate.check_causal(causal)
+    wl, wr = _validate.check_window(window) if window is not None else (-1, -1)
+    scale_f = _validate.check_scale(scale, D)
+    softcap_f = _validate.check_softcap(softcap) if softcap else 0.0
+    p = _validate.check_dropout(dropout_p) if dropout_p else 0.0
+    requested = resolve(backend) if backend is not None else "auto"
+    if requested == "auto":
+        requested = _planner.default_backend()
+    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    device = q.device
+    dev = _DEVICE_IDS.get(device.type, 3)
+    cc, lib_ok = cuda_device_info(device.index)[:2] if dev == 1 else (0, 0)
+    sig = (dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, Hq != Hkv, max_q == max_k, 0, 0, causal_i,
+           wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, _deterministic(), bool(return_lse), 1,
+           _planner.settings["mps_fix"], ID[requested], _planner.CPU_ISA)
+    args = (q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal_i, scale_f, wl, wr, softcap_f, p,
+            need_grad, bool(return_lse))
+    return args, sig
+
+
+def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window, softcap,
+                     return_lse, strict):
+    args, sig = prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window,
+                               softcap, return_lse)
+    chosen = _planner.choose(sig, strict or _planner.STRICT)
+    out, lse = VARLEN_RUNNERS[chosen](*args)
+    return (out, lse) if return_lse else out

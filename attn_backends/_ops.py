@@ -29,16 +29,55 @@ def _fwd_fake(q, k, v, attn_mask, rng_state, causal, scale, window_left, window_
     return out, lse
 
 
+def grad_strides(t: torch.Tensor):
+    """The strides the kernels give a gradient (csrc/torch_shim.cpp: grad_strides): the input's
+    own when it is dense and non-overlapping, else contiguous."""
+    sizes, strides = list(t.shape), list(t.stride())
+    order = sorted((d for d in range(t.dim()) if sizes[d] != 1), key=lambda d: strides[d])
+    expect, dense = 1, t.numel() > 0
+    for d in order:
+        if strides[d] != expect:
+            dense = False
+        expect *= sizes[d]
+    if dense:
+        return tuple(strides)
+    out, s = [0] * len(sizes), 1
+    for d in reversed(range(len(sizes))):
+        out[d] = s
+        s *= max(sizes[d], 1)
+    return tuple(out)
+
+
+def _empty_grad(t):
+    return t.new_empty_strided(t.shape, grad_strides(t))
+
+
 def _bwd_fake(grad_out, q, k, v, out, lse, grad_lse, attn_mask, rng_state, causal, scale,
               window_left, window_right, softcap, dropout_p, mask_grad):
     B, Hq, Sq, _ = q.shape
     Sk = k.shape[2]
     dmask = q.new_empty((B, Hq, Sq, Sk) if mask_grad else (0,), dtype=lse_dtype(q.dtype))
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dmask
+    return _empty_grad(q), _empty_grad(k), _empty_grad(v), dmask
 
 
-torch.library.register_fake("attn_backends::math_fwd")(_fwd_fake)
-torch.library.register_fake("attn_backends::math_bwd")(_bwd_fake)
+for _kernel in ("math", "flash"):
+    torch.library.register_fake(f"attn_backends::{_kernel}_fwd")(_fwd_fake)
+    torch.library.register_fake(f"attn_backends::{_kernel}_bwd")(_bwd_fake)
+
+
+@torch.library.register_fake("attn_backends::flash_varlen_fwd")
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rng_state, causal,
+                     scale, window_left, window_right, softcap, dropout_p):
+    Tq, Hq, _ = q.shape
+    out = q.new_empty((Tq, Hq, v.shape[-1]))
+    lse = q.new_empty((Hq, Tq), dtype=lse_dtype(q.dtype))
+    return out, lse
+
+
+@torch.library.register_fake("attn_backends::flash_varlen_bwd")
+def _varlen_bwd_fake(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, rng_state, causal, scale, window_left, window_right, softcap, dropout_p):
+    return _empty_grad(q), _empty_grad(k), _empty_grad(v)
 
 
 @torch.library.register_fake("attn_backends::dropout_mask")
@@ -76,29 +115,52 @@ def _make_autograd(bwd_op):
     return setup_context, backward
 
 
-_setup, _backward = _make_autograd(ops.math_bwd.default)
-torch.library.register_autograd("attn_backends::math_fwd", _backward, setup_context=_setup)
+for _kernel in ("math", "flash"):
+    _setup, _backward = _make_autograd(getattr(ops, f"{_kernel}_bwd").default)
+    torch.library.register_autograd(f"attn_backends::{_kernel}_fwd", _backward, setup_context=_setup)
+
+
+def _make_varlen_autograd(bwd_op):
+    def setup_context(ctx, inputs, output):
+        q, k, v, cu_q, cu_k, max_q, max_k, rng_state, causal, scale, wl, wr, softcap, dropout_p = inputs
+        out, lse = output
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state)
+        ctx.args = (max_q, max_k)
+        ctx.opts = (causal, scale, wl, wr, softcap, dropout_p)
+
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse, cu_q, cu_k, rng_state = ctx.saved_tensors
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = bwd_op(grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, *ctx.args, rng_state, *ctx.opts)
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+    return setup_context, backward
+
+
+_setup, _backward = _make_varlen_autograd(ops.flash_varlen_bwd.default)
+torch.library.register_autograd("attn_backends::flash_varlen_fwd", _backward, setup_context=_setup)
 
 
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _is_compiling = torch.compiler.is_compiling
 
 
-def kernel_function(fwd_op, bwd_op):
+def kernel_function(fwd_op, bwd_op, make_autograd=_make_autograd):
     """A torch.autograd.Function running fwd_op / bwd_op, for the library's own hot path.
 
     register_autograd above makes direct torch.ops calls differentiable (and is what opcheck
     checks), but its generic wrapper costs ~100 us a call.  This Function computes the same
     gradients with a few microseconds of Python, and torch.compile traces it just as well.
     """
-    setup_context, backward = _make_autograd(bwd_op)
+    setup_context, backward = make_autograd(bwd_op)
 
     # forward takes ctx (no separate setup_context): Function.apply then skips binding the
     # arguments to the signature with inspect, which alone costs ~100 us per call.
     class KernelFunction(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, q, k, v, attn_mask, rng_state, causal, scale, wl, wr, softcap, dropout_p):
-            inputs = (q, k, v, attn_mask, rng_state, causal, scale, wl, wr, softcap, dropout_p)
+        def forward(ctx, *inputs):
             if _is_compiling():
                 output = fwd_op(*inputs)
             else:
@@ -116,3 +178,6 @@ def kernel_function(fwd_op, bwd_op):
 
 
 MathFunction = kernel_function(ops.math_fwd.default, ops.math_bwd.default)
+FlashFunction = kernel_function(ops.flash_fwd.default, ops.flash_bwd.default)
+FlashVarlenFunction = kernel_function(ops.flash_varlen_fwd.default, ops.flash_varlen_bwd.default,
+                                      _make_varlen_autograd)

@@ -44,6 +44,7 @@ def _kernel(fwd_op, function):
 
 
 run_math = _kernel(_ops.ops.math_fwd.default, _ops.MathFunction)
+run_flash = _kernel(_ops.ops.flash_fwd.default, _ops.FlashFunction)
 
 
 def run_eager(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
@@ -191,6 +192,7 @@ def run_sage_pkg(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, wa
 
 
 RUNNERS = {
+    "flash": run_flash,
     "math": run_math,
     "eager": run_eager,
     "sdpa": _sdpa(),
@@ -202,4 +204,41 @@ RUNNERS = {
     "flash_attn_pkg": run_flash_attn_pkg,
     "xformers": run_xformers,
     "sageattention_pkg": run_sage_pkg,
+}
+
+
+# ---- packed (varlen) calls ---------------------------------------------------------------------
+# Every varlen runner takes (q, k, v, cu_q, cu_k, host_cu_q, host_cu_k, len_q, len_k, max_q, max_k,
+# causal, scale, wl, wr, softcap, p, need_grad, want_lse) and returns (out (Tq, Hq, Dv), lse (Hq, Tq)).
+
+def run_flash_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal, scale, wl, wr,
+                     softcap, p, need_grad, want_lse):
+    rng = draw_rng_state() if p > 0 else None
+    args = (q, k, v, hcu_q, hcu_k, max_q, max_k, rng, causal, scale, wl, wr, softcap, p)
+    if need_grad:
+        return _ops.FlashVarlenFunction.apply(*args)
+    if _is_compiling():
+        return _ops.ops.flash_varlen_fwd.default(*args)
+    with _below_autograd():
+        return _ops.ops.flash_varlen_fwd.default(*args)
+
+
+def _padded(dense):
+    """A varlen runner from a dense one: pad, one bool mask per sequence, unpad."""
+    from . import _varlen
+
+    def run(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal, scale, wl, wr, softcap, p,
+            need_grad, want_lse):
+        qd, kd, vd = _varlen.pad(q, len_q, max_q), _varlen.pad(k, len_k, max_k), _varlen.pad(v, len_k, max_k)
+        mask = _varlen.padded_mask(len_q, len_k, max_q, max_k, causal, wl, wr, q.device)
+        out, lse = dense(qd, kd, vd, mask, 0, scale, -1, -1, softcap, p, need_grad, want_lse)
+        return _varlen.unpad(out, len_q), (_varlen.unpad_lse(lse, len_q) if lse is not None else None)
+
+    return run
+
+
+VARLEN_RUNNERS = {
+    "flash_varlen": run_flash_varlen,
+    "math": _padded(run_math),
+    "eager": _padded(run_eager),
 }

@@ -98,9 +98,15 @@ typedef enum ab_causal {
 
 /* Everything a kernel needs for one attention call, filled in one place (the shim).
  * Forward reads q, k, v, mask and writes out, lse.  Backward also reads dout, dlse (optional), out,
- * lse and writes dq, dk, dv and dmask (optional: the gradient of a float mask, (B, Hq, Sq, Sk)). */
+ * lse and writes dq, dk, dv and dmask (optional: the gradient of a float mask, (B, Hq, Sq, Sk)).
+ *
+ * Packed (varlen) calls set cu_seqlens_q/k: then q, out, dout, dq are (total_q, Hq, D|Dv), k, v,
+ * dk, dv are (total_k, Hkv, D|Dv), lse is (Hq, total_q), sequence b is rows cu[b] .. cu[b+1],
+ * Sq and Sk hold max_seqlen_q and max_seqlen_k, and there is no mask. */
 typedef struct ab_attn_params {
   int64_t B, Hq, Hkv, Sq, Sk, D, Dv;
+  const int32_t* cu_seqlens_q; /* (B + 1,) on the host; NULL for dense calls */
+  const int32_t* cu_seqlens_k;
 
   ab_tensor q;     /* (B, Hq, Sq, D) */
   ab_tensor k;     /* (B, Hkv, Sk, D) */
@@ -145,6 +151,26 @@ extern const ab_cpu_pool ab_cpu_pool_serial;
  * float64 inputs); any strides; every feature of ab_attn_params. */
 ab_status ab_math_cpu_fwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err);
 ab_status ab_math_cpu_bwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err);
+
+/* flash: the fused online-softmax kernel (FlashAttention-2 algorithm), tiled so extra memory is
+ * O(tile) in the forward; float16, bfloat16 and float32 (float32 scores and accumulation), every
+ * feature of ab_attn_params, dense or packed (varlen).  Runs the ISA path ab_cpu_isa_get() names. */
+ab_status ab_flash_cpu_fwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err);
+ab_status ab_flash_cpu_bwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err);
+
+/* Instruction-set paths of the CPU kernels; a generic C path always exists. */
+typedef enum ab_cpu_isa { AB_ISA_GENERIC = 0, AB_ISA_AVX2 = 1, AB_ISA_AVX512 = 2 } ab_cpu_isa;
+
+/* The path in use: the best this CPU and OS support, or ATTN_BACKENDS_CPU_ISA=generic|avx2|avx512
+ * (an unsupported request falls back to the best supported path). */
+ab_cpu_isa ab_cpu_isa_get(void);
+int ab_cpu_isa_supported(ab_cpu_isa isa);
+/* Switches the path for the whole process (tests run every supported path); 0 if unsupported. */
+int ab_cpu_isa_set(ab_cpu_isa isa);
+const char* ab_cpu_isa_name(ab_cpu_isa isa);
+/* Float32 flop/s of independent FMA chains on `threads` threads of the current path: the ceiling
+ * the CPU benchmarks are measured against. */
+double ab_cpu_fma_peak(double seconds, int threads);
 
 /* Writes the dropout keep-mask (1 = kept) the kernels use for (B, H, Sq, Sk), contiguous uint8. */
 ab_status ab_dropout_mask_cpu(uint64_t seed, uint64_t offset, double p, int64_t B, int64_t H,

@@ -265,7 +265,61 @@ static PyObject* ab_py_cuda_device(PyObject* self, PyObject* arg) {
                        ok ? "" : "the CUDA library was not built for this compute capability");
 }
 
+static int isa_from_name(PyObject* arg) {
+  const char* name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8AndSize(arg, NULL) : NULL;
+  if (!name) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "ISA name must be a str");
+    return -1;
+  }
+  for (int i = AB_ISA_GENERIC; i <= AB_ISA_AVX512; ++i)
+    if (strcmp(name, ab_cpu_isa_name((ab_cpu_isa)i)) == 0) return i;
+  PyErr_Format(PyExc_ValueError, "unknown CPU ISA %R; valid: generic, avx2, avx512", arg);
+  return -1;
+}
+
+/* cpu_isa() -> the path the CPU kernels use now ("generic", "avx2", "avx512"). */
+static PyObject* ab_py_cpu_isa(PyObject* self, PyObject* unused) {
+  (void)self;
+  (void)unused;
+  return PyUnicode_FromString(ab_cpu_isa_name(ab_cpu_isa_get()));
+}
+
+/* cpu_isa_supported(name) -> bool */
+static PyObject* ab_py_cpu_isa_supported(PyObject* self, PyObject* arg) {
+  (void)self;
+  int isa = isa_from_name(arg);
+  if (isa < 0) return NULL;
+  return PyBool_FromLong(ab_cpu_isa_supported((ab_cpu_isa)isa));
+}
+
+/* set_cpu_isa(name) -> bool: switches the path for the whole process (False if unsupported). */
+static PyObject* ab_py_set_cpu_isa(PyObject* self, PyObject* arg) {
+  (void)self;
+  int isa = isa_from_name(arg);
+  if (isa < 0) return NULL;
+  return PyBool_FromLong(ab_cpu_isa_set((ab_cpu_isa)isa));
+}
+
+/* fma_peak(seconds, threads) -> float32 flop/s of FMA chains on that many threads (GIL released). */
+static PyObject* ab_py_fma_peak(PyObject* self, PyObject* args) {
+  (void)self;
+  double seconds = 0.3;
+  int threads = 1;
+  if (!PyArg_ParseTuple(args, "|di", &seconds, &threads)) return NULL;
+  double rate;
+  Py_BEGIN_ALLOW_THREADS rate = ab_cpu_fma_peak(seconds, threads);
+  Py_END_ALLOW_THREADS return PyFloat_FromDouble(rate);
+}
+
 static PyMethodDef ab_methods[] = {
+    {"fma_peak", ab_py_fma_peak, METH_VARARGS,
+     "fma_peak(seconds=0.3, threads=1) -> float32 flop/s of independent FMA chains on the CPU path."},
+    {"cpu_isa", ab_py_cpu_isa, METH_NOARGS,
+     "cpu_isa() -> the instruction-set path of the CPU kernels (ATTN_BACKENDS_CPU_ISA forces one)."},
+    {"cpu_isa_supported", ab_py_cpu_isa_supported, METH_O,
+     "cpu_isa_supported(name) -> whether this CPU and OS can run that path."},
+    {"set_cpu_isa", ab_py_set_cpu_isa, METH_O,
+     "set_cpu_isa(name) -> switch the CPU kernels' path for this process; False if unsupported."},
     {"cpu_features", ab_py_cpu_features, METH_NOARGS,
      "cpu_features() -> dict: x86 ISA extensions usable by this process (CPUID and XGETBV)."},
     {"build_info", ab_py_build_info, METH_NOARGS,

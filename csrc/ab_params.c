@@ -85,6 +85,81 @@ static ab_status check_device(ab_error* err, const char* name, const ab_tensor* 
     if (s_ != AB_OK) return s_;     \
   } while (0)
 
+/* cu_seqlens (B + 1,): starts at 0, never decreases, ends at total, each length <= max_len. */
+static ab_status check_cu(ab_error* err, const char* name, const int32_t* cu, int64_t B, int64_t total,
+                          int64_t max_len) {
+  if (cu[0] != 0) return ab_error_set(err, AB_ERR_INVALID, "%s[0] must be 0, got %d", name, cu[0]);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = (int64_t)cu[b + 1] - cu[b];
+    if (len < 0)
+      return ab_error_set(err, AB_ERR_INVALID, "%s must be non-decreasing, but %s[%lld] = %d > %s[%lld] = %d",
+                          name, name, (long long)b, cu[b], name, (long long)(b + 1), cu[b + 1]);
+    if (len > max_len)
+      return ab_error_set(err, AB_ERR_INVALID, "sequence %lld has length %lld > max_seqlen %lld (%s)",
+                          (long long)b, (long long)len, (long long)max_len, name);
+  }
+  if (cu[B] != total)
+    return ab_error_set(err, AB_ERR_INVALID, "%s[-1] = %d must equal the total number of rows, %lld", name,
+                        cu[B], (long long)total);
+  return AB_OK;
+}
+
+static ab_status check_options(const ab_attn_params* p, ab_error* err) {
+  if (!isfinite(p->scale))
+    return ab_error_set(err, AB_ERR_INVALID, "scale must be finite, got %g", p->scale);
+  if (!(p->softcap >= 0.0) || !isfinite(p->softcap))
+    return ab_error_set(err, AB_ERR_INVALID, "softcap must be >= 0 and finite, got %g", p->softcap);
+  if (!(p->dropout_p >= 0.0 && p->dropout_p < 1.0))
+    return ab_error_set(err, AB_ERR_INVALID, "dropout_p must be in [0, 1), got %g", p->dropout_p);
+  if (p->window_left < -1 || p->window_right < -1)
+    return ab_error_set(err, AB_ERR_INVALID, "window values must be >= -1, got (%lld, %lld)",
+                        (long long)p->window_left, (long long)p->window_right);
+  if (p->causal != AB_CAUSAL_NONE && p->causal != AB_CAUSAL_TOP_LEFT &&
+      p->causal != AB_CAUSAL_BOTTOM_RIGHT)
+    return ab_error_set(err, AB_ERR_INVALID, "causal must be 0, 1 or 2, got %d", (int)p->causal);
+  return AB_OK;
+}
+
+/* Packed calls: q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), out (Tq, Hq, Dv), lse (Hq, Tq). */
+static ab_status check_varlen(const ab_attn_params* p, int backward, ab_error* err) {
+  const ab_dtype dt = p->q.dtype;
+  const ab_dtype lse_dt = dt == AB_DTYPE_F64 ? AB_DTYPE_F64 : AB_DTYPE_F32;
+  if (!p->cu_seqlens_k) return ab_error_set(err, AB_ERR_INVALID, "cu_seqlens_k is missing");
+  if (p->mask.ndim) return ab_error_set(err, AB_ERR_INVALID, "packed (varlen) calls take no attn_mask");
+  const int64_t Tq = p->q.ndim == 3 ? p->q.sizes[0] : -1, Tk = p->k.ndim == 3 ? p->k.sizes[0] : -1;
+  const int64_t qs[3] = {Tq, p->Hq, p->D}, ks[3] = {Tk, p->Hkv, p->D}, vs[3] = {Tk, p->Hkv, p->Dv};
+  const int64_t os[3] = {Tq, p->Hq, p->Dv}, ls[2] = {p->Hq, Tq};
+  AB_TRY(check_shape(err, "q", &p->q, 3, qs));
+  AB_TRY(check_shape(err, "k", &p->k, 3, ks));
+  AB_TRY(check_shape(err, "v", &p->v, 3, vs));
+  AB_TRY(check_dtype(err, "k", &p->k, dt));
+  AB_TRY(check_dtype(err, "v", &p->v, dt));
+  AB_TRY(check_device(err, "k", &p->k, &p->q));
+  AB_TRY(check_device(err, "v", &p->v, &p->q));
+  AB_TRY(check_shape(err, "out", &p->out, 3, os));
+  AB_TRY(check_dtype(err, "out", &p->out, dt));
+  AB_TRY(check_shape(err, "lse", &p->lse, 2, ls));
+  AB_TRY(check_dtype(err, "lse", &p->lse, lse_dt));
+  AB_TRY(check_cu(err, "cu_seqlens_q", p->cu_seqlens_q, p->B, Tq, p->Sq));
+  AB_TRY(check_cu(err, "cu_seqlens_k", p->cu_seqlens_k, p->B, Tk, p->Sk));
+  AB_TRY(check_options(p, err));
+  if (!backward) return AB_OK;
+  AB_TRY(check_shape(err, "grad_out", &p->dout, 3, os));
+  AB_TRY(check_dtype(err, "grad_out", &p->dout, dt));
+  if (p->dlse.ndim) {
+    AB_TRY(check_shape(err, "grad_lse", &p->dlse, 2, ls));
+    AB_TRY(check_dtype(err, "grad_lse", &p->dlse, lse_dt));
+  }
+  AB_TRY(check_shape(err, "dq", &p->dq, 3, qs));
+  AB_TRY(check_shape(err, "dk", &p->dk, 3, ks));
+  AB_TRY(check_shape(err, "dv", &p->dv, 3, vs));
+  AB_TRY(check_dtype(err, "dq", &p->dq, dt));
+  AB_TRY(check_dtype(err, "dk", &p->dk, dt));
+  AB_TRY(check_dtype(err, "dv", &p->dv, dt));
+  if (p->dmask.ndim) return ab_error_set(err, AB_ERR_INVALID, "packed (varlen) calls take no attn_mask");
+  return AB_OK;
+}
+
 ab_status ab_attn_params_check(const ab_attn_params* p, int backward, ab_error* err) {
   const ab_dtype dt = p->q.dtype;
   if (!ab_dtype_is_floating(dt))
@@ -97,6 +172,7 @@ ab_status ab_attn_params_check(const ab_attn_params* p, int backward, ab_error* 
     return ab_error_set(err, AB_ERR_INVALID,
                         "number of query heads (%lld) must be a multiple of key/value heads (%lld)",
                         (long long)p->Hq, (long long)p->Hkv);
+  if (p->cu_seqlens_q) return check_varlen(p, backward, err);
   const ab_dtype lse_dt = dt == AB_DTYPE_F64 ? AB_DTYPE_F64 : AB_DTYPE_F32;
   const int64_t qs[4] = {p->B, p->Hq, p->Sq, p->D};
   const int64_t ks[4] = {p->B, p->Hkv, p->Sk, p->D};
@@ -122,18 +198,7 @@ ab_status ab_attn_params_check(const ab_attn_params* p, int backward, ab_error* 
   AB_TRY(check_dtype(err, "out", &p->out, dt));
   AB_TRY(check_shape(err, "lse", &p->lse, 3, ls));
   AB_TRY(check_dtype(err, "lse", &p->lse, lse_dt));
-  if (!isfinite(p->scale))
-    return ab_error_set(err, AB_ERR_INVALID, "scale must be finite, got %g", p->scale);
-  if (!(p->softcap >= 0.0) || !isfinite(p->softcap))
-    return ab_error_set(err, AB_ERR_INVALID, "softcap must be >= 0 and finite, got %g", p->softcap);
-  if (!(p->dropout_p >= 0.0 && p->dropout_p < 1.0))
-    return ab_error_set(err, AB_ERR_INVALID, "dropout_p must be in [0, 1), got %g", p->dropout_p);
-  if (p->window_left < -1 || p->window_right < -1)
-    return ab_error_set(err, AB_ERR_INVALID, "window values must be >= -1, got (%lld, %lld)",
-                        (long long)p->window_left, (long long)p->window_right);
-  if (p->causal != AB_CAUSAL_NONE && p->causal != AB_CAUSAL_TOP_LEFT &&
-      p->causal != AB_CAUSAL_BOTTOM_RIGHT)
-    return ab_error_set(err, AB_ERR_INVALID, "causal must be 0, 1 or 2, got %d", (int)p->causal);
+  AB_TRY(check_options(p, err));
   if (!backward) return AB_OK;
 
   AB_TRY(check_shape(err, "grad_out", &p->dout, 4, os));

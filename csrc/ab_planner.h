@@ -122,8 +122,6 @@ typedef struct ab_call {
   int32_t cpu_isa;       /* ab_cpu_isa the CPU kernels run with (reported, never limiting) */
 } ab_call;
 
-/* Instruction-set paths of the CPU kernels; a generic C path always exists. */
-typedef enum ab_cpu_isa { AB_ISA_GENERIC = 0, AB_ISA_AVX2 = 1, AB_ISA_AVX512 = 2 } ab_cpu_isa;
 
 #define AB_REASON_LEN 192
 

@@ -27,6 +27,10 @@
 #define FULL                                                                                   \
   (MASKS | AB_F_MASK_GRAD | CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_DROPOUT | AB_F_BACKWARD | \
    AB_F_DETERMINISTIC | AB_F_LSE | AB_F_GQA | AB_F_DV | AB_F_DENSE)
+/* packed sequences (flash-attn's varlen functions): no attn_mask */
+#define VARLEN_F                                                                              \
+  (CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_DROPOUT | AB_F_BACKWARD | AB_F_DETERMINISTIC |  \
+   AB_F_LSE | AB_F_GQA | AB_F_DV | AB_F_VARLEN)
 /* torch SDPA: bottom-right causal and windows are passed as an explicit bool mask */
 #define SDPA_F                                                                                \
   (MASKS | AB_F_MASK_GRAD | CAUSAL | AB_F_WINDOW | AB_F_DROPOUT | AB_F_BACKWARD |              \
@@ -52,13 +56,13 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
                              "kernels_community/flash_attn", "kernels_community/flash_attn3",
                              "kernels_community/vllm_flash_attn3"),
                      AB_KIND_BUNDLED, "fused online-softmax kernel (FlashAttention-2 algorithm)", 0, 0,
-                     {NONE(NOT_BUILT), NONE(NOT_BUILT), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
+                     {CAPS(NO_F64, FULL), NONE(NOT_BUILT), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
     [AB_BK_FLASH_VARLEN] = {"flash_varlen",
                             ALIASES("varlen", "flash_attn_varlen", "flash_attn_varlen_func",
                                     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
                                     "_flash_varlen_3", "flash_varlen_hub", "_flash_3_varlen_hub"),
                             AB_KIND_BUNDLED, "flash over packed variable-length sequences", 0, 0,
-                            {NONE(NOT_BUILT), NONE(NOT_BUILT), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
+                            {CAPS(NO_F64, VARLEN_F), NONE(NOT_BUILT), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
     [AB_BK_SAGE] = {"sage",
                     ALIASES("sage_varlen", "sage_hub", "sageattention", "sage_attention", "sageattn",
                             "sageattn_varlen", "_sage_qk_int8_pv_fp16_cuda",
@@ -70,13 +74,15 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
                     {NONE(NOT_BUILT), NONE(NOT_BUILT), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
     [AB_BK_MATH] = {"math", ALIASES("manual", "reference", "math_reference"), AB_KIND_BUNDLED,
                     "exact reference kernel (float32 scores and accumulation)", 0, 0,
-                    {CAPS(ALL_DT, FULL),
-                     CAPS_D(ALL_DT, FULL & ~(AB_F_BACKWARD | AB_F_MASK_GRAD), 0, 0, 0, 80, 1),
+                    /* packed (varlen) calls are padded to dense ones in Python */
+                    {CAPS(ALL_DT, FULL | AB_F_VARLEN),
+                     CAPS_D(ALL_DT, (FULL | AB_F_VARLEN) & ~(AB_F_BACKWARD | AB_F_MASK_GRAD), 0, 0, 0, 80, 1),
                      NONE("no kernel for MPS (eager runs the aten composite there)"),
                      NONE("no kernel for this device (eager runs the aten composite there)")}},
     [AB_BK_EAGER] = {"eager", ALIASES("eager_attention"), AB_KIND_BUNDLED,
                      "universal fallback: the math kernel where we have one, else aten ops", 0, 0,
-                     {CAPS(ALL_DT, FULL), CAPS(ALL_DT, FULL), CAPS(NO_F64, FULL), CAPS(ALL_DT, FULL)}},
+                     {CAPS(ALL_DT, FULL | AB_F_VARLEN), CAPS(ALL_DT, FULL | AB_F_VARLEN),
+                      CAPS(NO_F64, FULL | AB_F_VARLEN), CAPS(ALL_DT, FULL | AB_F_VARLEN)}},
     [AB_BK_SDPA] = {"sdpa", ALIASES("native", "torch", "torch_sdpa", "scaled_dot_product_attention",
                                     "pytorch", "_native_npu", "_native_xla"),
                     AB_KIND_TORCH, "torch.nn.functional.scaled_dot_product_attention, its choice", 0, 1,

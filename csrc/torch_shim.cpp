@@ -8,9 +8,10 @@
 // What it must not do: compute anything.  Every kernel lives in the C core or the CUDA library.
 //
 // Ops (schemas below; Python registers fake kernels and autograd in attn_backends/_ops.py):
-//   math_fwd      -> (out (B, Hq, Sq, Dv), lse (B, Hq, Sq))
-//   math_bwd      -> (dq, dk, dv, dmask)
-//   dropout_mask  -> the keep-mask the kernels draw, for tests
+//   math_fwd, flash_fwd          -> (out (B, Hq, Sq, Dv), lse (B, Hq, Sq))
+//   math_bwd, flash_bwd          -> (dq, dk, dv, dmask)
+//   flash_varlen_fwd / _bwd      packed sequences: out (Tq, Hq, Dv), lse (Hq, Tq); (dq, dk, dv)
+//   dropout_mask                 the keep-mask the kernels draw, for tests
 #include <dlfcn.h>
 
 #include <optional>
@@ -257,10 +258,41 @@ ab_attn_params make_params(const Tensor& q, const Tensor& k, const Tensor& v,
   return p;
 }
 
-std::tuple<Tensor, Tensor> math_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                    std::optional<Tensor> mask, std::optional<Tensor> rng,
-                                    int64_t causal, double scale, int64_t window_left,
-                                    int64_t window_right, double softcap, double dropout_p) {
+enum class Kernel { kMath, kFlash };
+
+const char* kernel_name(Kernel k) { return k == Kernel::kMath ? "math" : "flash"; }
+
+// Runs a forward kernel on the device of q: the C core on CPU, the CUDA library on CUDA.
+void run_fwd(Kernel kernel, ab_attn_params& p) {
+  ab_error err{};
+  if (p.q.device == AB_DEVICE_CPU) {
+    ab_cpu_pool pool = torch_pool();
+    check(kernel == Kernel::kMath ? ab_math_cpu_fwd(&p, &pool, &err) : ab_flash_cpu_fwd(&p, &pool, &err), err);
+  } else if (p.q.device == AB_DEVICE_CUDA && kernel == Kernel::kMath) {
+    const ab_cuda_api* api = cuda_api();
+    torch::stable::accelerator::DeviceGuard guard(p.q.device_index);
+    check(api->math_fwd(&p, current_cuda_stream(p.q.device_index), &err), err);
+  } else {
+    fail(std::string(kernel_name(kernel)) + " has no forward kernel for this device");
+  }
+}
+
+void run_bwd(Kernel kernel, ab_attn_params& p) {
+  ab_error err{};
+  if (p.q.device == AB_DEVICE_CPU) {
+    ab_cpu_pool pool = torch_pool();
+    check(kernel == Kernel::kMath ? ab_math_cpu_bwd(&p, &pool, &err) : ab_flash_cpu_bwd(&p, &pool, &err), err);
+  } else {
+    fail(std::string(kernel_name(kernel)) + " has no backward kernel for this device yet");
+  }
+}
+
+// Dense forward: out (B, Hq, Sq, Dv) stored (B, Sq, Hq, Dv), lse (B, Hq, Sq).
+template <Kernel K>
+std::tuple<Tensor, Tensor> dense_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                     std::optional<Tensor> mask, std::optional<Tensor> rng,
+                                     int64_t causal, double scale, int64_t window_left,
+                                     int64_t window_right, double softcap, double dropout_p) {
   ab_attn_params p = make_params(q, k, v, mask, rng, causal, scale, window_left, window_right,
                                  softcap, dropout_p);
   // out is laid out (B, Sq, Hq, Dv) in memory and returned as a (B, Hq, Sq, Dv) view, so the usual
@@ -273,21 +305,12 @@ std::tuple<Tensor, Tensor> math_fwd(const Tensor& q, const Tensor& k, const Tens
   Tensor lse = empty_strided(q, lse_sizes, contiguous_strides(lse_sizes), lse_dtype(q));
   p.out = view_of(out, "out");
   p.lse = view_of(lse, "lse");
-  ab_error err{};
-  if (p.q.device == AB_DEVICE_CPU) {
-    ab_cpu_pool pool = torch_pool();
-    check(ab_math_cpu_fwd(&p, &pool, &err), err);
-  } else if (p.q.device == AB_DEVICE_CUDA) {
-    const ab_cuda_api* api = cuda_api();
-    torch::stable::accelerator::DeviceGuard guard(p.q.device_index);
-    check(api->math_fwd(&p, current_cuda_stream(p.q.device_index), &err), err);
-  } else {
-    fail("math_fwd has kernels for CPU and CUDA tensors only");
-  }
+  run_fwd(K, p);
   return std::make_tuple(out, lse);
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> math_bwd(
+template <Kernel K>
+std::tuple<Tensor, Tensor, Tensor, Tensor> dense_bwd(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, std::optional<Tensor> grad_lse, std::optional<Tensor> mask,
     std::optional<Tensor> rng, int64_t causal, double scale, int64_t window_left,
@@ -311,14 +334,84 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> math_bwd(
   p.dk = view_of(dk, "dk");
   p.dv = view_of(dv, "dv");
   if (mask_grad) p.dmask = view_of(dmask, "grad_mask");
-  ab_error err{};
-  if (p.q.device == AB_DEVICE_CPU) {
-    ab_cpu_pool pool = torch_pool();
-    check(ab_math_cpu_bwd(&p, &pool, &err), err);
-  } else {
-    fail("math_bwd has a kernel for CPU tensors only (the CUDA backward is not built yet)");
-  }
+  run_bwd(K, p);
   return std::make_tuple(dq, dk, dv, dmask);
+}
+
+// Packed (varlen) calls: q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), cu_seqlens int32 (B + 1,)
+// on the CPU.  out (Tq, Hq, Dv), lse (Hq, Tq), as flash-attn's varlen functions.
+ab_attn_params make_varlen_params(const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& cu_q, const Tensor& cu_k, int64_t max_q,
+                                  int64_t max_k, const std::optional<Tensor>& rng, int64_t causal,
+                                  double scale, int64_t wl, int64_t wr, double softcap,
+                                  double dropout_p) {
+  if (q.dim() != 3 || k.dim() != 3 || v.dim() != 3)
+    fail("varlen q, k and v must be 3-D: (total_q, Hq, D), (total_k, Hkv, D), (total_k, Hkv, Dv)");
+  for (const Tensor* cu : {&cu_q, &cu_k})
+    if (!cu->is_cpu() || cu->scalar_type() != ScalarType::Int || cu->dim() != 1 || cu->size(0) < 1 ||
+        cu->stride(0) != 1)
+      fail("cu_seqlens must be contiguous CPU int32 tensors of shape (B + 1,)");
+  if (cu_q.size(0) != cu_k.size(0)) fail("cu_seqlens_q and cu_seqlens_k must have the same length");
+  ab_attn_params p{};
+  p.B = cu_q.size(0) - 1;
+  p.Hq = q.size(1);
+  p.D = q.size(2);
+  p.Hkv = k.size(1);
+  p.Dv = v.size(2);
+  p.Sq = max_q;
+  p.Sk = max_k;
+  p.cu_seqlens_q = static_cast<const int32_t*>(cu_q.data_ptr());
+  p.cu_seqlens_k = static_cast<const int32_t*>(cu_k.data_ptr());
+  p.q = view_of(q, "q");
+  p.k = view_of(k, "k");
+  p.v = view_of(v, "v");
+  p.causal = static_cast<ab_causal>(causal);
+  p.scale = scale;
+  p.window_left = wl;
+  p.window_right = wr;
+  p.softcap = softcap;
+  p.dropout_p = dropout_p;
+  read_rng(rng, dropout_p, p);
+  return p;
+}
+
+std::tuple<Tensor, Tensor> flash_varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                            const Tensor& cu_q, const Tensor& cu_k, int64_t max_q,
+                                            int64_t max_k, std::optional<Tensor> rng, int64_t causal,
+                                            double scale, int64_t wl, int64_t wr, double softcap,
+                                            double dropout_p) {
+  ab_attn_params p = make_varlen_params(q, k, v, cu_q, cu_k, max_q, max_k, rng, causal, scale, wl, wr,
+                                        softcap, dropout_p);
+  std::vector<int64_t> out_sizes{q.size(0), p.Hq, p.Dv};
+  Tensor out = empty_strided(q, out_sizes, contiguous_strides(out_sizes), aoti_dtype(q.scalar_type()));
+  std::vector<int64_t> lse_sizes{p.Hq, q.size(0)};
+  Tensor lse = empty_strided(q, lse_sizes, contiguous_strides(lse_sizes), lse_dtype(q));
+  p.out = view_of(out, "out");
+  p.lse = view_of(lse, "lse");
+  run_fwd(Kernel::kFlash, p);
+  return std::make_tuple(out, lse);
+}
+
+std::tuple<Tensor, Tensor, Tensor> flash_varlen_bwd(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, std::optional<Tensor> grad_lse, const Tensor& cu_q, const Tensor& cu_k,
+    int64_t max_q, int64_t max_k, std::optional<Tensor> rng, int64_t causal, double scale,
+    int64_t wl, int64_t wr, double softcap, double dropout_p) {
+  ab_attn_params p = make_varlen_params(q, k, v, cu_q, cu_k, max_q, max_k, rng, causal, scale, wl, wr,
+                                        softcap, dropout_p);
+  p.out = view_of(out, "out");
+  p.lse = view_of(lse, "lse");
+  p.dout = view_of(grad_out, "grad_out");
+  if (grad_lse.has_value()) p.dlse = view_of(*grad_lse, "grad_lse");
+  const int32_t dt = aoti_dtype(q.scalar_type());
+  Tensor dq = empty_strided(q, sizes_of(q), grad_strides(q), dt);
+  Tensor dk = empty_strided(k, sizes_of(k), grad_strides(k), dt);
+  Tensor dv = empty_strided(v, sizes_of(v), grad_strides(v), dt);
+  p.dq = view_of(dq, "dq");
+  p.dk = view_of(dk, "dk");
+  p.dv = view_of(dv, "dv");
+  run_bwd(Kernel::kFlash, p);
+  return std::make_tuple(dq, dk, dv);
 }
 
 Tensor dropout_mask(const Tensor& rng, int64_t B, int64_t H, int64_t Sq, int64_t Sk,
@@ -344,26 +437,43 @@ extern "C" ab_shim_info ab_shim_info_get(void) {
                       static_cast<uint64_t>(TORCH_ABI_VERSION)};
 }
 
+#define AB_DENSE_FWD_ARGS                                                                  \
+  "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? rng_state, int causal, float scale, " \
+  "int window_left, int window_right, float softcap, float dropout_p) -> (Tensor out, Tensor lse)"
+#define AB_DENSE_BWD_ARGS                                                                      \
+  "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse, "      \
+  "Tensor? attn_mask, Tensor? rng_state, int causal, float scale, int window_left, "               \
+  "int window_right, float softcap, float dropout_p, bool mask_grad) "                              \
+  "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)"
+
 STABLE_TORCH_LIBRARY(attn_backends, m) {
+  m.def("math_fwd" AB_DENSE_FWD_ARGS);
+  m.def("math_bwd" AB_DENSE_BWD_ARGS);
+  m.def("flash_fwd" AB_DENSE_FWD_ARGS);
+  m.def("flash_bwd" AB_DENSE_BWD_ARGS);
   m.def(
-      "math_fwd(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? rng_state, int causal, "
-      "float scale, int window_left, int window_right, float softcap, float dropout_p) "
-      "-> (Tensor out, Tensor lse)");
+      "flash_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, Tensor? rng_state, int causal, float scale, "
+      "int window_left, int window_right, float softcap, float dropout_p) -> (Tensor out, Tensor lse)");
   m.def(
-      "math_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor? grad_lse, Tensor? attn_mask, Tensor? rng_state, int causal, float scale, "
-      "int window_left, int window_right, float softcap, float dropout_p, bool mask_grad) "
-      "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)");
+      "flash_varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor? grad_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
+      "int max_seqlen_k, Tensor? rng_state, int causal, float scale, int window_left, "
+      "int window_right, float softcap, float dropout_p) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("dropout_mask(Tensor rng_state, int B, int H, int Sq, int Sk, float dropout_p) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(attn_backends, CPU, m) {
-  m.impl("math_fwd", TORCH_BOX(&math_fwd));
-  m.impl("math_bwd", TORCH_BOX(&math_bwd));
+  m.impl("math_fwd", TORCH_BOX(&dense_fwd<Kernel::kMath>));
+  m.impl("math_bwd", TORCH_BOX(&dense_bwd<Kernel::kMath>));
+  m.impl("flash_fwd", TORCH_BOX(&dense_fwd<Kernel::kFlash>));
+  m.impl("flash_bwd", TORCH_BOX(&dense_bwd<Kernel::kFlash>));
+  m.impl("flash_varlen_fwd", TORCH_BOX(&flash_varlen_fwd));
+  m.impl("flash_varlen_bwd", TORCH_BOX(&flash_varlen_bwd));
   m.impl("dropout_mask", TORCH_BOX(&dropout_mask));
 }
 
 STABLE_TORCH_LIBRARY_IMPL(attn_backends, CUDA, m) {
-  m.impl("math_fwd", TORCH_BOX(&math_fwd));
-  m.impl("math_bwd", TORCH_BOX(&math_bwd));
+  m.impl("math_fwd", TORCH_BOX(&dense_fwd<Kernel::kMath>));
+  m.impl("math_bwd", TORCH_BOX(&dense_bwd<Kernel::kMath>));
 }

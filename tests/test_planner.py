@@ -33,11 +33,17 @@ def plan(device=CPU, cc=0, lib=1, dtype="float32", D=64, Dv=None, gqa=0, square=
 
 @pytest.mark.parametrize("isa", [0, 1, 2], ids=["generic", "avx2", "avx512"])
 def test_cpu_auto_uses_our_kernels_whatever_the_isa(isa):
-    p = plan(device=CPU, isa=isa, need_grad=1, mask=1, causal=2, window=1, softcap=1, dropout=1, want_lse=1)
-    assert p.chosen == "math"
-    assert p.reasons["flash"] == "not built in this version"
+    p = plan(device=CPU, isa=isa, need_grad=1, mask=2, mask_grad=1, causal=2, window=1, softcap=1, dropout=1,
+             want_lse=1, gqa=1, Dv=40)
+    assert p.chosen == "flash"
     assert p.path == "cpu " + ("generic", "avx2", "avx512")[isa]
-    assert p.order[: len(("flash", "flash_varlen", "math", "eager"))] == ("flash", "flash_varlen", "math", "eager")
+    assert p.order == ("flash", "flash_varlen", "math", "eager")
+    # float64 is math's; packed sequences are flash_varlen's
+    assert plan(device=CPU, isa=isa, dtype="float64").chosen == "math"
+    assert "no float64 support" in plan(device=CPU, isa=isa, dtype="float64").reasons["flash"]
+    p = plan(device=CPU, isa=isa, varlen=1, causal=2, need_grad=1)
+    assert p.chosen == "flash_varlen" and "packed" in p.reasons["flash"]
+    assert "no bool attn_mask" in plan(device=CPU, varlen=1, mask=1, requested="flash_varlen").reasons["flash_varlen"]
 
 
 @pytest.mark.parametrize("cc", [61, 75])
@@ -140,8 +146,10 @@ def test_named_backend_chains():
     assert plan(requested="_native_efficient").order[:2] == ("_native_efficient", "sdpa")
     assert plan(requested="_native_efficient").chosen == "sdpa"
     assert plan(requested="flex", dropout=1).chosen == "sdpa"
-    assert plan(requested="sdpa", softcap=1).chosen == "math"  # CPU: on to our kernels
-    assert plan(requested="paged_attention").chosen == "math"
+    assert plan(requested="sdpa", softcap=1).chosen == "flash"  # CPU: on to our kernels
+    assert plan(requested="paged_attention").chosen == "flash"
+    assert plan(requested="sage", need_grad=1).order[:3] == ("sage", "flash", "flash_varlen")
+    assert plan(requested="flash_varlen").chosen == "flash"  # a dense call named for varlen
     assert plan(requested="eager", softcap=1, dropout=1, mask=2).chosen == "eager"
 
 
@@ -190,7 +198,7 @@ def test_strict_raises_for_names_that_cannot_serve(name, gen):
 def test_strict_from_the_environment():
     code = ("import attn_backends as ab, torch\n"
             "q = torch.randn(1, 1, 4, 8)\n"
-            "try:\n    ab.attention(q, q, q, backend='flash')\nexcept RuntimeError as e:\n    print('raised')\n")
+            "try:\n    ab.attention(q, q, q, backend='paged_attention')\nexcept RuntimeError as e:\n    print('raised')\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, ATTN_BACKENDS_STRICT="1"))
     assert "raised" in res.stdout, res.stderr
@@ -201,12 +209,12 @@ def test_one_warning_per_requested_chosen_reason(caplog):
     caplog.set_level(logging.INFO, logger="attn_backends")
     q = torch.randn(1, 2, 5, 8)
     for _ in range(3):
-        ab.attention(q, q, q, backend="flash")
-    ab.attention(q, q, q[..., :4], backend="flash")  # another signature, same (requested, chosen, reason)
+        ab.attention(q, q, q, backend="paged_attention")
+    ab.attention(q, q, q[..., :4], backend="paged_attention")  # another signature, same (requested, chosen, reason)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     infos = [r for r in caplog.records if r.levelno == logging.INFO]
     assert len(warnings) == 1
-    assert len(infos) == 2 and all("math serves" in r.getMessage() for r in infos)
+    assert len(infos) == 2 and all("flash serves" in r.getMessage() for r in infos)
 
 
 def test_plans_are_cached_by_signature():
@@ -276,12 +284,13 @@ def test_c_and_python_name_resolution_agree():
 def test_explain_renders_a_table():
     q = torch.randn(2, 4, 9, 16)
     k = torch.randn(2, 2, 9, 16)
-    p = ab.explain(q, k, k, backend="flash", causal=True, softcap=5.0)
+    p = ab.explain(q.double(), k.double(), k.double(), backend="flash", causal=True, softcap=5.0)
     text = str(p)
     assert "requested: flash" in text and "chosen:    math (cpu " in text
     for name in _names.CANONICAL[1:]:
         assert f"  {name} " in text
-    assert "flash  " in text and "no: not built in this version" in text
+    assert "no: no float64 support here (supports float16, bfloat16, float32)" in text
+    assert "no: not built in this version" in text  # paged_attention
     assert "GQA" in text and "causal=top_left" in text and "softcap" in text
 
 

@@ -36,12 +36,13 @@ def _dead_row_setups(B, H, Sq, Sk):
 
 
 @pytest.mark.parametrize("kind", ["bool", "float", "bottom_right"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_zero_grad(kind, dtype):
+@pytest.mark.parametrize("backend, dtype", [("math", torch.float32), ("math", torch.bfloat16), ("math", torch.float64),
+                                            ("flash", torch.float32), ("flash", torch.bfloat16)])  # flash: no float64
+def test_fully_masked_rows_give_zero_output_minus_inf_lse_and_zero_grad(backend, kind, dtype):
     B, H, Sq, Sk, D = 2, 3, 9, 5, 16
     opts, dead = _dead_row_setups(B, H, Sq, Sk)[kind]
     q, k, v = (torch.randn(B, H, s, D, dtype=dtype, requires_grad=True) for s in (Sq, Sk, Sk))
-    out, lse = attn(q, k, v, return_lse=True, **opts)
+    out, lse = attn(q, k, v, return_lse=True, backend=backend, strict=True, **opts)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
     assert torch.all(out[:, :, dead] == 0)
     assert torch.all(lse[:, :, dead] == -math.inf)
@@ -73,27 +74,28 @@ def test_window_past_the_last_key_masks_rows():
     ],
     ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()),
 )
-def test_empty_shapes(shape):
+@pytest.mark.parametrize("backend", ["math", "flash"])
+def test_empty_shapes(shape, backend):
     B, Hq, Hkv, Sq, Sk, D, Dv = shape["B"], shape["Hq"], shape["Hkv"], shape["Sq"], shape["Sk"], 8, 6
     q = torch.randn(B, Hq, Sq, D, requires_grad=True)
     k = torch.randn(B, Hkv, Sk, D, requires_grad=True)
     v = torch.randn(B, Hkv, Sk, Dv, requires_grad=True)
-    out, lse = attn(q, k, v, return_lse=True)
+    out, lse = attn(q, k, v, return_lse=True, backend=backend, strict=True)
     assert out.shape == (B, Hq, Sq, Dv) and lse.shape == (B, Hq, Sq)
     if Sk == 0:
         assert torch.all(out == 0) and torch.all(lse == -math.inf)
     out.sum().backward()
     assert q.grad.shape == q.shape and k.grad.shape == k.shape and v.grad.shape == v.shape
-    assert torch.all(q.grad == 0)
+    assert torch.all(q.grad == 0) and torch.all(k.grad == 0) and torch.all(v.grad == 0)
 
 
 # ---- lse ---------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_gradient_through_lse(dtype, gen):
+@pytest.mark.parametrize("backend, dtype", [("math", torch.float32), ("math", torch.float64), ("flash", torch.float32)])
+def test_gradient_through_lse(backend, dtype, gen):
     case = Case(B=2, Hq=4, Hkv=2, Sq=13, Sk=21, D=24, dtype=dtype, causal="bottom_right", mask="bool_rows")
     q, k, v, mask = make_inputs(case, requires_grad=True, generator=gen)
-    out, lse = attn(q, k, v, causal=case.causal, attn_mask=mask, return_lse=True)
+    out, lse = attn(q, k, v, causal=case.causal, attn_mask=mask, return_lse=True, backend=backend, strict=True)
     w = torch.randn(lse.shape, generator=gen, dtype=dtype)
     live = torch.isfinite(lse)
 
@@ -121,13 +123,14 @@ def test_lse_dtype_is_float32_or_float64():
 
 # ---- float mask gradients ----------------------------------------------------------------------
 
+@pytest.mark.parametrize("backend", ["math", "flash"])
 @pytest.mark.parametrize("mask_shape", [(2, 4, 7, 11), (1, 4, 7, 11), (7, 11), (2, 1, 1, 11)])
-def test_float_mask_gradient(mask_shape, gen):
+def test_float_mask_gradient(mask_shape, backend, gen):
     q = torch.randn(2, 4, 7, 16, generator=gen, requires_grad=True)
     k = torch.randn(2, 2, 11, 16, generator=gen, requires_grad=True)
     v = torch.randn(2, 2, 11, 16, generator=gen, requires_grad=True)
     bias = torch.randn(mask_shape, generator=gen, requires_grad=True)
-    out = attn(q, k, v, attn_mask=bias, causal=True, softcap=4.0)
+    out = attn(q, k, v, attn_mask=bias, causal=True, softcap=4.0, backend=backend, strict=True)
     g = torch.randn(out.shape, generator=gen)
     ours = torch.autograd.grad(out, (q, k, v, bias), g)
     leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
@@ -150,14 +153,15 @@ def _keep_mask_for_next_call(seed, B, H, Sq, Sk, p):
     return ops.dropout_mask(rng, B, H, Sq, Sk, p)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("backend, dtype", [("math", torch.float32), ("math", torch.bfloat16), ("math", torch.float64),
+                                            ("flash", torch.float32), ("flash", torch.bfloat16)])
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_dropout_output_and_gradients_replay_the_same_mask(dtype, p, gen):
+def test_dropout_output_and_gradients_replay_the_same_mask(backend, dtype, p, gen):
     case = Case(B=2, Hq=4, Hkv=2, Sq=19, Sk=37, D=24, dtype=dtype, causal=True, mask="float_rows")
     q, k, v, mask = make_inputs(case, requires_grad=True, generator=gen)
     keep = _keep_mask_for_next_call(1234, case.B, case.Hq, case.Sq, case.Sk, p)
     torch.manual_seed(1234)
-    out = attn(q, k, v, causal=True, attn_mask=mask, dropout_p=p)
+    out = attn(q, k, v, causal=True, attn_mask=mask, dropout_p=p, backend=backend, strict=True)
     g = torch.randn(out.shape, generator=gen, dtype=torch.float32).to(dtype)
     ours = torch.autograd.grad(out, (q, k, v), g)
     opts = dict(causal=True, attn_mask=mask, keep=keep, dropout_p=p)
@@ -296,12 +300,15 @@ def test_results_do_not_depend_on_thread_count():
         assert torch.equal(a, b)
 
 
-def test_inputs_are_never_modified(gen):
+@pytest.mark.parametrize("backend", ["math", "flash", "eager", "sdpa"])
+def test_inputs_are_never_modified(backend, gen):
     case = Case(B=2, Hq=4, Hkv=2, Sq=11, Sk=11, D=16, mask="float_rows", layout="bshd")
     q, k, v, mask = make_inputs(case, requires_grad=True, generator=gen)
     mask.requires_grad_(True)
     before = [t.detach().clone() for t in (q, k, v, mask)]
-    out, lse = attn(q, k, v, attn_mask=mask, causal=True, softcap=2.0, dropout_p=0.2, return_lse=True)
+    softcap = 0.0 if backend == "sdpa" else 2.0
+    out = attn(q, k, v, attn_mask=mask, causal=True, softcap=softcap, dropout_p=0.2, backend=backend)
+    lse = torch.zeros(1)
     (out.sum() + lse[torch.isfinite(lse)].sum()).backward()
     for a, b in zip(before, (q, k, v, mask)):
         assert torch.equal(a, b.detach())

@@ -42,6 +42,8 @@ static int empty_call(const ab_attn_params* p) {
 }
 
 ab_status ab_math_cpu_fwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {
+  if (p->cu_seqlens_q)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "math takes dense calls (pad packed sequences first)");
   ab_status st = ab_attn_params_check(p, 0, err);
   if (st != AB_OK) return st;
   if (p->q.device != AB_DEVICE_CPU)
@@ -51,6 +53,8 @@ ab_status ab_math_cpu_fwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_e
 }
 
 ab_status ab_math_cpu_bwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {
+  if (p->cu_seqlens_q)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "math takes dense calls (pad packed sequences first)");
   ab_status st = ab_attn_params_check(p, 1, err);
   if (st != AB_OK) return st;
   if (p->q.device != AB_DEVICE_CPU)

@@ -224,6 +224,8 @@ ab_status launch(const ab_attn_params* p, cudaStream_t stream, ab_error* err) {
 }  // namespace
 
 extern "C" ab_status ab_cuda_math_fwd(const ab_attn_params* p, void* stream, ab_error* err) {
+  if (p->cu_seqlens_q)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "math takes dense calls (pad packed sequences first)");
   ab_status st = ab_attn_params_check(p, 0, err);
   if (st != AB_OK) return st;
   if (p->B == 0 || p->Hq == 0 || p->Sq == 0) return AB_OK;

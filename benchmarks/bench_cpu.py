@@ -1,0 +1,154 @@
+"""CPU benchmark: our flash vs torch SDPA, interleaved in one run.
+
+Forward and forward+backward, float32 and bfloat16, D in {64, 128}, causal and not, S in
+{512, 1024, 2048, 4096} with B=4 H=16 (override with flags).  Each round times every candidate
+once, in turn, so machine drift hits all of them alike; the table shows medians over rounds,
+GFLOP/s (4 B H S^2 D forward, half with causal; backward 2.5x forward) and ratio = torch / ours
+(> 1: ours is faster).  A measurement of this CPU's FMA peak (an AVX-512/AVX2 loop of independent
+FMAs on every thread, run between rounds) puts GFLOP/s in proportion.
+
+    python benchmarks/bench_cpu.py --json benchmarks/results/cpu.json
+    python benchmarks/bench_cpu.py --quick                         # S=2048 only, fewer rounds
+    python benchmarks/bench_cpu.py --memory                        # forward peak memory at S=16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attn_backends as ab
+
+
+def flops(B, H, S, D, causal, bwd):
+    f = 4.0 * B * H * S * S * D / (2 if causal else 1)
+    return f * (3.5 if bwd else 1.0)
+
+
+def fma_peak_gflops() -> float:
+    """This CPU's float32 FMA peak: independent FMA chains on every thread torch uses, in C on the
+    same ISA path as the kernels (ab_cpu_fma_peak); best of three."""
+    return max(ab._C.fma_peak(0.3, torch.get_num_threads()) for _ in range(3)) / 1e9
+
+
+def run_case(B, H, S, D, dtype, causal, bwd, rounds):
+    q, k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=bwd) for _ in range(3))
+    g = torch.randn(B, H, S, D, dtype=dtype)
+
+    def ours():
+        out = ab.attention(q, k, v, causal=causal, backend="flash", strict=True)
+        if bwd:
+            out.backward(g)
+
+    def theirs():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        if bwd:
+            out.backward(g)
+
+    fns = {"ours": ours, "torch": theirs}
+    for fn in fns.values():  # warm-up
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if bwd:
+                for t in (q, k, v):
+                    t.grad = None
+            gc.collect()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def peak_memory_forward(S=16384, D=128, H=1, dtype=torch.float32):
+    """Peak resident memory of one flash forward at length S, minus what inputs and outputs take.
+    Runs in a fresh process so earlier allocations do not hide the peak."""
+    import subprocess
+
+    code = f"""
+import resource, torch, attn_backends as ab
+q, k, v = (torch.randn(1, {H}, {S}, {D}, dtype={dtype}) for _ in range(3))
+out = torch.empty_like(q)  # the output's memory, touched now so it counts in the baseline
+out.fill_(0)
+lse = torch.empty(1, {H}, {S}); lse.fill_(0)
+del out, lse
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+out = ab.attention(q, k, v, backend="flash", strict=True)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(base, peak)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    base, peak = (int(x) for x in res.stdout.split())
+    io_bytes = (3 + 1) * H * S * D * torch.finfo(dtype).bits // 8 + H * S * 4
+    return dict(S=S, D=D, H=H, dtype=str(dtype).replace("torch.", ""), io_mib=io_bytes / 2**20,
+                extra_mib=(peak - base) / 1024)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="CPU flash vs torch SDPA")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seqlens", default="512,1024,2048,4096")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--passes", default="fwd,fwd+bwd")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="S=2048 only, 3 rounds")
+    ap.add_argument("--memory", action="store_true", help="also measure forward peak memory at S=16384")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seqlens, args.rounds = "2048", 3
+    peak = fma_peak_gflops()
+    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+          f"attn_backends {ab.__version__} ({ab._C.cpu_isa()} path); FMA peak {peak:.0f} GFLOP/s")
+    head = f"{'pass':<9}{'dtype':<9}{'D':>4}{'S':>6} {'causal':<7}{'ours ms':>9}{'torch ms':>10}{'ours GF/s':>11}" \
+           f"{'torch GF/s':>11}{'% peak':>8}{'ratio':>7}"
+    print(head)
+    rows = []
+    for pas in args.passes.split(","):
+        bwd = pas == "fwd+bwd"
+        for dt_name in args.dtypes.split(","):
+            dtype = getattr(torch, dt_name)
+            for D in (int(x) for x in args.dims.split(",")):
+                for S in (int(x) for x in args.seqlens.split(",")):
+                    for causal in (False, True):
+                        t = run_case(args.batch, args.heads, S, D, dtype, causal, bwd, args.rounds)
+                        fl = flops(args.batch, args.heads, S, D, causal, bwd)
+                        row = dict(pass_=pas, dtype=dt_name, D=D, S=S, causal=causal, ours_ms=t["ours"] * 1e3,
+                                   torch_ms=t["torch"] * 1e3, ours_gflops=fl / t["ours"] / 1e9,
+                                   torch_gflops=fl / t["torch"] / 1e9, ratio=t["torch"] / t["ours"])
+                        row["pct_peak"] = 100 * row["ours_gflops"] / peak
+                        rows.append(row)
+                        print(f"{pas:<9}{dt_name:<9}{D:>4}{S:>6} {str(causal):<7}{row['ours_ms']:>9.1f}"
+                              f"{row['torch_ms']:>10.1f}{row['ours_gflops']:>11.1f}{row['torch_gflops']:>11.1f}"
+                              f"{row['pct_peak']:>7.0f}%{row['ratio']:>7.2f}", flush=True)
+    mem = None
+    if args.memory:
+        mem = peak_memory_forward()
+        print(f"forward at S={mem['S']} D={mem['D']}: inputs+outputs {mem['io_mib']:.1f} MiB, "
+              f"extra peak resident memory {mem['extra_mib']:.1f} MiB")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(dict(benchmark="cpu", date=time.strftime("%Y-%m-%d"),
+                           command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+                           cpu=ab._C.cpu_features()["brand"].strip(), isa=ab._C.cpu_isa(),
+                           threads=torch.get_num_threads(), torch=torch.__version__, fma_peak_gflops=peak,
+                           results=[{("pass" if k == "pass_" else k): v for k, v in r.items()} for r in rows],
+                           memory=mem), f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+/* ab_vec.h -- one vector type for the CPU kernels, whatever the instruction set.
+ *
+ * The kernels are written once against `vf` (VLEN float32 lanes, GCC/Clang vector extension) and
+ * compiled once per ISA: the file including this header is built with -mavx512f... (VLEN 16),
+ * -mavx2 -mfma (VLEN 8), or the baseline flags (VLEN 4: SSE2 on x86-64, NEON on Arm).  The
+ * compiler maps vf arithmetic to that ISA's instructions; the few things the extension cannot say
+ * (half-precision conversion) use the ISA's intrinsics when present.
+ *
+ * Everything here is static inline: each ISA build gets its own copy.
+ */
+#ifndef AB_VEC_H
+#define AB_VEC_H
+
+#include <stdint.h>
+#include <string.h>
+
+#include "../ab_core.h"
+#include "../ab_half.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define VLEN 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VLEN 8
+#else
+#define VLEN 4
+#endif
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+typedef float vf __attribute__((vector_size(VLEN * 4)));
+typedef int32_t vi __attribute__((vector_size(VLEN * 4)));
+typedef uint32_t vu __attribute__((vector_size(VLEN * 4)));
+
+static inline vf vload(const float* p) {
+  vf v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline void vstore(float* p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* A broadcast.  Spelled lane by lane: `(vf){0} + x` would cost an add (x + 0.0 is not x for -0.0)
+ * before the broadcast, in the micro-kernel's innermost loop. */
+static inline vf vset1(float x) {
+#if VLEN == 16
+  return (vf){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#elif VLEN == 8
+  return (vf){x, x, x, x, x, x, x, x};
+#else
+  return (vf){x, x, x, x};
+#endif
+}
+
+static inline vf vselect(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
+
+/* max(a, b); with a NaN in b the result is NaN (the hardware max returns its second operand when
+ * either is NaN). */
+/* 1 if every lane of the comparison result m is true. */
+static inline int vall(vi m) {
+  int all = 1;
+  for (int u = 0; u < VLEN; ++u) all &= m[u] != 0;
+  return all;
+}
+
+static inline vf vmax(vf a, vf b) {
+#if VLEN == 16
+  return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif VLEN == 8
+  return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+  return vselect(a > b, a, b);
+#endif
+}
+
+/* exp(x) for float32, ~1 ulp: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial
+ * (Cephes coefficients), 2^n built in the exponent bits.  exp(-inf) and anything below -87.3
+ * give exactly 0 (masked scores must contribute nothing); +inf gives +inf; NaN gives NaN. */
+static inline vf vexp(vf x) {
+  const vf hi = vset1(88.3762626647949f), lo = vset1(-87.3365447505531f);
+  const vi under = x < lo;
+  const vi over = x > hi;
+  const vi nan = x != x;
+  vf xc = vselect(over, hi, vselect(under, lo, x));
+  /* n = round(x / ln2) via the 1.5 * 2^23 trick (exact for |n| < 2^22) */
+  const vf magic = vset1(12582912.0f);
+  vf n = (xc * vset1(1.44269504088896341f) + magic) - magic;
+  vf r = xc - n * vset1(0.693359375f);
+  r = r - n * vset1(-2.12194440e-4f);
+  vf p = vset1(1.9875691500e-4f);
+  p = p * r + vset1(1.3981999507e-3f);
+  p = p * r + vset1(8.3334519073e-3f);
+  p = p * r + vset1(4.1665795894e-2f);
+  p = p * r + vset1(1.6666665459e-1f);
+  p = p * r + vset1(5.0000001201e-1f);
+  p = p * (r * r) + r + vset1(1.0f);
+  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf y = p * (vf)e;
+  y = vselect(under, vset1(0.0f), y);
+  y = vselect(over, vset1(__builtin_inff()), y);
+  return vselect(nan, x, y);
+}
+
+/* exp(x) for x <= 0 (scores minus their running max): the softmax's inner loop, so it is cheaper
+ * than vexp (no overflow lanes).  Below -87.3 (and at -inf) the result is exactly 0: a tiny value
+ * would turn subnormal in the P.V products, and subnormal arithmetic costs ~100x on x86.  NaN
+ * stays NaN.  AVX-512 has a shorter path: 2^x = 2^n * 2^f with n = round(x log2 e) by
+ * roundscale, 2^f by a degree-6 polynomial on [-1/2, 1/2] (relative error < 1e-7) and the 2^n
+ * scaling, with the zeroing of tiny results, in one masked scalef. */
+static inline vf vexp_nonpos(vf x) {
+#if VLEN == 16
+  const __m512 t = _mm512_max_ps(_mm512_set1_ps(-126.0f), _mm512_mul_ps((__m512)x, _mm512_set1_ps(1.44269504088896341f)));
+  const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.9f), _CMP_GT_OQ) |
+                         _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return (vf)_mm512_maskz_scalef_ps(keep, p, n);
+#else
+  const vf lo = vset1(-87.3365447505531f);
+  const vi under = x < lo;
+  x = vmax(lo, x);
+  const vf magic = vset1(12582912.0f);
+  vf n = (x * vset1(1.44269504088896341f) + magic) - magic;
+  vf r = x - n * vset1(0.693359375f);
+  r = r - n * vset1(-2.12194440e-4f);
+  vf p = vset1(1.9875691500e-4f);
+  p = p * r + vset1(1.3981999507e-3f);
+  p = p * r + vset1(8.3334519073e-3f);
+  p = p * r + vset1(4.1665795894e-2f);
+  p = p * r + vset1(1.6666665459e-1f);
+  p = p * r + vset1(5.0000001201e-1f);
+  p = p * (r * r) + r + vset1(1.0f);
+  return vselect(under, vset1(0.0f), p * (vf)((__builtin_convertvector(n, vi) + 127) << 23));
+#endif
+}
+
+/* tanh(x) = 1 - 2 / (exp(2x) + 1): exact limits at +-inf, relative error a few ulp elsewhere
+ * except tiny |x|, where the subtraction cancels: there tanh(x) = x to float32 precision. */
+static inline vf vtanh(vf x) {
+  vf t = vset1(1.0f) - vset1(2.0f) / (vexp(x + x) + vset1(1.0f));
+  vf ax = vselect(x < vset1(0.0f), -x, x);
+  return vselect(ax < vset1(0.0004f), x, t);
+}
+
+static inline float vhmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < VLEN; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+
+/* Loads n (<= VLEN) elements of any dtype at stride s into a vector as float32; the rest get pad. */
+static inline void ab_vec_load_row(const void* base, ab_dtype dt, int64_t off, int64_t n, int64_t s,
+                                   float* dst) {
+  switch (dt) {
+    case AB_DTYPE_F32: {
+      const float* src = (const float*)base + off;
+      if (s == 1)
+        memcpy(dst, src, (size_t)n * sizeof(float));
+      else
+        for (int64_t x = 0; x < n; ++x) dst[x] = src[x * s];
+      break;
+    }
+    case AB_DTYPE_BF16: {
+      const uint16_t* src = (const uint16_t*)base + off;
+      int64_t x = 0;
+#if VLEN == 16
+      if (s == 1)
+        for (; x + 16 <= n; x += 16) {
+          __m256i h = _mm256_loadu_si256((const __m256i*)(src + x));
+          _mm512_storeu_ps(dst + x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        }
+#endif
+      for (; x < n; ++x) dst[x] = ab_bf16_to_f32(src[x * s]);
+      break;
+    }
+    case AB_DTYPE_F16: {
+      const uint16_t* src = (const uint16_t*)base + off;
+      int64_t x = 0;
+#if defined(__F16C__)
+      if (s == 1)
+        for (; x + 8 <= n; x += 8)
+          _mm256_storeu_ps(dst + x, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(src + x))));
+#endif
+      for (; x < n; ++x) dst[x] = ab_f16_to_f32(src[x * s]);
+      break;
+    }
+    case AB_DTYPE_F64: {
+      const double* src = (const double*)base + off;
+      for (int64_t x = 0; x < n; ++x) dst[x] = (float)src[x * s];
+      break;
+    }
+    default:
+      for (int64_t x = 0; x < n; ++x) dst[x] = 0.0f;
+  }
+}
+
+/* Stores n float32 values as dtype dt at stride s (round to nearest even for the half types). */
+static inline void ab_vec_store_row(void* base, ab_dtype dt, int64_t off, int64_t n, int64_t s,
+                                    const float* src) {
+  switch (dt) {
+    case AB_DTYPE_F32: {
+      float* d = (float*)base + off;
+      if (s == 1)
+        memcpy(d, src, (size_t)n * sizeof(float));
+      else
+        for (int64_t x = 0; x < n; ++x) d[x * s] = src[x];
+      break;
+    }
+    case AB_DTYPE_BF16: {
+      uint16_t* d = (uint16_t*)base + off;
+      for (int64_t x = 0; x < n; ++x) d[x * s] = ab_f32_to_bf16(src[x]);
+      break;
+    }
+    case AB_DTYPE_F16: {
+      uint16_t* d = (uint16_t*)base + off;
+      int64_t x = 0;
+#if defined(__F16C__)
+      if (s == 1)
+        for (; x + 8 <= n; x += 8)
+          _mm_storeu_si128((__m128i*)(d + x),
+                           _mm256_cvtps_ph(_mm256_loadu_ps(src + x), _MM_FROUND_TO_NEAREST_INT));
+#endif
+      for (; x < n; ++x) d[x * s] = ab_f32_to_f16(src[x]);
+      break;
+    }
+    case AB_DTYPE_F64: {
+      double* d = (double*)base + off;
+      for (int64_t x = 0; x < n; ++x) d[x * s] = (double)src[x];
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+#endif /* AB_VEC_H */

@@ -1,0 +1,114 @@
+/* cpu_dispatch.c -- picks the instruction-set path of the CPU kernels once, and the flash entry
+ * points that check a call before running it on that path.
+ *
+ * The best path the CPU *and* the OS support (ab_cpu_features: CPUID + XGETBV) is chosen on first
+ * use; ATTN_BACKENDS_CPU_ISA=generic|avx2|avx512 forces one (an unsupported request keeps the best
+ * supported path), and ab_cpu_isa_set switches at run time so tests can cover every path.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ab_cpu.h"
+#include "flash_cpu.h"
+
+static const ab_flash_cpu_table* const k_tables[3] = {&ab_flash_cpu_generic, &ab_flash_cpu_avx2,
+                                                       &ab_flash_cpu_avx512};
+static const char* const k_names[3] = {"generic", "avx2", "avx512"};
+
+static atomic_int g_isa = -1;
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+const char* ab_cpu_isa_name(ab_cpu_isa isa) {
+  return isa >= AB_ISA_GENERIC && isa <= AB_ISA_AVX512 ? k_names[isa] : "unknown";
+}
+
+int ab_cpu_isa_supported(ab_cpu_isa isa) {
+  const ab_cpu_features* f = ab_cpu_features_get();
+  switch (isa) {
+    case AB_ISA_GENERIC: return 1;
+    case AB_ISA_AVX2: return k_tables[1]->fwd && f->avx2 && f->fma && f->f16c;
+    case AB_ISA_AVX512:
+      return k_tables[2]->fwd && f->avx512f && f->avx512bw && f->avx512vl && f->avx512dq && f->fma &&
+             f->f16c;
+    default: return 0;
+  }
+}
+
+static void init_isa(void) {
+  int best = ab_cpu_isa_supported(AB_ISA_AVX512) ? AB_ISA_AVX512
+             : ab_cpu_isa_supported(AB_ISA_AVX2) ? AB_ISA_AVX2
+                                                  : AB_ISA_GENERIC;
+  const char* env = getenv("ATTN_BACKENDS_CPU_ISA");
+  if (env && *env)
+    for (int i = 0; i < 3; ++i)
+      if (strcmp(env, k_names[i]) == 0 && ab_cpu_isa_supported((ab_cpu_isa)i)) best = i;
+  atomic_store(&g_isa, best);
+}
+
+ab_cpu_isa ab_cpu_isa_get(void) {
+  pthread_once(&g_once, init_isa);
+  return (ab_cpu_isa)atomic_load(&g_isa);
+}
+
+int ab_cpu_isa_set(ab_cpu_isa isa) {
+  pthread_once(&g_once, init_isa);
+  if (!ab_cpu_isa_supported(isa)) return 0;
+  atomic_store(&g_isa, (int)isa);
+  return 1;
+}
+
+typedef struct peak_arg {
+  double seconds, rate;
+  const ab_flash_cpu_table* table;
+} peak_arg;
+
+static void* peak_thread(void* v) {
+  peak_arg* a = (peak_arg*)v;
+  a->rate = a->table->fma_rate(a->seconds);
+  return NULL;
+}
+
+double ab_cpu_fma_peak(double seconds, int threads) {
+  if (threads < 1) threads = 1;
+  if (threads > 256) threads = 256;
+  const ab_flash_cpu_table* table = k_tables[ab_cpu_isa_get()];
+  peak_arg args[256];
+  pthread_t tids[256];
+  int started = 0;
+  for (int i = 0; i < threads; ++i) {
+    args[i] = (peak_arg){seconds, 0.0, table};
+    if (pthread_create(&tids[i], NULL, peak_thread, &args[i]) != 0) break;
+    ++started;
+  }
+  double total = 0.0;
+  for (int i = 0; i < started; ++i) {
+    pthread_join(tids[i], NULL);
+    total += args[i].rate;
+  }
+  return total;
+}
+
+static ab_status check_flash(const ab_attn_params* p, int backward, ab_error* err) {
+  ab_status st = ab_attn_params_check(p, backward, err);
+  if (st != AB_OK) return st;
+  if (p->q.device != AB_DEVICE_CPU)
+    return ab_error_set(err, AB_ERR_INVALID, "flash CPU kernel called with non-CPU tensors");
+  if (p->q.dtype != AB_DTYPE_F32 && p->q.dtype != AB_DTYPE_F16 && p->q.dtype != AB_DTYPE_BF16)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "flash on CPU takes float16, bfloat16 or float32, got %s",
+                        ab_dtype_name(p->q.dtype));
+  return AB_OK;
+}
+
+ab_status ab_flash_cpu_fwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {
+  ab_status st = check_flash(p, 0, err);
+  if (st != AB_OK || p->B == 0 || p->Hq == 0 || p->Sq == 0) return st;
+  return k_tables[ab_cpu_isa_get()]->fwd(p, pool, err);
+}
+
+ab_status ab_flash_cpu_bwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {
+  ab_status st = check_flash(p, 1, err);
+  if (st != AB_OK || p->B == 0 || p->Hkv == 0) return st;
+  return k_tables[ab_cpu_isa_get()]->bwd(p, pool, err);
+}

@@ -1,0 +1,667 @@
+/* flash_cpu_impl.h -- the CPU flash kernel (FlashAttention-2 algorithm), one source for every ISA.
+ *
+ * Included by flash_cpu_generic.c / _avx2.c / _avx512.c, each compiled with its ISA's flags, with
+ * AB_ISA_SFX set to the suffix of the table it exports.  Vector width and tile sizes follow from
+ * the ISA through ab_vec.h (VLEN) and the NV_MAX / MR choice below.
+ *
+ * Layout idea: scores are computed transposed, St[j][r] for key j and query row r of a chunk of
+ * RC = NV_MAX * VLEN rows, with the query rows along the vector lanes.  Then
+ *   - S = Q K^T is C += A * B with A = K rows (broadcast scalars) and B = Q^T (vectors of rows);
+ *   - the row max and row sum of the softmax are element-wise max/add over j (no shuffles);
+ *   - O^T += V^T P^T is the same micro-kernel with A = V (broadcast) and B = P^T;
+ * so K and V are read in their natural (row) layout, straight from the caller's float32 tensors
+ * when their last dim is contiguous, and one register-blocked micro-kernel (MR broadcast rows x
+ * NV_MAX vectors) does every matrix product of the forward and the backward.
+ *
+ * Forward, per (batch, head, chunk of RC query rows): for each block of BK visible keys, compute
+ * St, mask, online softmax (running max m, sum l, O rescaled by exp(m_old - m_new)), O += P V.
+ * Extra memory is O(RC * (D + Dv + BK)) per thread, whatever Sq and Sk are.
+ *
+ * Backward, per (batch, KV head): K and V packed once; for each query head of the group, Q and
+ * dO are packed (natural and transposed) and for each key block and row chunk the kernel
+ * recomputes P from lse, then dV += P^T dO, dS = P (dP - delta), dK += dS^T Q, dQ += dS K.  Each
+ * item owns its dK, dV and dQ rows: no atomics, bitwise the same result on every run.
+ */
+
+#include <math.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../ab_philox.h"
+#include "ab_cpu.h"
+#include "ab_vec.h"
+#include "flash_cpu.h"
+
+#if VLEN == 16
+#define NV_MAX 4 /* 64-row chunks: 6 x 4 = 24 accumulators of 32 zmm */
+#else
+#define NV_MAX 2 /* 16 vector registers: 6 x 2 = 12 accumulators */
+#endif
+#define MR 6
+#define RC (NV_MAX * VLEN)
+#define BK 64 /* keys per block: St (BK x RC floats) stays in L1 */
+#define KC 64 /* head dims per pass of S = K Q^T */
+
+#define AB_CAT2(a, b) a##b
+#define AB_CAT(a, b) AB_CAT2(a, b)
+#define SYM(name) AB_CAT(name, AB_ISA_SFX)
+
+/* ---- the micro-kernel ------------------------------------------------------------------------ */
+
+/* C[m][v] (+)= sum_k A[m * am + k * ak] * B[k * ldb + v * VLEN] for m < M, v < NV; M and NV are
+ * compile-time constants at every call site, so acc[][] lives in registers. */
+static inline __attribute__((always_inline)) void SYM(mk)(const int M, const int NV, int64_t K,
+                                                         const float* A, int64_t am, int64_t ak,
+                                                         const float* B, int64_t ldb, float* C,
+                                                         int64_t ldc, int accumulate) {
+  vf acc[MR][NV_MAX];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < NV; ++v)
+      acc[m][v] = accumulate ? vload(C + m * ldc + v * VLEN) : vset1(0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    vf b[NV_MAX];
+    for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * VLEN);
+    const float* a = A + k * ak;
+    for (int m = 0; m < M; ++m) {
+      const vf av = vset1(a[m * am]);
+      for (int v = 0; v < NV; ++v) acc[m][v] += av * b[v];
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < NV; ++v) vstore(C + m * ldc + v * VLEN, acc[m][v]);
+}
+
+#define MK_CASE(M_, NV_) SYM(mk)(M_, NV_, K, A, am, ak, B, ldb, C, ldc, accumulate)
+#define MK_NV(M_)                     \
+  switch (nv) {                       \
+    case 1: MK_CASE(M_, 1); break;    \
+    case 2: MK_CASE(M_, 2); break;    \
+    case 3: MK_CASE(M_, 3 > NV_MAX ? NV_MAX : 3); break; \
+    default: MK_CASE(M_, NV_MAX); break; \
+  }
+
+/* C (Mtot x nv vectors) (+)= A (Mtot x K, strides am/ak) * B (K x nv vectors, row stride ldb). */
+static void SYM(gemm_nv)(int64_t Mtot, int nv, int64_t K, const float* A, int64_t am, int64_t ak,
+                         const float* B, int64_t ldb, float* C, int64_t ldc, int accumulate) {
+  int64_t m = 0;
+  for (; m + MR <= Mtot; m += MR, A += MR * am, C += MR * ldc) MK_NV(MR);
+  switch (Mtot - m) {
+    case 5: MK_NV(5); break;
+    case 4: MK_NV(4); break;
+    case 3: MK_NV(3); break;
+    case 2: MK_NV(2); break;
+    case 1: MK_NV(1); break;
+    default: break;
+  }
+}
+
+/* The same for any number of vectors along N, NV_MAX at a time. */
+static void SYM(gemm)(int64_t Mtot, int64_t nvec, int64_t K, const float* A, int64_t am, int64_t ak,
+                      const float* B, int64_t ldb, float* C, int64_t ldc, int accumulate) {
+  for (int64_t v0 = 0; v0 < nvec; v0 += NV_MAX) {
+    const int nv = (int)(nvec - v0 < NV_MAX ? nvec - v0 : NV_MAX);
+    SYM(gemm_nv)(Mtot, nv, K, A, am, ak, B + v0 * VLEN, ldb, C + v0 * VLEN, ldc, accumulate);
+  }
+}
+
+/* ---- per-sequence geometry (dense and packed calls alike) ------------------------------------- */
+
+typedef struct SYM(seq) {
+  int64_t Sq, Sk;           /* this sequence's lengths */
+  int64_t q, k, v, o, lse;  /* element offsets of row 0 of this (batch, head) */
+  int64_t q_rs, k_rs, v_rs, o_rs, lse_rs; /* row strides */
+  uint64_t drop_row0;       /* dropout row index of query row 0 */
+  int64_t mask;             /* offset of (b, h, 0, 0) in the mask view */
+} SYM(seq);
+
+static void SYM(seq_get)(const ab_attn_params* p, int64_t b, int64_t h, int64_t hk, SYM(seq) * s) {
+  if (p->cu_seqlens_q) {
+    const int64_t q0 = p->cu_seqlens_q[b], k0 = p->cu_seqlens_k[b];
+    s->Sq = p->cu_seqlens_q[b + 1] - q0;
+    s->Sk = p->cu_seqlens_k[b + 1] - k0;
+    s->q = q0 * p->q.strides[0] + h * p->q.strides[1];
+    s->k = k0 * p->k.strides[0] + hk * p->k.strides[1];
+    s->v = k0 * p->v.strides[0] + hk * p->v.strides[1];
+    s->o = q0 * p->out.strides[0] + h * p->out.strides[1];
+    s->lse = h * p->lse.strides[0] + q0 * p->lse.strides[1];
+    s->q_rs = p->q.strides[0];
+    s->k_rs = p->k.strides[0];
+    s->v_rs = p->v.strides[0];
+    s->o_rs = p->out.strides[0];
+    s->lse_rs = p->lse.strides[1];
+    s->mask = 0;
+  } else {
+    s->Sq = p->Sq;
+    s->Sk = p->Sk;
+    s->q = b * p->q.strides[0] + h * p->q.strides[1];
+    s->k = b * p->k.strides[0] + hk * p->k.strides[1];
+    s->v = b * p->v.strides[0] + hk * p->v.strides[1];
+    s->o = b * p->out.strides[0] + h * p->out.strides[1];
+    s->lse = b * p->lse.strides[0] + h * p->lse.strides[1];
+    s->q_rs = p->q.strides[2];
+    s->k_rs = p->k.strides[2];
+    s->v_rs = p->v.strides[2];
+    s->o_rs = p->out.strides[2];
+    s->lse_rs = p->lse.strides[2];
+    s->mask = p->mask.ndim ? b * p->mask.strides[0] + h * p->mask.strides[1] : 0;
+  }
+  /* dense: (b * Hq + h) * Sq + i; packed: the same with Sq = max_seqlen_q, so a packed call and
+   * the padded dense call draw the same dropout mask */
+  s->drop_row0 = (uint64_t)((b * p->Hq + h) * p->Sq);
+}
+
+/* Visible keys of query row i of a sequence: [lo, hi) from causal and window (docs/semantics.md). */
+static inline void SYM(row_range)(const ab_attn_params* p, const SYM(seq) * s, int64_t i, int64_t* lo,
+                                  int64_t* hi) {
+  const int64_t ii = p->causal == AB_CAUSAL_BOTTOM_RIGHT ? i + s->Sk - s->Sq : i;
+  int64_t l = 0, h = s->Sk;
+  if (p->causal != AB_CAUSAL_NONE && ii + 1 < h) h = ii + 1;
+  if (p->window_right >= 0 && ii + p->window_right + 1 < h) h = ii + p->window_right + 1;
+  if (p->window_left >= 0 && ii - p->window_left > l) l = ii - p->window_left;
+  if (h < l) h = l;
+  *lo = l;
+  *hi = h;
+}
+
+/* Loads row chunk [i0, i0 + n) of a (rows x cols) operand transposed and scaled into
+ * dst (cols x RC); rows n..RC-1 of the chunk are zero. */
+static void SYM(pack_t)(const ab_tensor* t, int64_t base, int64_t rs, int64_t i0, int64_t n,
+                        int64_t cols, float scale, float* dst, float* tmp) {
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t r = n; r < RC; ++r) dst[c * RC + r] = 0.0f;
+  for (int64_t r = 0; r < n; ++r) {
+    ab_vec_load_row(t->data, t->dtype, base + (i0 + r) * rs, cols, t->strides[t->ndim - 1], tmp);
+    for (int64_t c = 0; c < cols; ++c) dst[c * RC + r] = tmp[c] * scale;
+  }
+}
+
+/* Rows [j0, j0 + n) of a (rows x cols) operand as float32 rows of width ld (zero-padded). */
+static void SYM(pack_rows)(const ab_tensor* t, int64_t base, int64_t rs, int64_t j0, int64_t n,
+                           int64_t cols, int64_t ld, float* dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    ab_vec_load_row(t->data, t->dtype, base + (j0 + j) * rs, cols, t->strides[t->ndim - 1], dst + j * ld);
+    for (int64_t c = cols; c < ld; ++c) dst[j * ld + c] = 0.0f;
+  }
+}
+
+/* Applies causal/window and a bool/float mask to St (nb x RC, keys j0..) of row chunk i0 with
+ * visible ranges lo/hi (int32 per row, padded rows have lo = hi = 0); softcap first. */
+static void SYM(mask_scores)(const ab_attn_params* p, const SYM(seq) * s, int64_t i0, int64_t nrows,
+                             int64_t j0, int64_t nb, const int32_t* lo, const int32_t* hi, int structural,
+                             float* St, float* Th) {
+  const vf ninf = vset1(-__builtin_inff());
+  if (p->softcap > 0) {
+    const vf cap = vset1((float)p->softcap), inv = vset1((float)(1.0 / p->softcap));
+    for (int64_t x = 0; x < nb * RC; x += VLEN) {
+      vf t = vtanh(vload(St + x) * inv);
+      if (Th) vstore(Th + x, t);
+      vstore(St + x, cap * t);
+    }
+  }
+  if (p->mask.ndim) {
+    const int64_t ms_i = p->mask.strides[2], ms_j = p->mask.strides[3];
+    if (p->mask.dtype == AB_DTYPE_BOOL) {
+      const uint8_t* m = (const uint8_t*)p->mask.data + s->mask;
+      for (int64_t j = 0; j < nb; ++j)
+        for (int64_t r = 0; r < nrows; ++r)
+          if (!m[(i0 + r) * ms_i + (j0 + j) * ms_j]) St[j * RC + r] = -__builtin_inff();
+    } else {
+      for (int64_t j = 0; j < nb; ++j)
+        for (int64_t r = 0; r < nrows; ++r)
+          St[j * RC + r] += (float)ab_load_scalar(p->mask.data, p->mask.dtype,
+                                                  s->mask + (i0 + r) * ms_i + (j0 + j) * ms_j);
+    }
+  }
+  if (structural) {
+    for (int64_t v = 0; v < RC; v += VLEN) {
+      vi lov, hiv;
+      memcpy(&lov, lo + v, sizeof lov);
+      memcpy(&hiv, hi + v, sizeof hiv);
+      for (int64_t j = 0; j < nb; ++j) {
+        const vi jv = (vi){0} + (int32_t)(j0 + j);
+        const vi hide = (jv < lov) | (jv >= hiv);
+        vstore(St + j * RC + v, vselect(hide, ninf, vload(St + j * RC + v)));
+      }
+    }
+  }
+}
+
+/* f[j][r] = 1 / (1 - p) where element (row i0 + r, key j0 + j) is kept, else 0 (rows past nrows: 0).
+ * The decisions are the shared Philox stream (ab_philox.h), four keys per draw. */
+static void SYM(drop_factors)(const ab_attn_params* p, const SYM(seq) * s, int64_t i0, int64_t nrows,
+                              int64_t j0, int64_t nb, float* f) {
+  const uint32_t thr = ab_dropout_threshold(p->dropout_p);
+  const float rdrop = (float)(1.0 / (1.0 - p->dropout_p));
+  memset(f, 0, sizeof(float) * (size_t)(nb * RC));
+  for (int64_t r = 0; r < nrows; ++r) {
+    const uint64_t row = s->drop_row0 + (uint64_t)(i0 + r);
+    uint32_t w[4];
+    int64_t blk = -1;
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t jj = j0 + j;
+      if ((jj >> 2) != blk) {
+        blk = jj >> 2;
+        ab_dropout_words(p->seed, p->offset, row, (uint64_t)blk, w);
+      }
+      f[j * RC + r] = w[jj & 3] >= thr ? rdrop : 0.0f;
+    }
+  }
+}
+
+static void SYM(vmul)(float* x, const float* f, int64_t n) {
+  for (int64_t i = 0; i < n; i += VLEN) vstore(x + i, vload(x + i) * vload(f + i));
+}
+
+/* ---- forward ----------------------------------------------------------------------------------- */
+
+/* One block of the online softmax over St (nb keys x RC rows), in place: m_new = max(m, max_j S),
+ * P = exp(S - m_new), l = l * exp(m - m_new) + sum_j P, and O^T rescaled by exp(m - m_new) where
+ * the max moved.  A NaN score reaches l (exp(NaN) is NaN), which marks its row at the end; a row
+ * that has seen no key keeps m = -inf, its weights here are 0, and it is zeroed at the end.
+ * All NV_MAX vectors of rows, and even/odd keys, run as independent chains: a single running
+ * max or sum over j would be latency-bound (4 cycles a step). */
+static void SYM(online_softmax)(float* st, int64_t nb, float* mrow, float* lrow, float* ot, int64_t Dv) {
+  vf mx[NV_MAX], mx2[NV_MAX], msafe[NV_MAX], ls[NV_MAX], ls2[NV_MAX];
+  for (int v = 0; v < NV_MAX; ++v) mx[v] = mx2[v] = vload(mrow + v * VLEN);
+  int64_t j = 0;
+  for (; j + 2 <= nb; j += 2)
+    for (int v = 0; v < NV_MAX; ++v) {
+      mx[v] = vmax(mx[v], vload(st + j * RC + v * VLEN));
+      mx2[v] = vmax(mx2[v], vload(st + (j + 1) * RC + v * VLEN));
+    }
+  for (; j < nb; ++j)
+    for (int v = 0; v < NV_MAX; ++v) mx[v] = vmax(mx[v], vload(st + j * RC + v * VLEN));
+  int rescale[NV_MAX];
+  for (int v = 0; v < NV_MAX; ++v) {
+    const vf mold = vload(mrow + v * VLEN);
+    mx[v] = vmax(mx[v], mx2[v]);
+    msafe[v] = vselect(mx[v] == vset1(-__builtin_inff()), vset1(0.0f), mx[v]);
+    rescale[v] = !vall(mx[v] == mold);
+    ls[v] = vload(lrow + v * VLEN);
+    ls2[v] = vset1(0.0f);
+    if (rescale[v]) {
+      const vf alpha = vexp_nonpos(mold - msafe[v]);
+      ls[v] *= alpha;
+      for (int64_t d = 0; d < Dv; ++d) vstore(ot + d * RC + v * VLEN, vload(ot + d * RC + v * VLEN) * alpha);
+    }
+    vstore(mrow + v * VLEN, mx[v]);
+  }
+  for (j = 0; j + 2 <= nb; j += 2)
+    for (int v = 0; v < NV_MAX; ++v) {
+      const vf e0 = vexp_nonpos(vload(st + j * RC + v * VLEN) - msafe[v]);
+      const vf e1 = vexp_nonpos(vload(st + (j + 1) * RC + v * VLEN) - msafe[v]);
+      vstore(st + j * RC + v * VLEN, e0);
+      vstore(st + (j + 1) * RC + v * VLEN, e1);
+      ls[v] += e0;
+      ls2[v] += e1;
+    }
+  for (; j < nb; ++j)
+    for (int v = 0; v < NV_MAX; ++v) {
+      const vf e = vexp_nonpos(vload(st + j * RC + v * VLEN) - msafe[v]);
+      vstore(st + j * RC + v * VLEN, e);
+      ls[v] += e;
+    }
+  for (int v = 0; v < NV_MAX; ++v) vstore(lrow + v * VLEN, ls[v] + ls2[v]);
+}
+
+typedef struct SYM(fwd_ctx) {
+  const ab_attn_params* p;
+  int64_t nchunk; /* row chunks per (batch, head): ceil(max Sq / RC) */
+  ab_par_status st;
+} SYM(fwd_ctx);
+
+static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
+  SYM(fwd_ctx)* ctx = (SYM(fwd_ctx)*)vctx;
+  const ab_attn_params* p = ctx->p;
+  const int64_t D = p->D, Dv = p->Dv, group = p->Hq / p->Hkv;
+  const int64_t Dmax = D > Dv ? D : Dv;
+  const int k_direct = p->k.dtype == AB_DTYPE_F32 && p->k.strides[p->k.ndim - 1] == 1;
+  const int v_direct = p->v.dtype == AB_DTYPE_F32 && p->v.strides[p->v.ndim - 1] == 1;
+  const size_t nfl = (size_t)(D * RC + Dv * RC + 2 * BK * RC + BK * D + BK * Dv + Dmax + 4 * RC);
+  float* qt = (float*)ab_scratch_alloc(sizeof(float) * nfl + sizeof(int32_t) * 2 * RC);
+  if (!qt) {
+    ab_par_fail(&ctx->st, AB_ERR_NOMEM, "flash: out of memory for the tile scratch");
+    return;
+  }
+  float* ot = qt + D * RC;   /* O^T (Dv x RC), unnormalised */
+  float* st = ot + Dv * RC;  /* S^T, then P^T (BK x RC) */
+  float* fd = st + BK * RC;  /* dropout factors (BK x RC) */
+  float* kp = fd + BK * RC;  /* K block as float32 rows, when not read in place */
+  float* vp = kp + BK * D;   /* V block likewise */
+  float* tmp = vp + BK * Dv; /* one row */
+  float* mrow = tmp + Dmax;  /* running max */
+  float* lrow = mrow + RC;   /* running sum */
+  int32_t* lo = (int32_t*)(lrow + RC);
+  int32_t* hi = lo + RC;
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t c = item % ctx->nchunk, bh = item / ctx->nchunk;
+    const int64_t h = bh % p->Hq, b = bh / p->Hq, hk = h / group;
+    SYM(seq) s;
+    SYM(seq_get)(p, b, h, hk, &s);
+    const int64_t i0 = c * RC;
+    if (i0 >= s.Sq) continue;
+    const int64_t nrows = s.Sq - i0 < RC ? s.Sq - i0 : RC;
+    int64_t jlo = s.Sk, jhi = 0;
+    for (int64_t r = 0; r < RC; ++r) {
+      int64_t l = 0, hh = 0;
+      if (r < nrows) SYM(row_range)(p, &s, i0 + r, &l, &hh);
+      lo[r] = (int32_t)l;
+      hi[r] = (int32_t)hh;
+      if (r < nrows && hh > l) {
+        if (l < jlo) jlo = l;
+        if (hh > jhi) jhi = hh;
+      }
+      mrow[r] = -__builtin_inff();
+      lrow[r] = 0.0f;
+    }
+    SYM(pack_t)(&p->q, s.q, s.q_rs, i0, nrows, D, (float)p->scale, qt, tmp);
+    memset(ot, 0, sizeof(float) * (size_t)(Dv * RC));
+    /* the key range every real row sees: blocks inside it need no causal/window masking */
+    int64_t all_lo = 0, all_hi = s.Sk;
+    for (int64_t r = 0; r < nrows; ++r) {
+      if (lo[r] > all_lo) all_lo = lo[r];
+      if (hi[r] < all_hi) all_hi = hi[r];
+    }
+    const int partial_rows = nrows < RC;
+    for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
+      const int64_t nb = jhi - j0 < BK ? jhi - j0 : BK;
+      const float* ka;
+      int64_t ka_m;
+      if (k_direct) {
+        ka = (const float*)p->k.data + s.k + j0 * s.k_rs;
+        ka_m = s.k_rs;
+      } else {
+        SYM(pack_rows)(&p->k, s.k, s.k_rs, j0, nb, D, D, kp);
+        ka = kp;
+        ka_m = D;
+      }
+      /* S^T = K Q^T (scale folded into Q^T), KC dims at a time so the slice of Q^T the micro-kernel
+       * streams for every 6 keys (KC x RC floats) stays in L1 */
+      for (int64_t d0 = 0; d0 < D; d0 += KC)
+        SYM(gemm_nv)(nb, NV_MAX, D - d0 < KC ? D - d0 : KC, ka + d0, ka_m, 1, qt + d0 * RC, RC, st, RC, d0 > 0);
+      const int structural = partial_rows || j0 < all_lo || j0 + nb > all_hi;
+      SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL);
+      SYM(online_softmax)(st, nb, mrow, lrow, ot, Dv);
+      if (p->dropout_p > 0) { /* the sum l above is of the weights before dropout */
+        SYM(drop_factors)(p, &s, i0, nrows, j0, nb, fd);
+        SYM(vmul)(st, fd, nb * RC);
+      }
+      /* O^T += V^T P^T */
+      const float* va;
+      int64_t va_k;
+      if (v_direct) {
+        va = (const float*)p->v.data + s.v + j0 * s.v_rs;
+        va_k = s.v_rs;
+      } else {
+        SYM(pack_rows)(&p->v, s.v, s.v_rs, j0, nb, Dv, Dv, vp);
+        va = vp;
+        va_k = Dv;
+      }
+      SYM(gemm_nv)(Dv, NV_MAX, nb, va, 1, va_k, st, RC, ot, RC, 1);
+    }
+    for (int64_t r = 0; r < nrows; ++r) {
+      const float l = lrow[r], m = mrow[r];
+      float lse;
+      if (l != l || m != m) { /* NaN in, NaN out, as the float64 reference does */
+        for (int64_t d = 0; d < Dv; ++d) tmp[d] = __builtin_nanf("");
+        lse = __builtin_nanf("");
+      } else if (m == -__builtin_inff()) {
+        for (int64_t d = 0; d < Dv; ++d) tmp[d] = 0.0f; /* no visible key */
+        lse = -__builtin_inff();
+      } else {
+        const float inv = 1.0f / l;
+        for (int64_t d = 0; d < Dv; ++d) tmp[d] = ot[d * RC + r] * inv;
+        lse = m + logf(l);
+      }
+      ab_vec_store_row(p->out.data, p->out.dtype, s.o + (i0 + r) * s.o_rs, Dv,
+                       p->out.strides[p->out.ndim - 1], tmp);
+      ((float*)p->lse.data)[s.lse + (i0 + r) * s.lse_rs] = lse;
+    }
+  }
+  ab_scratch_free(qt);
+}
+
+static ab_status SYM(flash_fwd)(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {
+  SYM(fwd_ctx) ctx;
+  ctx.p = p;
+  ctx.st.err = err;
+  atomic_init(&ctx.st.status, AB_OK);
+  ctx.nchunk = (p->Sq + RC - 1) / RC;
+  const double work = (double)p->B * p->Hq * p->Sq * p->Sk * (double)(p->D + p->Dv);
+  return ab_par_run(pool, p->B * p->Hq * ctx.nchunk, 1, work, SYM(fwd_range), &ctx, &ctx.st);
+}
+
+/* ---- backward ---------------------------------------------------------------------------------- */
+
+typedef struct SYM(bwd_ctx) {
+  const ab_attn_params* p;
+  ab_par_status st;
+} SYM(bwd_ctx);
+
+static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
+  SYM(bwd_ctx)* ctx = (SYM(bwd_ctx)*)vctx;
+  const ab_attn_params* p = ctx->p;
+  const int64_t D = p->D, Dv = p->Dv, group = p->Hq / p->Hkv;
+  const int64_t Dp = (D + VLEN - 1) / VLEN * VLEN, Dvp = (Dv + VLEN - 1) / VLEN * VLEN;
+  const int64_t Sqp = (p->Sq + RC - 1) / RC * RC, Skm = p->Sk; /* Sq, Sk: maxima for varlen */
+  const int want_dmask = p->dmask.ndim > 0, softcap = p->softcap > 0;
+  const size_t nfl = (size_t)(Skm * Dp + Skm * Dvp + Skm * Dp + Skm * Dvp  /* K, V, dK, dV */
+                              + Sqp * Dp + Dp * Sqp + Sqp * Dvp + Dvp * Sqp /* Q, Q^T, dO, dO^T */
+                              + Sqp * Dp + 2 * Sqp                          /* dQ, lse, delta */
+                              + 4 * BK * RC + (Dp > Dvp ? Dp : Dvp) * 2);
+  float* kp = (float*)ab_scratch_alloc(sizeof(float) * nfl + sizeof(int32_t) * 2 * RC);
+  if (!kp) {
+    ab_par_fail(&ctx->st, AB_ERR_NOMEM, "flash: out of memory for the backward scratch");
+    return;
+  }
+  float* vp = kp + Skm * Dp;
+  float* dk = vp + Skm * Dvp;
+  float* dv = dk + Skm * Dp;
+  float* qn = dv + Skm * Dvp;  /* Q rows (Sqp x Dp), unscaled */
+  float* qt = qn + Sqp * Dp;   /* Q^T by row chunk: (Sqp / RC) x (Dp x RC), scaled */
+  float* don = qt + Dp * Sqp;  /* dO rows (Sqp x Dvp) */
+  float* dot = don + Sqp * Dvp; /* dO^T by row chunk: (Sqp / RC) x (Dvp x RC) */
+  float* dq = dot + Dvp * Sqp; /* dQ rows (Sqp x Dp) */
+  float* lse = dq + Sqp * Dp;  /* per row; +inf for padding and dead rows so P = 0 */
+  float* delta = lse + Sqp;
+  float* st = delta + Sqp;     /* S^T then P^T (BK x RC) */
+  float* dpt = st + BK * RC;   /* dP^T then dS^T */
+  float* pd = dpt + BK * RC;   /* dropout factors, then P^T after dropout */
+  float* th = pd + BK * RC;    /* tanh of the softcap */
+  float* tmp = th + BK * RC;
+  float* tmp2 = tmp + (Dp > Dvp ? Dp : Dvp);
+  int32_t* lo = (int32_t*)(tmp2 + (Dp > Dvp ? Dp : Dvp));
+  int32_t* hi = lo + RC;
+  const float scale = (float)p->scale;
+  for (int64_t item = begin; item < end; ++item) {
+    const int64_t b = item / p->Hkv, hk = item % p->Hkv;
+    SYM(seq) s0;
+    SYM(seq_get)(p, b, hk * group, hk, &s0);
+    const int64_t Sk = s0.Sk, Sq = s0.Sq;
+    SYM(pack_rows)(&p->k, s0.k, s0.k_rs, 0, Sk, D, Dp, kp);
+    SYM(pack_rows)(&p->v, s0.v, s0.v_rs, 0, Sk, Dv, Dvp, vp);
+    memset(dk, 0, sizeof(float) * (size_t)(Sk * Dp));
+    memset(dv, 0, sizeof(float) * (size_t)(Sk * Dvp));
+    const int64_t sqp = (Sq + RC - 1) / RC * RC;
+    for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      SYM(seq) s;
+      SYM(seq_get)(p, b, h, hk, &s);
+      /* this head's Q, dO (natural and transposed), lse and delta = rowsum(dO * O) - dlse */
+      SYM(pack_rows)(&p->q, s.q, s.q_rs, 0, Sq, D, Dp, qn);
+      memset(qn + Sq * Dp, 0, sizeof(float) * (size_t)((sqp - Sq) * Dp));
+      const int64_t dos = p->cu_seqlens_q ? p->dout.strides[0] : p->dout.strides[2];
+      const int64_t do_base = p->cu_seqlens_q ? p->cu_seqlens_q[b] * p->dout.strides[0] + h * p->dout.strides[1]
+                                              : b * p->dout.strides[0] + h * p->dout.strides[1];
+      SYM(pack_rows)(&p->dout, do_base, dos, 0, Sq, Dv, Dvp, don);
+      memset(don + Sq * Dvp, 0, sizeof(float) * (size_t)((sqp - Sq) * Dvp));
+      /* transposed copies chunk by chunk, so the micro-kernel's operand is contiguous (a
+       * (D x Sq) layout would put every row of the operand on its own page) */
+      for (int64_t i = 0; i < sqp; ++i) {
+        float* qtc = qt + (i / RC) * Dp * RC + i % RC;
+        float* dotc = dot + (i / RC) * Dvp * RC + i % RC;
+        for (int64_t d = 0; d < Dp; ++d) qtc[d * RC] = qn[i * Dp + d] * scale;
+        for (int64_t d = 0; d < Dvp; ++d) dotc[d * RC] = don[i * Dvp + d];
+      }
+      for (int64_t i = 0; i < sqp; ++i) {
+        float l = __builtin_inff();
+        double dl = 0.0; /* a float64 sum: Dv terms of either sign, where float32 would lose digits */
+        if (i < Sq) {
+          l = ((const float*)p->lse.data)[s.lse + i * s.lse_rs];
+          if (l == -__builtin_inff()) l = __builtin_inff(); /* dead row: P = exp(x - inf) = 0 */
+          ab_vec_load_row(p->out.data, p->out.dtype, s.o + i * s.o_rs, Dv, p->out.strides[p->out.ndim - 1], tmp);
+          for (int64_t d = 0; d < Dv; ++d) dl += (double)tmp[d] * (double)don[i * Dvp + d];
+          if (p->dlse.ndim) {
+            const int64_t off = p->cu_seqlens_q
+                                    ? h * p->dlse.strides[0] + (p->cu_seqlens_q[b] + i) * p->dlse.strides[1]
+                                    : b * p->dlse.strides[0] + h * p->dlse.strides[1] + i * p->dlse.strides[2];
+            dl -= ((const float*)p->dlse.data)[off];
+          }
+        }
+        lse[i] = l;
+        delta[i] = (float)dl;
+      }
+      memset(dq, 0, sizeof(float) * (size_t)(sqp * Dp));
+      for (int64_t i0 = 0; i0 < Sq; i0 += RC) {
+        const int64_t nrows = Sq - i0 < RC ? Sq - i0 : RC;
+        int64_t jlo = Sk, jhi = 0, all_lo = 0, all_hi = Sk;
+        for (int64_t r = 0; r < RC; ++r) {
+          int64_t l = 0, hh = 0;
+          if (r < nrows) {
+            SYM(row_range)(p, &s, i0 + r, &l, &hh);
+            if (hh > l) {
+              if (l < jlo) jlo = l;
+              if (hh > jhi) jhi = hh;
+            }
+            if (l > all_lo) all_lo = l;
+            if (hh < all_hi) all_hi = hh;
+          }
+          lo[r] = (int32_t)l;
+          hi[r] = (int32_t)hh;
+        }
+        for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
+          const int64_t nb = jhi - j0 < BK ? jhi - j0 : BK;
+          /* recompute S^T and P^T = exp(S^T - lse) */
+          SYM(gemm_nv)(nb, NV_MAX, D, kp + j0 * Dp, Dp, 1, qt + i0 * Dp, RC, st, RC, 0);
+          const int structural = nrows < RC || j0 < all_lo || j0 + nb > all_hi;
+          SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, softcap ? th : NULL);
+          for (int64_t v = 0; v < RC; v += VLEN) {
+            const vf lv = vload(lse + i0 + v);
+            for (int64_t j = 0; j < nb; ++j) vstore(st + j * RC + v, vexp_nonpos(vload(st + j * RC + v) - lv));
+          }
+          /* dP^T = V dO^T */
+          SYM(gemm_nv)(nb, NV_MAX, Dv, vp + j0 * Dvp, Dvp, 1, dot + i0 * Dvp, RC, dpt, RC, 0);
+          const float* pw = st; /* the weights dV sees: P, or P after dropout */
+          if (p->dropout_p > 0) {
+            /* the forward's decisions again: dV sees P * f, and dP (of the dropped weights) * f */
+            SYM(drop_factors)(p, &s, i0, nrows, j0, nb, pd);
+            SYM(vmul)(dpt, pd, nb * RC);
+            SYM(vmul)(pd, st, nb * RC);
+            pw = pd;
+          }
+          /* dS = P (dP - delta); the float mask's gradient; softcap chain rule; scale */
+          for (int64_t v = 0; v < RC; v += VLEN) {
+            const vf dl = vload(delta + i0 + v);
+            for (int64_t j = 0; j < nb; ++j) {
+              const int64_t x = j * RC + v;
+              vstore(dpt + x, vload(st + x) * (vload(dpt + x) - dl));
+            }
+          }
+          if (want_dmask) {
+            for (int64_t j = 0; j < nb; ++j)
+              for (int64_t r = 0; r < nrows; ++r) {
+                const int64_t off = b * p->dmask.strides[0] + h * p->dmask.strides[1] +
+                                    (i0 + r) * p->dmask.strides[2] + (j0 + j) * p->dmask.strides[3];
+                ((float*)p->dmask.data)[off] = dpt[j * RC + r];
+              }
+          }
+          for (int64_t x = 0; x < nb * RC; x += VLEN) {
+            vf ds = vload(dpt + x) * vset1(scale);
+            if (softcap) {
+              const vf t = vload(th + x);
+              ds = ds * (vset1(1.0f) - t * t);
+            }
+            vstore(dpt + x, ds);
+          }
+          /* dV += P^T dO, dK += dS^T Q, dQ += dS K */
+          SYM(gemm)(nb, Dvp / VLEN, RC, pw, RC, 1, don + i0 * Dvp, Dvp, dv + j0 * Dvp, Dvp, 1);
+          SYM(gemm)(nb, Dp / VLEN, RC, dpt, RC, 1, qn + i0 * Dp, Dp, dk + j0 * Dp, Dp, 1);
+          SYM(gemm)(nrows, Dp / VLEN, nb, dpt, 1, RC, kp + j0 * Dp, Dp, dq + i0 * Dp, Dp, 1);
+        }
+        if (want_dmask) { /* keys no row of the chunk sees get gradient 0 */
+          for (int64_t r = 0; r < nrows; ++r) {
+            const int64_t base = b * p->dmask.strides[0] + h * p->dmask.strides[1] + (i0 + r) * p->dmask.strides[2];
+            for (int64_t j = 0; j < Sk; ++j)
+              if (j < jlo || j >= jhi) ((float*)p->dmask.data)[base + j * p->dmask.strides[3]] = 0.0f;
+          }
+        }
+      }
+      const int64_t dqs = p->cu_seqlens_q ? p->dq.strides[0] : p->dq.strides[2];
+      const int64_t dq_base = p->cu_seqlens_q ? p->cu_seqlens_q[b] * p->dq.strides[0] + h * p->dq.strides[1]
+                                              : b * p->dq.strides[0] + h * p->dq.strides[1];
+      for (int64_t i = 0; i < Sq; ++i)
+        ab_vec_store_row(p->dq.data, p->dq.dtype, dq_base + i * dqs, D, p->dq.strides[p->dq.ndim - 1], dq + i * Dp);
+    }
+    const int64_t dks = p->cu_seqlens_k ? p->dk.strides[0] : p->dk.strides[2];
+    const int64_t dvs = p->cu_seqlens_k ? p->dv.strides[0] : p->dv.strides[2];
+    const int64_t k0 = p->cu_seqlens_k ? p->cu_seqlens_k[b] : 0;
+    const int64_t dk_base = p->cu_seqlens_k ? k0 * p->dk.strides[0] + hk * p->dk.strides[1]
+                                            : b * p->dk.strides[0] + hk * p->dk.strides[1];
+    const int64_t dv_base = p->cu_seqlens_k ? k0 * p->dv.strides[0] + hk * p->dv.strides[1]
+                                            : b * p->dv.strides[0] + hk * p->dv.strides[1];
+    for (int64_t j = 0; j < Sk; ++j) {
+      ab_vec_store_row(p->dk.data, p->dk.dtype, dk_base + j * dks, D, p->dk.strides[p->dk.ndim - 1], dk + j * Dp);
+      ab_vec_store_row(p->dv.data, p->dv.dtype, dv_base + j * dvs, Dv, p->dv.strides[p->dv.ndim - 1], dv + j * Dvp);
+    }
+  }
+  ab_scratch_free(kp);
+}
+
+static ab_status SYM(flash_bwd)(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {
+  SYM(bwd_ctx) ctx;
+  ctx.p = p;
+  ctx.st.err = err;
+  atomic_init(&ctx.st.status, AB_OK);
+  const double work = 2.5 * (double)p->B * p->Hq * p->Sq * p->Sk * (double)(p->D + p->Dv);
+  return ab_par_run(pool, p->B * p->Hkv, 1, work, SYM(bwd_range), &ctx, &ctx.st);
+}
+
+/* ---- the FMA peak of this ISA path (benchmarks report kernels as a fraction of it) -------------- */
+
+/* Float32 FMAs per second on the calling thread: 12 independent vector chains (enough to cover
+ * the FMA latency on every x86 core), timed for about `seconds`. */
+#if defined(__x86_64__) || defined(__i386__)
+#define AB_KEEP(x) __asm__ volatile("" : "+x"(x)) /* the chain stays a register, unoptimised */
+#elif defined(__aarch64__)
+#define AB_KEEP(x) __asm__ volatile("" : "+w"(x))
+#else
+#define AB_KEEP(x) ((void)0)
+#endif
+#define AB_FMA12(op) op(c0) op(c1) op(c2) op(c3) op(c4) op(c5) op(c6) op(c7) op(c8) op(c9) op(c10) op(c11)
+#define AB_STEP(x) x = x * a + b; AB_KEEP(x);
+
+static double SYM(fma_rate)(double seconds) {
+  const vf a = vset1(0.99999f), b = vset1(1e-6f);
+  vf c0 = a, c1 = b, c2 = a, c3 = b, c4 = a, c5 = b, c6 = a, c7 = b, c8 = a, c9 = b, c10 = a, c11 = b;
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  double elapsed = 0.0;
+  int64_t iters = 0;
+  while (elapsed < seconds) {
+    for (int it = 0; it < 100000; ++it) {
+      AB_FMA12(AB_STEP)
+    }
+    iters += 100000;
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    elapsed = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+  }
+  const float sink = c0[0] + c1[0] + c2[0] + c3[0] + c4[0] + c5[0] + c6[0] + c7[0] + c8[0] + c9[0] + c10[0] + c11[0];
+  return sink == 12345.0f ? 0.0 : 2.0 * 12 * VLEN * (double)iters / elapsed;
+}
+#undef AB_STEP
+#undef AB_FMA12
+#undef AB_KEEP
+
+const ab_flash_cpu_table AB_CAT(ab_flash_cpu, AB_ISA_SFX) = {AB_ISA_NAME, SYM(flash_fwd), SYM(flash_bwd),
+                                                           SYM(fma_rate)};

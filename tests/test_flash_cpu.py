@@ -1,0 +1,270 @@
+"""The CPU flash kernel on every instruction-set path this machine supports (generic C, AVX2,
+AVX-512), against the float64 reference (DESIGN.md section 5): output, lse and gradients over the
+shared grid; dropout drawing the same stream as math; packed (varlen) calls equal to padded dense
+ones; bad cu_seqlens rejected; results independent of the thread count."""
+
+import math
+
+import pytest
+import torch
+
+import attn_backends as ab
+from attn_backends import _C, _providers
+from attn_backends._testing import Case, cases, check_against_reference, check_2x, reference_attention
+
+ISAS = [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_isa_supported(isa)]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa(before)
+
+
+def run_flash(q, k, v, mask, case):
+    return ab.attention(q, k, v, backend="flash", causal=case.causal, attn_mask=mask, window=case.window,
+                        softcap=case.softcap, return_lse=True, strict=True)
+
+
+FLASH_CASES = [c for c in cases() if c.dtype != torch.float64]
+
+
+@pytest.mark.parametrize("case", FLASH_CASES, ids=str)
+def test_flash_matches_reference(isa, case, gen):
+    check_against_reference(case, run_flash, grad=True, generator=gen)
+
+
+# Rows that see a single key have softmax exactly 1 and an exact dq of 0.  Flash, as
+# FlashAttention-2, takes delta = rowsum(dO * O) from the stored output instead of summing
+# P * dP, so in float32 it leaves a residue of a few 1e-6 there, where the float32 reference
+# (which sums P * dP) cancels exactly.  Those cases get a float32 gradient floor of 1e-5.
+SINGLE_KEY_FLOOR = 1e-5
+
+
+@pytest.mark.parametrize(
+    "case, grad_floor",
+    [
+        (Case(B=1, Hq=2, Hkv=2, Sq=1, Sk=300, D=64), None),  # decode-like: one query row
+        (Case(B=1, Hq=4, Hkv=1, Sq=97, Sk=1, D=32, causal="bottom_right"), SINGLE_KEY_FLOOR),
+        (Case(B=2, Hq=2, Hkv=2, Sq=129, Sk=129, D=8, Dv=72, causal=True, mask="bool_rows"), SINGLE_KEY_FLOOR),
+        (Case(B=1, Hq=2, Hkv=1, Sq=70, Sk=200, D=256, window=(1, 0)), SINGLE_KEY_FLOOR),
+        (Case(B=1, Hq=1, Hkv=1, Sq=65, Sk=65, D=40, dtype=torch.bfloat16, softcap=2.0, causal=True,
+              layout="strided_d"), None),
+    ],
+    ids=lambda x: str(x) if isinstance(x, Case) else "",
+)
+def test_flash_edge_shapes(isa, case, grad_floor, gen):
+    check_against_reference(case, run_flash, grad=True, generator=gen,
+                            grad_floor=grad_floor if case.dtype == torch.float32 else None)
+
+
+def test_single_visible_key_gives_that_value_and_near_zero_dq(isa, gen):
+    # window (0, 0): each row sees one key, softmax is exactly 1, the exact dq is 0; flash leaves
+    # the float32 residue described at SINGLE_KEY_FLOOR.
+    q = torch.randn(1, 2, 70, 256, generator=gen, requires_grad=True)
+    k = torch.randn(1, 2, 200, 256, generator=gen)
+    v = torch.randn(1, 2, 200, 256, generator=gen)
+    out = ab.attention(q, k, v, window=(0, 0), backend="flash", strict=True)
+    torch.testing.assert_close(out, v[:, :, :70], rtol=0, atol=1e-6)
+    (dq,) = torch.autograd.grad(out, q, torch.randn(out.shape, generator=gen))
+    assert dq.abs().max() < 1e-5
+
+
+def test_flash_and_math_draw_the_same_dropout(isa, gen):
+    case = Case(B=2, Hq=4, Hkv=2, Sq=70, Sk=45, D=32, causal="bottom_right", mask="float_rows")
+    q, k, v, mask = [t for t in _inputs(case, gen)]
+    outs, grads = [], []
+    for backend in ("flash", "math"):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        torch.manual_seed(5)
+        out = ab.attention(qq, kk, vv, backend=backend, causal=case.causal, attn_mask=mask, dropout_p=0.3, strict=True)
+        outs.append(out)
+        grads.append(torch.autograd.grad(out.square().sum(), (qq, kk, vv)))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _inputs(case, gen):
+    from attn_backends._testing import make_inputs
+
+    return make_inputs(case, generator=gen)
+
+
+def test_flash_does_not_serve_float64():
+    q = torch.randn(1, 1, 4, 8, dtype=torch.float64)
+    p = ab.explain(q, q, q, backend="flash")
+    assert p.chosen == "math" and "no float64 support" in p.reasons["flash"]
+    with pytest.raises(RuntimeError, match="no float64 support"):
+        ab.attention(q, q, q, backend="flash", strict=True)
+
+
+def test_auto_uses_flash_on_cpu():
+    q = torch.randn(1, 2, 8, 16)
+    assert ab.explain(q, q, q).chosen == "flash"
+    assert ab.explain(q, q, q, attn_mask=torch.randn(8, 8), causal=True, softcap=3.0, dropout_p=0.1).chosen == "flash"
+
+
+def test_flash_results_do_not_depend_on_thread_count(isa):
+    case = Case(B=2, Hq=8, Hkv=2, Sq=200, Sk=150, D=64, causal=True)
+    from attn_backends._testing import make_inputs
+
+    q, k, v, _ = make_inputs(case, requires_grad=True)
+    results = []
+    n = torch.get_num_threads()
+    try:
+        for threads in (1, max(2, n)):
+            torch.set_num_threads(threads)
+            out = ab.attention(q, k, v, causal=True, backend="flash")
+            results.append((out.detach(), *torch.autograd.grad(out.square().sum(), (q, k, v))))
+    finally:
+        torch.set_num_threads(n)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+# ---- packed (varlen) sequences ------------------------------------------------------------------
+
+def _packed(lens_q, lens_k, Hq, Hkv, D, Dv, dtype, gen):
+    Tq, Tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(Tq, Hq, D, generator=gen).to(dtype)
+    k = torch.randn(Tk, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(Tk, Hkv, Dv, generator=gen).to(dtype)
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32)
+    return q, k, v, cu_q, cu_k
+
+
+def _per_sequence_reference(q, k, v, cu_q, cu_k, dtype=torch.float64, **opts):
+    outs, lses = [], []
+    for b in range(cu_q.numel() - 1):
+        qs = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)[None]
+        ks = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1)[None]
+        vs = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1)[None]
+        o, l = reference_attention(qs, ks, vs, dtype=dtype, **opts)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(l[0])
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+VARLEN = [
+    dict(lens_q=[5, 17, 1, 33], lens_k=[5, 17, 1, 33], causal=True),
+    dict(lens_q=[3, 40, 7], lens_k=[9, 40, 70], causal="bottom_right"),
+    dict(lens_q=[64, 65, 0, 2], lens_k=[64, 1, 3, 100], causal=False, window=(4, 2)),
+    dict(lens_q=[31, 12], lens_k=[31, 20], causal="bottom_right", window=(3, 0), softcap=3.0),
+]
+
+
+@pytest.mark.parametrize("spec", VARLEN, ids=lambda s: f"{s['lens_q']}x{s['lens_k']}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_matches_per_sequence_reference(isa, spec, dtype, gen):
+    spec = dict(spec)
+    lens_q, lens_k = spec.pop("lens_q"), spec.pop("lens_k")
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 4, 2, 24, 16, dtype, gen)
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    out, lse = ab.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), backend="flash_varlen",
+                                   return_lse=True, strict=True, **spec)
+    assert out.shape == (sum(lens_q), 4, 16) and lse.shape == (4, sum(lens_q))
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    r_out, r_lse = _per_sequence_reference(*leaves64, cu_q, cu_k, **spec)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    d_out, d_lse = _per_sequence_reference(*leaves, cu_q, cu_k, dtype=dtype, **spec)
+    check_2x("out", out, r_out, d_out, 2, dtype)
+    check_2x("lse", lse, r_lse, d_lse, 2, dtype)
+    g = torch.randn(out.shape, generator=gen).to(dtype)
+    for name, a, r, s in zip(("dq", "dk", "dv"), torch.autograd.grad(out, (q, k, v), g),
+                             torch.autograd.grad(r_out, leaves64, g.double()), torch.autograd.grad(d_out, leaves, g)):
+        check_2x(name, a, r, s, 3, dtype)
+
+
+@pytest.mark.parametrize("backend", ["flash_varlen", "math", "eager"])
+def test_varlen_equals_padded_dense_including_dropout(backend, gen):
+    lens_q, lens_k = [7, 19, 3], [11, 19, 25]
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 2, 1, 16, 16, torch.float32, gen)
+    B, Sq, Sk = 3, max(lens_q), max(lens_k)
+    torch.manual_seed(3)
+    out = ab.attention_varlen(q, k, v, cu_q, cu_k, Sq, Sk, causal="bottom_right", dropout_p=0.25 if backend != "eager" else 0.0,
+                              backend=backend, strict=True)
+    # the padded dense call: each sequence in its own batch row, a mask per sequence (bottom-right
+    # causal is per sequence, so it goes in the mask), the same seed
+    qd, kd, vd = (torch.zeros(B, 2 if t is q else 1, S, 16) for t, S in ((q, Sq), (k, Sk), (v, Sk)))
+    mask = torch.zeros(B, 1, Sq, Sk, dtype=torch.bool)
+    for b in range(B):
+        qd[b, :, :lens_q[b]] = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)
+        kd[b, :, :lens_k[b]] = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1)
+        vd[b, :, :lens_k[b]] = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1)
+        i = torch.arange(lens_q[b])[:, None]
+        j = torch.arange(lens_k[b])[None, :]
+        mask[b, 0, :lens_q[b], :lens_k[b]] = j <= i + lens_k[b] - lens_q[b]
+    torch.manual_seed(3)
+    dense = ab.attention(qd, kd, vd, attn_mask=mask, dropout_p=0.25 if backend != "eager" else 0.0,
+                         backend="math", strict=True)
+    for b in range(B):
+        torch.testing.assert_close(out[cu_q[b]:cu_q[b + 1]], dense[b, :, :lens_q[b]].transpose(0, 1),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_varlen_auto_and_fallbacks(gen):
+    q, k, v, cu_q, cu_k = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float64, gen)
+    p = ab._dispatch.prepare_varlen(q, k, v, cu_q, cu_k, 6, 6, "auto", True, 0.0, None, None, 0.0, False)
+    assert ab._planner.build(p[1]).chosen == "math"  # float64: flash_varlen cannot, math pads
+    out = ab.attention_varlen(q, k, v, cu_q, cu_k, 6, 6, causal=True)
+    ref, _ = _per_sequence_reference(q, k, v, cu_q, cu_k, causal=True)
+    assert (out - ref).abs().max() < 1e-12
+    q32, k32, v32 = (t.float() for t in (q, k, v))
+    sig = ab._dispatch.prepare_varlen(q32, k32, v32, cu_q, cu_k, 6, 6, "auto", True, 0.0, None, None, 0.0, False)[1]
+    assert ab._planner.build(sig).chosen == "flash_varlen"
+
+
+@pytest.mark.parametrize(
+    "cu_q, cu_k, max_q, max_k, exc, match",
+    [
+        ([0, 4, 9], [0, 4, 9], 5, 5, None, None),
+        ([1, 4, 9], [0, 4, 9], 5, 5, ValueError, r"cu_seqlens_q must start at 0, got 1"),
+        ([0, 6, 4, 9], [0, 3, 6, 9], 6, 5, ValueError, r"cu_seqlens_q must be non-decreasing, but cu_seqlens_q\[1\] = 6 > cu_seqlens_q\[2\] = 4"),
+        ([0, 4, 8], [0, 4, 9], 5, 5, ValueError, r"cu_seqlens_q\[-1\] = 8 must equal the number of packed rows, 9"),
+        ([0, 4, 12], [0, 4, 9], 5, 5, ValueError, r"must equal the number of packed rows"),
+        ([0, 4, 9], [0, 4, 9], 4, 5, ValueError, r"sequence 1 has 5 rows in cu_seqlens_q, more than max_seqlen_q = 4"),
+        ([0, 9], [0, 4, 9], 9, 5, ValueError, r"must describe the same batch"),
+        ([0.0, 4.0, 9.0], [0, 4, 9], 5, 5, TypeError, r"cu_seqlens_q must be int32"),
+        ([0, 4, 9], [0, 4, 9], -1, 5, ValueError, r"max_seqlen_q must be a non-negative int"),
+    ],
+)
+def test_bad_cu_seqlens(cu_q, cu_k, max_q, max_k, exc, match):
+    q = torch.randn(9, 2, 8)
+    k = torch.randn(9, 2, 8)
+    dt = torch.float32 if isinstance(cu_q[0], float) else torch.int32
+    cq = torch.tensor(cu_q, dtype=dt)
+    ck = torch.tensor(cu_k, dtype=torch.int32)
+    if exc is None:
+        ab.attention_varlen(q, k, k, cq, ck, max_q, max_k)
+        return
+    with pytest.raises(exc, match=match):
+        ab.attention_varlen(q, k, k, cq, ck, max_q, max_k)
+
+
+def test_varlen_op_checks_cu_seqlens_too():
+    q = torch.randn(9, 2, 8)
+    bad = torch.tensor([0, 6, 4, 9], dtype=torch.int32)
+    good = torch.tensor([0, 3, 6, 9], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must be non-decreasing"):
+        torch.ops.attn_backends.flash_varlen_fwd(q, q, q, bad, good, 9, 9, None, 0, 0.3, -1, -1, 0.0, 0.0)
+    with pytest.raises(RuntimeError, match=r"sequence 0 has length 3 > max_seqlen 2"):
+        torch.ops.attn_backends.flash_varlen_fwd(q, q, q, good, good, 2, 9, None, 0, 0.3, -1, -1, 0.0, 0.0)
+
+
+def test_opcheck_flash_ops():
+    q, k, v = (torch.randn(2, 4, 9, 16, requires_grad=True), torch.randn(2, 2, 11, 16, requires_grad=True),
+               torch.randn(2, 2, 11, 8, requires_grad=True))
+    rng = _providers.draw_rng_state()
+    torch.library.opcheck(torch.ops.attn_backends.flash_fwd.default,
+                          (q, k, v, torch.randn(1, 4, 9, 11, requires_grad=True), rng, 2, 0.25, 3, -1, 2.0, 0.2))
+    qv, kv = torch.randn(12, 4, 16, requires_grad=True), torch.randn(15, 2, 16, requires_grad=True)
+    vv = torch.randn(15, 2, 8, requires_grad=True)
+    cu_q = torch.tensor([0, 5, 12], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 15], dtype=torch.int32)
+    torch.library.opcheck(torch.ops.attn_backends.flash_varlen_fwd.default,
+                          (qv, kv, vv, cu_q, cu_k, 7, 9, rng, 2, 0.25, -1, -1, 0.0, 0.1))
