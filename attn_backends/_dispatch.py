@@ -67,12 +67,20 @@ def _static_int(x) -> int:
     return lo
 
 
+_CAUSAL = _validate._CAUSAL
+
+
 def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse):
-    """Validates a dense call; returns (run arguments, planner signature)."""
+    """Validates a dense call; returns (run arguments, planner signature).
+
+    The common case (no mask, no window, no softcap, no dropout, default scale) touches only what
+    it needs; anything unusual goes through the full checks in _validate."""
     B, Hq, Sq, D, Hkv, Sk, Dv = _validate.check_qkv(q, k, v)
-    causal_i = _validate.check_causal(causal)
+    causal_i = _CAUSAL.get(causal) if causal.__class__ in (bool, str) else None
+    if causal_i is None:
+        causal_i = _validate.check_causal(causal)
     wl, wr = _validate.check_window(window) if window is not None else (-1, -1)
-    scale_f = _validate.check_scale(scale, D)
+    scale_f = D ** -0.5 if scale is None else _validate.check_scale(scale, D)
     softcap_f = _validate.check_softcap(softcap) if softcap else 0.0
     p = _validate.check_dropout(dropout_p) if dropout_p else 0.0
     mask_kind = mask_grad = 0
@@ -80,13 +88,12 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
         attn_mask = _validate.check_mask(attn_mask, q, B, Hq, Sq, Sk)
         mask_kind = 1 if attn_mask.dtype == torch.bool else 2
         mask_grad = mask_kind == 2 and attn_mask.requires_grad
-    requested = resolve(backend) if backend is not None else "auto"
+    requested = "auto" if backend == "auto" else (resolve(backend) if backend is not None else "auto")
     if requested == "auto":
         requested = _planner.default_backend()
-    need_grad = torch.is_grad_enabled() and (
-        q.requires_grad or k.requires_grad or v.requires_grad or bool(mask_grad))
+    need_grad = (q.requires_grad or k.requires_grad or v.requires_grad or bool(mask_grad)) and torch.is_grad_enabled()
     if q.is_cpu:
-        dev, cc, lib_ok = 0, 0, 0
+        dev = cc = lib_ok = 0
     else:
         device = q.device
         dev = _DEVICE_IDS.get(device.type, 3)
@@ -98,13 +105,31 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
         square = True if square else False  # noqa: SIM210
     sig = (dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, gqa, square, mask_kind, mask_grad, causal_i,
            wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, _deterministic(), bool(return_lse), 0,
-           _planner.settings["mps_fix"], ID[requested], _planner.CPU_ISA)
+           _SETTINGS["mps_fix"], ID[requested], _CPU_ISA)
     return (q, k, v, attn_mask, causal_i, scale_f, wl, wr, softcap_f, p, need_grad, bool(return_lse)), sig
+
+
+_SETTINGS = _planner.settings
+_CPU_ISA = _planner.CPU_ISA
+_chosen = ({}, {})  # signature -> backend, for strict False and True: the hot path's one lookup
+
+
+def reset_caches() -> None:
+    """Forgets every plan and every fallback already reported (tests; after changing providers)."""
+    for d in _chosen:
+        d.clear()
+    _planner._plans.clear()
+    _planner._warned.clear()
 
 
 def attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse, strict):
     args, sig = prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse)
-    chosen = _planner.choose(sig, strict or _planner.STRICT)
+    strict = strict or _planner.STRICT
+    chosen = None if _is_compiling() else _chosen[strict].get(sig)
+    if chosen is None:
+        chosen = _planner.choose(sig, strict)
+        if len(_chosen[strict]) < 65536 and not _is_compiling():
+            _chosen[strict][sig] = chosen
     out, lse = RUNNERS[chosen](*args)
     return (out, lse) if return_lse else out
 

@@ -96,6 +96,7 @@ def test_other_devices_use_eager():
 
 def test_forward_only_and_lossy_backends():
     _C.set_provider(_names.ID["sageattention_pkg"], True, "")
+    ab._dispatch.reset_caches()
     try:
         p = plan(device=CUDA, cc=90, dtype="bfloat16", causal=1)
         assert p.chosen != "sageattention_pkg"
@@ -106,6 +107,7 @@ def test_forward_only_and_lossy_backends():
         assert p.order[:3] == ("sageattention_pkg", "sage", "flash")
     finally:
         _planner._detect_providers()
+        ab._dispatch.reset_caches()
 
 
 def test_deterministic_mode_excludes_nondeterministic_backwards():
@@ -117,6 +119,7 @@ def test_deterministic_mode_excludes_nondeterministic_backwards():
 
 def test_flash_attn_package_alignment_rule():
     _C.set_provider(_names.ID["flash_attn_pkg"], True, "")
+    ab._dispatch.reset_caches()
     try:
         ok = plan(device=CUDA, cc=80, dtype="float16", causal=1, square=1, requested="flash_attn_pkg")
         assert ok.chosen == "flash_attn_pkg"
@@ -127,6 +130,7 @@ def test_flash_attn_package_alignment_rule():
         assert "head dim 512" in plan(device=CUDA, cc=80, dtype="float16", D=512, requested="flash_attn_pkg").reasons["flash_attn_pkg"]
     finally:
         _planner._detect_providers()
+        ab._dispatch.reset_caches()
 
 
 def test_reasons_cover_every_feature():
@@ -168,7 +172,7 @@ def _run(name, strict=False):
 @pytest.mark.parametrize("name", _names.ALL_NAMES)
 def test_every_name_serves_a_cpu_float32_call(name, caplog, gen):
     caplog.set_level(logging.INFO, logger="attn_backends")
-    _planner._warned.clear()
+    ab._dispatch.reset_caches()
     check_against_reference(CPU_CASE, _run(name), grad=True, check_lse=False, generator=gen)
     shapes = ((2, 4, 9, 16), (2, 2, 13, 16), (2, 2, 13, 16))
     p = ab.explain(*[torch.empty(s, requires_grad=True) for s in shapes], backend=name,
@@ -205,7 +209,7 @@ def test_strict_from_the_environment():
 
 
 def test_one_warning_per_requested_chosen_reason(caplog):
-    _planner._warned.clear()
+    ab._dispatch.reset_caches()
     caplog.set_level(logging.INFO, logger="attn_backends")
     q = torch.randn(1, 2, 5, 8)
     for _ in range(3):

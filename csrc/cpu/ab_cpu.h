@@ -57,13 +57,12 @@ static inline double ab_load_scalar(const void* base, ab_dtype dt, int64_t off) 
   }
 }
 
-/* 64-byte aligned scratch, so rows start on a cache line; free with ab_scratch_free. */
-static inline void* ab_scratch_alloc(size_t bytes) {
-  size_t rounded = (bytes + 63) & ~(size_t)63;
-  return aligned_alloc(64, rounded ? rounded : 64);
-}
-
-static inline void ab_scratch_free(void* ptr) { free(ptr); }
+/* 64-byte aligned scratch, so rows start on a cache line: the calling thread's own buffer,
+ * kept between calls (small calls would otherwise pay malloc, free and page faults every time)
+ * and freed when the thread exits.  One buffer per thread: a kernel must not call a kernel while
+ * holding it.  ab_scratch_free releases it only when it grew past 64 MiB (a one-off huge call). */
+void* ab_scratch_alloc(size_t bytes);
+void ab_scratch_free(void* ptr);
 
 /* Shared state of one parallel kernel call: the first failing chunk's status wins. */
 typedef struct ab_par_status {

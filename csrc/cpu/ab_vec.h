@@ -59,6 +59,22 @@ static inline vf vselect(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi
 
 /* max(a, b); with a NaN in b the result is NaN (the hardware max returns its second operand when
  * either is NaN). */
+/* VLEN floats at p, p + stride, p + 2 stride, ... (a gather where the ISA has one). */
+static inline vf vgather(const float* p, int32_t stride) {
+#if VLEN == 16
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                         _mm512_set1_epi32(stride));
+  return (vf)_mm512_i32gather_ps(idx, p, 4);
+#elif VLEN == 8
+  const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
+  return (vf)_mm256_i32gather_ps(p, idx, 4);
+#else
+  vf v;
+  for (int u = 0; u < VLEN; ++u) v[u] = p[(int64_t)u * stride];
+  return v;
+#endif
+}
+
 /* 1 if every lane of the comparison result m is true. */
 static inline int vall(vi m) {
   int all = 1;

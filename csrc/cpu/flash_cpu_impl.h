@@ -5,17 +5,18 @@
  * the ISA through ab_vec.h (VLEN) and the NV_MAX / MR choice below.
  *
  * Layout idea: scores are computed transposed, St[j][r] for key j and query row r of a chunk of
- * RC = NV_MAX * VLEN rows, with the query rows along the vector lanes.  Then
+ * rc = nv * VLEN rows (nv <= NV_MAX vectors; fewer for short queries), with the query rows along
+ * the vector lanes.  Then
  *   - S = Q K^T is C += A * B with A = K rows (broadcast scalars) and B = Q^T (vectors of rows);
  *   - the row max and row sum of the softmax are element-wise max/add over j (no shuffles);
- *   - O^T += V^T P^T is the same micro-kernel with A = V (broadcast) and B = P^T;
+ *   - O += P V is the same micro-kernel with A = P^T (broadcast, by row) and B = V rows;
  * so K and V are read in their natural (row) layout, straight from the caller's float32 tensors
  * when their last dim is contiguous, and one register-blocked micro-kernel (MR broadcast rows x
  * NV_MAX vectors) does every matrix product of the forward and the backward.
  *
- * Forward, per (batch, head, chunk of RC query rows): for each block of BK visible keys, compute
+ * Forward, per (batch, head, chunk of rc query rows): for each block of BK visible keys, compute
  * St, mask, online softmax (running max m, sum l, O rescaled by exp(m_old - m_new)), O += P V.
- * Extra memory is O(RC * (D + Dv + BK)) per thread, whatever Sq and Sk are.
+ * Extra memory is O(rc * (D + Dv + BK)) per thread, whatever Sq and Sk are.
  *
  * Backward, per (batch, KV head): K and V packed once; for each query head of the group, Q and
  * dO are packed (natural and transposed) and for each key block and row chunk the kernel
@@ -40,8 +41,10 @@
 #define NV_MAX 2 /* 16 vector registers: 6 x 2 = 12 accumulators */
 #endif
 #define MR 6
-#define RC (NV_MAX * VLEN)
-#define BK 64 /* keys per block: St (BK x RC floats) stays in L1 */
+#define RC_MAX (NV_MAX * VLEN)
+#ifndef BK
+#define BK 64 /* keys per block: St (BK x rc floats) stays in L1 */
+#endif
 #define KC 64 /* head dims per pass of S = K Q^T */
 
 #define AB_CAT2(a, b) a##b
@@ -166,15 +169,16 @@ static inline void SYM(row_range)(const ab_attn_params* p, const SYM(seq) * s, i
 }
 
 /* Loads row chunk [i0, i0 + n) of a (rows x cols) operand transposed and scaled into
- * dst (cols x RC); rows n..RC-1 of the chunk are zero. */
+ * dst (cols x rc); rows n..rc-1 of the chunk are zero.  The rows are converted into `rows`
+ * (rc x cols, zero rows past n) first, then gathered a vector of rows at a time. */
 static void SYM(pack_t)(const ab_tensor* t, int64_t base, int64_t rs, int64_t i0, int64_t n,
-                        int64_t cols, float scale, float* dst, float* tmp) {
+                        int64_t cols, float scale, float* dst, float* rows, int64_t rc) {
+  for (int64_t r = 0; r < n; ++r)
+    ab_vec_load_row(t->data, t->dtype, base + (i0 + r) * rs, cols, t->strides[t->ndim - 1], rows + r * cols);
+  memset(rows + n * cols, 0, sizeof(float) * (size_t)((rc - n) * cols));
+  const vf sc = vset1(scale);
   for (int64_t c = 0; c < cols; ++c)
-    for (int64_t r = n; r < RC; ++r) dst[c * RC + r] = 0.0f;
-  for (int64_t r = 0; r < n; ++r) {
-    ab_vec_load_row(t->data, t->dtype, base + (i0 + r) * rs, cols, t->strides[t->ndim - 1], tmp);
-    for (int64_t c = 0; c < cols; ++c) dst[c * RC + r] = tmp[c] * scale;
-  }
+    for (int64_t r = 0; r < rc; r += VLEN) vstore(dst + c * rc + r, vgather(rows + r * cols + c, (int32_t)cols) * sc);
 }
 
 /* Rows [j0, j0 + n) of a (rows x cols) operand as float32 rows of width ld (zero-padded). */
@@ -186,15 +190,15 @@ static void SYM(pack_rows)(const ab_tensor* t, int64_t base, int64_t rs, int64_t
   }
 }
 
-/* Applies causal/window and a bool/float mask to St (nb x RC, keys j0..) of row chunk i0 with
+/* Applies causal/window and a bool/float mask to St (nb x rc, keys j0..) of row chunk i0 with
  * visible ranges lo/hi (int32 per row, padded rows have lo = hi = 0); softcap first. */
 static void SYM(mask_scores)(const ab_attn_params* p, const SYM(seq) * s, int64_t i0, int64_t nrows,
                              int64_t j0, int64_t nb, const int32_t* lo, const int32_t* hi, int structural,
-                             float* St, float* Th) {
+                             float* St, float* Th, int64_t rc) {
   const vf ninf = vset1(-__builtin_inff());
   if (p->softcap > 0) {
     const vf cap = vset1((float)p->softcap), inv = vset1((float)(1.0 / p->softcap));
-    for (int64_t x = 0; x < nb * RC; x += VLEN) {
+    for (int64_t x = 0; x < nb * rc; x += VLEN) {
       vf t = vtanh(vload(St + x) * inv);
       if (Th) vstore(Th + x, t);
       vstore(St + x, cap * t);
@@ -206,23 +210,23 @@ static void SYM(mask_scores)(const ab_attn_params* p, const SYM(seq) * s, int64_
       const uint8_t* m = (const uint8_t*)p->mask.data + s->mask;
       for (int64_t j = 0; j < nb; ++j)
         for (int64_t r = 0; r < nrows; ++r)
-          if (!m[(i0 + r) * ms_i + (j0 + j) * ms_j]) St[j * RC + r] = -__builtin_inff();
+          if (!m[(i0 + r) * ms_i + (j0 + j) * ms_j]) St[j * rc + r] = -__builtin_inff();
     } else {
       for (int64_t j = 0; j < nb; ++j)
         for (int64_t r = 0; r < nrows; ++r)
-          St[j * RC + r] += (float)ab_load_scalar(p->mask.data, p->mask.dtype,
+          St[j * rc + r] += (float)ab_load_scalar(p->mask.data, p->mask.dtype,
                                                   s->mask + (i0 + r) * ms_i + (j0 + j) * ms_j);
     }
   }
   if (structural) {
-    for (int64_t v = 0; v < RC; v += VLEN) {
+    for (int64_t v = 0; v < rc; v += VLEN) {
       vi lov, hiv;
       memcpy(&lov, lo + v, sizeof lov);
       memcpy(&hiv, hi + v, sizeof hiv);
       for (int64_t j = 0; j < nb; ++j) {
         const vi jv = (vi){0} + (int32_t)(j0 + j);
         const vi hide = (jv < lov) | (jv >= hiv);
-        vstore(St + j * RC + v, vselect(hide, ninf, vload(St + j * RC + v)));
+        vstore(St + j * rc + v, vselect(hide, ninf, vload(St + j * rc + v)));
       }
     }
   }
@@ -231,10 +235,10 @@ static void SYM(mask_scores)(const ab_attn_params* p, const SYM(seq) * s, int64_
 /* f[j][r] = 1 / (1 - p) where element (row i0 + r, key j0 + j) is kept, else 0 (rows past nrows: 0).
  * The decisions are the shared Philox stream (ab_philox.h), four keys per draw. */
 static void SYM(drop_factors)(const ab_attn_params* p, const SYM(seq) * s, int64_t i0, int64_t nrows,
-                              int64_t j0, int64_t nb, float* f) {
+                              int64_t j0, int64_t nb, float* f, int64_t rc) {
   const uint32_t thr = ab_dropout_threshold(p->dropout_p);
   const float rdrop = (float)(1.0 / (1.0 - p->dropout_p));
-  memset(f, 0, sizeof(float) * (size_t)(nb * RC));
+  memset(f, 0, sizeof(float) * (size_t)(nb * rc));
   for (int64_t r = 0; r < nrows; ++r) {
     const uint64_t row = s->drop_row0 + (uint64_t)(i0 + r);
     uint32_t w[4];
@@ -245,7 +249,7 @@ static void SYM(drop_factors)(const ab_attn_params* p, const SYM(seq) * s, int64
         blk = jj >> 2;
         ab_dropout_words(p->seed, p->offset, row, (uint64_t)blk, w);
       }
-      f[j * RC + r] = w[jj & 3] >= thr ? rdrop : 0.0f;
+      f[j * rc + r] = w[jj & 3] >= thr ? rdrop : 0.0f;
     }
   }
 }
@@ -256,59 +260,64 @@ static void SYM(vmul)(float* x, const float* f, int64_t n) {
 
 /* ---- forward ----------------------------------------------------------------------------------- */
 
-/* One block of the online softmax over St (nb keys x RC rows), in place: m_new = max(m, max_j S),
- * P = exp(S - m_new), l = l * exp(m - m_new) + sum_j P, and O^T rescaled by exp(m - m_new) where
- * the max moved.  A NaN score reaches l (exp(NaN) is NaN), which marks its row at the end; a row
- * that has seen no key keeps m = -inf, its weights here are 0, and it is zeroed at the end.
- * All NV_MAX vectors of rows, and even/odd keys, run as independent chains: a single running
- * max or sum over j would be latency-bound (4 cycles a step). */
-static void SYM(online_softmax)(float* st, int64_t nb, float* mrow, float* lrow, float* ot, int64_t Dv) {
+/* One block of the online softmax over St (nb keys x rc rows, nv vectors), in place:
+ * m_new = max(m, max_j S), P = exp(S - m_new), l = l * alpha + sum_j P with
+ * alpha = exp(m - m_new), written to arow; returns 1 if any alpha may differ from 1 (the caller
+ * rescales those output rows).  A NaN score reaches l (exp(NaN) is NaN), which marks its row at
+ * the end; a row that has seen no key keeps m = -inf, its weights here are 0, and it is zeroed at
+ * the end.  All nv vectors of rows, and even/odd keys, run as independent chains: a single
+ * running max or sum over j would be latency-bound (4 cycles a step). */
+static int SYM(online_softmax)(float* st, int64_t nb, float* mrow, float* lrow, float* arow, int nv) {
+  const int64_t rc = (int64_t)nv * VLEN;
   vf mx[NV_MAX], mx2[NV_MAX], msafe[NV_MAX], ls[NV_MAX], ls2[NV_MAX];
-  for (int v = 0; v < NV_MAX; ++v) mx[v] = mx2[v] = vload(mrow + v * VLEN);
+  int any = 0;
+  for (int v = 0; v < nv; ++v) mx[v] = mx2[v] = vload(mrow + v * VLEN);
   int64_t j = 0;
   for (; j + 2 <= nb; j += 2)
-    for (int v = 0; v < NV_MAX; ++v) {
-      mx[v] = vmax(mx[v], vload(st + j * RC + v * VLEN));
-      mx2[v] = vmax(mx2[v], vload(st + (j + 1) * RC + v * VLEN));
+    for (int v = 0; v < nv; ++v) {
+      mx[v] = vmax(mx[v], vload(st + j * rc + v * VLEN));
+      mx2[v] = vmax(mx2[v], vload(st + (j + 1) * rc + v * VLEN));
     }
   for (; j < nb; ++j)
-    for (int v = 0; v < NV_MAX; ++v) mx[v] = vmax(mx[v], vload(st + j * RC + v * VLEN));
-  int rescale[NV_MAX];
-  for (int v = 0; v < NV_MAX; ++v) {
+    for (int v = 0; v < nv; ++v) mx[v] = vmax(mx[v], vload(st + j * rc + v * VLEN));
+  for (int v = 0; v < nv; ++v) {
     const vf mold = vload(mrow + v * VLEN);
     mx[v] = vmax(mx[v], mx2[v]);
     msafe[v] = vselect(mx[v] == vset1(-__builtin_inff()), vset1(0.0f), mx[v]);
-    rescale[v] = !vall(mx[v] == mold);
     ls[v] = vload(lrow + v * VLEN);
     ls2[v] = vset1(0.0f);
-    if (rescale[v]) {
-      const vf alpha = vexp_nonpos(mold - msafe[v]);
+    vf alpha = vset1(1.0f);
+    if (!vall(mx[v] == mold)) { /* the max moved */
+      alpha = vexp_nonpos(mold - msafe[v]);
       ls[v] *= alpha;
-      for (int64_t d = 0; d < Dv; ++d) vstore(ot + d * RC + v * VLEN, vload(ot + d * RC + v * VLEN) * alpha);
+      any = 1;
     }
+    vstore(arow + v * VLEN, alpha);
     vstore(mrow + v * VLEN, mx[v]);
   }
   for (j = 0; j + 2 <= nb; j += 2)
-    for (int v = 0; v < NV_MAX; ++v) {
-      const vf e0 = vexp_nonpos(vload(st + j * RC + v * VLEN) - msafe[v]);
-      const vf e1 = vexp_nonpos(vload(st + (j + 1) * RC + v * VLEN) - msafe[v]);
-      vstore(st + j * RC + v * VLEN, e0);
-      vstore(st + (j + 1) * RC + v * VLEN, e1);
+    for (int v = 0; v < nv; ++v) {
+      const vf e0 = vexp_nonpos(vload(st + j * rc + v * VLEN) - msafe[v]);
+      const vf e1 = vexp_nonpos(vload(st + (j + 1) * rc + v * VLEN) - msafe[v]);
+      vstore(st + j * rc + v * VLEN, e0);
+      vstore(st + (j + 1) * rc + v * VLEN, e1);
       ls[v] += e0;
       ls2[v] += e1;
     }
   for (; j < nb; ++j)
-    for (int v = 0; v < NV_MAX; ++v) {
-      const vf e = vexp_nonpos(vload(st + j * RC + v * VLEN) - msafe[v]);
-      vstore(st + j * RC + v * VLEN, e);
+    for (int v = 0; v < nv; ++v) {
+      const vf e = vexp_nonpos(vload(st + j * rc + v * VLEN) - msafe[v]);
+      vstore(st + j * rc + v * VLEN, e);
       ls[v] += e;
     }
-  for (int v = 0; v < NV_MAX; ++v) vstore(lrow + v * VLEN, ls[v] + ls2[v]);
+  for (int v = 0; v < nv; ++v) vstore(lrow + v * VLEN, ls[v] + ls2[v]);
+  return any;
 }
 
 typedef struct SYM(fwd_ctx) {
   const ab_attn_params* p;
-  int64_t nchunk; /* row chunks per (batch, head): ceil(max Sq / RC) */
+  int64_t nchunk; /* row chunks per (batch, head): ceil(max Sq / rc) */
+  int nv;         /* vectors of rows per chunk, rc = nv * VLEN */
   ab_par_status st;
 } SYM(fwd_ctx);
 
@@ -317,34 +326,39 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
   const ab_attn_params* p = ctx->p;
   const int64_t D = p->D, Dv = p->Dv, group = p->Hq / p->Hkv;
   const int64_t Dmax = D > Dv ? D : Dv;
+  const int nv = ctx->nv;
+  const int64_t rc = (int64_t)nv * VLEN;
   const int k_direct = p->k.dtype == AB_DTYPE_F32 && p->k.strides[p->k.ndim - 1] == 1;
-  const int v_direct = p->v.dtype == AB_DTYPE_F32 && p->v.strides[p->v.ndim - 1] == 1;
-  const size_t nfl = (size_t)(D * RC + Dv * RC + 2 * BK * RC + BK * D + BK * Dv + Dmax + 4 * RC);
-  float* qt = (float*)ab_scratch_alloc(sizeof(float) * nfl + sizeof(int32_t) * 2 * RC);
+  const int64_t Dvp = (Dv + VLEN - 1) / VLEN * VLEN;
+  /* V rows are read in place when float32, contiguous and a whole number of vectors wide */
+  const int v_direct = p->v.dtype == AB_DTYPE_F32 && p->v.strides[p->v.ndim - 1] == 1 && Dv == Dvp;
+  const size_t nfl = (size_t)(D * rc + rc * Dvp + 2 * BK * rc + BK * D + BK * Dvp + rc * Dmax + 5 * rc);
+  float* qt = (float*)ab_scratch_alloc(sizeof(float) * nfl + sizeof(int32_t) * 2 * rc);
   if (!qt) {
     ab_par_fail(&ctx->st, AB_ERR_NOMEM, "flash: out of memory for the tile scratch");
     return;
   }
-  float* ot = qt + D * RC;   /* O^T (Dv x RC), unnormalised */
-  float* st = ot + Dv * RC;  /* S^T, then P^T (BK x RC) */
-  float* fd = st + BK * RC;  /* dropout factors (BK x RC) */
-  float* kp = fd + BK * RC;  /* K block as float32 rows, when not read in place */
-  float* vp = kp + BK * D;   /* V block likewise */
-  float* tmp = vp + BK * Dv; /* one row */
-  float* mrow = tmp + Dmax;  /* running max */
-  float* lrow = mrow + RC;   /* running sum */
-  int32_t* lo = (int32_t*)(lrow + RC);
-  int32_t* hi = lo + RC;
+  float* on = qt + D * rc;     /* O rows (rc x Dvp), unnormalised */
+  float* st = on + rc * Dvp;   /* S^T, then P^T (BK x rc) */
+  float* fd = st + BK * rc;    /* dropout factors (BK x rc) */
+  float* kp = fd + BK * rc;    /* K block as float32 rows, when not read in place */
+  float* vp = kp + BK * D;     /* V block likewise, rows zero-padded to Dvp */
+  float* tmp = vp + BK * Dvp;  /* rc rows of Q, then one output row */
+  float* mrow = tmp + rc * Dmax; /* running max */
+  float* lrow = mrow + rc;     /* running sum */
+  float* arow = lrow + rc;     /* this block's rescale factors */
+  int32_t* lo = (int32_t*)(arow + rc);
+  int32_t* hi = lo + rc;
   for (int64_t item = begin; item < end; ++item) {
     const int64_t c = item % ctx->nchunk, bh = item / ctx->nchunk;
     const int64_t h = bh % p->Hq, b = bh / p->Hq, hk = h / group;
     SYM(seq) s;
     SYM(seq_get)(p, b, h, hk, &s);
-    const int64_t i0 = c * RC;
+    const int64_t i0 = c * rc;
     if (i0 >= s.Sq) continue;
-    const int64_t nrows = s.Sq - i0 < RC ? s.Sq - i0 : RC;
+    const int64_t nrows = s.Sq - i0 < rc ? s.Sq - i0 : rc;
     int64_t jlo = s.Sk, jhi = 0;
-    for (int64_t r = 0; r < RC; ++r) {
+    for (int64_t r = 0; r < rc; ++r) {
       int64_t l = 0, hh = 0;
       if (r < nrows) SYM(row_range)(p, &s, i0 + r, &l, &hh);
       lo[r] = (int32_t)l;
@@ -356,15 +370,15 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
       mrow[r] = -__builtin_inff();
       lrow[r] = 0.0f;
     }
-    SYM(pack_t)(&p->q, s.q, s.q_rs, i0, nrows, D, (float)p->scale, qt, tmp);
-    memset(ot, 0, sizeof(float) * (size_t)(Dv * RC));
+    SYM(pack_t)(&p->q, s.q, s.q_rs, i0, nrows, D, (float)p->scale, qt, tmp, rc);
+    memset(on, 0, sizeof(float) * (size_t)(nrows * Dvp));
     /* the key range every real row sees: blocks inside it need no causal/window masking */
     int64_t all_lo = 0, all_hi = s.Sk;
     for (int64_t r = 0; r < nrows; ++r) {
       if (lo[r] > all_lo) all_lo = lo[r];
       if (hi[r] < all_hi) all_hi = hi[r];
     }
-    const int partial_rows = nrows < RC;
+    const int partial_rows = nrows < rc;
     for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
       const int64_t nb = jhi - j0 < BK ? jhi - j0 : BK;
       const float* ka;
@@ -378,28 +392,33 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
         ka_m = D;
       }
       /* S^T = K Q^T (scale folded into Q^T), KC dims at a time so the slice of Q^T the micro-kernel
-       * streams for every 6 keys (KC x RC floats) stays in L1 */
+       * streams for every 6 keys (KC x rc floats) stays in L1 */
       for (int64_t d0 = 0; d0 < D; d0 += KC)
-        SYM(gemm_nv)(nb, NV_MAX, D - d0 < KC ? D - d0 : KC, ka + d0, ka_m, 1, qt + d0 * RC, RC, st, RC, d0 > 0);
+        SYM(gemm_nv)(nb, nv, D - d0 < KC ? D - d0 : KC, ka + d0, ka_m, 1, qt + d0 * rc, rc, st, rc, d0 > 0);
       const int structural = partial_rows || j0 < all_lo || j0 + nb > all_hi;
-      SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL);
-      SYM(online_softmax)(st, nb, mrow, lrow, ot, Dv);
+      SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, rc);
+      if (SYM(online_softmax)(st, nb, mrow, lrow, arow, nv))
+        for (int64_t r = 0; r < nrows; ++r)
+          if (arow[r] != 1.0f) {
+            const vf a = vset1(arow[r]);
+            for (int64_t d = 0; d < Dvp; d += VLEN) vstore(on + r * Dvp + d, vload(on + r * Dvp + d) * a);
+          }
       if (p->dropout_p > 0) { /* the sum l above is of the weights before dropout */
-        SYM(drop_factors)(p, &s, i0, nrows, j0, nb, fd);
-        SYM(vmul)(st, fd, nb * RC);
+        SYM(drop_factors)(p, &s, i0, nrows, j0, nb, fd, rc);
+        SYM(vmul)(st, fd, nb * rc);
       }
-      /* O^T += V^T P^T */
+      /* O += P V for the real rows: A = P^T read by row (broadcasts), B = V rows */
       const float* va;
       int64_t va_k;
       if (v_direct) {
         va = (const float*)p->v.data + s.v + j0 * s.v_rs;
         va_k = s.v_rs;
       } else {
-        SYM(pack_rows)(&p->v, s.v, s.v_rs, j0, nb, Dv, Dv, vp);
+        SYM(pack_rows)(&p->v, s.v, s.v_rs, j0, nb, Dv, Dvp, vp);
         va = vp;
-        va_k = Dv;
+        va_k = Dvp;
       }
-      SYM(gemm_nv)(Dv, NV_MAX, nb, va, 1, va_k, st, RC, ot, RC, 1);
+      SYM(gemm)(nrows, Dvp / VLEN, nb, st, 1, rc, va, va_k, on, Dvp, 1);
     }
     for (int64_t r = 0; r < nrows; ++r) {
       const float l = lrow[r], m = mrow[r];
@@ -412,7 +431,7 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
         lse = -__builtin_inff();
       } else {
         const float inv = 1.0f / l;
-        for (int64_t d = 0; d < Dv; ++d) tmp[d] = ot[d * RC + r] * inv;
+        for (int64_t d = 0; d < Dv; ++d) tmp[d] = on[r * Dvp + d] * inv;
         lse = m + logf(l);
       }
       ab_vec_store_row(p->out.data, p->out.dtype, s.o + (i0 + r) * s.o_rs, Dv,
@@ -428,7 +447,11 @@ static ab_status SYM(flash_fwd)(const ab_attn_params* p, const ab_cpu_pool* pool
   ctx.p = p;
   ctx.st.err = err;
   atomic_init(&ctx.st.status, AB_OK);
-  ctx.nchunk = (p->Sq + RC - 1) / RC;
+  /* short queries (decode) get narrower chunks: fewer padded rows computed */
+  const int64_t vecs = (p->Sq + VLEN - 1) / VLEN;
+  ctx.nv = (int)(vecs < NV_MAX ? (vecs > 0 ? vecs : 1) : NV_MAX);
+  const int64_t rc = (int64_t)ctx.nv * VLEN;
+  ctx.nchunk = (p->Sq + rc - 1) / rc;
   const double work = (double)p->B * p->Hq * p->Sq * p->Sk * (double)(p->D + p->Dv);
   return ab_par_run(pool, p->B * p->Hq * ctx.nchunk, 1, work, SYM(fwd_range), &ctx, &ctx.st);
 }
@@ -445,13 +468,15 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   const ab_attn_params* p = ctx->p;
   const int64_t D = p->D, Dv = p->Dv, group = p->Hq / p->Hkv;
   const int64_t Dp = (D + VLEN - 1) / VLEN * VLEN, Dvp = (Dv + VLEN - 1) / VLEN * VLEN;
-  const int64_t Sqp = (p->Sq + RC - 1) / RC * RC, Skm = p->Sk; /* Sq, Sk: maxima for varlen */
   const int want_dmask = p->dmask.ndim > 0, softcap = p->softcap > 0;
+  const int nv = NV_MAX;
+  const int64_t rc = RC_MAX;
+  const int64_t Sqp = (p->Sq + rc - 1) / rc * rc, Skm = p->Sk; /* Sq, Sk: maxima for varlen */
   const size_t nfl = (size_t)(Skm * Dp + Skm * Dvp + Skm * Dp + Skm * Dvp  /* K, V, dK, dV */
                               + Sqp * Dp + Dp * Sqp + Sqp * Dvp + Dvp * Sqp /* Q, Q^T, dO, dO^T */
                               + Sqp * Dp + 2 * Sqp                          /* dQ, lse, delta */
-                              + 4 * BK * RC + (Dp > Dvp ? Dp : Dvp) * 2);
-  float* kp = (float*)ab_scratch_alloc(sizeof(float) * nfl + sizeof(int32_t) * 2 * RC);
+                              + 4 * BK * rc + (Dp > Dvp ? Dp : Dvp) * 2);
+  float* kp = (float*)ab_scratch_alloc(sizeof(float) * nfl + sizeof(int32_t) * 2 * rc);
   if (!kp) {
     ab_par_fail(&ctx->st, AB_ERR_NOMEM, "flash: out of memory for the backward scratch");
     return;
@@ -460,20 +485,20 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   float* dk = vp + Skm * Dvp;
   float* dv = dk + Skm * Dp;
   float* qn = dv + Skm * Dvp;  /* Q rows (Sqp x Dp), unscaled */
-  float* qt = qn + Sqp * Dp;   /* Q^T by row chunk: (Sqp / RC) x (Dp x RC), scaled */
+  float* qt = qn + Sqp * Dp;   /* Q^T by row chunk: (Sqp / rc) x (Dp x rc), scaled */
   float* don = qt + Dp * Sqp;  /* dO rows (Sqp x Dvp) */
-  float* dot = don + Sqp * Dvp; /* dO^T by row chunk: (Sqp / RC) x (Dvp x RC) */
+  float* dot = don + Sqp * Dvp; /* dO^T by row chunk: (Sqp / rc) x (Dvp x rc) */
   float* dq = dot + Dvp * Sqp; /* dQ rows (Sqp x Dp) */
   float* lse = dq + Sqp * Dp;  /* per row; +inf for padding and dead rows so P = 0 */
   float* delta = lse + Sqp;
-  float* st = delta + Sqp;     /* S^T then P^T (BK x RC) */
-  float* dpt = st + BK * RC;   /* dP^T then dS^T */
-  float* pd = dpt + BK * RC;   /* dropout factors, then P^T after dropout */
-  float* th = pd + BK * RC;    /* tanh of the softcap */
-  float* tmp = th + BK * RC;
+  float* st = delta + Sqp;     /* S^T then P^T (BK x rc) */
+  float* dpt = st + BK * rc;   /* dP^T then dS^T */
+  float* pd = dpt + BK * rc;   /* dropout factors, then P^T after dropout */
+  float* th = pd + BK * rc;    /* tanh of the softcap */
+  float* tmp = th + BK * rc;
   float* tmp2 = tmp + (Dp > Dvp ? Dp : Dvp);
   int32_t* lo = (int32_t*)(tmp2 + (Dp > Dvp ? Dp : Dvp));
-  int32_t* hi = lo + RC;
+  int32_t* hi = lo + rc;
   const float scale = (float)p->scale;
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / p->Hkv, hk = item % p->Hkv;
@@ -484,7 +509,7 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
     SYM(pack_rows)(&p->v, s0.v, s0.v_rs, 0, Sk, Dv, Dvp, vp);
     memset(dk, 0, sizeof(float) * (size_t)(Sk * Dp));
     memset(dv, 0, sizeof(float) * (size_t)(Sk * Dvp));
-    const int64_t sqp = (Sq + RC - 1) / RC * RC;
+    const int64_t sqp = (Sq + rc - 1) / rc * rc;
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       SYM(seq) s;
       SYM(seq_get)(p, b, h, hk, &s);
@@ -499,10 +524,10 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
       /* transposed copies chunk by chunk, so the micro-kernel's operand is contiguous (a
        * (D x Sq) layout would put every row of the operand on its own page) */
       for (int64_t i = 0; i < sqp; ++i) {
-        float* qtc = qt + (i / RC) * Dp * RC + i % RC;
-        float* dotc = dot + (i / RC) * Dvp * RC + i % RC;
-        for (int64_t d = 0; d < Dp; ++d) qtc[d * RC] = qn[i * Dp + d] * scale;
-        for (int64_t d = 0; d < Dvp; ++d) dotc[d * RC] = don[i * Dvp + d];
+        float* qtc = qt + (i / rc) * Dp * rc + i % rc;
+        float* dotc = dot + (i / rc) * Dvp * rc + i % rc;
+        for (int64_t d = 0; d < Dp; ++d) qtc[d * rc] = qn[i * Dp + d] * scale;
+        for (int64_t d = 0; d < Dvp; ++d) dotc[d * rc] = don[i * Dvp + d];
       }
       for (int64_t i = 0; i < sqp; ++i) {
         float l = __builtin_inff();
@@ -523,10 +548,10 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
         delta[i] = (float)dl;
       }
       memset(dq, 0, sizeof(float) * (size_t)(sqp * Dp));
-      for (int64_t i0 = 0; i0 < Sq; i0 += RC) {
-        const int64_t nrows = Sq - i0 < RC ? Sq - i0 : RC;
+      for (int64_t i0 = 0; i0 < Sq; i0 += rc) {
+        const int64_t nrows = Sq - i0 < rc ? Sq - i0 : rc;
         int64_t jlo = Sk, jhi = 0, all_lo = 0, all_hi = Sk;
-        for (int64_t r = 0; r < RC; ++r) {
+        for (int64_t r = 0; r < rc; ++r) {
           int64_t l = 0, hh = 0;
           if (r < nrows) {
             SYM(row_range)(p, &s, i0 + r, &l, &hh);
@@ -543,28 +568,28 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
         for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
           const int64_t nb = jhi - j0 < BK ? jhi - j0 : BK;
           /* recompute S^T and P^T = exp(S^T - lse) */
-          SYM(gemm_nv)(nb, NV_MAX, D, kp + j0 * Dp, Dp, 1, qt + i0 * Dp, RC, st, RC, 0);
-          const int structural = nrows < RC || j0 < all_lo || j0 + nb > all_hi;
-          SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, softcap ? th : NULL);
-          for (int64_t v = 0; v < RC; v += VLEN) {
+          SYM(gemm_nv)(nb, nv, D, kp + j0 * Dp, Dp, 1, qt + i0 * Dp, rc, st, rc, 0);
+          const int structural = nrows < rc || j0 < all_lo || j0 + nb > all_hi;
+          SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, softcap ? th : NULL, rc);
+          for (int64_t v = 0; v < rc; v += VLEN) {
             const vf lv = vload(lse + i0 + v);
-            for (int64_t j = 0; j < nb; ++j) vstore(st + j * RC + v, vexp_nonpos(vload(st + j * RC + v) - lv));
+            for (int64_t j = 0; j < nb; ++j) vstore(st + j * rc + v, vexp_nonpos(vload(st + j * rc + v) - lv));
           }
           /* dP^T = V dO^T */
-          SYM(gemm_nv)(nb, NV_MAX, Dv, vp + j0 * Dvp, Dvp, 1, dot + i0 * Dvp, RC, dpt, RC, 0);
+          SYM(gemm_nv)(nb, nv, Dv, vp + j0 * Dvp, Dvp, 1, dot + i0 * Dvp, rc, dpt, rc, 0);
           const float* pw = st; /* the weights dV sees: P, or P after dropout */
           if (p->dropout_p > 0) {
             /* the forward's decisions again: dV sees P * f, and dP (of the dropped weights) * f */
-            SYM(drop_factors)(p, &s, i0, nrows, j0, nb, pd);
-            SYM(vmul)(dpt, pd, nb * RC);
-            SYM(vmul)(pd, st, nb * RC);
+            SYM(drop_factors)(p, &s, i0, nrows, j0, nb, pd, rc);
+            SYM(vmul)(dpt, pd, nb * rc);
+            SYM(vmul)(pd, st, nb * rc);
             pw = pd;
           }
           /* dS = P (dP - delta); the float mask's gradient; softcap chain rule; scale */
-          for (int64_t v = 0; v < RC; v += VLEN) {
+          for (int64_t v = 0; v < rc; v += VLEN) {
             const vf dl = vload(delta + i0 + v);
             for (int64_t j = 0; j < nb; ++j) {
-              const int64_t x = j * RC + v;
+              const int64_t x = j * rc + v;
               vstore(dpt + x, vload(st + x) * (vload(dpt + x) - dl));
             }
           }
@@ -573,10 +598,10 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
               for (int64_t r = 0; r < nrows; ++r) {
                 const int64_t off = b * p->dmask.strides[0] + h * p->dmask.strides[1] +
                                     (i0 + r) * p->dmask.strides[2] + (j0 + j) * p->dmask.strides[3];
-                ((float*)p->dmask.data)[off] = dpt[j * RC + r];
+                ((float*)p->dmask.data)[off] = dpt[j * rc + r];
               }
           }
-          for (int64_t x = 0; x < nb * RC; x += VLEN) {
+          for (int64_t x = 0; x < nb * rc; x += VLEN) {
             vf ds = vload(dpt + x) * vset1(scale);
             if (softcap) {
               const vf t = vload(th + x);
@@ -585,9 +610,9 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
             vstore(dpt + x, ds);
           }
           /* dV += P^T dO, dK += dS^T Q, dQ += dS K */
-          SYM(gemm)(nb, Dvp / VLEN, RC, pw, RC, 1, don + i0 * Dvp, Dvp, dv + j0 * Dvp, Dvp, 1);
-          SYM(gemm)(nb, Dp / VLEN, RC, dpt, RC, 1, qn + i0 * Dp, Dp, dk + j0 * Dp, Dp, 1);
-          SYM(gemm)(nrows, Dp / VLEN, nb, dpt, 1, RC, kp + j0 * Dp, Dp, dq + i0 * Dp, Dp, 1);
+          SYM(gemm)(nb, Dvp / VLEN, rc, pw, rc, 1, don + i0 * Dvp, Dvp, dv + j0 * Dvp, Dvp, 1);
+          SYM(gemm)(nb, Dp / VLEN, rc, dpt, rc, 1, qn + i0 * Dp, Dp, dk + j0 * Dp, Dp, 1);
+          SYM(gemm)(nrows, Dp / VLEN, nb, dpt, 1, rc, kp + j0 * Dp, Dp, dq + i0 * Dp, Dp, 1);
         }
         if (want_dmask) { /* keys no row of the chunk sees get gradient 0 */
           for (int64_t r = 0; r < nrows; ++r) {
