@@ -72,27 +72,32 @@ def run_case(B, H, S, D, dtype, causal, bwd, rounds):
 
 
 def peak_memory_forward(S=16384, D=128, H=1, dtype=torch.float32):
-    """Peak resident memory of one flash forward at length S beyond its inputs and outputs, in a
-    fresh process (an earlier allocation would hide the peak)."""
+    """How much one flash forward at length S raises resident memory beyond its inputs and outputs:
+    in a fresh process, the high-water mark is reset just before the call (/proc/self/clear_refs)
+    and compared with the resident size before it."""
     import subprocess
 
     code = f"""
-import resource, torch, attn_backends as ab
+import torch, attn_backends as ab
+def status(key):
+    for line in open('/proc/self/status'):
+        if line.startswith(key):
+            return int(line.split()[1])  # kB
 q, k, v = (torch.randn(1, {H}, {S}, {D}, dtype={dtype}) for _ in range(3))
 ab.attention(q[:, :, :64], k[:, :, :64], v[:, :, :64], backend="flash")  # load everything once
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+before = status('VmRSS:')
+open('/proc/self/clear_refs', 'w').write('5')  # reset VmHWM to the current RSS
 out = ab.attention(q, k, v, backend="flash", strict=True)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(base, peak)
+print(before, status('VmHWM:'))
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    base, peak = (int(x) for x in res.stdout.split())
+    before, peak = (int(x) for x in res.stdout.split())
     elem = torch.finfo(dtype).bits // 8
     inputs = 3 * H * S * D * elem
     outputs = H * S * D * elem + H * S * 4  # out and lse
     return dict(S=S, D=D, H=H, dtype=str(dtype).replace("torch.", ""), inputs_mib=inputs / 2**20,
-                outputs_mib=outputs / 2**20, call_peak_mib=(peak - base) / 1024,
-                extra_mib=(peak - base) / 1024 - outputs / 2**20)
+                outputs_mib=outputs / 2**20, call_peak_mib=(peak - before) / 1024,
+                extra_mib=(peak - before) / 1024 - outputs / 2**20)
 
 
 def main(argv=None):
@@ -107,7 +112,11 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="S=2048 only, 3 rounds")
     ap.add_argument("--memory", action="store_true", help="also measure forward peak memory at S=16384")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--markdown", default=None, metavar="JSON", help="print a results JSON as a markdown table")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.markdown))
+        return
     if args.quick:
         args.seqlens, args.rounds = "2048", 3
     peak = fma_peak_gflops()
@@ -149,6 +158,23 @@ def main(argv=None):
                            threads=torch.get_num_threads(), torch=torch.__version__, fma_peak_gflops=peak,
                            results=[{("pass" if k == "pass_" else k): v for k, v in r.items()} for r in rows],
                            memory=mem), f, indent=2)
+
+
+
+
+def markdown(path: str) -> str:
+    """The results JSON of a run as a markdown table (docs/benchmarks.md embeds it)."""
+    with open(path) as f:
+        d = json.load(f)
+    lines = [f"`{d['command']}` on {d['cpu']} ({d['threads']} threads, {d['isa']} path), torch {d['torch']}, "
+             f"{d['date']}; FMA peak {d['fma_peak_gflops']:.0f} GFLOP/s.", "",
+             "| pass | dtype | D | S | causal | ours ms | torch ms | ours GFLOP/s | torch GFLOP/s | % peak | torch / ours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        lines.append(f"| {r['pass']} | {r['dtype']} | {r['D']} | {r['S']} | {'yes' if r['causal'] else 'no'} | "
+                     f"{r['ours_ms']:.1f} | {r['torch_ms']:.1f} | {r['ours_gflops']:.0f} | {r['torch_gflops']:.0f} | "
+                     f"{r['pct_peak']:.0f}% | {r['ratio']:.2f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

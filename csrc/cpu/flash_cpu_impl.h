@@ -76,27 +76,37 @@ static inline __attribute__((always_inline)) void SYM(mk)(const int M, const int
     for (int v = 0; v < NV; ++v) vstore(C + m * ldc + v * VLEN, acc[m][v]);
 }
 
-#define MK_CASE(M_, NV_) SYM(mk)(M_, NV_, K, A, am, ak, B, ldb, C, ldc, accumulate)
-#define MK_NV(M_)                     \
-  switch (nv) {                       \
-    case 1: MK_CASE(M_, 1); break;    \
-    case 2: MK_CASE(M_, 2); break;    \
-    case 3: MK_CASE(M_, 3 > NV_MAX ? NV_MAX : 3); break; \
-    default: MK_CASE(M_, NV_MAX); break; \
+#define MK_CASE(M_, NV_, AM_) SYM(mk)(M_, NV_, K, A, AM_, ak, B, ldb, C, ldc, accumulate)
+#define MK_NV(M_, AM_)                                       \
+  switch (nv) {                                              \
+    case 1: MK_CASE(M_, 1, AM_); break;                      \
+    case 2: MK_CASE(M_, 2, AM_); break;                      \
+    case 3: MK_CASE(M_, 3 > NV_MAX ? NV_MAX : 3, AM_); break; \
+    default: MK_CASE(M_, NV_MAX, AM_); break;                \
+  }
+#define MK_TAIL(AM_)                   \
+  switch (Mtot - m) {                  \
+    case 5: MK_NV(5, AM_); break;      \
+    case 4: MK_NV(4, AM_); break;      \
+    case 3: MK_NV(3, AM_); break;      \
+    case 2: MK_NV(2, AM_); break;      \
+    case 1: MK_NV(1, AM_); break;      \
+    default: break;                    \
   }
 
-/* C (Mtot x nv vectors) (+)= A (Mtot x K, strides am/ak) * B (K x nv vectors, row stride ldb). */
+/* C (Mtot x nv vectors) (+)= A (Mtot x K, strides am/ak) * B (K x nv vectors, row stride ldb).
+ * am == 1 (A's rows are consecutive scalars: P^T and dS^T read by row) gets its own code, where
+ * the six broadcasts are fixed offsets from one pointer: a runtime am costs the micro-kernel five
+ * general registers, and with them it spills. */
 static void SYM(gemm_nv)(int64_t Mtot, int nv, int64_t K, const float* A, int64_t am, int64_t ak,
                          const float* B, int64_t ldb, float* C, int64_t ldc, int accumulate) {
   int64_t m = 0;
-  for (; m + MR <= Mtot; m += MR, A += MR * am, C += MR * ldc) MK_NV(MR);
-  switch (Mtot - m) {
-    case 5: MK_NV(5); break;
-    case 4: MK_NV(4); break;
-    case 3: MK_NV(3); break;
-    case 2: MK_NV(2); break;
-    case 1: MK_NV(1); break;
-    default: break;
+  if (am == 1) {
+    for (; m + MR <= Mtot; m += MR, A += MR, C += MR * ldc) MK_NV(MR, 1);
+    MK_TAIL(1);
+  } else {
+    for (; m + MR <= Mtot; m += MR, A += MR * am, C += MR * ldc) MK_NV(MR, am);
+    MK_TAIL(am);
   }
 }
 
