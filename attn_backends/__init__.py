@@ -15,13 +15,17 @@ from typing import Iterator, List, NamedTuple, Optional, Tuple, Union
 import torch  # loads libtorch before our module registers its ops
 
 from . import _C, _ops  # noqa: F401  (registers ops, fake kernels, autograd)
-from . import _dispatch, _planner, _report
+from . import _dispatch, _integrations, _planner, _report
 from ._names import resolve as _resolve
 from ._planner import Plan
 
 __version__ = _C.__version__
 
-__all__ = ["attention", "attention_varlen", "resolve", "backends", "explain", "use", "Plan", "BackendInfo", "__version__"]
+__all__ = [
+    "attention", "attention_varlen", "sdpa", "patch_sdpa", "unpatch_sdpa", "patched_sdpa", "use", "resolve",
+    "backends", "explain", "add_argparse_args", "apply_args", "register_transformers", "Plan", "BackendInfo",
+    "__version__",
+]
 
 Causal = Union[bool, str]
 
@@ -157,3 +161,60 @@ def resolve(name: str) -> str:
     Raises ValueError listing every valid name when ``name`` is unknown.
     """
     return _resolve(name)
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+         dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+         enable_gqa: bool = False) -> torch.Tensor:
+    """``torch.nn.functional.scaled_dot_product_attention``, exactly, routed through the planner.
+
+    Same signature, semantics and errors: is_causal is top-left, dropout applies whenever
+    dropout_p > 0, a bool mask means True = attend.  Calls the planner cannot reproduce exactly
+    (broadcast batch dims, a mask with is_causal, arguments torch rejects) go to torch's own
+    function.  The backend is the ``use(...)`` / process default (``patch_sdpa(backend)`` sets it).
+    """
+    return _integrations.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def patch_sdpa(backend: str = "auto") -> None:
+    """Replace ``torch.nn.functional.scaled_dot_product_attention`` with a router to ``backend``.
+
+    Code that looks the function up through the module at call time (nn.MultiheadAttention, HF
+    models with attn_implementation="sdpa", most training scripts) then runs on our backends; a
+    reference taken earlier with ``from torch.nn.functional import ...`` keeps torch's."""
+    _integrations.patch_sdpa(backend)
+
+
+def unpatch_sdpa() -> None:
+    """Restore torch's own ``scaled_dot_product_attention`` (the same object, not a copy)."""
+    _integrations.unpatch_sdpa()
+
+
+def patched_sdpa(backend: str = "auto"):
+    """Context manager: ``patch_sdpa(backend)`` inside, whatever was there before restored after."""
+    return _integrations.patched_sdpa(backend)
+
+
+def add_argparse_args(parser, default: str = "auto"):
+    """Add ``--attn_implementation NAME`` (every accepted name, case-insensitive; stored canonical),
+    ``--use_flash_attention`` (deprecated, same as ``--attn_implementation flash``),
+    ``--disable_mps_fix`` and ``--patch_sdpa`` to an argparse parser; returns the parser.
+    Apply the parsed values with ``apply_args(args)``."""
+    return _integrations.add_argparse_args(parser, default)
+
+
+def apply_args(args) -> str:
+    """Apply flags parsed by ``add_argparse_args``: the process default backend (what
+    ``backend="auto"`` means outside ``use``), the MPS rule, and patching SDPA when
+    ``--patch_sdpa`` was given.  Returns the canonical backend name."""
+    return _integrations.apply_args(args)
+
+
+def register_transformers() -> dict:
+    """Register our backends with HF transformers' AttentionInterface (and its mask interface):
+    ``attn_implementation="attn_backends"`` (the default backend, see ``use`` and ``apply_args``) or
+    ``"attn_backends_<name>"`` with "flash" spelled "fa" (HF reserves names containing "flash"):
+    ``attn_backends_fa``, ``attn_backends_math``, ...  Returns {canonical name: attn_implementation}."""
+    from . import _transformers
+
+    return _transformers.register()

@@ -56,14 +56,20 @@ STRICT = _env_flag("ATTN_BACKENDS_STRICT")
 settings = {"mps_fix": not _env_flag("ATTN_BACKENDS_DISABLE_MPS_FIX")}
 
 _context_backend = contextvars.ContextVar("attn_backends_backend", default=None)
+_process_default = [ENV_BACKEND]
+
+
+def set_process_default(name: str) -> None:
+    """The default outside any ab.use(...) (apply_args sets it from --attn_implementation)."""
+    _process_default[0] = resolve(name)
 
 
 @torch.compiler.assume_constant_result
 def default_backend() -> str:
-    """The backend ``backend="auto"`` means here: the innermost ab.use(...), else
-    ATTN_BACKENDS_BACKEND, else auto."""
+    """The backend ``backend="auto"`` means here: the innermost ab.use(...), else the process default
+    (--attn_implementation through apply_args, else ATTN_BACKENDS_BACKEND), else auto."""
     name = _context_backend.get()
-    return ENV_BACKEND if name is None else name
+    return _process_default[0] if name is None else name
 
 
 def cpu_isa() -> int:

@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from . import _eager, _ops
 
+# torch's own function, captured before anyone (ab.patch_sdpa included) can replace it: the sdpa
+# backends call this, so a patched F.scaled_dot_product_attention never calls itself
+ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _is_compiling = torch.compiler.is_compiling
 
@@ -87,11 +89,11 @@ def _sdpa(forced=None):
         kwargs = dict(attn_mask=attn_mask, dropout_p=p, is_causal=is_causal, scale=scale,
                       enable_gqa=q.shape[1] != k.shape[1])
         if forced is None:
-            return F.scaled_dot_product_attention(q, k, v, **kwargs), None
+            return ORIGINAL_SDPA(q, k, v, **kwargs), None
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel(getattr(SDPBackend, forced)):
-            return F.scaled_dot_product_attention(q, k, v, **kwargs), None
+            return ORIGINAL_SDPA(q, k, v, **kwargs), None
 
     return run
 

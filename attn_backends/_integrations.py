@@ -1,0 +1,177 @@
+"""How scripts reach the library without rewriting their attention: a drop-in for
+torch.nn.functional.scaled_dot_product_attention (and patching it), and the argparse flags that
+training scripts pass through.
+
+ab.sdpa keeps F.sdpa's contract exactly: every call it would not serve with F.sdpa's semantics
+(other ranks than it can reshape, broadcast batch dims, a mask together with is_causal, dtypes or
+shapes F.sdpa rejects, tensor subclasses) goes to the original torch function, so it never raises
+an exception torch would not raise, and raises the ones torch does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import warnings
+
+import torch
+
+from . import _planner
+from ._names import ALL_NAMES, resolve
+from ._providers import ORIGINAL_SDPA
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _servable(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
+    """True when the call is one F.sdpa accepts and we reproduce exactly."""
+    T = torch.Tensor
+    if type(query) is not T or type(key) is not T or type(value) is not T:
+        return False  # subclasses, nested tensors, non-tensors: torch decides
+    nd = query.dim()
+    if nd < 2 or key.dim() != nd or value.dim() != nd:
+        return False
+    if query.shape[:-2] != key.shape[:-2] or key.shape[:-2] != value.shape[:-2]:
+        if nd < 4 or query.shape[:-3] != key.shape[:-3] or key.shape[:-3] != value.shape[:-3] \
+                or key.shape[-3] != value.shape[-3]:
+            return False  # broadcast batch dims
+    dt = query.dtype
+    if dt not in _FLOATS or key.dtype != dt or value.dtype != dt:
+        return False
+    if key.device != query.device or value.device != query.device:
+        return False
+    if query.shape[-1] != key.shape[-1] or key.shape[-2] != value.shape[-2] or query.shape[-1] == 0:
+        return False
+    if nd >= 4 and query.shape[-3] != key.shape[-3]:
+        if not enable_gqa or key.shape[-3] == 0 or query.shape[-3] % key.shape[-3]:
+            return False
+    if attn_mask is not None:
+        if is_causal or type(attn_mask) is not T or attn_mask.device != query.device:
+            return False
+        if attn_mask.dtype != torch.bool and attn_mask.dtype not in (torch.float32, dt):
+            return False
+        if attn_mask.dim() > nd:
+            return False
+        L, S = query.shape[-2], key.shape[-2]
+        full = tuple(query.shape[:-2]) + (L, S)
+        for have, need in zip(reversed(attn_mask.shape), reversed(full)):
+            if have != need and have != 1:
+                return False
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
+        return False
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        return False
+    return isinstance(is_causal, bool)
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
+         *, backend=None):
+    from . import attention
+
+    if not _servable(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        return ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                             scale=scale, enable_gqa=enable_gqa)
+    nd = query.dim()
+    q, k, v, m = query, key, value, attn_mask
+    if nd == 3:  # (N, L, E): no head dim
+        q, k, v = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+        if m is not None and m.dim() == 3:
+            m = m.unsqueeze(1)
+    elif nd == 2:  # (L, E)
+        q, k, v = query[None, None], key[None, None], value[None, None]
+    elif nd > 4:  # (*batch, H, L, E): the batch dims flattened into one
+        q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+        if m is not None:
+            full = tuple(query.shape[:-2]) + (query.shape[-2], key.shape[-2])
+            m = m.expand(full).reshape(-1, *full[-3:])
+    out = attention(q, k, v, backend="auto" if backend is None else backend, causal=is_causal, attn_mask=m,
+                    dropout_p=dropout_p, scale=scale)
+    if nd == 4:
+        return out
+    return out.reshape(*query.shape[:-1], value.shape[-1])
+
+
+_patched = {"router": None}
+
+
+def _router(backend: str):
+    @functools.wraps(ORIGINAL_SDPA)
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                                     enable_gqa=False):
+        return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend)
+
+    scaled_dot_product_attention.__attn_backends__ = backend
+    return scaled_dot_product_attention
+
+
+def patch_sdpa(backend: str = "auto") -> None:
+    name = resolve(backend)
+    router = _router(name)
+    _patched["router"] = router
+    torch.nn.functional.scaled_dot_product_attention = router
+
+
+def unpatch_sdpa() -> None:
+    torch.nn.functional.scaled_dot_product_attention = ORIGINAL_SDPA
+    _patched["router"] = None
+
+
+@contextlib.contextmanager
+def patched_sdpa(backend: str = "auto"):
+    previous = torch.nn.functional.scaled_dot_product_attention
+    patch_sdpa(backend)
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = previous
+        _patched["router"] = previous if getattr(previous, "__attn_backends__", None) else None
+
+
+# ---- argparse -----------------------------------------------------------------------------------
+
+def _backend_arg(value: str) -> str:
+    try:
+        return resolve(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+class _UseFlashAttention(argparse.Action):
+    """--use_flash_attention: the old boolean flag, kept working: --attn_implementation flash."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        kwargs.pop("nargs", None)
+        super().__init__(option_strings, dest, nargs=0, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        warnings.warn(f"{option_string} is deprecated; use --attn_implementation flash", DeprecationWarning,
+                      stacklevel=2)
+        namespace.attn_implementation = "flash"
+
+
+def add_argparse_args(parser: argparse.ArgumentParser, default: str = "auto") -> argparse.ArgumentParser:
+    group = parser.add_argument_group("attention (attn_backends)")
+    names = ", ".join(ALL_NAMES)
+    group.add_argument("--attn_implementation", "--attn-implementation", type=_backend_arg, default=resolve(default),
+                       metavar="NAME",
+                       help=f"attention backend, any of (case-insensitive): {names} (default: %(default)s)")
+    group.add_argument("--use_flash_attention", "--use_flash_attention_2", action=_UseFlashAttention,
+                       dest="attn_implementation", help="deprecated: same as --attn_implementation flash")
+    group.add_argument("--disable_mps_fix", action="store_true",
+                       help="on MPS, let torch SDPA serve masked calls in evaluation (it gives NaN there)")
+    group.add_argument("--patch_sdpa", action="store_true",
+                       help="route torch.nn.functional.scaled_dot_product_attention through attn_backends too")
+    return parser
+
+
+def apply_args(args) -> str:
+    """Applies parsed flags: the process default backend, the MPS rule, and patching when asked.
+    Returns the canonical backend name."""
+    name = resolve(getattr(args, "attn_implementation", "auto") or "auto")
+    _planner.set_process_default(name)
+    if getattr(args, "disable_mps_fix", False):
+        _planner.settings["mps_fix"] = False
+    if getattr(args, "patch_sdpa", False):
+        patch_sdpa(name)
+    return name

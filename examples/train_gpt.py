@@ -1,0 +1,203 @@
+"""Train a small character-level GPT on this repository's own documentation, with the attention
+backend chosen by a flag, as a training script passes --attn_implementation through.
+
+    python examples/train_gpt.py --attn_implementation flash          # about a minute on 2 CPU cores
+    python examples/train_gpt.py --attn_implementation flash_attention_2 --steps 50
+    python examples/train_gpt.py --attention_call sdpa --patch_sdpa   # model calls F.sdpa, patched
+
+Prints the backend actually used, then the loss, tokens/s and MFU (model FLOPs utilisation: the
+model's FLOPs per second over this device's measured float32 FMA peak on CPU, or the bfloat16
+dense peak of known GPUs) as it trains.  --json writes the loss curve (examples/plot_losses.py
+draws several of them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import attn_backends as ab
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# bfloat16 dense tensor-core peaks (FLOP/s) of GPUs this example may meet; others report MFU n/a
+GPU_PEAKS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10": 125e12}
+
+
+def load_corpus() -> str:
+    """The project's README and docs: a small corpus that ships with the repository."""
+    paths = [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
+    return "\n\n".join(open(p, encoding="utf-8").read() for p in paths if os.path.exists(p))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, kv_heads: int, dropout: float, attention_call: str):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, d // heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, (heads + 2 * kv_heads) * self.hd, bias=False)
+        self.proj = nn.Linear(d, d, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.dropout = dropout
+        self.attention_call = attention_call
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split([self.heads * self.hd, self.kv_heads * self.hd,
+                                                self.kv_heads * self.hd], dim=-1)
+        q = q.view(B, T, self.heads, self.hd).transpose(1, 2)  # (B, H, T, hd) views: no copies
+        k = k.view(B, T, self.kv_heads, self.hd).transpose(1, 2)
+        v = v.view(B, T, self.kv_heads, self.hd).transpose(1, 2)
+        p = self.dropout if self.training else 0.0
+        if self.attention_call == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
+        else:
+            y = ab.attention(q, k, v, causal=True, dropout_p=p)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, -1))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, block: int, layers: int, d: int, heads: int, kv_heads: int, dropout: float,
+                 attention_call: str):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(block, d)
+        self.blocks = nn.ModuleList(Block(d, heads, kv_heads, dropout, attention_call) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+        for m in self.modules():  # GPT-2's initialisation: small weights, so the first loss is ~log(vocab)
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx, targets=None):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.ln(x))
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type == "cpu":
+        return ab._C.fma_peak(0.2, torch.get_num_threads())
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((v for k, v in GPU_PEAKS.items() if k in name), None)
+    return None
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ab.add_argparse_args(ap)
+    ap.add_argument("--attention_call", choices=["ab", "sdpa"], default="ab",
+                    help="the model calls ab.attention, or torch's F.scaled_dot_product_attention")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--block", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv_heads", type=int, default=2)
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (fullgraph)")
+    ap.add_argument("--log_every", type=int, default=25)
+    ap.add_argument("--json", default=None, help="write the loss curve here")
+    args = ap.parse_args(argv)
+    backend = ab.apply_args(args)
+
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    text = load_corpus()
+    chars = sorted(set(text))
+    data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    n_train = int(0.9 * len(data))
+    train, val = data[:n_train], data[n_train:]
+    gen = torch.Generator().manual_seed(args.seed)
+
+    def batch(split):
+        src = train if split == "train" else val
+        ix = torch.randint(len(src) - args.block - 1, (args.batch,), generator=gen)
+        x = torch.stack([src[i:i + args.block] for i in ix])
+        y = torch.stack([src[i + 1:i + args.block + 1] for i in ix])
+        return x.to(device), y.to(device)
+
+    model = GPT(len(chars), args.block, args.layers, args.dim, args.heads, args.kv_heads, args.dropout,
+                args.attention_call).to(device=device, dtype=dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
+    step_fn = torch.compile(model, fullgraph=True) if args.compile else model
+
+    hd = args.dim // args.heads
+    probe = [torch.empty(args.batch, h, args.block, hd, device=device, dtype=dtype, requires_grad=True)
+             for h in (args.heads, args.kv_heads, args.kv_heads)]
+    plan = ab.explain(*probe, causal=True, dropout_p=args.dropout)
+    via = "F.scaled_dot_product_attention" + (" (patched)" if args.patch_sdpa else " (torch's own)") \
+        if args.attention_call == "sdpa" else "ab.attention"
+    used = plan.chosen if args.attention_call == "ab" or args.patch_sdpa else "torch SDPA"
+    print(f"attention: requested {args.attn_implementation!r} -> {backend!r}; the model calls {via}; "
+          f"backend used: {used} ({plan.path if used == plan.chosen else 'torch'})")
+    print(f"model: {n_params / 1e6:.2f}M parameters, {args.layers} layers, d={args.dim}, heads {args.heads}/"
+          f"{args.kv_heads}, block {args.block}, batch {args.batch}, {len(text)} characters of text, "
+          f"{args.device} {args.dtype}")
+
+    # FLOPs per token (PaLM appendix B): 6N for the weights, 12 L T d for attention (scores and
+    # values, forward and backward), halved for causal
+    flops_per_token = 6 * n_params + 6 * args.layers * args.block * args.dim
+    peak = peak_flops(device)
+    curve = []
+    tokens = 0
+    t0 = time.perf_counter()
+    last_t, last_tokens = t0, 0
+    for step in range(1, args.steps + 1):
+        lr = args.lr * 0.5 * (1 + math.cos(math.pi * (step - 1) / args.steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = batch("train")
+        _, loss = step_fn(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        tokens += x.numel()
+        curve.append(loss.item())
+        if step % args.log_every == 0 or step == args.steps:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            tps = (tokens - last_tokens) / (now - last_t)
+            last_t, last_tokens = now, tokens
+            mfu = f"{100 * flops_per_token * tps / peak:.1f}%" if peak else "n/a"
+            recent = curve[-args.log_every:]
+            print(f"step {step:5d}  loss {sum(recent) / len(recent):.4f} (mean of the last {len(recent)})  "
+                  f"lr {lr:.2e}  tokens/s {tps:9.0f}  MFU {mfu}", flush=True)
+    model.eval()
+    with torch.no_grad():
+        val_loss = sum(float(model(*batch("val"))[1]) for _ in range(4)) / 4
+    elapsed = time.perf_counter() - t0
+    print(f"done: {args.steps} steps in {elapsed:.1f}s, final train loss {curve[-1]:.4f}, val loss {val_loss:.4f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(backend=used, requested=args.attn_implementation, steps=args.steps, loss=curve,
+                           val_loss=val_loss, seconds=elapsed, args=vars(args)), f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,372 @@
+"""Integrations: ab.sdpa is F.scaled_dot_product_attention (results and errors), patching routes
+nn.MultiheadAttention, nn.TransformerEncoderLayer and HF transformers' "sdpa" models through our
+backends and unpatching restores torch's object, the argparse flags round-trip every name, HF
+models run on the registered implementations with their masks, torch.compile traces both routes,
+and the training example runs."""
+
+import argparse
+import copy
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import attn_backends as ab
+from attn_backends import _names
+from attn_backends._providers import ORIGINAL_SDPA
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts calls that reach our dispatcher."""
+    calls = []
+    real = ab._dispatch.attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[3])  # the requested backend
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ab._dispatch, "attention", counting)
+    return calls
+
+
+@pytest.fixture(autouse=True)
+def _always_unpatched():
+    yield
+    ab.unpatch_sdpa()
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+# ---- ab.sdpa == F.sdpa ------------------------------------------------------------------------
+
+def _grad_parity(fn_a, fn_b, inputs, rtol=1e-5, atol=1e-5):
+    a_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    b_in = [t.detach().clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    out_a, out_b = fn_a(*a_in), fn_b(*b_in)
+    torch.testing.assert_close(out_a, out_b, rtol=rtol, atol=atol)
+    g = torch.randn_like(out_a)
+    for x, y in zip(torch.autograd.grad(out_a, [t for t in a_in if t.requires_grad], g),
+                    torch.autograd.grad(out_b, [t for t in b_in if t.requires_grad], g)):
+        torch.testing.assert_close(x, y, rtol=rtol, atol=atol)
+
+
+SDPA_CASES = {
+    "4d": dict(shapes=((2, 4, 9, 16), (2, 4, 11, 16), (2, 4, 11, 8))),
+    "4d causal": dict(shapes=((2, 4, 9, 16), (2, 4, 9, 16), (2, 4, 9, 16)), is_causal=True),
+    "gqa": dict(shapes=((2, 8, 9, 16), (2, 2, 11, 16), (2, 2, 11, 16)), enable_gqa=True),
+    "bool mask": dict(shapes=((2, 4, 9, 16), (2, 4, 11, 16), (2, 4, 11, 16)), mask=("bool", (2, 1, 9, 11))),
+    "float mask": dict(shapes=((2, 4, 9, 16), (2, 4, 11, 16), (2, 4, 11, 16)), mask=("float", (9, 11))),
+    "scale": dict(shapes=((1, 2, 5, 8), (1, 2, 5, 8), (1, 2, 5, 8)), scale=0.7),
+    "3d": dict(shapes=((3, 9, 16), (3, 11, 16), (3, 11, 16)), mask=("bool", (3, 9, 11))),
+    "2d": dict(shapes=((9, 16), (11, 16), (11, 16)), is_causal=True),
+    "5d": dict(shapes=((2, 3, 4, 9, 16), (2, 3, 4, 11, 16), (2, 3, 4, 11, 16)), mask=("float", (4, 9, 11))),
+    "broadcast batch": dict(shapes=((2, 4, 9, 16), (1, 4, 11, 16), (1, 4, 11, 16))),
+    "bf16 with float32 mask": dict(shapes=((2, 4, 9, 16),) * 3, dtype=torch.bfloat16, mask=("float32", (9, 9))),
+}
+
+
+@pytest.mark.parametrize("name", list(SDPA_CASES))
+def test_sdpa_matches_torch(name, gen):
+    c = SDPA_CASES[name]
+    dtype = c.get("dtype", torch.float32)
+    q, k, v = (torch.randn(s, generator=gen).to(dtype) for s in c["shapes"])
+    mask = None
+    if "mask" in c:
+        kind, shape = c["mask"]
+        mask = torch.rand(shape, generator=gen) > 0.3 if kind == "bool" else torch.randn(shape, generator=gen)
+        if kind == "float":
+            mask = mask.to(dtype)
+    kw = dict(is_causal=c.get("is_causal", False), scale=c.get("scale"), enable_gqa=c.get("enable_gqa", False))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    _grad_parity(lambda q, k, v: ab.sdpa(q, k, v, attn_mask=mask, **kw),
+                 lambda q, k, v: ORIGINAL_SDPA(q, k, v, attn_mask=mask, **kw), [q, k, v], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda q, k, v: dict(query=q, key=k[:, :2], value=v[:, :2]),  # GQA without enable_gqa
+        lambda q, k, v: dict(query=q[:, :3], key=k[:, :2], value=v[:, :2], enable_gqa=True),
+        lambda q, k, v: dict(query=q, key=k, value=v, attn_mask=torch.zeros(5, 5, dtype=torch.float64)),
+        lambda q, k, v: dict(query=q, key=k, value=v, attn_mask=torch.ones(5, 5, dtype=torch.int64)),
+        lambda q, k, v: dict(query=q, key=k, value=v, dropout_p=1.5),
+        lambda q, k, v: dict(query=q, key=k[..., :4], value=v),
+        lambda q, k, v: dict(query=q.long(), key=k.long(), value=v.long()),
+        lambda q, k, v: dict(query=q, key=k, value=v, attn_mask=torch.ones(3, 5, 7, dtype=torch.bool)),
+    ],
+)
+def test_sdpa_raises_what_torch_raises(call):
+    q, k, v = (torch.randn(2, 4, 5, 8) for _ in range(3))
+    with pytest.raises(Exception) as theirs:
+        ORIGINAL_SDPA(**call(q, k, v))
+    with pytest.raises(type(theirs.value)) as ours:
+        ab.sdpa(**call(q, k, v))
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_sdpa_mask_with_is_causal_behaves_as_torch():
+    q, k, v = (torch.randn(2, 4, 5, 8) for _ in range(3))
+    m = torch.rand(5, 5) > 0.2
+    torch.testing.assert_close(ab.sdpa(q, k, v, attn_mask=m, is_causal=True),
+                               ORIGINAL_SDPA(q, k, v, attn_mask=m, is_causal=True))
+
+
+def test_sdpa_goes_through_the_planner(spy):
+    q = torch.randn(1, 2, 4, 8)
+    ab.sdpa(q, q, q)
+    assert len(spy) == 1
+    with ab.use("math"):
+        ab.sdpa(q, q, q)
+    assert ab.explain(q, q, q).requested == "auto"
+    ab.sdpa(q, q[:1, :1].expand(1, 1, 4, 8), q[:1, :1].expand(1, 1, 4, 8))  # GQA without the flag: torch raises
+    assert len(spy) == 2
+
+
+def test_sdpa_dropout_rescales_like_torch():
+    q = torch.randn(1, 1, 64, 8)
+    v = torch.ones(1, 1, 64, 8)
+    out = ab.sdpa(q, q, v, dropout_p=0.5)
+    assert abs(out.mean().item() - 1.0) < 0.2
+
+
+# ---- patching ----------------------------------------------------------------------------------
+
+def test_patch_and_unpatch_restore_the_same_object():
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    ab.patch_sdpa("flash")
+    assert F.scaled_dot_product_attention is not ORIGINAL_SDPA
+    assert F.scaled_dot_product_attention.__attn_backends__ == "flash"
+    ab.patch_sdpa("math")
+    assert F.scaled_dot_product_attention.__attn_backends__ == "math"
+    ab.unpatch_sdpa()
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    with ab.patched_sdpa("flash_attention_2"):
+        outer = F.scaled_dot_product_attention
+        with ab.patched_sdpa("math"):
+            assert F.scaled_dot_product_attention.__attn_backends__ == "math"
+        assert F.scaled_dot_product_attention is outer
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+def test_patched_sdpa_routes_to_the_named_backend(spy):
+    q = torch.randn(1, 2, 4, 8)
+    with ab.patched_sdpa("math"):
+        F.scaled_dot_product_attention(q, q, q)
+    assert spy == ["math"]
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_multihead_attention_patched_vs_unpatched(training, spy, gen):
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True, dropout=0.0).train(training)
+    x = torch.randn(2, 7, 32, generator=gen)
+    mask = torch.rand(7, 7, generator=gen) > 0.3
+    mask.fill_diagonal_(True)
+
+    def run(x):
+        return mha(x, x, x, attn_mask=~mask, need_weights=False)[0]
+
+    with ab.patched_sdpa("flash"):
+        xa = x.clone().requires_grad_()
+        a = run(xa)
+        ga = torch.autograd.grad(a.square().sum(), [xa] + list(mha.parameters()))
+    assert spy, "nn.MultiheadAttention did not call the patched function"
+    xb = x.clone().requires_grad_()
+    b = run(xb)
+    gb = torch.autograd.grad(b.square().sum(), [xb] + list(mha.parameters()))
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for u, w in zip(ga, gb):
+        torch.testing.assert_close(u, w, rtol=1e-4, atol=1e-5)
+
+
+def test_transformer_encoder_layer_patched_vs_unpatched(spy, gen):
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    x = torch.randn(2, 9, 32, generator=gen)
+    pad = torch.zeros(2, 9, dtype=torch.bool)
+    pad[1, 6:] = True
+    with ab.patched_sdpa():
+        a = layer(x, src_key_padding_mask=pad)
+    assert spy
+    b = layer(x, src_key_padding_mask=pad)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+# ---- HF transformers ---------------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+
+
+def _hf_models():
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    cfgs = {
+        "gpt2": GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=97, resid_pdrop=0.0,
+                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+        "llama-gqa": LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                                 intermediate_size=128, vocab_size=97, max_position_embeddings=64),
+    }
+    return cfgs, AutoModelForCausalLM
+
+
+def _hf_run(model, ids, mask):
+    out = model(input_ids=ids, attention_mask=mask)
+    loss = (out.logits.float().square() * mask[..., None]).mean()
+    grads = torch.autograd.grad(loss, list(model.parameters()))
+    return out.logits, grads
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama-gqa"])
+def test_hf_models_patched_and_registered_match_sdpa(arch, spy, gen):
+    torch.manual_seed(0)
+    cfgs, Auto = _hf_models()
+    cfg = cfgs[arch]
+    names = ab.register_transformers()
+    ref = Auto.from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
+    ids = torch.randint(0, 97, (2, 12), generator=gen)
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :5] = 0  # left padding: fully masked query rows in the padded positions
+    keep = mask.bool()
+    want_logits, want_grads = _hf_run(ref, ids, mask)
+    with ab.patched_sdpa("flash"):
+        logits, grads = _hf_run(ref, ids, mask)
+    assert spy == ["flash"] * cfg.num_hidden_layers  # every layer's attention went through the router
+    torch.testing.assert_close(logits[keep], want_logits[keep], rtol=1e-4, atol=1e-5)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    for backend in ("auto", "flash", "math", "eager"):
+        spy.clear()
+        model = Auto.from_config(copy.deepcopy(cfg), attn_implementation=names[backend])
+        model.load_state_dict(ref.state_dict())
+        logits, grads = _hf_run(model, ids, mask)
+        assert len(spy) == cfg.num_hidden_layers, (backend, spy)
+        torch.testing.assert_close(logits[keep], want_logits[keep], rtol=1e-4, atol=1e-5)
+        for a, b in zip(grads, want_grads):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+def test_hf_generate_with_kv_cache(gen):
+    torch.manual_seed(0)
+    cfgs, Auto = _hf_models()
+    names = ab.register_transformers()
+    ref = Auto.from_config(copy.deepcopy(cfgs["llama-gqa"]), attn_implementation="sdpa").eval()
+    ours = Auto.from_config(copy.deepcopy(cfgs["llama-gqa"]), attn_implementation=names["flash"]).eval()
+    ours.load_state_dict(ref.state_dict())
+    ids = torch.randint(1, 97, (2, 6), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    a = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    b = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(a, b)
+
+
+def test_hf_names_avoid_hf_reserved_words():
+    names = ab.register_transformers()
+    assert names["auto"] == "attn_backends" and names["flash"] == "attn_backends_fa"
+    assert all("flash" not in n for n in names.values())
+
+
+# ---- argparse ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", _names.ALL_NAMES)
+def test_argparse_round_trip_every_name(name):
+    parser = ab.add_argparse_args(argparse.ArgumentParser())
+    for spelled in (name, name.upper(), name.replace("_", "-")):
+        args = parser.parse_args([f"--attn_implementation={spelled}"])  # "=": "-flash-3" is not a flag
+        assert args.attn_implementation == ab.resolve(name)
+    assert parser.parse_args([]).attn_implementation == "auto"
+
+
+def test_argparse_flags(capsys):
+    parser = ab.add_argparse_args(argparse.ArgumentParser(prog="train"))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        args = parser.parse_args(["--use_flash_attention"])
+    assert args.attn_implementation == "flash"
+    assert any(issubclass(x.category, DeprecationWarning) and "--attn_implementation flash" in str(x.message) for x in w)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--attn_implementation", "flash_attn_9"])
+    assert "unknown backend 'flash_attn_9'; valid names are" in capsys.readouterr().err
+    help_text = parser.format_help()
+    assert "--attn_implementation" in help_text and "flash_attention_2" in help_text and "--disable_mps_fix" in help_text
+
+
+def test_apply_args_sets_default_mps_rule_and_patch():
+    from attn_backends import _planner
+
+    parser = ab.add_argparse_args(argparse.ArgumentParser())
+    q = torch.randn(1, 1, 4, 8)
+    try:
+        assert ab.apply_args(parser.parse_args(["--attn_implementation", "MANUAL", "--disable_mps_fix",
+                                                "--patch_sdpa"])) == "math"
+        assert ab.explain(q, q, q).requested == "math"
+        assert _planner.settings["mps_fix"] is False
+        assert F.scaled_dot_product_attention.__attn_backends__ == "math"
+        with ab.use("sdpa"):
+            assert ab.explain(q, q, q).requested == "sdpa"
+    finally:
+        _planner.set_process_default("auto")
+        _planner.settings["mps_fix"] = True
+        ab.unpatch_sdpa()
+    assert ab.explain(q, q, q).requested == "auto"
+
+
+# ---- torch.compile -----------------------------------------------------------------------------
+
+class _Tiny(torch.nn.Module):
+    def __init__(self, call):
+        super().__init__()
+        self.qkv = torch.nn.Linear(32, 96)
+        self.call = call
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(2, 9, 3, 4, 8).permute(2, 0, 3, 1, 4)
+        if self.call == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = ab.attention(q, k, v, causal=True)
+        return y.transpose(1, 2).reshape(2, 9, 32)
+
+
+@pytest.mark.parametrize("call", ["patched sdpa", "ab.attention"])
+def test_compile_models_fullgraph_forward_and_backward(call, spy):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Tiny("sdpa" if call == "patched sdpa" else "ab")
+    x = torch.randn(2, 9, 32)
+    with ab.patched_sdpa("flash"):
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        out = compiled(x)
+        grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
+        assert spy  # traced through our router
+        ref = model(x)
+        ref_grads = torch.autograd.grad(ref.square().sum(), list(model.parameters()))
+    torch.testing.assert_close(out, ref)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)
+
+
+# ---- the example -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv", [
+    ["--attn_implementation", "flash_attention_2"],
+    ["--attention_call", "sdpa", "--patch_sdpa", "--attn_implementation", "math"],
+])
+def test_train_gpt_example_runs(argv, tmp_path):
+    log = tmp_path / "loss.json"
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--steps", "6",
+                          "--log_every", "3", "--json", str(log), *argv], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    assert "backend used: flash" in out or "backend used: math" in out
+    assert "loss" in out and "tokens/s" in out and "MFU" in out
+    import json
+
+    curve = json.load(open(log))["loss"]
+    assert len(curve) == 6 and all(x == x for x in curve)
