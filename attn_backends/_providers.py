@@ -67,6 +67,8 @@ def _sdpa_mask(q, k, mask, causal, wl, wr):
     """(attn_mask, is_causal) for F.sdpa: its is_causal is top-left only, so bottom-right causal and
     windows become an explicit bool mask, combined with the caller's mask."""
     Sq, Sk = q.shape[2], k.shape[2]
+    if mask is not None and mask.dim() < 4:  # ours broadcasts any trailing shape; F.sdpa wants 2-D+
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
     if causal == 1 and mask is None and wl < 0 and wr < 0:
         return None, True
     vis = _eager.visible_keys(Sq, Sk, causal, wl, wr, q.device)
@@ -105,6 +107,11 @@ def run_flex(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_l
 
     B, Hq, Sq = q.shape[0], q.shape[1], q.shape[2]
     Sk = k.shape[2]
+    if q.numel() == 0 or Sk == 0:
+        # flex_attention indexes the mask and reduces over keys, which fails on empty shapes; the
+        # answer is known: no keys means zeros and lse -inf (DESIGN.md section 4), kept in the graph
+        out = q.new_zeros(B, Hq, Sq, v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
+        return out, (q.new_full((B, Hq, Sq), -math.inf, dtype=torch.float32) if want_lse else None)
     shift = Sk - Sq if causal == 2 else 0
     full = mask.expand(B, Hq, Sq, Sk) if mask is not None else None
 

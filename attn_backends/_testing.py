@@ -41,10 +41,13 @@ def visible(Sq: int, Sk: int, causal, window, device=None) -> torch.Tensor:
 
 
 def reference_attention(q, k, v, *, causal=False, attn_mask=None, scale=None, window=None, softcap=0.0,
-                        keep=None, dropout_p=0.0, dtype=torch.float64):
+                        keep=None, dropout_p=0.0, dtype=torch.float64, only_visible=False):
     """Attention from plain torch ops in ``dtype`` (float64 for ref64).
 
     keep: optional bool (B, Hq, Sq, Sk) dropout keep-mask; kept weights are scaled by 1/(1-p).
+    only_visible: sum P.V over the keys each row may see only (score above -inf), so a NaN or inf
+        value a row cannot see never reaches it (a plain matmul spreads it through 0 * NaN;
+        docs/reliability.md).
     Returns (out (B, Hq, Sq, Dv), lse (B, Hq, Sq)); out and lse are differentiable.
     """
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
@@ -64,6 +67,9 @@ def reference_attention(q, k, v, *, causal=False, attn_mask=None, scale=None, wi
         else:
             s = s + attn_mask.to(dtype)
     s = torch.where(allowed, s, torch.full_like(s, -math.inf))
+    if Sk == 0:  # no keys at all: every row is fully masked (amax needs a non-empty dim)
+        out = torch.zeros(B, Hq, Sq, v.shape[-1], dtype=dtype, device=q.device) + 0 * q.sum() + 0 * v.sum()
+        return out, torch.full((B, Hq, Sq), -math.inf, dtype=dtype, device=q.device)
     dead = (s == -math.inf).all(dim=-1, keepdim=True)  # no visible key: output 0, lse -inf
     s0 = torch.where(dead, torch.zeros_like(s), s)
     m = s0.amax(dim=-1, keepdim=True).detach()
@@ -73,6 +79,11 @@ def reference_attention(q, k, v, *, causal=False, attn_mask=None, scale=None, wi
     lse = torch.where(dead, torch.full_like(denom, -math.inf), m + torch.log(denom)).squeeze(-1)
     if keep is not None and dropout_p > 0:
         p = p * keep.to(dtype) / (1.0 - dropout_p)
+    if only_visible:
+        # a score of -inf, from the mask or from the data (q or k of -inf), hides that key
+        seen = s != -math.inf
+        terms = p[..., None] * v[:, :, None, :, :]  # (B, Hq, Sq, Sk, Dv): small problems only
+        return torch.where(seen[..., None], terms, torch.zeros_like(terms)).sum(-2), lse
     out = torch.einsum("bhij,bhjd->bhid", p, v)
     return out, lse
 
@@ -87,6 +98,23 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     both_inf = torch.isinf(a64) & torch.isinf(b64) & (a64 == b64)
     d = torch.where(both_inf, torch.zeros_like(a64), (a64 - b64).abs())
     return float(d.max())
+
+
+def flat_softmax_floor(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gout: torch.Tensor,
+                       scale: Optional[float] = None) -> float:
+    """Float32 gradient floor for problems where some row's softmax does not depend on its scores:
+    the row sees exactly one key, or all the keys it sees are the same vector.
+
+    There the exact dS = P * (dP - delta) cancels to 0 (or its sum against k does), and what is
+    left is rounding residue: flash (like FlashAttention-2) takes delta = rowsum(dO * O) from the
+    stored output rather than summing P * dP, and any order of summation leaves a few
+    eps * sum|dO| * max|v| in dS; dq and dk carry it times scale * max|k| (resp. |q|).  The floor
+    is that bound, never below 1e-5."""
+    f = lambda t: float(t.detach().abs().amax()) if t.numel() else 0.0
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    row = float(gout.detach().double().abs().sum(-1).amax()) if gout.numel() else 0.0
+    bound = 4 * torch.finfo(torch.float32).eps * abs(scale) * max(f(q), f(k)) * row * f(v)
+    return max(1e-5, bound)
 
 
 def check_2x(name: str, ours: torch.Tensor, ref64: torch.Tensor, same_dtype: torch.Tensor, k: float,
@@ -247,3 +275,152 @@ def check_against_reference(case: Case, fn, *, grad: bool = True, check_lse: boo
     same = torch.autograd.grad(d_out, (qd, kd, vd), g)
     for name, a, r, s in zip(("dq", "dk", "dv"), ours, ref, same):
         check_2x(name, a, r, s, 3, case.dtype, grad_floor)
+
+
+def make_packed(lens_q, lens_k, Hq, Hkv, D, Dv, dtype, generator=None):
+    """Random packed (varlen) inputs: q (sum lens_q, Hq, D), k, v and int32 cu_seqlens."""
+    Tq, Tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(Tq, Hq, D, generator=generator).to(dtype)
+    k = torch.randn(Tk, Hkv, D, generator=generator).to(dtype)
+    v = torch.randn(Tk, Hkv, Dv, generator=generator).to(dtype)
+    cu_q = torch.tensor([0] + [sum(lens_q[:i + 1]) for i in range(len(lens_q))], dtype=torch.int32)
+    cu_k = torch.tensor([0] + [sum(lens_k[:i + 1]) for i in range(len(lens_k))], dtype=torch.int32)
+    return q, k, v, cu_q, cu_k
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, dtype=torch.float64, **opts):
+    """reference_attention per packed sequence; returns (out (Tq, Hq, Dv), lse (Hq, Tq))."""
+    outs, lses = [], []
+    for b in range(cu_q.numel() - 1):
+        qs = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)[None]
+        ks = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1)[None]
+        vs = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1)[None]
+        o, lse = reference_attention(qs, ks, vs, dtype=dtype, **opts)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    if not outs:
+        return (torch.zeros(0, q.shape[1], v.shape[2], dtype=dtype, device=q.device),
+                torch.zeros(q.shape[1], 0, dtype=dtype, device=q.device))
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+# ---- leak checks (tests/test_reliability.py, benchmarks/leak_check.py) -----------------------------
+
+
+def _trim() -> None:
+    """Collect garbage and hand freed heap pages back, so RSS shows what is really held."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (Linux /proc; 0 where unavailable)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+def live_tensors() -> int:
+    """How many torch.Tensor objects the garbage collector can see."""
+    import gc
+
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))  # type(): no __class__ lookups
+
+
+def leak_workloads() -> dict:
+    """name -> a function making one small call of that kind (B=1 H=1 S=16 D=64 unless noted)."""
+    import attn_backends as ab
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 16, 64, generator=g) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    mask = torch.rand(1, 1, 16, 16, generator=g) > 0.3
+    pq, pk, pv, cu_q, cu_k = make_packed([5, 11], [7, 9], 2, 1, 32, 32, torch.float32, g)
+    ops = torch.ops.attn_backends
+
+    def forward():
+        ab.attention(q, k, v)
+
+    def forward_backward():
+        out = ab.attention(qg, kg, vg, causal=True)
+        torch.autograd.grad(out, (qg, kg, vg), out)
+
+    def masked_dropout():
+        ab.attention(qg, kg, vg, attn_mask=mask, dropout_p=0.1).sum().backward()
+
+    def varlen():
+        ab.attention_varlen(pq, pk, pv, cu_q, cu_k, 11, 9, causal=True, return_lse=True)
+
+    def planner():
+        # a cold plan every call: the C planner with every backend's reasons
+        ab._planner.build(ab._dispatch.prepare(q, k, v, "flash_attention_2", "bottom_right", mask, 0.0, None,
+                                               (4, 0), 0.0, True)[1])
+
+    def explain():
+        str(ab.explain(q, k, v, backend="sdpa", causal=True))
+
+    def patched_sdpa():
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def errors():
+        # the error paths: Python-side validation and the C core's checks behind the op
+        try:
+            ab.attention(q, k, v[..., :3, :])
+        except ValueError:
+            pass
+        try:
+            ops.math_fwd(q, k, v, None, None, 3, 0.125, -1, -1, 0.0, 0.0)
+        except RuntimeError:
+            pass
+
+    return dict(forward=forward, forward_backward=forward_backward, masked_dropout=masked_dropout,
+                varlen=varlen, planner=planner, explain=explain, patched_sdpa=patched_sdpa, errors=errors)
+
+
+def leak_check(name, calls: int, warmup: int = 200, checkpoints: int = 1) -> dict:
+    """Runs ``calls`` calls of workload ``name`` (a leak_workloads() key, or any callable) after
+    ``warmup`` ones; returns the RSS (bytes) before and at each checkpoint, the live tensor count
+    before and after, and the time taken."""
+    import time
+
+    import attn_backends as ab
+
+    fn = leak_workloads()[name] if isinstance(name, str) else name
+    ctx = ab.patched_sdpa("flash") if name == "patched_sdpa" else _null()
+    with ctx:
+        for _ in range(warmup):
+            fn()
+        _trim()
+        rss = [rss_bytes()]
+        tensors = [live_tensors()]
+        t0 = time.perf_counter()
+        per = max(1, calls // checkpoints)
+        done = 0
+        while done < calls:
+            n = min(per, calls - done)
+            for _ in range(n):
+                fn()
+            done += n
+            _trim()
+            rss.append(rss_bytes())
+        seconds = time.perf_counter() - t0
+        tensors.append(live_tensors())
+    return dict(name=getattr(name, "__name__", name), calls=calls, seconds=seconds, rss=rss, tensors=tensors,
+                rss_growth=rss[-1] - rss[0], tensor_growth=tensors[-1] - tensors[0])
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()

@@ -1,9 +1,21 @@
 """Shared fixtures: deterministic seeds per test, CUDA tests skipped cleanly without a GPU."""
 
+import os
 import zlib
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+
+# property tests (test_properties.py): the same examples on every CI run unless asked otherwise
+settings.register_profile(
+    "attn_backends",
+    max_examples=int(os.environ.get("ATTN_BACKENDS_FUZZ_EXAMPLES", "100")),
+    derandomize=os.environ.get("ATTN_BACKENDS_FUZZ_RANDOM", "0") != "1",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+settings.load_profile("attn_backends")
 
 
 def _seed_of(request) -> int:

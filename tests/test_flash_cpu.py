@@ -10,7 +10,8 @@ import torch
 
 import attn_backends as ab
 from attn_backends import _C, _providers
-from attn_backends._testing import Case, cases, check_against_reference, check_2x, reference_attention
+from attn_backends._testing import (Case, cases, check_2x, check_against_reference, make_packed, reference_attention,
+                                   varlen_reference)
 
 ISAS = [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_isa_supported(isa)]
 
@@ -127,28 +128,6 @@ def test_flash_results_do_not_depend_on_thread_count(isa):
 
 # ---- packed (varlen) sequences ------------------------------------------------------------------
 
-def _packed(lens_q, lens_k, Hq, Hkv, D, Dv, dtype, gen):
-    Tq, Tk = sum(lens_q), sum(lens_k)
-    q = torch.randn(Tq, Hq, D, generator=gen).to(dtype)
-    k = torch.randn(Tk, Hkv, D, generator=gen).to(dtype)
-    v = torch.randn(Tk, Hkv, Dv, generator=gen).to(dtype)
-    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32)
-    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32)
-    return q, k, v, cu_q, cu_k
-
-
-def _per_sequence_reference(q, k, v, cu_q, cu_k, dtype=torch.float64, **opts):
-    outs, lses = [], []
-    for b in range(cu_q.numel() - 1):
-        qs = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)[None]
-        ks = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1)[None]
-        vs = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1)[None]
-        o, l = reference_attention(qs, ks, vs, dtype=dtype, **opts)
-        outs.append(o[0].transpose(0, 1))
-        lses.append(l[0])
-    return torch.cat(outs), torch.cat(lses, dim=1)
-
-
 VARLEN = [
     dict(lens_q=[5, 17, 1, 33], lens_k=[5, 17, 1, 33], causal=True),
     dict(lens_q=[3, 40, 7], lens_k=[9, 40, 70], causal="bottom_right"),
@@ -162,16 +141,16 @@ VARLEN = [
 def test_varlen_matches_per_sequence_reference(isa, spec, dtype, gen):
     spec = dict(spec)
     lens_q, lens_k = spec.pop("lens_q"), spec.pop("lens_k")
-    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 4, 2, 24, 16, dtype, gen)
+    q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, 4, 2, 24, 16, dtype, gen)
     for t in (q, k, v):
         t.requires_grad_(True)
     out, lse = ab.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), backend="flash_varlen",
                                    return_lse=True, strict=True, **spec)
     assert out.shape == (sum(lens_q), 4, 16) and lse.shape == (4, sum(lens_q))
     leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    r_out, r_lse = _per_sequence_reference(*leaves64, cu_q, cu_k, **spec)
+    r_out, r_lse = varlen_reference(*leaves64, cu_q, cu_k, **spec)
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    d_out, d_lse = _per_sequence_reference(*leaves, cu_q, cu_k, dtype=dtype, **spec)
+    d_out, d_lse = varlen_reference(*leaves, cu_q, cu_k, dtype=dtype, **spec)
     check_2x("out", out, r_out, d_out, 2, dtype)
     check_2x("lse", lse, r_lse, d_lse, 2, dtype)
     g = torch.randn(out.shape, generator=gen).to(dtype)
@@ -183,7 +162,7 @@ def test_varlen_matches_per_sequence_reference(isa, spec, dtype, gen):
 @pytest.mark.parametrize("backend", ["flash_varlen", "math", "eager"])
 def test_varlen_equals_padded_dense_including_dropout(backend, gen):
     lens_q, lens_k = [7, 19, 3], [11, 19, 25]
-    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 2, 1, 16, 16, torch.float32, gen)
+    q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, 2, 1, 16, 16, torch.float32, gen)
     B, Sq, Sk = 3, max(lens_q), max(lens_k)
     torch.manual_seed(3)
     out = ab.attention_varlen(q, k, v, cu_q, cu_k, Sq, Sk, causal="bottom_right", dropout_p=0.25 if backend != "eager" else 0.0,
@@ -208,11 +187,11 @@ def test_varlen_equals_padded_dense_including_dropout(backend, gen):
 
 
 def test_varlen_auto_and_fallbacks(gen):
-    q, k, v, cu_q, cu_k = _packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float64, gen)
+    q, k, v, cu_q, cu_k = make_packed([4, 6], [4, 6], 2, 2, 8, 8, torch.float64, gen)
     p = ab._dispatch.prepare_varlen(q, k, v, cu_q, cu_k, 6, 6, "auto", True, 0.0, None, None, 0.0, False)
     assert ab._planner.build(p[1]).chosen == "math"  # float64: flash_varlen cannot, math pads
     out = ab.attention_varlen(q, k, v, cu_q, cu_k, 6, 6, causal=True)
-    ref, _ = _per_sequence_reference(q, k, v, cu_q, cu_k, causal=True)
+    ref, _ = varlen_reference(q, k, v, cu_q, cu_k, causal=True)
     assert (out - ref).abs().max() < 1e-12
     q32, k32, v32 = (t.float() for t in (q, k, v))
     sig = ab._dispatch.prepare_varlen(q32, k32, v32, cu_q, cu_k, 6, 6, "auto", True, 0.0, None, None, 0.0, False)[1]
