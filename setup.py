@@ -14,6 +14,9 @@ Environment:
   ATTN_BACKENDS_CUDA_ARCHS=...    targets, e.g. "80" or "80+PTX;90a" (default "80+PTX;86;89;90a");
                                   "+PTX" also embeds PTX for that arch, so newer GPUs can JIT it
   ATTN_BACKENDS_NVCC_THREADS=N    parallel nvcc jobs (default: CPU count)
+  ATTN_BACKENDS_SANITIZE=address,undefined
+                                  build the C/C++ code with those sanitizers (.ci/sanitize runs the
+                                  CPU tests against such a build)
   CUDA_HOME                       where to look for bin/nvcc (else PATH)
 """
 
@@ -91,15 +94,37 @@ class BuildExt(build_ext):
         arch_str = " ".join([f"sm_{a}" for a in self.archs[0]] + [f"compute_{a}" for a in self.archs[1]])
         for ext in self.extensions:
             ext.define_macros.append(("AB_CUDA_ARCHS", f'"{arch_str}"'))
+        sanitize = os.environ.get("ATTN_BACKENDS_SANITIZE", "").strip()
+        san_flags = []
+        if sanitize:
+            san_flags = [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-fno-sanitize-recover=all", "-g"]
+            if "undefined" in sanitize:
+                san_flags.append("-fno-sanitize=vptr")  # torch's classes have no RTTI we can see
+            for ext in self.extensions:
+                ext.extra_link_args = list(ext.extra_link_args or []) + [f"-fsanitize={sanitize}"]
         compiler = self.compiler
         original = compiler._compile
 
         def _compile(obj, src, ext, cc_args, extra_postargs, pp_opts):
             flags = CXX_FLAGS if src.endswith(".cpp") else C_FLAGS
-            flags = flags + next((f for suffix, f in ISA_FLAGS.items() if src.endswith(suffix)), [])
+            flags = flags + next((f for suffix, f in ISA_FLAGS.items() if src.endswith(suffix)), []) + san_flags
             return original(obj, src, ext, cc_args, list(extra_postargs) + flags, pp_opts)
 
         compiler._compile = _compile
+
+        def compile_parallel(sources, output_dir=None, macros=None, include_dirs=None, debug=0,
+                             extra_preargs=None, extra_postargs=None, depends=None):
+            # setuptools compiles one file at a time; the per-ISA kernels are the slow part, so they go
+            # through a pool (same steps as CCompiler.compile)
+            macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+                output_dir, macros, include_dirs, sources, depends, extra_postargs)
+            cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+                list(pool.map(lambda obj: _compile(obj, *build[obj], cc_args, extra_postargs, pp_opts),
+                              [o for o in objects if o in build]))
+            return objects
+
+        compiler.compile = compile_parallel
         if "-Wstrict-prototypes" in compiler.compiler_so:
             compiler.compiler_so.remove("-Wstrict-prototypes")
         super().build_extensions()

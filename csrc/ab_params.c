@@ -166,8 +166,20 @@ ab_status ab_attn_params_check(const ab_attn_params* p, int backward, ab_error* 
     return ab_error_set(err, AB_ERR_INVALID,
                         "q must be float16, bfloat16, float32 or float64, got %s",
                         ab_dtype_name(dt));
-  if (p->B < 0 || p->Hq < 0 || p->Hkv < 0 || p->Sq < 0 || p->Sk < 0 || p->D < 1 || p->Dv < 0)
-    return ab_error_set(err, AB_ERR_INVALID, "negative size or zero head dim");
+  {
+    /* name the size that is wrong: for packed calls Sq/Sk are the max_seqlen arguments */
+    const int packed = p->cu_seqlens_q != NULL;
+    const struct { const char* name; int64_t value, least; } sizes[] = {
+        {"batch size", p->B, 0}, {"number of query heads", p->Hq, 0},
+        {"number of key/value heads", p->Hkv, 0},
+        {packed ? "max_seqlen_q" : "query sequence length", p->Sq, 0},
+        {packed ? "max_seqlen_k" : "key sequence length", p->Sk, 0},
+        {"head dim of q and k", p->D, 1}, {"head dim of v", p->Dv, 0}};
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; ++i)
+      if (sizes[i].value < sizes[i].least)
+        return ab_error_set(err, AB_ERR_INVALID, "%s must be >= %lld, got %lld", sizes[i].name,
+                            (long long)sizes[i].least, (long long)sizes[i].value);
+  }
   if (p->Hkv == 0 ? p->Hq != 0 : p->Hq % p->Hkv != 0)
     return ab_error_set(err, AB_ERR_INVALID,
                         "number of query heads (%lld) must be a multiple of key/value heads (%lld)",
