@@ -363,9 +363,11 @@ def leak_workloads() -> dict:
         ab.attention_varlen(pq, pk, pv, cu_q, cu_k, 11, 9, causal=True, return_lse=True)
 
     def planner():
-        # a cold plan every call: the C planner with every backend's reasons
-        ab._planner.build(ab._dispatch.prepare(q, k, v, "flash_attention_2", "bottom_right", mask, 0.0, None,
-                                               (4, 0), 0.0, True)[1])
+        # a cold plan every call (the cached one dropped first): the C planner with every backend's reasons
+        sig = ab._dispatch.prepare(q, k, v, "flash_attention_2", "bottom_right", mask, 0.0, None, (4, 0), 0.0,
+                                   True)[1]
+        ab._planner._plans.pop(sig, None)
+        ab._planner.build(sig)
 
     def explain():
         str(ab.explain(q, k, v, backend="sdpa", causal=True))
