@@ -74,6 +74,12 @@ def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return out, lse
 
 
+# sage is forward only: no autograd is registered for its ops, and the planner never routes a call
+# that needs a gradient to it (its registry row has no backward)
+torch.library.register_fake("attn_backends::sage_fwd")(_fwd_fake)
+torch.library.register_fake("attn_backends::sage_varlen_fwd")(_varlen_fwd_fake)
+
+
 @torch.library.register_fake("attn_backends::flash_varlen_bwd")
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, rng_state, causal, scale, window_left, window_right, softcap, dropout_p):

@@ -49,6 +49,28 @@ run_math = _kernel(_ops.ops.math_fwd.default, _ops.MathFunction)
 run_flash = _kernel(_ops.ops.flash_fwd.default, _ops.FlashFunction)
 
 
+def _forward_only(fwd_op):
+    """Runner for a forward-only kernel (sage): the op below the autograd key.  The planner only
+    routes calls that need no gradient here."""
+
+    def run(*args):
+        if _is_compiling():
+            return fwd_op(*args)
+        with _below_autograd():
+            return fwd_op(*args)
+
+    return run
+
+
+_sage_fwd = _forward_only(_ops.ops.sage_fwd.default)
+_sage_varlen_fwd = _forward_only(_ops.ops.sage_varlen_fwd.default)
+
+
+def run_sage(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+    """Our INT8 Q.K^T kernel (SageAttention recipe, docs/sage.md): no dropout, no gradient."""
+    return _sage_fwd(q, k, v, mask, None, causal, scale, wl, wr, softcap, 0.0)
+
+
 def run_eager(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
     """HF's eager, our way: the math kernel where this device has one, else the aten composite."""
     if q.is_cpu:
@@ -202,6 +224,7 @@ def run_sage_pkg(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, wa
 
 RUNNERS = {
     "flash": run_flash,
+    "sage": run_sage,
     "math": run_math,
     "eager": run_eager,
     "sdpa": _sdpa(),
@@ -232,6 +255,11 @@ def run_flash_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max
         return _ops.ops.flash_varlen_fwd.default(*args)
 
 
+def run_sage_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal, scale, wl, wr,
+                    softcap, p, need_grad, want_lse):
+    return _sage_varlen_fwd(q, k, v, hcu_q, hcu_k, max_q, max_k, None, causal, scale, wl, wr, softcap, 0.0)
+
+
 def _padded(dense):
     """A varlen runner from a dense one: pad, one bool mask per sequence, unpad."""
     from . import _varlen
@@ -248,6 +276,7 @@ def _padded(dense):
 
 VARLEN_RUNNERS = {
     "flash_varlen": run_flash_varlen,
+    "sage": run_sage_varlen,
     "math": _padded(run_math),
     "eager": _padded(run_eager),
 }

@@ -10,6 +10,9 @@ FMAs on every thread, run between rounds) puts GFLOP/s in proportion.
     python benchmarks/bench_cpu.py --json benchmarks/results/cpu.json
     python benchmarks/bench_cpu.py --quick                         # S=2048 only, fewer rounds
     python benchmarks/bench_cpu.py --memory                        # forward peak memory at S=16384
+    python benchmarks/bench_cpu.py --sage --json benchmarks/results/cpu_sage.json
+                                  # sage (INT8 Q.K^T) vs flash vs torch SDPA, forward, S=2048 D=128,
+                                  # with sage's accuracy against the float64 reference
 """
 
 from __future__ import annotations
@@ -71,6 +74,65 @@ def run_case(B, H, S, D, dtype, causal, bwd, rounds):
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def run_sage_case(B, H, S, D, dtype, causal, rounds):
+    """Forward medians of sage, flash and torch SDPA on the same inputs, interleaved round by round."""
+    q, k, v = (torch.randn(B, H, S, D, dtype=dtype) for _ in range(3))
+    fns = {"sage": lambda: ab.attention(q, k, v, causal=causal, backend="sage", strict=True),
+           "flash": lambda: ab.attention(q, k, v, causal=causal, backend="flash", strict=True),
+           "torch": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
+    with torch.inference_mode():
+        for fn in fns.values():  # warm-up
+            fn()
+        times = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                gc.collect()
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def sage_accuracy(S, D, dtype, causal, outlier=False):
+    """Cosine similarity and relative L1 of sage's output against the float64 reference, on one
+    (batch, 2 heads) slice of the benchmark shape; outlier adds +20 to 3 channels of K."""
+    from attn_backends._testing import reference_attention
+
+    q, k, v = (torch.randn(1, 2, S, D).to(dtype) for _ in range(3))
+    if outlier:
+        k[..., :3] += 20
+    out = ab.attention(q, k, v, causal=causal, backend="sage", strict=True).double().flatten()
+    ref = reference_attention(q, k, v, causal=causal)[0].flatten()
+    cos = float(F.cosine_similarity(out, ref, dim=0))
+    return cos, float((out - ref).abs().sum() / ref.abs().sum())
+
+
+def sage_main(args, peak):
+    print(f"{'dtype':<9}{'D':>4}{'S':>6} {'causal':<7}{'sage ms':>9}{'flash ms':>10}{'torch ms':>10}"
+          f"{'sage GF/s':>11}{'flash/sage':>12}{'torch/sage':>12}{'cos':>9}{'rel L1':>8}{'cos*':>9}{'rel L1*':>9}")
+    rows = []
+    for dt_name in args.dtypes.split(","):
+        dtype = getattr(torch, dt_name)
+        for D in (int(x) for x in args.dims.split(",")):
+            for S in (int(x) for x in args.seqlens.split(",")):
+                for causal in (False, True):
+                    t = run_sage_case(args.batch, args.heads, S, D, dtype, causal, args.rounds)
+                    cos, l1 = sage_accuracy(S, D, dtype, causal)
+                    cos_o, l1_o = sage_accuracy(S, D, dtype, causal, outlier=True)
+                    fl = flops(args.batch, args.heads, S, D, causal, False)
+                    row = dict(dtype=dt_name, D=D, S=S, causal=causal, sage_ms=t["sage"] * 1e3,
+                               flash_ms=t["flash"] * 1e3, torch_ms=t["torch"] * 1e3,
+                               sage_gflops=fl / t["sage"] / 1e9, flash_over_sage=t["flash"] / t["sage"],
+                               torch_over_sage=t["torch"] / t["sage"], cos=cos, rel_l1=l1, cos_outlier=cos_o,
+                               rel_l1_outlier=l1_o)
+                    rows.append(row)
+                    print(f"{dt_name:<9}{D:>4}{S:>6} {str(causal):<7}{row['sage_ms']:>9.1f}{row['flash_ms']:>10.1f}"
+                          f"{row['torch_ms']:>10.1f}{row['sage_gflops']:>11.1f}{row['flash_over_sage']:>12.2f}"
+                          f"{row['torch_over_sage']:>12.2f}{cos:>9.5f}{l1:>8.4f}{cos_o:>9.5f}{l1_o:>9.4f}", flush=True)
+    print("cos*, rel L1*: with +20 on 3 channels of K")
+    return rows
+
+
 def peak_memory_forward(S=16384, D=128, H=1, dtype=torch.float32):
     """How much one flash forward at length S raises resident memory beyond its inputs and outputs:
     in a fresh process, the high-water mark is reset just before the call (/proc/self/clear_refs)
@@ -111,6 +173,8 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="S=2048 only, 3 rounds")
     ap.add_argument("--memory", action="store_true", help="also measure forward peak memory at S=16384")
+    ap.add_argument("--sage", action="store_true",
+                    help="sage vs flash vs torch, forward only (defaults: S=2048, D=128, 5 rounds)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None, metavar="JSON", help="print a results JSON as a markdown table")
     args = ap.parse_args(argv)
@@ -119,9 +183,25 @@ def main(argv=None):
         return
     if args.quick:
         args.seqlens, args.rounds = "2048", 3
+    if args.sage and "--seqlens" not in " ".join(sys.argv):
+        args.seqlens = "2048"
+    if args.sage and "--dims" not in " ".join(sys.argv):
+        args.dims = "128"
     peak = fma_peak_gflops()
     print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"attn_backends {ab.__version__} ({ab._C.cpu_isa()} path); FMA peak {peak:.0f} GFLOP/s")
+          f"attn_backends {ab.__version__} ({ab._C.cpu_isa()} path, sage {ab._C.sage_cpu_isa()}); "
+          f"FMA peak {peak:.0f} GFLOP/s")
+    if args.sage:
+        rows = sage_main(args, peak)
+        if args.json:
+            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+            with open(args.json, "w") as f:
+                json.dump(dict(benchmark="cpu_sage", date=time.strftime("%Y-%m-%d"),
+                               command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+                               cpu=ab._C.cpu_features()["brand"].strip(), isa=ab._C.cpu_isa(),
+                               sage_isa=ab._C.sage_cpu_isa(), threads=torch.get_num_threads(),
+                               torch=torch.__version__, fma_peak_gflops=peak, results=rows), f, indent=2)
+        return
     head = f"{'pass':<9}{'dtype':<9}{'D':>4}{'S':>6} {'causal':<7}{'ours ms':>9}{'torch ms':>10}{'ours GF/s':>11}" \
            f"{'torch GF/s':>11}{'% peak':>8}{'ratio':>7}"
     print(head)
@@ -166,6 +246,8 @@ def markdown(path: str) -> str:
     """The results JSON of a run as a markdown table (docs/benchmarks.md embeds it)."""
     with open(path) as f:
         d = json.load(f)
+    if d["benchmark"] == "cpu_sage":
+        return sage_markdown(d)
     lines = [f"`{d['command']}` on {d['cpu']} ({d['threads']} threads, {d['isa']} path), torch {d['torch']}, "
              f"{d['date']}; FMA peak {d['fma_peak_gflops']:.0f} GFLOP/s.", "",
              "| pass | dtype | D | S | causal | ours ms | torch ms | ours GFLOP/s | torch GFLOP/s | % peak | torch / ours |",
@@ -174,6 +256,20 @@ def markdown(path: str) -> str:
         lines.append(f"| {r['pass']} | {r['dtype']} | {r['D']} | {r['S']} | {'yes' if r['causal'] else 'no'} | "
                      f"{r['ours_ms']:.1f} | {r['torch_ms']:.1f} | {r['ours_gflops']:.0f} | {r['torch_gflops']:.0f} | "
                      f"{r['pct_peak']:.0f}% | {r['ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def sage_markdown(d) -> str:
+    lines = [f"`{d['command']}` on {d['cpu']} ({d['threads']} threads, {d['isa']} path, sage {d['sage_isa']}), "
+             f"torch {d['torch']}, {d['date']}; FMA peak {d['fma_peak_gflops']:.0f} GFLOP/s.", "",
+             "| dtype | D | S | causal | sage ms | flash ms | torch ms | sage GFLOP/s | flash / sage | torch / sage "
+             "| cos | rel L1 | cos (K outliers) | rel L1 (K outliers) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        lines.append(f"| {r['dtype']} | {r['D']} | {r['S']} | {'yes' if r['causal'] else 'no'} | {r['sage_ms']:.1f} | "
+                     f"{r['flash_ms']:.1f} | {r['torch_ms']:.1f} | {r['sage_gflops']:.0f} | "
+                     f"**{r['flash_over_sage']:.2f}** | {r['torch_over_sage']:.2f} | {r['cos']:.5f} | "
+                     f"{r['rel_l1']:.4f} | {r['cos_outlier']:.5f} | {r['rel_l1_outlier']:.4f} |")
     return "\n".join(lines)
 
 

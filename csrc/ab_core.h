@@ -158,6 +158,18 @@ ab_status ab_math_cpu_bwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_e
 ab_status ab_flash_cpu_fwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err);
 ab_status ab_flash_cpu_bwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err);
 
+/* sage: SageAttention's recipe, forward only and lossy (docs/sage.md): K smoothed by its mean over
+ * the sequence, Q and K quantized to int8 per row, S = Q K^T in int32, softmax and P V in float32.
+ * float16, bfloat16 and float32; masks, causal, window, softcap, GQA, lse, dense or packed; no
+ * dropout.  The caller provides workspace_bytes >= ab_sage_cpu_workspace_size(p) of workspace
+ * (quantized K and its scales; the shim allocates it through torch).  Same ISA path as flash,
+ * except that AVX-512 needs VNNI (else the AVX2 path runs). */
+size_t ab_sage_cpu_workspace_size(const ab_attn_params* p);
+ab_status ab_sage_cpu_fwd(const ab_attn_params* p, void* workspace, size_t workspace_bytes,
+                          const ab_cpu_pool* pool, ab_error* err);
+/* "generic", "avx2" or "avx512_vnni": the path sage runs now. */
+const char* ab_sage_cpu_isa_name(void);
+
 /* Instruction-set paths of the CPU kernels; a generic C path always exists. */
 typedef enum ab_cpu_isa { AB_ISA_GENERIC = 0, AB_ISA_AVX2 = 1, AB_ISA_AVX512 = 2 } ab_cpu_isa;
 

@@ -300,6 +300,13 @@ static PyObject* ab_py_set_cpu_isa(PyObject* self, PyObject* arg) {
   return PyBool_FromLong(ab_cpu_isa_set((ab_cpu_isa)isa));
 }
 
+/* sage_cpu_isa() -> the path the sage kernel uses now ("generic", "avx2", "avx512_vnni"). */
+static PyObject* ab_py_sage_cpu_isa(PyObject* self, PyObject* unused) {
+  (void)self;
+  (void)unused;
+  return PyUnicode_FromString(ab_sage_cpu_isa_name());
+}
+
 /* fma_peak(seconds, threads) -> float32 flop/s of FMA chains on that many threads (GIL released). */
 static PyObject* ab_py_fma_peak(PyObject* self, PyObject* args) {
   (void)self;
@@ -320,6 +327,8 @@ static PyMethodDef ab_methods[] = {
      "cpu_isa_supported(name) -> whether this CPU and OS can run that path."},
     {"set_cpu_isa", ab_py_set_cpu_isa, METH_O,
      "set_cpu_isa(name) -> switch the CPU kernels' path for this process; False if unsupported."},
+    {"sage_cpu_isa", ab_py_sage_cpu_isa, METH_NOARGS,
+     "sage_cpu_isa() -> the sage kernel's path: the CPU path, except AVX-512 without VNNI runs avx2."},
     {"cpu_features", ab_py_cpu_features, METH_NOARGS,
      "cpu_features() -> dict: x86 ISA extensions usable by this process (CPUID and XGETBV)."},
     {"build_info", ab_py_build_info, METH_NOARGS,

@@ -31,6 +31,8 @@
 #define VARLEN_F                                                                              \
   (CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_DROPOUT | AB_F_BACKWARD | AB_F_DETERMINISTIC |  \
    AB_F_LSE | AB_F_GQA | AB_F_DV | AB_F_VARLEN)
+/* sage: the forward of the dense and packed semantics, without dropout */
+#define SAGE_F (MASKS | CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_LSE | AB_F_GQA | AB_F_DV | AB_F_DENSE | AB_F_VARLEN)
 /* torch SDPA: bottom-right causal and windows are passed as an explicit bool mask */
 #define SDPA_F                                                                                \
   (MASKS | AB_F_MASK_GRAD | CAUSAL | AB_F_WINDOW | AB_F_DROPOUT | AB_F_BACKWARD |              \
@@ -71,7 +73,9 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
                             "sageattn_qk_int8_pv_fp16_triton", "sageattn_qk_int8_pv_fp8_cuda",
                             "sageattn_qk_int8_pv_fp8_cuda_sm90"),
                     AB_KIND_BUNDLED, "INT8 Q.K^T (SageAttention recipe), inference only, lossy", 1, 0,
-                    {NONE(NOT_BUILT), NONE(NOT_BUILT), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
+                    /* forward only (no AB_F_BACKWARD, no dropout): the planner never routes a call
+                     * needing a gradient here; dense and packed calls alike (docs/sage.md) */
+                    {CAPS(NO_F64, SAGE_F), NONE(NOT_BUILT), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
     [AB_BK_MATH] = {"math", ALIASES("manual", "reference", "math_reference"), AB_KIND_BUNDLED,
                     "exact reference kernel (float32 scores and accumulation)", 0, 0,
                     /* packed (varlen) calls are padded to dense ones in Python */

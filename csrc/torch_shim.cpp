@@ -11,6 +11,7 @@
 //   math_fwd, flash_fwd          -> (out (B, Hq, Sq, Dv), lse (B, Hq, Sq))
 //   math_bwd, flash_bwd          -> (dq, dk, dv, dmask)
 //   flash_varlen_fwd / _bwd      packed sequences: out (Tq, Hq, Dv), lse (Hq, Tq); (dq, dk, dv)
+//   sage_fwd, sage_varlen_fwd    forward only (INT8 Q.K^T); the same outputs as flash's forwards
 //   dropout_mask                 the keep-mask the kernels draw, for tests
 #include <dlfcn.h>
 
@@ -258,9 +259,22 @@ ab_attn_params make_params(const Tensor& q, const Tensor& k, const Tensor& v,
   return p;
 }
 
-enum class Kernel { kMath, kFlash };
+enum class Kernel { kMath, kFlash, kSage };
 
-const char* kernel_name(Kernel k) { return k == Kernel::kMath ? "math" : "flash"; }
+const char* kernel_name(Kernel k) {
+  return k == Kernel::kMath ? "math" : k == Kernel::kFlash ? "flash" : "sage";
+}
+
+// sage on CPU: its workspace (quantized K, scales, means) comes from torch's allocator, like the
+// outputs, and lives for this call only.
+void run_sage(const Tensor& q, ab_attn_params& p) {
+  if (p.q.device != AB_DEVICE_CPU) fail("sage has no forward kernel for this device");
+  const size_t bytes = ab_sage_cpu_workspace_size(&p);
+  Tensor ws = empty_strided(q, {static_cast<int64_t>(bytes)}, {1}, aoti_torch_dtype_uint8());
+  ab_cpu_pool pool = torch_pool();
+  ab_error err{};
+  check(ab_sage_cpu_fwd(&p, bytes ? ws.data_ptr() : nullptr, bytes, &pool, &err), err);
+}
 
 // Runs a forward kernel on the device of q: the C core on CPU, the CUDA library on CUDA.
 void run_fwd(Kernel kernel, ab_attn_params& p) {
@@ -305,7 +319,10 @@ std::tuple<Tensor, Tensor> dense_fwd(const Tensor& q, const Tensor& k, const Ten
   Tensor lse = empty_strided(q, lse_sizes, contiguous_strides(lse_sizes), lse_dtype(q));
   p.out = view_of(out, "out");
   p.lse = view_of(lse, "lse");
-  run_fwd(K, p);
+  if constexpr (K == Kernel::kSage)
+    run_sage(q, p);
+  else
+    run_fwd(K, p);
   return std::make_tuple(out, lse);
 }
 
@@ -375,11 +392,12 @@ ab_attn_params make_varlen_params(const Tensor& q, const Tensor& k, const Tensor
   return p;
 }
 
-std::tuple<Tensor, Tensor> flash_varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                            const Tensor& cu_q, const Tensor& cu_k, int64_t max_q,
-                                            int64_t max_k, std::optional<Tensor> rng, int64_t causal,
-                                            double scale, int64_t wl, int64_t wr, double softcap,
-                                            double dropout_p) {
+template <Kernel K>
+std::tuple<Tensor, Tensor> varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                      const Tensor& cu_q, const Tensor& cu_k, int64_t max_q,
+                                      int64_t max_k, std::optional<Tensor> rng, int64_t causal,
+                                      double scale, int64_t wl, int64_t wr, double softcap,
+                                      double dropout_p) {
   ab_attn_params p = make_varlen_params(q, k, v, cu_q, cu_k, max_q, max_k, rng, causal, scale, wl, wr,
                                         softcap, dropout_p);
   std::vector<int64_t> out_sizes{q.size(0), p.Hq, p.Dv};
@@ -388,7 +406,10 @@ std::tuple<Tensor, Tensor> flash_varlen_fwd(const Tensor& q, const Tensor& k, co
   Tensor lse = empty_strided(q, lse_sizes, contiguous_strides(lse_sizes), lse_dtype(q));
   p.out = view_of(out, "out");
   p.lse = view_of(lse, "lse");
-  run_fwd(Kernel::kFlash, p);
+  if constexpr (K == Kernel::kSage)
+    run_sage(q, p);
+  else
+    run_fwd(K, p);
   return std::make_tuple(out, lse);
 }
 
@@ -460,6 +481,11 @@ STABLE_TORCH_LIBRARY(attn_backends, m) {
       "Tensor? grad_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, Tensor? rng_state, int causal, float scale, int window_left, "
       "int window_right, float softcap, float dropout_p) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("sage_fwd" AB_DENSE_FWD_ARGS);
+  m.def(
+      "sage_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, Tensor? rng_state, int causal, float scale, "
+      "int window_left, int window_right, float softcap, float dropout_p) -> (Tensor out, Tensor lse)");
   m.def("dropout_mask(Tensor rng_state, int B, int H, int Sq, int Sk, float dropout_p) -> Tensor");
 }
 
@@ -468,7 +494,9 @@ STABLE_TORCH_LIBRARY_IMPL(attn_backends, CPU, m) {
   m.impl("math_bwd", TORCH_BOX(&dense_bwd<Kernel::kMath>));
   m.impl("flash_fwd", TORCH_BOX(&dense_fwd<Kernel::kFlash>));
   m.impl("flash_bwd", TORCH_BOX(&dense_bwd<Kernel::kFlash>));
-  m.impl("flash_varlen_fwd", TORCH_BOX(&flash_varlen_fwd));
+  m.impl("flash_varlen_fwd", TORCH_BOX(&varlen_fwd<Kernel::kFlash>));
+  m.impl("sage_fwd", TORCH_BOX(&dense_fwd<Kernel::kSage>));
+  m.impl("sage_varlen_fwd", TORCH_BOX(&varlen_fwd<Kernel::kSage>));
   m.impl("flash_varlen_bwd", TORCH_BOX(&flash_varlen_bwd));
   m.impl("dropout_mask", TORCH_BOX(&dropout_mask));
 }
