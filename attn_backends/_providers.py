@@ -46,7 +46,21 @@ def _kernel(fwd_op, function):
 
 
 run_math = _kernel(_ops.ops.math_fwd.default, _ops.MathFunction)
-run_flash = _kernel(_ops.ops.flash_fwd.default, _ops.FlashFunction)
+_run_flash = _kernel(_ops.ops.flash_fwd.default, _ops.FlashFunction)
+
+
+def _cuda_layout(t):
+    """The CUDA flash kernel reads 16-byte vectors: last dim contiguous, the other strides multiples of
+    8 elements, 16-byte aligned data.  Anything else is copied once (the CPU kernel takes any strides)."""
+    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+          and all(st % 8 == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
+    return t if ok else t.contiguous()
+
+
+def run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+    if q.is_cuda:
+        q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
+    return _run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse)
 
 
 def _forward_only(fwd_op):
@@ -246,6 +260,8 @@ RUNNERS = {
 def run_flash_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal, scale, wl, wr,
                      softcap, p, need_grad, want_lse):
     rng = draw_rng_state() if p > 0 else None
+    if q.is_cuda:
+        q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
     args = (q, k, v, hcu_q, hcu_k, max_q, max_k, rng, causal, scale, wl, wr, softcap, p)
     if need_grad:
         return _ops.FlashVarlenFunction.apply(*args)

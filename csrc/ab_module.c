@@ -187,6 +187,15 @@ static PyObject* ab_py_set_provider(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
+/* enable_cuda_flash(on): see ab_registry_enable_cuda_flash. */
+static PyObject* ab_py_enable_cuda_flash(PyObject* self, PyObject* arg) {
+  (void)self;
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return NULL;
+  ab_registry_enable_cuda_flash(on);
+  Py_RETURN_NONE;
+}
+
 /* plan(call) -> (chosen id or -1, (order...), (reason per id...), path).  call is the tuple
  * (device, cuda_cc, cuda_lib_ok, dtype, D, Dv, gqa, square, mask, mask_grad, causal, window,
  *  softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix, requested, cpu_isa). */
@@ -335,6 +344,8 @@ static PyMethodDef ab_methods[] = {
      "build_info() -> dict: version, torch ABI target, CUDA archs, compiler."},
     {"backend_table", ab_py_backend_table, METH_NOARGS,
      "backend_table() -> the registry: (name, aliases, kind, summary, lossy, provider, caps) rows."},
+    {"enable_cuda_flash", ab_py_enable_cuda_flash, METH_O,
+     "enable_cuda_flash(on): serve flash/flash_varlen on CUDA from our (not yet verified) kernel."},
     {"set_provider", ab_py_set_provider, METH_VARARGS,
      "set_provider(id, available, why_not): record whether a torch feature or package exists."},
     {"plan", ab_py_plan, METH_O,

@@ -38,12 +38,20 @@
   (MASKS | AB_F_MASK_GRAD | CAUSAL | AB_F_WINDOW | AB_F_DROPOUT | AB_F_BACKWARD |              \
    AB_F_DETERMINISTIC | AB_F_GQA | AB_F_DV | AB_F_DENSE)
 
+/* flash on CUDA (csrc/cuda/flash_fwd*.cu): the forward of the dense and packed semantics without
+ * masks, dropout or Dv != D; head dims 32..256 in steps of 8; sm_80 and newer */
+#define CUDA_FLASH_F (CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_LSE | AB_F_GQA)
+
 #define NONE(why) {why, 0, 0, 0, 0, 0, 0, 0}
 #define CAPS(dtypes, features) {NULL, dtypes, features, 0, 0, 0, 0, 0}
 #define CAPS_D(dtypes, features, min_d, max_d, mult, min_cc, lib) \
   {NULL, dtypes, features, min_d, max_d, mult, min_cc, lib}
 
 #define NOT_BUILT "not built in this version"
+/* The CUDA flash forward compiles in CI but has not run on a GPU yet, so it is opt-in until it is
+ * verified: ATTN_BACKENDS_CUDA_FLASH=1 at import (attn_backends/_planner.py) swaps these caps in. */
+#define CUDA_FLASH_OFF \
+  "the CUDA flash kernel is not verified on a GPU yet (set ATTN_BACKENDS_CUDA_FLASH=1 to use it)"
 #define NO_KERNEL "no kernel for this device"
 
 static ab_backend_info g_backends[AB_BK_COUNT] = {
@@ -58,13 +66,13 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
                              "kernels_community/flash_attn", "kernels_community/flash_attn3",
                              "kernels_community/vllm_flash_attn3"),
                      AB_KIND_BUNDLED, "fused online-softmax kernel (FlashAttention-2 algorithm)", 0, 0,
-                     {CAPS(NO_F64, FULL), NONE(NOT_BUILT), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
+                     {CAPS(NO_F64, FULL), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
     [AB_BK_FLASH_VARLEN] = {"flash_varlen",
                             ALIASES("varlen", "flash_attn_varlen", "flash_attn_varlen_func",
                                     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
                                     "_flash_varlen_3", "flash_varlen_hub", "_flash_3_varlen_hub"),
                             AB_KIND_BUNDLED, "flash over packed variable-length sequences", 0, 0,
-                            {CAPS(NO_F64, VARLEN_F), NONE(NOT_BUILT), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
+                            {CAPS(NO_F64, VARLEN_F), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
     [AB_BK_SAGE] = {"sage",
                     ALIASES("sage_varlen", "sage_hub", "sageattention", "sage_attention", "sageattn",
                             "sageattn_varlen", "_sage_qk_int8_pv_fp16_cuda",
@@ -192,4 +200,12 @@ int ab_backend_lookup(const char* name) {
       if (name_equal(name, *a)) return i;
   }
   return -1;
+}
+
+void ab_registry_enable_cuda_flash(int on) {
+  static const ab_caps dense = CAPS_D(HALF_DT, CUDA_FLASH_F | AB_F_DENSE, 32, 256, 8, 80, 1);
+  static const ab_caps packed = CAPS_D(HALF_DT, CUDA_FLASH_F | AB_F_VARLEN, 32, 256, 8, 80, 1);
+  static const ab_caps off = NONE(CUDA_FLASH_OFF);
+  g_backends[AB_BK_FLASH].caps[AB_DEVICE_CUDA] = on ? dense : off;
+  g_backends[AB_BK_FLASH_VARLEN].caps[AB_DEVICE_CUDA] = on ? packed : off;
 }

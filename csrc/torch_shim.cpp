@@ -276,8 +276,11 @@ void run_sage(const Tensor& q, ab_attn_params& p) {
   check(ab_sage_cpu_fwd(&p, bytes ? ws.data_ptr() : nullptr, bytes, &pool, &err), err);
 }
 
-// Runs a forward kernel on the device of q: the C core on CPU, the CUDA library on CUDA.
-void run_fwd(Kernel kernel, ab_attn_params& p) {
+// Runs a forward kernel on the device of q: the C core on CPU, the CUDA library on CUDA.  Packed
+// calls on CUDA also pass cu_seqlens in device memory (the host copies stay in p for the checks
+// and the grid).
+void run_fwd(Kernel kernel, ab_attn_params& p, const int32_t* cu_q_dev = nullptr,
+             const int32_t* cu_k_dev = nullptr) {
   ab_error err{};
   if (p.q.device == AB_DEVICE_CPU) {
     ab_cpu_pool pool = torch_pool();
@@ -286,6 +289,10 @@ void run_fwd(Kernel kernel, ab_attn_params& p) {
     const ab_cuda_api* api = cuda_api();
     torch::stable::accelerator::DeviceGuard guard(p.q.device_index);
     check(api->math_fwd(&p, current_cuda_stream(p.q.device_index), &err), err);
+  } else if (p.q.device == AB_DEVICE_CUDA && kernel == Kernel::kFlash) {
+    const ab_cuda_api* api = cuda_api();
+    torch::stable::accelerator::DeviceGuard guard(p.q.device_index);
+    check(api->flash_fwd(&p, cu_q_dev, cu_k_dev, current_cuda_stream(p.q.device_index), &err), err);
   } else {
     fail(std::string(kernel_name(kernel)) + " has no forward kernel for this device");
   }
@@ -406,10 +413,19 @@ std::tuple<Tensor, Tensor> varlen_fwd(const Tensor& q, const Tensor& k, const Te
   Tensor lse = empty_strided(q, lse_sizes, contiguous_strides(lse_sizes), lse_dtype(q));
   p.out = view_of(out, "out");
   p.lse = view_of(lse, "lse");
-  if constexpr (K == Kernel::kSage)
+  if constexpr (K == Kernel::kSage) {
     run_sage(q, p);
-  else
+  } else if (p.q.device == AB_DEVICE_CUDA) {
+    // the kernel reads cu_seqlens on the device: one (2, B + 1) int32 copy on q's device
+    Tensor cu_dev = empty_strided(q, {2, cu_q.size(0)}, {cu_q.size(0), 1}, aoti_torch_dtype_int32());
+    Tensor row_q = torch::stable::select(cu_dev, 0, 0), row_k = torch::stable::select(cu_dev, 0, 1);
+    torch::stable::copy_(row_q, cu_q);
+    torch::stable::copy_(row_k, cu_k);
+    const int32_t* base = static_cast<const int32_t*>(cu_dev.data_ptr());
+    run_fwd(K, p, base, base + cu_q.size(0));
+  } else {
     run_fwd(K, p);
+  }
   return std::make_tuple(out, lse);
 }
 
@@ -504,4 +520,6 @@ STABLE_TORCH_LIBRARY_IMPL(attn_backends, CPU, m) {
 STABLE_TORCH_LIBRARY_IMPL(attn_backends, CUDA, m) {
   m.impl("math_fwd", TORCH_BOX(&dense_fwd<Kernel::kMath>));
   m.impl("math_bwd", TORCH_BOX(&dense_bwd<Kernel::kMath>));
+  m.impl("flash_fwd", TORCH_BOX(&dense_fwd<Kernel::kFlash>));
+  m.impl("flash_varlen_fwd", TORCH_BOX(&varlen_fwd<Kernel::kFlash>));
 }

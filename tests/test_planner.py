@@ -61,9 +61,9 @@ def test_old_gpus_route_to_torch_sdpa_then_eager(cc):
 
 @pytest.mark.parametrize("cc", [80, 86, 90])
 def test_ampere_and_newer_use_our_kernels_for_what_they_serve(cc):
-    # inference: sdpa first while our CUDA flash is not built; our math serves lse calls exactly
+    # inference: sdpa first while our CUDA flash is opt-in (unverified); our math serves lse calls exactly
     p = plan(device=CUDA, cc=cc, dtype="bfloat16")
-    assert p.chosen == "sdpa" and p.reasons["flash"] == "not built in this version"
+    assert p.chosen == "sdpa" and p.reasons["flash"].startswith("the CUDA flash kernel is not verified on a GPU yet")
     assert plan(device=CUDA, cc=cc, want_lse=1).chosen == "math"
     assert plan(device=CUDA, cc=cc, softcap=1, requested="math").chosen == "math"
     # math on CUDA is forward only: training falls along its chain to eager
@@ -319,3 +319,30 @@ def test_support_matrix_in_docs_is_generated_from_the_registry():
     with open(path) as f:
         text = f.read()
     assert support_matrix_markdown() in text, "docs/backends.md is stale: run python docs/generate_backends.py"
+
+
+@pytest.fixture
+def cuda_flash_on():
+    _C.enable_cuda_flash(True)
+    ab._dispatch.reset_caches()
+    yield
+    _C.enable_cuda_flash(False)
+    ab._dispatch.reset_caches()
+
+
+def test_cuda_flash_opt_in_serves_what_it_supports(cuda_flash_on):
+    # ATTN_BACKENDS_CUDA_FLASH=1: our flash forward first for half dtypes, D 32..256 by 8, sm_80+
+    p = plan(device=CUDA, cc=90, dtype="bfloat16", causal=2, window=1, softcap=1, want_lse=1, gqa=1)
+    assert p.chosen == "flash"
+    assert plan(device=CUDA, cc=90, dtype="float16", varlen=1, causal=1).chosen == "flash_varlen"
+    # what it does not serve goes down the chain, with the reason
+    assert plan(device=CUDA, cc=90, dtype="float32").chosen != "flash"
+    assert "float32" in plan(device=CUDA, cc=90, dtype="float32").reasons["flash"]
+    assert plan(device=CUDA, cc=90, dtype="bfloat16", need_grad=1).chosen != "flash"
+    assert plan(device=CUDA, cc=90, dtype="bfloat16", mask=1).chosen != "flash"
+    assert plan(device=CUDA, cc=90, dtype="bfloat16", D=40).chosen == "flash"  # padded to 64 inside
+    assert plan(device=CUDA, cc=90, dtype="bfloat16", D=36).chosen != "flash"  # not a multiple of 8
+    assert plan(device=CUDA, cc=90, dtype="bfloat16", D=264).chosen != "flash"
+    assert plan(device=CUDA, cc=90, dtype="bfloat16", D=64, Dv=32).chosen != "flash"
+    assert plan(device=CUDA, cc=75, dtype="bfloat16").chosen != "flash"
+    assert plan(device=CUDA, cc=90, lib=0, dtype="bfloat16").chosen != "flash"

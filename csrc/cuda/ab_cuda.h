@@ -17,7 +17,7 @@ extern "C" {
 
 /* Bumped whenever the table's layout or a launcher's contract changes; the loader refuses a
  * library with another version (a stale build beside a fresh module). */
-#define AB_CUDA_API_VERSION 1
+#define AB_CUDA_API_VERSION 2
 
 typedef struct ab_cuda_api {
   int api_version;
@@ -28,6 +28,14 @@ typedef struct ab_cuda_api {
   int (*supports_cc)(int cc);
   /* math forward: exact reference, every feature, float16/bfloat16/float32/float64. */
   ab_status (*math_fwd)(const ab_attn_params* p, void* stream, ab_error* err);
+  /* flash forward (FlashAttention-2): float16/bfloat16, D and Dv multiples of 8 up to 256 (D == Dv is
+   * the usual case; both are padded to the next instantiated head dim), both causal alignments,
+   * window, softcap, GQA/MQA, lse; no mask, no dropout.  Dense when p->cu_seqlens_q is NULL.
+   * Packed (varlen): q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), out (Tq, Hq, Dv), lse (Hq, Tq);
+   * p->cu_seqlens_q/k are the host copies (B + 1 entries; p->Sq/p->Sk are max_seqlen_q/k), and
+   * cu_seqlens_q_dev/k_dev the same values in device memory, read by the kernel. */
+  ab_status (*flash_fwd)(const ab_attn_params* p, const int32_t* cu_seqlens_q_dev,
+                         const int32_t* cu_seqlens_k_dev, void* stream, ab_error* err);
 } ab_cuda_api;
 
 AB_EXPORT const ab_cuda_api* ab_cuda_api_get(void);

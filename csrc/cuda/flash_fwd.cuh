@@ -1,0 +1,90 @@
+// flash_fwd.cuh -- what the flash forward's launcher (flash_fwd.cu) and its per-head-dim kernel
+// instantiations (flash_fwd_hdim*.cu) share: the kernel's parameter struct, the tile table and
+// the declaration of the per-(dtype, head dim) launch function.
+//
+// The kernel itself is in flash_fwd_kernel.cuh; only the flash_fwd_hdim*.cu files include it, so
+// editing the launcher does not recompile the kernels.
+#ifndef AB_FLASH_FWD_CUH
+#define AB_FLASH_FWD_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "ab_cuda_internal.h"
+
+namespace ab_flash {
+
+// Everything the kernel reads, filled once by the launcher (flash_fwd.cu) and passed by value.
+// Strides are in elements.  Dense and packed calls share one layout of this struct:
+//   dense:  row i of (b, h) of q is at  b * q_bs + h * q_hs + i * q_rs
+//   packed: row i of sequence b, head h at  h * q_hs + (cu_q[b] + i) * q_rs  (q_bs = 0)
+// and the same for k, v, out and lse (lse's "row" is the query position).
+struct FwdParams {
+  const void* q;  // (B, Hq, Sq, D) or (Tq, Hq, D)
+  const void* k;  // (B, Hkv, Sk, D) or (Tk, Hkv, D)
+  const void* v;  // (B, Hkv, Sk, Dv) or (Tk, Hkv, Dv)
+  void* out;      // (B, Hq, Sq, Dv) or (Tq, Hq, Dv), q's dtype
+  float* lse;     // (B, Hq, Sq) or (Hq, Tq), float32
+  int64_t q_bs, q_hs, q_rs;
+  int64_t k_bs, k_hs, k_rs;
+  int64_t v_bs, v_hs, v_rs;
+  int64_t o_bs, o_hs, o_rs;
+  int64_t l_bs, l_hs, l_rs;
+  const int32_t* cu_q;  // (B + 1,) device; NULL for dense calls
+  const int32_t* cu_k;
+  int Sq, Sk;           // dense lengths; packed: max_seqlen_q / max_seqlen_k
+  int Hq, group;        // group = Hq / Hkv: query head h reads KV head h / group
+  int D, Dv;            // the real head dims (the kernel's kD is padded up to an instantiated size)
+  int m_blocks;         // query tiles per (batch, head): ceil(Sq / kBM)
+  int causal;           // ab_causal
+  int64_t window_left, window_right;  // -1 = unbounded; clamped to <= Sq + Sk by the launcher
+  float scale_log2;     // scale * log2(e): scores are kept in base-2 units so exp2 can be used
+  float softcap;        // 0 = off
+  float softcap_in;     // 2 log2(e) scale / softcap: 2^(softcap_in (q . k)) = exp(2 scale (q . k) / softcap)
+  float softcap_log2;   // softcap * log2(e)
+};
+
+// Tile table: rows of Q (kBM) and of K/V (kBN) per thread block, by padded head dim.  One block
+// is 4 warps; each warp owns kBM / 4 query rows (one or two m16 tiles).  Shared memory is
+// (kBM + 2 * kBN) * (kD + 8) * 2 bytes (Q, one K and one V tile, each row padded by 8 elements):
+//
+//   kD    kBM  kBN   smem      registers per thread (accumulators, floats)
+//   32    128   64   20 KiB    S  64 + O 32
+//   64    128   64   36 KiB    S  64 + O 64
+//   96    128   64   52 KiB    S  64 + O 96
+//   128   128   64   68 KiB    S  64 + O 128
+//   160    64   64   63 KiB    S  32 + O 80
+//   192    64   64   75 KiB    S  32 + O 96
+//   224    64   64   87 KiB    S  32 + O 112
+//   256    64   64   99 KiB    S  32 + O 128
+//
+// Beyond kD = 128 a block keeps 64 query rows, since 128 rows would need kD floats of O per
+// thread; 99 KiB (kD = 256) is exactly the opt-in limit of sm_86/sm_89 (sm_80 and sm_90 allow
+// 163 and 227 KiB).  The launcher refuses a device whose limit is lower than a config needs.
+template <int kD> struct FwdTile {
+  static constexpr int kBM = kD <= 128 ? 128 : 64;
+  static constexpr int kBN = 64;
+};
+// ptxas (nvcc 13.0, sm_80) puts kD = 96 and 128 at 250-255 registers with no spill, the others
+// at 165-240; kBN = 128 for kD = 32 spilled, hence 64 throughout.  `--resource-usage` shows it.
+
+constexpr int kFwdThreads = 128;  // 4 warps
+constexpr int kSmemPad = 8;       // elements of padding per shared-memory row (see the kernel)
+
+constexpr size_t fwd_smem_bytes(int kD, int kBM, int kBN) {
+  return (size_t)(kBM + 2 * kBN) * (size_t)(kD + kSmemPad) * 2;
+}
+
+// The padded head dims that have kernels; D and Dv are rounded up to the next one.
+constexpr int kFwdHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
+
+// Launches the forward kernel for dtype T (__half or __nv_bfloat16) and padded head dim kD on the
+// current device.  Defined in flash_fwd_kernel.cuh, instantiated in flash_fwd_hdim*.cu.
+template <typename T, int kD>
+ab_status fwd_launch(const FwdParams& p, int64_t blocks, cudaStream_t stream, ab_error* err);
+
+}  // namespace ab_flash
+
+#endif  // AB_FLASH_FWD_CUH

@@ -1,0 +1,12 @@
+// flash_fwd_hdim224_256.cu -- flash forward kernels for padded head dims 224 and 256, float16 and bfloat16.
+// The head dims are spread over a few files so that nvcc compiles them in parallel.
+#include "flash_fwd_kernel.cuh"
+
+namespace ab_flash {
+
+template ab_status fwd_launch<__half, 224>(const FwdParams&, int64_t, cudaStream_t, ab_error*);
+template ab_status fwd_launch<__nv_bfloat16, 224>(const FwdParams&, int64_t, cudaStream_t, ab_error*);
+template ab_status fwd_launch<__half, 256>(const FwdParams&, int64_t, cudaStream_t, ab_error*);
+template ab_status fwd_launch<__nv_bfloat16, 256>(const FwdParams&, int64_t, cudaStream_t, ab_error*);
+
+}  // namespace ab_flash
