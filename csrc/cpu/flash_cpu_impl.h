@@ -324,6 +324,96 @@ static int SYM(online_softmax)(float* st, int64_t nb, float* mrow, float* lrow, 
   return any;
 }
 
+/* ---- forward pieces shared with the sage kernel (sage_cpu_impl.h), which differs only in S ------ */
+
+/* Row chunks of the forward: nv vectors of query rows per chunk (fewer for short queries, e.g.
+ * decode, so fewer padded rows are computed), nchunk = ceil(Sq / (nv * VLEN)) chunks. */
+static void SYM(fwd_chunks)(int64_t Sq, int* nv, int64_t* nchunk) {
+  const int64_t vecs = (Sq + VLEN - 1) / VLEN;
+  *nv = (int)(vecs < NV_MAX ? (vecs > 0 ? vecs : 1) : NV_MAX);
+  const int64_t rc = (int64_t)*nv * VLEN;
+  *nchunk = (Sq + rc - 1) / rc;
+}
+
+/* Starts a chunk of rows [i0, i0 + nrows) of rc: each row's visible keys [lo, hi) (empty for the
+ * padded rows), their union [jlo, jhi) (the key blocks to visit) and intersection
+ * [all_lo, all_hi) (blocks inside it need no causal/window masking); resets the running max/sum. */
+static void SYM(chunk_ranges)(const ab_attn_params* p, const SYM(seq) * s, int64_t i0, int64_t nrows,
+                              int64_t rc, int32_t* lo, int32_t* hi, float* mrow, float* lrow, int64_t* jlo,
+                              int64_t* jhi, int64_t* all_lo, int64_t* all_hi) {
+  *jlo = s->Sk;
+  *jhi = 0;
+  for (int64_t r = 0; r < rc; ++r) {
+    int64_t l = 0, hh = 0;
+    if (r < nrows) SYM(row_range)(p, s, i0 + r, &l, &hh);
+    lo[r] = (int32_t)l;
+    hi[r] = (int32_t)hh;
+    if (r < nrows && hh > l) {
+      if (l < *jlo) *jlo = l;
+      if (hh > *jhi) *jhi = hh;
+    }
+    mrow[r] = -__builtin_inff();
+    lrow[r] = 0.0f;
+  }
+  *all_lo = 0;
+  *all_hi = s->Sk;
+  for (int64_t r = 0; r < nrows; ++r) {
+    if (lo[r] > *all_lo) *all_lo = lo[r];
+    if (hi[r] < *all_hi) *all_hi = hi[r];
+  }
+}
+
+/* Multiplies the unnormalised O rows by this key block's rescale factors (online softmax). */
+static void SYM(rescale_rows)(float* on, const float* arow, int64_t nrows, int64_t Dvp) {
+  for (int64_t r = 0; r < nrows; ++r)
+    if (arow[r] != 1.0f) {
+      const vf a = vset1(arow[r]);
+      for (int64_t d = 0; d < Dvp; d += VLEN) vstore(on + r * Dvp + d, vload(on + r * Dvp + d) * a);
+    }
+}
+
+/* O += P V for the real rows of a chunk: A = P^T (BK x rc) read by row (broadcasts), B = the key
+ * block's V rows, read in place when v_direct, else packed to float32 in vp. */
+static void SYM(accum_pv)(const ab_attn_params* p, const SYM(seq) * s, int v_direct, int64_t j0, int64_t nb,
+                          int64_t nrows, int64_t rc, const float* st, float* vp, float* on, int64_t Dvp) {
+  const float* va;
+  int64_t va_k;
+  if (v_direct) {
+    va = (const float*)p->v.data + s->v + j0 * s->v_rs;
+    va_k = s->v_rs;
+  } else {
+    SYM(pack_rows)(&p->v, s->v, s->v_rs, j0, nb, p->Dv, Dvp, vp);
+    va = vp;
+    va_k = Dvp;
+  }
+  SYM(gemm)(nrows, Dvp / VLEN, nb, st, 1, rc, va, va_k, on, Dvp, 1);
+}
+
+/* Writes a chunk's output rows, O / l (NaN in, NaN out, as the float64 reference does; a row with
+ * no visible key gives 0 and lse -inf), through one row of scratch tmp, and their lse. */
+static void SYM(store_rows)(const ab_attn_params* p, const SYM(seq) * s, int64_t i0, int64_t nrows,
+                            const float* on, int64_t Dvp, const float* mrow, const float* lrow, float* tmp) {
+  const int64_t Dv = p->Dv;
+  for (int64_t r = 0; r < nrows; ++r) {
+    const float l = lrow[r], m = mrow[r];
+    float lse;
+    if (l != l || m != m) {
+      for (int64_t d = 0; d < Dv; ++d) tmp[d] = __builtin_nanf("");
+      lse = __builtin_nanf("");
+    } else if (m == -__builtin_inff()) {
+      for (int64_t d = 0; d < Dv; ++d) tmp[d] = 0.0f;
+      lse = -__builtin_inff();
+    } else {
+      const float inv = 1.0f / l;
+      for (int64_t d = 0; d < Dv; ++d) tmp[d] = on[r * Dvp + d] * inv;
+      lse = m + logf(l);
+    }
+    ab_vec_store_row(p->out.data, p->out.dtype, s->o + (i0 + r) * s->o_rs, Dv,
+                     p->out.strides[p->out.ndim - 1], tmp);
+    ((float*)p->lse.data)[s->lse + (i0 + r) * s->lse_rs] = lse;
+  }
+}
+
 typedef struct SYM(fwd_ctx) {
   const ab_attn_params* p;
   int64_t nchunk; /* row chunks per (batch, head): ceil(max Sq / rc) */
@@ -367,27 +457,10 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
     const int64_t i0 = c * rc;
     if (i0 >= s.Sq) continue;
     const int64_t nrows = s.Sq - i0 < rc ? s.Sq - i0 : rc;
-    int64_t jlo = s.Sk, jhi = 0;
-    for (int64_t r = 0; r < rc; ++r) {
-      int64_t l = 0, hh = 0;
-      if (r < nrows) SYM(row_range)(p, &s, i0 + r, &l, &hh);
-      lo[r] = (int32_t)l;
-      hi[r] = (int32_t)hh;
-      if (r < nrows && hh > l) {
-        if (l < jlo) jlo = l;
-        if (hh > jhi) jhi = hh;
-      }
-      mrow[r] = -__builtin_inff();
-      lrow[r] = 0.0f;
-    }
+    int64_t jlo, jhi, all_lo, all_hi;
+    SYM(chunk_ranges)(p, &s, i0, nrows, rc, lo, hi, mrow, lrow, &jlo, &jhi, &all_lo, &all_hi);
     SYM(pack_t)(&p->q, s.q, s.q_rs, i0, nrows, D, (float)p->scale, qt, tmp, rc);
     memset(on, 0, sizeof(float) * (size_t)(nrows * Dvp));
-    /* the key range every real row sees: blocks inside it need no causal/window masking */
-    int64_t all_lo = 0, all_hi = s.Sk;
-    for (int64_t r = 0; r < nrows; ++r) {
-      if (lo[r] > all_lo) all_lo = lo[r];
-      if (hi[r] < all_hi) all_hi = hi[r];
-    }
     const int partial_rows = nrows < rc;
     for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
       const int64_t nb = jhi - j0 < BK ? jhi - j0 : BK;
@@ -407,47 +480,14 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
         SYM(gemm_nv)(nb, nv, D - d0 < KC ? D - d0 : KC, ka + d0, ka_m, 1, qt + d0 * rc, rc, st, rc, d0 > 0);
       const int structural = partial_rows || j0 < all_lo || j0 + nb > all_hi;
       SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, rc);
-      if (SYM(online_softmax)(st, nb, mrow, lrow, arow, nv))
-        for (int64_t r = 0; r < nrows; ++r)
-          if (arow[r] != 1.0f) {
-            const vf a = vset1(arow[r]);
-            for (int64_t d = 0; d < Dvp; d += VLEN) vstore(on + r * Dvp + d, vload(on + r * Dvp + d) * a);
-          }
+      if (SYM(online_softmax)(st, nb, mrow, lrow, arow, nv)) SYM(rescale_rows)(on, arow, nrows, Dvp);
       if (p->dropout_p > 0) { /* the sum l above is of the weights before dropout */
         SYM(drop_factors)(p, &s, i0, nrows, j0, nb, fd, rc);
         SYM(vmul)(st, fd, nb * rc);
       }
-      /* O += P V for the real rows: A = P^T read by row (broadcasts), B = V rows */
-      const float* va;
-      int64_t va_k;
-      if (v_direct) {
-        va = (const float*)p->v.data + s.v + j0 * s.v_rs;
-        va_k = s.v_rs;
-      } else {
-        SYM(pack_rows)(&p->v, s.v, s.v_rs, j0, nb, Dv, Dvp, vp);
-        va = vp;
-        va_k = Dvp;
-      }
-      SYM(gemm)(nrows, Dvp / VLEN, nb, st, 1, rc, va, va_k, on, Dvp, 1);
+      SYM(accum_pv)(p, &s, v_direct, j0, nb, nrows, rc, st, vp, on, Dvp);
     }
-    for (int64_t r = 0; r < nrows; ++r) {
-      const float l = lrow[r], m = mrow[r];
-      float lse;
-      if (l != l || m != m) { /* NaN in, NaN out, as the float64 reference does */
-        for (int64_t d = 0; d < Dv; ++d) tmp[d] = __builtin_nanf("");
-        lse = __builtin_nanf("");
-      } else if (m == -__builtin_inff()) {
-        for (int64_t d = 0; d < Dv; ++d) tmp[d] = 0.0f; /* no visible key */
-        lse = -__builtin_inff();
-      } else {
-        const float inv = 1.0f / l;
-        for (int64_t d = 0; d < Dv; ++d) tmp[d] = on[r * Dvp + d] * inv;
-        lse = m + logf(l);
-      }
-      ab_vec_store_row(p->out.data, p->out.dtype, s.o + (i0 + r) * s.o_rs, Dv,
-                       p->out.strides[p->out.ndim - 1], tmp);
-      ((float*)p->lse.data)[s.lse + (i0 + r) * s.lse_rs] = lse;
-    }
+    SYM(store_rows)(p, &s, i0, nrows, on, Dvp, mrow, lrow, tmp);
   }
   ab_scratch_free(qt);
 }
@@ -457,11 +497,7 @@ static ab_status SYM(flash_fwd)(const ab_attn_params* p, const ab_cpu_pool* pool
   ctx.p = p;
   ctx.st.err = err;
   atomic_init(&ctx.st.status, AB_OK);
-  /* short queries (decode) get narrower chunks: fewer padded rows computed */
-  const int64_t vecs = (p->Sq + VLEN - 1) / VLEN;
-  ctx.nv = (int)(vecs < NV_MAX ? (vecs > 0 ? vecs : 1) : NV_MAX);
-  const int64_t rc = (int64_t)ctx.nv * VLEN;
-  ctx.nchunk = (p->Sq + rc - 1) / rc;
+  SYM(fwd_chunks)(p->Sq, &ctx.nv, &ctx.nchunk);
   const double work = (double)p->B * p->Hq * p->Sq * p->Sk * (double)(p->D + p->Dv);
   return ab_par_run(pool, p->B * p->Hq * ctx.nchunk, 1, work, SYM(fwd_range), &ctx, &ctx.st);
 }

@@ -309,19 +309,8 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
     const int64_t i0 = c * rc;
     if (i0 >= s.Sq) continue;
     const int64_t nrows = s.Sq - i0 < rc ? s.Sq - i0 : rc;
-    int64_t jlo = s.Sk, jhi = 0;
-    for (int64_t r = 0; r < rc; ++r) {
-      int64_t l = 0, hh = 0;
-      if (r < nrows) SYM(row_range)(p, &s, i0 + r, &l, &hh);
-      lo[r] = (int32_t)l;
-      hi[r] = (int32_t)hh;
-      if (r < nrows && hh > l) {
-        if (l < jlo) jlo = l;
-        if (hh > jhi) jhi = hh;
-      }
-      mrow[r] = -__builtin_inff();
-      lrow[r] = 0.0f;
-    }
+    int64_t jlo, jhi, all_lo, all_hi;
+    SYM(chunk_ranges)(p, &s, i0, nrows, rc, lo, hi, mrow, lrow, &jlo, &jhi, &all_lo, &all_hi);
     /* quantize this chunk's Q rows; padded rows are zero with scale 0 (and masked below) */
     const float* mean = w->mean + (b * p->Hkv + hk) * Dp;
     memset(tmp, 0, sizeof(float) * (size_t)Dp);
@@ -347,12 +336,6 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
         memcpy(qp + g * rc + r, &x, sizeof x);
       }
     memset(on, 0, sizeof(float) * (size_t)(nrows * Dvp));
-    /* the key range every real row sees: blocks inside it need no causal/window masking */
-    int64_t all_lo = 0, all_hi = s.Sk;
-    for (int64_t r = 0; r < nrows; ++r) {
-      if (lo[r] > all_lo) all_lo = lo[r];
-      if (hi[r] < all_hi) all_hi = hi[r];
-    }
     const int partial_rows = nrows < rc;
     const int64_t r0 = hk * w->Ktot + SYM(sg_krow0)(p, b);
     for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
@@ -360,43 +343,10 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
       SYM(sg_qk)(nb, nv, Dg, w->kw + (r0 + j0) * Dg, qp, c0, sq, w->sk + r0 + j0, bias, st);
       const int structural = partial_rows || j0 < all_lo || j0 + nb > all_hi;
       SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, rc);
-      if (SYM(online_softmax)(st, nb, mrow, lrow, arow, nv))
-        for (int64_t r = 0; r < nrows; ++r)
-          if (arow[r] != 1.0f) {
-            const vf a = vset1(arow[r]);
-            for (int64_t d = 0; d < Dvp; d += VLEN) vstore(on + r * Dvp + d, vload(on + r * Dvp + d) * a);
-          }
-      /* O += P V for the real rows: A = P^T read by row (broadcasts), B = V rows, float32 */
-      const float* va;
-      int64_t va_k;
-      if (v_direct) {
-        va = (const float*)p->v.data + s.v + j0 * s.v_rs;
-        va_k = s.v_rs;
-      } else {
-        SYM(pack_rows)(&p->v, s.v, s.v_rs, j0, nb, Dv, Dvp, vp);
-        va = vp;
-        va_k = Dvp;
-      }
-      SYM(gemm)(nrows, Dvp / VLEN, nb, st, 1, rc, va, va_k, on, Dvp, 1);
+      if (SYM(online_softmax)(st, nb, mrow, lrow, arow, nv)) SYM(rescale_rows)(on, arow, nrows, Dvp);
+      SYM(accum_pv)(p, &s, v_direct, j0, nb, nrows, rc, st, vp, on, Dvp); /* float32 P.V */
     }
-    for (int64_t r = 0; r < nrows; ++r) {
-      const float l = lrow[r], m = mrow[r];
-      float lse;
-      if (l != l || m != m) { /* NaN in, NaN out */
-        for (int64_t d = 0; d < Dv; ++d) tmp[d] = __builtin_nanf("");
-        lse = __builtin_nanf("");
-      } else if (m == -__builtin_inff()) {
-        for (int64_t d = 0; d < Dv; ++d) tmp[d] = 0.0f; /* no visible key */
-        lse = -__builtin_inff();
-      } else {
-        const float inv = 1.0f / l;
-        for (int64_t d = 0; d < Dv; ++d) tmp[d] = on[r * Dvp + d] * inv;
-        lse = m + logf(l);
-      }
-      ab_vec_store_row(p->out.data, p->out.dtype, s.o + (i0 + r) * s.o_rs, Dv,
-                       p->out.strides[p->out.ndim - 1], tmp);
-      ((float*)p->lse.data)[s.lse + (i0 + r) * s.lse_rs] = lse;
-    }
+    SYM(store_rows)(p, &s, i0, nrows, on, Dvp, mrow, lrow, tmp);
     memset(tmp, 0, sizeof(float) * (size_t)Dp); /* the next chunk's Q rows expect zero padding */
   }
   ab_scratch_free(on);
@@ -420,10 +370,7 @@ static ab_status SYM(sage_fwd)(const ab_attn_params* p, void* workspace, size_t 
   const double prep = (double)p->B * p->Hkv * p->Sk * (double)p->D * 8.0;
   ab_status st = ab_par_run(pool, p->B * p->Hkv, 1, prep, SYM(sg_prep_range), &ctx, &ctx.st);
   if (st != AB_OK) return st;
-  const int64_t vecs = (p->Sq + VLEN - 1) / VLEN; /* short queries (decode) get narrower chunks */
-  ctx.nv = (int)(vecs < NV_MAX ? (vecs > 0 ? vecs : 1) : NV_MAX);
-  const int64_t rc = (int64_t)ctx.nv * VLEN;
-  ctx.nchunk = (p->Sq + rc - 1) / rc;
+  SYM(fwd_chunks)(p->Sq, &ctx.nv, &ctx.nchunk);
   const double work = (double)p->B * p->Hq * p->Sq * p->Sk * (double)(p->D / 4 + p->Dv);
   return ab_par_run(pool, p->B * p->Hq * ctx.nchunk, 1, work, SYM(sg_fwd_range), &ctx, &ctx.st);
 }
