@@ -28,19 +28,24 @@ def draw_rng_state() -> torch.Tensor:
     return torch.randint(0, 2**62, (2,), dtype=torch.int64)
 
 
+def _no_grad_call(fwd_op, *args):
+    """A forward op for a call that needs no gradient: below the autograd key (saving the Python
+    autograd wrapper), except while torch.compile traces, which must see the op itself."""
+    if _is_compiling():
+        return fwd_op(*args)
+    with _below_autograd():
+        return fwd_op(*args)
+
+
 def _kernel(fwd_op, function):
-    """Runner for one of our kernels: the autograd Function when a gradient is needed, else the op
-    called below the autograd key (saving the Python autograd wrapper)."""
+    """Runner for one of our kernels: the autograd Function when a gradient is needed, else the op."""
 
     def run(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
         rng = draw_rng_state() if p > 0 else None
         args = (q, k, v, mask, rng, causal, scale, wl, wr, softcap, p)
         if need_grad:
             return function.apply(*args)
-        if _is_compiling():
-            return fwd_op(*args)
-        with _below_autograd():
-            return fwd_op(*args)
+        return _no_grad_call(fwd_op, *args)
 
     return run
 
@@ -63,26 +68,10 @@ def run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_
     return _run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse)
 
 
-def _forward_only(fwd_op):
-    """Runner for a forward-only kernel (sage): the op below the autograd key.  The planner only
-    routes calls that need no gradient here."""
-
-    def run(*args):
-        if _is_compiling():
-            return fwd_op(*args)
-        with _below_autograd():
-            return fwd_op(*args)
-
-    return run
-
-
-_sage_fwd = _forward_only(_ops.ops.sage_fwd.default)
-_sage_varlen_fwd = _forward_only(_ops.ops.sage_varlen_fwd.default)
-
-
 def run_sage(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
-    """Our INT8 Q.K^T kernel (SageAttention recipe, docs/sage.md): no dropout, no gradient."""
-    return _sage_fwd(q, k, v, mask, None, causal, scale, wl, wr, softcap, 0.0)
+    """Our INT8 Q.K^T kernel (SageAttention recipe, docs/sage.md): forward only (the planner routes no
+    call that needs a gradient here), no dropout."""
+    return _no_grad_call(_ops.ops.sage_fwd.default, q, k, v, mask, None, causal, scale, wl, wr, softcap, 0.0)
 
 
 def run_eager(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
@@ -265,15 +254,13 @@ def run_flash_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max
     args = (q, k, v, hcu_q, hcu_k, max_q, max_k, rng, causal, scale, wl, wr, softcap, p)
     if need_grad:
         return _ops.FlashVarlenFunction.apply(*args)
-    if _is_compiling():
-        return _ops.ops.flash_varlen_fwd.default(*args)
-    with _below_autograd():
-        return _ops.ops.flash_varlen_fwd.default(*args)
+    return _no_grad_call(_ops.ops.flash_varlen_fwd.default, *args)
 
 
 def run_sage_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal, scale, wl, wr,
                     softcap, p, need_grad, want_lse):
-    return _sage_varlen_fwd(q, k, v, hcu_q, hcu_k, max_q, max_k, None, causal, scale, wl, wr, softcap, 0.0)
+    return _no_grad_call(_ops.ops.sage_varlen_fwd.default, q, k, v, hcu_q, hcu_k, max_q, max_k, None, causal,
+                         scale, wl, wr, softcap, 0.0)
 
 
 def _padded(dense):
