@@ -23,6 +23,13 @@ import torch
 FLOORS = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
 
+def cpu_isas() -> list:
+    """The CPU kernel paths (ISAs) this machine can run, for tests that run on each."""
+    from . import _C
+
+    return [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_isa_supported(isa)]
+
+
 def visible(Sq: int, Sk: int, causal, window, device=None) -> torch.Tensor:
     """bool (Sq, Sk): key j is visible to query i under causal and window (docs/semantics.md)."""
     i = torch.arange(Sq, device=device).view(-1, 1)

@@ -1,4 +1,5 @@
-"""Shared fixtures: deterministic seeds per test, CUDA tests skipped cleanly without a GPU."""
+"""Shared fixtures: deterministic seeds per test, CUDA tests skipped cleanly without a GPU, the CPU
+kernel paths (ISAs) this machine can run."""
 
 import os
 import zlib
@@ -6,6 +7,9 @@ import zlib
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+from attn_backends import _C
+from attn_backends._testing import cpu_isas
 
 # property tests (test_properties.py): the same examples on every CI run unless asked otherwise
 settings.register_profile(
@@ -45,3 +49,12 @@ def gen(request):
     g = torch.Generator()
     g.manual_seed(_seed_of(request))
     return g
+
+
+@pytest.fixture(params=cpu_isas())
+def isa(request):
+    # runs the test once on each CPU kernel path this machine has
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa(before)

@@ -9,19 +9,10 @@ import pytest
 import torch
 
 import attn_backends as ab
-from attn_backends import _C, _providers
+from attn_backends import _providers
 from attn_backends._testing import (Case, cases, check_2x, check_against_reference, make_packed, reference_attention,
                                    varlen_reference)
 
-ISAS = [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_isa_supported(isa)]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = _C.cpu_isa()
-    assert _C.set_cpu_isa(request.param)
-    yield request.param
-    _C.set_cpu_isa(before)
 
 
 def run_flash(q, k, v, mask, case):

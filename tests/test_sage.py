@@ -16,9 +16,8 @@ import torch
 
 import attn_backends as ab
 from attn_backends import _C
-from attn_backends._testing import Case, make_inputs, make_packed, reference_attention, varlen_reference
+from attn_backends._testing import Case, cpu_isas, make_inputs, make_packed, reference_attention, varlen_reference
 
-ISAS = [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_isa_supported(isa)]
 
 COS_MIN = 0.999
 REL_L1_MAX = 0.02
@@ -31,14 +30,6 @@ LSE_MEAN_ABS = 0.01
 # output keeps cos >= 0.999 but relative L1 reaches 0.042 (docs/sage.md), so these cases have
 # their own, measured bounds: relative L1 <= 0.06, lse max 0.35, mean 0.06.
 SCALED = dict(rel_l1_max=0.06, lse_max=0.35, lse_mean=0.06)
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    before = _C.cpu_isa()
-    assert _C.set_cpu_isa(request.param)
-    yield request.param
-    _C.set_cpu_isa(before)
 
 
 def sage_metrics(out: torch.Tensor, ref: torch.Tensor):
@@ -145,7 +136,7 @@ def test_isa_paths_compute_the_same_integer_products(gen):
     before = _C.cpu_isa()
     outs = []
     try:
-        for isa in ISAS:
+        for isa in cpu_isas():
             assert _C.set_cpu_isa(isa)
             outs.append(ab.attention(q, k, v, backend="sage", causal=True, strict=True))
     finally:
