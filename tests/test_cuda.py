@@ -37,17 +37,20 @@ def test_cuda_math_forward_matches_reference(case, gen):
     check_against_reference(case, run_math, grad=False, device="cuda", generator=gen)
 
 
-def test_cuda_math_runs_on_the_current_stream():
-    case = Case(B=4, Hq=8, Hkv=2, Sq=1024, Sk=1024, D=64, causal=True)
-    q, k, v = (torch.randn(case.B, h, case.Sq, case.D, device="cuda") for h in (8, 2, 2))
+@pytest.mark.parametrize("backend, S, D, dtype, tol", [
+    ("math", 1024, 64, torch.float32, 1e-4),
+    ("flash", 2048, 128, torch.bfloat16, 2e-2),  # the CUDA flash forward (opt-in, see cuda_flash_on)
+])
+def test_cuda_kernel_runs_on_the_current_stream(backend, S, D, dtype, tol):
+    q, k, v = (torch.randn(4, h, S, D, device="cuda", dtype=dtype) for h in (8, 2, 2))
     ref, _ = reference_attention(q, k, v, causal=True)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)  # keep the side stream busy: a kernel on the wrong stream races
-        out = ab.attention(q, k, v, backend="math", causal=True, strict=True)
+        out = ab.attention(q, k, v, backend=backend, causal=True, strict=True)
     torch.cuda.current_stream().wait_stream(side)
-    assert (out.double() - ref).abs().max().item() < 1e-4
+    assert (out.double() - ref).abs().max().item() < tol
 
 
 def test_cuda_dropout_draws_the_same_mask_as_cpu():
@@ -116,18 +119,6 @@ def test_cuda_flash_forward_matches_reference(case, gen):
     assert ab.explain(*(torch.empty(1, 1, 1, case.D, device="cuda", dtype=case.dtype),) * 3,
                       backend="flash").chosen == "flash"
     check_against_reference(case, run_flash, grad=False, device="cuda", generator=gen)
-
-
-def test_cuda_flash_runs_on_the_current_stream():
-    q, k, v = (torch.randn(4, h, 2048, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
-    ref, _ = reference_attention(q, k, v, causal=True)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(50_000_000)
-        out = ab.attention(q, k, v, backend="flash", causal=True, strict=True)
-    torch.cuda.current_stream().wait_stream(side)
-    assert (out.double() - ref).abs().max().item() < 2e-2
 
 
 def test_cuda_flash_fully_masked_rows_are_zero():
