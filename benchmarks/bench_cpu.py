@@ -194,13 +194,7 @@ def main(argv=None):
     if args.sage:
         rows = sage_main(args, peak)
         if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(dict(benchmark="cpu_sage", date=time.strftime("%Y-%m-%d"),
-                               command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                               cpu=ab._C.cpu_features()["brand"].strip(), isa=ab._C.cpu_isa(),
-                               sage_isa=ab._C.sage_cpu_isa(), threads=torch.get_num_threads(),
-                               torch=torch.__version__, fma_peak_gflops=peak, results=rows), f, indent=2)
+            write_json(args.json, "cpu_sage", peak, rows, sage_isa=ab._C.sage_cpu_isa())
         return
     head = f"{'pass':<9}{'dtype':<9}{'D':>4}{'S':>6} {'causal':<7}{'ours ms':>9}{'torch ms':>10}{'ours GF/s':>11}" \
            f"{'torch GF/s':>11}{'% peak':>8}{'ratio':>7}"
@@ -230,16 +224,19 @@ def main(argv=None):
               f"outputs {mem['outputs_mib']:.1f} MiB; the call raised peak resident memory by "
               f"{mem['call_peak_mib']:.1f} MiB, {mem['extra_mib']:.1f} MiB beyond its outputs")
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(dict(benchmark="cpu", date=time.strftime("%Y-%m-%d"),
-                           command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                           cpu=ab._C.cpu_features()["brand"].strip(), isa=ab._C.cpu_isa(),
-                           threads=torch.get_num_threads(), torch=torch.__version__, fma_peak_gflops=peak,
-                           results=[{("pass" if k == "pass_" else k): v for k, v in r.items()} for r in rows],
-                           memory=mem), f, indent=2)
+        write_json(args.json, "cpu", peak, [{("pass" if k == "pass_" else k): v for k, v in r.items()} for r in rows],
+                   memory=mem)
 
 
+def write_json(path: str, benchmark: str, peak: float, results: list, **extra) -> None:
+    """The results with what produced them: date, command, CPU, kernel path, threads, torch, FMA peak."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(benchmark=benchmark, date=time.strftime("%Y-%m-%d"),
+                       command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+                       cpu=ab._C.cpu_features()["brand"].strip(), isa=ab._C.cpu_isa(), **extra,
+                       threads=torch.get_num_threads(), torch=torch.__version__, fma_peak_gflops=peak,
+                       results=results), f, indent=2)
 
 
 def markdown(path: str) -> str:
