@@ -26,10 +26,13 @@ REL_L1_MAX = 0.02
 LSE_MAX_ABS = 0.1
 LSE_MEAN_ABS = 0.01
 # K channels *scaled* by 10 are outliers smoothing cannot remove (it subtracts the mean; a scale is
-# not an offset): they set every key's int8 step, and the scores they dominate are sharper.  The
-# output keeps cos >= 0.999 but relative L1 reaches 0.042 (docs/sage.md), so these cases have
-# their own, measured bounds: relative L1 <= 0.06, lse max 0.35, mean 0.06.
-SCALED = dict(rel_l1_max=0.06, lse_max=0.35, lse_mean=0.06)
+# not an offset).  The channel factors c = sqrt(amax) move half of that range into Q, which brings
+# the multi-row cases within the rule (measured over 150 seeds: relative L1 <= 0.017), but the
+# scores those channels dominate are sharper, and a single decode row (Sq = 1) then varies more from
+# seed to seed: median 0.014, 99th percentile 0.035, max 0.040 over 150 seeds.  Those cases keep a
+# measured bound; lse moves more too (max 0.064, mean 0.011 over the grid).
+SCALED = dict(lse_mean=0.02)
+SCALED_DECODE = dict(SCALED, rel_l1_max=0.05)
 
 
 def sage_metrics(out: torch.Tensor, ref: torch.Tensor):
@@ -98,7 +101,7 @@ def test_sage_matches_reference(isa, case, outliers, gen):
     k = with_outliers(k, gen, outliers)
     out, lse = run_sage(q, k, v, mask, case)
     check_sage(out, lse, q, k, v, causal=case.causal, attn_mask=mask, window=case.window, softcap=case.softcap,
-               **(SCALED if outliers == "scale" else {}))
+               **({} if outliers != "scale" else SCALED_DECODE if case.Sq == 1 else SCALED))
 
 
 def test_smoothing_absorbs_a_shared_offset_in_k(gen):
@@ -120,6 +123,32 @@ def test_long_sequence_with_outliers(isa, gen):
     check_sage(out, lse, q, k, v)
     out, lse = ab.attention(q, k, v, backend="sage", causal="bottom_right", return_lse=True, strict=True)
     check_sage(out, lse, q, k, v, causal="bottom_right")
+
+
+def test_pv_fixed_point_keeps_outlier_values_and_small_weights(isa, gen):
+    # P.V runs in int16 with scales per key block: a V channel with a few huge values only coarsens
+    # its own block, and an attention sink (one key far above the rest) does not round the other
+    # keys' small weights to zero, because each block's P is scaled by its own largest weight
+    q, k = (torch.randn(1, 2, 48, 64, generator=gen) for _ in range(2))
+    k = torch.randn(1, 2, 3000, 64, generator=gen)
+    v = torch.randn(1, 2, 3000, 64, generator=gen)
+    v[:, :, torch.randperm(3000, generator=gen)[:5], 7] = 300.0
+    sink = torch.zeros(1, 1, 48, 3000)
+    sink[..., 0] = 12.0
+    out, lse = ab.attention(q, k, v, backend="sage", attn_mask=sink, return_lse=True, strict=True)
+    check_sage(out, lse, q, k, v, attn_mask=sink)
+    # the weights the sink leaves the other keys (about e^-12 relative each, 3000 of them) still
+    # reach the output: without them it would be within 2e-3 of v[0]
+    assert float((out - v[:, :, :1]).abs().max()) > 0.01
+
+
+def test_nan_in_v_stays_in_its_channel(gen):
+    q, k, v = (torch.randn(1, 1, 8, 16, generator=gen) for _ in range(3))
+    v[0, 0, 5, 3] = math.nan
+    out = ab.attention(q, k, v, backend="sage", strict=True)
+    ref, _ = reference_attention(q, k, v, dtype=torch.float64)
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    assert bool(torch.isnan(out[..., 3]).all())
 
 
 def test_sage_path_follows_the_cpu_path(isa):
