@@ -57,23 +57,25 @@ static inline vf vset1(float x) {
 
 static inline vf vselect(vi m, vf a, vf b) { return (vf)((m & (vi)a) | (~m & (vi)b)); }
 
-/* max(a, b); with a NaN in b the result is NaN (the hardware max returns its second operand when
- * either is NaN). */
-/* VLEN floats at p, p + stride, p + 2 stride, ... (a gather where the ISA has one). */
-static inline vf vgather(const float* p, int32_t stride) {
+/* VLEN 32-bit words at p, p + stride, p + 2 stride, ... (a gather where the ISA has one); the bits
+ * are moved unchanged, so this serves float and integer data alike. */
+static inline vi vgather_words(const void* p, int32_t stride) {
 #if VLEN == 16
   const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                          _mm512_set1_epi32(stride));
-  return (vf)_mm512_i32gather_ps(idx, p, 4);
+  return (vi)_mm512_i32gather_epi32(idx, p, 4);
 #elif VLEN == 8
   const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
-  return (vf)_mm256_i32gather_ps(p, idx, 4);
+  return (vi)_mm256_i32gather_epi32((const int*)p, idx, 4);
 #else
-  vf v;
-  for (int u = 0; u < VLEN; ++u) v[u] = p[(int64_t)u * stride];
+  vi v;
+  for (int u = 0; u < VLEN; ++u) memcpy((char*)&v + u * 4, (const char*)p + (int64_t)u * stride * 4, 4);
   return v;
 #endif
 }
+
+/* VLEN floats at p, p + stride, p + 2 stride, ... */
+static inline vf vgather(const float* p, int32_t stride) { return (vf)vgather_words(p, stride); }
 
 /* 1 if every lane of the comparison result m is true. */
 static inline int vall(vi m) {
@@ -82,6 +84,8 @@ static inline int vall(vi m) {
   return all;
 }
 
+/* max(a, b); with a NaN in b the result is NaN (the hardware max returns its second operand when
+ * either is NaN). */
 static inline vf vmax(vf a, vf b) {
 #if VLEN == 16
   return (vf)_mm512_max_ps((__m512)a, (__m512)b);

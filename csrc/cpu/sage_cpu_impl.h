@@ -97,25 +97,6 @@ static inline __attribute__((always_inline)) SG_TARGET vi SYM(sg_dot16)(vi acc, 
 #endif
 }
 
-/* VLEN 32-bit words at p, p + stride, ... (transposing Q's packed rows into lanes). */
-static inline vi SYM(sg_gather)(const uint32_t* p, int32_t stride) {
-#if VLEN == 16
-  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                         _mm512_set1_epi32(stride));
-  return (vi)_mm512_i32gather_epi32(idx, p, 4);
-#elif VLEN == 8
-  const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(stride));
-  return (vi)_mm256_i32gather_epi32((const int*)p, idx, 4);
-#else
-  vi v;
-  for (int u = 0; u < VLEN; ++u) {
-    uint32_t w = p[(int64_t)u * stride];
-    memcpy((char*)&v + u * 4, &w, 4);
-  }
-  return v;
-#endif
-}
-
 /* Quantizes x (Dp floats, zero past the real dims) to q = round(x / s) in [-127, 127] with
  * s = amax / 127, stored as sg_t (with the sign bit flipped when flip: K's u8 form for vpdpbusd).
  * Returns s and writes sum_d q to *sum.  An inf or NaN in x gives s = NaN, so every score of that
@@ -528,7 +509,7 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
     }
     for (int64_t g = 0; g < Dg; ++g)
       for (int64_t r = 0; r < rc; r += VLEN) {
-        const vi x = SYM(sg_gather)((const uint32_t*)(qrow + r * Dp) + g, (int32_t)Dg);
+        const vi x = vgather_words((const uint32_t*)(qrow + r * Dp) + g, (int32_t)Dg);
         memcpy(qp + g * rc + r, &x, sizeof x);
       }
     memset(on, 0, sizeof(float) * (size_t)(nrows * Dvp));
