@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Everything a lent GPU machine is for, in as few calls as fit its 10-minute limit per command:
+#
+#   bash benchmarks/gpu_session.sh            # build, report, CUDA tests, quick benchmark
+#   bash benchmarks/gpu_session.sh bench      # build if needed, the full benchmark (JSON + plot)
+#   bash benchmarks/gpu_session.sh sanitize   # build if needed, compute-sanitizer over the CUDA tests
+#
+# The machine starts bare with its own torch and python3 (docs/benchmarks.md, "GPU"), so each call
+# builds in place for the device's own architecture (sm_90a on Hopper) and leaves everything it
+# measured under ${OUT:-benchmarks/results/gpu}: build.log, report.txt, tests.log and the
+# benchmark's JSON, plot and log, or the sanitizer's logs.  The last lines printed are the summary.
+# Our CUDA kernels are opt-in until verified; this script opts in (ATTN_BACKENDS_CUDA_FLASH=1).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-check}
+out=${OUT:-benchmarks/results/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 ATTN_BACKENDS_CUDA_FLASH=1
+py=$(command -v python3 || command -v python)
+if ! command -v python > /dev/null; then # gpu_sanitize.sh calls `python`
+  mkdir -p /tmp/ab_bin && ln -sf "$py" /tmp/ab_bin/python && export PATH="/tmp/ab_bin:$PATH"
+fi
+step() { echo "== $1 ($(date +%T))"; }
+
+step "machine"
+if ! "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2> /dev/null; then
+  echo "gpu_session: no CUDA device visible to $py's torch" >&2
+  exit 2
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader
+"$py" -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+nvcc --version | tail -1
+
+step "build"
+if [ "$what" = check ] || ! "$py" -c "import attn_backends._C" 2> /dev/null; then
+  arch=$("$py" -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'{m}{n}a' if m == 9 else f'{m}{n}')")
+  start=$(date +%s)
+  if ! ATTN_BACKENDS_CUDA_ARCHS="$arch" "$py" setup.py -q build_ext --inplace > "$out/build.log" 2>&1; then
+    tail -40 "$out/build.log"
+    echo "gpu_session: build failed (sm_$arch)"
+    exit 1
+  fi
+  echo "built for sm_$arch in $(($(date +%s) - start)) s"
+fi
+"$py" -m attn_backends > "$out/report.txt" 2>&1
+grep -i -E "cuda|device|flash|sage" "$out/report.txt" | head -20
+
+status=0
+case "$what" in
+  check)
+    step "CUDA tests"
+    timeout 360 "$py" -m pytest -q -p no:cacheprovider -m cuda tests > "$out/tests.log" 2>&1 || status=1
+    grep -E "passed|failed|error" "$out/tests.log" | tail -3
+    step "quick benchmark"
+    timeout 150 "$py" benchmarks/bench_cuda.py --quick --rounds 5 --sage > "$out/bench_quick.log" 2>&1 || status=1
+    tail -12 "$out/bench_quick.log"
+    ;;
+  bench)
+    step "benchmark"
+    timeout 540 "$py" benchmarks/bench_cuda.py --sage --json "$out/cuda.json" --plot "$out/bench_cuda.png" \
+      > "$out/bench.log" 2>&1 || status=1
+    tail -40 "$out/bench.log"
+    ;;
+  sanitize)
+    step "compute-sanitizer"
+    OUT="$out" timeout 540 bash benchmarks/gpu_sanitize.sh || status=1
+    ;;
+  *)
+    echo "gpu_session: unknown step '$what' (check, bench, sanitize)" >&2
+    exit 2
+    ;;
+esac
+step "done: status $status"
+exit $status
