@@ -43,7 +43,7 @@ struct SageParams {
 //   Q rows' (scale, bias) kBM * 8; at the end the output tile, kBM (kD + 8) * 2, over all of it.
 //
 //   kD    kBM  kBN   smem      registers (nvcc 13.0, sm_80)
-//   64    128   64   25 KiB    233
+//   64    128   64   25 KiB    255
 //   128   128   32   34 KiB    242
 //   256    64   64   68 KiB    242
 //

@@ -300,16 +300,17 @@ __global__ void __launch_bounds__(kFwdThreads) sage_kernel(const SageParams sp) 
   const T* q = static_cast<const T*>(p.q) + bt.b * p.q_bs + bt.h * p.q_hs + (bt.q_start + bt.row0) * p.q_rs;
   const T* v = static_cast<const T*>(p.v) + bt.b * p.v_bs + bt.hk * p.v_hs + bt.k_start * p.v_rs;
   const KeySeq kseq = key_seq(sp, bt.b, bt.hk);
-  // int8 rows as rows of kD / 2 16-bit pairs (see the file comment)
   const int64_t ws_row0 = kseq.ws_row0;
   const int k_len = bt.k_len, j_begin = bt.j_begin, j_end = bt.j_end;
 
   // K tile j (int8 rows and their scales) as one cp.async batch; rows past the sequence are zeros.
+  // The int8 rows go as rows of kD / 2 16-bit pairs (see the file comment).
   auto load_k = [&](int j) {
     const int n0 = j * kBN;
-    load_tile<uint16_t, kBN, kD / 2>(reinterpret_cast<uint16_t*>(sK), reinterpret_cast<const uint16_t*>(sp.kq + (ws_row0 + n0) * kD), kD / 2,
-                                     k_len - n0, kD / 2, tid);
-    if (tid < kBN) cp_async_4(smem_u32(sKs + tid), sp.ks + ws_row0 + n0 + (n0 + tid < k_len ? tid : 0), n0 + tid < k_len);
+    const uint16_t* rows = reinterpret_cast<const uint16_t*>(sp.kq + (ws_row0 + n0) * kD);
+    load_tile<uint16_t, kBN, kD / 2>(reinterpret_cast<uint16_t*>(sK), rows, kD / 2, k_len - n0, kD / 2, tid);
+    const bool valid = n0 + tid < k_len;
+    if (tid < kBN) cp_async_4(smem_u32(sKs + tid), sp.ks + ws_row0 + n0 + (valid ? tid : 0), valid);
   };
   if (j_begin < j_end) load_k(j_begin);
   cp_async_commit();
