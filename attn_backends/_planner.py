@@ -111,6 +111,8 @@ def _detect_providers() -> None:
 _detect_providers()
 # our CUDA flash forward compiles but is not verified on a GPU yet: opt-in (docs/benchmarks.md)
 _C.enable_cuda_flash(os.environ.get("ATTN_BACKENDS_CUDA_FLASH", "0") == "1")
+# the same for our CUDA sage forward (docs/sage.md, "CUDA")
+_C.enable_cuda_sage(os.environ.get("ATTN_BACKENDS_CUDA_SAGE", "0") == "1")
 
 
 @dataclasses.dataclass(frozen=True)

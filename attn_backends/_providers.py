@@ -55,7 +55,7 @@ _run_flash = _kernel(_ops.ops.flash_fwd.default, _ops.FlashFunction)
 
 
 def _cuda_layout(t):
-    """The CUDA flash kernel reads 16-byte vectors: last dim contiguous, the other strides multiples of
+    """The CUDA flash and sage kernels read 16-byte vectors: last dim contiguous, the other strides multiples of
     8 elements, 16-byte aligned data.  Anything else is copied once (the CPU kernel takes any strides)."""
     ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
           and all(st % 8 == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
@@ -71,6 +71,8 @@ def run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_
 def run_sage(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
     """Our INT8 Q.K^T kernel (SageAttention recipe, docs/sage.md): forward only (the planner routes no
     call that needs a gradient here), no dropout."""
+    if q.is_cuda:
+        q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
     return _no_grad_call(_ops.ops.sage_fwd.default, q, k, v, mask, None, causal, scale, wl, wr, softcap, 0.0)
 
 
@@ -259,6 +261,8 @@ def run_flash_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max
 
 def run_sage_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal, scale, wl, wr,
                     softcap, p, need_grad, want_lse):
+    if q.is_cuda:
+        q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
     return _no_grad_call(_ops.ops.sage_varlen_fwd.default, q, k, v, hcu_q, hcu_k, max_q, max_k, None, causal,
                          scale, wl, wr, softcap, 0.0)
 

@@ -95,6 +95,33 @@ def reference_attention(q, k, v, *, causal=False, attn_mask=None, scale=None, wi
     return out, lse
 
 
+def sage_recipe(q, k, v, *, scale=None, **opts):
+    """The CUDA sage kernel's arithmetic in float64 (docs/sage.md, "CUDA"), for its tests: K's mean
+    and channel factor c = sqrt(max |K - mean|) per (batch, KV head) over the sequence, Q' = Q c and
+    K' = (K - mean) / c quantized to int8 per row (round half to even, scale amax / 127), scores
+    sq sk (Q'q . K'q) + q . mean.  Only the 16-bit rounding of P and of the output is left out.
+    Dense (B, H, S, D) inputs; opts as reference_attention's.  Returns (out, lse)."""
+    q, k = q.double(), k.double()
+    group = q.shape[1] // k.shape[1]
+    mean = k.mean(dim=2, keepdim=True)
+    c = (k - mean).abs().amax(dim=2, keepdim=True).sqrt() if k.shape[2] else torch.ones_like(mean)
+    c = torch.where((c > 0) & torch.isfinite(c), c, torch.ones_like(c))
+
+    def quant(x):
+        amax = x.abs().amax(dim=-1, keepdim=True)
+        s = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+        return torch.round(x / s), torch.where(amax > 0, s, torch.zeros_like(s))
+
+    kq, ks = quant((k - mean) / c)
+    qq, qs = quant(q * c.repeat_interleave(group, dim=1))
+    bias = (q * mean.repeat_interleave(group, dim=1)).sum(-1, keepdim=True)
+    # q_eff . k_eff = qs ks (qq . kq) + q . mean: the recipe's score, fed to the exact reference
+    q_eff = torch.cat([qq * qs, bias], dim=-1)
+    k_eff = torch.cat([kq * ks, torch.ones_like(ks)], dim=-1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return reference_attention(q_eff, k_eff, v, scale=scale, dtype=torch.float64, **opts)
+
+
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| in float64; NaN (or NaN in only one of them) gives inf so it never passes."""
     a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)

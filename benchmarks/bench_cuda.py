@@ -10,7 +10,9 @@ A candidate torch cannot run on this device/shape is shown as "-" with the reaso
 
     python benchmarks/bench_cuda.py --json benchmarks/results/cuda.json --plot docs/bench_cuda.png
     python benchmarks/bench_cuda.py --quick            # D=128, S in {2048, 8192}, bf16 only
-    python benchmarks/bench_cuda.py --sage             # adds our sage (when it has a CUDA kernel)
+    python benchmarks/bench_cuda.py --sage             # adds our sage to the grid above
+    python benchmarks/bench_cuda.py --sage-vs-flash --json benchmarks/results/cuda_sage.json
+                                                       # sage's own table (see sage_vs_flash)
 
 Needs a CUDA GPU (sm_80+); exits with a message otherwise.
 """
@@ -26,6 +28,7 @@ import statistics
 import sys
 
 os.environ.setdefault("ATTN_BACKENDS_CUDA_FLASH", "1")  # our CUDA flash is opt-in until verified
+os.environ.setdefault("ATTN_BACKENDS_CUDA_SAGE", "1")  # and so is our CUDA sage
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -81,6 +84,18 @@ def time_round(fns, reps):
     return out
 
 
+def median_times(fns, rounds):
+    """Median ms per call of each candidate over `rounds` interleaved rounds, after a warm-up round
+    that also sets each one's rep count (~20 ms per candidate per round)."""
+    first = time_round(fns, 3)
+    reps = {n: max(1, int(20.0 / max(ms, 1e-3))) for n, ms in first.items()}
+    times = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n in fns:
+            times[n].append(time_round({n: fns[n]}, reps[n])[n])
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
 def run_case(S, D, dtype, causal, rounds, with_sage):
     B, H = TOKENS // S, HIDDEN // D
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -98,14 +113,8 @@ def run_case(S, D, dtype, causal, rounds, with_sage):
         diff = (fns["ours flash"]().float() - fns["torch flash"]().float()).abs().max().item()
     else:
         diff = None
-    first = time_round(fns, 3)  # warm-up, and the rep count: ~20 ms per candidate per round
-    reps = {n: max(1, int(20.0 / max(ms, 1e-3))) for n, ms in first.items()}
-    times = {n: [] for n in fns}
-    for _ in range(rounds):
-        for n in fns:
-            times[n].append(time_round({n: fns[n]}, reps[n])[n])
+    med = median_times(fns, rounds)
     f = flops(B, H, S, D, causal)
-    med = {n: statistics.median(t) for n, t in times.items()}
     return dict(B=B, H=H, S=S, D=D, dtype=str(dtype).replace("torch.", ""), causal=causal,
                 ms=med, tflops={n: f / (ms * 1e-3) / 1e12 for n, ms in med.items()},
                 errors=errors, max_abs_diff_vs_torch_flash=diff)
@@ -147,17 +156,83 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def _meta(argv):
+    return dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
+                capability=torch.cuda.get_device_capability(), torch=torch.__version__,
+                cuda=torch.version.cuda, attn_backends=ab.__version__, python=platform.python_version(),
+                command="python benchmarks/bench_cuda.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+
+
+def sage_vs_flash(rounds, S_list=(4096, 8192, 16384)):
+    """Our sage forward against our flash forward (the target: sage at least 1.5x flash) and the
+    sageattention package when importable: bf16, D = 128, B*S = 16k tokens, H = 16, causal and not,
+    interleaved rounds as run_case.  Also the accuracy of each output against torch's flash (cosine
+    similarity and relative L1 over the whole output; tests/test_sage_cuda.py has the float64 checks)."""
+    try:
+        import sageattention
+    except ImportError:
+        sageattention = None
+    D, H, dtype = 128, 16, torch.bfloat16
+    rows = []
+    for causal in (False, True):
+        for S in S_list:
+            B = max(1, TOKENS // S)
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+            fns = {
+                "ours flash": lambda: ab.attention(q, k, v, causal=causal, backend="flash", strict=True),
+                "ours sage": lambda: ab.attention(q, k, v, causal=causal, backend="sage", strict=True),
+                "torch flash": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+            }
+            if sageattention is not None:
+                fns["sageattention"] = lambda: sageattention.sageattn(q, k, v, tensor_layout="HND", is_causal=causal)
+            with torch.inference_mode():
+                ref = fns["torch flash"]().float()
+                acc = {}
+                for name in [n for n in fns if n != "torch flash"]:
+                    o = fns[name]().float()
+                    acc[name] = dict(cos=F.cosine_similarity(o.flatten(), ref.flatten(), dim=0).item(),
+                                     rel_l1=((o - ref).abs().sum() / ref.abs().sum()).item())
+                med = median_times(fns, rounds)
+            f = flops(B, H, S, D, causal)
+            r = dict(B=B, H=H, S=S, D=D, dtype="bfloat16", causal=causal, ms=med,
+                     tflops={n: f / (ms * 1e-3) / 1e12 for n, ms in med.items()}, accuracy=acc,
+                     sage_over_flash=med["ours flash"] / med["ours sage"])
+            rows.append(r)
+            print(f"causal={causal} S={S}: " + ", ".join(f"{n} {t:.0f}" for n, t in r["tflops"].items())
+                  + f" TFLOP/s; sage / flash = {r['sage_over_flash']:.2f}x", flush=True)
+    names = ["ours sage", "ours flash", "torch flash", "sageattention"]
+    names = [n for n in names if any(n in r["tflops"] for r in rows)]
+    head = "| causal | S | B x H | " + " | ".join(names) + " | sage / flash | sage cos, rel L1 |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        a = r["accuracy"]["ours sage"]
+        lines.append(f"| {r['causal']} | {r['S']} | {r['B']}x{r['H']} | "
+                     + " | ".join(f"{r['tflops'][n]:.0f}" if n in r["tflops"] else "-" for n in names)
+                     + f" | {r['sage_over_flash']:.2f} | {a['cos']:.5f}, {a['rel_l1']:.4f} |")
+    print("TFLOP/s (4 B H S^2 D, half with causal); target: sage / flash >= 1.5")
+    print("\n".join(lines))
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--sage", action="store_true")
+    ap.add_argument("--sage-vs-flash", action="store_true", help="only sage_vs_flash's table (bf16, D=128, S >= 4k)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_cuda: no CUDA device", file=sys.stderr)
         return 2
+    if args.sage_vs_flash:
+        rows = sage_vs_flash(args.rounds)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(meta=_meta(argv), rows=rows), f, indent=1)
+        return 0
     if args.quick:
         grid = [(torch.bfloat16, 128, c, S) for c in (False, True) for S in (2048, 8192)]
     else:
@@ -170,13 +245,9 @@ def main(argv=None) -> int:
         print(f"{r['dtype']} D={D} causal={causal} S={S}: "
               + ", ".join(f"{n} {t:.0f}" for n, t in r["tflops"].items()) + " TFLOP/s", flush=True)
     print(table(rows))
-    meta = dict(date=datetime.date.today().isoformat(), device=torch.cuda.get_device_name(),
-                capability=torch.cuda.get_device_capability(), torch=torch.__version__,
-                cuda=torch.version.cuda, attn_backends=ab.__version__, python=platform.python_version(),
-                command="python benchmarks/bench_cuda.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            json.dump(dict(meta=_meta(argv), rows=rows), f, indent=1)
     if args.plot:
         plot(rows, args.plot)
     return 0

@@ -196,6 +196,15 @@ static PyObject* ab_py_enable_cuda_flash(PyObject* self, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
+/* enable_cuda_sage(on): see ab_registry_enable_cuda_sage. */
+static PyObject* ab_py_enable_cuda_sage(PyObject* self, PyObject* arg) {
+  (void)self;
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return NULL;
+  ab_registry_enable_cuda_sage(on);
+  Py_RETURN_NONE;
+}
+
 /* plan(call) -> (chosen id or -1, (order...), (reason per id...), path).  call is the tuple
  * (device, cuda_cc, cuda_lib_ok, dtype, D, Dv, gqa, square, mask, mask_grad, causal, window,
  *  softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix, requested, cpu_isa). */
@@ -346,6 +355,8 @@ static PyMethodDef ab_methods[] = {
      "backend_table() -> the registry: (name, aliases, kind, summary, lossy, provider, caps) rows."},
     {"enable_cuda_flash", ab_py_enable_cuda_flash, METH_O,
      "enable_cuda_flash(on): serve flash/flash_varlen on CUDA from our (not yet verified) kernel."},
+    {"enable_cuda_sage", ab_py_enable_cuda_sage, METH_O,
+     "enable_cuda_sage(on): serve sage on CUDA from our (not yet verified) kernel."},
     {"set_provider", ab_py_set_provider, METH_VARARGS,
      "set_provider(id, available, why_not): record whether a torch feature or package exists."},
     {"plan", ab_py_plan, METH_O,

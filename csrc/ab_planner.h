@@ -101,6 +101,8 @@ int ab_backend_lookup(const char* name);
 /* Serves flash and flash_varlen on CUDA from our kernels (on = 1) or not (0): opt-in while the CUDA
  * flash forward is unverified on a GPU.  Called under the GIL, before planning (plans are cached). */
 void ab_registry_enable_cuda_flash(int on);
+/* The same for sage on CUDA (its kernel is just as unverified). */
+void ab_registry_enable_cuda_sage(int on);
 /* Records whether a provider backend (torch feature, optional package) exists in this process. */
 void ab_provider_set(int id, int available, const char* why_not);
 /* 1 if backend id is present in this process (always, for non-providers); else 0 and *why_not. */

@@ -39,7 +39,8 @@
    AB_F_DETERMINISTIC | AB_F_GQA | AB_F_DV | AB_F_DENSE)
 
 /* flash on CUDA (csrc/cuda/flash_fwd*.cu): the forward of the dense and packed semantics without
- * masks, dropout or Dv != D; head dims 32..256 in steps of 8; sm_80 and newer */
+ * masks, dropout or Dv != D; head dims 32..256 in steps of 8; sm_80 and newer.  sage on CUDA
+ * (csrc/cuda/sage_fwd*.cu) serves the same calls, dense and packed alike. */
 #define CUDA_FLASH_F (CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_LSE | AB_F_GQA)
 
 #define NONE(why) {why, 0, 0, 0, 0, 0, 0, 0}
@@ -52,6 +53,9 @@
  * verified: ATTN_BACKENDS_CUDA_FLASH=1 at import (attn_backends/_planner.py) swaps these caps in. */
 #define CUDA_FLASH_OFF \
   "the CUDA flash kernel is not verified on a GPU yet (set ATTN_BACKENDS_CUDA_FLASH=1 to use it)"
+/* The CUDA sage forward likewise: ATTN_BACKENDS_CUDA_SAGE=1 at import swaps its caps in. */
+#define CUDA_SAGE_OFF \
+  "the CUDA sage kernel is not verified on a GPU yet (set ATTN_BACKENDS_CUDA_SAGE=1 to use it)"
 #define NO_KERNEL "no kernel for this device"
 
 static ab_backend_info g_backends[AB_BK_COUNT] = {
@@ -83,7 +87,7 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
                     AB_KIND_BUNDLED, "INT8 Q.K^T (SageAttention recipe), inference only, lossy", 1, 0,
                     /* forward only (no AB_F_BACKWARD, no dropout): the planner never routes a call
                      * needing a gradient here; dense and packed calls alike (docs/sage.md) */
-                    {CAPS(NO_F64, SAGE_F), NONE(NOT_BUILT), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
+                    {CAPS(NO_F64, SAGE_F), NONE(CUDA_SAGE_OFF), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
     [AB_BK_MATH] = {"math", ALIASES("manual", "reference", "math_reference"), AB_KIND_BUNDLED,
                     "exact reference kernel (float32 scores and accumulation)", 0, 0,
                     /* packed (varlen) calls are padded to dense ones in Python */
@@ -208,4 +212,10 @@ void ab_registry_enable_cuda_flash(int on) {
   static const ab_caps off = NONE(CUDA_FLASH_OFF);
   g_backends[AB_BK_FLASH].caps[AB_DEVICE_CUDA] = on ? dense : off;
   g_backends[AB_BK_FLASH_VARLEN].caps[AB_DEVICE_CUDA] = on ? packed : off;
+}
+
+void ab_registry_enable_cuda_sage(int on) {
+  static const ab_caps caps = CAPS_D(HALF_DT, CUDA_FLASH_F | AB_F_DENSE | AB_F_VARLEN, 32, 256, 8, 80, 1);
+  static const ab_caps off = NONE(CUDA_SAGE_OFF);
+  g_backends[AB_BK_SAGE].caps[AB_DEVICE_CUDA] = on ? caps : off;
 }

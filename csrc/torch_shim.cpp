@@ -11,7 +11,8 @@
 //   math_fwd, flash_fwd          -> (out (B, Hq, Sq, Dv), lse (B, Hq, Sq))
 //   math_bwd, flash_bwd          -> (dq, dk, dv, dmask)
 //   flash_varlen_fwd / _bwd      packed sequences: out (Tq, Hq, Dv), lse (Hq, Tq); (dq, dk, dv)
-//   sage_fwd, sage_varlen_fwd    forward only (INT8 Q.K^T); the same outputs as flash's forwards
+//   sage_fwd, sage_varlen_fwd    forward only (INT8 Q.K^T); the same outputs as flash's forwards;
+//                                CPU and CUDA
 //   dropout_mask                 the keep-mask the kernels draw, for tests
 #include <dlfcn.h>
 
@@ -265,14 +266,28 @@ const char* kernel_name(Kernel k) {
   return k == Kernel::kMath ? "math" : k == Kernel::kFlash ? "flash" : "sage";
 }
 
-// sage on CPU: its workspace (quantized K, scales, means) comes from torch's allocator, like the
-// outputs, and lives for this call only.
-void run_sage(const Tensor& q, ab_attn_params& p) {
+// sage: its workspace (quantized K, scales, means) comes from torch's allocator, like the outputs,
+// and lives for this call only (on CUDA the caching allocator hands it out again only after the
+// work queued on this stream).  The CUDA launcher says how many bytes it needs when called with
+// none.  Packed calls on CUDA pass cu_seqlens in device memory too, as for flash.
+void run_sage(const Tensor& q, ab_attn_params& p, const int32_t* cu_q_dev = nullptr,
+              const int32_t* cu_k_dev = nullptr) {
+  ab_error err{};
+  if (p.q.device == AB_DEVICE_CUDA) {
+    const ab_cuda_api* api = cuda_api();
+    torch::stable::accelerator::DeviceGuard guard(p.q.device_index);
+    void* stream = current_cuda_stream(p.q.device_index);
+    size_t bytes = 0;
+    check(api->sage_fwd(&p, cu_q_dev, cu_k_dev, nullptr, &bytes, stream, &err), err);
+    if (bytes == 0) return;  // nothing to compute
+    Tensor ws = empty_strided(q, {static_cast<int64_t>(bytes)}, {1}, aoti_torch_dtype_uint8());
+    check(api->sage_fwd(&p, cu_q_dev, cu_k_dev, ws.data_ptr(), &bytes, stream, &err), err);
+    return;
+  }
   if (p.q.device != AB_DEVICE_CPU) fail("sage has no forward kernel for this device");
   const size_t bytes = ab_sage_cpu_workspace_size(&p);
   Tensor ws = empty_strided(q, {static_cast<int64_t>(bytes)}, {1}, aoti_torch_dtype_uint8());
   ab_cpu_pool pool = torch_pool();
-  ab_error err{};
   check(ab_sage_cpu_fwd(&p, bytes ? ws.data_ptr() : nullptr, bytes, &pool, &err), err);
 }
 
@@ -413,16 +428,19 @@ std::tuple<Tensor, Tensor> varlen_fwd(const Tensor& q, const Tensor& k, const Te
   Tensor lse = empty_strided(q, lse_sizes, contiguous_strides(lse_sizes), lse_dtype(q));
   p.out = view_of(out, "out");
   p.lse = view_of(lse, "lse");
-  if constexpr (K == Kernel::kSage) {
-    run_sage(q, p);
-  } else if (p.q.device == AB_DEVICE_CUDA) {
-    // the kernel reads cu_seqlens on the device: one (2, B + 1) int32 copy on q's device
+  if (p.q.device == AB_DEVICE_CUDA) {
+    // the kernels read cu_seqlens on the device: one (2, B + 1) int32 copy on q's device
     Tensor cu_dev = empty_strided(q, {2, cu_q.size(0)}, {cu_q.size(0), 1}, aoti_torch_dtype_int32());
     Tensor row_q = torch::stable::select(cu_dev, 0, 0), row_k = torch::stable::select(cu_dev, 0, 1);
     torch::stable::copy_(row_q, cu_q);
     torch::stable::copy_(row_k, cu_k);
     const int32_t* base = static_cast<const int32_t*>(cu_dev.data_ptr());
-    run_fwd(K, p, base, base + cu_q.size(0));
+    if constexpr (K == Kernel::kSage)
+      run_sage(q, p, base, base + cu_q.size(0));
+    else
+      run_fwd(K, p, base, base + cu_q.size(0));
+  } else if constexpr (K == Kernel::kSage) {
+    run_sage(q, p);
   } else {
     run_fwd(K, p);
   }
@@ -522,4 +540,6 @@ STABLE_TORCH_LIBRARY_IMPL(attn_backends, CUDA, m) {
   m.impl("math_bwd", TORCH_BOX(&dense_bwd<Kernel::kMath>));
   m.impl("flash_fwd", TORCH_BOX(&dense_fwd<Kernel::kFlash>));
   m.impl("flash_varlen_fwd", TORCH_BOX(&varlen_fwd<Kernel::kFlash>));
+  m.impl("sage_fwd", TORCH_BOX(&dense_fwd<Kernel::kSage>));
+  m.impl("sage_varlen_fwd", TORCH_BOX(&varlen_fwd<Kernel::kSage>));
 }

@@ -346,3 +346,52 @@ def test_cuda_flash_opt_in_serves_what_it_supports(cuda_flash_on):
     assert plan(device=CUDA, cc=90, dtype="bfloat16", D=64, Dv=32).chosen != "flash"
     assert plan(device=CUDA, cc=75, dtype="bfloat16").chosen != "flash"
     assert plan(device=CUDA, cc=90, lib=0, dtype="bfloat16").chosen != "flash"
+
+
+@pytest.fixture
+def cuda_sage_on():
+    _C.enable_cuda_sage(True)
+    ab._dispatch.reset_caches()
+    yield
+    _C.enable_cuda_sage(False)
+    ab._dispatch.reset_caches()
+
+
+def test_cuda_sage_is_opt_in():
+    # without ATTN_BACKENDS_CUDA_SAGE=1, a named sage on CUDA falls back along its chain, saying why
+    p = plan(device=CUDA, cc=90, dtype="bfloat16", requested="sage")
+    assert p.chosen != "sage" and "ATTN_BACKENDS_CUDA_SAGE=1" in p.reasons["sage"]
+
+
+def test_cuda_sage_opt_in_serves_inference_only(cuda_sage_on):
+    # ATTN_BACKENDS_CUDA_SAGE=1: named sage on CUDA serves half dtypes, D 32..256 by 8, sm_80+, dense
+    # and packed, causal both ways, window, softcap, GQA, lse -- when no gradient is needed
+    p = plan(device=CUDA, cc=80, dtype="bfloat16", causal=2, window=1, softcap=1, want_lse=1, gqa=1,
+             requested="sage")
+    assert p.chosen == "sage"
+    assert plan(device=CUDA, cc=90, dtype="float16", varlen=1, causal=1, requested="sage").chosen == "sage"
+    assert plan(device=CUDA, cc=90, dtype="bfloat16", D=40, requested="sage").chosen == "sage"  # padded to 64
+    # lossy: auto never picks it, whatever else is on
+    p = plan(device=CUDA, cc=90, dtype="bfloat16")
+    assert p.chosen != "sage" and "lossy" in p.reasons["sage"]
+    # forward only: a call needing a gradient goes down the chain (sage -> flash -> ...), with the reason
+    p = plan(device=CUDA, cc=90, dtype="bfloat16", need_grad=1, requested="sage")
+    assert p.chosen != "sage" and p.reasons["sage"] == "forward only, and this call needs a gradient"
+    assert p.order[:2] == ("sage", "flash")
+    # what the CUDA kernel does not serve falls back too, each with its reason
+    for kw, why in ((dict(dtype="float32"), "float32"), (dict(dtype="bfloat16", mask=1), "attn_mask"),
+                    (dict(dtype="bfloat16", mask=2), "attn_mask"), (dict(dtype="bfloat16", dropout=1), "dropout"),
+                    (dict(dtype="bfloat16", D=36), "multiple of 8"), (dict(dtype="bfloat16", D=264), "head dim"),
+                    (dict(dtype="bfloat16", D=64, Dv=32), "value head dim"),
+                    (dict(dtype="bfloat16", cc=75), "compute capability"),
+                    (dict(dtype="bfloat16", lib=0), "not built for")):
+        kw.setdefault("cc", 90)
+        p = plan(device=CUDA, requested="sage", **kw)
+        assert p.chosen != "sage" and why in p.reasons["sage"], (kw, p.reasons["sage"])
+    # the CPU row is untouched: masks and float32 are served there
+    assert plan(device=CPU, mask=1, requested="sage").chosen == "sage"
+
+
+def test_cuda_sage_switch_leaves_cuda_flash_alone(cuda_sage_on):
+    # each unverified CUDA kernel has its own switch
+    assert plan(device=CUDA, cc=90, dtype="bfloat16", requested="flash").chosen != "flash"

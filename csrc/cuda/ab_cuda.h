@@ -17,7 +17,7 @@ extern "C" {
 
 /* Bumped whenever the table's layout or a launcher's contract changes; the loader refuses a
  * library with another version (a stale build beside a fresh module). */
-#define AB_CUDA_API_VERSION 2
+#define AB_CUDA_API_VERSION 3
 
 typedef struct ab_cuda_api {
   int api_version;
@@ -36,6 +36,14 @@ typedef struct ab_cuda_api {
    * cu_seqlens_q_dev/k_dev the same values in device memory, read by the kernel. */
   ab_status (*flash_fwd)(const ab_attn_params* p, const int32_t* cu_seqlens_q_dev,
                          const int32_t* cu_seqlens_k_dev, void* stream, ab_error* err);
+  /* sage forward (INT8 Q.K^T, SageAttention recipe; docs/sage.md): the operands, features and
+   * packed-call convention of flash_fwd.  It needs a workspace (K smoothed and quantized, scales,
+   * means): called with workspace == NULL it only writes the bytes needed to *workspace_bytes (0 when
+   * there is nothing to compute) and launches nothing; then call it again with that many bytes,
+   * 256-byte aligned, on the device (the shim takes them from torch's allocator). */
+  ab_status (*sage_fwd)(const ab_attn_params* p, const int32_t* cu_seqlens_q_dev,
+                        const int32_t* cu_seqlens_k_dev, void* workspace, size_t* workspace_bytes,
+                        void* stream, ab_error* err);
 } ab_cuda_api;
 
 AB_EXPORT const ab_cuda_api* ab_cuda_api_get(void);

@@ -45,7 +45,7 @@ int supports_cc(int cc) {
 
 const ab_cuda_api kApi = {
     AB_CUDA_API_VERSION, AB_CUDA_ARCHS, device_capability, supports_cc, ab_cuda_math_fwd,
-    ab_cuda_flash_fwd,
+    ab_cuda_flash_fwd, ab_cuda_sage_fwd,
 };
 
 }  // namespace

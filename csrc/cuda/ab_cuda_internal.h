@@ -16,5 +16,8 @@ static inline ab_status ab_cuda_check(cudaError_t e, const char* what, ab_error*
 extern "C" ab_status ab_cuda_math_fwd(const ab_attn_params* p, void* stream, ab_error* err);
 extern "C" ab_status ab_cuda_flash_fwd(const ab_attn_params* p, const int32_t* cu_seqlens_q_dev,
                                        const int32_t* cu_seqlens_k_dev, void* stream, ab_error* err);
+extern "C" ab_status ab_cuda_sage_fwd(const ab_attn_params* p, const int32_t* cu_seqlens_q_dev,
+                                      const int32_t* cu_seqlens_k_dev, void* workspace, size_t* workspace_bytes,
+                                      void* stream, ab_error* err);
 
 #endif  // AB_CUDA_INTERNAL_H

@@ -33,19 +33,19 @@ int64_t eff_stride(const ab_tensor& t, int dim) { return t.sizes[dim] <= 1 ? 0 :
 
 // Rows of `t` must be 16-byte chunks the kernel can cp.async: contiguous last dim, 16-byte
 // aligned data, every other stride a multiple of 8 elements.
-ab_status check_layout(const ab_tensor& t, const char* name, ab_error* err) {
+ab_status check_layout(const ab_tensor& t, const char* who, const char* name, ab_error* err) {
   const int last = t.ndim - 1;
   if (t.sizes[last] > 1 && t.strides[last] != 1)
     return ab_error_set(err, AB_ERR_UNSUPPORTED,
-                        "flash on CUDA needs %s's last dim contiguous (stride 1), got stride %lld", name,
+                        "%s on CUDA needs %s's last dim contiguous (stride 1), got stride %lld", who, name,
                         (long long)t.strides[last]);
   if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0)
-    return ab_error_set(err, AB_ERR_UNSUPPORTED, "flash on CUDA needs %s's data 16-byte aligned", name);
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA needs %s's data 16-byte aligned", who, name);
   for (int d = 0; d < last; ++d)
     if (eff_stride(t, d) % 8 != 0)
       return ab_error_set(err, AB_ERR_UNSUPPORTED,
-                          "flash on CUDA needs %s's strides to be multiples of 8 elements, got %lld in dim %d",
-                          name, (long long)t.strides[d], d);
+                          "%s on CUDA needs %s's strides to be multiples of 8 elements, got %lld in dim %d",
+                          who, name, (long long)t.strides[d], d);
   return AB_OK;
 }
 
@@ -82,37 +82,43 @@ ab_status dispatch(int kD, FwdParams& fp, const ab_attn_params* p, cudaStream_t 
 
 }  // namespace
 
-extern "C" ab_status ab_cuda_flash_fwd(const ab_attn_params* p, const int32_t* cu_seqlens_q_dev,
-                                       const int32_t* cu_seqlens_k_dev, void* stream, ab_error* err) {
+namespace ab_flash {
+
+ab_status fwd_params_prepare(const ab_attn_params* p, const char* who, int max_head_dim,
+                             const int32_t* cu_seqlens_q_dev, const int32_t* cu_seqlens_k_dev, FwdParams& fp,
+                             bool* empty, ab_error* err) {
+  *empty = false;
   ab_status st = ab_attn_params_check(p, 0, err);
   if (st != AB_OK) return st;
   if (p->q.device != AB_DEVICE_CUDA)
-    return ab_error_set(err, AB_ERR_INVALID, "flash CUDA kernel called with non-CUDA tensors");
+    return ab_error_set(err, AB_ERR_INVALID, "%s CUDA kernel called with non-CUDA tensors", who);
   if (p->q.dtype != AB_DTYPE_F16 && p->q.dtype != AB_DTYPE_BF16)
-    return ab_error_set(err, AB_ERR_UNSUPPORTED, "flash on CUDA takes float16 or bfloat16, got %s",
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA takes float16 or bfloat16, got %s", who,
                         ab_dtype_name(p->q.dtype));
-  if (p->mask.ndim)
-    return ab_error_set(err, AB_ERR_UNSUPPORTED, "flash on CUDA takes no attn_mask");
+  if (p->mask.ndim) return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA takes no attn_mask", who);
   if (p->dropout_p > 0)
-    return ab_error_set(err, AB_ERR_UNSUPPORTED, "flash on CUDA has no dropout (dropout_p = %g)", p->dropout_p);
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA has no dropout (dropout_p = %g)", who, p->dropout_p);
   const bool packed = p->cu_seqlens_q != nullptr;
   if (packed && (cu_seqlens_q_dev == nullptr || cu_seqlens_k_dev == nullptr))
-    return ab_error_set(err, AB_ERR_INVALID, "flash on CUDA: packed call without device cu_seqlens");
-  if (p->B == 0 || p->Hq == 0 || p->Sq == 0) return AB_OK;  // nothing to write
+    return ab_error_set(err, AB_ERR_INVALID, "%s on CUDA: packed call without device cu_seqlens", who);
+  if (p->B == 0 || p->Hq == 0 || p->Sq == 0) {  // nothing to write
+    *empty = true;
+    return AB_OK;
+  }
 
   const int64_t dmax = p->D > p->Dv ? p->D : p->Dv;
-  if (p->D % 8 != 0 || p->Dv % 8 != 0 || p->Dv == 0 || dmax > 256)
+  if (p->D % 8 != 0 || p->Dv % 8 != 0 || p->Dv == 0 || dmax > max_head_dim)
     return ab_error_set(err, AB_ERR_UNSUPPORTED,
-                        "flash on CUDA takes head dims that are multiples of 8 up to 256, got D=%lld Dv=%lld",
-                        (long long)p->D, (long long)p->Dv);
+                        "%s on CUDA takes head dims that are multiples of 8 up to %d, got D=%lld Dv=%lld", who,
+                        max_head_dim, (long long)p->D, (long long)p->Dv);
   if (p->Sq > kMaxSeqLen || p->Sk > kMaxSeqLen)
-    return ab_error_set(err, AB_ERR_UNSUPPORTED, "flash on CUDA takes sequences up to 2^30 rows");
-  if ((st = check_layout(p->q, "q", err)) != AB_OK) return st;
-  if ((st = check_layout(p->k, "k", err)) != AB_OK) return st;
-  if ((st = check_layout(p->v, "v", err)) != AB_OK) return st;
-  if ((st = check_layout(p->out, "out", err)) != AB_OK) return st;
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA takes sequences up to 2^30 rows", who);
+  if ((st = check_layout(p->q, who, "q", err)) != AB_OK) return st;
+  if ((st = check_layout(p->k, who, "k", err)) != AB_OK) return st;
+  if ((st = check_layout(p->v, who, "v", err)) != AB_OK) return st;
+  if ((st = check_layout(p->out, who, "out", err)) != AB_OK) return st;
 
-  FwdParams fp = {};
+  fp = FwdParams{};
   fp.q = p->q.data;
   fp.k = p->k.data;
   fp.v = p->v.data;
@@ -149,7 +155,18 @@ extern "C" ab_status ab_cuda_flash_fwd(const ab_attn_params* p, const int32_t* c
   fp.softcap = (float)p->softcap;
   fp.softcap_in = p->softcap > 0 ? (float)(2.0 * log2e * p->scale / p->softcap) : 0.0f;
   fp.softcap_log2 = (float)(p->softcap * log2e);
+  return AB_OK;
+}
 
+}  // namespace ab_flash
+
+extern "C" ab_status ab_cuda_flash_fwd(const ab_attn_params* p, const int32_t* cu_seqlens_q_dev,
+                                       const int32_t* cu_seqlens_k_dev, void* stream, ab_error* err) {
+  FwdParams fp;
+  bool empty = false;
+  ab_status st = ab_flash::fwd_params_prepare(p, "flash", 256, cu_seqlens_q_dev, cu_seqlens_k_dev, fp, &empty, err);
+  if (st != AB_OK || empty) return st;
+  const int64_t dmax = p->D > p->Dv ? p->D : p->Dv;
   int kD = 0;
   for (int d : ab_flash::kFwdHeadDims)
     if (d >= dmax) {

@@ -80,6 +80,15 @@ constexpr size_t fwd_smem_bytes(int kD, int kBM, int kBN) {
 // The padded head dims that have kernels; D and Dv are rounded up to the next one.
 constexpr int kFwdHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 
+// Checks a forward call against the contract the CUDA forward kernels share (float16/bfloat16, no
+// mask, no dropout, D and Dv multiples of 8 up to max_head_dim, rows the kernels can cp.async; see
+// flash_fwd.cu) and fills fp for dense or packed operands; `who` names the backend in messages.
+// *empty is set when there is nothing to write (B, Hq or Sq is 0).  fp.m_blocks is left to the
+// caller (it depends on the tile).  Defined in flash_fwd.cu, used by flash and sage.
+ab_status fwd_params_prepare(const ab_attn_params* p, const char* who, int max_head_dim,
+                             const int32_t* cu_seqlens_q_dev, const int32_t* cu_seqlens_k_dev, FwdParams& fp,
+                             bool* empty, ab_error* err);
+
 // Launches the forward kernel for dtype T (__half or __nv_bfloat16) and padded head dim kD on the
 // current device.  Defined in flash_fwd_kernel.cuh, instantiated in flash_fwd_hdim*.cu.
 template <typename T, int kD>
