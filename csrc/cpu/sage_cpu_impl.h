@@ -29,8 +29,8 @@
  *   5. O += P V in int16 fixed point: each row's P over the block (<= 1, the running max is
  *      subtracted) scaled to [0, SG_PQ] by that row's largest P in the block, pairs of keys packed
  *      into 32-bit words, int32 sums of P_q V_q per block, then O += sum * ps[r] * sv[d] in float32.
- *      The steps are 1/8192 of the row's block maximum for P and 1/16382 of the channel's block
- *      maximum for V: finer than bfloat16 or float16 P.V (docs/sage.md has the measurements).
+ *      The steps are 1/4096 of the row's block maximum for P and 1/8191 of the channel's block
+ *      maximum for V (rounding errors of half that): finer than bfloat16 or float16 P.V.
  *
  * The integer products, by ISA (int8 Q.K^T with G values per 32-bit lane; int16 P.V pairs):
  *   avx512 (with VNNI): G = 4, vpdpbusd (u8 x s8, sums of 4 products into s32).  K is stored as u8 =
@@ -97,6 +97,11 @@ static inline __attribute__((always_inline)) SG_TARGET vi SYM(sg_dot16)(vi acc, 
 #endif
 }
 
+/* Tiny magnitudes are scaled by 2^64 before they are divided into: 127 / amax (8191 / amax for V)
+ * would overflow float32 below about 4e-37 (2e-35), and the whole row (channel) would quantize to
+ * garbage.  x * 2^64 <= 1 there, and 2^64 * 2^-149 (the smallest denormal) keeps the quotient finite. */
+static inline float SYM(sg_pre)(float amax) { return amax < 0x1p-64f ? 0x1p64f : 1.0f; }
+
 /* Quantizes x (Dp floats, zero past the real dims) to q = round(x / s) in [-127, 127] with
  * s = amax / 127, stored as sg_t (with the sign bit flipped when flip: K's u8 form for vpdpbusd).
  * Returns s and writes sum_d q to *sum.  An inf or NaN in x gives s = NaN, so every score of that
@@ -119,10 +124,11 @@ static float SYM(sg_quant_row)(const float* x, int64_t Dp, sg_t* dst, int flip, 
     return a == 0.0f && nan_seen == 0.0f ? 0.0f : __builtin_nanf("");
   }
   /* |x| * (127 / amax) <= 127 * (1 + 2 eps) < 127.5: never rounds past 127 */
-  const vf inv = vset1(127.0f / a), magic = vset1(12582912.0f); /* 1.5 * 2^23: round to nearest even */
+  const float pre = SYM(sg_pre)(a);
+  const vf inv = vset1(127.0f / (a * pre)), vpre = vset1(pre), magic = vset1(12582912.0f); /* 1.5 * 2^23 */
   vi s = {0};
   for (int64_t d = 0; d < Dp; d += VLEN) {
-    const vf y = (vload(x + d) * inv + magic) - magic;
+    const vf y = ((vload(x + d) * vpre) * inv + magic) - magic; /* + magic - magic: round to nearest even */
     const vi qi = __builtin_convertvector(y, vi);
     s += qi;
     vsg qv = __builtin_convertvector(qi, vsg);
@@ -224,16 +230,19 @@ static void SYM(sg_prep_v)(const ab_attn_params* p, const SYM(sg_ws) * w, const 
         amax = vmax(amax, (vf)((vi)x & 0x7fffffff));
         bad += x - x; /* 0 for finite values, NaN for inf and NaN */
       }
-      vf inv, scale;
+      vf inv = vset1(0.0f), pre = vset1(1.0f), scale = vset1(0.0f);
       for (int u = 0; u < VLEN; ++u) {
         const int ok = bad[u] == 0.0f && amax[u] > 0.0f;
-        inv[u] = ok ? (float)SG_VQ / amax[u] : 0.0f;
+        pre[u] = SYM(sg_pre)(amax[u]);
+        inv[u] = ok ? (float)SG_VQ / (amax[u] * pre[u]) : 0.0f;
         scale[u] = bad[u] == 0.0f ? amax[u] / (float)SG_VQ : __builtin_nanf("");
       }
       vstore(sv + d, scale);
       for (int64_t kp = 0; kp < BK / 2; ++kp) {
-        const vi lo = __builtin_convertvector(SYM(sg_round)(vload(vb + 2 * kp * Dvp + d) * inv), vi);
-        const vi hi = __builtin_convertvector(SYM(sg_round)(vload(vb + (2 * kp + 1) * Dvp + d) * inv), vi);
+        const vf x0 = vload(vb + 2 * kp * Dvp + d) * pre, x1 = vload(vb + (2 * kp + 1) * Dvp + d) * pre;
+        /* a NaN or inf (x0 - x0 != 0) becomes 0: its channel's scale is NaN already */
+        const vi lo = __builtin_convertvector(vselect(x0 - x0 == 0, SYM(sg_round)(x0 * inv), vset1(0.0f)), vi);
+        const vi hi = __builtin_convertvector(vselect(x1 - x1 == 0, SYM(sg_round)(x1 * inv), vset1(0.0f)), vi);
         const vi word = (lo & 0xffff) | (vi)((vu)hi << 16);
         memcpy(dst + kp * Dvp + d, &word, sizeof word);
       }
@@ -404,9 +413,12 @@ static SG_TARGET void SYM(sg_pv)(int64_t nb, int64_t nrows, int nv, const float*
     vf m4[4] = {vset1(0.0f), vset1(0.0f), vset1(0.0f), vset1(0.0f)}; /* four chains: vmaxps is latency-bound */
     for (int64_t j = 0; j < nb; ++j) m4[j & 3] = vmax(m4[j & 3], vload(st + j * rc + v * VLEN));
     const vf mx = vmax(vmax(m4[0], m4[1]), vmax(m4[2], m4[3]));
-    vf inv;
-    for (int u = 0; u < VLEN; ++u) { /* a NaN P (NaN scores) gets 0 here: its row is NaN through l */
-      const int ok = mx[u] > 0.0f;
+    vf inv = vset1(0.0f);
+    /* A row whose largest weight in this block is below 1e-30 (its scores are > 69 below the running
+     * max) is skipped: with l >= 1 its at most 64e-30 are beyond float32's reach, and 4096 / mx
+     * stays finite.  A NaN weight (NaN scores) fails the test too: its row is NaN through l. */
+    for (int u = 0; u < VLEN; ++u) {
+      const int ok = mx[u] > 1e-30f;
       inv[u] = ok ? (float)SG_PQ / mx[u] : 0.0f;
       ps[v * VLEN + u] = ok ? mx[u] / (float)SG_PQ : 0.0f;
     }
