@@ -3,7 +3,9 @@
 At B=1 H=1 S=16 D=64 the arithmetic is a few thousand multiply-adds, so the time is mostly what a
 call costs: argument checks, planning, the dispatcher, allocation, autograd bookkeeping.  Both are
 timed side by side, interleaved round by round, and the table shows medians and the ratio
-(target: ours <= 1.5x torch's, forward and forward+backward).
+(target: ours <= 1.5x torch's, forward and forward+backward).  A third row times our flash op alone,
+called below autograd exactly as the forward path calls it but with none of our Python around
+it: the floor that validation, planning and dispatch add to.
 
     python benchmarks/bench_overhead.py [--rounds 40] [--json benchmarks/results/overhead.json]
 """
@@ -41,10 +43,23 @@ def make_calls(B, H, S, D, dtype, backend):
     def torch_fwd_bwd():
         F.scaled_dot_product_attention(qg, kg, vg).sum().backward()
 
-    return {
+    op = torch.ops.attn_backends.flash_fwd.default
+    below = torch._C._AutoDispatchBelowAutograd
+    scale = D ** -0.5
+
+    def op_alone():
+        # the floor under ours_fwd: the flash op itself, called as the no-grad path calls it, with none
+        # of our Python (validation, planning, dispatch) around it
+        with below():
+            op(q, k, v, None, None, 0, scale, -1, -1, 0.0, 0.0)
+
+    calls = {
         "forward": (ours_fwd, torch_fwd),
         "forward+backward": (ours_fwd_bwd, torch_fwd_bwd),
     }
+    if backend in ("auto", "flash"):
+        calls["forward, op alone"] = (op_alone, torch_fwd)
+    return calls
 
 
 def interleaved(fns, rounds, number):
