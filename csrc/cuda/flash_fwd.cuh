@@ -44,6 +44,13 @@ struct FwdParams {
   float softcap;        // 0 = off
   float softcap_in;     // 2 log2(e) scale / softcap: 2^(softcap_in (q . k)) = exp(2 scale (q . k) / softcap)
   float softcap_log2;   // softcap * log2(e)
+  // dropout (ab_philox.h): row index of query i of (b, h) is (b * Hq + h) * Sq + i, with Sq the
+  // dense length or max_seqlen_q, as on the CPU, so a packed call and its padded dense twin agree
+  int dropout;                // 0 = off
+  uint32_t drop_threshold;    // ab_dropout_threshold(dropout_p)
+  float rdrop;                // 1 / (1 - dropout_p)
+  uint64_t seed, offset;      // the stream's key and offset, unless rng_dev is set
+  const int64_t* rng_dev;     // [seed, offset] in device memory (drawn on the GPU), or NULL
 };
 
 // Tile table: rows of Q (kBM) and of K/V (kBN) per thread block, by padded head dim.  One block
@@ -63,8 +70,13 @@ struct FwdParams {
 // Beyond kD = 128 a block keeps 64 query rows, since 128 rows would need kD floats of O per
 // thread; 99 KiB (kD = 256) is exactly the opt-in limit of sm_86/sm_89 (sm_80 and sm_90 allow
 // 163 and 227 KiB).  The launcher refuses a device whose limit is lower than a config needs.
+//
+// With dropout a second kernel runs (a template flag, so the kernel without it pays nothing): its
+// Philox words and keep bits need registers the kD = 96 and 128 configs do not have, so it keeps
+// 64 query rows per block at every head dim.
 template <int kD> struct FwdTile {
   static constexpr int kBM = kD <= 128 ? 128 : 64;
+  static constexpr int kBMDropout = 64;
   static constexpr int kBN = 64;
 };
 // ptxas (nvcc 13.0, sm_80) puts kD = 96 and 128 at 250-255 registers with no spill, the others
@@ -79,6 +91,18 @@ constexpr size_t fwd_smem_bytes(int kD, int kBM, int kBN) {
 
 // The padded head dims that have kernels; D and Dv are rounded up to the next one.
 constexpr int kFwdHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
+
+// The stride of a dim of size <= 1 is never multiplied by a non-zero index: 0, so that an arbitrary
+// stride there (torch allows any) does not fail the alignment check.
+int64_t eff_stride(const ab_tensor& t, int dim);
+// Rows of `t` must be 16-byte chunks the kernels can cp.async: contiguous last dim, 16-byte
+// aligned data, every other stride a multiple of 8 elements.
+ab_status check_layout(const ab_tensor& t, const char* name, ab_error* err);
+// Checks a call the flash kernels serve (the forward's operands, and the backward's when backward
+// is 1: the caller checks dout and the gradients' layout) and fills fp and the padded head dim kD
+// (m_blocks is left to the launcher).  Defined in flash_fwd.cu.
+ab_status prepare(const ab_attn_params* p, const int32_t* cu_q_dev, const int32_t* cu_k_dev, int backward,
+                  FwdParams& fp, int& kD, ab_error* err);
 
 // Launches the forward kernel for dtype T (__half or __nv_bfloat16) and padded head dim kD on the
 // current device.  Defined in flash_fwd_kernel.cuh, instantiated in flash_fwd_hdim*.cu.

@@ -8,7 +8,8 @@
 // accumulate) with operands read by ldmatrix; the probabilities P never leave registers: the
 // accumulator layout of S is exactly the A-operand layout of the P V product, so P is only
 // converted to 16 bits in place.  Softmax is online (running max m and sum l per row, in
-// registers); O is rescaled when the max grows and divided by l once at the end.
+// registers); O is rescaled when the max grows and divided by l once at the end.  Dropout zeroes
+// elements of P after the sum l is taken, from the shared Philox stream (same mask as the CPU).
 //
 // Included only by flash_fwd_hdim*.cu, which instantiate fwd_launch<T, kD>.  Semantics (causal
 // alignment, window, softcap, lse, fully masked rows) follow docs/semantics.md and the CPU twin
@@ -22,165 +23,16 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "flash_common.cuh"
 #include "flash_fwd.cuh"
 
 namespace ab_flash {
 
 constexpr int kWarps = kFwdThreads / 32;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-
-// ---- PTX wrappers -------------------------------------------------------------------------------
-//
-// Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16" and ldmatrix), used everywhere
-// below.  In a warp, lane = 4 * g + t: g = lane >> 2 (0..7, the "group"), t = lane & 3.
-//
-// mma.m16n8k16, A (16 x 16, row-major; 4 x .b32, each two 16-bit elements, lower column in the
-// low half):
-//   a[0] = A[g    ][2t, 2t+1]      a[1] = A[g + 8][2t, 2t+1]
-//   a[2] = A[g    ][2t+8, 2t+9]    a[3] = A[g + 8][2t+8, 2t+9]
-// B (16 x 8, k x n, "col": for a fixed column n the two k-consecutive elements share a register):
-//   b[0] = B[2t, 2t+1][g]          b[1] = B[2t+8, 2t+9][g]
-// C/D (16 x 8, fp32):
-//   c[0], c[1] = C[g][2t, 2t+1]    c[2], c[3] = C[g + 8][2t, 2t+1]
-//
-// ldmatrix.m8n8.x4.b16: lanes 8i .. 8i+7 give the addresses of rows 0..7 of matrix i (each row 8
-// contiguous 16-bit elements, 16-byte aligned); register r[i] receives matrix i:
-//   plain:  r[i] = M_i[g][2t, 2t+1]
-//   .trans: r[i] = M_i[2t, 2t+1][g]   (element pair from rows 2t and 2t+1, column g)
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
-// 16 bytes global -> shared, bypassing L1.  When !valid, src-size 0 makes the copy write 16 zero
-// bytes and read nothing: rows past the sequence end and head-dim padding become exact zeros.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
-// 2^x with the hardware approximation (relative error ~2^-22); ex2(-inf) = +0, ex2(NaN) = NaN.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// 1 / x with the hardware approximation; rcp(inf) = +0.
-__device__ __forceinline__ float fast_rcp(float x) {
-  float y;
-  asm("rcp.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-// tanh(y) given e = 2^(2 y log2(e)) = exp(2 y), as 1 - 2 / (exp(2y) + 1).  Its absolute error is
-// a few 1e-7 (relative error is larger near 0, but the softmax only feels the absolute error of a
-// score), and it is a handful of instructions where tanhf's inlined polynomial, unrolled over
-// every score of a tile, made the kernel spill registers.  e = inf gives 1, e = 0 gives -1.
-__device__ __forceinline__ float tanh_from_exp2y(float e) { return 1.0f - 2.0f * fast_rcp(e + 1.0f); }
-
-template <typename T> struct MmaOps;
-
-template <> struct MmaOps<__half> {
-  // c += a b for one m16n8k16 tile
-  static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  // two floats -> one .b32 register, `lo` in the low half (the lower column of a fragment pair)
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-};
-
-template <> struct MmaOps<__nv_bfloat16> {
-  static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-};
-
-// ---- tiles in shared memory ---------------------------------------------------------------------
-//
-// A tile is kRows rows of kD 16-bit elements, row stride kLd = kD + 8.  The 8 padding elements
-// (16 bytes) make the row stride an odd number of 16-byte units (kD / 8 is even for every
-// instantiated kD), so the 8 rows one ldmatrix phase reads fall in 8 different 16-byte bank groups:
-// no bank conflicts, with no swizzle to get wrong.
-
-// Issues the copy of rows [0, kRows) x columns [0, kD) of a global tile whose row r starts at
-// src + r * row_stride; rows >= rows_valid and columns >= cols_valid are zero-filled.  cols_valid
-// is a multiple of 8, so a 16-byte chunk is either wholly inside or wholly padding.
-template <typename T, int kRows, int kD>
-__device__ __forceinline__ void load_tile(T* smem, const T* src, int64_t row_stride, int rows_valid,
-                                          int cols_valid, int tid) {
-  constexpr int kLd = kD + kSmemPad;
-  constexpr int kChunks = kD / 8;  // 16-byte chunks per row
-  static_assert((kRows * kChunks) % kFwdThreads == 0, "tile chunks must split evenly over the threads");
-  // Not unrolled on purpose: unrolled, the compiler hoists every chunk's 64-bit offset out of the
-  // key loop and keeps them live in registers (dozens of them), which made the kernel spill.
-#pragma unroll 1
-  for (int it = 0; it < kRows * kChunks / kFwdThreads; ++it) {
-    const int idx = it * kFwdThreads + tid;
-    const int r = idx / kChunks, c = idx % kChunks;
-    const bool valid = r < rows_valid && c * 8 < cols_valid;
-    const T* g = valid ? src + (int64_t)r * row_stride + c * 8 : src;
-    cp_async_16(smem_u32(smem + r * kLd + c * 8), g, valid);
-  }
-}
-
-// ---- masking ------------------------------------------------------------------------------------
-
-// Visible keys [lo, hi) of query row i of a sequence of q_len queries and k_len keys, as
-// row_range in flash_cpu_impl.h: i' = i + k_len - q_len for bottom-right causal, else i;
-// causal keeps j <= i', the window keeps i' - left <= j <= i' + right.  Clamped to [0, k_len]
-// with hi >= lo, so lo and hi are non-decreasing in i (the block-level ranges rely on that).
-__device__ __forceinline__ void row_range(const FwdParams& p, int i, int q_len, int k_len, int& lo,
-                                          int& hi) {
-  const int64_t ii = (int64_t)i + (p.causal == AB_CAUSAL_BOTTOM_RIGHT ? (int64_t)k_len - q_len : 0);
-  int64_t l = 0, h = k_len;
-  if (p.causal != AB_CAUSAL_NONE && ii + 1 < h) h = ii + 1;
-  if (p.window_right >= 0 && ii + p.window_right + 1 < h) h = ii + p.window_right + 1;
-  if (p.window_left >= 0 && ii - p.window_left > l) l = ii - p.window_left;
-  if (l > k_len) l = k_len;
-  if (h < l) h = l;
-  lo = (int)l;
-  hi = (int)h;
-}
 
 // ---- the kernel ---------------------------------------------------------------------------------
 
-template <typename T, int kD, int kBM, int kBN>
+template <typename T, int kD, int kBM, int kBN, bool kDropout>
 __global__ void __launch_bounds__(kFwdThreads) fwd_kernel(const FwdParams p) {
   using Ops = MmaOps<T>;
   constexpr int kMT = kBM / (16 * kWarps);  // m16 tiles per warp
@@ -223,6 +75,10 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_kernel(const FwdParams p) {
   const T* k = static_cast<const T*>(p.k) + b * p.k_bs + hk * p.k_hs + k_start * p.k_rs;
   const T* v = static_cast<const T*>(p.v) + b * p.v_bs + hk * p.v_hs + k_start * p.v_rs;
   const int rows_here = min(kBM, q_len - row0);
+  uint64_t seed = 0, offset = 0;
+  if (kDropout) rng_pair(p, seed, offset);
+  // dropout row index (ab_philox.h) of this tile's row 0: Sq is max_seqlen_q for packed calls
+  const uint64_t drop_row0 = ((uint64_t)b * p.Hq + h) * (uint64_t)p.Sq + (uint64_t)row0;
 
   // Block-wide ranges from the first and last real rows (lo, hi are monotone in the row):
   // keys [n_lo, n_hi) are all that any row sees; tiles inside [lo_max, hi_min) need no masking.
@@ -351,6 +207,24 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_kernel(const FwdParams p) {
       }
     }
 
+    // Dropout: bit 4 nt + e of keep[mt] keeps element c[e] of key tile nt (dropout_keep4).  The
+    // running sum l is of the weights before dropout; only P V sees the dropped ones, and O is
+    // scaled by 1 / (1 - dropout_p) with 1 / l at the end.
+    uint32_t keep[kMT];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) keep[mt] = 0xffffffffu;
+    if (kDropout) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        const uint64_t row_g = drop_row0 + (uint64_t)(warp * 16 * kMT + 16 * mt + g);
+        uint32_t bits = 0;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+          bits |= dropout_keep4(seed, offset, row_g, n0 + 8 * nt, lane, p.drop_threshold) << (4 * nt);
+        keep[mt] = bits;
+      }
+    }
+
     // Online softmax.  With m the new row max, earlier terms are rescaled by 2^(m_old - m).  A row
     // that has seen no visible key yet has m = -inf; it uses 0 as the reference so that
     // 2^(-inf - 0) = 0 instead of 2^(-inf + inf) = NaN.  A NaN score is skipped by fmaxf but
@@ -374,7 +248,8 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_kernel(const FwdParams p) {
       for (int nt = 0; nt < kNT; ++nt) {
         const float p0 = fast_exp2(s[mt][nt][e0] - ref), p1 = fast_exp2(s[mt][nt][e0 + 1] - ref);
         sum += p0 + p1;  // the sum is of the fp32 weights; P V uses them rounded to 16 bits
-        pk[mt][nt][r & 1] = Ops::pack(p0, p1);
+        const uint32_t kb = keep[mt] >> (4 * nt + e0);
+        pk[mt][nt][r & 1] = Ops::pack(kb & 1u ? p0 : 0.0f, kb & 2u ? p1 : 0.0f);
       }
       row_l[r] = row_l[r] * alpha + sum;
 #pragma unroll
@@ -427,7 +302,7 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_kernel(const FwdParams p) {
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     // l == 0: no visible key (out exactly 0, lse -inf); l NaN: a NaN reached the row (NaN out);
     // otherwise l >= 1 (the max term contributes 2^0).
-    const float inv = l == 0.0f ? 0.0f : 1.0f / l;
+    const float inv = l == 0.0f ? 0.0f : p.rdrop / l;  // rdrop = 1 / (1 - dropout_p), 1 without
     const int row = warp * 16 * kMT + 16 * mt + g + 8 * (r & 1);
 #pragma unroll
     for (int dt = 0; dt < kDT; ++dt) {
@@ -457,11 +332,10 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_kernel(const FwdParams p) {
 
 // ---- launch -------------------------------------------------------------------------------------
 
-template <typename T, int kD>
-ab_status fwd_launch(const FwdParams& p, int64_t blocks, cudaStream_t stream, ab_error* err) {
-  constexpr int kBM = FwdTile<kD>::kBM, kBN = FwdTile<kD>::kBN;
+template <typename T, int kD, int kBM, int kBN, bool kDropout>
+ab_status fwd_launch_config(const FwdParams& p, int64_t blocks, cudaStream_t stream, ab_error* err) {
   constexpr size_t kSmem = fwd_smem_bytes(kD, kBM, kBN);
-  auto kernel = fwd_kernel<T, kD, kBM, kBN>;
+  auto kernel = fwd_kernel<T, kD, kBM, kBN, kDropout>;
   int device = 0, smem_optin = 0;
   ab_status st = ab_cuda_check(cudaGetDevice(&device), "flash_fwd: cudaGetDevice", err);
   if (st != AB_OK) return st;
@@ -480,6 +354,13 @@ ab_status fwd_launch(const FwdParams& p, int64_t blocks, cudaStream_t stream, ab
   }
   kernel<<<(unsigned)blocks, kFwdThreads, kSmem, stream>>>(p);
   return ab_cuda_check(cudaGetLastError(), "flash_fwd launch", err);
+}
+
+template <typename T, int kD>
+ab_status fwd_launch(const FwdParams& p, int64_t blocks, cudaStream_t stream, ab_error* err) {
+  if (p.dropout)
+    return fwd_launch_config<T, kD, FwdTile<kD>::kBMDropout, FwdTile<kD>::kBN, true>(p, blocks, stream, err);
+  return fwd_launch_config<T, kD, FwdTile<kD>::kBM, FwdTile<kD>::kBN, false>(p, blocks, stream, err);
 }
 
 }  // namespace ab_flash
