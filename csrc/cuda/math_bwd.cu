@@ -112,8 +112,9 @@ template <typename Acc> __device__ Acc block_sum(Acc v, Acc* red) {
   return s;
 }
 
+// minBlocksPerSM = 1: without it ptxas for sm_90a held these kernels to 32 registers and spilled.
 template <typename T, typename Acc>
-__global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs args) {
+__global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdArgs args) {
   const ab_attn_params& p = args.p;
   extern __shared__ unsigned char smem_raw[];
   Acc* qrow = reinterpret_cast<Acc*>(smem_raw);  // (D)
@@ -206,7 +207,7 @@ __global__ void __launch_bounds__(kThreads) dq_kernel(const BwdArgs args) {
 }
 
 template <typename T, typename Acc>
-__global__ void __launch_bounds__(kThreads) dkv_kernel(const BwdArgs args) {
+__global__ void __launch_bounds__(kThreads, 1) dkv_kernel(const BwdArgs args) {
   const ab_attn_params& p = args.p;
   extern __shared__ unsigned char smem_raw[];
   Acc* krow = reinterpret_cast<Acc*>(smem_raw);  // (D)

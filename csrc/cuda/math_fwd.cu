@@ -41,8 +41,9 @@ __device__ __forceinline__ void online_merge(Acc& m, Acc& l, Acc m2, Acc l2) {
   m = mn;
 }
 
+// minBlocksPerSM = 1: without it ptxas for sm_90a held these kernels to 32 registers and spilled.
 template <typename T, typename Acc>
-__global__ void __launch_bounds__(kThreads) math_fwd_kernel(const MathArgs args) {
+__global__ void __launch_bounds__(kThreads, 1) math_fwd_kernel(const MathArgs args) {
   const ab_attn_params& p = args.p;
   extern __shared__ unsigned char smem_raw[];
   Acc* qrow = reinterpret_cast<Acc*>(smem_raw);  // (D)
