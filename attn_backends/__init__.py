@@ -44,6 +44,7 @@ def attention(
     softcap: float = 0.0,
     return_lse: bool = False,
     strict: bool = False,
+    deterministic: bool = False,
 ):
     """Scaled dot-product attention, served by the best backend for the call.
 
@@ -70,13 +71,17 @@ def attention(
             (float32; float64 for float64 inputs).  Rows with no visible key have lse = -inf.
         strict: raise instead of falling back when the named backend cannot serve the call
             (also ATTN_BACKENDS_STRICT=1); the error lists every backend and why not.
+        deterministic: the backward must give bitwise identical results run after run, as under
+            torch.use_deterministic_algorithms(True) (which is honoured without this): backends
+            whose backward is not reproducible are not chosen, and our CUDA flash takes its
+            atomic-free dQ path.
 
     Returns:
         out (B, Hq, Sq, Dv) in q's dtype, or (out, lse) with return_lse=True.  A query row with no
         visible key outputs exactly 0 and gets zero gradient.
     """
     return _dispatch.attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap,
-                               return_lse, strict)
+                               return_lse, strict, deterministic)
 
 
 def attention_varlen(
@@ -96,6 +101,7 @@ def attention_varlen(
     softcap: float = 0.0,
     return_lse: bool = False,
     strict: bool = False,
+    deterministic: bool = False,
 ):
     """Attention over packed variable-length sequences, as flash-attn's ``flash_attn_varlen_func``.
 
@@ -111,7 +117,7 @@ def attention_varlen(
         out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) float32, as flash-attn.
     """
     return _dispatch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
-                                      causal, dropout_p, scale, window, softcap, return_lse, strict)
+                                      causal, dropout_p, scale, window, softcap, return_lse, strict, deterministic)
 
 
 class BackendInfo(NamedTuple):

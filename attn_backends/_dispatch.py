@@ -70,7 +70,7 @@ def _static_int(x) -> int:
 _CAUSAL = _validate._CAUSAL
 
 
-def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse):
+def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse, deterministic=False):
     """Validates a dense call; returns (run arguments, planner signature).
 
     The common case (no mask, no window, no softcap, no dropout, default scale) touches only what
@@ -104,9 +104,10 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
         gqa = True if gqa else False  # noqa: SIM210 (a branch, not bool(): see _static_int)
         square = True if square else False  # noqa: SIM210
     sig = (dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, gqa, square, mask_kind, mask_grad, causal_i,
-           wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, _deterministic(), bool(return_lse), 0,
-           _SETTINGS["mps_fix"], ID[requested], _CPU_ISA)
-    return (q, k, v, attn_mask, causal_i, scale_f, wl, wr, softcap_f, p, need_grad, bool(return_lse)), sig
+           wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
+           bool(return_lse), 0, _SETTINGS["mps_fix"], ID[requested], _CPU_ISA)
+    args = (q, k, v, attn_mask, causal_i, scale_f, wl, wr, softcap_f, p, need_grad, bool(return_lse))
+    return (args + (True,) if deterministic else args), sig
 
 
 _SETTINGS = _planner.settings
@@ -122,8 +123,10 @@ def reset_caches() -> None:
     _planner._warned.clear()
 
 
-def attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse, strict):
-    args, sig = prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse)
+def attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse, strict,
+              deterministic=False):
+    args, sig = prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse,
+                        deterministic)
     strict = strict or _planner.STRICT
     chosen = None if _is_compiling() else _chosen[strict].get(sig)
     if chosen is None:
@@ -135,13 +138,14 @@ def attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, sof
 
 
 def explain(q, k, v, backend="auto", causal=False, attn_mask=None, dropout_p=0.0, scale=None, window=None,
-            softcap=0.0, return_lse=False, strict=False):
-    _, sig = prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse)
+            softcap=0.0, return_lse=False, strict=False, deterministic=False):
+    _, sig = prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse,
+                     deterministic)
     return _planner.build(sig)
 
 
 def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window, softcap,
-                   return_lse):
+                   return_lse, deterministic=False):
     from . import _varlen
 
     Tq, Hq, D, Tk, Hkv, Dv = _varlen.check_qkv(q, k, v)
@@ -159,17 +163,17 @@ def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p
     dev = _DEVICE_IDS.get(device.type, 3)
     cc, lib_ok = cuda_device_info(device.index)[:2] if dev == 1 else (0, 0)
     sig = (dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, Hq != Hkv, max_q == max_k, 0, 0, causal_i,
-           wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, _deterministic(), bool(return_lse), 1,
-           _planner.settings["mps_fix"], ID[requested], _planner.CPU_ISA)
+           wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
+           bool(return_lse), 1, _planner.settings["mps_fix"], ID[requested], _planner.CPU_ISA)
     args = (q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal_i, scale_f, wl, wr, softcap_f, p,
-            need_grad, bool(return_lse))
+            need_grad, bool(return_lse), bool(deterministic))
     return args, sig
 
 
 def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window, softcap,
-                     return_lse, strict):
+                     return_lse, strict, deterministic=False):
     args, sig = prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window,
-                               softcap, return_lse)
+                               softcap, return_lse, deterministic)
     chosen = _planner.choose(sig, strict or _planner.STRICT)
     out, lse = VARLEN_RUNNERS[chosen](*args)
     return (out, lse) if return_lse else out

@@ -53,7 +53,7 @@ def _empty_grad(t):
 
 
 def _bwd_fake(grad_out, q, k, v, out, lse, grad_lse, attn_mask, rng_state, causal, scale,
-              window_left, window_right, softcap, dropout_p, mask_grad):
+              window_left, window_right, softcap, dropout_p, mask_grad, deterministic=False):
     B, Hq, Sq, _ = q.shape
     Sk = k.shape[2]
     dmask = q.new_empty((B, Hq, Sq, Sk) if mask_grad else (0,), dtype=lse_dtype(q.dtype))
@@ -82,7 +82,8 @@ torch.library.register_fake("attn_backends::sage_varlen_fwd")(_varlen_fwd_fake)
 
 @torch.library.register_fake("attn_backends::flash_varlen_bwd")
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                     max_seqlen_k, rng_state, causal, scale, window_left, window_right, softcap, dropout_p):
+                     max_seqlen_k, rng_state, causal, scale, window_left, window_right, softcap, dropout_p,
+                     deterministic=False):
     return _empty_grad(q), _empty_grad(k), _empty_grad(v)
 
 
@@ -91,7 +92,29 @@ def _dropout_mask_fake(rng_state, B, H, Sq, Sk, dropout_p):
     return rng_state.new_empty((B, H, Sq, Sk), dtype=torch.bool)
 
 
-def _make_autograd(bwd_op):
+def cuda_layout(t: torch.Tensor) -> torch.Tensor:
+    """t itself when the CUDA flash and sage kernels can read it in place (16-byte rows: last dim contiguous,
+    other strides multiples of 8 elements, 16-byte aligned data), else a contiguous copy.  The CPU
+    kernels take any strides."""
+    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
+          and all(st % 8 == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
+    return t if ok else t.contiguous()
+
+
+def deterministic_backward(ctx) -> bool:
+    """Whether this backward must be bitwise reproducible: asked for in the call (deterministic=True,
+    kept on ctx by the library's Function) or torch.use_deterministic_algorithms(True) now."""
+    return bool(getattr(ctx, "deterministic", False)) or torch.are_deterministic_algorithms_enabled()
+
+
+def _grad_out(grad_out, out, flash):
+    if grad_out is None:
+        return torch.zeros_like(out)
+    # autograd hands over any layout (an expanded scalar has stride 0): the CUDA flash kernel reads rows
+    return cuda_layout(grad_out) if flash and grad_out.is_cuda else grad_out
+
+
+def _make_autograd(bwd_op, flash=False):
     """setup_context and backward for a forward op with the math_fwd argument list."""
 
     def setup_context(ctx, inputs, output):
@@ -106,10 +129,10 @@ def _make_autograd(bwd_op):
 
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, attn_mask, rng_state = ctx.saved_tensors
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
+        grad_out = _grad_out(grad_out, out, flash)
         dq, dk, dv, dmask = bwd_op(
-            grad_out, q, k, v, out, lse, grad_lse, attn_mask, rng_state, *ctx.args, ctx.mask_grad
+            grad_out, q, k, v, out, lse, grad_lse, attn_mask, rng_state, *ctx.args, ctx.mask_grad,
+            deterministic_backward(ctx)
         )
         if ctx.mask_grad:
             # the kernel writes the gradient at (B, Hq, Sq, Sk); a broadcast mask gets the sum
@@ -122,11 +145,11 @@ def _make_autograd(bwd_op):
 
 
 for _kernel in ("math", "flash"):
-    _setup, _backward = _make_autograd(getattr(ops, f"{_kernel}_bwd").default)
+    _setup, _backward = _make_autograd(getattr(ops, f"{_kernel}_bwd").default, _kernel == "flash")
     torch.library.register_autograd(f"attn_backends::{_kernel}_fwd", _backward, setup_context=_setup)
 
 
-def _make_varlen_autograd(bwd_op):
+def _make_varlen_autograd(bwd_op, flash=True):
     def setup_context(ctx, inputs, output):
         q, k, v, cu_q, cu_k, max_q, max_k, rng_state, causal, scale, wl, wr, softcap, dropout_p = inputs
         out, lse = output
@@ -137,9 +160,9 @@ def _make_varlen_autograd(bwd_op):
 
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, cu_q, cu_k, rng_state = ctx.saved_tensors
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        dq, dk, dv = bwd_op(grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, *ctx.args, rng_state, *ctx.opts)
+        grad_out = _grad_out(grad_out, out, flash)
+        dq, dk, dv = bwd_op(grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, *ctx.args, rng_state, *ctx.opts,
+                            deterministic_backward(ctx))
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
     return setup_context, backward
@@ -153,20 +176,23 @@ _below_autograd = torch._C._AutoDispatchBelowAutograd
 _is_compiling = torch.compiler.is_compiling
 
 
-def kernel_function(fwd_op, bwd_op, make_autograd=_make_autograd):
+def kernel_function(fwd_op, bwd_op, make_autograd=_make_autograd, flash=False):
     """A torch.autograd.Function running fwd_op / bwd_op, for the library's own hot path.
 
     register_autograd above makes direct torch.ops calls differentiable (and is what opcheck
     checks), but its generic wrapper costs ~100 us a call.  This Function computes the same
     gradients with a few microseconds of Python, and torch.compile traces it just as well.
+    apply takes the op's arguments and then one more, `deterministic` (the call's request for a
+    bitwise reproducible backward).
     """
-    setup_context, backward = make_autograd(bwd_op)
+    setup_context, backward = make_autograd(bwd_op, flash)
 
     # forward takes ctx (no separate setup_context): Function.apply then skips binding the
     # arguments to the signature with inspect, which alone costs ~100 us per call.
     class KernelFunction(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *inputs):
+            inputs, ctx.deterministic = inputs[:-1], inputs[-1]
             if _is_compiling():
                 output = fwd_op(*inputs)
             else:
@@ -177,13 +203,13 @@ def kernel_function(fwd_op, bwd_op, make_autograd=_make_autograd):
 
         @staticmethod
         def backward(ctx, grad_out, grad_lse):
-            return backward(ctx, grad_out, grad_lse)
+            return (*backward(ctx, grad_out, grad_lse), None)
 
     KernelFunction.__name__ = KernelFunction.__qualname__ = f"{fwd_op.name().split('::')[-1].split('.')[0]}_function"
     return KernelFunction
 
 
 MathFunction = kernel_function(ops.math_fwd.default, ops.math_bwd.default)
-FlashFunction = kernel_function(ops.flash_fwd.default, ops.flash_bwd.default)
+FlashFunction = kernel_function(ops.flash_fwd.default, ops.flash_bwd.default, flash=True)
 FlashVarlenFunction = kernel_function(ops.flash_varlen_fwd.default, ops.flash_varlen_bwd.default,
-                                      _make_varlen_autograd)
+                                      _make_varlen_autograd, flash=True)

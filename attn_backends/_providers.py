@@ -1,8 +1,10 @@
 """How each backend is called once the planner has chosen it.
 
 Every runner takes the validated call
-    (q, k, v, attn_mask, causal, scale, window_left, window_right, softcap, dropout_p, need_grad, want_lse)
-with causal as 0/1/2 (none, top-left, bottom-right) and returns (out, lse or None).  The planner
+    (q, k, v, attn_mask, causal, scale, window_left, window_right, softcap, dropout_p, need_grad, want_lse,
+     deterministic=False)
+with causal as 0/1/2 (none, top-left, bottom-right) and returns (out, lse or None).  deterministic is
+the call's own request for a bitwise reproducible backward (torch's global flag is read as well).  The planner
 only routes a call to a runner whose registry row says it can serve it exactly, so runners do not
 re-check capabilities.
 """
@@ -22,9 +24,16 @@ _below_autograd = torch._C._AutoDispatchBelowAutograd
 _is_compiling = torch.compiler.is_compiling
 
 
-def draw_rng_state() -> torch.Tensor:
-    """(seed, offset) for the kernels' Philox stream, drawn from torch's default CPU generator, so
-    torch.manual_seed reproduces the dropout mask on every device."""
+def draw_rng_state(q: torch.Tensor | None = None) -> torch.Tensor:
+    """(seed, offset) for the kernels' Philox stream.
+
+    Eagerly it is drawn from torch's default CPU generator whatever the device, so torch.manual_seed
+    gives the same dropout mask on CPU and CUDA.  While a CUDA graph is being captured (or
+    torch.compile traces a CUDA call), a host draw would be frozen into the graph and every replay
+    would drop the same elements: there it is drawn on the GPU from the device's generator, whose
+    draws advance on each replay; the kernels read the pair from device memory."""
+    if q is not None and q.is_cuda and (_is_compiling() or torch.cuda.is_current_stream_capturing()):
+        return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=q.device)
     return torch.randint(0, 2**62, (2,), dtype=torch.int64)
 
 
@@ -40,11 +49,11 @@ def _no_grad_call(fwd_op, *args):
 def _kernel(fwd_op, function):
     """Runner for one of our kernels: the autograd Function when a gradient is needed, else the op."""
 
-    def run(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
-        rng = draw_rng_state() if p > 0 else None
+    def run(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
+        rng = draw_rng_state(q) if p > 0 else None
         args = (q, k, v, mask, rng, causal, scale, wl, wr, softcap, p)
         if need_grad:
-            return function.apply(*args)
+            return function.apply(*args, det)
         return _no_grad_call(fwd_op, *args)
 
     return run
@@ -54,32 +63,30 @@ run_math = _kernel(_ops.ops.math_fwd.default, _ops.MathFunction)
 _run_flash = _kernel(_ops.ops.flash_fwd.default, _ops.FlashFunction)
 
 
-def _cuda_layout(t):
-    """The CUDA flash and sage kernels read 16-byte vectors: last dim contiguous, the other strides multiples of
-    8 elements, 16-byte aligned data.  Anything else is copied once (the CPU kernel takes any strides)."""
-    ok = (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-          and all(st % 8 == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
-    return t if ok else t.contiguous()
+def _cuda_qkv(q, k, v):
+    """q, k, v as the CUDA flash and sage kernels can read them (_ops.cuda_layout copies the ones they
+    cannot); CPU tensors as they are (the CPU kernels take any strides)."""
+    if not q.is_cuda:
+        return q, k, v
+    return _ops.cuda_layout(q), _ops.cuda_layout(k), _ops.cuda_layout(v)
 
 
-def run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
-    if q.is_cuda:
-        q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
-    return _run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse)
+def run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
+    q, k, v = _cuda_qkv(q, k, v)
+    return _run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det)
 
 
-def run_sage(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+def run_sage(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
     """Our INT8 Q.K^T kernel (SageAttention recipe, docs/sage.md): forward only (the planner routes no
     call that needs a gradient here), no dropout."""
-    if q.is_cuda:
-        q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
+    q, k, v = _cuda_qkv(q, k, v)
     return _no_grad_call(_ops.ops.sage_fwd.default, q, k, v, mask, None, causal, scale, wl, wr, softcap, 0.0)
 
 
-def run_eager(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+def run_eager(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
     """HF's eager, our way: the math kernel where this device has one, else the aten composite."""
     if q.is_cpu:
-        return run_math(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse)
+        return run_math(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det)
     if q.is_cuda and not need_grad:
         from ._dispatch import cuda_math_ready
 
@@ -113,7 +120,7 @@ def _sdpa_mask(q, k, mask, causal, wl, wr):
 
 
 def _sdpa(forced=None):
-    def run(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+    def run(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
         attn_mask, is_causal = _sdpa_mask(q, k, mask, causal, wl, wr)
         kwargs = dict(attn_mask=attn_mask, dropout_p=p, is_causal=is_causal, scale=scale,
                       enable_gqa=q.shape[1] != k.shape[1])
@@ -129,7 +136,7 @@ def _sdpa(forced=None):
 
 # ---- torch FlexAttention -------------------------------------------------------------------------
 
-def run_flex(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+def run_flex(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
     from torch.nn.attention import flex_attention as fa
 
     B, Hq, Sq = q.shape[0], q.shape[1], q.shape[2]
@@ -173,14 +180,14 @@ def _bshd(t):
     return t.transpose(1, 2)
 
 
-def run_flash_attn_pkg(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+def run_flash_attn_pkg(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
     """flash_attn.flash_attn_func on (B, S, H, D); its causal and window are bottom-right aligned
     (the planner only routes top-left calls here when Sq == Sk, where the two agree)."""
     import flash_attn
 
     res = flash_attn.flash_attn_func(
         _bshd(q), _bshd(k), _bshd(v), dropout_p=p, softmax_scale=scale, causal=causal != 0,
-        window_size=(wl, wr), softcap=softcap, deterministic=torch.are_deterministic_algorithms_enabled(),
+        window_size=(wl, wr), softcap=softcap, deterministic=det or torch.are_deterministic_algorithms_enabled(),
         return_attn_probs=want_lse)
     if want_lse:
         out, lse = res[0], res[1]
@@ -188,7 +195,7 @@ def run_flash_attn_pkg(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_gr
     return _bshd(res), None
 
 
-def run_xformers(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+def run_xformers(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
     """xformers.ops.memory_efficient_attention on (B, S, H, D), or (B, S, G, H/G, D) for GQA."""
     from xformers.ops import fmha, memory_efficient_attention
 
@@ -220,7 +227,7 @@ def run_xformers(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, wa
     return out.reshape(B, Sq, Hq, v.shape[-1]).transpose(1, 2), None
 
 
-def run_sage_pkg(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse):
+def run_sage_pkg(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
     """sageattention.sageattn on (B, H, S, D) ("HND" layout)."""
     import sageattention
 
@@ -246,23 +253,22 @@ RUNNERS = {
 
 # ---- packed (varlen) calls ---------------------------------------------------------------------
 # Every varlen runner takes (q, k, v, cu_q, cu_k, host_cu_q, host_cu_k, len_q, len_k, max_q, max_k,
-# causal, scale, wl, wr, softcap, p, need_grad, want_lse) and returns (out (Tq, Hq, Dv), lse (Hq, Tq)).
+# causal, scale, wl, wr, softcap, p, need_grad, want_lse, deterministic=False) and returns
+# (out (Tq, Hq, Dv), lse (Hq, Tq)).
 
 def run_flash_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal, scale, wl, wr,
-                     softcap, p, need_grad, want_lse):
-    rng = draw_rng_state() if p > 0 else None
-    if q.is_cuda:
-        q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
+                     softcap, p, need_grad, want_lse, det=False):
+    rng = draw_rng_state(q) if p > 0 else None
+    q, k, v = _cuda_qkv(q, k, v)
     args = (q, k, v, hcu_q, hcu_k, max_q, max_k, rng, causal, scale, wl, wr, softcap, p)
     if need_grad:
-        return _ops.FlashVarlenFunction.apply(*args)
+        return _ops.FlashVarlenFunction.apply(*args, det)
     return _no_grad_call(_ops.ops.flash_varlen_fwd.default, *args)
 
 
 def run_sage_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal, scale, wl, wr,
-                    softcap, p, need_grad, want_lse):
-    if q.is_cuda:
-        q, k, v = _cuda_layout(q), _cuda_layout(k), _cuda_layout(v)
+                    softcap, p, need_grad, want_lse, det=False):
+    q, k, v = _cuda_qkv(q, k, v)
     return _no_grad_call(_ops.ops.sage_varlen_fwd.default, q, k, v, hcu_q, hcu_k, max_q, max_k, None, causal,
                          scale, wl, wr, softcap, 0.0)
 
@@ -272,10 +278,10 @@ def _padded(dense):
     from . import _varlen
 
     def run(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal, scale, wl, wr, softcap, p,
-            need_grad, want_lse):
+            need_grad, want_lse, det=False):
         qd, kd, vd = _varlen.pad(q, len_q, max_q), _varlen.pad(k, len_k, max_k), _varlen.pad(v, len_k, max_k)
         mask = _varlen.padded_mask(len_q, len_k, max_q, max_k, causal, wl, wr, q.device)
-        out, lse = dense(qd, kd, vd, mask, 0, scale, -1, -1, softcap, p, need_grad, want_lse)
+        out, lse = dense(qd, kd, vd, mask, 0, scale, -1, -1, softcap, p, need_grad, want_lse, det)
         return _varlen.unpad(out, len_q), (_varlen.unpad_lse(lse, len_q) if lse is not None else None)
 
     return run

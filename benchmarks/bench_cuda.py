@@ -1,14 +1,19 @@
-"""CUDA benchmark: our flash and flash_varlen forward vs torch SDPA's flash, cuDNN and efficient
-backends, side by side in one run.
+"""CUDA benchmark: our flash and flash_varlen vs torch SDPA's flash, cuDNN and efficient backends,
+side by side in one run: the forward, the backward, or both.
 
 bf16 and fp16, D in {64, 128, 256}, causal and not, S from 512 to 16k with B*S = 16k tokens and a
 hidden size of 2048 (H = 2048 / D).  Each round times every candidate once, in turn (CUDA events,
 after warm-up), so clock drift hits all alike; the table shows the median over rounds as TFLOP/s
-(4 B H S^2 D forward, half with causal) and ratio = ours / torch's flash (> 1: ours is faster).
-flash_varlen runs the same tokens packed as B sequences of S (its target: within 5% of dense).
-A candidate torch cannot run on this device/shape is shown as "-" with the reason in the JSON.
+(forward 4 B H S^2 D, half with causal; backward 2.5x that; forward + backward 3.5x) and ratio =
+ours / torch's flash (> 1: ours is faster).  --mode bwd times the backward alone (autograd.grad on
+a kept graph, retain_graph=True) and adds our deterministic backward; --mode fwdbwd a whole training
+step of the attention.  flash_varlen runs the same tokens packed as B sequences of S (its target:
+within 5% of dense).  A candidate torch cannot run on this device/shape is shown as "-" with the
+reason in the JSON.
 
     python benchmarks/bench_cuda.py --json benchmarks/results/cuda.json --plot docs/bench_cuda.png
+    python benchmarks/bench_cuda.py --mode bwd --json benchmarks/results/cuda_bwd.json
+    python benchmarks/bench_cuda.py --mode fwdbwd --json benchmarks/results/cuda_fwdbwd.json
     python benchmarks/bench_cuda.py --quick            # D=128, S in {2048, 8192}, bf16 only
     python benchmarks/bench_cuda.py --sage             # adds our sage to the grid above
     python benchmarks/bench_cuda.py --sage-vs-flash --json benchmarks/results/cuda_sage.json
@@ -39,12 +44,26 @@ TOKENS = 16384
 HIDDEN = 2048
 
 
-def flops(B, H, S, D, causal):
-    return 4.0 * B * H * S * S * D / (2 if causal else 1)
+MODES = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}  # FLOPs relative to the forward (DESIGN.md section 6)
 
 
-def candidates(q, k, v, causal, with_sage):
-    """name -> zero-argument callable running one forward (or None, reason)."""
+def flops(B, H, S, D, causal, mode="fwd"):
+    return 4.0 * B * H * S * S * D / (2 if causal else 1) * MODES[mode]
+
+
+def with_mode(fwd, inputs, mode):
+    """The callable to time for `mode`, from a forward callable and the tensors it differentiates."""
+    if mode == "fwd":
+        return fwd
+    out = fwd()
+    g = torch.randn_like(out)
+    if mode == "bwd":  # the backward alone: the graph is kept and walked again on every call
+        return lambda: torch.autograd.grad(out, inputs, g, retain_graph=True)
+    return lambda: torch.autograd.grad(fwd(), inputs, g)
+
+
+def candidates(q, k, v, causal, with_sage, mode="fwd"):
+    """name -> (zero-argument callable running one forward, the tensors its backward differentiates)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     B, H, S, D = q.shape
@@ -57,16 +76,20 @@ def candidates(q, k, v, causal, with_sage):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return run
 
+    dense, packed = (q, k, v), (pq, pk, pv)
     c = {
-        "ours flash": lambda: ab.attention(q, k, v, causal=causal, backend="flash", strict=True),
-        "ours flash_varlen": lambda: ab.attention_varlen(pq, pk, pv, cu, cu, S, S, causal=causal,
-                                                         backend="flash_varlen", strict=True),
-        "torch flash": torch_backend(SDPBackend.FLASH_ATTENTION),
-        "torch cudnn": torch_backend(SDPBackend.CUDNN_ATTENTION),
-        "torch efficient": torch_backend(SDPBackend.EFFICIENT_ATTENTION),
+        "ours flash": (lambda: ab.attention(q, k, v, causal=causal, backend="flash", strict=True), dense),
+        "ours flash_varlen": (lambda: ab.attention_varlen(pq, pk, pv, cu, cu, S, S, causal=causal,
+                                                          backend="flash_varlen", strict=True), packed),
+        "torch flash": (torch_backend(SDPBackend.FLASH_ATTENTION), dense),
+        "torch cudnn": (torch_backend(SDPBackend.CUDNN_ATTENTION), dense),
+        "torch efficient": (torch_backend(SDPBackend.EFFICIENT_ATTENTION), dense),
     }
-    if with_sage:
-        c["ours sage"] = lambda: ab.attention(q, k, v, causal=causal, backend="sage", strict=True)
+    if mode != "fwd":
+        c["ours flash determ."] = (lambda: ab.attention(q, k, v, causal=causal, backend="flash", strict=True,
+                                                        deterministic=True), dense)
+    if with_sage and mode == "fwd":  # sage is forward only
+        c["ours sage"] = (lambda: ab.attention(q, k, v, causal=causal, backend="sage", strict=True), dense)
     return c
 
 
@@ -96,40 +119,47 @@ def median_times(fns, rounds):
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def run_case(S, D, dtype, causal, rounds, with_sage):
+def run_case(S, D, dtype, causal, rounds, with_sage, mode="fwd"):
     B, H = TOKENS // S, HIDDEN // D
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=g) for _ in range(3))
-    fns, errors = {}, {}
-    for name, fn in candidates(q, k, v, causal, with_sage).items():
+    q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=dtype, generator=g).requires_grad_(mode != "fwd")
+               for _ in range(3))
+    fns, errors, forwards = {}, {}, {}
+    for name, (fwd, inputs) in candidates(q, k, v, causal, with_sage, mode).items():
         try:
+            fn = with_mode(fwd, inputs, mode)
             fn()
             torch.cuda.synchronize()
-            fns[name] = fn
+            fns[name], forwards[name] = fn, fwd
         except Exception as e:  # noqa: BLE001 - a backend torch cannot run here is reported, not fatal
             errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-    # accuracy of ours against torch's flash (both bf16/fp16 kernels: a gross error shows)
+    # accuracy of ours against torch's flash (both bf16/fp16 kernels: a gross error shows): the
+    # outputs, and with a backward the gradients too
+    diff = None
     if "ours flash" in fns and "torch flash" in fns:
-        diff = (fns["ours flash"]().float() - fns["torch flash"]().float()).abs().max().item()
-    else:
-        diff = None
+        with torch.no_grad():
+            diff = (forwards["ours flash"]().float() - forwards["torch flash"]().float()).abs().max().item()
+        if mode != "fwd":
+            ga, gb = fns["ours flash"](), fns["torch flash"]()
+            diff = max(diff, max((a.float() - b.float()).abs().max().item() for a, b in zip(ga, gb)))
     med = median_times(fns, rounds)
-    f = flops(B, H, S, D, causal)
-    return dict(B=B, H=H, S=S, D=D, dtype=str(dtype).replace("torch.", ""), causal=causal,
+    f = flops(B, H, S, D, causal, mode)
+    return dict(mode=mode, B=B, H=H, S=S, D=D, dtype=str(dtype).replace("torch.", ""), causal=causal,
                 ms=med, tflops={n: f / (ms * 1e-3) / 1e12 for n, ms in med.items()},
                 errors=errors, max_abs_diff_vs_torch_flash=diff)
 
 
 def table(rows):
-    names = ["ours flash", "ours flash_varlen", "torch flash", "torch cudnn", "torch efficient", "ours sage"]
+    names = ["ours flash", "ours flash determ.", "ours flash_varlen", "torch flash", "torch cudnn",
+             "torch efficient", "ours sage"]
     names = [n for n in names if any(n in r["tflops"] or n in r["errors"] for r in rows)]
-    head = "| dtype | D | causal | S | B x H | " + " | ".join(names) + " | ours / torch flash |"
+    head = "| mode | dtype | D | causal | S | B x H | " + " | ".join(names) + " | ours / torch flash |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         cells = [f"{r['tflops'][n]:.0f}" if n in r["tflops"] else "-" for n in names]
         ratio = (r["tflops"]["ours flash"] / r["tflops"]["torch flash"]
                  if "ours flash" in r["tflops"] and "torch flash" in r["tflops"] else None)
-        lines.append(f"| {r['dtype']} | {r['D']} | {r['causal']} | {r['S']} | {r['B']}x{r['H']} | "
+        lines.append(f"| {r['mode']} | {r['dtype']} | {r['D']} | {r['causal']} | {r['S']} | {r['B']}x{r['H']} | "
                      + " | ".join(cells) + f" | {'-' if ratio is None else f'{ratio:.2f}'} |")
     return "\n".join(lines)
 
@@ -148,7 +178,7 @@ def plot(rows, path):
             pts = [(r["S"], r["tflops"][name]) for r in sel if name in r["tflops"]]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{dt} D={D} {'causal' if causal else 'non-causal'}", fontsize=9)
+        ax.set_title(f"{sel[0]['mode']} {dt} D={D} {'causal' if causal else 'non-causal'}", fontsize=9)
         ax.set_xlabel("S (B*S = 16k)")
         ax.set_ylabel("TFLOP/s")
     axes[0][0].legend(fontsize=7)
@@ -221,6 +251,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--sage", action="store_true")
     ap.add_argument("--sage-vs-flash", action="store_true", help="only sage_vs_flash's table (bf16, D=128, S >= 4k)")
+    ap.add_argument("--mode", choices=sorted(MODES), default="fwd",
+                    help="fwd (default), bwd (the backward alone) or fwdbwd (forward + backward)")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     args = ap.parse_args(argv)
@@ -240,9 +272,9 @@ def main(argv=None) -> int:
                 for c in (False, True) for S in (512, 1024, 2048, 4096, 8192, 16384)]
     rows = []
     for dt, D, causal, S in grid:
-        r = run_case(S, D, dt, causal, args.rounds, args.sage)
+        r = run_case(S, D, dt, causal, args.rounds, args.sage, args.mode)
         rows.append(r)
-        print(f"{r['dtype']} D={D} causal={causal} S={S}: "
+        print(f"{args.mode} {r['dtype']} D={D} causal={causal} S={S}: "
               + ", ".join(f"{n} {t:.0f}" for n, t in r["tflops"].items()) + " TFLOP/s", flush=True)
     print(table(rows))
     if args.json:

@@ -3,19 +3,21 @@
 #
 #   bash benchmarks/gpu_session.sh            # build, report, CUDA tests, quick benchmark
 #   bash benchmarks/gpu_session.sh bench      # build if needed, the full benchmark (JSON + plot)
+#   bash benchmarks/gpu_session.sh bwd        # build if needed, the backward benchmark (JSON)
 #   bash benchmarks/gpu_session.sh sanitize   # build if needed, compute-sanitizer over the CUDA tests
 #
 # The machine starts bare with its own torch and python3 (docs/benchmarks.md, "GPU"), so each call
 # builds in place for the device's own architecture (sm_90a on Hopper) and leaves everything it
 # measured under ${OUT:-benchmarks/results/gpu}: build.log, report.txt, tests.log and the
 # benchmark's JSON, plot and log, or the sanitizer's logs.  The last lines printed are the summary.
-# Our CUDA kernels are opt-in until verified; this script opts in (ATTN_BACKENDS_CUDA_FLASH=1).
+# Our CUDA kernels are opt-in until verified; this script opts in (ATTN_BACKENDS_CUDA_FLASH=1 and
+# ATTN_BACKENDS_CUDA_SAGE=1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-check}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 ATTN_BACKENDS_CUDA_FLASH=1
+export PYTHONUNBUFFERED=1 ATTN_BACKENDS_CUDA_FLASH=1 ATTN_BACKENDS_CUDA_SAGE=1
 py=$(command -v python3 || command -v python)
 if ! command -v python > /dev/null; then # gpu_sanitize.sh calls `python`
   mkdir -p /tmp/ab_bin && ln -sf "$py" /tmp/ab_bin/python && export PATH="/tmp/ab_bin:$PATH"
@@ -61,12 +63,18 @@ case "$what" in
       > "$out/bench.log" 2>&1 || status=1
     tail -40 "$out/bench.log"
     ;;
+  bwd)
+    step "backward benchmark"
+    timeout 540 "$py" benchmarks/bench_cuda.py --mode bwd --json "$out/cuda_bwd.json" > "$out/bench_bwd.log" 2>&1 ||
+      status=1
+    tail -40 "$out/bench_bwd.log"
+    ;;
   sanitize)
     step "compute-sanitizer"
     OUT="$out" timeout 540 bash benchmarks/gpu_sanitize.sh || status=1
     ;;
   *)
-    echo "gpu_session: unknown step '$what' (check, bench, sanitize)" >&2
+    echo "gpu_session: unknown step '$what' (check, bench, bwd, sanitize)" >&2
     exit 2
     ;;
 esac

@@ -128,6 +128,11 @@ typedef struct ab_attn_params {
   ab_causal causal;
   int64_t window_left, window_right; /* -1 = unbounded on that side */
   uint64_t seed, offset;             /* dropout stream (ab_philox.h) */
+  /* CUDA only: [seed, offset] as two int64 in device memory, read by the kernels instead of
+   * seed/offset above; NULL otherwise.  Set when the pair was drawn on the GPU (CUDA graph
+   * capture), where a host value would be frozen into the graph. */
+  const int64_t* rng_dev;
+  int32_t deterministic;             /* backward: bitwise identical results run after run */
 } ab_attn_params;
 
 /* Checks shapes, dtypes and strides of the operands the forward (backward = 0) or the backward

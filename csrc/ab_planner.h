@@ -81,6 +81,9 @@ typedef struct ab_caps {
   int32_t min_d, max_d, d_multiple; /* head dim constraints (0 = none) */
   int32_t min_cc;          /* CUDA: lowest compute capability, x10 (80 = 8.0) */
   int32_t needs_cuda_lib;  /* our CUDA library must hold code for the device */
+  /* CUDA, with a gradient: the largest head dim served on GPUs with 99 KiB of shared memory per
+   * block (sm_86, sm_89, sm_120: ab_cuda_small_smem); 0 = no such limit */
+  int32_t grad_max_d_small_smem;
 } ab_caps;
 
 typedef struct ab_backend_info {
@@ -98,11 +101,14 @@ const ab_backend_info* ab_backend_at(int index);
 /* Canonical index for any accepted name (ASCII case-insensitive, '-' == '_'), or -1. */
 int ab_backend_lookup(const char* name);
 
-/* Serves flash and flash_varlen on CUDA from our kernels (on = 1) or not (0): opt-in while the CUDA
- * flash forward is unverified on a GPU.  Called under the GIL, before planning (plans are cached). */
+/* Serves our CUDA kernels that have not run on a GPU yet (on = 1) or not (0): flash and
+ * flash_varlen (forward and backward) and math's backward.  Opt-in until verified.  Called under
+ * the GIL, before planning (plans are cached). */
 void ab_registry_enable_cuda_flash(int on);
-/* The same for sage on CUDA (its kernel is just as unverified). */
+/* The same for sage on CUDA (forward only; its kernel is just as unverified). */
 void ab_registry_enable_cuda_sage(int on);
+/* 1 for compute capabilities whose blocks get at most 99 KiB of shared memory (8.6, 8.9, 12.x). */
+int ab_cuda_small_smem(int cc);
 /* Records whether a provider backend (torch feature, optional package) exists in this process. */
 void ab_provider_set(int id, int available, const char* why_not);
 /* 1 if backend id is present in this process (always, for non-providers); else 0 and *why_not. */

@@ -38,24 +38,33 @@
   (MASKS | AB_F_MASK_GRAD | CAUSAL | AB_F_WINDOW | AB_F_DROPOUT | AB_F_BACKWARD |              \
    AB_F_DETERMINISTIC | AB_F_GQA | AB_F_DV | AB_F_DENSE)
 
-/* flash on CUDA (csrc/cuda/flash_fwd*.cu): the forward of the dense and packed semantics without
- * masks, dropout or Dv != D; head dims 32..256 in steps of 8; sm_80 and newer.  sage on CUDA
- * (csrc/cuda/sage_fwd*.cu) serves the same calls, dense and packed alike. */
-#define CUDA_FLASH_F (CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_LSE | AB_F_GQA)
+/* The forward features our CUDA tensor-core kernels share (flash and sage): the dense and packed
+ * semantics without masks or Dv != D; head dims 32..256 in steps of 8; sm_80 and newer. */
+#define CUDA_FWD_F (CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_LSE | AB_F_GQA)
+/* flash on CUDA (csrc/cuda/flash_fwd*.cu, flash_bwd*.cu): those, plus dropout, forward and
+ * backward (deterministic on request: docs/cuda.md).  sage on CUDA (csrc/cuda/sage_fwd*.cu) is
+ * CUDA_FWD_F alone: forward only, no dropout. */
+#define CUDA_FLASH_F (CUDA_FWD_F | AB_F_DROPOUT | AB_F_BACKWARD | AB_F_DETERMINISTIC)
+/* the flash backward keeps 4 tiles of 64 x (D + 8) in shared memory: up to D = 128 in 99 KiB */
+#define CUDA_FLASH_GRAD_MAX_D_SMALL_SMEM 128
 
-#define NONE(why) {why, 0, 0, 0, 0, 0, 0, 0}
-#define CAPS(dtypes, features) {NULL, dtypes, features, 0, 0, 0, 0, 0}
+#define NONE(why) {why, 0, 0, 0, 0, 0, 0, 0, 0}
+#define CAPS(dtypes, features) {NULL, dtypes, features, 0, 0, 0, 0, 0, 0}
 #define CAPS_D(dtypes, features, min_d, max_d, mult, min_cc, lib) \
-  {NULL, dtypes, features, min_d, max_d, mult, min_cc, lib}
+  {NULL, dtypes, features, min_d, max_d, mult, min_cc, lib, 0}
 
 #define NOT_BUILT "not built in this version"
-/* The CUDA flash forward compiles in CI but has not run on a GPU yet, so it is opt-in until it is
- * verified: ATTN_BACKENDS_CUDA_FLASH=1 at import (attn_backends/_planner.py) swaps these caps in. */
+/* The CUDA flash kernels and the CUDA math backward compile in CI but have not run on a GPU yet, so
+ * they are opt-in until verified: ATTN_BACKENDS_CUDA_FLASH=1 at import (attn_backends/_planner.py)
+ * swaps these caps in. */
 #define CUDA_FLASH_OFF \
   "the CUDA flash kernel is not verified on a GPU yet (set ATTN_BACKENDS_CUDA_FLASH=1 to use it)"
 /* The CUDA sage forward likewise: ATTN_BACKENDS_CUDA_SAGE=1 at import swaps its caps in. */
 #define CUDA_SAGE_OFF \
   "the CUDA sage kernel is not verified on a GPU yet (set ATTN_BACKENDS_CUDA_SAGE=1 to use it)"
+/* math on CUDA: the forward by default; the backward (csrc/cuda/math_bwd.cu) when opted in */
+#define CUDA_MATH_FWD CAPS_D(ALL_DT, (FULL | AB_F_VARLEN) & ~(AB_F_BACKWARD | AB_F_MASK_GRAD), 0, 0, 0, 80, 1)
+#define CUDA_MATH_ALL CAPS_D(ALL_DT, FULL | AB_F_VARLEN, 0, 0, 0, 80, 1)
 #define NO_KERNEL "no kernel for this device"
 
 static ab_backend_info g_backends[AB_BK_COUNT] = {
@@ -91,8 +100,7 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
     [AB_BK_MATH] = {"math", ALIASES("manual", "reference", "math_reference"), AB_KIND_BUNDLED,
                     "exact reference kernel (float32 scores and accumulation)", 0, 0,
                     /* packed (varlen) calls are padded to dense ones in Python */
-                    {CAPS(ALL_DT, FULL | AB_F_VARLEN),
-                     CAPS_D(ALL_DT, (FULL | AB_F_VARLEN) & ~(AB_F_BACKWARD | AB_F_MASK_GRAD), 0, 0, 0, 80, 1),
+                    {CAPS(ALL_DT, FULL | AB_F_VARLEN), CUDA_MATH_FWD,
                      NONE("no kernel for MPS (eager runs the aten composite there)"),
                      NONE("no kernel for this device (eager runs the aten composite there)")}},
     [AB_BK_EAGER] = {"eager", ALIASES("eager_attention"), AB_KIND_BUNDLED,
@@ -207,15 +215,21 @@ int ab_backend_lookup(const char* name) {
 }
 
 void ab_registry_enable_cuda_flash(int on) {
-  static const ab_caps dense = CAPS_D(HALF_DT, CUDA_FLASH_F | AB_F_DENSE, 32, 256, 8, 80, 1);
-  static const ab_caps packed = CAPS_D(HALF_DT, CUDA_FLASH_F | AB_F_VARLEN, 32, 256, 8, 80, 1);
+  static const ab_caps dense = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_DENSE, 32, 256, 8, 80, 1,
+                                CUDA_FLASH_GRAD_MAX_D_SMALL_SMEM};
+  static const ab_caps packed = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_VARLEN, 32, 256, 8, 80, 1,
+                                 CUDA_FLASH_GRAD_MAX_D_SMALL_SMEM};
   static const ab_caps off = NONE(CUDA_FLASH_OFF);
+  static const ab_caps math_fwd = CUDA_MATH_FWD, math_all = CUDA_MATH_ALL;
   g_backends[AB_BK_FLASH].caps[AB_DEVICE_CUDA] = on ? dense : off;
   g_backends[AB_BK_FLASH_VARLEN].caps[AB_DEVICE_CUDA] = on ? packed : off;
+  g_backends[AB_BK_MATH].caps[AB_DEVICE_CUDA] = on ? math_all : math_fwd;
 }
 
 void ab_registry_enable_cuda_sage(int on) {
-  static const ab_caps caps = CAPS_D(HALF_DT, CUDA_FLASH_F | AB_F_DENSE | AB_F_VARLEN, 32, 256, 8, 80, 1);
+  static const ab_caps caps = CAPS_D(HALF_DT, CUDA_FWD_F | AB_F_DENSE | AB_F_VARLEN, 32, 256, 8, 80, 1);
   static const ab_caps off = NONE(CUDA_SAGE_OFF);
   g_backends[AB_BK_SAGE].caps[AB_DEVICE_CUDA] = on ? caps : off;
 }
+
+int ab_cuda_small_smem(int cc) { return cc == 86 || cc == 89 || cc / 10 == 12; }

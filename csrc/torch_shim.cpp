@@ -13,7 +13,9 @@
 //   flash_varlen_fwd / _bwd      packed sequences: out (Tq, Hq, Dv), lse (Hq, Tq); (dq, dk, dv)
 //   sage_fwd, sage_varlen_fwd    forward only (INT8 Q.K^T); the same outputs as flash's forwards;
 //                                CPU and CUDA
-//   dropout_mask                 the keep-mask the kernels draw, for tests
+//   dropout_mask                 the keep-mask the kernels draw, for tests (on rng_state's device)
+// The backward ops take `deterministic`: on CUDA it picks flash's atomic-free dQ kernel (the CPU
+// kernels and CUDA math are deterministic always).
 #include <dlfcn.h>
 
 #include <optional>
@@ -143,20 +145,33 @@ const ab_cuda_api* cuda_api() {
   return api;
 }
 
-// Reads the (seed, offset) pair that the Python layer drew from torch's generator.
-void read_seed(const Tensor& r, uint64_t& seed, uint64_t& offset) {
-  if (!r.is_cpu() || r.scalar_type() != ScalarType::Long || r.dim() != 1 || r.size(0) != 2)
-    fail("rng_state must be a CPU int64 tensor of shape (2,) holding [seed, offset]");
-  const int64_t* d = static_cast<const int64_t*>(r.data_ptr());
-  seed = static_cast<uint64_t>(d[0]);
-  offset = static_cast<uint64_t>(d[r.stride(0)]);
+// Reads the (seed, offset) pair that the Python layer drew from torch's generator: a CPU tensor
+// is read here; a CUDA one (drawn on the GPU, as under CUDA graph capture, where a host value would
+// be frozen into the graph) stays in device memory and the kernels read it (*rng_dev).
+void read_seed(const Tensor& r, uint64_t& seed, uint64_t& offset, const int64_t** rng_dev) {
+  if (r.scalar_type() != ScalarType::Long || r.dim() != 1 || r.size(0) != 2)
+    fail("rng_state must be an int64 tensor of shape (2,) holding [seed, offset]");
+  seed = offset = 0;
+  *rng_dev = nullptr;
+  if (r.is_cpu()) {
+    const int64_t* d = static_cast<const int64_t*>(r.data_ptr());
+    seed = static_cast<uint64_t>(d[0]);
+    offset = static_cast<uint64_t>(d[r.stride(0)]);
+    return;
+  }
+  if (r.stride(0) != 1) fail("a CUDA rng_state must be contiguous");
+  *rng_dev = static_cast<const int64_t*>(r.data_ptr());
 }
 
 void read_rng(const std::optional<Tensor>& rng, double dropout_p, ab_attn_params& p) {
   p.seed = p.offset = 0;
+  p.rng_dev = nullptr;
   if (!(dropout_p > 0)) return;
   if (!rng.has_value()) fail("dropout_p > 0 needs rng_state (an int64 tensor [seed, offset])");
-  read_seed(*rng, p.seed, p.offset);
+  read_seed(*rng, p.seed, p.offset, &p.rng_dev);
+  if (p.rng_dev != nullptr &&
+      (p.q.device != AB_DEVICE_CUDA || rng->get_device_index() != p.q.device_index))
+    fail("rng_state must be on the CPU or on the inputs' CUDA device");
 }
 
 // Allocation goes straight to at::empty_strided through the stable C shim: the by-name dispatcher
@@ -313,14 +328,38 @@ void run_fwd(Kernel kernel, ab_attn_params& p, const int32_t* cu_q_dev = nullptr
   }
 }
 
-void run_bwd(Kernel kernel, ab_attn_params& p) {
+// Runs a backward kernel on the device of q.  On CUDA the kernel's workspace (delta per query row,
+// flash's float32 dQ accumulator) comes from torch's allocator on q's device and lives for this
+// call only (the caching allocator makes that cheap, and stream order keeps it safe).
+void run_bwd(Kernel kernel, const Tensor& q, ab_attn_params& p, const int32_t* cu_q_dev = nullptr,
+             const int32_t* cu_k_dev = nullptr) {
   ab_error err{};
   if (p.q.device == AB_DEVICE_CPU) {
     ab_cpu_pool pool = torch_pool();
     check(kernel == Kernel::kMath ? ab_math_cpu_bwd(&p, &pool, &err) : ab_flash_cpu_bwd(&p, &pool, &err), err);
+  } else if (p.q.device == AB_DEVICE_CUDA && kernel != Kernel::kSage) {
+    const ab_cuda_api* api = cuda_api();
+    torch::stable::accelerator::DeviceGuard guard(p.q.device_index);
+    const size_t bytes = kernel == Kernel::kMath ? api->math_bwd_workspace(&p) : api->flash_bwd_workspace(&p);
+    Tensor ws = empty_strided(q, {static_cast<int64_t>(bytes)}, {1}, aoti_torch_dtype_uint8());
+    void* wsp = bytes ? ws.data_ptr() : nullptr;
+    void* stream = current_cuda_stream(p.q.device_index);
+    check(kernel == Kernel::kMath ? api->math_bwd(&p, wsp, bytes, stream, &err)
+                                  : api->flash_bwd(&p, cu_q_dev, cu_k_dev, wsp, bytes, stream, &err),
+          err);
   } else {
-    fail(std::string(kernel_name(kernel)) + " has no backward kernel for this device yet");
+    fail(std::string(kernel_name(kernel)) + " has no backward kernel for this device");
   }
+}
+
+// cu_seqlens_q and _k copied to q's device as one (2, B + 1) int32 tensor: the CUDA kernels read
+// them there (the host copies stay in the params for the checks and the grid).
+Tensor cu_seqlens_on_device(const Tensor& q, const Tensor& cu_q, const Tensor& cu_k) {
+  Tensor cu_dev = empty_strided(q, {2, cu_q.size(0)}, {cu_q.size(0), 1}, aoti_torch_dtype_int32());
+  Tensor row_q = torch::stable::select(cu_dev, 0, 0), row_k = torch::stable::select(cu_dev, 0, 1);
+  torch::stable::copy_(row_q, cu_q);
+  torch::stable::copy_(row_k, cu_k);
+  return cu_dev;
 }
 
 // Dense forward: out (B, Hq, Sq, Dv) stored (B, Sq, Hq, Dv), lse (B, Hq, Sq).
@@ -353,7 +392,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dense_bwd(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, std::optional<Tensor> grad_lse, std::optional<Tensor> mask,
     std::optional<Tensor> rng, int64_t causal, double scale, int64_t window_left,
-    int64_t window_right, double softcap, double dropout_p, bool mask_grad) {
+    int64_t window_right, double softcap, double dropout_p, bool mask_grad, bool deterministic) {
   ab_attn_params p = make_params(q, k, v, mask, rng, causal, scale, window_left, window_right,
                                  softcap, dropout_p);
   p.out = view_of(out, "out");
@@ -373,7 +412,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dense_bwd(
   p.dk = view_of(dk, "dk");
   p.dv = view_of(dv, "dv");
   if (mask_grad) p.dmask = view_of(dmask, "grad_mask");
-  run_bwd(K, p);
+  p.deterministic = deterministic;
+  run_bwd(K, q, p);
   return std::make_tuple(dq, dk, dv, dmask);
 }
 
@@ -429,11 +469,7 @@ std::tuple<Tensor, Tensor> varlen_fwd(const Tensor& q, const Tensor& k, const Te
   p.out = view_of(out, "out");
   p.lse = view_of(lse, "lse");
   if (p.q.device == AB_DEVICE_CUDA) {
-    // the kernels read cu_seqlens on the device: one (2, B + 1) int32 copy on q's device
-    Tensor cu_dev = empty_strided(q, {2, cu_q.size(0)}, {cu_q.size(0), 1}, aoti_torch_dtype_int32());
-    Tensor row_q = torch::stable::select(cu_dev, 0, 0), row_k = torch::stable::select(cu_dev, 0, 1);
-    torch::stable::copy_(row_q, cu_q);
-    torch::stable::copy_(row_k, cu_k);
+    Tensor cu_dev = cu_seqlens_on_device(q, cu_q, cu_k);
     const int32_t* base = static_cast<const int32_t*>(cu_dev.data_ptr());
     if constexpr (K == Kernel::kSage)
       run_sage(q, p, base, base + cu_q.size(0));
@@ -451,7 +487,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_varlen_bwd(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, std::optional<Tensor> grad_lse, const Tensor& cu_q, const Tensor& cu_k,
     int64_t max_q, int64_t max_k, std::optional<Tensor> rng, int64_t causal, double scale,
-    int64_t wl, int64_t wr, double softcap, double dropout_p) {
+    int64_t wl, int64_t wr, double softcap, double dropout_p, bool deterministic) {
   ab_attn_params p = make_varlen_params(q, k, v, cu_q, cu_k, max_q, max_k, rng, causal, scale, wl, wr,
                                         softcap, dropout_p);
   p.out = view_of(out, "out");
@@ -465,23 +501,37 @@ std::tuple<Tensor, Tensor, Tensor> flash_varlen_bwd(
   p.dq = view_of(dq, "dq");
   p.dk = view_of(dk, "dk");
   p.dv = view_of(dv, "dv");
-  run_bwd(Kernel::kFlash, p);
+  p.deterministic = deterministic;
+  if (p.q.device == AB_DEVICE_CUDA) {
+    Tensor cu_dev = cu_seqlens_on_device(q, cu_q, cu_k);
+    const int32_t* base = static_cast<const int32_t*>(cu_dev.data_ptr());
+    run_bwd(Kernel::kFlash, q, p, base, base + cu_q.size(0));
+  } else {
+    run_bwd(Kernel::kFlash, q, p);
+  }
   return std::make_tuple(dq, dk, dv);
 }
 
 Tensor dropout_mask(const Tensor& rng, int64_t B, int64_t H, int64_t Sq, int64_t Sk,
                     double dropout_p) {
   uint64_t seed = 0, offset = 0;
-  read_seed(rng, seed, offset);
+  const int64_t* rng_dev = nullptr;
+  read_seed(rng, seed, offset, &rng_dev);
   if (B < 0 || H < 0 || Sq < 0 || Sk < 0) fail("dropout_mask sizes must be non-negative");
   std::vector<int64_t> shape{B, H, Sq, Sk};
   Tensor keep = empty_strided(rng, shape, contiguous_strides(shape), aoti_torch_dtype_bool());
-  ab_cpu_pool pool = torch_pool();
+  uint8_t* out = static_cast<uint8_t*>(keep.numel() ? keep.data_ptr() : nullptr);
   ab_error err{};
-  check(ab_dropout_mask_cpu(seed, offset, dropout_p, B, H, Sq, Sk,
-                            static_cast<uint8_t*>(keep.numel() ? keep.data_ptr() : nullptr), &pool,
-                            &err),
-        err);
+  if (rng.is_cpu()) {  // the mask lives where rng_state does
+    ab_cpu_pool pool = torch_pool();
+    check(ab_dropout_mask_cpu(seed, offset, dropout_p, B, H, Sq, Sk, out, &pool, &err), err);
+  } else {
+    const ab_cuda_api* api = cuda_api();
+    const int32_t device = rng.get_device_index();
+    torch::stable::accelerator::DeviceGuard guard(device);
+    check(api->dropout_mask(seed, offset, rng_dev, dropout_p, B, H, Sq, Sk, out, current_cuda_stream(device), &err),
+          err);
+  }
   return keep;
 }
 
@@ -498,7 +548,7 @@ extern "C" ab_shim_info ab_shim_info_get(void) {
 #define AB_DENSE_BWD_ARGS                                                                      \
   "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse, "      \
   "Tensor? attn_mask, Tensor? rng_state, int causal, float scale, int window_left, "               \
-  "int window_right, float softcap, float dropout_p, bool mask_grad) "                              \
+  "int window_right, float softcap, float dropout_p, bool mask_grad, bool deterministic=False) "      \
   "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)"
 
 STABLE_TORCH_LIBRARY(attn_backends, m) {
@@ -514,7 +564,8 @@ STABLE_TORCH_LIBRARY(attn_backends, m) {
       "flash_varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? grad_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, Tensor? rng_state, int causal, float scale, int window_left, "
-      "int window_right, float softcap, float dropout_p) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int window_right, float softcap, float dropout_p, bool deterministic=False) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("sage_fwd" AB_DENSE_FWD_ARGS);
   m.def(
       "sage_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
@@ -523,23 +574,23 @@ STABLE_TORCH_LIBRARY(attn_backends, m) {
   m.def("dropout_mask(Tensor rng_state, int B, int H, int Sq, int Sk, float dropout_p) -> Tensor");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(attn_backends, CPU, m) {
+namespace {
+
+// CPU and CUDA register the same functions: each dispatches on the tensors' device itself.
+void impl_ops(torch::stable::detail::StableLibrary& m) {
   m.impl("math_fwd", TORCH_BOX(&dense_fwd<Kernel::kMath>));
   m.impl("math_bwd", TORCH_BOX(&dense_bwd<Kernel::kMath>));
   m.impl("flash_fwd", TORCH_BOX(&dense_fwd<Kernel::kFlash>));
   m.impl("flash_bwd", TORCH_BOX(&dense_bwd<Kernel::kFlash>));
   m.impl("flash_varlen_fwd", TORCH_BOX(&varlen_fwd<Kernel::kFlash>));
+  m.impl("flash_varlen_bwd", TORCH_BOX(&flash_varlen_bwd));
   m.impl("sage_fwd", TORCH_BOX(&dense_fwd<Kernel::kSage>));
   m.impl("sage_varlen_fwd", TORCH_BOX(&varlen_fwd<Kernel::kSage>));
-  m.impl("flash_varlen_bwd", TORCH_BOX(&flash_varlen_bwd));
   m.impl("dropout_mask", TORCH_BOX(&dropout_mask));
 }
 
-STABLE_TORCH_LIBRARY_IMPL(attn_backends, CUDA, m) {
-  m.impl("math_fwd", TORCH_BOX(&dense_fwd<Kernel::kMath>));
-  m.impl("math_bwd", TORCH_BOX(&dense_bwd<Kernel::kMath>));
-  m.impl("flash_fwd", TORCH_BOX(&dense_fwd<Kernel::kFlash>));
-  m.impl("flash_varlen_fwd", TORCH_BOX(&varlen_fwd<Kernel::kFlash>));
-  m.impl("sage_fwd", TORCH_BOX(&dense_fwd<Kernel::kSage>));
-  m.impl("sage_varlen_fwd", TORCH_BOX(&varlen_fwd<Kernel::kSage>));
-}
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(attn_backends, CPU, m) { impl_ops(m); }
+
+STABLE_TORCH_LIBRARY_IMPL(attn_backends, CUDA, m) { impl_ops(m); }

@@ -1,6 +1,8 @@
-"""CUDA tests (marked `cuda`, skipped without a GPU): the math and flash forward kernels (dense and
-varlen) against the float64 reference, results on a non-default stream, the same dropout stream as
-the CPU kernels, fully masked rows, and the training fallback.  One command on a GPU machine: `python -m pytest -m cuda tests/`."""
+"""CUDA tests (marked `cuda`, skipped without a GPU): the math and flash kernels, forward and backward
+(dense and varlen), against the float64 reference; results on a non-default stream; dropout (the
+same stream as the CPU kernels, its statistics, the backward replaying the forward's mask, fresh
+masks on each CUDA graph replay); the deterministic backward bit for bit over repeated runs; fully
+masked rows.  One command on a GPU machine: `python -m pytest -m cuda tests/`."""
 
 import dataclasses
 import math
@@ -10,16 +12,18 @@ import pytest
 import torch
 
 import attn_backends as ab
-from attn_backends import _dispatch
-from attn_backends._testing import (Case, cases, check_2x, check_against_reference, make_packed, reference_attention,
-                                    varlen_reference)
+from attn_backends import _dispatch, _providers
+from attn_backends._ops import ops
+from attn_backends._testing import (Case, cases, check_2x, check_against_reference, make_inputs, make_packed,
+                                    reference_attention, varlen_reference)
 
 pytestmark = pytest.mark.cuda
 
 
 @pytest.fixture(autouse=True)
 def cuda_flash_on():
-    # our CUDA flash forward is opt-in until verified (ATTN_BACKENDS_CUDA_FLASH=1); these tests verify it
+    # our CUDA flash kernels and the CUDA math backward are opt-in until verified
+    # (ATTN_BACKENDS_CUDA_FLASH=1); these tests verify them
     ab._C.enable_cuda_flash(True)
     _dispatch.reset_caches()
     yield
@@ -130,12 +134,13 @@ def test_cuda_flash_fully_masked_rows_are_zero():
     assert torch.isfinite(out).all()
 
 
-def test_cuda_flash_training_falls_back_with_a_warning(caplog):
+def test_cuda_flash_with_a_mask_falls_back():
     q, k, v = (torch.randn(1, 2, 33, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    assert ab.explain(q, k, v, backend="flash").chosen != "flash"  # no CUDA backward yet
+    bias = torch.randn(33, 33, device="cuda", dtype=torch.bfloat16)
+    assert ab.explain(q, k, v, backend="flash", attn_mask=bias).chosen != "flash"  # no masks in CUDA flash
     with pytest.raises(RuntimeError):
-        ab.attention(q, k, v, backend="flash", strict=True)
+        ab.attention(q, k, v, backend="flash", attn_mask=bias, strict=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -144,9 +149,226 @@ def test_cuda_flash_varlen_matches_reference(dtype, causal, window, gen):
     lens_q, lens_k = [1, 130, 0, 67, 513], [5, 130, 9, 300, 513]
     q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, 4, 2, 128, 128, dtype, gen)
     q, k, v = q.cuda(), k.cuda(), v.cuda()
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
     out, lse = ab.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), backend="flash_varlen",
                                    causal=causal, window=window, return_lse=True, strict=True)
-    r_out, r_lse = varlen_reference(q, k, v, cu_q, cu_k, causal=causal, window=window)
-    d_out, d_lse = varlen_reference(q, k, v, cu_q, cu_k, dtype=dtype, causal=causal, window=window)
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    r_out, r_lse = varlen_reference(*leaves64, cu_q, cu_k, causal=causal, window=window)
+    d_out, d_lse = varlen_reference(*leaves, cu_q, cu_k, dtype=dtype, causal=causal, window=window)
     check_2x("out", out, r_out, d_out, 2, dtype)
     check_2x("lse", lse, r_lse, d_lse, 2, dtype)
+    g = torch.randn(out.shape, generator=gen).to(device="cuda", dtype=dtype)
+    ours = torch.autograd.grad(out, (q, k, v), g)
+    ref = torch.autograd.grad(r_out, leaves64, g.double())
+    same = torch.autograd.grad(d_out, leaves, g)
+    for name, a, r, d in zip(("dq", "dk", "dv"), ours, ref, same):
+        check_2x(name, a, r, d, 3, dtype)
+
+
+# ---- backward (csrc/cuda/math_bwd.cu, flash_bwd*.cu) ---------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(cases(quick=True)), ids=str)
+def test_cuda_math_backward_matches_reference(case, gen):
+    check_against_reference(case, run_math, grad=True, device="cuda", generator=gen)
+
+
+@pytest.mark.parametrize("case", [c for c in _flash_cases() if c.Sq * c.Sk <= 2048 * 2048], ids=str)
+def test_cuda_flash_backward_matches_reference(case, gen):
+    check_against_reference(case, run_flash, grad=True, device="cuda", generator=gen)
+
+
+@pytest.mark.parametrize("backend", ["math", "flash"])
+def test_cuda_backward_with_lse_gradient_and_broadcast_grad_out(backend, gen):
+    # sum() hands the backward a stride-0 grad_out; lse's gradient flows into delta
+    case = Case(B=2, Hq=4, Hkv=2, Sq=70, Sk=130, D=64, dtype=torch.bfloat16, causal="bottom_right")
+    q, k, v, _ = make_inputs(case, device="cuda", requires_grad=True, generator=gen)
+    out, lse = ab.attention(q, k, v, backend=backend, causal=case.causal, return_lse=True, strict=True)
+    ours = torch.autograd.grad(out.float().sum() + lse.sum(), (q, k, v))
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    r_out, r_lse = reference_attention(*leaves64, causal=case.causal)
+    ref = torch.autograd.grad(r_out.sum() + r_lse.sum(), leaves64)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    d_out, d_lse = reference_attention(*leaves, causal=case.causal, dtype=case.dtype)
+    same = torch.autograd.grad(d_out.float().sum() + d_lse.sum(), leaves)
+    for name, a, r, d in zip(("dq", "dk", "dv"), ours, ref, same):
+        check_2x(name, a, r, d, 3, case.dtype)
+
+
+def test_cuda_math_float_mask_gradient(gen):
+    q = torch.randn(2, 4, 7, 16, generator=gen).cuda().requires_grad_()
+    k, v = (torch.randn(2, 2, 11, 16, generator=gen).cuda().requires_grad_() for _ in range(2))
+    bias = torch.randn(1, 4, 7, 11, generator=gen).cuda().requires_grad_()
+    out = ab.attention(q, k, v, attn_mask=bias, causal=True, softcap=4.0, backend="math", strict=True)
+    g = torch.randn(out.shape, generator=gen).cuda()
+    ours = torch.autograd.grad(out, (q, k, v, bias), g)
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    r_out, _ = reference_attention(*leaves64[:3], attn_mask=leaves64[3], causal=True, softcap=4.0)
+    ref = torch.autograd.grad(r_out, leaves64, g.double())
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+    d_out, _ = reference_attention(*leaves[:3], attn_mask=leaves[3], causal=True, softcap=4.0, dtype=torch.float32)
+    same = torch.autograd.grad(d_out, leaves, g)
+    for name, a, r, d in zip(("dq", "dk", "dv", "dmask"), ours, ref, same):
+        check_2x(name, a, r, d, 3, torch.float32)
+
+
+def test_cuda_fully_masked_rows_get_zero_gradient():
+    q = torch.randn(1, 2, 40, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 25, 64, device="cuda", dtype=torch.float16, requires_grad=True) for _ in range(2))
+    for backend in ("flash", "math"):
+        out = ab.attention(q, k, v, causal="bottom_right", backend=backend, strict=True)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.randn_like(out))
+        assert torch.all(dq[:, :, :15] == 0), backend  # rows 0..14 see no key
+        assert all(torch.isfinite(t).all() for t in (dq, dk, dv)), backend
+
+
+def _grads(fn, q, k, v, g):
+    out = fn(q, k, v)
+    return torch.cat([t.flatten().float() for t in torch.autograd.grad(out, (q, k, v), g)])
+
+
+@pytest.mark.parametrize("how", ["argument", "torch_flag"])
+@pytest.mark.parametrize("D, causal, Hkv", [(64, False, 4), (128, True, 1), (256, "bottom_right", 2)])
+def test_cuda_flash_deterministic_backward_is_bitwise_reproducible(how, D, causal, Hkv):
+    q = torch.randn(2, 4, 777, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, Hkv, 1029, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    g = torch.randn(2, 4, 777, D, device="cuda", dtype=torch.bfloat16)
+    det = how == "argument"
+
+    def fn(q, k, v):
+        return ab.attention(q, k, v, causal=causal, backend="flash", strict=True, deterministic=det)
+
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(how == "torch_flag" or before)
+    try:
+        first = _grads(fn, q, k, v, g)
+        for _ in range(4):
+            assert torch.equal(_grads(fn, q, k, v, g), first)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    # the fast (atomic) path computes the same gradients up to the order of float32 additions
+    fast = _grads(lambda q, k, v: ab.attention(q, k, v, causal=causal, backend="flash", strict=True), q, k, v, g)
+    assert (fast - first).abs().max().item() <= 2e-2 * first.abs().max().item()
+
+
+def test_cuda_math_backward_is_bitwise_reproducible():
+    q, k, v = (torch.randn(1, 4, 300, 64, device="cuda", dtype=torch.float32, requires_grad=True) for _ in range(3))
+    g = torch.randn(1, 4, 300, 64, device="cuda")
+
+    def fn(q, k, v):
+        return ab.attention(q, k, v, causal=True, dropout_p=0.2, backend="math", strict=True)
+
+    torch.manual_seed(3)
+    first = _grads(fn, q, k, v, g)
+    for _ in range(3):
+        torch.manual_seed(3)
+        assert torch.equal(_grads(fn, q, k, v, g), first)
+
+
+# ---- dropout on CUDA -----------------------------------------------------------------------------
+
+
+def test_cuda_dropout_mask_is_the_cpu_mask():
+    rng = _providers.draw_rng_state()
+    for shape in [(2, 3, 37, 41), (1, 1, 5, 4099), (1, 2, 1, 1)]:
+        cpu = ops.dropout_mask(rng, *shape, 0.3)
+        gpu = ops.dropout_mask(rng.cuda(), *shape, 0.3)
+        assert gpu.is_cuda and torch.equal(gpu.cpu(), cpu)
+
+
+def test_cuda_dropout_keep_fraction_matches_p():
+    n_rows, Sk = 1024, 1021
+    for p in (0.1, 0.5, 0.9):
+        keep = ops.dropout_mask(_providers.draw_rng_state().cuda(), 1, 1, n_rows, Sk, p).double()
+        sigma = math.sqrt(p * (1 - p) / keep.numel())
+        assert abs(keep.mean().item() - (1 - p)) < 6 * sigma, p
+        cols = keep.mean(dim=(0, 1, 2))
+        assert (cols - (1 - p)).abs().max() < 6 * math.sqrt(p * (1 - p) / n_rows)
+
+
+def _keep_for_next_call(seed, B, H, Sq, Sk, p):
+    torch.manual_seed(seed)
+    return ops.dropout_mask(_providers.draw_rng_state(), B, H, Sq, Sk, p)
+
+
+@pytest.mark.parametrize("backend, dtype, D", [("math", torch.float32, 40), ("math", torch.float64, 24),
+                                               ("flash", torch.bfloat16, 64), ("flash", torch.float16, 128),
+                                               ("flash", torch.bfloat16, 256)])
+@pytest.mark.parametrize("p", [0.1, 0.6])
+def test_cuda_dropout_forward_and_backward_replay_the_mask(backend, dtype, D, p, gen):
+    case = Case(B=2, Hq=4, Hkv=2, Sq=77, Sk=130, D=D, dtype=dtype, causal=True)
+    q, k, v, _ = make_inputs(case, device="cuda", requires_grad=True, generator=gen)
+    keep = _keep_for_next_call(99, case.B, case.Hq, case.Sq, case.Sk, p).cuda()
+    torch.manual_seed(99)
+    out = ab.attention(q, k, v, causal=True, dropout_p=p, backend=backend, strict=True)
+    g = torch.randn(out.shape, generator=gen).to(device="cuda", dtype=dtype)
+    ours = torch.autograd.grad(out, (q, k, v), g)
+    opts = dict(causal=True, keep=keep, dropout_p=p)
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    r_out, _ = reference_attention(*leaves64, **opts)
+    ref = torch.autograd.grad(r_out, leaves64, g.double())
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    d_out, _ = reference_attention(*leaves, dtype=dtype, **opts)
+    same = torch.autograd.grad(d_out, leaves, g)
+    check_2x("out", out, r_out, d_out, 2, dtype)
+    for name, a, r, d in zip(("dq", "dk", "dv"), ours, ref, same):
+        check_2x(name, a, r, d, 3, dtype)
+
+
+def test_cuda_dropout_same_seed_same_output_on_cpu_and_cuda():
+    # the same torch.manual_seed draws the same (seed, offset) and the same mask on both devices
+    q, k, v = (torch.randn(2, 4, 50, 64, dtype=torch.float32) for _ in range(3))
+    torch.manual_seed(5)
+    cpu = ab.attention(q, k, v, dropout_p=0.3, backend="math", strict=True)
+    for backend, dtype in (("math", torch.float32), ("flash", torch.bfloat16)):
+        torch.manual_seed(5)
+        out = ab.attention(*(t.cuda().to(dtype) for t in (q, k, v)), dropout_p=0.3, backend=backend, strict=True)
+        assert (out.float().cpu() - cpu).abs().max().item() < (1e-5 if dtype == torch.float32 else 5e-2), backend
+
+
+def test_cuda_flash_varlen_dropout_matches_its_padded_dense_twin(gen):
+    # packed and dense calls number dropout rows alike ((b * Hq + h) * max_seqlen_q + i)
+    lens = [37, 64, 5]
+    q, k, v, cu_q, cu_k = make_packed(lens, lens, 4, 2, 64, 64, torch.bfloat16, gen)
+    q, k, v = q.cuda(), k.cuda(), v.cuda()
+    torch.manual_seed(21)
+    packed = ab.attention_varlen(q, k, v, cu_q, cu_k, 64, 64, dropout_p=0.4, causal=True, backend="flash_varlen",
+                                 strict=True)
+    torch.manual_seed(21)
+    padded = ab.attention_varlen(q, k, v, cu_q, cu_k, 64, 64, dropout_p=0.4, causal=True, backend="math",
+                                 strict=True)
+    assert (packed.float() - padded.float()).abs().max().item() < 5e-2
+
+
+@pytest.mark.parametrize("backend", ["math", "flash"])
+def test_cuda_dropout_advances_on_each_cuda_graph_replay(backend):
+    q, k, v = (torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = torch.randn(1, 2, 64, 64, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        out = ab.attention(q, k, v, dropout_p=0.5, backend=backend, strict=True)
+        out.backward(g)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the graph (allocations, plans)
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in (q, k, v):
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    results = []
+    for _ in range(3):
+        for t in (q, k, v):
+            t.grad.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        results.append((out.clone(), v.grad.clone()))
+    assert not torch.equal(results[0][0], results[1][0]) and not torch.equal(results[1][0], results[2][0])
+    assert not torch.equal(results[0][1], results[1][1])  # the backward follows the fresh mask
+    for o, dv in results:
+        assert torch.isfinite(o).all() and torch.isfinite(dv).all()

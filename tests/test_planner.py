@@ -338,7 +338,6 @@ def test_cuda_flash_opt_in_serves_what_it_supports(cuda_flash_on):
     # what it does not serve goes down the chain, with the reason
     assert plan(device=CUDA, cc=90, dtype="float32").chosen != "flash"
     assert "float32" in plan(device=CUDA, cc=90, dtype="float32").reasons["flash"]
-    assert plan(device=CUDA, cc=90, dtype="bfloat16", need_grad=1).chosen != "flash"
     assert plan(device=CUDA, cc=90, dtype="bfloat16", mask=1).chosen != "flash"
     assert plan(device=CUDA, cc=90, dtype="bfloat16", D=40).chosen == "flash"  # padded to 64 inside
     assert plan(device=CUDA, cc=90, dtype="bfloat16", D=36).chosen != "flash"  # not a multiple of 8
@@ -346,6 +345,54 @@ def test_cuda_flash_opt_in_serves_what_it_supports(cuda_flash_on):
     assert plan(device=CUDA, cc=90, dtype="bfloat16", D=64, Dv=32).chosen != "flash"
     assert plan(device=CUDA, cc=75, dtype="bfloat16").chosen != "flash"
     assert plan(device=CUDA, cc=90, lib=0, dtype="bfloat16").chosen != "flash"
+
+
+def test_cuda_flash_opt_in_serves_training_dropout_and_deterministic(cuda_flash_on):
+    # the CUDA flash backward (csrc/cuda/flash_bwd*.cu) and dropout, dense and packed
+    for varlen, name in ((0, "flash"), (1, "flash_varlen")):
+        p = plan(device=CUDA, cc=90, dtype="bfloat16", need_grad=1, dropout=1, causal=1, window=1, softcap=1,
+                 gqa=1, varlen=varlen, D=128)
+        assert p.chosen == name, p.reasons[name]
+        assert plan(device=CUDA, cc=80, dtype="float16", need_grad=1, deterministic=1, varlen=varlen,
+                    D=256).chosen == name
+    # still nothing it does not have: masks, float32, Dv != D
+    assert plan(device=CUDA, cc=90, dtype="bfloat16", need_grad=1, mask=2, mask_grad=1).chosen != "flash"
+    assert plan(device=CUDA, cc=90, dtype="float32", need_grad=1).chosen != "flash"
+
+
+@pytest.mark.parametrize("cc", [86, 89, 120])
+def test_cuda_flash_backward_head_dims_on_99k_shared_memory_gpus(cuda_flash_on, cc):
+    # the backward's tiles for D > 128 need more than the 99 KiB a block gets on these GPUs: the
+    # planner falls back for training there, and serves inference (the forward fits) and D <= 128
+    big = plan(device=CUDA, cc=cc, dtype="bfloat16", need_grad=1, D=192)
+    assert big.chosen != "flash" and "shared memory" in big.reasons["flash"]
+    assert plan(device=CUDA, cc=cc, dtype="bfloat16", need_grad=0, D=256).chosen == "flash"
+    assert plan(device=CUDA, cc=cc, dtype="bfloat16", need_grad=1, D=128).chosen == "flash"
+    assert plan(device=CUDA, cc=90, dtype="bfloat16", need_grad=1, D=256).chosen == "flash"
+
+
+def test_cuda_math_backward_is_opt_in_with_the_cuda_kernels(cuda_flash_on):
+    # csrc/cuda/math_bwd.cu is unverified like the flash kernels, so the same switch serves it
+    p = plan(device=CUDA, cc=90, dtype="float64", need_grad=1, mask=2, mask_grad=1, dropout=1, requested="math")
+    assert p.chosen == "math", p.reasons["math"]
+    _C.enable_cuda_flash(False)
+    ab._dispatch.reset_caches()
+    p = plan(device=CUDA, cc=90, dtype="float64", need_grad=1, requested="math")
+    assert p.chosen != "math" and "gradient" in p.reasons["math"]
+    assert plan(device=CUDA, cc=90, dtype="float64", requested="math").chosen == "math"  # the forward stays
+
+
+def test_deterministic_argument_reaches_the_planner():
+    q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+    assert ab.explain(q, k, v, deterministic=True).call["deterministic"]
+    assert not ab.explain(q, k, v).call["deterministic"]
+    # on the CPU every kernel is deterministic: the same gradients, bit for bit
+    grads = []
+    for det in (False, True):
+        qq, kk, vv = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        ab.attention(qq, kk, vv, causal=True, deterministic=det).sum().backward()
+        grads.append(torch.cat([t.grad.flatten() for t in (qq, kk, vv)]))
+    assert torch.equal(grads[0], grads[1])
 
 
 @pytest.fixture
@@ -395,3 +442,12 @@ def test_cuda_sage_opt_in_serves_inference_only(cuda_sage_on):
 def test_cuda_sage_switch_leaves_cuda_flash_alone(cuda_sage_on):
     # each unverified CUDA kernel has its own switch
     assert plan(device=CUDA, cc=90, dtype="bfloat16", requested="flash").chosen != "flash"
+
+
+def test_cuda_sage_stays_forward_only_beside_the_cuda_flash_backward(cuda_flash_on, cuda_sage_on):
+    # both switches on: flash serves training and dropout on CUDA, sage still neither
+    p = plan(device=CUDA, cc=90, dtype="bfloat16", need_grad=1, requested="sage")
+    assert p.chosen == "flash" and p.reasons["sage"] == "forward only, and this call needs a gradient"
+    p = plan(device=CUDA, cc=90, dtype="bfloat16", dropout=1, requested="sage")
+    assert p.chosen == "flash" and "dropout" in p.reasons["sage"]
+    assert plan(device=CUDA, cc=90, dtype="bfloat16", requested="sage").chosen == "sage"

@@ -17,7 +17,7 @@ extern "C" {
 
 /* Bumped whenever the table's layout or a launcher's contract changes; the loader refuses a
  * library with another version (a stale build beside a fresh module). */
-#define AB_CUDA_API_VERSION 3
+#define AB_CUDA_API_VERSION 4
 
 typedef struct ab_cuda_api {
   int api_version;
@@ -30,7 +30,7 @@ typedef struct ab_cuda_api {
   ab_status (*math_fwd)(const ab_attn_params* p, void* stream, ab_error* err);
   /* flash forward (FlashAttention-2): float16/bfloat16, D and Dv multiples of 8 up to 256 (D == Dv is
    * the usual case; both are padded to the next instantiated head dim), both causal alignments,
-   * window, softcap, GQA/MQA, lse; no mask, no dropout.  Dense when p->cu_seqlens_q is NULL.
+   * window, softcap, dropout, GQA/MQA, lse; no mask.  Dense when p->cu_seqlens_q is NULL.
    * Packed (varlen): q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), out (Tq, Hq, Dv), lse (Hq, Tq);
    * p->cu_seqlens_q/k are the host copies (B + 1 entries; p->Sq/p->Sk are max_seqlen_q/k), and
    * cu_seqlens_q_dev/k_dev the same values in device memory, read by the kernel. */
@@ -44,6 +44,28 @@ typedef struct ab_cuda_api {
   ab_status (*sage_fwd)(const ab_attn_params* p, const int32_t* cu_seqlens_q_dev,
                         const int32_t* cu_seqlens_k_dev, void* workspace, size_t* workspace_bytes,
                         void* stream, ab_error* err);
+  /* Every launcher that serves dropout (math_fwd, flash_fwd, math_bwd, flash_bwd) reads the dropout
+   * pair from p->rng_dev (device memory) when it is set, else from p->seed / p->offset; the mapping
+   * to keep/drop is ab_philox.h's, as on the CPU.  sage_fwd takes no dropout. */
+
+  /* Bytes of workspace math_bwd / flash_bwd need for this call (0 is possible); the caller
+   * allocates it (torch's allocator) on the call's device and passes it in. */
+  size_t (*math_bwd_workspace)(const ab_attn_params* p);
+  size_t (*flash_bwd_workspace)(const ab_attn_params* p);
+  /* math backward: every feature (masks and the float mask's gradient, dlse, dropout), every
+   * dtype; deterministic always (no atomics). */
+  ab_status (*math_bwd)(const ab_attn_params* p, void* workspace, size_t workspace_bytes, void* stream,
+                        ab_error* err);
+  /* flash backward (FlashAttention-2): what flash_fwd serves, plus dropout; dense or packed (the
+   * cu_seqlens arguments as in flash_fwd).  p->deterministic picks the dQ path: a separate dQ kernel
+   * (bitwise reproducible) or float32 atomics (faster). */
+  ab_status (*flash_bwd)(const ab_attn_params* p, const int32_t* cu_seqlens_q_dev,
+                         const int32_t* cu_seqlens_k_dev, void* workspace, size_t workspace_bytes,
+                         void* stream, ab_error* err);
+  /* The keep-mask (1 = kept) the kernels draw, (B, H, Sq, Sk) contiguous uint8 in device memory;
+   * rng_dev as in ab_attn_params (NULL: seed and offset). */
+  ab_status (*dropout_mask)(uint64_t seed, uint64_t offset, const int64_t* rng_dev, double p, int64_t B,
+                            int64_t H, int64_t Sq, int64_t Sk, uint8_t* keep, void* stream, ab_error* err);
 } ab_cuda_api;
 
 AB_EXPORT const ab_cuda_api* ab_cuda_api_get(void);

@@ -44,8 +44,10 @@ int supports_cc(int cc) {
 }
 
 const ab_cuda_api kApi = {
-    AB_CUDA_API_VERSION, AB_CUDA_ARCHS, device_capability, supports_cc, ab_cuda_math_fwd,
-    ab_cuda_flash_fwd, ab_cuda_sage_fwd,
+    AB_CUDA_API_VERSION,        AB_CUDA_ARCHS,    device_capability,
+    supports_cc,                ab_cuda_math_fwd, ab_cuda_flash_fwd,
+    ab_cuda_sage_fwd,           ab_cuda_math_bwd_workspace, ab_cuda_flash_bwd_workspace,
+    ab_cuda_math_bwd,           ab_cuda_flash_bwd, ab_cuda_dropout_mask,
 };
 
 }  // namespace

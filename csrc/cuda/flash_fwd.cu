@@ -4,35 +4,27 @@
 // it was written on has no GPU).  Check it against the math kernel before trusting a number.
 //
 // What it does: checks the call, rounds the head dim up to an instantiated size, fills the
-// kernel's FwdParams (flash_fwd.cuh) for dense or packed (varlen) operands and launches one thread
-// block per (query tile, head, batch).  The kernel is in flash_fwd_kernel.cuh, its instantiations
-// in flash_fwd_hdim*.cu, the tile table in flash_fwd.cuh.
+// kernel's FwdParams (flash_fwd.cuh) for dense or packed (varlen) operands (ab_flash::prepare, the
+// one preparation path that the backward's and sage's launchers share) and launches one thread block per (query tile, head, batch).
+// The kernel is in flash_fwd_kernel.cuh, its instantiations in flash_fwd_hdim*.cu, the tile table
+// in flash_fwd.cuh.
 //
 // Served: float16 and bfloat16; D and Dv multiples of 8 up to 256; causal (top-left and
-// bottom-right), window, softcap, GQA/MQA, lse; any strides whose last dimension is contiguous and
-// whose other strides (and data pointers) keep rows 16-byte aligned.  Not served (AB_ERR_UNSUPPORTED,
-// so the caller can fall back): float32/float64, attn_mask, dropout, other strides.
+// bottom-right), window, softcap, dropout, GQA/MQA, lse; any strides whose last dimension is
+// contiguous and whose other strides (and data pointers) keep rows 16-byte aligned.  Not served
+// (AB_ERR_UNSUPPORTED, so the caller can fall back): float32/float64, attn_mask, other strides.
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
 
 #include "ab_cuda_internal.h"
 #include "flash_fwd.cuh"
+#include "../ab_philox.h"
 
-namespace {
+namespace ab_flash {
 
-using ab_flash::FwdParams;
-using ab_flash::FwdTile;
-
-// Longest sequence the kernel indexes with 32-bit row numbers (with room for a tile past the end).
-constexpr int64_t kMaxSeqLen = (int64_t)1 << 30;
-
-// The stride of a dim of size <= 1 is never multiplied by a non-zero index: report 0 so that an
-// arbitrary stride there (torch allows any) does not fail the alignment check.
 int64_t eff_stride(const ab_tensor& t, int dim) { return t.sizes[dim] <= 1 ? 0 : t.strides[dim]; }
 
-// Rows of `t` must be 16-byte chunks the kernel can cp.async: contiguous last dim, 16-byte
-// aligned data, every other stride a multiple of 8 elements.
 ab_status check_layout(const ab_tensor& t, const char* who, const char* name, ab_error* err) {
   const int last = t.ndim - 1;
   if (t.sizes[last] > 1 && t.strides[last] != 1)
@@ -49,15 +41,109 @@ ab_status check_layout(const ab_tensor& t, const char* who, const char* name, ab
   return AB_OK;
 }
 
+namespace {
+
+// Longest sequence the kernel indexes with 32-bit row numbers (with room for a tile past the end).
+constexpr int64_t kMaxSeqLen = (int64_t)1 << 30;
+
 int64_t clamp_window(int64_t w, int64_t Sq, int64_t Sk) {
   // A window wider than Sq + Sk hides nothing, so it is unbounded; this keeps i' +- w in range.
   return w < 0 || w > Sq + Sk ? -1 : w;
 }
 
+}  // namespace
+
+ab_status prepare(const ab_attn_params* p, const Serves& serves, const int32_t* cu_q_dev, const int32_t* cu_k_dev,
+                  FwdParams& fp, bool* empty, ab_error* err) {
+  const char* who = serves.who;
+  *empty = false;
+  ab_status st = ab_attn_params_check(p, serves.backward, err);
+  if (st != AB_OK) return st;
+  if (p->q.device != AB_DEVICE_CUDA)
+    return ab_error_set(err, AB_ERR_INVALID, "%s CUDA kernel called with non-CUDA tensors", who);
+  if (p->q.dtype != AB_DTYPE_F16 && p->q.dtype != AB_DTYPE_BF16)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA takes float16 or bfloat16, got %s", who,
+                        ab_dtype_name(p->q.dtype));
+  if (p->mask.ndim) return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA takes no attn_mask", who);
+  if (p->dropout_p > 0 && !serves.dropout)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA has no dropout (dropout_p = %g)", who, p->dropout_p);
+  const bool packed = p->cu_seqlens_q != nullptr;
+  if (packed && (cu_q_dev == nullptr || cu_k_dev == nullptr))
+    return ab_error_set(err, AB_ERR_INVALID, "%s on CUDA: packed call without device cu_seqlens", who);
+  const int64_t dmax = p->D > p->Dv ? p->D : p->Dv;
+  if (p->D % 8 != 0 || p->Dv % 8 != 0 || p->Dv == 0 || dmax > serves.max_head_dim)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED,
+                        "%s on CUDA takes head dims that are multiples of 8 up to %d, got D=%lld Dv=%lld", who,
+                        serves.max_head_dim, (long long)p->D, (long long)p->Dv);
+  if (p->Sq > kMaxSeqLen || p->Sk > kMaxSeqLen)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA takes sequences up to 2^30 rows", who);
+  if (p->B == 0 || p->Hq == 0 || (p->Sq == 0 && !serves.backward)) {
+    *empty = true;  // the layout of empty tensors does not matter
+    return AB_OK;
+  }
+  if ((st = check_layout(p->q, who, "q", err)) != AB_OK) return st;
+  if ((st = check_layout(p->k, who, "k", err)) != AB_OK) return st;
+  if ((st = check_layout(p->v, who, "v", err)) != AB_OK) return st;
+  if ((st = check_layout(p->out, who, "out", err)) != AB_OK) return st;
+
+  fp = FwdParams{};
+  fp.q = p->q.data;
+  fp.k = p->k.data;
+  fp.v = p->v.data;
+  fp.out = p->out.data;
+  fp.lse = static_cast<float*>(p->lse.data);
+  if (packed) {  // q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), out (Tq, Hq, Dv), lse (Hq, Tq)
+    fp.q_bs = 0, fp.q_hs = eff_stride(p->q, 1), fp.q_rs = eff_stride(p->q, 0);
+    fp.k_bs = 0, fp.k_hs = eff_stride(p->k, 1), fp.k_rs = eff_stride(p->k, 0);
+    fp.v_bs = 0, fp.v_hs = eff_stride(p->v, 1), fp.v_rs = eff_stride(p->v, 0);
+    fp.o_bs = 0, fp.o_hs = eff_stride(p->out, 1), fp.o_rs = eff_stride(p->out, 0);
+    fp.l_bs = 0, fp.l_hs = eff_stride(p->lse, 0), fp.l_rs = eff_stride(p->lse, 1);
+    fp.cu_q = cu_q_dev;
+    fp.cu_k = cu_k_dev;
+  } else {  // q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), out (B, Hq, Sq, Dv), lse (B, Hq, Sq)
+    fp.q_bs = eff_stride(p->q, 0), fp.q_hs = eff_stride(p->q, 1), fp.q_rs = eff_stride(p->q, 2);
+    fp.k_bs = eff_stride(p->k, 0), fp.k_hs = eff_stride(p->k, 1), fp.k_rs = eff_stride(p->k, 2);
+    fp.v_bs = eff_stride(p->v, 0), fp.v_hs = eff_stride(p->v, 1), fp.v_rs = eff_stride(p->v, 2);
+    fp.o_bs = eff_stride(p->out, 0), fp.o_hs = eff_stride(p->out, 1), fp.o_rs = eff_stride(p->out, 2);
+    fp.l_bs = eff_stride(p->lse, 0), fp.l_hs = eff_stride(p->lse, 1), fp.l_rs = eff_stride(p->lse, 2);
+    fp.cu_q = nullptr;
+    fp.cu_k = nullptr;
+  }
+  fp.Sq = (int)p->Sq;
+  fp.Sk = (int)p->Sk;
+  fp.Hq = (int)p->Hq;
+  fp.group = (int)(p->Hq / p->Hkv);
+  fp.D = (int)p->D;
+  fp.Dv = (int)p->Dv;
+  fp.causal = (int)p->causal;
+  fp.window_left = clamp_window(p->window_left, p->Sq, p->Sk);
+  fp.window_right = clamp_window(p->window_right, p->Sq, p->Sk);
+  const double log2e = 1.4426950408889634;
+  fp.scale_log2 = (float)(p->scale * log2e);
+  fp.softcap = (float)p->softcap;
+  fp.softcap_in = p->softcap > 0 ? (float)(2.0 * log2e * p->scale / p->softcap) : 0.0f;
+  fp.softcap_log2 = (float)(p->softcap * log2e);
+  fp.dropout = p->dropout_p > 0;
+  fp.drop_threshold = ab_dropout_threshold(p->dropout_p);
+  fp.rdrop = (float)(1.0 / (1.0 - p->dropout_p));
+  fp.seed = p->seed;
+  fp.offset = p->offset;
+  fp.rng_dev = p->rng_dev;
+  return AB_OK;
+}
+
+}  // namespace ab_flash
+
+namespace {
+
+using ab_flash::FwdParams;
+using ab_flash::FwdTile;
+
 template <typename T, int kD>
 ab_status run(FwdParams& fp, const ab_attn_params* p, cudaStream_t stream, ab_error* err) {
-  constexpr int kBM = FwdTile<kD>::kBM;
-  fp.m_blocks = (int)((p->Sq + kBM - 1) / kBM);
+  constexpr int kBM = FwdTile<kD>::kBM, kBMDropout = FwdTile<kD>::kBMDropout;
+  const int bm = fp.dropout ? kBMDropout : kBM;
+  fp.m_blocks = (int)((p->Sq + bm - 1) / bm);
   const int64_t blocks = (int64_t)fp.m_blocks * p->Hq * p->B;
   if (blocks > INT32_MAX)
     return ab_error_set(err, AB_ERR_UNSUPPORTED, "flash on CUDA: %lld thread blocks exceed the grid limit",
@@ -82,97 +168,14 @@ ab_status dispatch(int kD, FwdParams& fp, const ab_attn_params* p, cudaStream_t 
 
 }  // namespace
 
-namespace ab_flash {
-
-ab_status fwd_params_prepare(const ab_attn_params* p, const char* who, int max_head_dim,
-                             const int32_t* cu_seqlens_q_dev, const int32_t* cu_seqlens_k_dev, FwdParams& fp,
-                             bool* empty, ab_error* err) {
-  *empty = false;
-  ab_status st = ab_attn_params_check(p, 0, err);
-  if (st != AB_OK) return st;
-  if (p->q.device != AB_DEVICE_CUDA)
-    return ab_error_set(err, AB_ERR_INVALID, "%s CUDA kernel called with non-CUDA tensors", who);
-  if (p->q.dtype != AB_DTYPE_F16 && p->q.dtype != AB_DTYPE_BF16)
-    return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA takes float16 or bfloat16, got %s", who,
-                        ab_dtype_name(p->q.dtype));
-  if (p->mask.ndim) return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA takes no attn_mask", who);
-  if (p->dropout_p > 0)
-    return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA has no dropout (dropout_p = %g)", who, p->dropout_p);
-  const bool packed = p->cu_seqlens_q != nullptr;
-  if (packed && (cu_seqlens_q_dev == nullptr || cu_seqlens_k_dev == nullptr))
-    return ab_error_set(err, AB_ERR_INVALID, "%s on CUDA: packed call without device cu_seqlens", who);
-  if (p->B == 0 || p->Hq == 0 || p->Sq == 0) {  // nothing to write
-    *empty = true;
-    return AB_OK;
-  }
-
-  const int64_t dmax = p->D > p->Dv ? p->D : p->Dv;
-  if (p->D % 8 != 0 || p->Dv % 8 != 0 || p->Dv == 0 || dmax > max_head_dim)
-    return ab_error_set(err, AB_ERR_UNSUPPORTED,
-                        "%s on CUDA takes head dims that are multiples of 8 up to %d, got D=%lld Dv=%lld", who,
-                        max_head_dim, (long long)p->D, (long long)p->Dv);
-  if (p->Sq > kMaxSeqLen || p->Sk > kMaxSeqLen)
-    return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA takes sequences up to 2^30 rows", who);
-  if ((st = check_layout(p->q, who, "q", err)) != AB_OK) return st;
-  if ((st = check_layout(p->k, who, "k", err)) != AB_OK) return st;
-  if ((st = check_layout(p->v, who, "v", err)) != AB_OK) return st;
-  if ((st = check_layout(p->out, who, "out", err)) != AB_OK) return st;
-
-  fp = FwdParams{};
-  fp.q = p->q.data;
-  fp.k = p->k.data;
-  fp.v = p->v.data;
-  fp.out = p->out.data;
-  fp.lse = static_cast<float*>(p->lse.data);
-  if (packed) {  // q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), out (Tq, Hq, Dv), lse (Hq, Tq)
-    fp.q_bs = 0, fp.q_hs = eff_stride(p->q, 1), fp.q_rs = eff_stride(p->q, 0);
-    fp.k_bs = 0, fp.k_hs = eff_stride(p->k, 1), fp.k_rs = eff_stride(p->k, 0);
-    fp.v_bs = 0, fp.v_hs = eff_stride(p->v, 1), fp.v_rs = eff_stride(p->v, 0);
-    fp.o_bs = 0, fp.o_hs = eff_stride(p->out, 1), fp.o_rs = eff_stride(p->out, 0);
-    fp.l_bs = 0, fp.l_hs = eff_stride(p->lse, 0), fp.l_rs = eff_stride(p->lse, 1);
-    fp.cu_q = cu_seqlens_q_dev;
-    fp.cu_k = cu_seqlens_k_dev;
-  } else {  // q (B, Hq, Sq, D), k (B, Hkv, Sk, D), v (B, Hkv, Sk, Dv), out (B, Hq, Sq, Dv), lse (B, Hq, Sq)
-    fp.q_bs = eff_stride(p->q, 0), fp.q_hs = eff_stride(p->q, 1), fp.q_rs = eff_stride(p->q, 2);
-    fp.k_bs = eff_stride(p->k, 0), fp.k_hs = eff_stride(p->k, 1), fp.k_rs = eff_stride(p->k, 2);
-    fp.v_bs = eff_stride(p->v, 0), fp.v_hs = eff_stride(p->v, 1), fp.v_rs = eff_stride(p->v, 2);
-    fp.o_bs = eff_stride(p->out, 0), fp.o_hs = eff_stride(p->out, 1), fp.o_rs = eff_stride(p->out, 2);
-    fp.l_bs = eff_stride(p->lse, 0), fp.l_hs = eff_stride(p->lse, 1), fp.l_rs = eff_stride(p->lse, 2);
-    fp.cu_q = nullptr;
-    fp.cu_k = nullptr;
-  }
-  fp.Sq = (int)p->Sq;
-  fp.Sk = (int)p->Sk;
-  fp.Hq = (int)p->Hq;
-  fp.group = (int)(p->Hq / p->Hkv);
-  fp.D = (int)p->D;
-  fp.Dv = (int)p->Dv;
-  fp.causal = (int)p->causal;
-  fp.window_left = clamp_window(p->window_left, p->Sq, p->Sk);
-  fp.window_right = clamp_window(p->window_right, p->Sq, p->Sk);
-  const double log2e = 1.4426950408889634;
-  fp.scale_log2 = (float)(p->scale * log2e);
-  fp.softcap = (float)p->softcap;
-  fp.softcap_in = p->softcap > 0 ? (float)(2.0 * log2e * p->scale / p->softcap) : 0.0f;
-  fp.softcap_log2 = (float)(p->softcap * log2e);
-  return AB_OK;
-}
-
-}  // namespace ab_flash
-
 extern "C" ab_status ab_cuda_flash_fwd(const ab_attn_params* p, const int32_t* cu_seqlens_q_dev,
                                        const int32_t* cu_seqlens_k_dev, void* stream, ab_error* err) {
   FwdParams fp;
   bool empty = false;
-  ab_status st = ab_flash::fwd_params_prepare(p, "flash", 256, cu_seqlens_q_dev, cu_seqlens_k_dev, fp, &empty, err);
+  const ab_flash::Serves serves = {"flash", 256, true, 0};
+  ab_status st = ab_flash::prepare(p, serves, cu_seqlens_q_dev, cu_seqlens_k_dev, fp, &empty, err);
   if (st != AB_OK || empty) return st;
-  const int64_t dmax = p->D > p->Dv ? p->D : p->Dv;
-  int kD = 0;
-  for (int d : ab_flash::kFwdHeadDims)
-    if (d >= dmax) {
-      kD = d;
-      break;
-    }
+  const int kD = ab_flash::padded_head_dim(ab_flash::kFwdHeadDims, p->D, p->Dv);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (p->q.dtype == AB_DTYPE_F16) return dispatch<__half>(kD, fp, p, s, err);
   return dispatch<__nv_bfloat16>(kD, fp, p, s, err);

@@ -1,6 +1,8 @@
 // flash_fwd.cuh -- what the flash forward's launcher (flash_fwd.cu) and its per-head-dim kernel
 // instantiations (flash_fwd_hdim*.cu) share: the kernel's parameter struct, the tile table and
-// the declaration of the per-(dtype, head dim) launch function.
+// the declaration of the per-(dtype, head dim) launch function.  FwdParams and its preparation
+// (ab_flash::prepare) are also what the flash backward (flash_bwd.cuh) and the sage forward
+// (sage_fwd.cuh) build their parameters on.
 //
 // The kernel itself is in flash_fwd_kernel.cuh; only the flash_fwd_hdim*.cu files include it, so
 // editing the launcher does not recompile the kernels.
@@ -10,6 +12,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "ab_cuda_internal.h"
@@ -44,6 +47,13 @@ struct FwdParams {
   float softcap;        // 0 = off
   float softcap_in;     // 2 log2(e) scale / softcap: 2^(softcap_in (q . k)) = exp(2 scale (q . k) / softcap)
   float softcap_log2;   // softcap * log2(e)
+  // dropout (ab_philox.h): row index of query i of (b, h) is (b * Hq + h) * Sq + i, with Sq the
+  // dense length or max_seqlen_q, as on the CPU, so a packed call and its padded dense twin agree
+  int dropout;                // 0 = off
+  uint32_t drop_threshold;    // ab_dropout_threshold(dropout_p)
+  float rdrop;                // 1 / (1 - dropout_p)
+  uint64_t seed, offset;      // the stream's key and offset, unless rng_dev is set
+  const int64_t* rng_dev;     // [seed, offset] in device memory (drawn on the GPU), or NULL
 };
 
 // Tile table: rows of Q (kBM) and of K/V (kBN) per thread block, by padded head dim.  One block
@@ -63,8 +73,13 @@ struct FwdParams {
 // Beyond kD = 128 a block keeps 64 query rows, since 128 rows would need kD floats of O per
 // thread; 99 KiB (kD = 256) is exactly the opt-in limit of sm_86/sm_89 (sm_80 and sm_90 allow
 // 163 and 227 KiB).  The launcher refuses a device whose limit is lower than a config needs.
+//
+// With dropout a second kernel runs (a template flag, so the kernel without it pays nothing): its
+// Philox words and keep bits need registers the kD = 96 and 128 configs do not have, so it keeps
+// 64 query rows per block at every head dim.
 template <int kD> struct FwdTile {
   static constexpr int kBM = kD <= 128 ? 128 : 64;
+  static constexpr int kBMDropout = 64;
   static constexpr int kBN = 64;
 };
 // ptxas (nvcc 13.0, sm_80) puts kD = 96 and 128 at 250-255 registers with no spill, the others
@@ -80,14 +95,40 @@ constexpr size_t fwd_smem_bytes(int kD, int kBM, int kBN) {
 // The padded head dims that have kernels; D and Dv are rounded up to the next one.
 constexpr int kFwdHeadDims[] = {32, 64, 96, 128, 160, 192, 224, 256};
 
-// Checks a forward call against the contract the CUDA forward kernels share (float16/bfloat16, no
-// mask, no dropout, D and Dv multiples of 8 up to max_head_dim, rows the kernels can cp.async; see
-// flash_fwd.cu) and fills fp for dense or packed operands; `who` names the backend in messages.
-// *empty is set when there is nothing to write (B, Hq or Sq is 0).  fp.m_blocks is left to the
-// caller (it depends on the tile).  Defined in flash_fwd.cu, used by flash and sage.
-ab_status fwd_params_prepare(const ab_attn_params* p, const char* who, int max_head_dim,
-                             const int32_t* cu_seqlens_q_dev, const int32_t* cu_seqlens_k_dev, FwdParams& fp,
-                             bool* empty, ab_error* err);
+// The stride of a dim of size <= 1 is never multiplied by a non-zero index: 0, so that an arbitrary
+// stride there (torch allows any) does not fail the alignment check.
+int64_t eff_stride(const ab_tensor& t, int dim);
+// Rows of `t` must be 16-byte chunks the kernels can cp.async: contiguous last dim, 16-byte
+// aligned data, every other stride a multiple of 8 elements.  `who` names the backend in messages.
+ab_status check_layout(const ab_tensor& t, const char* who, const char* name, ab_error* err);
+
+// What a kernel family serves beyond the contract every CUDA tensor-core kernel shares (float16 or
+// bfloat16, no attn_mask, D and Dv multiples of 8, sequences up to 2^30 rows, rows the kernels can
+// cp.async).
+struct Serves {
+  const char* who;   // the backend's name in messages: "flash", "flash backward", "sage"
+  int max_head_dim;  // D and Dv up to this
+  bool dropout;      // dropout_p > 0 is served (flash); else AB_ERR_UNSUPPORTED (sage)
+  int backward;      // 1: a backward call (ab_attn_params_check's flag; the caller then checks dout
+                     // and the gradients' layout itself)
+};
+
+// The one parameter-preparation path of the flash forward, the flash backward and the sage
+// forward: checks the call against `serves` and fills fp for dense or packed operands (dropout
+// fields included: off, rdrop = 1, when dropout_p is 0).  *empty is set, and fp left unfilled,
+// when there is nothing to compute: B or Hq is 0, or (forward only) Sq is 0; a backward with Sq = 0
+// still zeroes dk and dv.  fp.m_blocks is left to the caller (it depends on the tile).  Defined in
+// flash_fwd.cu.
+ab_status prepare(const ab_attn_params* p, const Serves& serves, const int32_t* cu_q_dev, const int32_t* cu_k_dev,
+                  FwdParams& fp, bool* empty, ab_error* err);
+
+// The padded head dim of a call: the first of `dims` (ascending) that holds max(D, Dv); 0 if none.
+template <size_t N> int padded_head_dim(const int (&dims)[N], int64_t D, int64_t Dv) {
+  const int64_t dmax = D > Dv ? D : Dv;
+  for (int d : dims)
+    if (d >= dmax) return d;
+  return 0;
+}
 
 // Launches the forward kernel for dtype T (__half or __nv_bfloat16) and padded head dim kD on the
 // current device.  Defined in flash_fwd_kernel.cuh, instantiated in flash_fwd_hdim*.cu.

@@ -8,12 +8,15 @@
 // accumulate) with operands read by ldmatrix; the probabilities P never leave registers: the
 // accumulator layout of S is exactly the A-operand layout of the P V product, so P is only
 // converted to 16 bits in place.  Softmax is online (running max m and sum l per row, in
-// registers); O is rescaled when the max grows and divided by l once at the end.
+// registers); O is rescaled when the max grows and divided by l once at the end.  Dropout zeroes
+// elements of P after the sum l is taken, from the shared Philox stream (same mask as the CPU); it
+// is a template flag, so the kernel without it pays nothing.
 //
 // Included only by flash_fwd_hdim*.cu, which instantiate fwd_launch<T, kD>.  Semantics (causal
 // alignment, window, softcap, lse, fully masked rows) follow docs/semantics.md and the CPU twin
 // csrc/cpu/flash_cpu_impl.h.  The per-tile steps after the scores (masking, online softmax, P V)
-// and the epilogue are in fwd_common.cuh, shared with the sage kernel.
+// and the epilogue are in fwd_common.cuh, shared with the sage kernel; the PTX wrappers, tile loader
+// and dropout bits in flash_common.cuh, shared with the backward too.
 #ifndef AB_FLASH_FWD_KERNEL_CUH
 #define AB_FLASH_FWD_KERNEL_CUH
 
@@ -23,7 +26,7 @@ namespace ab_flash {
 
 // ---- the kernel ---------------------------------------------------------------------------------
 
-template <typename T, int kD, int kBM, int kBN>
+template <typename T, int kD, int kBM, int kBN, bool kDropout>
 __global__ void __launch_bounds__(kFwdThreads) fwd_kernel(const FwdParams p) {
   using Ops = MmaOps<T>;
   constexpr int kMT = kBM / (16 * kWarps);  // m16 tiles per warp
@@ -48,6 +51,10 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_kernel(const FwdParams p) {
   const T* k = static_cast<const T*>(p.k) + bt.b * p.k_bs + bt.hk * p.k_hs + bt.k_start * p.k_rs;
   const T* v = static_cast<const T*>(p.v) + bt.b * p.v_bs + bt.hk * p.v_hs + bt.k_start * p.v_rs;
   const int k_len = bt.k_len, j_begin = bt.j_begin, j_end = bt.j_end;
+  uint64_t seed = 0, offset = 0;
+  if (kDropout) ab_cuda_rng(p, seed, offset);
+  // dropout row index (ab_philox.h) of this tile's row 0: Sq is max_seqlen_q for packed calls
+  const uint64_t drop_row0 = ((uint64_t)bt.b * p.Hq + bt.h) * (uint64_t)p.Sq + (uint64_t)bt.row0;
 
   float o[kMT][kDT][4], row_m[2 * kMT], row_l[2 * kMT];  // see softmax_tile
   init_rows<kMT, kDT>(o, row_m, row_l);
@@ -131,8 +138,24 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_kernel(const FwdParams p) {
     }
     if (n0 < bt.lo_max || n0 + kBN > bt.hi_min) mask_tile<kMT, kNT>(p, bt, s, n0, warp * 16 * kMT, g, t);
 
+    // Dropout's keep bits (see softmax_tile); all ones without dropout.
+    uint32_t keep[kMT];
+#pragma unroll
+    for (int mt = 0; mt < kMT; ++mt) keep[mt] = 0xffffffffu;
+    if (kDropout) {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt) {
+        const uint64_t row_g = drop_row0 + (uint64_t)(warp * 16 * kMT + 16 * mt + g);
+        uint32_t bits = 0;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+          bits |= dropout_keep4(seed, offset, row_g, n0 + 8 * nt, lane, p.drop_threshold) << (4 * nt);
+        keep[mt] = bits;
+      }
+    }
+
     uint32_t pk[kMT][kNT][2];
-    softmax_tile<T, kMT, kNT, kDT>(s, row_m, row_l, o, pk);
+    softmax_tile<T, kMT, kNT, kDT>(s, row_m, row_l, o, pk, keep);
 
     cp_async_wait<1>();  // all but K[j+1]: V[j] has landed
     __syncthreads();
@@ -147,15 +170,21 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_kernel(const FwdParams p) {
 
 // ---- launch -------------------------------------------------------------------------------------
 
-template <typename T, int kD>
-ab_status fwd_launch(const FwdParams& p, int64_t blocks, cudaStream_t stream, ab_error* err) {
-  constexpr int kBM = FwdTile<kD>::kBM, kBN = FwdTile<kD>::kBN;
+template <typename T, int kD, int kBM, int kBN, bool kDropout>
+ab_status fwd_launch_config(const FwdParams& p, int64_t blocks, cudaStream_t stream, ab_error* err) {
   constexpr size_t kSmem = fwd_smem_bytes(kD, kBM, kBN);
-  auto kernel = fwd_kernel<T, kD, kBM, kBN>;
+  auto kernel = fwd_kernel<T, kD, kBM, kBN, kDropout>;
   const ab_status st = prepare_smem(kernel, kSmem, "flash", kD, err);
   if (st != AB_OK) return st;
   kernel<<<(unsigned)blocks, kFwdThreads, kSmem, stream>>>(p);
   return ab_cuda_check(cudaGetLastError(), "flash_fwd launch", err);
+}
+
+template <typename T, int kD>
+ab_status fwd_launch(const FwdParams& p, int64_t blocks, cudaStream_t stream, ab_error* err) {
+  if (p.dropout)
+    return fwd_launch_config<T, kD, FwdTile<kD>::kBMDropout, FwdTile<kD>::kBN, true>(p, blocks, stream, err);
+  return fwd_launch_config<T, kD, FwdTile<kD>::kBM, FwdTile<kD>::kBN, false>(p, blocks, stream, err);
 }
 
 }  // namespace ab_flash

@@ -14,57 +14,12 @@
 #include <stdint.h>
 
 #include "ab_cuda_internal.h"
+#include "math_common.cuh"
 #include "../ab_philox.h"
 
 namespace {
 
-constexpr int kThreads = 128;
-
-template <typename T> __device__ __forceinline__ float load_f(const T* p, int64_t off);
-template <> __device__ __forceinline__ float load_f(const float* p, int64_t off) { return p[off]; }
-template <> __device__ __forceinline__ float load_f(const __half* p, int64_t off) {
-  return __half2float(p[off]);
-}
-template <> __device__ __forceinline__ float load_f(const __nv_bfloat16* p, int64_t off) {
-  return __bfloat162float(p[off]);
-}
-template <> __device__ __forceinline__ float load_f(const double* p, int64_t off) {
-  return (float)p[off];
-}
-
-template <typename T, typename Acc> __device__ __forceinline__ Acc load_acc(const T* p, int64_t off) {
-  return (Acc)load_f<T>(p, off);
-}
-template <> __device__ __forceinline__ double load_acc<double, double>(const double* p, int64_t off) {
-  return p[off];
-}
-
-template <typename T, typename Acc> __device__ __forceinline__ void store_acc(T* p, int64_t off, Acc v);
-template <> __device__ __forceinline__ void store_acc<float, float>(float* p, int64_t off, float v) {
-  p[off] = v;
-}
-template <> __device__ __forceinline__ void store_acc<__half, float>(__half* p, int64_t off, float v) {
-  p[off] = __float2half_rn(v);
-}
-template <>
-__device__ __forceinline__ void store_acc<__nv_bfloat16, float>(__nv_bfloat16* p, int64_t off,
-                                                                float v) {
-  p[off] = __float2bfloat16_rn(v);
-}
-template <> __device__ __forceinline__ void store_acc<double, double>(double* p, int64_t off, double v) {
-  p[off] = v;
-}
-
-__device__ __forceinline__ double load_mask(const void* base, ab_dtype dt, int64_t off) {
-  switch (dt) {
-    case AB_DTYPE_BOOL: return ((const uint8_t*)base)[off] != 0;
-    case AB_DTYPE_F32: return ((const float*)base)[off];
-    case AB_DTYPE_F16: return __half2float(((const __half*)base)[off]);
-    case AB_DTYPE_BF16: return __bfloat162float(((const __nv_bfloat16*)base)[off]);
-    case AB_DTYPE_F64: return ((const double*)base)[off];
-    default: return NAN;
-  }
-}
+using namespace ab_math;
 
 // Kernel arguments: the params struct by value (it lives in the launch's parameter space).
 struct MathArgs {
@@ -86,8 +41,9 @@ __device__ __forceinline__ void online_merge(Acc& m, Acc& l, Acc m2, Acc l2) {
   m = mn;
 }
 
+// minBlocksPerSM = 1: without it ptxas for sm_90a held these kernels to 32 registers and spilled.
 template <typename T, typename Acc>
-__global__ void __launch_bounds__(kThreads) math_fwd_kernel(const MathArgs args) {
+__global__ void __launch_bounds__(kThreads, 1) math_fwd_kernel(const MathArgs args) {
   const ab_attn_params& p = args.p;
   extern __shared__ unsigned char smem_raw[];
   Acc* qrow = reinterpret_cast<Acc*>(smem_raw);  // (D)
@@ -105,17 +61,15 @@ __global__ void __launch_bounds__(kThreads) math_fwd_kernel(const MathArgs args)
   const int bool_mask = has_mask && p.mask.dtype == AB_DTYPE_BOOL;
   const int64_t group = p.Hq / p.Hkv;
   const uint32_t threshold = ab_dropout_threshold(p.dropout_p);
+  uint64_t seed, offset;
+  ab_cuda_rng(p, seed, offset);
   const Acc rdrop = (Acc)(1.0 / (1.0 - p.dropout_p));
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
 
   for (int64_t row = blockIdx.x; row < args.rows; row += gridDim.x) {
     const int64_t i = row % p.Sq, bh = row / p.Sq, h = bh % p.Hq, b = bh / p.Hq, hk = h / group;
-    const int64_t ii = p.causal == AB_CAUSAL_BOTTOM_RIGHT ? i + p.Sk - p.Sq : i;
-    int64_t lo = 0, hi = p.Sk;
-    if (p.causal != AB_CAUSAL_NONE && ii + 1 < hi) hi = ii + 1;
-    if (p.window_right >= 0 && ii + p.window_right + 1 < hi) hi = ii + p.window_right + 1;
-    if (p.window_left >= 0 && ii - p.window_left > lo) lo = ii - p.window_left;
-    if (hi < lo) hi = lo;
+    int64_t lo, hi;
+    key_range(p, i, lo, hi);
 
     const int64_t qoff = b * p.q.strides[0] + h * p.q.strides[1] + i * p.q.strides[2];
     for (int64_t d = tid; d < p.D; d += kThreads) qrow[d] = load_acc<T, Acc>(qd, qoff + d * p.q.strides[3]);
@@ -128,14 +82,14 @@ __global__ void __launch_bounds__(kThreads) math_fwd_kernel(const MathArgs args)
     const int64_t mbase = has_mask ? b * p.mask.strides[0] + h * p.mask.strides[1] + i * p.mask.strides[2] : 0;
     // Score of key j, or -inf when the bool mask hides it.
     auto score = [&](int64_t j) -> Acc {
-      if (bool_mask && load_mask(p.mask.data, p.mask.dtype, mbase + j * p.mask.strides[3]) == 0)
+      if (bool_mask && load_scalar(p.mask.data, p.mask.dtype, mbase + j * p.mask.strides[3]) == 0)
         return (Acc)-INFINITY;
       Acc x = 0;
       const int64_t ko = kbase + j * p.k.strides[2];
       for (int64_t d = 0; d < p.D; ++d) x += qrow[d] * load_acc<T, Acc>(kd, ko + d * p.k.strides[3]);
       x *= (Acc)p.scale;
       if (p.softcap > 0) x = (Acc)(p.softcap * tanh((double)x / p.softcap));
-      if (has_mask && !bool_mask) x += (Acc)load_mask(p.mask.data, p.mask.dtype, mbase + j * p.mask.strides[3]);
+      if (has_mask && !bool_mask) x += (Acc)load_scalar(p.mask.data, p.mask.dtype, mbase + j * p.mask.strides[3]);
       return x;
     };
 
@@ -172,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) math_fwd_kernel(const MathArgs args)
           Acc x = score(j);
           pj = x == (Acc)-INFINITY ? (Acc)0 : (Acc)exp((double)(x - m)) * inv;
           if (p.dropout_p > 0) {
-            const bool keep = ab_dropout_keep(p.seed, p.offset, (uint64_t)row, (uint64_t)j, threshold);
+            const bool keep = ab_dropout_keep(seed, offset, (uint64_t)row, (uint64_t)j, threshold);
             pj = keep ? pj * rdrop : (Acc)0;
           }
         }

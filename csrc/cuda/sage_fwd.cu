@@ -4,7 +4,7 @@
 // on has no GPU).  tests/test_sage_cuda.py is the check to run on a GPU before trusting it.
 //
 // What it does: checks the call (the contract of the CUDA flash forward, shared through
-// ab_flash::fwd_params_prepare), rounds the head dim up to an instantiated size, lays out the
+// ab_flash::prepare), rounds the head dim up to an instantiated size, lays out the
 // workspace, and launches the prepass and the kernel (sage_fwd_kernel.cuh, instantiated in
 // sage_fwd_hdim*.cu).
 //
@@ -64,19 +64,15 @@ extern "C" ab_status ab_cuda_sage_fwd(const ab_attn_params* p, const int32_t* cu
                                       void* stream, ab_error* err) {
   SageParams sp = {};
   bool empty = false;
-  ab_status st = ab_flash::fwd_params_prepare(p, "sage", 256, cu_seqlens_q_dev, cu_seqlens_k_dev, sp.f, &empty, err);
+  // sage serves the flash forward's contract minus dropout, forward only, head dims up to 256
+  const ab_flash::Serves serves = {"sage", 256, false, 0};
+  ab_status st = ab_flash::prepare(p, serves, cu_seqlens_q_dev, cu_seqlens_k_dev, sp.f, &empty, err);
   if (st != AB_OK) return st;
   if (empty) {
     if (workspace == nullptr) *workspace_bytes = 0;
     return AB_OK;
   }
-  const int64_t dmax = p->D > p->Dv ? p->D : p->Dv;
-  int kD = 0;
-  for (int d : ab_sage::kSageHeadDims)
-    if (d >= dmax) {
-      kD = d;
-      break;
-    }
+  const int kD = ab_flash::padded_head_dim(ab_sage::kSageHeadDims, p->D, p->Dv);
   const bool packed = p->cu_seqlens_q != nullptr;
   const int64_t Ktot = packed ? p->k.sizes[0] : p->B * p->Sk;
   const int64_t chunks = (p->Sk + ab_sage::kStatRows - 1) / ab_sage::kStatRows;

@@ -1,0 +1,10 @@
+// flash_bwd_hdim256.cu -- flash backward kernels for padded head dim 256, float16 and bfloat16.
+// One head dim per file so that nvcc compiles them in parallel.
+#include "flash_bwd_kernel.cuh"
+
+namespace ab_flash {
+
+template ab_status bwd_launch<__half, 256>(const BwdParams&, int64_t, int64_t, cudaStream_t, ab_error*);
+template ab_status bwd_launch<__nv_bfloat16, 256>(const BwdParams&, int64_t, int64_t, cudaStream_t, ab_error*);
+
+}  // namespace ab_flash
