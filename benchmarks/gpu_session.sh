@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Everything a lent GPU machine is for, in as few calls as fit its 10-minute limit per command:
+# The GPU checks, one step per command, each sized to finish within 10 minutes:
 #
 #   bash benchmarks/gpu_session.sh            # build, report, CUDA tests, quick benchmark
 #   bash benchmarks/gpu_session.sh bench      # build if needed, the full benchmark (JSON + plot)
 #   bash benchmarks/gpu_session.sh bwd        # build if needed, the backward benchmark (JSON)
+#   bash benchmarks/gpu_session.sh sage       # build if needed, sage vs our flash (the 1.5x target)
 #   bash benchmarks/gpu_session.sh sanitize   # build if needed, compute-sanitizer over the CUDA tests
 #
 # The machine starts bare with its own torch and python3 (docs/benchmarks.md, "GPU"), so each call
@@ -69,12 +70,18 @@ case "$what" in
       status=1
     tail -40 "$out/bench_bwd.log"
     ;;
+  sage)
+    step "sage vs flash"
+    timeout 540 "$py" benchmarks/bench_cuda.py --sage-vs-flash --json "$out/cuda_sage.json" > "$out/bench_sage.log" 2>&1 ||
+      status=1
+    tail -30 "$out/bench_sage.log"
+    ;;
   sanitize)
     step "compute-sanitizer"
     OUT="$out" timeout 540 bash benchmarks/gpu_sanitize.sh || status=1
     ;;
   *)
-    echo "gpu_session: unknown step '$what' (check, bench, bwd, sanitize)" >&2
+    echo "gpu_session: unknown step '$what' (check, bench, bwd, sage, sanitize)" >&2
     exit 2
     ;;
 esac
