@@ -19,7 +19,7 @@ import attn_backends as ab
 from attn_backends import _dispatch
 from attn_backends._testing import Case, make_inputs, make_packed, reference_attention, sage_recipe, varlen_reference
 
-from test_sage import check_sage, sage_metrics, with_outliers
+from test_sage import check_packed_equals_dense, check_sage, sage_metrics, with_outliers
 
 pytestmark = pytest.mark.cuda
 
@@ -130,14 +130,7 @@ def test_cuda_sage_varlen_matches_reference_and_dense(spec, dtype, gen):
     live = ~torch.isinf(r_lse)
     assert torch.equal(torch.isinf(lse), ~live)
     assert bool((out[(~live).T] == 0).all()), "a row with no visible key is not exactly 0"
-    # each packed sequence is smoothed and quantized on its own: the same numbers as a dense call
-    for b in range(len(lens_q)):
-        if lens_q[b] == 0:
-            continue
-        sq, sk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-        dense = ab.attention(q[sq].transpose(0, 1)[None], k[sk].transpose(0, 1)[None], v[sk].transpose(0, 1)[None],
-                             backend="sage", strict=True, **spec)
-        torch.testing.assert_close(out[sq], dense[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+    check_packed_equals_dense(out, q, k, v, cu_q, cu_k, **spec)
 
 
 def test_cuda_sage_fully_masked_rows_and_empty_shapes(gen):
