@@ -96,6 +96,13 @@ static inline vf vmax(vf a, vf b) {
 #endif
 }
 
+/* x rounded to the nearest integer, ties to even, for |x| < 2^22: adding and subtracting 1.5 * 2^23
+ * leaves no fraction bits to round with. */
+static inline vf vround(vf x) {
+  const vf magic = vset1(12582912.0f);
+  return (x + magic) - magic;
+}
+
 /* exp(x) for float32, ~1 ulp: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial
  * (Cephes coefficients), 2^n built in the exponent bits.  exp(-inf) and anything below -87.3
  * give exactly 0 (masked scores must contribute nothing); +inf gives +inf; NaN gives NaN. */
@@ -105,9 +112,7 @@ static inline vf vexp(vf x) {
   const vi over = x > hi;
   const vi nan = x != x;
   vf xc = vselect(over, hi, vselect(under, lo, x));
-  /* n = round(x / ln2) via the 1.5 * 2^23 trick (exact for |n| < 2^22) */
-  const vf magic = vset1(12582912.0f);
-  vf n = (xc * vset1(1.44269504088896341f) + magic) - magic;
+  vf n = vround(xc * vset1(1.44269504088896341f)); /* n = round(x / ln2) */
   vf r = xc - n * vset1(0.693359375f);
   r = r - n * vset1(-2.12194440e-4f);
   vf p = vset1(1.9875691500e-4f);
@@ -149,8 +154,7 @@ static inline vf vexp_nonpos(vf x) {
   const vf lo = vset1(-87.3365447505531f);
   const vi under = x < lo;
   x = vmax(lo, x);
-  const vf magic = vset1(12582912.0f);
-  vf n = (x * vset1(1.44269504088896341f) + magic) - magic;
+  vf n = vround(x * vset1(1.44269504088896341f));
   vf r = x - n * vset1(0.693359375f);
   r = r - n * vset1(-2.12194440e-4f);
   vf p = vset1(1.9875691500e-4f);

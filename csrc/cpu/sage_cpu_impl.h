@@ -97,6 +97,14 @@ static inline __attribute__((always_inline)) SG_TARGET vi SYM(sg_dot16)(vi acc, 
 #endif
 }
 
+/* The int16 pairs of P.V's operands from values already rounded to integers: r0 in the low half of
+ * each 32-bit word, r1 in the high half; an inf or NaN becomes 0 (its scale carries the NaN). */
+static inline vi SYM(sg_pair)(vf r0, vf r1) {
+  const vi lo = __builtin_convertvector(vselect(r0 - r0 == 0, r0, vset1(0.0f)), vi);
+  const vi hi = __builtin_convertvector(vselect(r1 - r1 == 0, r1, vset1(0.0f)), vi);
+  return (lo & 0xffff) | (vi)((vu)hi << 16);
+}
+
 /* Tiny magnitudes are scaled by 2^64 before they are divided into: 127 / amax (8191 / amax for V)
  * would overflow float32 below about 4e-37 (2e-35), and the whole row (channel) would quantize to
  * garbage.  x * 2^64 <= 1 there, and 2^64 * 2^-149 (the smallest denormal) keeps the quotient finite. */
@@ -125,11 +133,10 @@ static float SYM(sg_quant_row)(const float* x, int64_t Dp, sg_t* dst, int flip, 
   }
   /* |x| * (127 / amax) <= 127 * (1 + 2 eps) < 127.5: never rounds past 127 */
   const float pre = SYM(sg_pre)(a);
-  const vf inv = vset1(127.0f / (a * pre)), vpre = vset1(pre), magic = vset1(12582912.0f); /* 1.5 * 2^23 */
+  const vf inv = vset1(127.0f / (a * pre)), vpre = vset1(pre);
   vi s = {0};
   for (int64_t d = 0; d < Dp; d += VLEN) {
-    const vf y = ((vload(x + d) * vpre) * inv + magic) - magic; /* + magic - magic: round to nearest even */
-    const vi qi = __builtin_convertvector(y, vi);
+    const vi qi = __builtin_convertvector(vround((vload(x + d) * vpre) * inv), vi);
     s += qi;
     vsg qv = __builtin_convertvector(qi, vsg);
     if (flip) qv ^= (sg_t)0x80; /* int8 q -> the bytes of u8 q + 128 */
@@ -205,11 +212,6 @@ typedef struct SYM(sg_ctx) {
   ab_par_status st;
 } SYM(sg_ctx);
 
-static inline vf SYM(sg_round)(vf x) {
-  const vf magic = vset1(12582912.0f); /* 1.5 * 2^23: round to nearest even */
-  return (x + magic) - magic;
-}
-
 /* The V blocks of one (batch, KV head): rows [t BK, t BK + BK) of the sequence, per channel
  * sv = amax / SG_VQ and q = round(v / sv), pairs of keys interleaved; rows past Sk are zero.  A
  * channel with an inf or NaN in the block gets sv = NaN (NaN out for the rows that read the block). */
@@ -239,11 +241,8 @@ static void SYM(sg_prep_v)(const ab_attn_params* p, const SYM(sg_ws) * w, const 
       }
       vstore(sv + d, scale);
       for (int64_t kp = 0; kp < BK / 2; ++kp) {
-        const vf x0 = vload(vb + 2 * kp * Dvp + d) * pre, x1 = vload(vb + (2 * kp + 1) * Dvp + d) * pre;
-        /* a NaN or inf (x0 - x0 != 0) becomes 0: its channel's scale is NaN already */
-        const vi lo = __builtin_convertvector(vselect(x0 - x0 == 0, SYM(sg_round)(x0 * inv), vset1(0.0f)), vi);
-        const vi hi = __builtin_convertvector(vselect(x1 - x1 == 0, SYM(sg_round)(x1 * inv), vset1(0.0f)), vi);
-        const vi word = (lo & 0xffff) | (vi)((vu)hi << 16);
+        const vi word = SYM(sg_pair)(vround((vload(vb + 2 * kp * Dvp + d) * pre) * inv),
+                                     vround((vload(vb + (2 * kp + 1) * Dvp + d) * pre) * inv));
         memcpy(dst + kp * Dvp + d, &word, sizeof word);
       }
     }
@@ -423,11 +422,8 @@ static SG_TARGET void SYM(sg_pv)(int64_t nb, int64_t nrows, int nv, const float*
       ps[v * VLEN + u] = ok ? mx[u] / (float)SG_PQ : 0.0f;
     }
     for (int64_t kp = 0; kp < np; ++kp) {
-      const vf x0 = SYM(sg_round)(vload(st + 2 * kp * rc + v * VLEN) * inv);
-      const vf x1 = 2 * kp + 1 < nb ? SYM(sg_round)(vload(st + (2 * kp + 1) * rc + v * VLEN) * inv) : vset1(0.0f);
-      const vi lo = __builtin_convertvector(vselect(x0 == x0, x0, vset1(0.0f)), vi);
-      const vi hi = __builtin_convertvector(vselect(x1 == x1, x1, vset1(0.0f)), vi);
-      const vi word = (lo & 0xffff) | (vi)((vu)hi << 16);
+      const vf r1 = 2 * kp + 1 < nb ? vround(vload(st + (2 * kp + 1) * rc + v * VLEN) * inv) : vset1(0.0f);
+      const vi word = SYM(sg_pair)(vround(vload(st + 2 * kp * rc + v * VLEN) * inv), r1);
       memcpy(pw + kp * rc + v * VLEN, &word, sizeof word);
     }
   }
