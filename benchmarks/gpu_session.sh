@@ -49,32 +49,32 @@ fi
 grep -i -E "cuda|device|flash|sage" "$out/report.txt" | head -20
 
 status=0
+# bench_cuda LOG SECONDS LINES ARGS...: one benchmark run, its log under $out, its last LINES shown
+bench_cuda() {
+  local log="$out/$1" limit=$2 lines=$3
+  shift 3
+  timeout "$limit" "$py" benchmarks/bench_cuda.py "$@" > "$log" 2>&1 || status=1
+  tail -"$lines" "$log"
+}
 case "$what" in
   check)
     step "CUDA tests"
     timeout 360 "$py" -m pytest -q -p no:cacheprovider -m cuda tests > "$out/tests.log" 2>&1 || status=1
     grep -E "passed|failed|error" "$out/tests.log" | tail -3
     step "quick benchmark"
-    timeout 150 "$py" benchmarks/bench_cuda.py --quick --rounds 5 --sage > "$out/bench_quick.log" 2>&1 || status=1
-    tail -12 "$out/bench_quick.log"
+    bench_cuda bench_quick.log 150 12 --quick --rounds 5 --sage
     ;;
   bench)
     step "benchmark"
-    timeout 540 "$py" benchmarks/bench_cuda.py --sage --json "$out/cuda.json" --plot "$out/bench_cuda.png" \
-      > "$out/bench.log" 2>&1 || status=1
-    tail -40 "$out/bench.log"
+    bench_cuda bench.log 540 40 --sage --json "$out/cuda.json" --plot "$out/bench_cuda.png"
     ;;
   bwd)
     step "backward benchmark"
-    timeout 540 "$py" benchmarks/bench_cuda.py --mode bwd --json "$out/cuda_bwd.json" > "$out/bench_bwd.log" 2>&1 ||
-      status=1
-    tail -40 "$out/bench_bwd.log"
+    bench_cuda bench_bwd.log 540 40 --mode bwd --json "$out/cuda_bwd.json"
     ;;
   sage)
     step "sage vs flash"
-    timeout 540 "$py" benchmarks/bench_cuda.py --sage-vs-flash --json "$out/cuda_sage.json" > "$out/bench_sage.log" 2>&1 ||
-      status=1
-    tail -30 "$out/bench_sage.log"
+    bench_cuda bench_sage.log 540 30 --sage-vs-flash --json "$out/cuda_sage.json"
     ;;
   sanitize)
     step "compute-sanitizer"
