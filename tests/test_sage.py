@@ -182,18 +182,6 @@ def test_key_blocks_that_start_before_the_first_visible_key(isa, gen):
     check_sage(out, lse, q, k, v, causal=True, window=(100, 0))
 
 
-def test_packed_sequences_with_a_window_and_odd_dv(isa, gen):
-    lens_q, lens_k = [70, 1, 130], [100, 37, 130]
-    q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, 6, 2, 256, 40, torch.bfloat16, generator=gen)
-    opts = dict(causal="bottom_right", window=(70, 3))
-    out, lse = ab.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), backend="sage",
-                                   return_lse=True, strict=True, **opts)
-    ref, ref_lse = varlen_reference(q, k, v, cu_q, cu_k, **opts)
-    cos, rel_l1 = sage_metrics(out, ref)
-    assert cos >= COS_MIN and rel_l1 <= REL_L1_MAX, f"cos {cos:.6f}, rel L1 {rel_l1:.4f}"
-    assert float((lse.double() - ref_lse).abs().max()) <= LSE_MAX_ABS
-
-
 def test_fixed_point_sums_at_their_largest(isa):
     # q = 0: every weight is 1, so P is 4096 for all 64 keys of each block, and V's channels at
     # +-8191 after quantization: each block's sum is 64 * 4096 * 8191, just under 2^31
@@ -293,6 +281,8 @@ VARLEN = [
     dict(lens_q=[5, 17, 1, 33], lens_k=[5, 17, 1, 33], causal=True),
     dict(lens_q=[3, 40, 0, 7], lens_k=[9, 140, 4, 70], causal="bottom_right"),
     dict(lens_q=[64, 65, 2], lens_k=[64, 1, 100], causal=False, window=(4, 2), softcap=3.0),
+    # a window past the first key block, D = 256 and Dv = 40 (not a whole vector on any path)
+    dict(lens_q=[70, 1, 130], lens_k=[100, 37, 130], causal="bottom_right", window=(70, 3), shape=(6, 2, 256, 40)),
 ]
 
 
@@ -301,7 +291,8 @@ VARLEN = [
 def test_varlen_matches_reference_and_dense_sage(isa, spec, dtype, gen):
     spec = dict(spec)
     lens_q, lens_k = spec.pop("lens_q"), spec.pop("lens_k")
-    q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, 4, 2, 64, 48, dtype, generator=gen)
+    Hq, Hkv, D, Dv = spec.pop("shape", (4, 2, 64, 48))
+    q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, Hq, Hkv, D, Dv, dtype, generator=gen)
     k = with_outliers(k, gen, "offset")
     out, lse = ab.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), backend="sage",
                                    return_lse=True, strict=True, **spec)
