@@ -5,11 +5,14 @@ Forward and forward+backward, float32 and bfloat16, D in {64, 128}, causal and n
 once, in turn, so machine drift hits all of them alike; the table shows medians over rounds,
 GFLOP/s (4 B H S^2 D forward, half with causal; backward 2.5x forward) and ratio = torch / ours
 (> 1: ours is faster).  A measurement of this CPU's FMA peak (an AVX-512/AVX2 loop of independent
-FMAs on every thread, run between rounds) puts GFLOP/s in proportion.
+FMAs on every thread), taken in every round beside the two candidates, puts each row's GFLOP/s in
+proportion: "% peak" for ours and for torch, against that row's median peak, so a drifting machine
+moves both sides of the fraction together.
 
     python benchmarks/bench_cpu.py --json benchmarks/results/cpu.json
     python benchmarks/bench_cpu.py --quick                         # S=2048 only, fewer rounds
     python benchmarks/bench_cpu.py --memory                        # forward peak memory at S=16384
+    python benchmarks/bench_cpu.py --threads 1 --batch 1 --heads 4 --passes fwd   # one core
     python benchmarks/bench_cpu.py --sage --json benchmarks/results/cpu_sage.json
                                   # sage (INT8 Q.K^T) vs flash vs torch SDPA, forward, S=2048 D=128,
                                   # with sage's accuracy against the float64 reference
@@ -44,7 +47,13 @@ def fma_peak_gflops() -> float:
     return max(ab._C.fma_peak(0.3, torch.get_num_threads()) for _ in range(3)) / 1e9
 
 
+def peak_sample() -> float:
+    """One short FMA-peak sample (flop/s) on the threads torch uses, taken between timings."""
+    return ab._C.fma_peak(0.05, torch.get_num_threads())
+
+
 def run_case(B, H, S, D, dtype, causal, bwd, rounds):
+    """Medians (seconds) of ours and torch, and of the FMA peak (flop/s) sampled in the same rounds."""
     q, k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=bwd) for _ in range(3))
     g = torch.randn(B, H, S, D, dtype=dtype)
 
@@ -62,6 +71,7 @@ def run_case(B, H, S, D, dtype, causal, bwd, rounds):
     for fn in fns.values():  # warm-up
         fn()
     times = {name: [] for name in fns}
+    peaks = []
     for _ in range(rounds):
         for name, fn in fns.items():
             if bwd:
@@ -71,7 +81,8 @@ def run_case(B, H, S, D, dtype, causal, bwd, rounds):
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+        peaks.append(peak_sample())
+    return {**{name: statistics.median(ts) for name, ts in times.items()}, "peak": statistics.median(peaks)}
 
 
 def run_sage_case(B, H, S, D, dtype, causal, rounds):
@@ -171,6 +182,7 @@ def main(argv=None):
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--passes", default="fwd,fwd+bwd")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="S=2048 only, 3 rounds")
     ap.add_argument("--memory", action="store_true", help="also measure forward peak memory at S=16384")
     ap.add_argument("--sage", action="store_true",
@@ -181,6 +193,8 @@ def main(argv=None):
     if args.markdown:
         print(markdown(args.markdown))
         return
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.seqlens, args.rounds = "2048", 3
     if args.sage and "--seqlens" not in " ".join(sys.argv):
@@ -197,7 +211,7 @@ def main(argv=None):
             write_json(args.json, "cpu_sage", peak, rows, sage_isa=ab._C.sage_cpu_isa())
         return
     head = f"{'pass':<9}{'dtype':<9}{'D':>4}{'S':>6} {'causal':<7}{'ours ms':>9}{'torch ms':>10}{'ours GF/s':>11}" \
-           f"{'torch GF/s':>11}{'% peak':>8}{'ratio':>7}"
+           f"{'torch GF/s':>11}{'% peak':>8}{'torch %':>8}{'ratio':>7}"
     print(head)
     rows = []
     for pas in args.passes.split(","):
@@ -212,11 +226,13 @@ def main(argv=None):
                         row = dict(pass_=pas, dtype=dt_name, D=D, S=S, causal=causal, ours_ms=t["ours"] * 1e3,
                                    torch_ms=t["torch"] * 1e3, ours_gflops=fl / t["ours"] / 1e9,
                                    torch_gflops=fl / t["torch"] / 1e9, ratio=t["torch"] / t["ours"])
-                        row["pct_peak"] = 100 * row["ours_gflops"] / peak
+                        row["peak_gflops"] = t["peak"] / 1e9
+                        row["pct_peak"] = 100 * row["ours_gflops"] / row["peak_gflops"]
+                        row["torch_pct_peak"] = 100 * row["torch_gflops"] / row["peak_gflops"]
                         rows.append(row)
                         print(f"{pas:<9}{dt_name:<9}{D:>4}{S:>6} {str(causal):<7}{row['ours_ms']:>9.1f}"
                               f"{row['torch_ms']:>10.1f}{row['ours_gflops']:>11.1f}{row['torch_gflops']:>11.1f}"
-                              f"{row['pct_peak']:>7.0f}%{row['ratio']:>7.2f}", flush=True)
+                              f"{row['pct_peak']:>7.0f}%{row['torch_pct_peak']:>7.0f}%{row['ratio']:>7.2f}", flush=True)
     mem = None
     if args.memory:
         mem = peak_memory_forward()
@@ -247,12 +263,16 @@ def markdown(path: str) -> str:
         return sage_markdown(d)
     lines = [f"`{d['command']}` on {d['cpu']} ({d['threads']} threads, {d['isa']} path), torch {d['torch']}, "
              f"{d['date']}; FMA peak {d['fma_peak_gflops']:.0f} GFLOP/s.", "",
-             "| pass | dtype | D | S | causal | ours ms | torch ms | ours GFLOP/s | torch GFLOP/s | % peak | torch / ours |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| pass | dtype | D | S | causal | ours ms | torch ms | ours GFLOP/s | torch GFLOP/s | % peak | torch % peak "
+             "| torch / ours |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in d["results"]:
+        # older runs measured the peak once per run, not per row
+        torch_pct = f"{r['torch_pct_peak']:.0f}%" if "torch_pct_peak" in r else \
+            f"{100 * r['torch_gflops'] / d['fma_peak_gflops']:.0f}%"
         lines.append(f"| {r['pass']} | {r['dtype']} | {r['D']} | {r['S']} | {'yes' if r['causal'] else 'no'} | "
                      f"{r['ours_ms']:.1f} | {r['torch_ms']:.1f} | {r['ours_gflops']:.0f} | {r['torch_gflops']:.0f} | "
-                     f"{r['pct_peak']:.0f}% | {r['ratio']:.2f} |")
+                     f"{r['pct_peak']:.0f}% | {torch_pct} | {r['ratio']:.2f} |")
     return "\n".join(lines)
 
 
