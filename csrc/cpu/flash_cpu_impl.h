@@ -335,32 +335,49 @@ static void SYM(fwd_chunks)(int64_t Sq, int* nv, int64_t* nchunk) {
   *nchunk = (Sq + rc - 1) / rc;
 }
 
-/* Starts a chunk of rows [i0, i0 + nrows) of rc: each row's visible keys [lo, hi) (empty for the
- * padded rows), their union [jlo, jhi) (the key blocks to visit) and intersection
- * [all_lo, all_hi) (blocks inside it need no causal/window masking); resets the running max/sum. */
-static void SYM(chunk_ranges)(const ab_attn_params* p, const SYM(seq) * s, int64_t i0, int64_t nrows,
-                              int64_t rc, int32_t* lo, int32_t* hi, float* mrow, float* lrow, int64_t* jlo,
-                              int64_t* jhi, int64_t* all_lo, int64_t* all_hi) {
-  *jlo = s->Sk;
-  *jhi = 0;
+/* A forward work item: row chunk c of (batch b, query head h), reading KV head hk. */
+typedef struct SYM(chunk) {
+  SYM(seq) s;
+  int64_t b, hk;
+  int64_t i0, nrows;          /* rows [i0, i0 + nrows) of the sequence, nrows <= rc */
+  int64_t jlo, jhi;           /* union of the rows' visible keys: the key blocks to visit */
+  int64_t all_lo, all_hi;     /* their intersection: blocks inside it need no causal/window mask */
+} SYM(chunk);
+
+/* Starts work item `item` (of B * Hq * nchunk, chunk index fastest): the sequence geometry, each
+ * row's visible keys [lo, hi) (empty for the padded rows), their union and intersection, and the
+ * running max/sum reset.  Returns 0 when the chunk lies past this sequence's end (varlen). */
+static int SYM(chunk_begin)(const ab_attn_params* p, int64_t item, int64_t nchunk, int64_t rc, int32_t* lo,
+                            int32_t* hi, float* mrow, float* lrow, SYM(chunk) * ch) {
+  const int64_t c = item % nchunk, bh = item / nchunk, h = bh % p->Hq;
+  ch->b = bh / p->Hq;
+  ch->hk = h / (p->Hq / p->Hkv);
+  SYM(seq_get)(p, ch->b, h, ch->hk, &ch->s);
+  ch->i0 = c * rc;
+  if (ch->i0 >= ch->s.Sq) return 0;
+  const int64_t i0 = ch->i0, nrows = ch->s.Sq - i0 < rc ? ch->s.Sq - i0 : rc;
+  ch->nrows = nrows;
+  ch->jlo = ch->s.Sk;
+  ch->jhi = 0;
   for (int64_t r = 0; r < rc; ++r) {
     int64_t l = 0, hh = 0;
-    if (r < nrows) SYM(row_range)(p, s, i0 + r, &l, &hh);
+    if (r < nrows) SYM(row_range)(p, &ch->s, i0 + r, &l, &hh);
     lo[r] = (int32_t)l;
     hi[r] = (int32_t)hh;
     if (r < nrows && hh > l) {
-      if (l < *jlo) *jlo = l;
-      if (hh > *jhi) *jhi = hh;
+      if (l < ch->jlo) ch->jlo = l;
+      if (hh > ch->jhi) ch->jhi = hh;
     }
     mrow[r] = -__builtin_inff();
     lrow[r] = 0.0f;
   }
-  *all_lo = 0;
-  *all_hi = s->Sk;
+  ch->all_lo = 0;
+  ch->all_hi = ch->s.Sk;
   for (int64_t r = 0; r < nrows; ++r) {
-    if (lo[r] > *all_lo) *all_lo = lo[r];
-    if (hi[r] < *all_hi) *all_hi = hi[r];
+    if (lo[r] > ch->all_lo) ch->all_lo = lo[r];
+    if (hi[r] < ch->all_hi) ch->all_hi = hi[r];
   }
+  return 1;
 }
 
 /* Multiplies the unnormalised O rows by this key block's rescale factors (online softmax). */
@@ -424,7 +441,7 @@ typedef struct SYM(fwd_ctx) {
 static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
   SYM(fwd_ctx)* ctx = (SYM(fwd_ctx)*)vctx;
   const ab_attn_params* p = ctx->p;
-  const int64_t D = p->D, Dv = p->Dv, group = p->Hq / p->Hkv;
+  const int64_t D = p->D, Dv = p->Dv;
   const int64_t Dmax = D > Dv ? D : Dv;
   const int nv = ctx->nv;
   const int64_t rc = (int64_t)nv * VLEN;
@@ -450,15 +467,10 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
   int32_t* lo = (int32_t*)(arow + rc);
   int32_t* hi = lo + rc;
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t c = item % ctx->nchunk, bh = item / ctx->nchunk;
-    const int64_t h = bh % p->Hq, b = bh / p->Hq, hk = h / group;
-    SYM(seq) s;
-    SYM(seq_get)(p, b, h, hk, &s);
-    const int64_t i0 = c * rc;
-    if (i0 >= s.Sq) continue;
-    const int64_t nrows = s.Sq - i0 < rc ? s.Sq - i0 : rc;
-    int64_t jlo, jhi, all_lo, all_hi;
-    SYM(chunk_ranges)(p, &s, i0, nrows, rc, lo, hi, mrow, lrow, &jlo, &jhi, &all_lo, &all_hi);
+    SYM(chunk) ch;
+    if (!SYM(chunk_begin)(p, item, ctx->nchunk, rc, lo, hi, mrow, lrow, &ch)) continue;
+    const SYM(seq) s = ch.s;
+    const int64_t i0 = ch.i0, nrows = ch.nrows, jlo = ch.jlo, jhi = ch.jhi, all_lo = ch.all_lo, all_hi = ch.all_hi;
     SYM(pack_t)(&p->q, s.q, s.q_rs, i0, nrows, D, (float)p->scale, qt, tmp, rc);
     memset(on, 0, sizeof(float) * (size_t)(nrows * Dvp));
     const int partial_rows = nrows < rc;

@@ -455,7 +455,7 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
   SYM(sg_ctx)* ctx = (SYM(sg_ctx)*)vctx;
   const ab_attn_params* p = ctx->p;
   const SYM(sg_ws)* w = &ctx->w;
-  const int64_t D = p->D, group = p->Hq / p->Hkv, Dp = w->Dp, Dg = w->Dg, Dvp = w->Dvp;
+  const int64_t D = p->D, Dp = w->Dp, Dg = w->Dg, Dvp = w->Dvp;
   const int nv = ctx->nv;
   const int64_t rc = (int64_t)nv * VLEN;
   const int64_t Tmax = Dp > Dvp ? Dp : Dvp;
@@ -483,15 +483,11 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
   const float scale = (float)p->scale;
   const int64_t qls = p->q.strides[p->q.ndim - 1];
   for (int64_t item = begin; item < end; ++item) {
-    const int64_t c = item % ctx->nchunk, bh = item / ctx->nchunk;
-    const int64_t h = bh % p->Hq, b = bh / p->Hq, hk = h / group;
-    SYM(seq) s;
-    SYM(seq_get)(p, b, h, hk, &s);
-    const int64_t i0 = c * rc;
-    if (i0 >= s.Sq) continue;
-    const int64_t nrows = s.Sq - i0 < rc ? s.Sq - i0 : rc;
-    int64_t jlo, jhi, all_lo, all_hi;
-    SYM(chunk_ranges)(p, &s, i0, nrows, rc, lo, hi, mrow, lrow, &jlo, &jhi, &all_lo, &all_hi);
+    SYM(chunk) ch;
+    if (!SYM(chunk_begin)(p, item, ctx->nchunk, rc, lo, hi, mrow, lrow, &ch)) continue;
+    const SYM(seq) s = ch.s;
+    const int64_t b = ch.b, hk = ch.hk, i0 = ch.i0, nrows = ch.nrows, jlo = ch.jlo, jhi = ch.jhi;
+    const int64_t all_lo = ch.all_lo, all_hi = ch.all_hi;
     /* quantize this chunk's Q rows times c; padded rows are zero with scale 0 (and masked below) */
     const float* mean = w->mean + (b * p->Hkv + hk) * Dp;
     const float* cf = w->cf + (b * p->Hkv + hk) * Dp;
