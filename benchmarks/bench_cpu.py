@@ -3,8 +3,8 @@
 Forward and forward+backward, float32 and bfloat16, D in {64, 128}, causal and not, S in
 {512, 1024, 2048, 4096} with B=4 H=16 (override with flags).  Each round times every candidate
 once, in turn, so machine drift hits all of them alike; the table shows medians over rounds,
-GFLOP/s (4 B H S^2 D forward, half with causal; backward 2.5x forward) and ratio = torch / ours
-(> 1: ours is faster).  A measurement of this CPU's FMA peak (an AVX-512/AVX2 loop of independent
+GFLOP/s (4 B H S^2 D forward, half with causal; backward 2.5x forward; `--passes bwd` times the
+backward alone) and ratio = torch / ours (> 1: ours is faster).  A measurement of this CPU's FMA peak (an AVX-512/AVX2 loop of independent
 FMAs on every thread), taken in every round beside the two candidates, puts each row's GFLOP/s in
 proportion: "% peak" for ours and for torch, against that row's median peak, so a drifting machine
 moves both sides of the fraction together.
@@ -36,9 +36,9 @@ import torch.nn.functional as F
 import attn_backends as ab
 
 
-def flops(B, H, S, D, causal, bwd):
+def flops(B, H, S, D, causal, pas):
     f = 4.0 * B * H * S * S * D / (2 if causal else 1)
-    return f * (3.5 if bwd else 1.0)
+    return f * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[pas]
 
 
 def fma_peak_gflops() -> float:
@@ -52,17 +52,29 @@ def peak_sample() -> float:
     return ab._C.fma_peak(0.05, torch.get_num_threads())
 
 
-def run_case(B, H, S, D, dtype, causal, bwd, rounds):
-    """Medians (seconds) of ours and torch, and of the FMA peak (flop/s) sampled in the same rounds."""
+def run_case(B, H, S, D, dtype, causal, pas, rounds):
+    """Medians (seconds) of ours and torch, and of the FMA peak (flop/s) sampled in the same rounds.
+    pas: "fwd", "fwd+bwd", or "bwd" (the backward alone: gradients of one forward's output, kept)."""
+    bwd = pas != "fwd"
     q, k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=bwd) for _ in range(3))
     g = torch.randn(B, H, S, D, dtype=dtype)
+    kept = {}
+    if pas == "bwd":
+        kept["ours"] = ab.attention(q, k, v, causal=causal, backend="flash", strict=True)
+        kept["torch"] = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
     def ours():
+        if pas == "bwd":
+            torch.autograd.grad(kept["ours"], (q, k, v), g, retain_graph=True)
+            return
         out = ab.attention(q, k, v, causal=causal, backend="flash", strict=True)
         if bwd:
             out.backward(g)
 
     def theirs():
+        if pas == "bwd":
+            torch.autograd.grad(kept["torch"], (q, k, v), g, retain_graph=True)
+            return
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         if bwd:
             out.backward(g)
@@ -130,7 +142,7 @@ def sage_main(args, peak):
                     t = run_sage_case(args.batch, args.heads, S, D, dtype, causal, args.rounds)
                     cos, l1 = sage_accuracy(S, D, dtype, causal)
                     cos_o, l1_o = sage_accuracy(S, D, dtype, causal, outlier=True)
-                    fl = flops(args.batch, args.heads, S, D, causal, False)
+                    fl = flops(args.batch, args.heads, S, D, causal, "fwd")
                     row = dict(dtype=dt_name, D=D, S=S, causal=causal, sage_ms=t["sage"] * 1e3,
                                flash_ms=t["flash"] * 1e3, torch_ms=t["torch"] * 1e3,
                                sage_gflops=fl / t["sage"] / 1e9, flash_over_sage=t["flash"] / t["sage"],
@@ -180,7 +192,7 @@ def main(argv=None):
     ap.add_argument("--seqlens", default="512,1024,2048,4096")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--dtypes", default="float32,bfloat16")
-    ap.add_argument("--passes", default="fwd,fwd+bwd")
+    ap.add_argument("--passes", default="fwd,fwd+bwd", help="comma-separated: fwd, fwd+bwd, bwd (backward alone)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="S=2048 only, 3 rounds")
@@ -215,14 +227,13 @@ def main(argv=None):
     print(head)
     rows = []
     for pas in args.passes.split(","):
-        bwd = pas == "fwd+bwd"
         for dt_name in args.dtypes.split(","):
             dtype = getattr(torch, dt_name)
             for D in (int(x) for x in args.dims.split(",")):
                 for S in (int(x) for x in args.seqlens.split(",")):
                     for causal in (False, True):
-                        t = run_case(args.batch, args.heads, S, D, dtype, causal, bwd, args.rounds)
-                        fl = flops(args.batch, args.heads, S, D, causal, bwd)
+                        t = run_case(args.batch, args.heads, S, D, dtype, causal, pas, args.rounds)
+                        fl = flops(args.batch, args.heads, S, D, causal, pas)
                         row = dict(pass_=pas, dtype=dt_name, D=D, S=S, causal=causal, ours_ms=t["ours"] * 1e3,
                                    torch_ms=t["torch"] * 1e3, ours_gflops=fl / t["ours"] / 1e9,
                                    torch_gflops=fl / t["torch"] / 1e9, ratio=t["torch"] / t["ours"])
