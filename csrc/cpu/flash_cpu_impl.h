@@ -530,32 +530,33 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   const int nv = NV_MAX;
   const int64_t rc = RC_MAX;
   const int64_t Sqp = (p->Sq + rc - 1) / rc * rc, Skm = p->Sk; /* Sq, Sk: maxima for varlen */
+  const int64_t G = AB_STAGGER; /* after every buffer: no two start at the same address mod 4 KiB */
   const size_t nfl = (size_t)(Skm * Dp + Skm * Dvp + Skm * Dp + Skm * Dvp  /* K, V, dK, dV */
                               + Sqp * Dp + Dp * Sqp + Sqp * Dvp + Dvp * Sqp /* Q, Q^T, dO, dO^T */
                               + Sqp * Dp + 2 * Sqp                          /* dQ, lse, delta */
-                              + 4 * BK * rc + (Dp > Dvp ? Dp : Dvp) * 2);
+                              + 4 * BK * rc + (Dp > Dvp ? Dp : Dvp) * 2 + 17 * G);
   float* kp = (float*)ab_scratch_alloc(sizeof(float) * nfl + sizeof(int32_t) * 2 * rc);
   if (!kp) {
     ab_par_fail(&ctx->st, AB_ERR_NOMEM, "flash: out of memory for the backward scratch");
     return;
   }
-  float* vp = kp + Skm * Dp;
-  float* dk = vp + Skm * Dvp;
-  float* dv = dk + Skm * Dp;
-  float* qn = dv + Skm * Dvp;  /* Q rows (Sqp x Dp), unscaled */
-  float* qt = qn + Sqp * Dp;   /* Q^T by row chunk: (Sqp / rc) x (Dp x rc), scaled */
-  float* don = qt + Dp * Sqp;  /* dO rows (Sqp x Dvp) */
-  float* dot = don + Sqp * Dvp; /* dO^T by row chunk: (Sqp / rc) x (Dvp x rc) */
-  float* dq = dot + Dvp * Sqp; /* dQ rows (Sqp x Dp) */
-  float* lse = dq + Sqp * Dp;  /* per row; +inf for padding and dead rows so P = 0 */
-  float* delta = lse + Sqp;
-  float* st = delta + Sqp;     /* S^T then P^T (BK x rc) */
-  float* dpt = st + BK * rc;   /* dP^T then dS^T */
-  float* pd = dpt + BK * rc;   /* dropout factors, then P^T after dropout */
-  float* th = pd + BK * rc;    /* tanh of the softcap */
-  float* tmp = th + BK * rc;
-  float* tmp2 = tmp + (Dp > Dvp ? Dp : Dvp);
-  int32_t* lo = (int32_t*)(tmp2 + (Dp > Dvp ? Dp : Dvp));
+  float* vp = kp + Skm * Dp + G;
+  float* dk = vp + Skm * Dvp + G;
+  float* dv = dk + Skm * Dp + G;
+  float* qn = dv + Skm * Dvp + G;   /* Q rows (Sqp x Dp), unscaled */
+  float* qt = qn + Sqp * Dp + G;    /* Q^T by row chunk: (Sqp / rc) x (Dp x rc), scaled */
+  float* don = qt + Dp * Sqp + G;   /* dO rows (Sqp x Dvp) */
+  float* dot = don + Sqp * Dvp + G; /* dO^T by row chunk: (Sqp / rc) x (Dvp x rc) */
+  float* dq = dot + Dvp * Sqp + G;  /* dQ rows (Sqp x Dp) */
+  float* lse = dq + Sqp * Dp + G;   /* per row; +inf for padding and dead rows so P = 0 */
+  float* delta = lse + Sqp + G;
+  float* st = delta + Sqp + G;      /* S^T then P^T (BK x rc) */
+  float* dpt = st + BK * rc + G;    /* dP^T then dS^T */
+  float* pd = dpt + BK * rc + G;    /* dropout factors, then P^T after dropout */
+  float* th = pd + BK * rc + G;     /* tanh of the softcap */
+  float* tmp = th + BK * rc + G;
+  float* tmp2 = tmp + (Dp > Dvp ? Dp : Dvp) + G;
+  int32_t* lo = (int32_t*)(tmp2 + (Dp > Dvp ? Dp : Dvp) + G);
   int32_t* hi = lo + rc;
   const float scale = (float)p->scale;
   for (int64_t item = begin; item < end; ++item) {
