@@ -4,10 +4,10 @@ Forward and forward+backward, float32 and bfloat16, D in {64, 128}, causal and n
 {512, 1024, 2048, 4096} with B=4 H=16 (override with flags).  Each round times every candidate
 once, in turn, so machine drift hits all of them alike; the table shows medians over rounds,
 GFLOP/s (4 B H S^2 D forward, half with causal; backward 2.5x forward; `--passes bwd` times the
-backward alone) and ratio = torch / ours (> 1: ours is faster).  A measurement of this CPU's FMA peak (an AVX-512/AVX2 loop of independent
-FMAs on every thread), taken in every round beside the two candidates, puts each row's GFLOP/s in
-proportion: "% peak" for ours and for torch, against that row's median peak, so a drifting machine
-moves both sides of the fraction together.
+backward alone) and ratio = torch / ours (> 1: ours is faster).  A measurement of this CPU's FMA
+peak (an AVX-512/AVX2 loop of independent FMAs on every thread), taken in every round beside the
+two candidates, puts each row's GFLOP/s in proportion: "% peak" for ours and for torch, against
+that row's median peak, so a drifting machine moves both sides of the fraction together.
 
     python benchmarks/bench_cpu.py --json benchmarks/results/cpu.json
     python benchmarks/bench_cpu.py --quick                         # S=2048 only, fewer rounds

@@ -66,8 +66,9 @@ void ab_scratch_free(void* ptr);
 
 /* Gap, in floats, that the flash backward leaves after each buffer it carves from its scratch
  * block.  Its buffers are whole multiples of 4 KiB (S x 128 floats, ...), so without the gap they
- * would all start at the same address modulo 4096, and the same rows of K, dK, V, dV, Q and dO
- * would compete for the same cache sets and alias in the store buffer (4K aliasing).  Measured
+ * would all start at the same address modulo 4096: the same rows of K, dK, V, dV, Q and dO then
+ * share cache sets, and loads alias earlier stores to other buffers (4K aliasing); which of the
+ * two costs more was not isolated.  Measured
  * side by side on one core, float32 D=128: the backward at S=512 5-8% faster, S=1024 3%, S=2048
  * unchanged; a harness that isolates its five products moved from 77 to 115 GFLOP/s at S=1024.
  * The forward's tiles showed no change and carry no gap.  320 bytes: a whole number of cache
