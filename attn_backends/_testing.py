@@ -162,6 +162,30 @@ def check_2x(name: str, ours: torch.Tensor, ref64: torch.Tensor, same_dtype: tor
     assert err <= bound, f"{name}: max|ours - ref64| = {err:.3g} > {k} * {base:.3g} + {floor:g}"
 
 
+def check_out_and_grads_2x(out: torch.Tensor, grads, inputs, g: torch.Tensor, dtype: torch.dtype,
+                           **ref_opts) -> None:
+    """The rule for an output (k = 2) and its gradients dq, dk, dv (k = 3) under the output
+    gradient g: against reference_attention(*inputs, **ref_opts) run in float64 and in dtype."""
+    leaves64 = [t.detach().double().requires_grad_() for t in inputs]
+    r_out, _ = reference_attention(*leaves64, **ref_opts)
+    ref = torch.autograd.grad(r_out, leaves64, g.double())
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    d_out, _ = reference_attention(*leaves, dtype=dtype, **ref_opts)
+    same = torch.autograd.grad(d_out, leaves, g)
+    check_2x("out", out, r_out, d_out, 2, dtype)
+    for name, a, r, s in zip(("dq", "dk", "dv"), grads, ref, same):
+        check_2x(name, a, r, s, 3, dtype)
+
+
+def keep_mask_for_next_call(seed: int, B: int, H: int, Sq: int, Sk: int, p: float) -> torch.Tensor:
+    """The dropout keep-mask (on the CPU) the next attention call draws after torch.manual_seed(seed)."""
+    from . import _providers
+    from ._ops import ops
+
+    torch.manual_seed(seed)
+    return ops.dropout_mask(_providers.draw_rng_state(), B, H, Sq, Sk, p)
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     """One attention problem: shapes, dtype and options (the grid tests and benchmarks share)."""

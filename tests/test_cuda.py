@@ -14,8 +14,9 @@ import torch
 import attn_backends as ab
 from attn_backends import _dispatch, _providers
 from attn_backends._ops import ops
-from attn_backends._testing import (Case, cases, check_2x, check_against_reference, make_inputs, make_packed,
-                                    reference_attention, varlen_reference)
+from attn_backends._testing import (Case, cases, check_2x, check_against_reference, check_out_and_grads_2x,
+                                    keep_mask_for_next_call, make_inputs, make_packed, reference_attention,
+                                    varlen_reference)
 
 pytestmark = pytest.mark.cuda
 
@@ -287,11 +288,6 @@ def test_cuda_dropout_keep_fraction_matches_p():
         assert (cols - (1 - p)).abs().max() < 6 * math.sqrt(p * (1 - p) / n_rows)
 
 
-def _keep_for_next_call(seed, B, H, Sq, Sk, p):
-    torch.manual_seed(seed)
-    return ops.dropout_mask(_providers.draw_rng_state(), B, H, Sq, Sk, p)
-
-
 @pytest.mark.parametrize("backend, dtype, D", [("math", torch.float32, 40), ("math", torch.float64, 24),
                                                ("flash", torch.bfloat16, 64), ("flash", torch.float16, 128),
                                                ("flash", torch.bfloat16, 256)])
@@ -299,21 +295,12 @@ def _keep_for_next_call(seed, B, H, Sq, Sk, p):
 def test_cuda_dropout_forward_and_backward_replay_the_mask(backend, dtype, D, p, gen):
     case = Case(B=2, Hq=4, Hkv=2, Sq=77, Sk=130, D=D, dtype=dtype, causal=True)
     q, k, v, _ = make_inputs(case, device="cuda", requires_grad=True, generator=gen)
-    keep = _keep_for_next_call(99, case.B, case.Hq, case.Sq, case.Sk, p).cuda()
+    keep = keep_mask_for_next_call(99, case.B, case.Hq, case.Sq, case.Sk, p).cuda()
     torch.manual_seed(99)
     out = ab.attention(q, k, v, causal=True, dropout_p=p, backend=backend, strict=True)
     g = torch.randn(out.shape, generator=gen).to(device="cuda", dtype=dtype)
     ours = torch.autograd.grad(out, (q, k, v), g)
-    opts = dict(causal=True, keep=keep, dropout_p=p)
-    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    r_out, _ = reference_attention(*leaves64, **opts)
-    ref = torch.autograd.grad(r_out, leaves64, g.double())
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    d_out, _ = reference_attention(*leaves, dtype=dtype, **opts)
-    same = torch.autograd.grad(d_out, leaves, g)
-    check_2x("out", out, r_out, d_out, 2, dtype)
-    for name, a, r, d in zip(("dq", "dk", "dv"), ours, ref, same):
-        check_2x(name, a, r, d, 3, dtype)
+    check_out_and_grads_2x(out, ours, (q, k, v), g, dtype, causal=True, keep=keep, dropout_p=p)
 
 
 def test_cuda_dropout_same_seed_same_output_on_cpu_and_cuda():

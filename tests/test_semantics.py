@@ -9,7 +9,8 @@ import torch
 
 import attn_backends as ab
 from attn_backends import _providers
-from attn_backends._testing import Case, check_2x, make_inputs, reference_attention
+from attn_backends._testing import (Case, check_2x, check_out_and_grads_2x, keep_mask_for_next_call, make_inputs,
+                                     reference_attention)
 
 ops = torch.ops.attn_backends
 
@@ -146,34 +147,18 @@ def test_float_mask_gradient(mask_shape, backend, gen):
 
 # ---- dropout -----------------------------------------------------------------------------------
 
-def _keep_mask_for_next_call(seed, B, H, Sq, Sk, p):
-    """The keep-mask the next attention call will draw after torch.manual_seed(seed)."""
-    torch.manual_seed(seed)
-    rng = _providers.draw_rng_state()
-    return ops.dropout_mask(rng, B, H, Sq, Sk, p)
-
-
 @pytest.mark.parametrize("backend, dtype", [("math", torch.float32), ("math", torch.bfloat16), ("math", torch.float64),
                                             ("flash", torch.float32), ("flash", torch.bfloat16)])
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_output_and_gradients_replay_the_same_mask(backend, dtype, p, gen):
     case = Case(B=2, Hq=4, Hkv=2, Sq=19, Sk=37, D=24, dtype=dtype, causal=True, mask="float_rows")
     q, k, v, mask = make_inputs(case, requires_grad=True, generator=gen)
-    keep = _keep_mask_for_next_call(1234, case.B, case.Hq, case.Sq, case.Sk, p)
+    keep = keep_mask_for_next_call(1234, case.B, case.Hq, case.Sq, case.Sk, p)
     torch.manual_seed(1234)
     out = attn(q, k, v, causal=True, attn_mask=mask, dropout_p=p, backend=backend, strict=True)
     g = torch.randn(out.shape, generator=gen, dtype=torch.float32).to(dtype)
     ours = torch.autograd.grad(out, (q, k, v), g)
-    opts = dict(causal=True, attn_mask=mask, keep=keep, dropout_p=p)
-    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    r_out, _ = reference_attention(*leaves64, **opts)
-    ref = torch.autograd.grad(r_out, leaves64, g.double())
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    d_out, _ = reference_attention(*leaves, dtype=dtype, **opts)
-    same = torch.autograd.grad(d_out, leaves, g)
-    check_2x("out", out, r_out, d_out, 2, dtype)
-    for name, a, r, s in zip(("dq", "dk", "dv"), ours, ref, same):
-        check_2x(name, a, r, s, 3, dtype)
+    check_out_and_grads_2x(out, ours, (q, k, v), g, dtype, causal=True, attn_mask=mask, keep=keep, dropout_p=p)
 
 
 def test_dropout_is_reproducible_under_manual_seed():
