@@ -187,12 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdArgs args) {
       dsc[tid] = ds;
       __syncthreads();
       const int64_t n = hi - c < kThreads ? hi - c : kThreads;
-      for (int64_t d = tid; d < p.D; d += kThreads) {
-        Acc acc = dqrow[d];
-        for (int64_t t = 0; t < n; ++t)
-          if (dsc[t] != 0) acc += dsc[t] * load_acc<T, Acc>(kd, kbase + (c + t) * p.k.strides[2] + d * p.k.strides[3]);
-        dqrow[d] = acc;
-      }
+      accum_rows<T, Acc>(dqrow, p.D, dsc, n, kd, kbase, c, p.k.strides[2], p.k.strides[3], tid);
       __syncthreads();
     }
     if (want_dmask)
@@ -267,18 +262,8 @@ __global__ void __launch_bounds__(kThreads, 1) dkv_kernel(const BwdArgs args) {
         dsc[tid] = ds;
         __syncthreads();
         const int64_t n = p.Sq - c < kThreads ? p.Sq - c : kThreads;
-        for (int64_t d = tid; d < p.Dv; d += kThreads) {
-          Acc acc = dvrow[d];
-          for (int64_t t = 0; t < n; ++t)
-            if (pdc[t] != 0) acc += pdc[t] * load_acc<T, Acc>(dod, dobase + (c + t) * p.dout.strides[2] + d * p.dout.strides[3]);
-          dvrow[d] = acc;
-        }
-        for (int64_t d = tid; d < p.D; d += kThreads) {
-          Acc acc = dkrow[d];
-          for (int64_t t = 0; t < n; ++t)
-            if (dsc[t] != 0) acc += dsc[t] * load_acc<T, Acc>(qd, qbase + (c + t) * p.q.strides[2] + d * p.q.strides[3]);
-          dkrow[d] = acc;
-        }
+        accum_rows<T, Acc>(dvrow, p.Dv, pdc, n, dod, dobase, c, p.dout.strides[2], p.dout.strides[3], tid);
+        accum_rows<T, Acc>(dkrow, p.D, dsc, n, qd, qbase, c, p.q.strides[2], p.q.strides[3], tid);
         __syncthreads();
       }
     }

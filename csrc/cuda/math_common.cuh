@@ -51,6 +51,22 @@ template <> __device__ __forceinline__ void store_acc<double, double>(double* p,
   p[off] = v;
 }
 
+// row[d] += sum over t < n of coef[t] * x[base + (c + t) * rs + d * ds], for d < dim split over
+// the block's threads (thread tid takes d = tid, tid + kThreads, ...): one chunk of rows c.. of a
+// strided operand.  A zero coefficient skips its row of x: masked or dropped rows add nothing, not
+// even an inf or NaN of theirs.  The caller syncs before (coef is shared) and after (row and coef
+// are reused).
+template <typename T, typename Acc>
+__device__ __forceinline__ void accum_rows(Acc* row, int64_t dim, const Acc* coef, int64_t n, const T* x,
+                                           int64_t base, int64_t c, int64_t rs, int64_t ds, int tid) {
+  for (int64_t d = tid; d < dim; d += kThreads) {
+    Acc acc = row[d];
+    for (int64_t t = 0; t < n; ++t)
+      if (coef[t] != 0) acc += coef[t] * load_acc<T, Acc>(x, base + (c + t) * rs + d * ds);
+    row[d] = acc;
+  }
+}
+
 // One element of a mask, lse or dlse of any dtype, as a double.
 __device__ __forceinline__ double load_scalar(const void* base, ab_dtype dt, int64_t off) {
   switch (dt) {

@@ -133,12 +133,7 @@ __global__ void __launch_bounds__(kThreads, 1) math_fwd_kernel(const MathArgs ar
         pchunk[tid] = pj;
         __syncthreads();
         const int64_t n = hi - c < kThreads ? hi - c : kThreads;
-        for (int64_t d = tid; d < p.Dv; d += kThreads) {
-          Acc acc = orow[d];
-          for (int64_t t = 0; t < n; ++t)
-            if (pchunk[t] != 0) acc += pchunk[t] * load_acc<T, Acc>(vd, vbase + (c + t) * p.v.strides[2] + d * p.v.strides[3]);
-          orow[d] = acc;
-        }
+        accum_rows<T, Acc>(orow, p.Dv, pchunk, n, vd, vbase, c, p.v.strides[2], p.v.strides[3], tid);
         __syncthreads();
       }
     }
