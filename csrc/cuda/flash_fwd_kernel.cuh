@@ -91,12 +91,7 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_kernel(const FwdParams p) {
 
     // S = Q K^T (fp32), kMT x kNT tiles of m16 x n8 per warp.
     float s[kMT][kNT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][nt][e] = 0.0f;
+    zero_tiles(s);
     // kk only moves the ldmatrix addresses; unrolling it fully lets the scheduler load the
     // fragments of many k-steps ahead, which costs registers the kD = 128 config does not have.
 #pragma unroll 2

@@ -61,16 +61,22 @@ __device__ __forceinline__ bool block_tiles(const FwdParams& p, BlockTiles& bt) 
 // 16 mt + g + 8 (e >> 1), key n0 + 8 nt + 2 t + (e & 1).  Scores are in base-2 units (scaled by
 // log2 e) so that exp2 can be used.
 
+// Zeroes a warp's M x N accumulator tiles (float scores and O, or int32 sage scores).
+template <typename A, int M, int N>
+__device__ __forceinline__ void zero_tiles(A (&x)[M][N][4]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[m][n][e] = A(0);
+}
+
 // O = 0, and no row has seen a key yet (running max -inf, sum 0).
 template <int kMT, int kDT>
 __device__ __forceinline__ void init_rows(float (&o)[kMT][kDT][4], float (&row_m)[2 * kMT],
                                           float (&row_l)[2 * kMT]) {
-#pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-    for (int dt = 0; dt < kDT; ++dt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[mt][dt][e] = 0.0f;
+  zero_tiles(o);
 #pragma unroll
   for (int r = 0; r < 2 * kMT; ++r) {
     row_m[r] = -INFINITY;

@@ -369,12 +369,7 @@ __global__ void __launch_bounds__(kFwdThreads) sage_kernel(const SageParams sp) 
     __syncthreads();     // ... and for every thread; also publishes the int8 Q tile and its scales
 
     int acc[kMT][kNT][4];
-#pragma unroll
-    for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0;
+    zero_tiles(acc);
 #pragma unroll 2
     for (int kk = 0; kk < kD / 32; ++kk) {
       uint32_t qa[kMT][4];
