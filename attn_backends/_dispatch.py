@@ -105,13 +105,14 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
         square = True if square else False  # noqa: SIM210
     sig = (dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, gqa, square, mask_kind, mask_grad, causal_i,
            wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
-           bool(return_lse), 0, _SETTINGS["mps_fix"], ID[requested], _CPU_ISA)
+           bool(return_lse), 0, _SETTINGS["mps_fix"], ID[requested], _cpu_isa(), _CPU_UNITS)
     args = (q, k, v, attn_mask, causal_i, scale_f, wl, wr, softcap_f, p, need_grad, bool(return_lse))
     return (args + (True,) if deterministic else args), sig
 
 
 _SETTINGS = _planner.settings
-_CPU_ISA = _planner.CPU_ISA
+_cpu_isa = _planner.cpu_isa
+_CPU_UNITS = _planner.CPU_UNITS
 _chosen = ({}, {})  # signature -> backend, for strict False and True: the hot path's one lookup
 
 
@@ -164,7 +165,7 @@ def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p
     cc, lib_ok = cuda_device_info(device.index)[:2] if dev == 1 else (0, 0)
     sig = (dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, Hq != Hkv, max_q == max_k, 0, 0, causal_i,
            wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
-           bool(return_lse), 1, _planner.settings["mps_fix"], ID[requested], _planner.CPU_ISA)
+           bool(return_lse), 1, _planner.settings["mps_fix"], ID[requested], _planner.cpu_isa(), _CPU_UNITS)
     args = (q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal_i, scale_f, wl, wr, softcap_f, p,
             need_grad, bool(return_lse), bool(deterministic))
     return args, sig

@@ -30,10 +30,12 @@ CAUSAL_NAMES = ("none", "top_left", "bottom_right")
 MASK_NAMES = ("none", "bool", "float")
 ISA_NAMES = ("generic", "avx2", "avx512")
 
+UNIT_NAMES = ("AMX-BF16", "AMX-FP16", "AMX-INT8")  # bit i of cpu_units (csrc/ab_planner.h AB_UNIT_*)
+
 # signature fields, in the order of the C planner's ab_call
 FIELDS = ("device", "cuda_cc", "cuda_lib_ok", "dtype", "D", "Dv", "gqa", "square", "mask", "mask_grad",
           "causal", "window", "softcap", "dropout", "need_grad", "deterministic", "want_lse", "varlen",
-          "mps_fix", "requested", "cpu_isa")
+          "mps_fix", "requested", "cpu_isa", "cpu_units")
 
 
 def _env_flag(name: str) -> bool:
@@ -72,17 +74,16 @@ def default_backend() -> str:
     return _process_default[0] if name is None else name
 
 
+@torch.compiler.assume_constant_result
 def cpu_isa() -> int:
-    """The instruction-set path the CPU kernels run with (reported in plans)."""
-    f = _C.cpu_features()
-    if f["avx512f"] and f["avx512bw"] and f["avx512vl"] and f["avx512dq"]:
-        return 2
-    if f["avx2"] and f["fma"]:
-        return 1
-    return 0
+    """The CPU kernels' ISA path, asked of the C core on every call (ATTN_BACKENDS_CPU_ISA and
+    _C.set_cpu_isa decide it; under torch.compile it is read once, at trace time)."""
+    return _cpu_isa_index()
 
 
-CPU_ISA = cpu_isa()
+_cpu_isa_index = _C.cpu_isa_index
+# the matrix units this CPU may use are fixed for the process
+CPU_UNITS = _C.cpu_units()
 
 
 def _detect_providers() -> None:
@@ -125,6 +126,7 @@ class Plan:
     order: tuple
     reasons: dict
     call: dict
+    note: str = ""
 
     @property
     def fell_back(self) -> bool:
@@ -158,6 +160,8 @@ class Plan:
                  f"chosen:    {self.chosen or 'nothing can serve this call'}" + (f" ({self.path})" if self.chosen else "")]
         if self.order:
             lines.append(f"tried:     {' -> '.join(self.order)}")
+        if self.note:
+            lines.append(f"note:      {self.note}")
         w = max(len(n) for n in CANONICAL)
         lines.append("")
         lines.append(f"  {'backend':<{w}}  can serve?")
@@ -180,6 +184,7 @@ def describe(sig: tuple) -> dict:
     d["mask"] = MASK_NAMES[d["mask"]]
     d["requested"] = CANONICAL[d["requested"]]
     d["cpu_isa"] = ISA_NAMES[d["cpu_isa"]]
+    d["cpu_units"] = tuple(n for i, n in enumerate(UNIT_NAMES) if d["cpu_units"] >> i & 1)
     return d
 
 
@@ -187,7 +192,7 @@ def build(sig: tuple) -> Plan:
     """The plan for a call signature (FIELDS order), cached."""
     plan = _plans.get(sig)
     if plan is None:
-        chosen, order, reasons, path = _C.plan(sig)
+        chosen, order, reasons, path, note = _C.plan(sig)
         plan = Plan(
             requested=CANONICAL[sig[19]],
             chosen=CANONICAL[chosen] if chosen >= 0 else None,
@@ -195,6 +200,7 @@ def build(sig: tuple) -> Plan:
             order=tuple(CANONICAL[i] for i in order),
             reasons={CANONICAL[i]: r for i, r in enumerate(reasons)},
             call=describe(sig),
+            note=note,
         )
         if len(_plans) < 65536:  # bounded: signatures are few in practice
             _plans[sig] = plan

@@ -57,7 +57,7 @@ def backend_rows() -> list:
                 continue
             cc, lib_ok = (_cuda_facts()[:2] if dev == "cuda" else (0, 0))
             sig = (DEVICES.index(dev), cc, int(lib_ok), 0 if dev != "mps" else 0, 64, 64, 0, 1, 0, 0, 0, 0, 0, 0,
-                   0, 0, 0, 0, 0, i, _planner.CPU_ISA)
+                   0, 0, 0, 0, 0, i, _planner.cpu_isa(), _planner.CPU_UNITS)
             reason = _C.plan(sig)[2][i]
             if not reason:
                 available = True
@@ -68,6 +68,13 @@ def backend_rows() -> list:
         rows.append((name, aliases, kind, available, "" if available else why, devices, bool(lossy),
                      supports_backward))
     return rows
+
+
+def auto_cpu_note(dtype) -> str:
+    """Why auto's order differs on this CPU for a plain call of this dtype ("" when it does not)."""
+    sig = (0, 0, 0, _planner.DTYPE_IDS[dtype], 64, 64, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+           _planner.cpu_isa(), _planner.CPU_UNITS)
+    return _C.plan(sig)[4]
 
 
 def support_matrix_markdown() -> str:
@@ -129,7 +136,9 @@ def report() -> str:
     present = os.path.exists(info["cuda_library"])
     add(f"  CUDA archs             {info['cuda_archs'] or 'none (built without nvcc)'}")
     add(f"  CUDA library           {info['cuda_library'] if present else 'not built'}")
-    add(f"  CPU kernel path        {_planner.ISA_NAMES[_planner.CPU_ISA]}")
+    add(f"  CPU kernel path        {_C.cpu_isa()}")
+    if _C.cpu_isa_error():
+        add(f"  CPU kernel error       {_C.cpu_isa_error()}")
     add("")
     add("devices")
     add(f"  cpu                    {feats['brand'].strip() or feats['vendor'] or platform.processor()}"
@@ -146,6 +155,11 @@ def report() -> str:
     add("cpu features")
     flags = [k for k, v in feats.items() if isinstance(v, bool) and v]
     add("  " + (" ".join(flags) if flags else "none detected (generic C paths)"))
+    add(f"  AMX                    {feats['amx_state']}")
+    for dtype in (torch.bfloat16, torch.float16):
+        note = auto_cpu_note(dtype)
+        if note:
+            add(f"  auto, {str(dtype)[6:]:<16} {note}")
     add("")
     add("settings")
     add(f"  default backend        {_planner.default_backend()} (ATTN_BACKENDS_BACKEND)")

@@ -178,9 +178,11 @@ const char* ab_sage_cpu_isa_name(void);
 /* Instruction-set paths of the CPU kernels; a generic C path always exists. */
 typedef enum ab_cpu_isa { AB_ISA_GENERIC = 0, AB_ISA_AVX2 = 1, AB_ISA_AVX512 = 2 } ab_cpu_isa;
 
-/* The path in use: the best this CPU and OS support, or ATTN_BACKENDS_CPU_ISA=generic|avx2|avx512
- * (an unsupported request falls back to the best supported path). */
+/* The path in use: the best this CPU and OS support, or ATTN_BACKENDS_CPU_ISA=generic|avx2|avx512. */
 ab_cpu_isa ab_cpu_isa_get(void);
+/* Why ATTN_BACKENDS_CPU_ISA cannot be honoured (an unknown name, a path this CPU or OS cannot run,
+ * "amx" without AMX), or NULL.  While set, the flash and sage CPU kernels fail with it. */
+const char* ab_cpu_isa_error(void);
 int ab_cpu_isa_supported(ab_cpu_isa isa);
 /* Switches the path for the whole process (tests run every supported path); 0 if unsupported. */
 int ab_cpu_isa_set(ab_cpu_isa isa);
@@ -199,7 +201,11 @@ ab_status ab_dropout_mask_cpu(uint64_t seed, uint64_t offset, double p, int64_t 
 typedef struct ab_cpu_features {
   int sse42, avx, avx2, fma, f16c;
   int avx512f, avx512bw, avx512vl, avx512dq, avx512_vnni, avx512_bf16, avx512_fp16;
-  int avx_vnni, amx_tile, amx_bf16, amx_int8;
+  int avx_vnni;
+  /* AMX: set only when CPUID reports it, XCR0 enables tile state AND the kernel granted this
+   * process tile data (requested once, at detection); amx_state says which step failed. */
+  int amx_tile, amx_bf16, amx_int8, amx_fp16;
+  char amx_state[112];
   char vendor[13];
   char brand[49];
 } ab_cpu_features;

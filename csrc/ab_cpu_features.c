@@ -1,16 +1,39 @@
 /* ab_cpu_features.c -- which x86 instruction sets this process may use, detected once.
  *
  * An ISA counts only when CPUID reports it AND the OS saves its registers on a context switch
- * (XGETBV: XMM/YMM for AVX, opmask/ZMM for AVX-512, tile data for AMX).  Other architectures report
- * no x86 features and run the generic C paths.
+ * (XGETBV: XMM/YMM for AVX, opmask/ZMM for AVX-512, tile data for AMX).  AMX needs one step more
+ * on Linux: tile data is off for a process until it asks for it (arch_prctl
+ * ARCH_REQ_XCOMP_PERM, Linux 5.16+); a tile instruction before that raises SIGILL.  We ask once,
+ * here, and count AMX only if the kernel agrees, so no path can SIGILL on a machine that refuses.
+ * Other architectures report no x86 features and run the generic C paths.
  */
+#define _GNU_SOURCE /* syscall() */
+#include <errno.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "ab_core.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+/* Asks the kernel for the tile-data state component (XFEATURE 18); 0 on success, else errno. */
+static int request_tile_permission(void) {
+#if defined(__linux__) && defined(__x86_64__) && defined(SYS_arch_prctl)
+  enum { ARCH_GET_XCOMP_PERM = 0x1022, ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18 };
+  if (syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return errno ? errno : EPERM;
+  unsigned long long perm = 0;
+  if (syscall(SYS_arch_prctl, ARCH_GET_XCOMP_PERM, &perm) != 0) return errno ? errno : EPERM;
+  return (perm >> XFEATURE_XTILEDATA) & 1 ? 0 : EPERM;
+#else
+  return ENOSYS; /* no way to ask: only Linux on x86-64 is known to hand out tile data */
+#endif
+}
 
 static unsigned long long read_xcr0(void) {
   unsigned int eax, edx;
@@ -21,6 +44,7 @@ static unsigned long long read_xcr0(void) {
 static void detect(ab_cpu_features* f) {
   unsigned int a, b, c, d, max_leaf;
   memset(f, 0, sizeof *f);
+  snprintf(f->amx_state, sizeof f->amx_state, "absent (CPUID reports no AMX tiles)");
   max_leaf = __get_cpuid_max(0, NULL);
   if (max_leaf == 0) return;
   __cpuid(0, a, b, c, d);
@@ -49,12 +73,29 @@ static void detect(ab_cpu_features* f) {
     f->avx512vl = f->avx512f && ((b >> 31) & 1);
     f->avx512_vnni = f->avx512f && ((c >> 11) & 1);
     f->avx512_fp16 = f->avx512f && ((d >> 23) & 1);
-    f->amx_bf16 = os_amx && ((d >> 22) & 1);
-    f->amx_tile = os_amx && ((d >> 24) & 1);
-    f->amx_int8 = os_amx && ((d >> 25) & 1);
+    const int cpuid_tile = (d >> 24) & 1, cpuid_bf16 = (d >> 22) & 1, cpuid_int8 = (d >> 25) & 1;
     __cpuid_count(7, 1, a, b, c, d);
     f->avx_vnni = f->avx2 && ((a >> 4) & 1);
     f->avx512_bf16 = f->avx512f && ((a >> 5) & 1);
+    const int cpuid_fp16 = (a >> 21) & 1;
+    if (!cpuid_tile) {
+      snprintf(f->amx_state, sizeof f->amx_state, "absent (CPUID reports no AMX tiles)");
+    } else if (!os_amx) {
+      snprintf(f->amx_state, sizeof f->amx_state,
+               "unusable: the OS does not enable tile state (XCR0 bits 17-18 clear)");
+    } else {
+      const int e = request_tile_permission();
+      if (e) {
+        snprintf(f->amx_state, sizeof f->amx_state,
+                 "unusable: the kernel refused tile data (arch_prctl ARCH_REQ_XCOMP_PERM: %s)", strerror(e));
+      } else {
+        f->amx_tile = 1;
+        f->amx_bf16 = cpuid_bf16;
+        f->amx_int8 = cpuid_int8;
+        f->amx_fp16 = cpuid_fp16;
+        snprintf(f->amx_state, sizeof f->amx_state, "usable (tile data permission granted)");
+      }
+    }
   }
 
   unsigned int max_ext = __get_cpuid_max(0x80000000u, NULL);
@@ -68,7 +109,10 @@ static void detect(ab_cpu_features* f) {
   }
 }
 #else
-static void detect(ab_cpu_features* f) { memset(f, 0, sizeof *f); }
+static void detect(ab_cpu_features* f) {
+  memset(f, 0, sizeof *f);
+  snprintf(f->amx_state, sizeof f->amx_state, "absent (not an x86 CPU)");
+}
 #endif
 
 static ab_cpu_features g_features;

@@ -43,7 +43,9 @@ static PyObject* ab_py_cpu_features(PyObject* self, PyObject* unused) {
   FLAG(sse42) FLAG(avx) FLAG(avx2) FLAG(fma) FLAG(f16c)
   FLAG(avx512f) FLAG(avx512bw) FLAG(avx512vl) FLAG(avx512dq) FLAG(avx512_vnni)
   FLAG(avx512_bf16) FLAG(avx512_fp16) FLAG(avx_vnni) FLAG(amx_tile) FLAG(amx_bf16) FLAG(amx_int8)
+  FLAG(amx_fp16)
 #undef FLAG
+  if (dict_set_str(d, "amx_state", f->amx_state) < 0) goto fail;
   if (dict_set_str(d, "vendor", f->vendor) < 0) goto fail;
   if (dict_set_str(d, "brand", f->brand) < 0) goto fail;
   return d;
@@ -205,20 +207,23 @@ static PyObject* ab_py_enable_cuda_sage(PyObject* self, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
-/* plan(call) -> (chosen id or -1, (order...), (reason per id...), path).  call is the tuple
+/* plan(call) -> (chosen id or -1, (order...), (reason per id...), path, note).  call is the tuple
  * (device, cuda_cc, cuda_lib_ok, dtype, D, Dv, gqa, square, mask, mask_grad, causal, window,
- *  softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix, requested, cpu_isa). */
+ *  softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix, requested, cpu_isa,
+ *  cpu_units). */
 static PyObject* ab_py_plan(PyObject* self, PyObject* arg) {
   (void)self;
   ab_call c;
   int device, dtype, causal;
   long long D, Dv;
   memset(&c, 0, sizeof c);
-  if (!PyArg_ParseTuple(arg, "iiiiLLiiiiiiiiiiiiiii", &device, &c.cuda_cc, &c.cuda_lib_ok, &dtype,
+  unsigned int units = 0;
+  if (!PyArg_ParseTuple(arg, "iiiiLLiiiiiiiiiiiiiiiI", &device, &c.cuda_cc, &c.cuda_lib_ok, &dtype,
                         &D, &Dv, &c.gqa, &c.square, &c.mask, &c.mask_grad, &causal, &c.window,
                         &c.softcap, &c.dropout, &c.need_grad, &c.deterministic, &c.want_lse,
-                        &c.varlen, &c.mps_fix, &c.requested, &c.cpu_isa))
+                        &c.varlen, &c.mps_fix, &c.requested, &c.cpu_isa, &units))
     return NULL;
+  c.cpu_units = units;
   if (device < 0 || device >= AB_DEV_COUNT || dtype < 0 || dtype > AB_DTYPE_OTHER || causal < 0 ||
       causal > 2 || c.requested < 0 || c.requested >= AB_BK_COUNT) {
     PyErr_SetString(PyExc_ValueError, "plan: a field of the call is out of range");
@@ -247,7 +252,7 @@ static PyObject* ab_py_plan(PyObject* self, PyObject* arg) {
     }
     PyTuple_SetItem(reasons, i, s);
   }
-  return Py_BuildValue("(iNNs)", p.chosen, order, reasons, p.path);
+  return Py_BuildValue("(iNNss)", p.chosen, order, reasons, p.path, p.note);
 }
 
 /* lookup(name) -> canonical name, or None when the name is unknown. */
@@ -302,6 +307,29 @@ static PyObject* ab_py_cpu_isa(PyObject* self, PyObject* unused) {
   return PyUnicode_FromString(ab_cpu_isa_name(ab_cpu_isa_get()));
 }
 
+/* cpu_isa_index() -> the path as its ab_cpu_isa number (the planner's call field; cheap per call). */
+static PyObject* ab_py_cpu_isa_index(PyObject* self, PyObject* unused) {
+  (void)self;
+  (void)unused;
+  return PyLong_FromLong((long)ab_cpu_isa_get());
+}
+
+/* cpu_isa_error() -> why ATTN_BACKENDS_CPU_ISA cannot be honoured, or None. */
+static PyObject* ab_py_cpu_isa_error(PyObject* self, PyObject* unused) {
+  (void)self;
+  (void)unused;
+  const char* e = ab_cpu_isa_error();
+  if (!e) Py_RETURN_NONE;
+  return PyUnicode_FromString(e);
+}
+
+/* cpu_units() -> the AB_UNIT_* bits this CPU has and this process may use (AMX tiles). */
+static PyObject* ab_py_cpu_units(PyObject* self, PyObject* unused) {
+  (void)self;
+  (void)unused;
+  return PyLong_FromUnsignedLong(ab_cpu_units_detect());
+}
+
 /* cpu_isa_supported(name) -> bool */
 static PyObject* ab_py_cpu_isa_supported(PyObject* self, PyObject* arg) {
   (void)self;
@@ -341,6 +369,12 @@ static PyMethodDef ab_methods[] = {
      "fma_peak(seconds=0.3, threads=1) -> float32 flop/s of independent FMA chains on the CPU path."},
     {"cpu_isa", ab_py_cpu_isa, METH_NOARGS,
      "cpu_isa() -> the instruction-set path of the CPU kernels (ATTN_BACKENDS_CPU_ISA forces one)."},
+    {"cpu_isa_index", ab_py_cpu_isa_index, METH_NOARGS,
+     "cpu_isa_index() -> the CPU kernels' path as a number (0 generic, 1 avx2, 2 avx512)."},
+    {"cpu_isa_error", ab_py_cpu_isa_error, METH_NOARGS,
+     "cpu_isa_error() -> why ATTN_BACKENDS_CPU_ISA cannot be honoured (CPU kernel calls fail with it), or None."},
+    {"cpu_units", ab_py_cpu_units, METH_NOARGS,
+     "cpu_units() -> bits of the CPU matrix units this process may use (1 AMX-BF16, 2 AMX-FP16, 4 AMX-INT8)."},
     {"cpu_isa_supported", ab_py_cpu_isa_supported, METH_O,
      "cpu_isa_supported(name) -> whether this CPU and OS can run that path."},
     {"set_cpu_isa", ab_py_set_cpu_isa, METH_O,

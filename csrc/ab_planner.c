@@ -7,7 +7,9 @@
  *   2. its chain (sage -> flash; flash_attn_pkg -> flash; _native_* -> sdpa; math -> eager; ...),
  *   3. the device's priority list: CPU flash, math, eager; CUDA flash, sdpa, math, eager (our
  *      kernels first on 8.0+, torch SDPA's kernels first below that, since ours need 8.0);
- *      MPS sdpa, eager; other devices eager.
+ *      MPS sdpa, eager; other devices eager.  For auto on a CPU where torch SDPA computes the
+ *      dtype on a matrix unit our kernels do not use (AMX), torch SDPA comes before the list
+ *      (torch_first, with the registry's data), and the plan's note says why.
  * The first candidate with no reason against it is chosen.  eager serves every call, so a plan
  * always ends somewhere unless the call itself is impossible.
  */
@@ -130,6 +132,33 @@ static void push(ab_plan* p, int id) {
   p->order[p->norder++] = id;
 }
 
+static const char* unit_name(uint32_t unit) {
+  switch (unit) {
+    case AB_UNIT_AMX_BF16: return "AMX-BF16";
+    case AB_UNIT_AMX_FP16: return "AMX-FP16";
+    case AB_UNIT_AMX_INT8: return "AMX-INT8";
+    default: return "a matrix unit";
+  }
+}
+
+/* auto is never slower than torch SDPA: on a CPU with a unit torch computes this dtype on and the
+ * ISA path of our kernels does not (ab_registry.c holds both lists), torch SDPA goes first; our
+ * kernels still serve what it cannot (packed sequences, softcap, lse, ...). */
+static void torch_first(const ab_call* c, ab_plan* plan) {
+  static const char* isa[] = {"generic", "avx2", "avx512"};
+  if (c->device != AB_DEVICE_CPU) return;
+  uint32_t unless = 0;
+  const uint32_t gap = ab_torch_cpu_units(c->dtype, &unless) & c->cpu_units & ~ab_our_cpu_units(c->cpu_isa, c->dtype);
+  if (!gap) return;
+  const uint32_t has = (c->dropout ? AB_F_DROPOUT : 0u) | (c->window ? AB_F_WINDOW : 0u);
+  if (has & unless) return;
+  push(plan, AB_BK_SDPA);
+  snprintf(plan->note, sizeof plan->note,
+           "torch SDPA first: it computes %s on %s here, which our %s path does not use, so it is faster",
+           ab_dtype_name(c->dtype), unit_name(gap & (0u - gap)),
+           isa[c->cpu_isa >= 0 && c->cpu_isa <= 2 ? c->cpu_isa : 0]);
+}
+
 void ab_plan_build(const ab_call* call, ab_plan* plan) {
   memset(plan, 0, sizeof *plan);
   plan->chosen = -1;
@@ -143,6 +172,7 @@ void ab_plan_build(const ab_call* call, ab_plan* plan) {
     push(plan, call->requested);
     for (const int* c = chain_of(call->requested); *c != END; ++c) push(plan, *c);
   }
+  if (call->requested == AB_BK_AUTO) torch_first(call, plan);
   for (const int* c = k_auto[dev]; *c != END; ++c) push(plan, *c);
   for (int i = 0; i < plan->norder; ++i)
     if (plan->reason[plan->order[i]][0] == 0) {

@@ -101,6 +101,22 @@ const ab_backend_info* ab_backend_at(int index);
 /* Canonical index for any accepted name (ASCII case-insensitive, '-' == '_'), or -1. */
 int ab_backend_lookup(const char* name);
 
+/* CPU matrix units (ab_call.cpu_units): hardware that computes a dtype faster than float32 FMA. */
+enum {
+  AB_UNIT_AMX_BF16 = 1u << 0, /* AMX tiles, bfloat16 dot products (TDPBF16PS) */
+  AB_UNIT_AMX_FP16 = 1u << 1, /* AMX tiles, float16 dot products (TDPFP16PS) */
+  AB_UNIT_AMX_INT8 = 1u << 2  /* AMX tiles, int8 dot products (TDPBSSD and friends) */
+};
+/* The units this CPU has and this process may use (CPUID, XCR0 and the OS's permission). */
+uint32_t ab_cpu_units_detect(void);
+/* The units torch's own CPU SDPA computes `dtype` on where the CPU has them (oneDNN brgemm), and
+ * the features of a call that send torch off its fast path (so the advantage does not hold). */
+uint32_t ab_torch_cpu_units(int dtype, uint32_t* unless_features);
+/* The units our CPU kernels' ISA path `isa` computes `dtype` on at least as fast as torch does,
+ * measured (docs/benchmarks.md); a unit listed by ab_torch_cpu_units and not here means torch SDPA
+ * is faster for that dtype on a CPU that has it. */
+uint32_t ab_our_cpu_units(int isa, int dtype);
+
 /* Serves our CUDA kernels that have not run on a GPU yet (on = 1) or not (0): flash and
  * flash_varlen (forward and backward) and math's backward.  Opt-in until verified.  Called under
  * the GIL, before planning (plans are cached). */
@@ -130,7 +146,8 @@ typedef struct ab_call {
   int32_t need_grad, deterministic, want_lse, varlen;
   int32_t mps_fix;       /* MPS: torch SDPA with a mask in evaluation gives NaN; avoid it */
   int32_t requested;     /* ab_backend_id */
-  int32_t cpu_isa;       /* ab_cpu_isa the CPU kernels run with (reported, never limiting) */
+  int32_t cpu_isa;       /* ab_cpu_isa the CPU kernels run with */
+  uint32_t cpu_units;    /* AB_UNIT_* this CPU has and the process may use (ab_cpu_units_detect) */
 } ab_call;
 
 
@@ -142,6 +159,7 @@ typedef struct ab_plan {
   int32_t norder;
   char reason[AB_BK_COUNT][AB_REASON_LEN]; /* why each backend cannot serve ("" = it can) */
   char path[32];                           /* how the chosen one runs: "cpu avx512", "cuda sm90", "torch" */
+  char note[AB_REASON_LEN];                /* why auto's order changed for this call ("" = it did not) */
 } ab_plan;
 
 void ab_plan_build(const ab_call* call, ab_plan* plan);

@@ -233,3 +233,35 @@ void ab_registry_enable_cuda_sage(int on) {
 }
 
 int ab_cuda_small_smem(int cc) { return cc == 86 || cc == 89 || cc / 10 == 12; }
+
+/* ---- CPU matrix units: what torch computes each dtype on, and what our CPU paths do ------------- */
+
+uint32_t ab_cpu_units_detect(void) {
+  const ab_cpu_features* f = ab_cpu_features_get();
+  return (f->amx_bf16 ? AB_UNIT_AMX_BF16 : 0u) | (f->amx_fp16 ? AB_UNIT_AMX_FP16 : 0u) |
+         (f->amx_int8 ? AB_UNIT_AMX_INT8 : 0u);
+}
+
+/* torch's CPU SDPA (its flash kernel: oneDNN brgemm for the two products) runs bfloat16 on AMX-BF16
+ * tiles and float16 on AMX-FP16 tiles when the CPU has them: measured 2.0-3.8x our AVX-512 kernel in
+ * bfloat16 on a Xeon with AMX (B=2 H=16 S=2048, forward; 2x forward+backward).  Dropout sends torch
+ * to its unfused math path (its fused CPU kernel has none), and windows reach it as a dense bool
+ * mask (every score computed, where ours skips the blocks outside): there the tiles' advantage is
+ * not established, so those calls keep our kernel. */
+uint32_t ab_torch_cpu_units(int dtype, uint32_t* unless_features) {
+  if (unless_features) *unless_features = AB_F_DROPOUT | AB_F_WINDOW;
+  switch (dtype) {
+    case AB_DTYPE_BF16: return AB_UNIT_AMX_BF16;
+    case AB_DTYPE_F16: return AB_UNIT_AMX_FP16;
+    default: return 0;
+  }
+}
+
+/* No ISA path of ours computes on AMX tiles yet: the generic, AVX2 and AVX-512 paths convert every
+ * dtype to float32 and use FMA.  When a path does and is measured at least as fast as torch, its
+ * units go here and the planner stops preferring torch for that dtype. */
+uint32_t ab_our_cpu_units(int isa, int dtype) {
+  (void)isa;
+  (void)dtype;
+  return 0;
+}

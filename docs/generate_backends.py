@@ -43,6 +43,17 @@ WARNING per (requested, chosen, reason) on the `attn_backends` logger and an INF
 backend used; `strict=True` or `ATTN_BACKENDS_STRICT=1` raises instead, listing every backend and
 why. `ab.explain(q, k, v, **kwargs)` prints the plan for a call.
 
+`auto` is never slower than torch SDPA on the same machine. The registry lists, per dtype, the CPU
+matrix units torch's own CPU SDPA computes on (bfloat16 on AMX-BF16 tiles, float16 on AMX-FP16), and
+per ISA path of our CPU kernels the units they use (none yet: every path converts to float32 and uses
+FMA). When the CPU has a unit torch uses for the call's dtype and our path does not, `auto` puts
+`sdpa` first; our kernels still serve what torch SDPA cannot (packed sequences, softcap, lse), and
+calls where torch leaves its fast path keep ours (dropout sends torch's CPU SDPA to its unfused math
+path; a window reaches it as a dense mask). The plan's `note:` line in `ab.explain(...)` says so, and
+`python -m attn_backends` prints it under "cpu features". Measured on a Xeon with AMX: torch's
+bfloat16 forward was 2.0-3.8x our AVX-512 kernel (2 cores, B=2 H=16 S=2048); on CPUs without AMX our kernels were
+measured at par or faster in float32, bfloat16 and float16 (docs/benchmarks.md).
+
 ## Accepted names
 
 """

@@ -22,11 +22,14 @@ DT = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 
 def plan(device=CPU, cc=0, lib=1, dtype="float32", D=64, Dv=None, gqa=0, square=1, mask=0, mask_grad=0,
          causal=0, window=0, softcap=0, dropout=0, need_grad=0, deterministic=0, want_lse=0, varlen=0,
-         mps_fix=1, requested="auto", isa=2):
+         mps_fix=1, requested="auto", isa=2, units=0):
     sig = (device, cc, lib, DT[dtype], D, D if Dv is None else Dv, gqa, square, mask, mask_grad, causal, window,
            softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix, _names.ID[ab.resolve(requested)],
-           isa)
+           isa, units)
     return _planner.build(sig)
+
+
+AMX_BF16, AMX_FP16, AMX_INT8 = 1, 2, 4
 
 
 # ---- described devices --------------------------------------------------------------------------
@@ -44,6 +47,71 @@ def test_cpu_auto_uses_our_kernels_whatever_the_isa(isa):
     p = plan(device=CPU, isa=isa, varlen=1, causal=2, need_grad=1)
     assert p.chosen == "flash_varlen" and "packed" in p.reasons["flash"]
     assert "no bool attn_mask" in plan(device=CPU, varlen=1, mask=1, requested="flash_varlen").reasons["flash_varlen"]
+
+
+# ---- auto is never slower than torch SDPA: CPU matrix units torch uses and our paths do not -------
+
+@pytest.mark.parametrize("isa", [0, 1, 2], ids=["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("dtype,unit", [("bfloat16", AMX_BF16), ("float16", AMX_FP16)])
+def test_auto_prefers_torch_where_it_computes_on_amx(isa, dtype, unit):
+    all_units = AMX_BF16 | AMX_FP16 | AMX_INT8
+    for need_grad in (0, 1):
+        p = plan(device=CPU, isa=isa, dtype=dtype, units=all_units, need_grad=need_grad, causal=1, gqa=1)
+        assert p.chosen == "sdpa" and p.path == "torch"
+        assert p.order[:2] == ("sdpa", "flash")
+        assert dtype in p.note and ("AMX-BF16" if unit == AMX_BF16 else "AMX-FP16") in p.note
+        assert "note:" in str(p)
+        # only the unit for this dtype counts
+        p = plan(device=CPU, isa=isa, dtype=dtype, units=all_units & ~unit, need_grad=need_grad)
+        assert p.chosen == "flash" and not p.note
+
+
+def test_torch_first_only_where_torch_keeps_its_advantage():
+    amx = AMX_BF16 | AMX_FP16 | AMX_INT8
+    # float32 runs on FMA units in both: ours
+    assert plan(dtype="float32", units=amx).chosen == "flash"
+    # what torch's fast CPU path cannot do, or does without its advantage: ours
+    assert plan(dtype="bfloat16", units=amx, dropout=1, need_grad=1).chosen == "flash"
+    assert plan(dtype="bfloat16", units=amx, window=1).chosen == "flash"
+    # what torch SDPA cannot serve at all still reaches our kernels (softcap, lse, packed)
+    for kw in (dict(softcap=1), dict(want_lse=1), dict(varlen=1)):
+        p = plan(dtype="bfloat16", units=amx, **kw)
+        assert p.chosen in ("flash", "flash_varlen") and p.order[0] == "sdpa" and p.reasons["sdpa"]
+    # a named backend is served as named
+    assert plan(dtype="bfloat16", units=amx, requested="flash").chosen == "flash"
+    # the rule is the CPU's: CUDA calls never see it
+    assert not plan(device=CUDA, cc=90, dtype="bfloat16", units=amx).note
+
+
+def test_this_cpu_units_reach_the_plan():
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    p = ab.explain(q, q, q)
+    assert p.call["cpu_units"] == tuple(n for i, n in enumerate(_planner.UNIT_NAMES) if _C.cpu_units() >> i & 1)
+    assert (p.chosen == "sdpa") == bool(_C.cpu_units() & AMX_BF16)
+    assert _C.cpu_features()["amx_state"]
+
+
+def test_report_says_when_auto_prefers_torch_on_this_cpu(monkeypatch):
+    from attn_backends import _report
+
+    monkeypatch.setattr(_planner, "CPU_UNITS", AMX_BF16)  # as on a Xeon with AMX
+    assert "bfloat16 on AMX-BF16" in _report.auto_cpu_note(torch.bfloat16)
+    assert _report.auto_cpu_note(torch.float16) == ""
+    assert "auto, bfloat16" in _report.report()
+    monkeypatch.setattr(_planner, "CPU_UNITS", 0)
+    assert "auto, bfloat16" not in _report.report()
+
+
+def test_plans_follow_the_cpu_isa_switch():
+    q = torch.randn(1, 2, 8, 16)
+    before = _C.cpu_isa()
+    try:
+        assert _C.set_cpu_isa("generic")
+        assert ab.explain(q, q, q).path == "cpu generic"
+        assert ab.explain(q, q, q).call["cpu_isa"] == "generic"
+    finally:
+        _C.set_cpu_isa(before)
+    assert ab.explain(q, q, q).path == f"cpu {before}"
 
 
 @pytest.mark.parametrize("cc", [61, 75])
@@ -206,6 +274,43 @@ def test_strict_from_the_environment():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=dict(os.environ, ATTN_BACKENDS_STRICT="1"))
     assert "raised" in res.stdout, res.stderr
+
+
+def _run_with_isa(isa: str, code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, ATTN_BACKENDS_CPU_ISA=isa))
+
+
+def test_cpu_isa_from_the_environment_reaches_kernels_plans_and_report():
+    code = ("import attn_backends as ab, torch\n"
+            "q = torch.randn(1, 1, 4, 8)\n"
+            "print(ab._C.cpu_isa(), ab.explain(q, q, q).path, ab.attention(q, q, q, backend='flash').shape)\n"
+            "from attn_backends._report import report\n"
+            "print([l for l in report().splitlines() if 'CPU kernel path' in l][0])\n")
+    res = _run_with_isa("generic", code)
+    assert res.returncode == 0, res.stderr
+    assert "generic cpu generic torch.Size([1, 1, 4, 8])" in res.stdout
+    assert "CPU kernel path        generic" in res.stdout
+
+
+@pytest.mark.parametrize("isa,why", [("amx", "ATTN_BACKENDS_CPU_ISA=amx: "), ("avx9000", "unknown path")])
+def test_cpu_isa_the_cpu_cannot_honour_is_a_clear_error(isa, why):
+    if isa == "amx" and _C.cpu_features()["amx_tile"]:
+        why = "no AMX kernel path is built"
+    code = ("import attn_backends as ab, torch\n"
+            "q = torch.randn(1, 1, 4, 8)\n"
+            "for b in ('flash', 'sage'):\n"
+            "    try:\n        ab.attention(q, q, q, backend=b, strict=True)\n"
+            "    except RuntimeError as e:\n        print('raised:', e)\n"
+            "print('math ok', ab.attention(q, q, q, backend='math').shape)\n"
+            "from attn_backends._report import report\n"
+            "print([l for l in report().splitlines() if 'CPU kernel error' in l][0])\n")
+    res = _run_with_isa(isa, code)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("raised:") == 2 and why in res.stdout, res.stdout
+    assert "math ok" in res.stdout  # the math kernel has no ISA paths
+    if isa == "amx" and not _C.cpu_features()["amx_tile"]:
+        assert _C.cpu_features()["amx_state"] in res.stdout
 
 
 def test_one_warning_per_requested_chosen_reason(caplog):

@@ -2,11 +2,13 @@
  * points that check a call before running it on that path.
  *
  * The best path the CPU *and* the OS support (ab_cpu_features: CPUID + XGETBV) is chosen on first
- * use; ATTN_BACKENDS_CPU_ISA=generic|avx2|avx512 forces one (an unsupported request keeps the best
- * supported path), and ab_cpu_isa_set switches at run time so tests can cover every path.
+ * use; ATTN_BACKENDS_CPU_ISA=generic|avx2|avx512 forces one (a request this CPU cannot honour makes
+ * every CPU kernel call fail with the reason, ab_cpu_isa_error), and ab_cpu_isa_set switches at
+ * run time so tests can cover every path.
  */
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -82,15 +84,40 @@ int ab_cpu_isa_supported(ab_cpu_isa isa) {
   }
 }
 
+/* Why ATTN_BACKENDS_CPU_ISA cannot be honoured ("" when it can or is unset): every CPU kernel call
+ * then fails with it, rather than running another path than the one asked for. */
+static char g_isa_error[256];
+
 static void init_isa(void) {
   int best = ab_cpu_isa_supported(AB_ISA_AVX512) ? AB_ISA_AVX512
              : ab_cpu_isa_supported(AB_ISA_AVX2) ? AB_ISA_AVX2
                                                   : AB_ISA_GENERIC;
   const char* env = getenv("ATTN_BACKENDS_CPU_ISA");
-  if (env && *env)
+  if (env && *env) {
+    int asked = -1;
     for (int i = 0; i < 3; ++i)
-      if (strcmp(env, k_names[i]) == 0 && ab_cpu_isa_supported((ab_cpu_isa)i)) best = i;
+      if (strcmp(env, k_names[i]) == 0) asked = i;
+    if (asked >= 0 && ab_cpu_isa_supported((ab_cpu_isa)asked))
+      best = asked;
+    else if (asked >= 0)
+      snprintf(g_isa_error, sizeof g_isa_error,
+               "ATTN_BACKENDS_CPU_ISA=%s: this CPU or OS cannot run that path (best here: %s)", env,
+               k_names[best]);
+    else if (strcmp(env, "amx") == 0)
+      snprintf(g_isa_error, sizeof g_isa_error,
+               "ATTN_BACKENDS_CPU_ISA=amx: %s%s", ab_cpu_features_get()->amx_tile ? "" : "AMX is ",
+               ab_cpu_features_get()->amx_tile ? "no AMX kernel path is built in this version"
+                                               : ab_cpu_features_get()->amx_state);
+    else
+      snprintf(g_isa_error, sizeof g_isa_error,
+               "ATTN_BACKENDS_CPU_ISA=%.40s: unknown path (expected generic, avx2, avx512 or amx)", env);
+  }
   atomic_store(&g_isa, best);
+}
+
+const char* ab_cpu_isa_error(void) {
+  pthread_once(&g_once, init_isa);
+  return g_isa_error[0] ? g_isa_error : NULL;
 }
 
 ab_cpu_isa ab_cpu_isa_get(void) {
@@ -102,6 +129,7 @@ int ab_cpu_isa_set(ab_cpu_isa isa) {
   pthread_once(&g_once, init_isa);
   if (!ab_cpu_isa_supported(isa)) return 0;
   atomic_store(&g_isa, (int)isa);
+  g_isa_error[0] = 0; /* an explicit switch replaces what the environment asked for */
   return 1;
 }
 
@@ -139,6 +167,7 @@ double ab_cpu_fma_peak(double seconds, int threads) {
 static ab_status check_flash(const ab_attn_params* p, int backward, ab_error* err) {
   ab_status st = ab_attn_params_check(p, backward, err);
   if (st != AB_OK) return st;
+  if (ab_cpu_isa_error()) return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s", ab_cpu_isa_error());
   if (p->q.device != AB_DEVICE_CPU)
     return ab_error_set(err, AB_ERR_INVALID, "flash CPU kernel called with non-CPU tensors");
   if (p->q.dtype != AB_DTYPE_F32 && p->q.dtype != AB_DTYPE_F16 && p->q.dtype != AB_DTYPE_BF16)
