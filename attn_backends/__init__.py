@@ -16,6 +16,7 @@ import torch  # loads libtorch before our module registers its ops
 
 from . import _C, _ops  # noqa: F401  (registers ops, fake kernels, autograd)
 from . import _dispatch, _integrations, _planner, _report
+from ._merge import merge_attention_states
 from ._names import resolve as _resolve
 from ._planner import Plan
 
@@ -23,8 +24,8 @@ __version__ = _C.__version__
 
 __all__ = [
     "attention", "attention_varlen", "sdpa", "patch_sdpa", "unpatch_sdpa", "patched_sdpa", "use", "resolve",
-    "backends", "explain", "add_argparse_args", "apply_args", "register_transformers", "Plan", "BackendInfo",
-    "__version__",
+    "backends", "explain", "add_argparse_args", "apply_args", "register_transformers", "merge_attention_states",
+    "Plan", "BackendInfo", "__version__",
 ]
 
 Causal = Union[bool, str]

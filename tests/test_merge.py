@@ -1,0 +1,73 @@
+"""ab.merge_attention_states: two partial results over disjoint key sets merge into attention over
+their union (the float64 reference), fully masked parts weigh nothing, bad input is named."""
+
+import pytest
+import torch
+
+import attn_backends as ab
+from attn_backends._testing import reference_attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split", [0, 1, 13, 40])
+def test_two_halves_merge_into_the_whole(dtype, split):
+    torch.manual_seed(split)
+    B, H, Sq, Sk, D = 2, 3, 17, 40, 24
+    q, k, v = (torch.randn(B, H, n, D, dtype=dtype) for n in (Sq, Sk, Sk))
+    ref, ref_lse = reference_attention(q, k, v)
+    same_dtype, _ = reference_attention(q, k, v, dtype=dtype)
+    parts = []
+    for sl in (slice(0, split), slice(split, Sk)):
+        parts += list(ab.attention(q, k[:, :, sl], v[:, :, sl], backend="math", return_lse=True))
+    out, lse = ab.merge_attention_states(*parts)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    # the project's rule: at most twice the error of plain torch ops in the same dtype
+    err = (out.double() - ref).abs().max().item()
+    assert err <= 2 * (same_dtype.double() - ref).abs().max().item() + 1e-6
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-5, rtol=1e-6)
+
+
+def test_fully_masked_parts_weigh_nothing():
+    out_a = torch.randn(1, 2, 3, 8)
+    lse_a = torch.randn(1, 2, 3)
+    empty_out, empty_lse = torch.zeros(1, 2, 3, 8), torch.full((1, 2, 3), float("-inf"))
+    out, lse = ab.merge_attention_states(out_a, lse_a, empty_out, empty_lse)
+    assert torch.equal(out, out_a) and torch.equal(lse, lse_a)
+    out, lse = ab.merge_attention_states(empty_out, empty_lse, empty_out, empty_lse)
+    assert torch.equal(out, empty_out) and torch.isneginf(lse).all()
+
+
+def test_large_lse_stays_finite_and_exact():
+    out_a, out_b = torch.randn(4, 8), torch.randn(4, 8)
+    lse_a = torch.full((4,), 1e4)
+    lse_b = lse_a + torch.tensor([0.0, 1.0, -50.0, 200.0])
+    out, lse = ab.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    wb = torch.sigmoid((lse_b - lse_a).double())
+    want = out_a.double() * (1 - wb)[:, None] + out_b.double() * wb[:, None]
+    assert torch.isfinite(out).all() and torch.allclose(out.double(), want, atol=1e-6)
+    assert torch.allclose(lse.double(), torch.logaddexp(lse_a.double(), lse_b.double()), rtol=1e-7)
+
+
+def test_gradients_flow_through_the_merge():
+    out_a, out_b = (torch.randn(2, 5, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    lse_a, lse_b = (torch.randn(2, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(lambda *t: ab.merge_attention_states(*t), (out_a, lse_a, out_b, lse_b))
+
+
+def test_inputs_are_not_modified():
+    out_a, lse_a, out_b, lse_b = torch.randn(3, 4), torch.randn(3), torch.randn(3, 4), torch.randn(3)
+    copies = [t.clone() for t in (out_a, lse_a, out_b, lse_b)]
+    ab.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    assert all(torch.equal(a, b) for a, b in zip((out_a, lse_a, out_b, lse_b), copies))
+
+
+@pytest.mark.parametrize("args,match", [
+    ((torch.randn(2, 4), torch.randn(2), torch.randn(3, 4), torch.randn(3)), "out_a and out_b"),
+    ((torch.randn(2, 4), torch.randn(4), torch.randn(2, 4), torch.randn(2)), "lse_a must have out's shape"),
+    ((torch.randn(2, 4), torch.randn(2), torch.randn(2, 4), torch.ones(2, dtype=torch.int32)), "lse_b must be a float"),
+    ((torch.randn(2, 4), torch.randn(2), torch.randn(2, 4).half(), torch.randn(2)), "one floating-point dtype"),
+    ((torch.randn(2, 4), [0.0, 0.0], torch.randn(2, 4), torch.randn(2)), "lse_a must be a torch.Tensor"),
+])
+def test_bad_input_names_the_argument(args, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        ab.merge_attention_states(*args)
