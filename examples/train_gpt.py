@@ -1,7 +1,7 @@
 """Train a small character-level GPT on this repository's own documentation, with the attention
 backend chosen by a flag, as a training script passes --attn_implementation through.
 
-    python examples/train_gpt.py --attn_implementation flash          # about a minute on 2 CPU cores
+    python examples/train_gpt.py --attn_implementation flash          # ~half a minute on 2 CPU cores
     python examples/train_gpt.py --attn_implementation flash_attention_2 --steps 50
     python examples/train_gpt.py --attention_call sdpa --patch_sdpa   # model calls F.sdpa, patched
 
@@ -100,7 +100,7 @@ def peak_flops(device: torch.device) -> float | None:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ab.add_argparse_args(ap)
     ap.add_argument("--attention_call", choices=["ab", "sdpa"], default="ab",
                     help="the model calls ab.attention, or torch's F.scaled_dot_product_attention")
