@@ -1,7 +1,11 @@
 """What a new user sees first: the example's --help and banner (what was asked, what it resolved
-to, what runs)."""
+to, what runs), and the import from a source tree that has no built extension."""
 
 import importlib.util
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -76,3 +80,46 @@ def test_banner_says_when_the_flag_does_not_reach_torchs_own_sdpa(example, capsy
                              "F.scaled_dot_product_attention, which the flag does not reach")
     assert banner.endswith("(--patch_sdpa routes it through attn_backends); backend used: torch SDPA")
     assert torch.nn.functional.scaled_dot_product_attention is ab._providers.ORIGINAL_SDPA
+
+
+# ---- import from a source tree without _C ---------------------------------------------------------
+
+def python_without_install_hooks(code, cwd, first_on_path=()):
+    """Runs code with this interpreter's sys.path but without site's .pth hooks (-S), so an editable
+    install's finder cannot supply _C: what a non-editable install sees from the repository root."""
+    path = [str(p) for p in first_on_path]
+    path += [p for p in sys.path if p and Path(p).resolve() not in (ROOT, ROOT / "tests")]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    return subprocess.run([sys.executable, "-S", "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+def copy_sources(dest):
+    shutil.copytree(ROOT / "attn_backends", dest / "attn_backends",
+                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copy(ROOT / "setup.py", dest / "setup.py")
+
+
+def test_import_from_a_source_tree_without_the_extension_says_what_happened_and_what_to_do(tmp_path):
+    tree, installed = tmp_path / "checkout", tmp_path / "site" / "attn_backends"
+    copy_sources(tree)
+    installed.mkdir(parents=True)  # stands for a non-editable install: a package with its built _C
+    (installed / "_C.abi3.so").write_bytes(b"")
+    r = python_without_install_hooks("import attn_backends", tree, first_on_path=[tmp_path / "site"])
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"ImportError: attn_backends was imported from the source tree {tree / 'attn_backends'}, "
+                           "which has no built extension (_C)"), r.stderr
+    assert f"the sources shadow the package installed at {installed}" in last
+    assert "pip install --no-build-isolation -e ." in last and "run Python from another directory" in last
+    assert "most likely due to a circular import" not in r.stderr
+
+
+def test_an_extension_that_fails_to_load_keeps_its_own_error(tmp_path):
+    copy_sources(tmp_path)
+    (tmp_path / "attn_backends" / "_C.abi3.so").write_bytes(b"not a shared object")
+    r = python_without_install_hooks("import attn_backends", tmp_path)
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError:") and "_C.abi3.so" in last, r.stderr
+    assert "source tree" not in r.stderr
