@@ -1,8 +1,10 @@
-"""What a new user sees first: the example's --help and banner (what was asked, what it resolved
-to, what runs), and the import from a source tree that has no built extension."""
+"""What a new user sees first: the README main command's output (no warning, no traceback), the
+example's --help and banner (what was asked, what it resolved to, what runs), and the import from a
+source tree that has no built extension."""
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,46 @@ from attn_backends import _planner
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--steps", "1", "--batch", "2", "--block", "16", "--layers", "1", "--dim", "32", "--heads", "2",
         "--kv_heads", "1", "--log_every", "1"]
+
+
+def readme_command(marker):
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    return re.search(rf"<!-- {marker} -->\s*```bash\n(.*?)\n```", text, re.S).group(1).strip()
+
+
+def pip_packages(command):
+    """Names of what the command's pip lines install (not the project itself)."""
+    names = set()
+    for step in command.split("&&"):
+        words = step.split()
+        if words[:2] == ["pip", "install"]:
+            names |= {re.match(r"[A-Za-z0-9_.-]*", w.strip("\"'")).group().lower() for w in words[2:]
+                      if not w.startswith("-") and w != "."}
+    return names - {""}
+
+
+def test_readme_main_command_python_steps_print_no_warning(tmp_path):
+    steps = [s.strip() for s in readme_command("main-command").split("&&")]
+    python_steps = [s for s in steps if s.startswith("python ")]
+    assert python_steps == ["python -m attn_backends", "python benchmarks/bench_quick.py"]
+    # this suite's environment has more than the main command installs (the test command's extras):
+    # each of those is made unimportable, as in the environment the main command builds
+    absent = pip_packages(readme_command("test-command")) - pip_packages(readme_command("main-command"))
+    assert "pytest" in absent  # the parse found the extras
+    for name in absent:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(f"raise ModuleNotFoundError(\"No module named '{name}'\", "
+                                                     f"name={name!r})\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    smoke = {"python benchmarks/bench_quick.py": ["--shape", "1,2,40,16", "--rounds", "1"]}
+    for step in python_steps:
+        argv = [sys.executable] + step.split()[1:] + smoke.get(step, [])
+        r = subprocess.run(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stdout
+        assert not re.search(r"(?i)warning|traceback", r.stdout), r.stdout
+    assert "bfloat16" in r.stdout and "torch threads" in r.stdout
 
 
 @pytest.fixture(scope="module")
