@@ -14,7 +14,44 @@ from typing import Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import torch  # loads libtorch before our module registers its ops
 
-from . import _C, _ops  # noqa: F401  (registers ops, fake kernels, autograd)
+
+def _has_extension(package_dir: str) -> bool:
+    import os
+
+    return os.path.isdir(package_dir) and any(n.startswith("_C.") for n in os.listdir(package_dir))
+
+
+def _missing_extension_error() -> ImportError:
+    """The error for a package directory without its built `_C`. Most often it is the repository's
+    source tree, first on sys.path (Python puts the current directory there) and so shadowing a
+    non-editable install; Python's own message for it speaks of a circular import."""
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    installed = [os.path.join(p, "attn_backends") for p in sys.path
+                 if os.path.abspath(p or os.curdir) != root and _has_extension(os.path.join(p or os.curdir,
+                                                                                            "attn_backends"))]
+    if os.path.exists(os.path.join(root, "setup.py")):
+        what = (f"attn_backends was imported from the source tree {here}, which has no built extension "
+                f"(_C): {root} comes first on sys.path (Python puts the current directory there)")
+        what += (f", so the sources shadow the package installed at {installed[0]}" if installed else
+                 ", and no built attn_backends was found elsewhere on sys.path")
+    else:
+        what = f"attn_backends at {here} has no built extension (_C): the install is incomplete"
+    return ImportError(f"{what}. Either install it editable from the repository root, `pip install "
+                       f"--no-build-isolation -e .` (which builds _C in the source tree), or run Python from "
+                       f"another directory.", name=__name__, path=here)
+
+
+try:
+    from . import _C
+except ImportError:
+    if _has_extension(__path__[0]):
+        raise  # _C is there but does not load (e.g. built against another torch): that error says why
+    raise _missing_extension_error() from None  # Python's own message blames a circular import
+from . import _ops  # noqa: F401  (registers ops, fake kernels, autograd)
 from . import _dispatch, _integrations, _planner, _report
 from ._merge import merge_attention_states
 from ._names import resolve as _resolve

@@ -1,56 +1,124 @@
-"""A quick side-by-side run of the backends on this machine: each available backend on one
-moderate shape, checked against the float64 reference and timed next to torch SDPA.
+"""A quick side-by-side run of the backends on this machine: each backend on one moderate causal
+shape, in float32 and in bfloat16 (the dtype models train in), checked against the float64
+reference and timed next to torch SDPA.  The header names the CPU, the ISA features the kernels
+care about, the kernel path in use and torch's thread count, so the numbers can be read against
+the machine that produced them.
 
-    python benchmarks/bench_quick.py
+    python benchmarks/bench_quick.py                                # ~15 s on 2 cores
+    python benchmarks/bench_quick.py --shape 1,2,40,16 --rounds 1   # a smoke run (the tests use it)
 
 This is the "main job" of README.md: a smoke test of the install that also shows relative speed.
+The "rule" column applies the project's correctness rule (docs/semantics.md): within twice the
+error of plain torch ops in the same dtype, plus a floor; the exit status is 1 if a row breaks it.
 Full benchmarks: bench_overhead.py (per-call cost), and the per-device ones as they land.
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch.utils import benchmark
 
 import attn_backends as ab
-from attn_backends import _eager
-from attn_backends._testing import max_err, reference_attention
+from attn_backends import _eager, _planner
+from attn_backends._testing import FLOORS, max_err, reference_attention
+
+# the x86 features that decide which kernels run and how fast; AMX keys are printed when the
+# build's feature detection reports them
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16")
+
+# (label, dtype): the prefill/training-shaped calls.  A decode-shaped case (Sq = 1 against a long
+# KV cache, through ab.attention_with_kvcache) joins this list with the decode work.
+CASES = (("float32", torch.float32), ("bfloat16", torch.bfloat16))
 
 
-def median_us(fn, rounds=7):
+def shape_arg(text: str) -> tuple:
+    try:
+        dims = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) != 4 or min(dims) < 1:
+        raise argparse.ArgumentTypeError(f"expected four positive integers B,H,S,D, got {text!r}")
+    return dims
+
+
+def rounds_arg(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
+def machine_header() -> list:
+    feats = ab._C.cpu_features()
+    cpu = feats.get("brand", "").strip() or platform.processor() or platform.machine()
+    vendor = feats.get("vendor", "")
+    isa = " ".join(f for f in ISA_FLAGS if feats.get(f)) or "none of " + ", ".join(ISA_FLAGS)
+    amx = sorted(k for k in feats if k.startswith("amx"))
+    amx_text = ", ".join(f"{k} {'yes' if feats[k] else 'no'}" for k in amx) if amx else "not detected by this build"
+    return [
+        f"attn_backends {ab.__version__} quick side-by-side run, torch {torch.__version__}",
+        f"cpu: {cpu}" + (f" ({vendor})" if vendor and vendor not in cpu else "")
+        + f", {torch.get_num_threads()} torch threads",
+        f"isa: {isa}; AMX: {amx_text}; kernel path {_planner.ISA_NAMES[_planner.CPU_ISA]}",
+    ]
+
+
+def median_us(fn, rounds: int) -> float:
     t = benchmark.Timer("fn()", globals={"fn": fn})
     t.timeit(1)
     return statistics.median(t.timeit(3).median for _ in range(rounds)) * 1e6
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description="quick side-by-side run of the backends")
-    ap.add_argument("--shape", default="2,8,256,64", help="B,H,S,D")
-    args = ap.parse_args(argv)
-    B, H, S, D = (int(x) for x in args.shape.split(","))
-    torch.manual_seed(0)
-    q, k, v = (torch.randn(B, H, S, D) for _ in range(3))
+def run_case(label: str, dtype: torch.dtype, B: int, H: int, S: int, D: int, rounds: int) -> bool:
+    """Prints one table; False if one of our backends breaks the correctness rule."""
+    q, k, v = (torch.randn(B, H, S, D).to(dtype) for _ in range(3))
     ref, _ = reference_attention(q, k, v, causal=True)
+    same, _ = reference_attention(q, k, v, causal=True, dtype=dtype)
+    bound = 2 * max_err(same, ref) + FLOORS[dtype]
+    plan = ab.explain(q, k, v, causal=True)
     scale = D ** -0.5
     runs = {
         "torch sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        "ab auto": lambda: ab.attention(q, k, v, causal=True),
+        f"ab auto ({plan.chosen}, {plan.path})": lambda: ab.attention(q, k, v, causal=True),
         "ab math": lambda: ab.attention(q, k, v, causal=True, backend="math"),
         "ab eager (aten composite)": lambda: _eager.attention(q, k, v, None, 1, scale, -1, -1, 0.0, 0.0)[0],
     }
-    base = None
-    print(f"causal attention, B={B} H={H} S={S} D={D} float32, {torch.get_num_threads()} threads")
-    print(f"{'backend':<28}{'max err vs fp64':>16}{'median ms':>12}{'vs torch':>10}")
+    print(f"\ncausal attention, B={B} H={H} S={S} D={D} {label}")
+    print(f"{'backend':<34}{'max err vs fp64':>16}{'rule':>6}{'median ms':>12}{'vs torch':>10}")
+    ok, base = True, None
     for name, fn in runs.items():
         err = max_err(fn(), ref)
-        t = median_us(fn) / 1e3
+        peer = name == "torch sdpa"
+        verdict = "-" if peer else ("ok" if err <= bound else "FAIL")
+        ok = ok and verdict != "FAIL"
+        t = median_us(fn, rounds) / 1e3
         base = base or t
-        print(f"{name:<28}{err:>16.2e}{t:>12.3f}{t / base:>9.2f}x")
+        print(f"{name:<34}{err:>16.2e}{verdict:>6}{t:>12.3f}{t / base:>9.2f}x")
+    return ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="quick side-by-side run of the backends on this machine")
+    ap.add_argument("--shape", type=shape_arg, default=(2, 8, 256, 64), help="B,H,S,D (default 2,8,256,64)")
+    ap.add_argument("--rounds", type=rounds_arg, default=7, metavar="N",
+                    help="timing rounds per backend; the median is shown (default 7)")
+    args = ap.parse_args(argv)
+    print("\n".join(machine_header()))
+    torch.manual_seed(0)
+    ok = True
+    for label, dtype in CASES:
+        ok = run_case(label, dtype, *args.shape, args.rounds) and ok
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

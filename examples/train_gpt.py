@@ -1,14 +1,15 @@
 """Train a small character-level GPT on this repository's own documentation, with the attention
 backend chosen by a flag, as a training script passes --attn_implementation through.
 
-    python examples/train_gpt.py --attn_implementation flash          # about a minute on 2 CPU cores
+    python examples/train_gpt.py --attn_implementation flash          # ~half a minute on 2 CPU cores
     python examples/train_gpt.py --attn_implementation flash_attention_2 --steps 50
     python examples/train_gpt.py --attention_call sdpa --patch_sdpa   # model calls F.sdpa, patched
 
-Prints the backend actually used, then the loss, tokens/s and MFU (model FLOPs utilisation: the
-model's FLOPs per second over this device's measured float32 FMA peak on CPU, or the bfloat16
-dense peak of known GPUs) as it trains.  --json writes the loss curve (examples/plot_losses.py
-draws several of them).
+Prints the backend name as given, the name it resolves to and the backend that actually runs the
+model's attention (the planner's choice, with the reason when it falls back), then the loss,
+tokens/s and MFU (model FLOPs utilisation: the model's FLOPs per second over this device's measured
+float32 FMA peak on CPU, or the bfloat16 dense peak of known GPUs) as it trains.  --json writes the
+loss curve (examples/plot_losses.py draws several of them).
 """
 
 from __future__ import annotations
@@ -49,13 +50,18 @@ class Block(nn.Module):
         self.dropout = dropout
         self.attention_call = attention_call
 
-    def forward(self, x):
+    def heads_of(self, x):
+        """q (B, H, T, hd), k and v (B, Hkv, T, hd): the attention call's operands, as views (no copies)."""
         B, T, _ = x.shape
         q, k, v = self.qkv(self.ln1(x)).split([self.heads * self.hd, self.kv_heads * self.hd,
                                                 self.kv_heads * self.hd], dim=-1)
-        q = q.view(B, T, self.heads, self.hd).transpose(1, 2)  # (B, H, T, hd) views: no copies
-        k = k.view(B, T, self.kv_heads, self.hd).transpose(1, 2)
-        v = v.view(B, T, self.kv_heads, self.hd).transpose(1, 2)
+        return (q.view(B, T, self.heads, self.hd).transpose(1, 2),
+                k.view(B, T, self.kv_heads, self.hd).transpose(1, 2),
+                v.view(B, T, self.kv_heads, self.hd).transpose(1, 2))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = self.heads_of(x)
         p = self.dropout if self.training else 0.0
         if self.attention_call == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
@@ -99,8 +105,34 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
+def typed_backend(argv) -> str:
+    """The backend as the user spelled it: --attn_implementation's own parser keeps only the
+    canonical name ('flash_attention_2' -> 'flash'), and the banner shows both."""
+    raw = argparse.ArgumentParser(add_help=False)
+    raw.add_argument("--attn_implementation", "--attn-implementation")
+    raw.add_argument("--use_flash_attention", "--use_flash_attention_2", dest="attn_implementation",
+                     action="store_const", const="--use_flash_attention")
+    typed = raw.parse_known_args(argv)[0].attn_implementation
+    if typed is None:
+        return "nothing (the default)"
+    return typed if typed.startswith("--") else repr(typed)
+
+
+def attention_banner(typed: str, backend: str, plan, attention_call: str, patched: bool) -> str:
+    """What was asked, what it resolved to, and what runs: the planner's choice for the model's call."""
+    if attention_call == "sdpa" and not patched:
+        ran = ("the model calls torch's own F.scaled_dot_product_attention, which the flag does not reach "
+               "(--patch_sdpa routes it through attn_backends); backend used: torch SDPA")
+    else:
+        via = "F.scaled_dot_product_attention (patched)" if attention_call == "sdpa" else "ab.attention"
+        ran = f"the model calls {via}; backend used: {plan.chosen} ({plan.path})"
+        if plan.fell_back:
+            ran += f", as {plan.requested} cannot serve it ({plan.reasons.get(plan.requested, 'see ab.explain')})"
+    return f"attention: asked for {typed}, resolved to {backend!r}; {ran}"
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ab.add_argparse_args(ap)
     ap.add_argument("--attention_call", choices=["ab", "sdpa"], default="ab",
                     help="the model calls ab.attention, or torch's F.scaled_dot_product_attention")
@@ -145,15 +177,12 @@ def main(argv=None):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     step_fn = torch.compile(model, fullgraph=True) if args.compile else model
 
-    hd = args.dim // args.heads
-    probe = [torch.empty(args.batch, h, args.block, hd, device=device, dtype=dtype, requires_grad=True)
-             for h in (args.heads, args.kv_heads, args.kv_heads)]
-    plan = ab.explain(*probe, causal=True, dropout_p=args.dropout)
-    via = "F.scaled_dot_product_attention" + (" (patched)" if args.patch_sdpa else " (torch's own)") \
-        if args.attention_call == "sdpa" else "ab.attention"
+    # the plan for the model's own attention call: its operands (views with requires_grad), dtype,
+    # device and dropout, as a training step makes them
+    plan = ab.explain(*model.blocks[0].heads_of(torch.zeros(args.batch, args.block, args.dim, device=device,
+                                                            dtype=dtype)), causal=True, dropout_p=args.dropout)
     used = plan.chosen if args.attention_call == "ab" or args.patch_sdpa else "torch SDPA"
-    print(f"attention: requested {args.attn_implementation!r} -> {backend!r}; the model calls {via}; "
-          f"backend used: {used} ({plan.path if used == plan.chosen else 'torch'})")
+    print(attention_banner(typed_backend(argv), backend, plan, args.attention_call, args.patch_sdpa))
     print(f"model: {n_params / 1e6:.2f}M parameters, {args.layers} layers, d={args.dim}, heads {args.heads}/"
           f"{args.kv_heads}, block {args.block}, batch {args.batch}, {len(text)} characters of text, "
           f"{args.device} {args.dtype}")
