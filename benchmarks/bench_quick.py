@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.utils import benchmark
 
 import attn_backends as ab
-from attn_backends import _eager, _planner
+from attn_backends import _eager
 from attn_backends._testing import FLOORS, max_err, reference_attention
 
 # the x86 features that decide which kernels run and how fast; AMX keys are printed when the
@@ -62,13 +62,13 @@ def machine_header() -> list:
     cpu = feats.get("brand", "").strip() or platform.processor() or platform.machine()
     vendor = feats.get("vendor", "")
     isa = " ".join(f for f in ISA_FLAGS if feats.get(f)) or "none of " + ", ".join(ISA_FLAGS)
-    amx = sorted(k for k in feats if k.startswith("amx"))
-    amx_text = ", ".join(f"{k} {'yes' if feats[k] else 'no'}" for k in amx) if amx else "not detected by this build"
+    amx = [k for k in ("amx_tile", "amx_bf16", "amx_int8", "amx_fp16") if feats.get(k)]
+    amx_text = feats.get("amx_state", "not detected by this build") + (f" ({' '.join(amx)})" if amx else "")
     return [
         f"attn_backends {ab.__version__} quick side-by-side run, torch {torch.__version__}",
         f"cpu: {cpu}" + (f" ({vendor})" if vendor and vendor not in cpu else "")
         + f", {torch.get_num_threads()} torch threads",
-        f"isa: {isa}; AMX: {amx_text}; kernel path {_planner.ISA_NAMES[_planner.CPU_ISA]}",
+        f"isa: {isa}; AMX: {amx_text}; kernel path {ab._C.cpu_isa()}",
     ]
 
 
