@@ -24,7 +24,8 @@ __version__ = _C.__version__
 
 __all__ = [
     "attention", "attention_varlen", "sdpa", "patch_sdpa", "unpatch_sdpa", "patched_sdpa", "use", "resolve",
-    "backends", "explain", "add_argparse_args", "apply_args", "register_transformers", "merge_attention_states",
+    "backends", "explain", "add_argparse_args", "apply_args", "register_transformers", "hf_name",
+    "merge_attention_states",
     "Plan", "BackendInfo", "__version__",
 ]
 
@@ -218,10 +219,23 @@ def apply_args(args) -> str:
 
 
 def register_transformers() -> dict:
-    """Register our backends with HF transformers' AttentionInterface (and its mask interface):
-    ``attn_implementation="attn_backends"`` (the default backend, see ``use`` and ``apply_args``) or
-    ``"attn_backends_<name>"`` with "flash" spelled "fa" (HF reserves names containing "flash"):
-    ``attn_backends_fa``, ``attn_backends_math``, ...  Returns {canonical name: attn_implementation}."""
+    """Register our backends with HF transformers' AttentionInterface (and its mask interface), so
+    that ``from_pretrained(..., attn_implementation=ab.hf_name("flash"))`` runs the model's attention
+    on them.  ``"attn_backends"`` is the default backend (see ``use`` and ``apply_args``); the others
+    are ``hf_name(backend)``: ``attn_backends_fa``, ``attn_backends_fa_varlen``, ``attn_backends_torch``
+    (torch's SDPA), ``attn_backends_math``, ...: names transformers takes for every model.  Returns
+    {canonical name: attn_implementation}."""
     from . import _transformers
 
     return _transformers.register()
+
+
+def hf_name(backend: str) -> str:
+    """The attn_implementation that ``register_transformers()`` registers for any accepted backend
+    name: ``hf_name("flash_attention_2") == "attn_backends_fa"``, ``hf_name("sdpa") ==
+    "attn_backends_torch"``, ``hf_name("auto") == "attn_backends"``; a registered name (old spellings
+    included) gives its current spelling.  Needs no transformers installed.  Raises ValueError
+    listing the valid names for an unknown one."""
+    from . import _transformers
+
+    return _transformers.hf_name(backend)

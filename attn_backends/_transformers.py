@@ -1,26 +1,64 @@
 """HF transformers integration through its public registries (AttentionInterface and
-AttentionMaskInterface), so ``from_pretrained(..., attn_implementation="ab_flash")`` runs on our
-backends with the model's masks honoured.
+AttentionMaskInterface), so ``from_pretrained(..., attn_implementation="attn_backends_fa")`` runs on
+our backends with the model's masks honoured.
 
-Registered names: ``attn_backends`` (the default backend: ``ab.use(...)``, ``--attn_implementation``
-through ``apply_args``, ATTN_BACKENDS_BACKEND, else the planner's choice) and
-``attn_backends_<name>`` for every canonical backend, with "flash" spelled "fa" because HF treats
-any attn_implementation containing "flash" as a request for its own flash-attention kernels
-(``attn_backends_fa``, ``attn_backends_fa_varlen``, ``attn_backends_math``, ``attn_backends_sage``,
-...).  HF's own names (``eager``, ``sdpa``, ``flash_attention_2``, ``flex_attention``) are left
-alone: they mean HF's implementations.  ``hf_name(...)`` maps any of our accepted names to the
-registered one.
+Names (``hf_name``): ``attn_backends`` is the default backend (``ab.use(...)``, ``apply_args``,
+ATTN_BACKENDS_BACKEND, else the planner); ``attn_backends_<suffix>`` names one backend.  transformers
+reads meaning into substrings of the name: "sdpa" makes it check the model's sdpa support (Gemma2,
+MPT and GPT-OSS refuse), "flash" its flash-attention kernels, "flex_attention" FlexAttention, a
+"paged|" prefix its paged cache and "org/repo" a hub kernel.  So torch's SDPA is ``attn_backends_torch``
+and flash is ``attn_backends_fa``.
 """
 
 from __future__ import annotations
 
 from ._names import CANONICAL, resolve
 
+# canonical backend -> suffix of its attn_implementation; the other backends keep their own name
+_SUFFIX = {
+    "flash": "fa",
+    "flash_varlen": "fa_varlen",
+    "sdpa": "torch",
+    "_native_flash": "torch_fa",
+    "_native_efficient": "torch_efficient",
+    "_native_cudnn": "torch_cudnn",
+    "_native_math": "torch_math",
+    "paged_attention": "paged",
+    "flash_attn_pkg": "fa_pkg",
+    "sageattention_pkg": "sage_pkg",
+}
+
+
+def hf_accepts(name: str) -> bool:
+    """True when transformers takes ``name`` as a plain registered implementation for every model,
+    reading nothing into it (modeling_utils: the sdpa, flash and flex checks, the paged| prefix,
+    the hub-kernel pattern)."""
+    return not ("sdpa" in name or "flash" in name or "flex_attention" in name or name.startswith("paged|")
+                or "/" in name)
+
+
+def _registered_name(canonical: str) -> str:
+    if canonical == "auto":
+        return "attn_backends"
+    return "attn_backends_" + _SUFFIX.get(canonical, canonical.strip("_"))
+
+
+def _old_name(canonical: str) -> str:
+    """The name releases before the rename registered ("flash" spelled "fa", nothing else changed)."""
+    return "attn_backends" if canonical == "auto" else "attn_backends_" + canonical.replace("flash", "fa")
+
+
+NAMES = {c: _registered_name(c) for c in CANONICAL}
+# old names that transformers accepts for every model stay registered; the others only map here
+ALIASES = {_old_name(c): c for c in CANONICAL if _old_name(c) != NAMES[c]}
+_BY_HF_NAME = {**{n: c for c, n in NAMES.items()}, **ALIASES}
+
 
 def hf_name(backend: str) -> str:
-    """The attn_implementation string registered for one of our backend names."""
-    name = resolve(backend)
-    return "attn_backends" if name == "auto" else "attn_backends_" + name.replace("flash", "fa")
+    """The attn_implementation registered for any accepted backend name (ours, HF's own names such
+    as "sdpa" or "flash_attention_2", or a registered attn_implementation, old spellings included)."""
+    canonical = _BY_HF_NAME.get(backend) if isinstance(backend, str) else None
+    return NAMES[canonical if canonical is not None else resolve(backend)]
 
 
 def _make_forward(backend: str):
@@ -55,10 +93,9 @@ def register() -> dict:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    registered = {}
-    for name in CANONICAL:
-        hf = hf_name(name)
-        AttentionInterface.register(hf, _make_forward(name))
+    for hf, canonical in [(n, c) for c, n in NAMES.items()] + [(a, c) for a, c in ALIASES.items() if hf_accepts(a)]:
+        if not hf_accepts(hf):
+            raise RuntimeError(f"attn_backends: {hf!r} would not be taken by transformers as a plain name")
+        AttentionInterface.register(hf, _make_forward(canonical))
         AttentionMaskInterface.register(hf, sdpa_mask)
-        registered[name] = hf
-    return registered
+    return dict(NAMES)

@@ -266,12 +266,6 @@ def test_hf_generate_with_kv_cache(gen):
     assert torch.equal(a, b)
 
 
-def test_hf_names_avoid_hf_reserved_words():
-    names = ab.register_transformers()
-    assert names["auto"] == "attn_backends" and names["flash"] == "attn_backends_fa"
-    assert all("flash" not in n for n in names.values())
-
-
 # ---- argparse ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", _names.ALL_NAMES)
