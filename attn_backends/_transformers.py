@@ -12,7 +12,13 @@ and flash is ``attn_backends_fa``.
 
 from __future__ import annotations
 
+import logging
+
+import torch
+
 from ._names import CANONICAL, resolve
+
+logger = logging.getLogger("attn_backends")
 
 # canonical backend -> suffix of its attn_implementation; the other backends keep their own name
 _SUFFIX = {
@@ -88,14 +94,66 @@ def _make_forward(backend: str):
     return attn_backends_forward
 
 
+# ---- masks ------------------------------------------------------------------------------------
+
+_self_attending: dict = {}  # config class -> whether its model computes attention itself
+
+
+def _computes_attention_itself(config) -> bool:
+    """True for models whose attention code never calls the AttentionInterface (MPT, Bloom, Falcon,
+    GPT-J, ...): they read the mask themselves, in eager's convention.  transformers asks the same
+    question (PreTrainedModel._can_set_attn_implementation) before it lets a model switch."""
+    cls = type(config)
+    found = _self_attending.get(cls)
+    if found is None:
+        found = _self_attending[cls] = _inspect_model_code(cls)
+        if found:
+            logger.warning(
+                "attn_backends: %s models compute attention in their own code (they do not call transformers' "
+                "AttentionInterface), so attn_backends cannot serve them; they run transformers' eager attention, "
+                "with the mask it expects", getattr(config, "model_type", cls.__name__))
+    return found
+
+
+@torch.compiler.assume_constant_result
+def _inspect_model_code(config_cls) -> bool:
+    import importlib
+
+    from transformers import PreTrainedModel
+
+    try:
+        module = importlib.import_module(config_cls.__module__.replace(".configuration_", ".modeling_"))
+    except ImportError:
+        return False  # a model we cannot find: assume the functional form every new model has
+    for obj in vars(module).values():
+        if isinstance(obj, type) and issubclass(obj, PreTrainedModel) and obj.__module__ == module.__name__:
+            return not obj._can_set_attn_implementation()
+    return False
+
+
+def _make_mask(base):
+    """The mask our attention function reads (``base``: sdpa_mask), except for models that read the mask themselves: those get eager's float mask, as
+    under attn_implementation="eager" (sdpa's bool would mean the opposite to them, and its None
+    would crash them)."""
+    from transformers.masking_utils import eager_mask
+
+    def attn_backends_mask(*args, config=None, **kwargs):
+        if config is not None and _computes_attention_itself(config):
+            return eager_mask(*args, config=config, **kwargs)
+        return base(*args, config=config, **kwargs)
+
+    return attn_backends_mask
+
+
 def register() -> dict:
     """Registers every backend; returns {our canonical name: registered attn_implementation}."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    mask = _make_mask(sdpa_mask)
     for hf, canonical in [(n, c) for c, n in NAMES.items()] + [(a, c) for a, c in ALIASES.items() if hf_accepts(a)]:
         if not hf_accepts(hf):
             raise RuntimeError(f"attn_backends: {hf!r} would not be taken by transformers as a plain name")
         AttentionInterface.register(hf, _make_forward(canonical))
-        AttentionMaskInterface.register(hf, sdpa_mask)
+        AttentionMaskInterface.register(hf, mask)
     return dict(NAMES)

@@ -1,12 +1,18 @@
 """HF transformers: every registered name is one transformers takes for every model, and
-``ab.hf_name`` maps every accepted name to it.  Models are built from configs: nothing is
-downloaded."""
+``ab.hf_name`` maps every accepted name to it; tiny random models of each attention family match
+HF's eager in float64 under the DESIGN.md rule, forward and backward, with and without padding,
+models that compute attention in their own code (MPT) included.  Models are built from configs:
+nothing is downloaded."""
+
+import copy
+import logging
 
 import pytest
 import torch
 
 import attn_backends as ab
 from attn_backends import _names, _transformers
+from attn_backends._testing import check_2x
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,6 +54,45 @@ def _model(arch, impl, like=None):
     return model
 
 
+def _run(model, ids, mask, arch):
+    kw = dict(input_ids=ids, attention_mask=mask, use_cache=False)
+    if arch == "t5":
+        kw["decoder_input_ids"] = ids
+    out = model(**kw)
+    x = out.logits if hasattr(out, "logits") else out.last_hidden_state
+    loss = (x.double().square() * mask[..., None]).sum()
+    params = [p for p in model.parameters() if p.requires_grad]
+    return x, torch.autograd.grad(loss, params, allow_unused=True)
+
+
+def _check_model(arch, impl, ids, mask):
+    """ours (float32) against eager in float64, with eager in float32 as the same-dtype baseline."""
+    ref = _model(arch, "eager")
+    x64, g64 = _run(copy.deepcopy(ref).double(), ids, mask, arch)
+    x32, g32 = _run(ref, ids, mask, arch)
+    x, g = _run(_model(arch, impl, like=ref), ids, mask, arch)
+    keep = mask.bool()
+    check_2x("logits", x[keep], x64[keep], x32[keep], 2, torch.float32)
+    names = [n for n, p in ref.named_parameters() if p.requires_grad]
+    for name, a, r, s in zip(names, g, g64, g32):
+        if r is not None:
+            check_2x(f"d {name}", a, r, s, 3, torch.float32)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the calls that reach our dispatcher, dense and packed."""
+    calls = []
+    for fn in ("attention", "attention_varlen"):
+        real = getattr(ab._dispatch, fn)
+
+        def counting(*args, _real=real, _fn=fn, **kwargs):
+            calls.append(_fn)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(ab._dispatch, fn, counting)
+    return calls
+
 
 # ---- names ------------------------------------------------------------------------------------
 
@@ -84,3 +129,32 @@ def test_every_name_is_taken_for_models_that_refuse_sdpa(arch):
         model = _model(arch, hf)
         assert model.config._attn_implementation == hf
 
+
+def test_models_that_compute_attention_themselves_are_told_apart():
+    # the question transformers itself asks before letting a model switch implementation
+    assert _transformers._computes_attention_itself(_config("mpt"))
+    assert not _transformers._computes_attention_itself(_config("llama"))
+    assert not _transformers._computes_attention_itself(_config("t5"))
+
+
+# ---- models against eager ---------------------------------------------------------------------
+
+ARCHS = ["llama", "mistral", "qwen2", "gemma2", "gpt2", "bert", "mpt"]
+
+
+@pytest.mark.parametrize("padding", ["none", "right"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_models_match_eager_forward_and_backward(arch, padding, gen, spy, caplog):
+    # 9 tokens against a window of 4: the sliding layers' window bites.  Right padding: eager in
+    # float64 turns left padding's fully masked rows into NaN (finfo.min + score = -inf)
+    ab.register_transformers()
+    ids = torch.randint(1, V, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    if padding == "right":
+        mask[1, -3:] = 0
+    with caplog.at_level(logging.WARNING, logger="attn_backends"):
+        _check_model(arch, "attn_backends", ids, mask)
+    if arch == "mpt":  # its attention is its own code: eager's mask, and a warning that says so
+        assert not spy
+    else:
+        assert spy and set(spy) == {"attention"}
