@@ -223,8 +223,9 @@ def register_transformers() -> dict:
     that ``from_pretrained(..., attn_implementation=ab.hf_name("flash"))`` runs the model's attention
     on them.  ``"attn_backends"`` is the default backend (see ``use`` and ``apply_args``); the others
     are ``hf_name(backend)``: ``attn_backends_fa``, ``attn_backends_fa_varlen``, ``attn_backends_torch``
-    (torch's SDPA), ``attn_backends_math``, ...: names transformers takes for every model.  Returns
-    {canonical name: attn_implementation}."""
+    (torch's SDPA), ``attn_backends_math``, ...: names transformers takes for every model.
+    Everything a model passes is honoured (masks, position_bias, attention sinks, sliding windows,
+    softcap) or refused with an error naming it.  Returns {canonical name: attn_implementation}."""
     from . import _transformers
 
     return _transformers.register()

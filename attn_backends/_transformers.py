@@ -1,6 +1,8 @@
 """HF transformers integration through its public registries (AttentionInterface and
-AttentionMaskInterface), so ``from_pretrained(..., attn_implementation="attn_backends_fa")`` runs on
-our backends with the model's masks honoured.
+AttentionMaskInterface): ``from_pretrained(..., attn_implementation="attn_backends_fa")`` runs the
+model's attention on our backends, with everything the model hands the attention function honoured
+(masks, T5's position bias, GPT-OSS's sinks, sliding windows, softcap, packed sequences) or refused
+with an error naming it.
 
 Names (``hf_name``): ``attn_backends`` is the default backend (``ab.use(...)``, ``apply_args``,
 ATTN_BACKENDS_BACKEND, else the planner); ``attn_backends_<suffix>`` names one backend.  transformers
@@ -67,28 +69,101 @@ def hf_name(backend: str) -> str:
     return NAMES[canonical if canonical is not None else resolve(backend)]
 
 
-def _make_forward(backend: str):
+# ---- the attention function -------------------------------------------------------------------
+
+# keywords models pass that do not change what attention computes here: the cache was already
+# updated by the model, the flags concern other outputs, and packing is read from the mask
+_NOT_ATTENTION = frozenset({
+    "position_ids", "use_cache", "cache_position", "past_key_values", "past_key_value", "output_hidden_states",
+    "output_router_logits", "return_dict", "num_items_in_batch", "layer_idx", "seq_idx",
+})
+_warned_output_attentions = [False]
+
+
+def _attend(q, k, v, sinks, **kw):
+    """ab.attention with attention sinks: one logit s per query head that joins each row's softmax
+    denominator and contributes no value (GPT-OSS, FA3's s_aux).  Exact on top of lse: with sinks the output is
+    out * exp(lse) / (exp(lse) + exp(s)) = out * sigmoid(lse - s), and autograd carries the gradient
+    to q, k, v (through the backward op's grad_lse) and to s.  A row that sees no key has lse = -inf
+    and stays 0.  When the kernels take sinks themselves, this becomes one call."""
     from . import attention
 
+    if sinks is None:
+        return attention(q, k, v, **kw)
+    out, lse = attention(q, k, v, return_lse=True, **kw)  # out (B, Hq, Sq, Dv), lse (B, Hq, Sq)
+    w = torch.sigmoid(lse - sinks.to(lse.dtype)[:, None])
+    return (out * w[..., None]).to(out.dtype)
+
+
+def _bias_mask(bias, mask):
+    """T5-style position bias folded into the mask as one float mask (gradients reach the bias)."""
+    if not bias.is_floating_point():
+        raise TypeError(f"position_bias must be a floating tensor (added to the scores), got {bias.dtype}")
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return bias + mask
+
+
+def _read_kwargs(module, kw):
+    """The keywords a model passed, checked: (sinks, position_bias, softcap, sliding_window,
+    deterministic).  Anything that would change the result and is not honoured raises."""
+    sinks = kw.pop("s_aux", None)
+    if sinks is None:
+        sinks = kw.pop("sinks", None)
+    bias = kw.pop("position_bias", None)
+    softcap = kw.pop("softcap", None) or 0.0
+    window = kw.pop("sliding_window", None)
+    deterministic = bool(kw.pop("deterministic", None) or False)
+    if kw.pop("output_attentions", None) and not _warned_output_attentions[0]:
+        _warned_output_attentions[0] = True
+        logger.warning("attn_backends attention does not support `output_attentions=True`: the attention "
+                       "weights come back as None. Set attn_implementation='eager' to get them.")
+    unknown = sorted(name for name, val in kw.items() if val is not None and name not in _NOT_ATTENTION)
+    if unknown:
+        raise TypeError(f"attn_backends: {type(module).__name__} passed {', '.join(map(repr, unknown))} to the "
+                        "attention function, which it cannot honour; use attn_implementation='eager'")
+    return sinks, bias, softcap, None if window is None else int(window), deterministic
+
+
+def _forward(backend, module, query, key, value, attention_mask, dropout, scaling, is_causal, kw):
+    """(B, Sq, Hq, Dv) attention output for one HF attention call; see ``_make_forward``."""
+    sinks, bias, softcap, sw, deterministic = _read_kwargs(module, kw)
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    opts = dict(dropout_p=dropout, scale=scaling, softcap=softcap, deterministic=deterministic)
+    # HF's sliding_window counts the query itself (causal: key j is visible when i - j < sliding_window);
+    # its bidirectional masks take |i - j| <= sliding_window
+    window = None if sw is None else (sw - 1, -1) if is_causal else (sw, sw)
+    Sq, Sk = query.shape[2], key.shape[2]
+
+    # The mask, when HF built one, is sdpa_mask's bool (B, 1, Sq, Sk), True = attend, with
+    # causality, padding, packing and sliding windows in it.  Without one, causality and the window
+    # follow HF's sdpa path: top-left for a prefill, and one decoded query sees the whole cache.
+    causal = False
+    if attention_mask is None:
+        if is_causal and Sq > 1:
+            causal = True
+            if Sk > Sq:  # prefill into an empty static cache: the keys past Sq are unwritten slots
+                key, value = key[:, :, :Sq], value[:, :, :Sq]
+                bias = bias[..., :Sq] if bias is not None else None
+        elif is_causal:
+            causal = "bottom_right"  # one query: sees every key, and a window counts back from it
+    else:
+        window = None
+    mask = _bias_mask(bias, attention_mask) if bias is not None else attention_mask
+    out = _attend(query, key, value, sinks, backend=backend, causal=causal, attn_mask=mask, window=window, **opts)
+    # HF wants (B, S, H, D); ours is stored that way, so this is a view
+    return out.transpose(1, 2).contiguous()
+
+
+def _make_forward(backend: str):
     def attn_backends_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                               **kwargs):
         # query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D): HF hands custom functions the KV heads
-        # unrepeated, and our kernels take GQA as it is.  The mask, when HF built one, is
-        # sdpa_mask's bool (B, 1, Sq, Sk) with True = attend, and already holds causality,
-        # padding and sliding windows.  Without one, causality follows HF's sdpa path exactly.
-        q_len, kv_len = query.shape[2], key.shape[2]
-        causal = False
-        if attention_mask is None:
-            is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-            causal = bool(is_causal) and q_len > 1
-            if causal and kv_len > q_len:
-                # prefill into an empty static cache: the keys past q_len are unwritten slots
-                key, value = key[:, :, :q_len], value[:, :, :q_len]
-        softcap = kwargs.get("softcap") or 0.0
-        out = attention(query, key, value, backend=backend, causal=causal, attn_mask=attention_mask,
-                        dropout_p=dropout, scale=scaling, softcap=softcap)
-        # HF wants (B, S, H, D); ours is stored that way, so this is a view
-        return out.transpose(1, 2).contiguous(), None
+        # unrepeated, and our kernels take GQA as it is
+        return _forward(backend, module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs), None
 
     attn_backends_forward.__name__ = f"attn_backends_{backend}_forward"
     return attn_backends_forward

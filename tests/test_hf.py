@@ -1,8 +1,9 @@
-"""HF transformers: every registered name is one transformers takes for every model, and
-``ab.hf_name`` maps every accepted name to it; tiny random models of each attention family match
-HF's eager in float64 under the DESIGN.md rule, forward and backward, with and without padding,
-models that compute attention in their own code (MPT) included.  Models are built from configs:
-nothing is downloaded."""
+"""HF transformers: every registered name is one transformers takes for every model; tiny random
+models of each attention family (Llama, Mistral, Qwen2, Gemma2, GPT-2, BERT, T5, MPT, GPT-OSS) match
+HF's eager in float64 under the DESIGN.md rule, forward and backward, with and without padding;
+T5's position bias, GPT-OSS's sinks, sliding windows and softcap are honoured; generate matches
+eager; a keyword the function cannot honour raises.  Models are built from configs: nothing is
+downloaded."""
 
 import copy
 import logging
@@ -12,7 +13,7 @@ import torch
 
 import attn_backends as ab
 from attn_backends import _names, _transformers
-from attn_backends._testing import check_2x
+from attn_backends._testing import check_2x, reference_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -139,7 +140,7 @@ def test_models_that_compute_attention_themselves_are_told_apart():
 
 # ---- models against eager ---------------------------------------------------------------------
 
-ARCHS = ["llama", "mistral", "qwen2", "gemma2", "gpt2", "bert", "mpt"]
+ARCHS = ["llama", "mistral", "qwen2", "gemma2", "gpt2", "bert", "t5", "mpt", "gpt_oss"]
 
 
 @pytest.mark.parametrize("padding", ["none", "right"])
@@ -158,3 +159,160 @@ def test_models_match_eager_forward_and_backward(arch, padding, gen, spy, caplog
         assert not spy
     else:
         assert spy and set(spy) == {"attention"}
+
+
+# ---- the attention function's keywords ---------------------------------------------------------
+
+def _forward(name="attn_backends"):
+    ab.register_transformers()
+    return transformers.AttentionInterface._global_mapping[name]
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, is_causal=True):
+        super().__init__()
+        self.is_causal = is_causal
+
+
+def _ref_sinks(q, k, v, sinks, mask=None, scale=None, dtype=torch.float64):
+    """Softmax over [scores, sink]: the sink joins the denominator and adds no value."""
+    q, k, v, s = (t.to(dtype) for t in (q, k, v, sinks))
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = s[None, :, None, None].expand(*scores.shape[:-1], 1)
+    p = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    return p @ v
+
+
+def test_sinks_are_exact_forward_and_backward(gen):
+    # a fully masked row stays 0, with finite gradients
+    B, Hq, Hkv, S, D = 2, 4, 2, 7, 8
+    inputs = [torch.randn(B, Hq, S, D, generator=gen), torch.randn(B, Hkv, S, D, generator=gen),
+              torch.randn(B, Hkv, S, D, generator=gen), 2 * torch.randn(Hq, generator=gen)]
+    mask = torch.rand(B, 1, S, S, generator=gen) > 0.3
+    mask[1, :, 2] = False
+    g = torch.randn(B, Hq, S, D, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = _transformers._attend(*leaves[:3], leaves[3], attn_mask=mask)
+    grads = torch.autograd.grad(out, leaves, g)
+    ref_leaves = [t.double().requires_grad_() for t in inputs]
+    r = _ref_sinks(*ref_leaves, mask=mask)
+    r_grads = torch.autograd.grad(r, ref_leaves, g.double())
+    same_leaves = [t.clone().requires_grad_() for t in inputs]
+    s32 = _ref_sinks(*same_leaves, mask=mask, dtype=torch.float32)
+    s_grads = torch.autograd.grad(s32, same_leaves, g)
+    assert torch.equal(out[1, :, 2], torch.zeros_like(out[1, :, 2]))
+    check_2x("out", out, r, s32, 2, torch.float32)
+    for name, a, b, c in zip(("dq", "dk", "dv", "dsinks"), grads, r_grads, s_grads):
+        check_2x(name, a, b, c, 3, torch.float32)
+
+
+def test_position_bias_joins_the_mask_and_gets_its_gradient(gen):
+    forward = _forward()
+    B, H, Sq, Sk, D = 2, 4, 5, 7, 8
+    q, k, v = (torch.randn(B, H, s, D, generator=gen) for s in (Sq, Sk, Sk))
+    bias = torch.randn(1, H, Sq, Sk, generator=gen)
+    mask = torch.rand(B, 1, Sq, Sk, generator=gen) > 0.3
+    mask[0, :, 1] = False  # a fully masked row: 0, no NaN
+    g = torch.randn(B, Sq, H, D, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    out, weights = forward(_Module(False), *leaves[:3], mask, position_bias=leaves[3])
+    assert weights is None
+    grads = torch.autograd.grad(out, leaves, g)
+    assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1]))
+    float_mask = lambda b: b.masked_fill(~mask, float("-inf"))
+    refs = []
+    for dtype in (torch.float64, torch.float32):
+        rl = [t.to(dtype).requires_grad_() for t in (q, k, v, bias)]
+        r, _ = reference_attention(*rl[:3], attn_mask=float_mask(rl[3]), dtype=dtype)
+        r = r.transpose(1, 2)
+        refs.append((r, torch.autograd.grad(r, rl, g.to(dtype))))
+    (r64, g64), (r32, g32) = refs
+    check_2x("out", out, r64, r32, 2, torch.float32)
+    for name, a, b, c in zip(("dq", "dk", "dv", "dbias"), grads, g64, g32):
+        check_2x(name, a, b, c, 3, torch.float32)
+
+
+@pytest.mark.parametrize("case", ["prefill", "decode", "bidirectional"])
+def test_sliding_window_and_softcap_without_a_mask(case, gen):
+    # HF passes no mask when causality alone would do; the window then comes from sliding_window:
+    # key j is visible to query i when i - j < sliding_window (bidirectional: |i - j| <= it)
+    forward = _forward()
+    sw, cap, S = 3, 5.0, 8
+    Sq = 1 if case == "decode" else S
+    q = torch.randn(1, 4, Sq, 8, generator=gen) * 3
+    k, v = (torch.randn(1, 2, S, 8, generator=gen) for _ in range(2))
+    out, _ = forward(_Module(case != "bidirectional"), q, k, v, None, sliding_window=sw, softcap=cap)
+    i = torch.arange(S - Sq, S)[:, None]
+    j = torch.arange(S)[None]
+    vis = (i - j < sw) & (j <= i) if case != "bidirectional" else (i - j).abs() <= sw
+    kk, vv = (t.repeat_interleave(2, 1) for t in (k, v))
+    r64, _ = reference_attention(q, kk, vv, attn_mask=vis, softcap=cap, dtype=torch.float64)
+    r32, _ = reference_attention(q, kk, vv, attn_mask=vis, softcap=cap, dtype=torch.float32)
+    check_2x("out", out, r64.transpose(1, 2), r32.transpose(1, 2), 2, torch.float32)
+
+
+def test_a_keyword_it_cannot_honour_raises_naming_it():
+    forward = _forward()
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(TypeError, match="'alibi_slopes'.*cannot honour"):
+        forward(_Module(), q, q, q, None, alibi_slopes=torch.ones(2))
+    with pytest.raises(TypeError, match="'block_table', 'cache'"):
+        forward(_Module(), q, q, q, None, cache=object(), block_table=torch.zeros(1))
+    # keywords that do not change the result, and absent (None) ones, are fine
+    out, _ = forward(_Module(), q, q, q, None, position_ids=torch.arange(3)[None], use_cache=True,
+                     encoder_hidden_states=None, softcap=None, sliding_window=None, s_aux=None)
+    assert out.shape == (1, 3, 2, 8)
+
+
+def test_output_attentions_warns_once_and_returns_none(caplog):
+    forward = _forward()
+    _transformers._warned_output_attentions[0] = False
+    q = torch.randn(1, 2, 3, 8)
+    with caplog.at_level(logging.WARNING, logger="attn_backends"):
+        for _ in range(2):
+            _, weights = forward(_Module(), q, q, q, None, output_attentions=True)
+            assert weights is None
+    assert sum("output_attentions=True" in r.getMessage() for r in caplog.records) == 1
+
+
+# ---- generate ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("arch", ["mistral", "gpt_oss"])
+def test_generate_matches_eager(arch, cache, gen):
+    # left padding, a window (4) shorter than prompt + generation, GPT-OSS's sinks in every step
+    ab.register_transformers()
+    ref = _model(arch, "eager").eval()
+    ids = torch.randint(1, V, (2, 7), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    want = ref.generate(ids, **kw)
+    got = _model(arch, "attn_backends", like=ref).eval().generate(ids, **kw)
+    assert torch.equal(got, want)
+
+
+
+# ---- HF's own "sdpa", patched -----------------------------------------------------------------
+
+def test_patched_sdpa_serves_hf_sdpa_models(gen, spy):
+    # attn_implementation="sdpa" keeps meaning HF's implementation; ab.patched_sdpa routes the
+    # F.scaled_dot_product_attention it calls through our backends
+    model = _model("llama", "sdpa")
+    ids = torch.randint(1, V, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    keep = mask.bool()
+    want, want_grads = _run(model, ids, mask, "llama")
+    with ab.patched_sdpa("flash"):
+        got, grads = _run(model, ids, mask, "llama")
+    assert spy.count("attention") == 2  # both layers
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-5)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)

@@ -1,11 +1,9 @@
 """Integrations: ab.sdpa is F.scaled_dot_product_attention (results and errors), patching routes
-nn.MultiheadAttention, nn.TransformerEncoderLayer and HF transformers' "sdpa" models through our
-backends and unpatching restores torch's object, the argparse flags round-trip every name, HF
-models run on the registered implementations with their masks, torch.compile traces both routes,
-and the training example runs."""
+nn.MultiheadAttention and nn.TransformerEncoderLayer through our backends and unpatching restores
+torch's object, the argparse flags round-trip every name, torch.compile traces both routes, and
+the training example runs.  HF transformers: tests/test_hf.py."""
 
 import argparse
-import copy
 import os
 import subprocess
 import sys
@@ -196,74 +194,6 @@ def test_transformer_encoder_layer_patched_vs_unpatched(spy, gen):
     assert spy
     b = layer(x, src_key_padding_mask=pad)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-
-
-# ---- HF transformers ---------------------------------------------------------------------------
-
-transformers = pytest.importorskip("transformers")
-
-
-def _hf_models():
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
-
-    cfgs = {
-        "gpt2": GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=97, resid_pdrop=0.0,
-                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
-        "llama-gqa": LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
-                                 intermediate_size=128, vocab_size=97, max_position_embeddings=64),
-    }
-    return cfgs, AutoModelForCausalLM
-
-
-def _hf_run(model, ids, mask):
-    out = model(input_ids=ids, attention_mask=mask)
-    loss = (out.logits.float().square() * mask[..., None]).mean()
-    grads = torch.autograd.grad(loss, list(model.parameters()))
-    return out.logits, grads
-
-
-@pytest.mark.parametrize("arch", ["gpt2", "llama-gqa"])
-def test_hf_models_patched_and_registered_match_sdpa(arch, spy, gen):
-    torch.manual_seed(0)
-    cfgs, Auto = _hf_models()
-    cfg = cfgs[arch]
-    names = ab.register_transformers()
-    ref = Auto.from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
-    ids = torch.randint(0, 97, (2, 12), generator=gen)
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, :5] = 0  # left padding: fully masked query rows in the padded positions
-    keep = mask.bool()
-    want_logits, want_grads = _hf_run(ref, ids, mask)
-    with ab.patched_sdpa("flash"):
-        logits, grads = _hf_run(ref, ids, mask)
-    assert spy == ["flash"] * cfg.num_hidden_layers  # every layer's attention went through the router
-    torch.testing.assert_close(logits[keep], want_logits[keep], rtol=1e-4, atol=1e-5)
-    for a, b in zip(grads, want_grads):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
-    for backend in ("auto", "flash", "math", "eager"):
-        spy.clear()
-        model = Auto.from_config(copy.deepcopy(cfg), attn_implementation=names[backend])
-        model.load_state_dict(ref.state_dict())
-        logits, grads = _hf_run(model, ids, mask)
-        assert len(spy) == cfg.num_hidden_layers, (backend, spy)
-        torch.testing.assert_close(logits[keep], want_logits[keep], rtol=1e-4, atol=1e-5)
-        for a, b in zip(grads, want_grads):
-            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
-
-
-def test_hf_generate_with_kv_cache(gen):
-    torch.manual_seed(0)
-    cfgs, Auto = _hf_models()
-    names = ab.register_transformers()
-    ref = Auto.from_config(copy.deepcopy(cfgs["llama-gqa"]), attn_implementation="sdpa").eval()
-    ours = Auto.from_config(copy.deepcopy(cfgs["llama-gqa"]), attn_implementation=names["flash"]).eval()
-    ours.load_state_dict(ref.state_dict())
-    ids = torch.randint(1, 97, (2, 6), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0
-    a = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    b = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    assert torch.equal(a, b)
 
 
 # ---- argparse ----------------------------------------------------------------------------------
