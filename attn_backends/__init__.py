@@ -225,7 +225,8 @@ def register_transformers() -> dict:
     are ``hf_name(backend)``: ``attn_backends_fa``, ``attn_backends_fa_varlen``, ``attn_backends_torch``
     (torch's SDPA), ``attn_backends_math``, ...: names transformers takes for every model.
     Everything a model passes is honoured (masks, position_bias, attention sinks, sliding windows,
-    softcap) or refused with an error naming it.  Returns {canonical name: attn_implementation}."""
+    softcap, packed sequences) or refused with an error naming it.  Returns {canonical name:
+    attn_implementation}."""
     from . import _transformers
 
     return _transformers.register()

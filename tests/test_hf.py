@@ -1,9 +1,9 @@
 """HF transformers: every registered name is one transformers takes for every model; tiny random
 models of each attention family (Llama, Mistral, Qwen2, Gemma2, GPT-2, BERT, T5, MPT, GPT-OSS) match
 HF's eager in float64 under the DESIGN.md rule, forward and backward, with and without padding;
-T5's position bias, GPT-OSS's sinks, sliding windows and softcap are honoured; generate matches
-eager; a keyword the function cannot honour raises.  Models are built from configs: nothing is
-downloaded."""
+T5's position bias, GPT-OSS's sinks, sliding windows and softcap are honoured; packed sequences
+equal each sequence run alone; generate matches eager; a keyword the function cannot honour
+raises.  Models are built from configs: nothing is downloaded."""
 
 import copy
 import logging
@@ -161,6 +161,27 @@ def test_models_match_eager_forward_and_backward(arch, padding, gen, spy, caplog
         assert spy and set(spy) == {"attention"}
 
 
+@pytest.mark.parametrize("arch", ["llama", "bert", "t5", "gpt_oss"])
+def test_varlen_name_unpads_a_padded_batch(arch, gen, spy):
+    # transformers' flash_attention_2 path: the padding mask turns each row into one packed
+    # sequence; T5's position bias needs the dense kernel, and gets it
+    ab.register_transformers()
+    ids = torch.randint(1, V, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    _check_model(arch, "attn_backends_fa_varlen", ids, mask)
+    assert ("attention" if arch == "t5" else "attention_varlen") in spy
+
+
+def test_varlen_name_refuses_position_bias_on_packed_sequences():
+    forward = transformers.AttentionInterface._global_mapping["attn_backends_fa_varlen"]
+    module = torch.nn.Module()
+    q = torch.randn(1, 2, 6, 8)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="position_bias cannot be applied to packed sequences"):
+        forward(module, q, q, q, None, position_bias=torch.zeros(1, 2, 6, 6), cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
 # ---- the attention function's keywords ---------------------------------------------------------
 
 def _forward(name="attn_backends"):
@@ -187,24 +208,37 @@ def _ref_sinks(q, k, v, sinks, mask=None, scale=None, dtype=torch.float64):
     return p @ v
 
 
-def test_sinks_are_exact_forward_and_backward(gen):
-    # a fully masked row stays 0, with finite gradients
+@pytest.mark.parametrize("packed", [False, True])
+def test_sinks_are_exact_forward_and_backward(packed, gen):
+    # a fully masked row (dense) stays 0, with finite gradients
     B, Hq, Hkv, S, D = 2, 4, 2, 7, 8
     inputs = [torch.randn(B, Hq, S, D, generator=gen), torch.randn(B, Hkv, S, D, generator=gen),
               torch.randn(B, Hkv, S, D, generator=gen), 2 * torch.randn(Hq, generator=gen)]
     mask = torch.rand(B, 1, S, S, generator=gen) > 0.3
     mask[1, :, 2] = False
     g = torch.randn(B, Hq, S, D, generator=gen)
+
+    def ours(q, k, v, s):
+        if not packed:
+            return _transformers._attend(q, k, v, s, attn_mask=mask)
+        # each batch row as one packed sequence, causal per sequence
+        cu = torch.tensor([0, S, 2 * S], dtype=torch.int32)
+        flat = [t.transpose(1, 2).reshape(B * S, t.shape[1], D) for t in (q, k, v)]
+        out = _transformers._attend(*flat, s, (cu, cu, S, S), causal=True)
+        return out.view(B, S, Hq, D).transpose(1, 2)
+
+    m = mask if not packed else torch.ones(S, S, dtype=torch.bool).tril()
     leaves = [t.clone().requires_grad_() for t in inputs]
-    out = _transformers._attend(*leaves[:3], leaves[3], attn_mask=mask)
+    out = ours(*leaves)
     grads = torch.autograd.grad(out, leaves, g)
     ref_leaves = [t.double().requires_grad_() for t in inputs]
-    r = _ref_sinks(*ref_leaves, mask=mask)
+    r = _ref_sinks(*ref_leaves, mask=m)
     r_grads = torch.autograd.grad(r, ref_leaves, g.double())
     same_leaves = [t.clone().requires_grad_() for t in inputs]
-    s32 = _ref_sinks(*same_leaves, mask=mask, dtype=torch.float32)
+    s32 = _ref_sinks(*same_leaves, mask=m, dtype=torch.float32)
     s_grads = torch.autograd.grad(s32, same_leaves, g)
-    assert torch.equal(out[1, :, 2], torch.zeros_like(out[1, :, 2]))
+    if not packed:
+        assert torch.equal(out[1, :, 2], torch.zeros_like(out[1, :, 2]))
     check_2x("out", out, r, s32, 2, torch.float32)
     for name, a, b, c in zip(("dq", "dk", "dv", "dsinks"), grads, r_grads, s_grads):
         check_2x(name, a, b, c, 3, torch.float32)
@@ -266,6 +300,8 @@ def test_a_keyword_it_cannot_honour_raises_naming_it():
     out, _ = forward(_Module(), q, q, q, None, position_ids=torch.arange(3)[None], use_cache=True,
                      encoder_hidden_states=None, softcap=None, sliding_window=None, s_aux=None)
     assert out.shape == (1, 3, 2, 8)
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k, got only cu_seq_lens_q"):
+        forward(_Module(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 3]))
 
 
 def test_output_attentions_warns_once_and_returns_none(caplog):
@@ -277,6 +313,42 @@ def test_output_attentions_warns_once_and_returns_none(caplog):
             _, weights = forward(_Module(), q, q, q, None, output_attentions=True)
             assert weights is None
     assert sum("output_attentions=True" in r.getMessage() for r in caplog.records) == 1
+
+
+# ---- packed sequences -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["varlen name, position_ids", "varlen name, cu_seq_lens",
+                                 "dense name, cu_seq_lens", "dense name, position_ids without a cache"])
+def test_packed_sequences_equal_each_sequence_alone(how, gen, spy):
+    # padding-free training: three sequences in one row, position_ids restarting at 0 (qwen2: one
+    # sliding layer, window 4)
+    ab.register_transformers()
+    lens = [4, 6, 3]
+    seqs = [torch.randint(1, V, (1, n), generator=gen) for n in lens]
+    ids = torch.cat(seqs, 1)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    cu = torch.tensor([0, 4, 10, 13], dtype=torch.int32)
+    ref = _model("qwen2", "eager")
+    impl = "attn_backends_fa_varlen" if how.startswith("varlen") else "attn_backends"
+    ours = _model("qwen2", impl, like=ref)
+    kw = dict(position_ids=pos, use_cache="without a cache" not in how)
+    if "cu_seq_lens" in how:
+        kw.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
+    g = torch.randn(1, 13, V, generator=gen)
+
+    def run(model, pieces):
+        outs = [model(input_ids=i, **k).logits for i, k in pieces]
+        out = torch.cat(outs, 1)
+        return out, torch.autograd.grad(out, list(model.parameters()), g.to(out.dtype))
+
+    alone = [(s, dict(use_cache=False)) for s in seqs]
+    x64, g64 = run(copy.deepcopy(ref).double(), alone)
+    x32, g32 = run(ref, alone)
+    x, grads = run(ours, [(ids, kw)])
+    check_2x("logits", x, x64, x32, 2, torch.float32)
+    for (name, _), a, r, s in zip(ref.named_parameters(), grads, g64, g32):
+        check_2x(f"d {name}", a, r, s, 3, torch.float32)
+    assert ("attention_varlen" in spy) == ("position_ids without a cache" not in how)
 
 
 # ---- generate ---------------------------------------------------------------------------------
@@ -294,8 +366,9 @@ def test_generate_matches_eager(arch, cache, gen):
     if cache == "static":
         kw["cache_implementation"] = "static"
     want = ref.generate(ids, **kw)
-    got = _model(arch, "attn_backends", like=ref).eval().generate(ids, **kw)
-    assert torch.equal(got, want)
+    for impl in ("attn_backends", "attn_backends_fa_varlen"):
+        got = _model(arch, impl, like=ref).eval().generate(ids, **kw)
+        assert torch.equal(got, want), impl
 
 
 
