@@ -24,7 +24,7 @@ __version__ = _C.__version__
 
 __all__ = [
     "attention", "attention_varlen", "sdpa", "patch_sdpa", "unpatch_sdpa", "patched_sdpa", "use", "resolve",
-    "backends", "explain", "add_argparse_args", "apply_args", "register_transformers", "hf_name",
+    "backends", "explain", "add_argparse_args", "apply_args", "register_transformers", "register_diffusers", "hf_name",
     "merge_attention_states",
     "Plan", "BackendInfo", "__version__",
 ]
@@ -232,12 +232,25 @@ def register_transformers() -> dict:
     return _transformers.register()
 
 
+def register_diffusers() -> dict:
+    """Register our backends with diffusers, under the names of ``hf_name``, so that diffusers' own
+    ``model.set_attention_backend("attn_backends_fa")`` and ``with attention_backend(...):`` select
+    them.  diffusers has no public registration API yet: this adds members to its
+    ``AttentionBackendName`` enum and registers through its backend registry, and raises
+    RuntimeError if a diffusers release changed either (docs/integrations.md).  Calls take
+    diffusers' (B, S, H, D) layout; a (B, Sk) mask is a key padding mask, as in its native
+    backend.  Returns {canonical name: diffusers backend name}."""
+    from . import _diffusers
+
+    return _diffusers.register()
+
+
 def hf_name(backend: str) -> str:
-    """The attn_implementation that ``register_transformers()`` registers for any accepted backend
-    name: ``hf_name("flash_attention_2") == "attn_backends_fa"``, ``hf_name("sdpa") ==
-    "attn_backends_torch"``, ``hf_name("auto") == "attn_backends"``; a registered name (old spellings
-    included) gives its current spelling.  Needs no transformers installed.  Raises ValueError
-    listing the valid names for an unknown one."""
+    """The attn_implementation that ``register_transformers()`` (and ``register_diffusers()``)
+    registers for any accepted backend name: ``hf_name("flash_attention_2") == "attn_backends_fa"``,
+    ``hf_name("sdpa") == "attn_backends_torch"``, ``hf_name("auto") == "attn_backends"``; a
+    registered name (old spellings included) gives its current spelling.  Needs neither package
+    installed.  Raises ValueError listing the valid names for an unknown one."""
     from . import _transformers
 
     return _transformers.hf_name(backend)

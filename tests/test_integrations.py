@@ -1,7 +1,7 @@
 """Integrations: ab.sdpa is F.scaled_dot_product_attention (results and errors), patching routes
 nn.MultiheadAttention and nn.TransformerEncoderLayer through our backends and unpatching restores
 torch's object, the argparse flags round-trip every name, torch.compile traces both routes, and
-the training example runs.  HF transformers: tests/test_hf.py."""
+the training example runs.  HF transformers: tests/test_hf.py; diffusers: tests/test_diffusers.py."""
 
 import argparse
 import os
