@@ -203,19 +203,27 @@ def patched_sdpa(backend: str = "auto"):
     return _integrations.patched_sdpa(backend)
 
 
-def add_argparse_args(parser, default: str = "auto"):
+def add_argparse_args(parser, default: str = "auto", *, skip=()):
     """Add ``--attn_implementation NAME`` (every accepted name, case-insensitive; stored canonical),
-    ``--use_flash_attention`` (deprecated, same as ``--attn_implementation flash``),
-    ``--disable_mps_fix`` and ``--patch_sdpa`` to an argparse parser; returns the parser.
-    Apply the parsed values with ``apply_args(args)``."""
-    return _integrations.add_argparse_args(parser, default)
+    ``--use_flash_attention`` (deprecated, same as ``--attn_implementation flash``; a FutureWarning
+    says so), ``--disable_mps_fix`` and ``--patch_sdpa`` to an argparse parser; returns the parser.
+
+    A flag the parser already has is left as it is (HfArgumentParser and TRL-style configs define
+    ``--attn_implementation`` themselves; ``--use_flash_attention`` then writes into theirs);
+    ``skip=("patch_sdpa", ...)`` leaves out flags by name.  Apply the parsed values with
+    ``apply_args(args)``."""
+    return _integrations.add_argparse_args(parser, default, skip=skip)
 
 
-def apply_args(args) -> str:
+def apply_args(args, *more, for_hf: bool = False) -> str:
     """Apply flags parsed by ``add_argparse_args``: the process default backend (what
     ``backend="auto"`` means outside ``use``), the MPS rule, and patching SDPA when
-    ``--patch_sdpa`` was given.  Returns the canonical backend name."""
-    return _integrations.apply_args(args)
+    ``--patch_sdpa`` was given.  Each flag is read from the first of ``args, *more`` that has it
+    (``apply_args(model_args, extra)`` for HfArgumentParser's dataclasses); the backend may be any
+    accepted name or a registered attn_implementation.  Returns the canonical backend name, or
+    with ``for_hf=True`` the attn_implementation to hand to transformers (``hf_name``; our
+    backends are registered with it first)."""
+    return _integrations.apply_args(args, *more, for_hf=for_hf)
 
 
 def register_transformers() -> dict:
@@ -223,10 +231,9 @@ def register_transformers() -> dict:
     that ``from_pretrained(..., attn_implementation=ab.hf_name("flash"))`` runs the model's attention
     on them.  ``"attn_backends"`` is the default backend (see ``use`` and ``apply_args``); the others
     are ``hf_name(backend)``: ``attn_backends_fa``, ``attn_backends_fa_varlen``, ``attn_backends_torch``
-    (torch's SDPA), ``attn_backends_math``, ...: names transformers takes for every model.
-    Everything a model passes is honoured (masks, position_bias, attention sinks, sliding windows,
-    softcap, packed sequences) or refused with an error naming it.  Returns {canonical name:
-    attn_implementation}."""
+    (torch's SDPA), ``attn_backends_math``, ...  Everything the model passes is honoured (masks,
+    position_bias, attention sinks, sliding windows, softcap, packed sequences) or refused with an
+    error naming it.  Returns {canonical name: attn_implementation}."""
     from . import _transformers
 
     return _transformers.register()

@@ -1,7 +1,8 @@
 """Integrations: ab.sdpa is F.scaled_dot_product_attention (results and errors), patching routes
 nn.MultiheadAttention and nn.TransformerEncoderLayer through our backends and unpatching restores
-torch's object, the argparse flags round-trip every name, torch.compile traces both routes, and
-the training example runs.  HF transformers: tests/test_hf.py; diffusers: tests/test_diffusers.py."""
+torch's object, the argparse flags round-trip every name and fit parsers that already have some of
+them, torch.compile traces both routes, and the training example runs.  HF transformers:
+tests/test_hf.py; diffusers: tests/test_diffusers.py."""
 
 import argparse
 import os
@@ -213,7 +214,8 @@ def test_argparse_flags(capsys):
         warnings.simplefilter("always")
         args = parser.parse_args(["--use_flash_attention"])
     assert args.attn_implementation == "flash"
-    assert any(issubclass(x.category, DeprecationWarning) and "--attn_implementation flash" in str(x.message) for x in w)
+    assert any(issubclass(x.category, FutureWarning) and "--attn_implementation flash" in str(x.message) for x in w)
+    assert all(x.filename == __file__ for x in w)  # attributed to the parse_args line, not to argparse
     with pytest.raises(SystemExit):
         parser.parse_args(["--attn_implementation", "flash_attn_9"])
     assert "unknown backend 'flash_attn_9'; valid names are" in capsys.readouterr().err
@@ -239,6 +241,68 @@ def test_apply_args_sets_default_mps_rule_and_patch():
         _planner.settings["mps_fix"] = True
         ab.unpatch_sdpa()
     assert ab.explain(q, q, q).requested == "auto"
+
+
+def test_deprecation_notice_shows_once_under_default_filters(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import argparse, attn_backends as ab\n"
+                      "parser = ab.add_argparse_args(argparse.ArgumentParser())\n"
+                      "for _ in range(3):\n"
+                      "    args = parser.parse_args(['--use_flash_attention'])\n"
+                      "print(args.attn_implementation)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "flash"
+    assert res.stderr.count("--use_flash_attention is deprecated; use --attn_implementation flash") == 1
+    assert f"{script}:4: FutureWarning" in res.stderr
+
+
+def test_argparse_on_a_parser_that_already_has_attn_implementation():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--attn_implementation", "--attn-implementation", dest="attn_impl", default=None)
+    ab.add_argparse_args(parser)  # no "conflicting option strings"
+    assert "any of (case-insensitive)" not in parser.format_help()  # theirs is kept as it is
+    args = parser.parse_args(["--attn_implementation", "flash_attention_2", "--patch_sdpa"])
+    assert args.attn_impl == "flash_attention_2" and args.patch_sdpa
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        assert parser.parse_args(["--use_flash_attention"]).attn_impl == "flash"  # into their dest
+    skipping = ab.add_argparse_args(argparse.ArgumentParser(), skip=("patch_sdpa", "--use_flash_attention"))
+    assert "--patch_sdpa" not in skipping.format_help() and "--use_flash_attention" not in skipping.format_help()
+    assert "--disable_mps_fix" in skipping.format_help()
+    assert ab.add_argparse_args(skipping) is skipping  # again: everything is there, nothing added
+
+
+def test_apply_args_with_hf_argument_parser_hands_back_the_hf_name():
+    transformers = pytest.importorskip("transformers")
+    from dataclasses import dataclass, field
+    from typing import Optional
+
+    from attn_backends import _planner
+
+    @dataclass
+    class ModelArguments:
+        model_name_or_path: str = "tiny"
+        attn_implementation: Optional[str] = field(default=None, metadata={"help": "attention"})
+
+    parser = transformers.HfArgumentParser(ModelArguments)
+    ab.add_argparse_args(parser)
+    try:
+        model_args, extra = parser.parse_args_into_dataclasses(["--attn_implementation", "flash_attention_2",
+                                                                "--disable_mps_fix"])
+        assert model_args.attn_implementation == "flash_attention_2" and extra.disable_mps_fix
+        hf = ab.apply_args(model_args, extra, for_hf=True)
+        assert hf == "attn_backends_fa" and hf in transformers.AttentionInterface._global_mapping
+        assert _planner.default_backend() == "flash" and _planner.settings["mps_fix"] is False
+        model_args, extra = parser.parse_args_into_dataclasses([])
+        assert ab.apply_args(model_args, extra) == "auto"  # theirs defaults to None
+        assert ab.apply_args(argparse.Namespace(attn_implementation="attn_backends_torch")) == "sdpa"
+        with pytest.raises(ValueError, match="unknown backend 'flash_attn_9'"):
+            ab.apply_args(argparse.Namespace(attn_implementation="flash_attn_9"))
+    finally:
+        _planner.set_process_default("auto")
+        _planner.settings["mps_fix"] = True
 
 
 # ---- torch.compile -----------------------------------------------------------------------------
