@@ -61,7 +61,8 @@ __version__ = _C.__version__
 
 __all__ = [
     "attention", "attention_varlen", "sdpa", "patch_sdpa", "unpatch_sdpa", "patched_sdpa", "use", "resolve",
-    "backends", "explain", "add_argparse_args", "apply_args", "register_transformers", "merge_attention_states",
+    "backends", "explain", "add_argparse_args", "apply_args", "register_transformers", "register_diffusers", "hf_name",
+    "merge_attention_states",
     "Plan", "BackendInfo", "__version__",
 ]
 
@@ -239,26 +240,61 @@ def patched_sdpa(backend: str = "auto"):
     return _integrations.patched_sdpa(backend)
 
 
-def add_argparse_args(parser, default: str = "auto"):
+def add_argparse_args(parser, default: str = "auto", *, skip=()):
     """Add ``--attn_implementation NAME`` (every accepted name, case-insensitive; stored canonical),
-    ``--use_flash_attention`` (deprecated, same as ``--attn_implementation flash``),
-    ``--disable_mps_fix`` and ``--patch_sdpa`` to an argparse parser; returns the parser.
-    Apply the parsed values with ``apply_args(args)``."""
-    return _integrations.add_argparse_args(parser, default)
+    ``--use_flash_attention`` (deprecated, same as ``--attn_implementation flash``; a FutureWarning
+    says so), ``--disable_mps_fix`` and ``--patch_sdpa`` to an argparse parser; returns the parser.
+
+    A flag the parser already has is left as it is (HfArgumentParser and TRL-style configs define
+    ``--attn_implementation`` themselves; ``--use_flash_attention`` then writes into theirs);
+    ``skip=("patch_sdpa", ...)`` leaves out flags by name.  Apply the parsed values with
+    ``apply_args(args)``."""
+    return _integrations.add_argparse_args(parser, default, skip=skip)
 
 
-def apply_args(args) -> str:
+def apply_args(args, *more, for_hf: bool = False) -> str:
     """Apply flags parsed by ``add_argparse_args``: the process default backend (what
     ``backend="auto"`` means outside ``use``), the MPS rule, and patching SDPA when
-    ``--patch_sdpa`` was given.  Returns the canonical backend name."""
-    return _integrations.apply_args(args)
+    ``--patch_sdpa`` was given.  Each flag is read from the first of ``args, *more`` that has it
+    (``apply_args(model_args, extra)`` for HfArgumentParser's dataclasses); the backend may be any
+    accepted name or a registered attn_implementation.  Returns the canonical backend name, or
+    with ``for_hf=True`` the attn_implementation to hand to transformers (``hf_name``; our
+    backends are registered with it first)."""
+    return _integrations.apply_args(args, *more, for_hf=for_hf)
 
 
 def register_transformers() -> dict:
-    """Register our backends with HF transformers' AttentionInterface (and its mask interface):
-    ``attn_implementation="attn_backends"`` (the default backend, see ``use`` and ``apply_args``) or
-    ``"attn_backends_<name>"`` with "flash" spelled "fa" (HF reserves names containing "flash"):
-    ``attn_backends_fa``, ``attn_backends_math``, ...  Returns {canonical name: attn_implementation}."""
+    """Register our backends with HF transformers' AttentionInterface (and its mask interface), so
+    that ``from_pretrained(..., attn_implementation=ab.hf_name("flash"))`` runs the model's attention
+    on them.  ``"attn_backends"`` is the default backend (see ``use`` and ``apply_args``); the others
+    are ``hf_name(backend)``: ``attn_backends_fa``, ``attn_backends_fa_varlen``, ``attn_backends_torch``
+    (torch's SDPA), ``attn_backends_math``, ...  Everything the model passes is honoured (masks,
+    position_bias, attention sinks, sliding windows, softcap, packed sequences) or refused with an
+    error naming it.  Returns {canonical name: attn_implementation}."""
     from . import _transformers
 
     return _transformers.register()
+
+
+def register_diffusers() -> dict:
+    """Register our backends with diffusers, under the names of ``hf_name``, so that diffusers' own
+    ``model.set_attention_backend("attn_backends_fa")`` and ``with attention_backend(...):`` select
+    them.  diffusers has no public registration API yet: this adds members to its
+    ``AttentionBackendName`` enum and registers through its backend registry, and raises
+    RuntimeError if a diffusers release changed either (docs/integrations.md).  Calls take
+    diffusers' (B, S, H, D) layout; a (B, Sk) mask is a key padding mask, as in its native
+    backend.  Returns {canonical name: diffusers backend name}."""
+    from . import _diffusers
+
+    return _diffusers.register()
+
+
+def hf_name(backend: str) -> str:
+    """The attn_implementation that ``register_transformers()`` (and ``register_diffusers()``)
+    registers for any accepted backend name: ``hf_name("flash_attention_2") == "attn_backends_fa"``,
+    ``hf_name("sdpa") == "attn_backends_torch"``, ``hf_name("auto") == "attn_backends"``; a
+    registered name (old spellings included) gives its current spelling.  Needs neither package
+    installed.  Raises ValueError listing the valid names for an unknown one."""
+    from . import _transformers
+
+    return _transformers.hf_name(backend)

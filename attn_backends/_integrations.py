@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import sys
 import warnings
 
 import torch
@@ -132,9 +133,25 @@ def patched_sdpa(backend: str = "auto"):
 
 def _backend_arg(value: str) -> str:
     try:
-        return resolve(value)
+        return _resolve_any(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _resolve_any(value: str) -> str:
+    """Canonical name for any accepted name, or for an attn_implementation we register with HF."""
+    from ._transformers import _BY_HF_NAME
+
+    return _BY_HF_NAME.get(value) or resolve(value)
+
+
+def _outside_argparse() -> int:
+    """The stacklevel of the first frame outside argparse and this module: the script's parse_args
+    call, so that the warning shows the user's line (and the default filters show it)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename in (argparse.__file__, __file__):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 class _UseFlashAttention(argparse.Action):
@@ -145,33 +162,64 @@ class _UseFlashAttention(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, **kwargs)
 
     def __call__(self, parser, namespace, values, option_string=None):
-        warnings.warn(f"{option_string} is deprecated; use --attn_implementation flash", DeprecationWarning,
-                      stacklevel=2)
-        namespace.attn_implementation = "flash"
+        # a FutureWarning: the notice is for the person running the script, and Python's default
+        # filters hide a DeprecationWarning raised outside __main__
+        warnings.warn(f"{option_string} is deprecated; use --attn_implementation flash", FutureWarning,
+                      stacklevel=_outside_argparse())
+        setattr(namespace, self.dest, "flash")
 
 
-def add_argparse_args(parser: argparse.ArgumentParser, default: str = "auto") -> argparse.ArgumentParser:
+_FLAGS = (("--attn_implementation", "--attn-implementation"), ("--use_flash_attention", "--use_flash_attention_2"),
+          ("--disable_mps_fix",), ("--patch_sdpa",))
+
+
+def add_argparse_args(parser: argparse.ArgumentParser, default: str = "auto", *, skip=()) -> argparse.ArgumentParser:
+    taken = getattr(parser, "_option_string_actions", {})
+    skip = {s if s.startswith("--") else "--" + s for s in skip}
+    add = [flags[0] for flags in _FLAGS if not any(f in taken or f in skip for f in flags)]
+    existing = taken.get("--attn_implementation") or taken.get("--attn-implementation")
+    dest = existing.dest if existing is not None else "attn_implementation"
+    if not add:
+        return parser
     group = parser.add_argument_group("attention (attn_backends)")
-    names = ", ".join(ALL_NAMES)
-    group.add_argument("--attn_implementation", "--attn-implementation", type=_backend_arg, default=resolve(default),
-                       metavar="NAME",
-                       help=f"attention backend, any of (case-insensitive): {names} (default: %(default)s)")
-    group.add_argument("--use_flash_attention", "--use_flash_attention_2", action=_UseFlashAttention,
-                       dest="attn_implementation", help="deprecated: same as --attn_implementation flash")
-    group.add_argument("--disable_mps_fix", action="store_true",
-                       help="on MPS, let torch SDPA serve masked calls in evaluation (it gives NaN there)")
-    group.add_argument("--patch_sdpa", action="store_true",
-                       help="route torch.nn.functional.scaled_dot_product_attention through attn_backends too")
+    if "--attn_implementation" in add:
+        names = ", ".join(ALL_NAMES)
+        group.add_argument("--attn_implementation", "--attn-implementation", type=_backend_arg,
+                           default=resolve(default), metavar="NAME",
+                           help=f"attention backend, any of (case-insensitive): {names} (default: %(default)s)")
+    if "--use_flash_attention" in add:
+        group.add_argument("--use_flash_attention", "--use_flash_attention_2", action=_UseFlashAttention, dest=dest,
+                           help="deprecated: same as --attn_implementation flash")
+    if "--disable_mps_fix" in add:
+        group.add_argument("--disable_mps_fix", action="store_true",
+                           help="on MPS, let torch SDPA serve masked calls in evaluation (it gives NaN there)")
+    if "--patch_sdpa" in add:
+        group.add_argument("--patch_sdpa", action="store_true",
+                           help="route torch.nn.functional.scaled_dot_product_attention through attn_backends too")
     return parser
 
 
-def apply_args(args) -> str:
+def apply_args(args, *more, for_hf: bool = False) -> str:
     """Applies parsed flags: the process default backend, the MPS rule, and patching when asked.
-    Returns the canonical backend name."""
-    name = resolve(getattr(args, "attn_implementation", "auto") or "auto")
+    Each flag is read from the first of ``args, *more`` that holds it (HfArgumentParser hands back
+    one dataclass per group).  Returns the canonical backend name, or with for_hf=True the
+    attn_implementation registered with HF transformers (registering it)."""
+    def flag(name, default):
+        for source in (args, *more):
+            value = getattr(source, name, None)
+            if value is not None:
+                return value
+        return default
+
+    name = _resolve_any(flag("attn_implementation", "auto"))
     _planner.set_process_default(name)
-    if getattr(args, "disable_mps_fix", False):
+    if flag("disable_mps_fix", False):
         _planner.settings["mps_fix"] = False
-    if getattr(args, "patch_sdpa", False):
+    if flag("patch_sdpa", False):
         patch_sdpa(name)
+    if for_hf:
+        from . import _transformers
+
+        _transformers.register()
+        return _transformers.hf_name(name)
     return name

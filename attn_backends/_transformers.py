@@ -1,53 +1,344 @@
 """HF transformers integration through its public registries (AttentionInterface and
-AttentionMaskInterface), so ``from_pretrained(..., attn_implementation="ab_flash")`` runs on our
-backends with the model's masks honoured.
+AttentionMaskInterface): ``from_pretrained(..., attn_implementation="attn_backends_fa")`` runs the
+model's attention on our backends, with everything the model hands the attention function honoured
+(masks, T5's position bias, GPT-OSS's sinks, sliding windows, softcap, packed sequences) or refused
+with an error naming it.
 
-Registered names: ``attn_backends`` (the default backend: ``ab.use(...)``, ``--attn_implementation``
-through ``apply_args``, ATTN_BACKENDS_BACKEND, else the planner's choice) and
-``attn_backends_<name>`` for every canonical backend, with "flash" spelled "fa" because HF treats
-any attn_implementation containing "flash" as a request for its own flash-attention kernels
-(``attn_backends_fa``, ``attn_backends_fa_varlen``, ``attn_backends_math``, ``attn_backends_sage``,
-...).  HF's own names (``eager``, ``sdpa``, ``flash_attention_2``, ``flex_attention``) are left
-alone: they mean HF's implementations.  ``hf_name(...)`` maps any of our accepted names to the
-registered one.
+Names (``hf_name``): ``attn_backends`` is the default backend (``ab.use(...)``, ``apply_args``,
+ATTN_BACKENDS_BACKEND, else the planner); ``attn_backends_<suffix>`` names one backend.  transformers
+reads meaning into substrings of the name: "sdpa" makes it check the model's sdpa support (Gemma2,
+MPT and GPT-OSS refuse), "flash" its flash-attention kernels, "flex_attention" FlexAttention, a
+"paged|" prefix its paged cache and "org/repo" a hub kernel.  So torch's SDPA is ``attn_backends_torch``
+and flash is ``attn_backends_fa``.
 """
 
 from __future__ import annotations
 
+import logging
+
+import torch
+
 from ._names import CANONICAL, resolve
+
+logger = logging.getLogger("attn_backends")
+
+# canonical backend -> suffix of its attn_implementation; the other backends keep their own name
+_SUFFIX = {
+    "flash": "fa",
+    "flash_varlen": "fa_varlen",
+    "sdpa": "torch",
+    "_native_flash": "torch_fa",
+    "_native_efficient": "torch_efficient",
+    "_native_cudnn": "torch_cudnn",
+    "_native_math": "torch_math",
+    "paged_attention": "paged",
+    "flash_attn_pkg": "fa_pkg",
+    "sageattention_pkg": "sage_pkg",
+}
+
+
+def hf_accepts(name: str) -> bool:
+    """True when transformers takes ``name`` as a plain registered implementation for every model,
+    reading nothing into it (modeling_utils: the sdpa, flash and flex checks, the paged| prefix,
+    the hub-kernel pattern)."""
+    return not ("sdpa" in name or "flash" in name or "flex_attention" in name or name.startswith("paged|")
+                or "/" in name)
+
+
+def _registered_name(canonical: str) -> str:
+    if canonical == "auto":
+        return "attn_backends"
+    return "attn_backends_" + _SUFFIX.get(canonical, canonical.strip("_"))
+
+
+def _old_name(canonical: str) -> str:
+    """The name releases before the rename registered ("flash" spelled "fa", nothing else changed)."""
+    return "attn_backends" if canonical == "auto" else "attn_backends_" + canonical.replace("flash", "fa")
+
+
+NAMES = {c: _registered_name(c) for c in CANONICAL}
+# old names that transformers accepts for every model stay registered; the others only map here
+ALIASES = {_old_name(c): c for c in CANONICAL if _old_name(c) != NAMES[c]}
+_BY_HF_NAME = {**{n: c for c, n in NAMES.items()}, **ALIASES}
 
 
 def hf_name(backend: str) -> str:
-    """The attn_implementation string registered for one of our backend names."""
-    name = resolve(backend)
-    return "attn_backends" if name == "auto" else "attn_backends_" + name.replace("flash", "fa")
+    """The attn_implementation registered for any accepted backend name (ours, HF's own names such
+    as "sdpa" or "flash_attention_2", or a registered attn_implementation, old spellings included)."""
+    canonical = _BY_HF_NAME.get(backend) if isinstance(backend, str) else None
+    return NAMES[canonical if canonical is not None else resolve(backend)]
+
+
+# ---- the attention function -------------------------------------------------------------------
+
+# keywords models pass that do not change what attention computes here: the cache was already
+# updated by the model, the flags concern other outputs, and packing is read from the mask (dense
+# names) or from position_ids (the varlen name)
+_NOT_ATTENTION = frozenset({
+    "position_ids", "use_cache", "cache_position", "past_key_values", "past_key_value", "output_hidden_states",
+    "output_router_logits", "return_dict", "num_items_in_batch", "layer_idx", "seq_idx",
+})
+_warned_output_attentions = [False]
+
+
+def _attend(q, k, v, sinks, cu=None, **kw):
+    """ab.attention (or ab.attention_varlen when cu = (cu_q, cu_k, max_q, max_k) is given) with
+    attention sinks: one logit s per query head that joins each row's softmax denominator and
+    contributes no value (GPT-OSS, FA3's s_aux).  Exact on top of lse: with sinks the output is
+    out * exp(lse) / (exp(lse) + exp(s)) = out * sigmoid(lse - s), and autograd carries the gradient
+    to q, k, v (through the backward op's grad_lse) and to s.  A row that sees no key has lse = -inf
+    and stays 0.  When the kernels take sinks themselves, this becomes one call."""
+    from . import attention, attention_varlen
+
+    if sinks is None:
+        return attention(q, k, v, **kw) if cu is None else attention_varlen(q, k, v, *cu, **kw)
+    if cu is None:
+        out, lse = attention(q, k, v, return_lse=True, **kw)  # out (B, Hq, Sq, Dv), lse (B, Hq, Sq)
+        w = torch.sigmoid(lse - sinks.to(lse.dtype)[:, None])
+    else:
+        out, lse = attention_varlen(q, k, v, *cu, return_lse=True, **kw)  # out (T, Hq, Dv), lse (Hq, T)
+        w = torch.sigmoid(lse - sinks.to(lse.dtype)[:, None]).t()
+    return (out * w[..., None]).to(out.dtype)
+
+
+def _bias_mask(bias, mask):
+    """T5-style position bias folded into the mask as one float mask (gradients reach the bias)."""
+    if not bias.is_floating_point():
+        raise TypeError(f"position_bias must be a floating tensor (added to the scores), got {bias.dtype}")
+    if mask is None:
+        return bias
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return bias + mask
+
+
+def _cu_from_positions(position_ids):
+    """(cu_seqlens int32, max length) of sequences packed in one row, each starting where
+    position_ids falls back to its minimum (transformers' prepare_fa_kwargs_from_position_ids), or
+    None when the row holds one sequence."""
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] < 2:
+        return None
+    pos = position_ids[0]
+    if bool((pos[1:] == pos[:-1] + 1).all()):
+        return None
+    starts = (pos == pos.min()).nonzero().flatten().to(torch.int32)
+    cu = torch.cat([starts, starts.new_tensor([pos.numel()])])
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _varlen_from_padding(q, k, v, mask, causal, sinks, kw):
+    """transformers' flash_attention_2 path on a padding mask (B, Sk), True/1 = token: the real
+    tokens of each row become one packed sequence, padded rows of the output are 0."""
+    B, Hq, Sq, D = q.shape
+    if k.shape[2] > mask.shape[-1]:  # a static cache longer than the mask: unwritten slots
+        k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]
+    Sk = k.shape[2]
+    keep = mask.bool()
+    lens_k = keep.sum(-1, dtype=torch.int32)
+    cu_k = torch.nn.functional.pad(lens_k.cumsum(0, dtype=torch.int32), (1, 0))
+    idx_k = keep.flatten().nonzero().flatten()
+    kk = k.transpose(1, 2).reshape(B * Sk, *k.shape[1::2])[idx_k]
+    vv = v.transpose(1, 2).reshape(B * Sk, *v.shape[1::2])[idx_k]
+    if Sq == Sk:
+        idx_q, cu_q, lens_q = idx_k, cu_k, lens_k
+    elif Sq == 1:
+        idx_q = torch.arange(B, device=q.device)
+        cu_q = torch.arange(B + 1, dtype=torch.int32, device=q.device)
+        lens_q = torch.ones(B, dtype=torch.int32, device=q.device)
+    else:  # a chunk after a left-padded prefix: the last Sq positions of the mask are the queries
+        keep_q = keep[:, -Sq:]
+        lens_q = keep_q.sum(-1, dtype=torch.int32)
+        cu_q = torch.nn.functional.pad(lens_q.cumsum(0, dtype=torch.int32), (1, 0))
+        idx_q = keep_q.flatten().nonzero().flatten()
+    qq = q.transpose(1, 2).reshape(B * Sq, Hq, D)[idx_q]
+    cu = (cu_q, cu_k, int(lens_q.max()) if B else 0, int(lens_k.max()) if B else 0)
+    out = _attend(qq, kk, vv, sinks, cu, causal=causal, **kw)
+    full = out.new_zeros(B * Sq, Hq, out.shape[-1])
+    full[idx_q] = out
+    return full.view(B, Sq, Hq, -1)
+
+
+def _packed_args(kw, position_ids, varlen_name, mask):
+    """(cu_q, cu_k, max_q, max_k) when the call is over packed sequences, else None: cu_seq_lens
+    given (any name; a mask beside them holds the same packing, or none when a cache stopped HF
+    from reading it off position_ids), or for the varlen name position_ids that restart, with no
+    mask."""
+    cu_q, cu_k = kw.pop("cu_seq_lens_q", None), kw.pop("cu_seq_lens_k", None)
+    max_q, max_k = kw.pop("max_length_q", None), kw.pop("max_length_k", None)
+    if cu_q is not None or cu_k is not None:
+        if cu_q is None or cu_k is None:
+            raise ValueError("attn_backends: packed sequences need both cu_seq_lens_q and cu_seq_lens_k, got only "
+                             + ("cu_seq_lens_q" if cu_k is None else "cu_seq_lens_k"))
+        cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+        max_q = int((cu_q[1:] - cu_q[:-1]).max()) if max_q is None else int(max_q)
+        max_k = int((cu_k[1:] - cu_k[:-1]).max()) if max_k is None else int(max_k)
+        return cu_q, cu_k, max_q, max_k
+    if varlen_name and mask is None:
+        found = _cu_from_positions(position_ids)
+        if found is not None:
+            cu, longest = found
+            return cu, cu, longest, longest
+    return None
+
+
+def _read_kwargs(module, kw, varlen_name, mask):
+    """The keywords a model passed, checked: (sinks, position_bias, softcap, sliding_window,
+    deterministic, packed).  Anything that would change the result and is not honoured raises."""
+    sinks = kw.pop("s_aux", None)
+    if sinks is None:
+        sinks = kw.pop("sinks", None)
+    bias = kw.pop("position_bias", None)
+    softcap = kw.pop("softcap", None) or 0.0
+    window = kw.pop("sliding_window", None)
+    deterministic = bool(kw.pop("deterministic", None) or False)
+    if kw.pop("output_attentions", None) and not _warned_output_attentions[0]:
+        _warned_output_attentions[0] = True
+        logger.warning("attn_backends attention does not support `output_attentions=True`: the attention "
+                       "weights come back as None. Set attn_implementation='eager' to get them.")
+    packed = _packed_args(kw, kw.get("position_ids"), varlen_name, mask)
+    unknown = sorted(name for name, val in kw.items() if val is not None and name not in _NOT_ATTENTION)
+    if unknown:
+        raise TypeError(f"attn_backends: {type(module).__name__} passed {', '.join(map(repr, unknown))} to the "
+                        "attention function, which it cannot honour; use attn_implementation='eager'")
+    return sinks, bias, softcap, None if window is None else int(window), deterministic, packed
+
+
+def _forward(backend, module, query, key, value, attention_mask, dropout, scaling, is_causal, kw):
+    """(B, Sq, Hq, Dv) attention output for one HF attention call; see ``_make_forward``."""
+    varlen_name = backend == "flash_varlen"
+    sinks, bias, softcap, sw, deterministic, packed = _read_kwargs(module, kw, varlen_name, attention_mask)
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    if backend == "auto":
+        from ._planner import default_backend
+
+        backend = default_backend()
+    opts = dict(dropout_p=dropout, scale=scaling, softcap=softcap, deterministic=deterministic)
+    # HF's sliding_window counts the query itself (causal: key j is visible when i - j < sliding_window);
+    # its bidirectional masks take |i - j| <= sliding_window
+    window = None if sw is None else (sw - 1, -1) if is_causal else (sw, sw)
+    B, Sq, Sk = query.shape[0], query.shape[2], key.shape[2]
+
+    # transformers' flash path: a padding mask first, then cu_seq_lens, then packed position_ids
+    padded = varlen_name and attention_mask is not None and attention_mask.dim() == 2
+    if padded and packed is not None:
+        packed = None  # as HF's flash path: the padding mask wins
+    if (padded or packed is not None) and bias is None:
+        opts.update(backend="flash_varlen" if backend == "flash" else backend, window=window)
+        causal = "bottom_right" if is_causal else False  # flash-attn's alignment, per sequence
+        if padded:
+            return _varlen_from_padding(query, key, value, attention_mask, causal, sinks, opts)
+        Hq, Hkv = query.shape[1], key.shape[1]
+        q = query.transpose(1, 2).reshape(B * Sq, Hq, -1)
+        k = key.transpose(1, 2).reshape(B * Sk, Hkv, -1)
+        v = value.transpose(1, 2).reshape(B * Sk, Hkv, -1)
+        return _attend(q, k, v, sinks, packed, causal=causal, **opts).view(B, Sq, Hq, -1)
+    if packed is not None:
+        raise ValueError("attn_backends: position_bias cannot be applied to packed sequences; pass a padded batch")
+
+    # Dense.  The mask, when HF built one, is sdpa_mask's bool (B, 1, Sq, Sk), True = attend, with
+    # causality, padding, packing and sliding windows in it.  Without one, causality and the window
+    # follow HF's sdpa path: top-left for a prefill, and one decoded query sees the whole cache.
+    causal = False
+    if padded:  # the varlen name with a float bias: the padding mask joins the bias, flash's alignment
+        key, value = key[:, :, :attention_mask.shape[-1]], value[:, :, :attention_mask.shape[-1]]
+        attention_mask = attention_mask.bool()[:, None, None, :]
+        causal = "bottom_right" if is_causal else False
+    elif attention_mask is None:
+        if is_causal and Sq > 1:
+            causal = True
+            if Sk > Sq:  # prefill into an empty static cache: the keys past Sq are unwritten slots
+                key, value = key[:, :, :Sq], value[:, :, :Sq]
+                bias = bias[..., :Sq] if bias is not None else None
+        elif is_causal:
+            causal = "bottom_right"  # one query: sees every key, and a window counts back from it
+    else:
+        window = None
+    mask = _bias_mask(bias, attention_mask) if bias is not None else attention_mask
+    out = _attend(query, key, value, sinks, backend="flash" if varlen_name else backend, causal=causal,
+                  attn_mask=mask, window=window, **opts)
+    # HF wants (B, S, H, D); ours is stored that way, so this is a view
+    return out.transpose(1, 2).contiguous()
 
 
 def _make_forward(backend: str):
-    from . import attention
-
     def attn_backends_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                               **kwargs):
         # query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D): HF hands custom functions the KV heads
-        # unrepeated, and our kernels take GQA as it is.  The mask, when HF built one, is
-        # sdpa_mask's bool (B, 1, Sq, Sk) with True = attend, and already holds causality,
-        # padding and sliding windows.  Without one, causality follows HF's sdpa path exactly.
-        q_len, kv_len = query.shape[2], key.shape[2]
-        causal = False
-        if attention_mask is None:
-            is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-            causal = bool(is_causal) and q_len > 1
-            if causal and kv_len > q_len:
-                # prefill into an empty static cache: the keys past q_len are unwritten slots
-                key, value = key[:, :, :q_len], value[:, :, :q_len]
-        softcap = kwargs.get("softcap") or 0.0
-        out = attention(query, key, value, backend=backend, causal=causal, attn_mask=attention_mask,
-                        dropout_p=dropout, scale=scaling, softcap=softcap)
-        # HF wants (B, S, H, D); ours is stored that way, so this is a view
-        return out.transpose(1, 2).contiguous(), None
+        # unrepeated, and our kernels take GQA as it is
+        return _forward(backend, module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs), None
 
     attn_backends_forward.__name__ = f"attn_backends_{backend}_forward"
     return attn_backends_forward
+
+
+# ---- masks ------------------------------------------------------------------------------------
+
+_self_attending: dict = {}  # config class -> whether its model computes attention itself
+
+
+def _computes_attention_itself(config) -> bool:
+    """True for models whose attention code never calls the AttentionInterface (MPT, Bloom, Falcon,
+    GPT-J, ...): they read the mask themselves, in eager's convention.  transformers asks the same
+    question (PreTrainedModel._can_set_attn_implementation) before it lets a model switch."""
+    cls = type(config)
+    found = _self_attending.get(cls)
+    if found is None:
+        found = _self_attending[cls] = _inspect_model_code(cls)
+        if found:
+            logger.warning(
+                "attn_backends: %s models compute attention in their own code (they do not call transformers' "
+                "AttentionInterface), so attn_backends cannot serve them; they run transformers' eager attention, "
+                "with the mask it expects", getattr(config, "model_type", cls.__name__))
+    return found
+
+
+@torch.compiler.assume_constant_result
+def _inspect_model_code(config_cls) -> bool:
+    import importlib
+
+    from transformers import PreTrainedModel
+
+    try:
+        module = importlib.import_module(config_cls.__module__.replace(".configuration_", ".modeling_"))
+    except ImportError:
+        return False  # a model we cannot find: assume the functional form every new model has
+    for obj in vars(module).values():
+        if isinstance(obj, type) and issubclass(obj, PreTrainedModel) and obj.__module__ == module.__name__:
+            return not obj._can_set_attn_implementation()
+    return False
+
+
+def _make_mask(base):
+    """The mask our attention function reads (``base``: sdpa_mask, or ``_varlen_mask`` for the
+    varlen name), except for models that read the mask themselves: those get eager's float mask, as
+    under attn_implementation="eager" (sdpa's bool would mean the opposite to them, and its None
+    would crash them)."""
+    from transformers.masking_utils import eager_mask
+
+    def attn_backends_mask(*args, config=None, **kwargs):
+        if config is not None and _computes_attention_itself(config):
+            return eager_mask(*args, config=config, **kwargs)
+        return base(*args, config=config, **kwargs)
+
+    return attn_backends_mask
+
+
+def _varlen_mask(**kwargs):
+    """The varlen name's mask: what transformers' flash path reads (flash_attention_mask: the 2D
+    padding mask, or None), and sdpa's mask where that cannot express the call: a cache (static
+    slots not yet written, windows over past tokens) or a custom pattern (``use_vmap``).  Without a
+    cache, causality, the window and packing (position_ids) are the attention function's."""
+    from transformers.masking_utils import flash_attention_mask, sdpa_mask
+
+    padding = flash_attention_mask(**kwargs)
+    if padding is not None:
+        return padding
+    q_offset, kv_offset = kwargs.get("q_offset", 0), kwargs.get("kv_offset", 0)
+    if (not isinstance(q_offset, torch.Tensor) and q_offset == 0 and kv_offset == 0
+            and kwargs["kv_length"] == kwargs["q_length"] and not kwargs.get("use_vmap", False)):
+        return None
+    return sdpa_mask(**kwargs)
 
 
 def register() -> dict:
@@ -55,10 +346,10 @@ def register() -> dict:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    registered = {}
-    for name in CANONICAL:
-        hf = hf_name(name)
-        AttentionInterface.register(hf, _make_forward(name))
-        AttentionMaskInterface.register(hf, sdpa_mask)
-        registered[name] = hf
-    return registered
+    masks = {False: _make_mask(sdpa_mask), True: _make_mask(_varlen_mask)}
+    for hf, canonical in [(n, c) for c, n in NAMES.items()] + [(a, c) for a, c in ALIASES.items() if hf_accepts(a)]:
+        if not hf_accepts(hf):
+            raise RuntimeError(f"attn_backends: {hf!r} would not be taken by transformers as a plain name")
+        AttentionInterface.register(hf, _make_forward(canonical))
+        AttentionMaskInterface.register(hf, masks[canonical == "flash_varlen"])
+    return dict(NAMES)

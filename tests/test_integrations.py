@@ -1,11 +1,10 @@
 """Integrations: ab.sdpa is F.scaled_dot_product_attention (results and errors), patching routes
-nn.MultiheadAttention, nn.TransformerEncoderLayer and HF transformers' "sdpa" models through our
-backends and unpatching restores torch's object, the argparse flags round-trip every name, HF
-models run on the registered implementations with their masks, torch.compile traces both routes,
-and the training example runs."""
+nn.MultiheadAttention and nn.TransformerEncoderLayer through our backends and unpatching restores
+torch's object, the argparse flags round-trip every name and fit parsers that already have some of
+them, torch.compile traces both routes, and the training example runs.  HF transformers:
+tests/test_hf.py; diffusers: tests/test_diffusers.py."""
 
 import argparse
-import copy
 import os
 import subprocess
 import sys
@@ -198,80 +197,6 @@ def test_transformer_encoder_layer_patched_vs_unpatched(spy, gen):
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-# ---- HF transformers ---------------------------------------------------------------------------
-
-transformers = pytest.importorskip("transformers")
-
-
-def _hf_models():
-    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
-
-    cfgs = {
-        "gpt2": GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=97, resid_pdrop=0.0,
-                           embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
-        "llama-gqa": LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
-                                 intermediate_size=128, vocab_size=97, max_position_embeddings=64),
-    }
-    return cfgs, AutoModelForCausalLM
-
-
-def _hf_run(model, ids, mask):
-    out = model(input_ids=ids, attention_mask=mask)
-    loss = (out.logits.float().square() * mask[..., None]).mean()
-    grads = torch.autograd.grad(loss, list(model.parameters()))
-    return out.logits, grads
-
-
-@pytest.mark.parametrize("arch", ["gpt2", "llama-gqa"])
-def test_hf_models_patched_and_registered_match_sdpa(arch, spy, gen):
-    torch.manual_seed(0)
-    cfgs, Auto = _hf_models()
-    cfg = cfgs[arch]
-    names = ab.register_transformers()
-    ref = Auto.from_config(copy.deepcopy(cfg), attn_implementation="sdpa")
-    ids = torch.randint(0, 97, (2, 12), generator=gen)
-    mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, :5] = 0  # left padding: fully masked query rows in the padded positions
-    keep = mask.bool()
-    want_logits, want_grads = _hf_run(ref, ids, mask)
-    with ab.patched_sdpa("flash"):
-        logits, grads = _hf_run(ref, ids, mask)
-    assert spy == ["flash"] * cfg.num_hidden_layers  # every layer's attention went through the router
-    torch.testing.assert_close(logits[keep], want_logits[keep], rtol=1e-4, atol=1e-5)
-    for a, b in zip(grads, want_grads):
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
-    for backend in ("auto", "flash", "math", "eager"):
-        spy.clear()
-        model = Auto.from_config(copy.deepcopy(cfg), attn_implementation=names[backend])
-        model.load_state_dict(ref.state_dict())
-        logits, grads = _hf_run(model, ids, mask)
-        assert len(spy) == cfg.num_hidden_layers, (backend, spy)
-        torch.testing.assert_close(logits[keep], want_logits[keep], rtol=1e-4, atol=1e-5)
-        for a, b in zip(grads, want_grads):
-            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
-
-
-def test_hf_generate_with_kv_cache(gen):
-    torch.manual_seed(0)
-    cfgs, Auto = _hf_models()
-    names = ab.register_transformers()
-    ref = Auto.from_config(copy.deepcopy(cfgs["llama-gqa"]), attn_implementation="sdpa").eval()
-    ours = Auto.from_config(copy.deepcopy(cfgs["llama-gqa"]), attn_implementation=names["flash"]).eval()
-    ours.load_state_dict(ref.state_dict())
-    ids = torch.randint(1, 97, (2, 6), generator=gen)
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0
-    a = ref.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    b = ours.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
-    assert torch.equal(a, b)
-
-
-def test_hf_names_avoid_hf_reserved_words():
-    names = ab.register_transformers()
-    assert names["auto"] == "attn_backends" and names["flash"] == "attn_backends_fa"
-    assert all("flash" not in n for n in names.values())
-
-
 # ---- argparse ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", _names.ALL_NAMES)
@@ -289,7 +214,8 @@ def test_argparse_flags(capsys):
         warnings.simplefilter("always")
         args = parser.parse_args(["--use_flash_attention"])
     assert args.attn_implementation == "flash"
-    assert any(issubclass(x.category, DeprecationWarning) and "--attn_implementation flash" in str(x.message) for x in w)
+    assert any(issubclass(x.category, FutureWarning) and "--attn_implementation flash" in str(x.message) for x in w)
+    assert all(x.filename == __file__ for x in w)  # attributed to the parse_args line, not to argparse
     with pytest.raises(SystemExit):
         parser.parse_args(["--attn_implementation", "flash_attn_9"])
     assert "unknown backend 'flash_attn_9'; valid names are" in capsys.readouterr().err
@@ -315,6 +241,68 @@ def test_apply_args_sets_default_mps_rule_and_patch():
         _planner.settings["mps_fix"] = True
         ab.unpatch_sdpa()
     assert ab.explain(q, q, q).requested == "auto"
+
+
+def test_deprecation_notice_shows_once_under_default_filters(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import argparse, attn_backends as ab\n"
+                      "parser = ab.add_argparse_args(argparse.ArgumentParser())\n"
+                      "for _ in range(3):\n"
+                      "    args = parser.parse_args(['--use_flash_attention'])\n"
+                      "print(args.attn_implementation)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "flash"
+    assert res.stderr.count("--use_flash_attention is deprecated; use --attn_implementation flash") == 1
+    assert f"{script}:4: FutureWarning" in res.stderr
+
+
+def test_argparse_on_a_parser_that_already_has_attn_implementation():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--attn_implementation", "--attn-implementation", dest="attn_impl", default=None)
+    ab.add_argparse_args(parser)  # no "conflicting option strings"
+    assert "any of (case-insensitive)" not in parser.format_help()  # theirs is kept as it is
+    args = parser.parse_args(["--attn_implementation", "flash_attention_2", "--patch_sdpa"])
+    assert args.attn_impl == "flash_attention_2" and args.patch_sdpa
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        assert parser.parse_args(["--use_flash_attention"]).attn_impl == "flash"  # into their dest
+    skipping = ab.add_argparse_args(argparse.ArgumentParser(), skip=("patch_sdpa", "--use_flash_attention"))
+    assert "--patch_sdpa" not in skipping.format_help() and "--use_flash_attention" not in skipping.format_help()
+    assert "--disable_mps_fix" in skipping.format_help()
+    assert ab.add_argparse_args(skipping) is skipping  # again: everything is there, nothing added
+
+
+def test_apply_args_with_hf_argument_parser_hands_back_the_hf_name():
+    transformers = pytest.importorskip("transformers")
+    from dataclasses import dataclass, field
+    from typing import Optional
+
+    from attn_backends import _planner
+
+    @dataclass
+    class ModelArguments:
+        model_name_or_path: str = "tiny"
+        attn_implementation: Optional[str] = field(default=None, metadata={"help": "attention"})
+
+    parser = transformers.HfArgumentParser(ModelArguments)
+    ab.add_argparse_args(parser)
+    try:
+        model_args, extra = parser.parse_args_into_dataclasses(["--attn_implementation", "flash_attention_2",
+                                                                "--disable_mps_fix"])
+        assert model_args.attn_implementation == "flash_attention_2" and extra.disable_mps_fix
+        hf = ab.apply_args(model_args, extra, for_hf=True)
+        assert hf == "attn_backends_fa" and hf in transformers.AttentionInterface._global_mapping
+        assert _planner.default_backend() == "flash" and _planner.settings["mps_fix"] is False
+        model_args, extra = parser.parse_args_into_dataclasses([])
+        assert ab.apply_args(model_args, extra) == "auto"  # theirs defaults to None
+        assert ab.apply_args(argparse.Namespace(attn_implementation="attn_backends_torch")) == "sdpa"
+        with pytest.raises(ValueError, match="unknown backend 'flash_attn_9'"):
+            ab.apply_args(argparse.Namespace(attn_implementation="flash_attn_9"))
+    finally:
+        _planner.set_process_default("auto")
+        _planner.settings["mps_fix"] = True
 
 
 # ---- torch.compile -----------------------------------------------------------------------------

@@ -1,0 +1,391 @@
+"""HF transformers: every registered name is one transformers takes for every model; tiny random
+models of each attention family (Llama, Mistral, Qwen2, Gemma2, GPT-2, BERT, T5, MPT, GPT-OSS) match
+HF's eager in float64 under the DESIGN.md rule, forward and backward, with and without padding;
+T5's position bias, GPT-OSS's sinks, sliding windows and softcap are honoured; packed sequences
+equal each sequence run alone; generate matches eager; a keyword the function cannot honour
+raises.  Models are built from configs: nothing is downloaded."""
+
+import copy
+import logging
+
+import pytest
+import torch
+
+import attn_backends as ab
+from attn_backends import _names, _transformers
+from attn_backends._testing import check_2x, reference_attention
+
+transformers = pytest.importorskip("transformers")
+
+V = 97
+
+
+def _config(arch):
+    T = transformers
+    small = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+                 intermediate_size=64, vocab_size=V)
+    return {
+        "llama": lambda: T.LlamaConfig(**small),
+        "mistral": lambda: T.MistralConfig(**small, sliding_window=4),
+        "qwen2": lambda: T.Qwen2Config(**small, use_sliding_window=True, sliding_window=4, max_window_layers=1),
+        "gemma2": lambda: T.Gemma2Config(**small, head_dim=8, sliding_window=4, attn_logit_softcapping=2.0),
+        "gpt2": lambda: T.GPT2Config(n_layer=2, n_head=4, n_embd=32, vocab_size=V, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0),
+        "bert": lambda: T.BertConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=32, intermediate_size=64,
+                                     vocab_size=V, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+        "t5": lambda: T.T5Config(num_layers=2, num_decoder_layers=2, num_heads=4, d_model=32, d_kv=8, d_ff=64,
+                                 vocab_size=V, decoder_start_token_id=0, dropout_rate=0.0),
+        "mpt": lambda: T.MptConfig(n_layers=2, n_heads=4, d_model=32, vocab_size=V, max_seq_len=16),
+        "gpt_oss": lambda: T.GptOssConfig(**{**small, "intermediate_size": 32}, head_dim=8, sliding_window=4,
+                                          num_local_experts=2, num_experts_per_tok=1),
+    }[arch]()
+
+
+def _model(arch, impl, like=None):
+    T = transformers
+    auto = {"bert": T.AutoModel, "t5": T.AutoModelForSeq2SeqLM}.get(arch, T.AutoModelForCausalLM)
+    extra = {"experts_implementation": "eager"} if arch == "gpt_oss" else {}  # grouped_mm has no float64
+    model = auto.from_config(_config(arch), attn_implementation=impl, **extra)
+    if like is not None:
+        model.load_state_dict(like.state_dict())
+    elif arch == "gpt_oss":
+        with torch.no_grad():  # sinks large enough that ignoring them shows
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model
+
+
+def _run(model, ids, mask, arch):
+    kw = dict(input_ids=ids, attention_mask=mask, use_cache=False)
+    if arch == "t5":
+        kw["decoder_input_ids"] = ids
+    out = model(**kw)
+    x = out.logits if hasattr(out, "logits") else out.last_hidden_state
+    loss = (x.double().square() * mask[..., None]).sum()
+    params = [p for p in model.parameters() if p.requires_grad]
+    return x, torch.autograd.grad(loss, params, allow_unused=True)
+
+
+def _check_model(arch, impl, ids, mask):
+    """ours (float32) against eager in float64, with eager in float32 as the same-dtype baseline."""
+    ref = _model(arch, "eager")
+    x64, g64 = _run(copy.deepcopy(ref).double(), ids, mask, arch)
+    x32, g32 = _run(ref, ids, mask, arch)
+    x, g = _run(_model(arch, impl, like=ref), ids, mask, arch)
+    keep = mask.bool()
+    check_2x("logits", x[keep], x64[keep], x32[keep], 2, torch.float32)
+    names = [n for n, p in ref.named_parameters() if p.requires_grad]
+    for name, a, r, s in zip(names, g, g64, g32):
+        if r is not None:
+            check_2x(f"d {name}", a, r, s, 3, torch.float32)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts the calls that reach our dispatcher, dense and packed."""
+    calls = []
+    for fn in ("attention", "attention_varlen"):
+        real = getattr(ab._dispatch, fn)
+
+        def counting(*args, _real=real, _fn=fn, **kwargs):
+            calls.append(_fn)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(ab._dispatch, fn, counting)
+    return calls
+
+
+# ---- names ------------------------------------------------------------------------------------
+
+def test_names_read_well_and_carry_nothing_transformers_reads():
+    names = ab.register_transformers()
+    assert set(names) == set(_names.CANONICAL)
+    assert names["auto"] == "attn_backends" and names["flash"] == "attn_backends_fa"
+    assert names["flash_varlen"] == "attn_backends_fa_varlen" and names["sdpa"] == "attn_backends_torch"
+    assert names["_native_flash"] == "attn_backends_torch_fa" and names["flash_attn_pkg"] == "attn_backends_fa_pkg"
+    for hf in names.values():
+        assert _transformers.hf_accepts(hf), hf
+        assert "__" not in hf and not hf.endswith("_") and hf.count("_pkg") <= 1, hf
+    registered = transformers.AttentionInterface._global_mapping
+    assert "attn_backends_sdpa" not in registered  # an old name transformers refuses for some models
+    assert "attn_backends__native_fa" in registered  # old names it takes stay, as aliases
+
+
+def test_hf_name_for_every_accepted_name():
+    for name in _names.ALL_NAMES:
+        assert ab.hf_name(name) == _transformers.NAMES[ab.resolve(name)]
+    assert ab.hf_name("flash_attention_2") == ab.hf_name("FA2") == "attn_backends_fa"
+    assert ab.hf_name("sdpa") == "attn_backends_torch" and ab.hf_name("eager") == "attn_backends_eager"
+    assert ab.hf_name("attn_backends_fa") == "attn_backends_fa"
+    assert ab.hf_name("attn_backends_sdpa") == ab.hf_name("torch") == "attn_backends_torch"  # old spellings
+    assert ab.hf_name("attn_backends__native_fa") == ab.hf_name("_native_flash") == "attn_backends_torch_fa"
+    with pytest.raises(ValueError, match="unknown backend 'flash_attn_9'; valid names are"):
+        ab.hf_name("flash_attn_9")
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "mpt", "gpt_oss"])
+def test_every_name_is_taken_for_models_that_refuse_sdpa(arch):
+    names = ab.register_transformers()
+    for hf in list(names.values()) + [a for a in _transformers.ALIASES if _transformers.hf_accepts(a)]:
+        model = _model(arch, hf)
+        assert model.config._attn_implementation == hf
+
+
+def test_models_that_compute_attention_themselves_are_told_apart():
+    # the question transformers itself asks before letting a model switch implementation
+    assert _transformers._computes_attention_itself(_config("mpt"))
+    assert not _transformers._computes_attention_itself(_config("llama"))
+    assert not _transformers._computes_attention_itself(_config("t5"))
+
+
+# ---- models against eager ---------------------------------------------------------------------
+
+ARCHS = ["llama", "mistral", "qwen2", "gemma2", "gpt2", "bert", "t5", "mpt", "gpt_oss"]
+
+
+@pytest.mark.parametrize("padding", ["none", "right"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_models_match_eager_forward_and_backward(arch, padding, gen, spy, caplog):
+    # 9 tokens against a window of 4: the sliding layers' window bites.  Right padding: eager in
+    # float64 turns left padding's fully masked rows into NaN (finfo.min + score = -inf)
+    ab.register_transformers()
+    ids = torch.randint(1, V, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    if padding == "right":
+        mask[1, -3:] = 0
+    with caplog.at_level(logging.WARNING, logger="attn_backends"):
+        _check_model(arch, "attn_backends", ids, mask)
+    if arch == "mpt":  # its attention is its own code: eager's mask, and a warning that says so
+        assert not spy
+    else:
+        assert spy and set(spy) == {"attention"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "bert", "t5", "gpt_oss"])
+def test_varlen_name_unpads_a_padded_batch(arch, gen, spy):
+    # transformers' flash_attention_2 path: the padding mask turns each row into one packed
+    # sequence; T5's position bias needs the dense kernel, and gets it
+    ab.register_transformers()
+    ids = torch.randint(1, V, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    _check_model(arch, "attn_backends_fa_varlen", ids, mask)
+    assert ("attention" if arch == "t5" else "attention_varlen") in spy
+
+
+def test_varlen_name_refuses_position_bias_on_packed_sequences():
+    forward = transformers.AttentionInterface._global_mapping["attn_backends_fa_varlen"]
+    module = torch.nn.Module()
+    q = torch.randn(1, 2, 6, 8)
+    cu = torch.tensor([0, 2, 6], dtype=torch.int32)
+    with pytest.raises(ValueError, match="position_bias cannot be applied to packed sequences"):
+        forward(module, q, q, q, None, position_bias=torch.zeros(1, 2, 6, 6), cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+
+
+# ---- the attention function's keywords ---------------------------------------------------------
+
+def _forward(name="attn_backends"):
+    ab.register_transformers()
+    return transformers.AttentionInterface._global_mapping[name]
+
+
+class _Module(torch.nn.Module):
+    def __init__(self, is_causal=True):
+        super().__init__()
+        self.is_causal = is_causal
+
+
+def _ref_sinks(q, k, v, sinks, mask=None, scale=None, dtype=torch.float64):
+    """Softmax over [scores, sink]: the sink joins the denominator and adds no value."""
+    q, k, v, s = (t.to(dtype) for t in (q, k, v, sinks))
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    scores = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = s[None, :, None, None].expand(*scores.shape[:-1], 1)
+    p = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1]
+    return p @ v
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_sinks_are_exact_forward_and_backward(packed, gen):
+    # a fully masked row (dense) stays 0, with finite gradients
+    B, Hq, Hkv, S, D = 2, 4, 2, 7, 8
+    inputs = [torch.randn(B, Hq, S, D, generator=gen), torch.randn(B, Hkv, S, D, generator=gen),
+              torch.randn(B, Hkv, S, D, generator=gen), 2 * torch.randn(Hq, generator=gen)]
+    mask = torch.rand(B, 1, S, S, generator=gen) > 0.3
+    mask[1, :, 2] = False
+    g = torch.randn(B, Hq, S, D, generator=gen)
+
+    def ours(q, k, v, s):
+        if not packed:
+            return _transformers._attend(q, k, v, s, attn_mask=mask)
+        # each batch row as one packed sequence, causal per sequence
+        cu = torch.tensor([0, S, 2 * S], dtype=torch.int32)
+        flat = [t.transpose(1, 2).reshape(B * S, t.shape[1], D) for t in (q, k, v)]
+        out = _transformers._attend(*flat, s, (cu, cu, S, S), causal=True)
+        return out.view(B, S, Hq, D).transpose(1, 2)
+
+    m = mask if not packed else torch.ones(S, S, dtype=torch.bool).tril()
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = ours(*leaves)
+    grads = torch.autograd.grad(out, leaves, g)
+    ref_leaves = [t.double().requires_grad_() for t in inputs]
+    r = _ref_sinks(*ref_leaves, mask=m)
+    r_grads = torch.autograd.grad(r, ref_leaves, g.double())
+    same_leaves = [t.clone().requires_grad_() for t in inputs]
+    s32 = _ref_sinks(*same_leaves, mask=m, dtype=torch.float32)
+    s_grads = torch.autograd.grad(s32, same_leaves, g)
+    if not packed:
+        assert torch.equal(out[1, :, 2], torch.zeros_like(out[1, :, 2]))
+    check_2x("out", out, r, s32, 2, torch.float32)
+    for name, a, b, c in zip(("dq", "dk", "dv", "dsinks"), grads, r_grads, s_grads):
+        check_2x(name, a, b, c, 3, torch.float32)
+
+
+def test_position_bias_joins_the_mask_and_gets_its_gradient(gen):
+    forward = _forward()
+    B, H, Sq, Sk, D = 2, 4, 5, 7, 8
+    q, k, v = (torch.randn(B, H, s, D, generator=gen) for s in (Sq, Sk, Sk))
+    bias = torch.randn(1, H, Sq, Sk, generator=gen)
+    mask = torch.rand(B, 1, Sq, Sk, generator=gen) > 0.3
+    mask[0, :, 1] = False  # a fully masked row: 0, no NaN
+    g = torch.randn(B, Sq, H, D, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, bias)]
+    out, weights = forward(_Module(False), *leaves[:3], mask, position_bias=leaves[3])
+    assert weights is None
+    grads = torch.autograd.grad(out, leaves, g)
+    assert torch.equal(out[0, 1], torch.zeros_like(out[0, 1]))
+    float_mask = lambda b: b.masked_fill(~mask, float("-inf"))
+    refs = []
+    for dtype in (torch.float64, torch.float32):
+        rl = [t.to(dtype).requires_grad_() for t in (q, k, v, bias)]
+        r, _ = reference_attention(*rl[:3], attn_mask=float_mask(rl[3]), dtype=dtype)
+        r = r.transpose(1, 2)
+        refs.append((r, torch.autograd.grad(r, rl, g.to(dtype))))
+    (r64, g64), (r32, g32) = refs
+    check_2x("out", out, r64, r32, 2, torch.float32)
+    for name, a, b, c in zip(("dq", "dk", "dv", "dbias"), grads, g64, g32):
+        check_2x(name, a, b, c, 3, torch.float32)
+
+
+@pytest.mark.parametrize("case", ["prefill", "decode", "bidirectional"])
+def test_sliding_window_and_softcap_without_a_mask(case, gen):
+    # HF passes no mask when causality alone would do; the window then comes from sliding_window:
+    # key j is visible to query i when i - j < sliding_window (bidirectional: |i - j| <= it)
+    forward = _forward()
+    sw, cap, S = 3, 5.0, 8
+    Sq = 1 if case == "decode" else S
+    q = torch.randn(1, 4, Sq, 8, generator=gen) * 3
+    k, v = (torch.randn(1, 2, S, 8, generator=gen) for _ in range(2))
+    out, _ = forward(_Module(case != "bidirectional"), q, k, v, None, sliding_window=sw, softcap=cap)
+    i = torch.arange(S - Sq, S)[:, None]
+    j = torch.arange(S)[None]
+    vis = (i - j < sw) & (j <= i) if case != "bidirectional" else (i - j).abs() <= sw
+    kk, vv = (t.repeat_interleave(2, 1) for t in (k, v))
+    r64, _ = reference_attention(q, kk, vv, attn_mask=vis, softcap=cap, dtype=torch.float64)
+    r32, _ = reference_attention(q, kk, vv, attn_mask=vis, softcap=cap, dtype=torch.float32)
+    check_2x("out", out, r64.transpose(1, 2), r32.transpose(1, 2), 2, torch.float32)
+
+
+def test_a_keyword_it_cannot_honour_raises_naming_it():
+    forward = _forward()
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(TypeError, match="'alibi_slopes'.*cannot honour"):
+        forward(_Module(), q, q, q, None, alibi_slopes=torch.ones(2))
+    with pytest.raises(TypeError, match="'block_table', 'cache'"):
+        forward(_Module(), q, q, q, None, cache=object(), block_table=torch.zeros(1))
+    # keywords that do not change the result, and absent (None) ones, are fine
+    out, _ = forward(_Module(), q, q, q, None, position_ids=torch.arange(3)[None], use_cache=True,
+                     encoder_hidden_states=None, softcap=None, sliding_window=None, s_aux=None)
+    assert out.shape == (1, 3, 2, 8)
+    with pytest.raises(ValueError, match="cu_seq_lens_q and cu_seq_lens_k, got only cu_seq_lens_q"):
+        forward(_Module(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 3]))
+
+
+def test_output_attentions_warns_once_and_returns_none(caplog):
+    forward = _forward()
+    _transformers._warned_output_attentions[0] = False
+    q = torch.randn(1, 2, 3, 8)
+    with caplog.at_level(logging.WARNING, logger="attn_backends"):
+        for _ in range(2):
+            _, weights = forward(_Module(), q, q, q, None, output_attentions=True)
+            assert weights is None
+    assert sum("output_attentions=True" in r.getMessage() for r in caplog.records) == 1
+
+
+# ---- packed sequences -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["varlen name, position_ids", "varlen name, cu_seq_lens",
+                                 "dense name, cu_seq_lens", "dense name, position_ids without a cache"])
+def test_packed_sequences_equal_each_sequence_alone(how, gen, spy):
+    # padding-free training: three sequences in one row, position_ids restarting at 0 (qwen2: one
+    # sliding layer, window 4)
+    ab.register_transformers()
+    lens = [4, 6, 3]
+    seqs = [torch.randint(1, V, (1, n), generator=gen) for n in lens]
+    ids = torch.cat(seqs, 1)
+    pos = torch.cat([torch.arange(n) for n in lens])[None]
+    cu = torch.tensor([0, 4, 10, 13], dtype=torch.int32)
+    ref = _model("qwen2", "eager")
+    impl = "attn_backends_fa_varlen" if how.startswith("varlen") else "attn_backends"
+    ours = _model("qwen2", impl, like=ref)
+    kw = dict(position_ids=pos, use_cache="without a cache" not in how)
+    if "cu_seq_lens" in how:
+        kw.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6)
+    g = torch.randn(1, 13, V, generator=gen)
+
+    def run(model, pieces):
+        outs = [model(input_ids=i, **k).logits for i, k in pieces]
+        out = torch.cat(outs, 1)
+        return out, torch.autograd.grad(out, list(model.parameters()), g.to(out.dtype))
+
+    alone = [(s, dict(use_cache=False)) for s in seqs]
+    x64, g64 = run(copy.deepcopy(ref).double(), alone)
+    x32, g32 = run(ref, alone)
+    x, grads = run(ours, [(ids, kw)])
+    check_2x("logits", x, x64, x32, 2, torch.float32)
+    for (name, _), a, r, s in zip(ref.named_parameters(), grads, g64, g32):
+        check_2x(f"d {name}", a, r, s, 3, torch.float32)
+    assert ("attention_varlen" in spy) == ("position_ids without a cache" not in how)
+
+
+# ---- generate ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("arch", ["mistral", "gpt_oss"])
+def test_generate_matches_eager(arch, cache, gen):
+    # left padding, a window (4) shorter than prompt + generation, GPT-OSS's sinks in every step
+    ab.register_transformers()
+    ref = _model(arch, "eager").eval()
+    ids = torch.randint(1, V, (2, 7), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    if cache == "static":
+        kw["cache_implementation"] = "static"
+    want = ref.generate(ids, **kw)
+    for impl in ("attn_backends", "attn_backends_fa_varlen"):
+        got = _model(arch, impl, like=ref).eval().generate(ids, **kw)
+        assert torch.equal(got, want), impl
+
+
+
+# ---- HF's own "sdpa", patched -----------------------------------------------------------------
+
+def test_patched_sdpa_serves_hf_sdpa_models(gen, spy):
+    # attn_implementation="sdpa" keeps meaning HF's implementation; ab.patched_sdpa routes the
+    # F.scaled_dot_product_attention it calls through our backends
+    model = _model("llama", "sdpa")
+    ids = torch.randint(1, V, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    keep = mask.bool()
+    want, want_grads = _run(model, ids, mask, "llama")
+    with ab.patched_sdpa("flash"):
+        got, grads = _run(model, ids, mask, "llama")
+    assert spy.count("attention") == 2  # both layers
+    torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-5)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
