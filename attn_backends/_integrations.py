@@ -212,6 +212,8 @@ def apply_args(args, *more, for_hf: bool = False) -> str:
         return default
 
     name = _resolve_any(flag("attn_implementation", "auto"))
+    if name == "auto":  # no choice on the command line: ATTN_BACKENDS_BACKEND still decides
+        name = _planner.ENV_BACKEND
     _planner.set_process_default(name)
     if flag("disable_mps_fix", False):
         _planner.settings["mps_fix"] = False

@@ -243,6 +243,18 @@ def test_apply_args_sets_default_mps_rule_and_patch():
     assert ab.explain(q, q, q).requested == "auto"
 
 
+def test_apply_args_without_the_flag_keeps_the_environment_backend():
+    code = ("import argparse, attn_backends as ab, torch\n"
+            "parser = ab.add_argparse_args(argparse.ArgumentParser())\n"
+            "q = torch.randn(1, 1, 4, 8)\n"
+            "print(ab.apply_args(parser.parse_args([])), ab.explain(q, q, q).requested)\n"
+            "print(ab.apply_args(parser.parse_args(['--attn_implementation', 'flash'])), ab.explain(q, q, q).requested)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, ATTN_BACKENDS_BACKEND="math"))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["math", "math", "flash", "flash"]
+
+
 def test_deprecation_notice_shows_once_under_default_filters(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("import argparse, attn_backends as ab\n"
