@@ -37,31 +37,44 @@ _below_autograd = torch._C._AutoDispatchBelowAutograd
 
 _FWD = {"flash": _ops.ops.flash_fwd.default, "math": _ops.ops.math_fwd.default}
 _BWD = {"flash": _ops.ops.flash_bwd.default}
+_VARLEN_FWD, _VARLEN_BWD = _ops.ops.flash_varlen_fwd.default, _ops.ops.flash_varlen_bwd.default
 
 
 def _cuda_rows(*ts):
     return [_ops.cuda_layout(t) if t is not None and t.is_cuda else t for t in ts]
 
 
-def kernel_fwd(kernel: str, q, k, v, causal: int, scale: float, wl: int, wr: int, softcap: float):
-    """(out in q's dtype, lse float32) of one block; no dropout (the ring takes none)."""
+def kernel_fwd(kernel: str, q, k, v, causal: int, scale: float, wl: int, wr: int, softcap: float, cu=None,
+               max_len: int = 0):
+    """(out in q's dtype, lse float32) of one block; no dropout (the ring takes none).
+    Dense: q (B, Hq, n, D) -> out (B, Hq, n, Dv), lse (B, Hq, n).  Packed (cu: host int32 cu_seqlens
+    shared by q and k, max_len their longest sequence): q (n, Hq, D) -> out (n, Hq, Dv), lse (n, Hq),
+    the lse transposed from the op's (Hq, n) so that it indexes like out (as merge wants it)."""
     q, k, v = _cuda_rows(q, k, v)
     with _below_autograd():
-        return _FWD[kernel](q, k, v, None, None, causal, scale, wl, wr, softcap, 0.0)
+        if cu is None:
+            return _FWD[kernel](q, k, v, None, None, causal, scale, wl, wr, softcap, 0.0)
+        out, lse = _VARLEN_FWD(q, k, v, cu, cu, max_len, max_len, None, causal, scale, wl, wr, softcap, 0.0)
+        return out, lse.t()
 
 
 def kernel_bwd(dout, q, k, v, out, lse, dlse, causal: int, scale: float, wl: int, wr: int, softcap: float,
-               deterministic: bool):
-    """(dq, dk, dv) of one block, in the inputs' dtype, given the forward's final out and lse.
+               deterministic: bool, cu=None, max_len: int = 0):
+    """(dq, dk, dv) of one block, in the inputs' dtype, given the forward's final out and lse (laid
+    out as kernel_fwd returns them).
 
     Always our flash backward: it takes delta_i = rowsum(dO_i * O_i) - dlse_i from the out it is given
     (the whole row's output), so a block's call is exactly that block's share of the gradient.  The
     math backward sums P dP over the call's own keys instead, which is right only for a whole row."""
     dout, q, k, v, out = _cuda_rows(dout, q, k, v, out)
     with _below_autograd():
-        dq, dk, dv, _ = _BWD["flash"](dout, q, k, v, out, lse, dlse, None, None, causal, scale, wl, wr, softcap,
-                                     0.0, False, deterministic)
-    return dq, dk, dv
+        if cu is None:
+            dq, dk, dv, _ = _BWD["flash"](dout, q, k, v, out, lse, dlse, None, None, causal, scale, wl, wr, softcap,
+                                         0.0, False, deterministic)
+            return dq, dk, dv
+        lse, dlse = lse.t().contiguous(), None if dlse is None else dlse.t().contiguous()
+        return _VARLEN_BWD(dout, q, k, v, out, lse, dlse, cu, cu, max_len, max_len, None, causal, scale, wl, wr,
+                           softcap, 0.0, deterministic)
 
 
 # ---- which (query chunk, key chunk) pairs are empty, full or partial ----------------------------
@@ -137,9 +150,11 @@ class Config:
     wl: int
     wr: int
     softcap: float
-    Sq: int  # whole (unsharded) lengths
+    Sq: int  # whole (unsharded) lengths (packed: unused)
     Sk: int
     deterministic: bool = False
+    cu: Optional[torch.Tensor] = None  # packed: host int32 cu_seqlens of one chunk of every sequence
+    max_len: int = 0  # packed: the longest such chunk
     compute: bool = True  # benchmarks only: run the schedule without the kernels,
     communicate: bool = True  # or without the transfers (benchmarks/bench_context_parallel.py)
 
@@ -154,6 +169,25 @@ class Call(NamedTuple):
     causal: int
     wl: int
     wr: int
+
+
+def plan_step_packed(cfg: Config, src: int, nq_local: int, nk_local: int) -> list:
+    """The kernel calls of a packed ring step.  The local rows are chunk-major (every sequence's first
+    chunk, then every sequence's second: distributed._chunk_major), so chunk slot i of all the
+    sequences is one packed call with cfg.cu.  A sequence's chunks all have one length, so with no
+    window a pair is empty, full or its diagonal, whatever the sequence: one call serves every sequence.
+    Pairs are not joined: a sequence's rows in two slots are not adjacent."""
+    W = cfg.g.world
+    qc = _cp.chunks_of(cfg.layout, cfg.g.rank, W)
+    kc = _cp.chunks_of(cfg.layout, src, W)
+    cq, ck = nq_local // len(qc), nk_local // len(kc)
+    calls = []
+    for i, a in enumerate(qc):
+        for j, b in enumerate(kc):
+            if cfg.causal and a < b:
+                continue
+            calls.append(Call(i * cq, (i + 1) * cq, j * ck, (j + 1) * ck, 1 if cfg.causal and a == b else 0, -1, -1))
+    return calls
 
 
 def plan_step(cfg: Config, src: int, nq_local: int, nk_local: int) -> list:
@@ -225,25 +259,34 @@ _TAG_KV, _TAG_DKV = 1, 2
 
 
 def forward(q, k, v, cfg: Config):
-    """(out (B, Hq, Sq_local, Dv) in q's dtype, lse (B, Hq, Sq_local) float32) of this rank's rows."""
-    B, Hq, nq, _ = q.shape
-    nk, Dv = k.shape[2], v.shape[3]
+    """(out in q's dtype, lse float32) of this rank's rows: dense (B, Hq, Sq_local, Dv) and
+    (B, Hq, Sq_local); packed (T_local, Hq, Dv) and (T_local, Hq)."""
+    packed = cfg.cu is not None
+    dim = 0 if packed else 2  # the sequence dim of q, k, v, out and lse alike
+    nq, nk, Dv = q.shape[dim], k.shape[dim], v.shape[-1]
     acc_dtype = _ops.lse_dtype(q.dtype)  # float32 (float64 for float64 inputs)
-    acc = torch.zeros(B, nq, Hq, Dv, dtype=acc_dtype, device=q.device).transpose(1, 2)
-    acc_lse = torch.full((B, Hq, nq), float("-inf"), dtype=acc_dtype, device=q.device)
+    if packed:
+        acc = torch.zeros(nq, q.shape[1], Dv, dtype=acc_dtype, device=q.device)
+        acc_lse = torch.full((nq, q.shape[1]), float("-inf"), dtype=acc_dtype, device=q.device)
+    else:
+        B, Hq = q.shape[:2]
+        acc = torch.zeros(B, nq, Hq, Dv, dtype=acc_dtype, device=q.device).transpose(1, 2)
+        acc_lse = torch.full((B, Hq, nq), float("-inf"), dtype=acc_dtype, device=q.device)
+    plan = plan_step_packed if packed else plan_step
     kv, reqs = _pack(k, v), []
     W, r = cfg.g.world, cfg.g.rank
     for step in range(W):
         if step < W - 1:
             nxt, reqs = _send_recv(kv, cfg, _TAG_KV)
         kb, vb = _unpack(kv, k.shape, v.shape)
-        for c in (plan_step(cfg, (r - step) % W, nq, nk) if cfg.compute else ()):
-            o, lse = kernel_fwd(cfg.kernel, q[:, :, c.q0:c.q1], kb[:, :, c.k0:c.k1], vb[:, :, c.k0:c.k1],
-                                c.causal, cfg.scale, c.wl, c.wr, cfg.softcap)
-            merged, merged_lse = merge_attention_states(acc[:, :, c.q0:c.q1], acc_lse[:, :, c.q0:c.q1],
-                                                        o.to(acc_dtype), lse)
-            acc[:, :, c.q0:c.q1] = merged
-            acc_lse[:, :, c.q0:c.q1] = merged_lse
+        for c in (plan(cfg, (r - step) % W, nq, nk) if cfg.compute else ()):
+            rows = lambda t: t.narrow(dim, c.q0, c.q1 - c.q0)  # noqa: E731
+            keys = lambda t: t.narrow(dim, c.k0, c.k1 - c.k0)  # noqa: E731
+            o, lse = kernel_fwd(cfg.kernel, rows(q), keys(kb), keys(vb), c.causal, cfg.scale, c.wl, c.wr,
+                                cfg.softcap, cfg.cu, cfg.max_len)
+            merged, merged_lse = merge_attention_states(rows(acc), rows(acc_lse), o.to(acc_dtype), lse)
+            rows(acc).copy_(merged)
+            rows(acc_lse).copy_(merged_lse)
         if step < W - 1:
             _wait(reqs)
             kv = nxt
@@ -251,8 +294,11 @@ def forward(q, k, v, cfg: Config):
 
 
 def backward(dout, q, k, v, out, lse, dlse, cfg: Config):
-    """(dq, dk, dv) of this rank's q, k, v, in their dtype."""
-    nq, nk = q.shape[2], k.shape[2]
+    """(dq, dk, dv) of this rank's q, k, v, in their dtype (out, lse as forward returned them)."""
+    packed = cfg.cu is not None
+    dim = 0 if packed else 2
+    nq, nk = q.shape[dim], k.shape[dim]
+    plan = plan_step_packed if packed else plan_step
     acc_dtype = _ops.lse_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
     kv, kv_reqs = _pack(k, v), []
@@ -265,15 +311,15 @@ def backward(dout, q, k, v, out, lse, dlse, cfg: Config):
         kb, vb = _unpack(kv, k.shape, v.shape)
         part = torch.zeros(kv.shape, dtype=acc_dtype, device=kv.device)
         dkb, dvb = _unpack(part, k.shape, v.shape)
-        for c in (plan_step(cfg, (r - step) % W, nq, nk) if cfg.compute else ()):
-            rows = slice(c.q0, c.q1)
-            gq, gk, gv = kernel_bwd(dout[:, :, rows], q[:, :, rows], kb[:, :, c.k0:c.k1],
-                                    vb[:, :, c.k0:c.k1], out[:, :, rows], lse[:, :, rows],
-                                    None if dlse is None else dlse[:, :, rows], c.causal, cfg.scale, c.wl, c.wr,
-                                    cfg.softcap, cfg.deterministic)
-            dq[:, :, rows] += gq
-            dkb[:, :, c.k0:c.k1] += gk
-            dvb[:, :, c.k0:c.k1] += gv
+        for c in (plan(cfg, (r - step) % W, nq, nk) if cfg.compute else ()):
+            rows = lambda t: None if t is None else t.narrow(dim, c.q0, c.q1 - c.q0)  # noqa: E731
+            keys = lambda t: t.narrow(dim, c.k0, c.k1 - c.k0)  # noqa: E731
+            gq, gk, gv = kernel_bwd(rows(dout), rows(q), keys(kb), keys(vb), rows(out), rows(lse), rows(dlse),
+                                    c.causal, cfg.scale, c.wl, c.wr, cfg.softcap, cfg.deterministic, cfg.cu,
+                                    cfg.max_len)
+            rows(dq).add_(gq)
+            keys(dkb).add_(gk)
+            keys(dvb).add_(gv)
         # this block's accumulator arrives from the previous rank while the block above is computed
         _wait(dkv_reqs)
         dkv = part if dkv is None else dkv.add_(part)

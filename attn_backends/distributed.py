@@ -29,7 +29,8 @@ import torch
 
 from . import _cp, _dispatch, _planner, _ring, _validate
 
-__all__ = ["shard", "unshard", "ring_attention", "ulysses_attention"]
+__all__ = ["shard", "unshard", "ring_attention", "ulysses_attention", "shard_varlen", "unshard_varlen",
+           "ring_attention_varlen", "ulysses_attention_varlen"]
 
 Causal = Union[bool, str]
 
@@ -129,12 +130,13 @@ def _options(q, k, v, causal, scale, window, softcap, layout):
     return B, Hq, Sq, D, Hkv, Sk, Dv, causal_i, wl, wr, scale_f, softcap_f, layout
 
 
-def _fields(q, opts, extra=()):
+def _fields(q, opts, extra=(), packed=False):
     B, Hq, Sq, D, Hkv, Sk, Dv, causal_i, wl, wr, scale_f, softcap_f, layout = opts
-    return [("the batch size (q.shape[0])", B), ("q's heads (q.shape[1])", Hq),
-            ("q's local length (q.shape[2])", Sq), ("the head dim (q.shape[3])", D),
-            ("k's heads (k.shape[1])", Hkv), ("k's local length (k.shape[2])", Sk),
-            ("v's head dim (v.shape[3])", Dv), ("the dtype", _cp.dtype_id(q.dtype)),
+    s, h, d = (0, 1, 2) if packed else (2, 1, 3)
+    return [("the batch size (q.shape[0])", B), (f"q's heads (q.shape[{h}])", Hq),
+            (f"q's local length (q.shape[{s}])", Sq), (f"the head dim (q.shape[{d}])", D),
+            (f"k's heads (k.shape[{h}])", Hkv), (f"k's local length (k.shape[{s}])", Sk),
+            (f"v's head dim (v.shape[{d}])", Dv), ("the dtype", _cp.dtype_id(q.dtype)),
             ("the device type", {"cpu": 0, "cuda": 1}.get(q.device.type, 2)), ("causal", causal_i),
             ("window left", wl), ("window right", wr), ("scale", scale_f), ("softcap", softcap_f),
             ("layout", _cp.LAYOUTS.index(layout))] + list(extra)
@@ -324,3 +326,260 @@ def _to_rows(x, g, layout):
     blocks = pieces.reshape(W, n // W, B, Hw, c, Dv).permute(0, 2, 3, 1, 4, 5).reshape(W, B, Hw, S // W, Dv)
     got = _cp.all_to_all(blocks, g)  # block j: rank j's heads for this rank's rows
     return got.transpose(0, 1).reshape(B, W * Hw, S // W, Dv)
+
+
+# ---- packed (varlen) sequences ----------------------------------------------------------------------
+# A packed batch (total, H, D) with cu_seqlens is sharded sequence by sequence: each sequence is cut into
+# the layout's chunks (its length must divide into them) and a rank's piece is, sequence after sequence,
+# its chunks of that sequence.  So every rank holds 1/W of every sequence, and under zigzag the same
+# causal work.  cu_seqlens always describes the whole batch and is the same on every rank.
+
+def _check_cu(cu_seqlens, max_seqlen, total: int, n: int, g, what: str = "the packed rows"):
+    """Validates the whole batch's cu_seqlens on the host; returns the list of sequence lengths."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor of length batch + 1 (as in flash-attn), got "
+                         f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.cpu().tolist()
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    if cu[0] != 0 or any(L < 0 for L in lengths) or cu[-1] != total:
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the whole batch's rows ({total}: "
+                         f"{what}), got {cu}")
+    bad = [L for L in lengths if L % n]
+    if bad:
+        raise ValueError(f"cu_seqlens: every sequence's length must divide into the layout's {n} equal chunks over "
+                         f"{g.world} ranks, got lengths {bad} (pad each sequence to a multiple of {n})")
+    if max_seqlen is not None:
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+            raise TypeError(f"max_seqlen must be an int, got {type(max_seqlen).__name__}")
+        if lengths and max_seqlen < max(lengths):
+            raise ValueError(f"max_seqlen ({max_seqlen}) is shorter than the longest sequence ({max(lengths)})")
+    return lengths
+
+
+def _piece_rows(lengths, layout: str, rank: int, W: int) -> torch.Tensor:
+    """The whole batch's row indices of rank's piece, in the piece's order."""
+    n = _cp.n_chunks(layout, W)
+    rows, start = [], 0
+    for L in lengths:
+        c = L // n
+        rows += [torch.arange(start + i * c, start + (i + 1) * c) for i in _cp.chunks_of(layout, rank, W)]
+        start += L
+    return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long)
+
+
+def _all_pieces(lengths, layout, W) -> torch.Tensor:
+    """The whole batch's row of each row of every rank's piece laid end to end, rank after rank."""
+    return torch.cat([_piece_rows(lengths, layout, j, W) for j in range(W)])
+
+
+def _cu_fields(lengths, max_seqlen):
+    cu_sum = sum((i + 1) * L for i, L in enumerate(lengths))  # cu_seqlens must be the same everywhere
+    return [("the number of sequences (cu_seqlens)", len(lengths)), ("cu_seqlens (a checksum)", cu_sum),
+            ("max_seqlen", max_seqlen if max_seqlen is not None else -1)]
+
+
+def shard_varlen(x: torch.Tensor, cu_seqlens: torch.Tensor, *, group=None, layout: str = "zigzag",
+                 dim: int = 0) -> torch.Tensor:
+    """This rank's piece of the packed rows of ``x`` along ``dim`` (0 for (total, H, D)): 1/W of every
+    sequence, cut by ``layout`` (see the section comment above).  cu_seqlens (int32, batch + 1) describes
+    the whole batch; every length must divide into the layout's chunks.  A new tensor; differentiable."""
+    g = _cp.resolve_group(group)
+    layout = _cp.check_layout(layout)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    dim = _check_dim(dim, x.dim(), "x")
+    lengths = _check_cu(cu_seqlens, None, x.shape[dim], _cp.n_chunks(layout, g.world), g, f"x.shape[{dim}]")
+    return x.index_select(dim, _piece_rows(lengths, layout, g.rank, g.world).to(x.device))
+
+
+def unshard_varlen(x_local: torch.Tensor, cu_seqlens: torch.Tensor, *, group=None, layout: str = "zigzag",
+                   dim: int = 0) -> torch.Tensor:
+    """Every rank's piece put back into the whole packed batch along ``dim``, on every rank: the inverse
+    of ``shard_varlen``.  Differentiable with ``unshard``'s rule (the gradient summed over ranks)."""
+    g = _cp.resolve_group(group)
+    fields, error = None, None
+    try:
+        layout = _cp.check_layout(layout)
+        if not isinstance(x_local, torch.Tensor):
+            raise TypeError(f"x_local must be a torch.Tensor, got {type(x_local).__name__}")
+        dim = _check_dim(dim, x_local.dim(), "x_local")
+        lengths = _check_cu(cu_seqlens, None, x_local.shape[dim] * g.world, _cp.n_chunks(layout, g.world), g,
+                            f"W * x_local.shape[{dim}]")
+        fields = [("the number of dims of x_local", x_local.dim()), ("dim", dim),
+                  ("layout", _cp.LAYOUTS.index(layout)), ("x_local's dtype", _cp.dtype_id(x_local.dtype))]
+        fields += [(f"x_local.shape[{i}]", s) for i, s in enumerate(x_local.shape[:_cp.FIELDS_MAX - 9])]
+        fields += _cu_fields(lengths, None)
+    except (TypeError, ValueError) as e:
+        error = e
+    _cp.agree(g, "unshard", fields, error)
+    rows = _all_pieces(lengths, layout, g.world).to(x_local.device)
+    mine = _piece_rows(lengths, layout, g.rank, g.world).to(x_local.device)
+    return _UnshardRows.apply(x_local, g, dim, torch.argsort(rows), mine)
+
+
+class _UnshardRows(torch.autograd.Function):
+    """all_gather, then rows put in order by an index; the gradient summed over ranks, then this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, g, dim, order, mine):
+        ctx.args = (g, dim, mine)
+        return torch.cat(_cp.all_gather_dim(x, g), dim).index_select(dim, order)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, dim, mine = ctx.args
+        return _cp.all_reduce_sum(grad, g).index_select(dim, mine), None, None, None, None
+
+
+def _varlen_options(q, k, v, cu_seqlens, max_seqlen, causal, scale, window, softcap, layout, g):
+    from . import _varlen
+
+    Tq, Hq, D, Tk, Hkv, Dv = _varlen.check_qkv(q, k, v)
+    if Tk != Tq:
+        raise ValueError(f"k: packed context parallel attention is self-attention over one cu_seqlens, so k has "
+                         f"q's rows ({Tq}), got {Tk}")
+    causal_i = _validate.check_causal(causal)
+    wl, wr = _validate.check_window(window)
+    scale_f = _validate.check_scale(scale, D)
+    softcap_f = _validate.check_softcap(softcap)
+    layout = _cp.check_layout(layout)
+    lengths = _check_cu(cu_seqlens, max_seqlen, Tq * g.world, _cp.n_chunks(layout, g.world), g,
+                        "W * q.shape[0]")
+    opts = (1, Hq, Tq, D, Hkv, Tk, Dv, causal_i, wl, wr, scale_f, softcap_f, layout)
+    return opts, lengths
+
+
+def ring_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    group=None,
+    causal: Causal = False,
+    layout: str = "zigzag",
+    scale: Optional[float] = None,
+    window: Optional[Tuple[int, int]] = None,
+    softcap: float = 0.0,
+    return_lse: bool = False,
+    backend: Optional[str] = "auto",
+):
+    """``ring_attention`` over packed sequences (self-attention, flash-attn's varlen layout).
+
+    Args:
+        q: (T_local, Hq, D), k: (T_local, Hkv, D), v: (T_local, Hkv, Dv): this rank's piece of the packed
+            batch, as ``shard_varlen`` cuts it.
+        cu_seqlens: int32 (batch + 1,): the whole batch's sequences (the same on every rank); each length
+            divides into the layout's chunks.  max_seqlen: the longest whole sequence.
+        window: not supported here (a pair of chunks has a different offset in every sequence); a
+            window raises ValueError.  ``ulysses_attention_varlen`` takes one.
+        Others as ``ring_attention``; the kernel is our flash_varlen.
+
+    Returns:
+        out (T_local, Hq, Dv), or (out, lse) with lse (Hq, T_local) float32 as flash-attn's varlen.
+    """
+    g = _cp.resolve_group(group)
+    fields = error = None
+    try:
+        if window is not None and tuple(window) != (-1, -1):
+            raise ValueError("window: ring_attention_varlen takes no window (a pair of chunks has a different "
+                             "offset in each sequence); use ulysses_attention_varlen, or ring_attention on "
+                             "dense input")
+        if not isinstance(return_lse, bool):
+            raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+        opts, lengths = _varlen_options(q, k, v, cu_seqlens, max_seqlen, causal, scale, None, softcap, layout, g)
+        n = _cp.n_chunks(opts[12], g.world)
+        chunk = [L // n for L in lengths]
+        cu_chunk = torch.tensor([0] + [sum(chunk[:i + 1]) for i in range(len(chunk))], dtype=torch.int32)
+        need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        _varlen_kernel(q, k, v, lengths, g.world, backend, causal, softcap, opts[10])
+        fields = _fields(q, opts, [("whether the call needs a gradient", need_grad)]
+                         + _cu_fields(lengths, max_seqlen), packed=True)
+    except (TypeError, ValueError, RuntimeError) as e:
+        error = e
+    _cp.agree(g, "ring_attention", fields, error)
+    _, Hq, T, D, Hkv, _, Dv, causal_i, wl, wr, scale_f, softcap_f, layout = opts
+    cfg = _ring.Config(g, layout, "flash", causal_i, scale_f, -1, -1, softcap_f, 0, 0,
+                       deterministic=torch.are_deterministic_algorithms_enabled(), cu=cu_chunk,
+                       max_len=max(chunk, default=0))
+    # chunk-major: every sequence's first chunk, then every sequence's second, so that one chunk of all
+    # the sequences is a contiguous packed batch with cu_chunk
+    local = [L // g.world for L in lengths]
+    starts = [sum(local[:i]) for i in range(len(local))]
+    perm = torch.cat([torch.arange(s + i * c, s + (i + 1) * c) for i in range(n // g.world)
+                      for s, c in zip(starts, chunk)] or [torch.zeros(0, dtype=torch.long)]).to(q.device)
+    qc, kc, vc = (t.index_select(0, perm) for t in (q, k, v))
+    if need_grad:
+        out, lse = _ring.RingFunction.apply(qc, kc, vc, cfg)
+    else:
+        out, lse = _ring.forward(qc, kc, vc, cfg)
+    back = torch.argsort(perm)
+    out, lse = out.index_select(0, back), lse.index_select(0, back).t()
+    return (out, lse) if return_lse else out
+
+
+def _varlen_kernel(q, k, v, lengths, W, backend, causal, softcap, scale) -> None:
+    """The packed ring runs our flash_varlen kernels, forward and backward: checks the planner agrees
+    (asked about this rank's piece, its sequences 1/W as long)."""
+    local = [L // W for L in lengths]
+    cu = torch.tensor([0] + [sum(local[:i + 1]) for i in range(len(local))], dtype=torch.int32)
+    _, sig = _dispatch.prepare_varlen(q, k, v, cu, cu, max(local, default=0), max(local, default=0), backend,
+                                      causal, 0.0, scale, None, softcap, True)
+    chosen = _planner.choose(sig, _planner.STRICT)
+    if chosen != "flash_varlen":
+        raise ValueError(f"backend: packed ring attention runs our flash_varlen kernels; the planner chose "
+                         f"{chosen!r} for this call ({q.device.type}, {q.dtype})")
+
+
+def ulysses_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    group=None,
+    causal: Causal = False,
+    layout: str = "zigzag",
+    scale: Optional[float] = None,
+    window: Optional[Tuple[int, int]] = None,
+    softcap: float = 0.0,
+    backend: Optional[str] = "auto",
+):
+    """``ulysses_attention`` over packed sequences: q (T_local, Hq, D) etc. as ``shard_varlen`` cuts them,
+    cu_seqlens and max_seqlen of the whole batch (as ``ring_attention_varlen``); one
+    ``ab.attention_varlen`` call on the whole batch for Hq / W heads.  Windows are supported.
+    Returns out (T_local, Hq, Dv)."""
+    g = _cp.resolve_group(group)
+    fields = error = None
+    try:
+        opts, lengths = _varlen_options(q, k, v, cu_seqlens, max_seqlen, causal, scale, window, softcap, layout, g)
+        if opts[1] % g.world:
+            raise ValueError(f"q: Ulysses splits the heads over the {g.world} ranks of the group, so q's heads "
+                             f"({opts[1]}) must be divisible by {g.world} (ring_attention_varlen has no such limit)")
+        fields = _fields(q, opts, _cu_fields(lengths, max_seqlen), packed=True)
+    except (TypeError, ValueError) as e:
+        error = e
+    _cp.agree(g, "ulysses_attention", fields, error)
+    _, Hq, T, D, Hkv, _, Dv, causal_i, wl, wr, scale_f, softcap_f, layout = opts
+    W = g.world
+    if Hkv % W:
+        rep = math.lcm(Hkv, W) // Hkv  # as ulysses_attention
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    rows = _all_pieces(lengths, layout, W).to(q.device)
+    order = torch.argsort(rows)
+
+    def to_heads(x):  # (T_local, H, D) -> (T, H / W, D), the whole batch in order
+        Tl, H, Dx = x.shape
+        got = _cp.all_to_all(x.reshape(Tl, W, H // W, Dx).transpose(0, 1), g)
+        return got.reshape(W * Tl, H // W, Dx).index_select(0, order)
+
+    qh, kh, vh = (to_heads(t) for t in (q, k, v))
+    cu = cu_seqlens.to(device=q.device)
+    out = _dispatch.attention_varlen(qh, kh, vh, cu, cu, max_seqlen, max_seqlen, backend, causal, 0.0, scale_f,
+                                     window, softcap_f, False, False)
+    pieces = out.index_select(0, rows).reshape(W, T, Hq // W, Dv)
+    return _cp.all_to_all(pieces, g).transpose(0, 1).reshape(T, Hq, Dv)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import attn_backends as ab
-from attn_backends._testing import FLOORS, check_2x, max_err, reference_attention
+from attn_backends._testing import check_2x, max_err, reference_attention
 
 pytestmark = pytest.mark.distributed
 
@@ -98,6 +98,53 @@ def _attention_case(scheme, layout="zigzag", causal=False, window=None, softcap=
     return run
 
 
+def _varlen_case(scheme, layout="zigzag", causal=False, window=None, softcap=0.0, dtype=torch.float32, Hq=4,
+                 Hkv=2, D=16, Dv=8, chunks=(3, 1, 2)):
+    """As _attention_case for packed sequences: sequence b is chunks[b] chunks per rank long."""
+
+    def run(W, rank):
+        from attn_backends import distributed as abd
+        from attn_backends._testing import varlen_reference
+
+        n = 2 * W if layout == "zigzag" else W
+        lens = [c * n for c in chunks]
+        T = sum(lens)
+        cu = torch.tensor([0] + [sum(lens[:i + 1]) for i in range(len(lens))], dtype=torch.int32)
+        g = torch.Generator().manual_seed(77 * W + T)
+        q, k, v, gout = (torch.randn(*s, generator=g).to(dtype) for s in ((T, Hq, D), (T, Hkv, D), (T, Hkv, Dv),
+                                                                          (T, Hq, Dv)))
+        shard = lambda t: abd.shard_varlen(t, cu, layout=layout)  # noqa: E731
+        leaves = [shard(t).requires_grad_() for t in (q, k, v)]
+        opts = dict(causal=causal, window=window, softcap=softcap)
+        if scheme == "ring":
+            out, lse = abd.ring_attention_varlen(*leaves, cu, max(lens), layout=layout, return_lse=True, **opts)
+            assert lse.shape == (Hq, T // W) and lse.dtype == torch.float32
+        else:
+            out, lse = abd.ulysses_attention_varlen(*leaves, cu, max(lens), layout=layout, **opts), None
+        assert out.shape == (T // W, Hq, Dv) and out.dtype == dtype
+        grads = torch.autograd.grad(out, leaves, shard(gout))
+        whole = [abd.unshard_varlen(t, cu, layout=layout) for t in (out, *grads)]
+        if lse is not None:
+            lse = abd.unshard_varlen(lse, cu, layout=layout, dim=1)
+
+        ref_leaves = [t.double().requires_grad_() for t in (q, k, v)]
+        r_out, r_lse = varlen_reference(*ref_leaves, cu, cu, **opts)
+        r_grads = torch.autograd.grad(r_out, ref_leaves, gout.double())
+        same_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        s_out, s_lse = varlen_reference(*same_leaves, cu, cu, dtype=dtype, **opts)
+        s_grads = torch.autograd.grad(s_out, same_leaves, gout)
+        one_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o_out, o_lse = ab.attention_varlen(*one_leaves, cu, cu, max(lens), max(lens), return_lse=True, **opts)
+        o_grads = torch.autograd.grad(o_out, one_leaves, gout)
+        _compare("out", whole[0], r_out, (s_out, o_out), 2, dtype)
+        if lse is not None:
+            _compare("lse", lse, r_lse, (s_lse, o_lse), 2, dtype)
+        for name, ours, r, s_, o in zip(("dq", "dk", "dv"), whole[1:], r_grads, s_grads, o_grads):
+            _compare(name, ours, r, (s_, o), 3, dtype)
+
+    return run
+
+
 def _one_backend(backend):
     return "flash" if backend == "auto" else backend
 
@@ -120,6 +167,17 @@ def _round_trips(W, rank):
         pos = torch.arange(4 * n).view(1, 1, -1, 1)
         want = [rank, 2 * W - 1 - rank] if layout == "zigzag" else [rank]
         assert abd.shard(pos, layout=layout).flatten().tolist() == [4 * c + i for c in want for i in range(4)]
+        # packed: every sequence is cut the same way, and a rank's piece goes sequence after sequence
+        lens = [2 * n, n, 3 * n]
+        cu = torch.tensor([0, lens[0], lens[0] + lens[1], sum(lens)], dtype=torch.int32)
+        x = torch.randn(sum(lens), 3, 5, generator=g)
+        piece = abd.shard_varlen(x, cu, layout=layout)
+        assert piece.shape == (sum(lens) // W, 3, 5)
+        assert torch.equal(abd.unshard_varlen(piece, cu, layout=layout), x)
+        rows = abd.shard_varlen(torch.arange(sum(lens)), cu, layout=layout).tolist()
+        want_rows = [start + c * (L // n) + i for start, L in zip(cu.tolist(), lens) for c in want
+                     for i in range(L // n)]
+        assert rows == want_rows
     # unshard's gradient is torch.distributed.nn's all_gather rule: each rank's rows, summed over ranks
     x = torch.randn(2, 3, 2 * W * 2, 4, generator=g)
     piece = abd.shard(x).requires_grad_()
@@ -176,6 +234,13 @@ def _errors(W, rank):
         _raises(RuntimeError, "not all in the same call")(lambda: abd.ring_attention(ql, ql, ql))
     else:
         _raises(RuntimeError, "not all in the same call")(lambda: abd.ulysses_attention(ql, ql, ql))
+    # packed: lengths that do not divide into the chunks, a window on the packed ring
+    cu = torch.tensor([0, n, 3 * n - 1, 4 * n], dtype=torch.int32)
+    _raises(ValueError, "cu_seqlens", "divide")(lambda: abd.shard_varlen(torch.randn(4 * n, 2, 8), cu))
+    cu = torch.tensor([0, n, 4 * n], dtype=torch.int32)
+    pl = abd.shard_varlen(torch.randn(4 * n, 4, 8), cu)
+    _raises(ValueError, "window")(lambda: abd.ring_attention_varlen(pl, pl, pl, cu, 3 * n, window=(2, 0)))
+    _raises(ValueError, "max_seqlen")(lambda: abd.ring_attention_varlen(pl, pl, pl, cu, 2))
     # after all that the group still works
     out = abd.ring_attention(ql, ql, ql, causal=True)
     ref, _ = reference_attention(q, q, q, causal=True)
@@ -206,6 +271,12 @@ CASES = {
     "ulysses-contiguous-mqa-float32": _attention_case("ulysses", layout="contiguous", causal=True, Hkv=1),
     "ulysses-contiguous-window-bfloat16": _attention_case("ulysses", layout="contiguous", window=(3, 0),
                                                           dtype=bf16, noncontig=True),
+    "ring-varlen-zigzag-causal-float32": _varlen_case("ring", causal=True),
+    "ring-varlen-zigzag-softcap-bfloat16": _varlen_case("ring", softcap=4.0, dtype=bf16, Hkv=1),
+    "ring-varlen-contiguous-causal-float32": _varlen_case("ring", layout="contiguous", causal=True, chunks=(2, 5)),
+    "ulysses-varlen-zigzag-causal-window-float32": _varlen_case("ulysses", causal=True, window=(3, 0)),
+    "ulysses-varlen-contiguous-window-bfloat16": _varlen_case("ulysses", layout="contiguous", window=(2, 4),
+                                                              dtype=bf16, Hkv=1),
     "shard-unshard-round-trips": _round_trips,
     "errors": _errors,
 }
@@ -347,3 +418,4 @@ def test_block_backward_calls_sum_to_the_whole_row(dtype):
     assert torch.allclose((halves[0][0].float() + halves[1][0].float()), whole[0].float(), atol=tol)
     for i in (1, 2):
         assert torch.allclose(torch.cat([h[i] for h in halves], 2).float(), whole[i].float(), atol=tol)
+
