@@ -14,8 +14,8 @@ The partial (out, lse) of each call are merged in float32 with merge_attention_s
 is a second ring pass: each block calls our backward op with the forward's final out and lse (so
 P = exp(S - lse) is already the globally normalised probability), dQ accumulates locally in float32
 and dK/dV accumulate in float32 in a buffer that travels with the K/V block and arrives home after
-the last step.  Nothing of size S (the whole sequence) is ever held: per rank, two K/V blocks and two
-dK/dV buffers at most.
+the last step.  Nothing of size S (the whole sequence) is ever held: per rank, two K/V blocks (in use,
+arriving) and three dK/dV buffers (being computed, arriving, leaving) at most.
 """
 
 from __future__ import annotations

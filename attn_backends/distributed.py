@@ -177,7 +177,7 @@ def ring_attention(
         out (B, Hq, Sq_local, Dv) in q's dtype for this rank's rows, or (out, lse).
 
     Blocks that the causal mask or the window leaves empty are skipped; each rank's memory stays
-    O(S_local): two K/V blocks and, in the backward, two float32 dK/dV buffers.  Partial results are
+    O(S_local): two K/V blocks and, in the backward, three float32 dK/dV buffers.  Partial results are
     merged in float32 (each block's output comes back from the kernel in q's dtype).  Rows with no
     visible key are 0 with lse -inf, as everywhere in the library.
     """

@@ -4,12 +4,18 @@ backend chosen by a flag, as a training script passes --attn_implementation thro
     python examples/train_gpt.py --attn_implementation flash          # ~half a minute on 2 CPU cores
     python examples/train_gpt.py --attn_implementation flash_attention_2 --steps 50
     python examples/train_gpt.py --attention_call sdpa --patch_sdpa   # model calls F.sdpa, patched
+    torchrun --nproc_per_node 2 examples/train_gpt.py --context_parallel 2   # each sequence over 2 ranks
 
 Prints the backend name as given, the name it resolves to and the backend that actually runs the
 model's attention (the planner's choice, with the reason when it falls back), then the loss,
 tokens/s and MFU (model FLOPs utilisation: the model's FLOPs per second over this device's measured
 float32 FMA peak on CPU, or the bfloat16 dense peak of known GPUs) as it trains.  --json writes the
 loss curve (examples/plot_losses.py draws several of them).
+
+--context_parallel W (under torchrun with W processes; gloo on CPU, NCCL on GPUs) splits every
+sequence across the W ranks (attn_backends.distributed, zigzag layout): each rank embeds, runs and
+scores its rows, the attention runs as ring attention (or --cp_scheme ulysses), and the parameter
+gradients are averaged across ranks, so the loss curve is the one process's (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import attn_backends as ab
+from attn_backends import distributed as abd
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,6 +72,10 @@ class Block(nn.Module):
         p = self.dropout if self.training else 0.0
         if self.attention_call == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=True)
+        elif self.attention_call == "ring":  # --context_parallel: x holds this rank's rows of each sequence
+            y = abd.ring_attention(q, k, v, causal=True)
+        elif self.attention_call == "ulysses":
+            y = abd.ulysses_attention(q, k, v, causal=True)
         else:
             y = ab.attention(q, k, v, causal=True, dropout_p=p)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -87,8 +98,10 @@ class GPT(nn.Module):
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    def forward(self, idx, targets=None):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+    def forward(self, idx, targets=None, pos=None):
+        # pos: the rows' positions in their sequences (a context-parallel rank holds a shard of them)
+        pos = torch.arange(idx.shape[1], device=idx.device) if pos is None else pos
+        x = self.tok(idx) + self.pos(pos)
         for blk in self.blocks:
             x = blk(x)
         logits = self.head(self.ln(x))
@@ -103,6 +116,41 @@ def peak_flops(device: torch.device) -> float | None:
         name = torch.cuda.get_device_name(device)
         return next((v for k, v in GPU_PEAKS.items() if k in name), None)
     return None
+
+
+class ContextParallel:
+    """--context_parallel W: every rank draws the same batch, keeps its zigzag shard of each sequence
+    (tokens, targets and positions), and averages the parameter gradients across ranks.  Each rank's
+    loss is the mean over its rows, and every rank has as many rows, so the mean of the ranks' losses
+    is the whole batch's loss and the mean of their gradients its gradient."""
+
+    def __init__(self, world: int, device: torch.device):
+        import torch.distributed as dist
+
+        self.dist = dist
+        if not dist.is_initialized():  # torchrun's environment; a test may have made the group already
+            if "RANK" not in os.environ:
+                raise SystemExit(f"--context_parallel {world}: run under torchrun --nproc_per_node {world}")
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if dist.get_world_size() != world:
+            raise SystemExit(f"--context_parallel {world} needs {world} processes "
+                             f"(torchrun --nproc_per_node {world}), got {dist.get_world_size()}")
+        self.world, self.rank = world, dist.get_rank()
+
+    def loss(self, model, x, y):
+        pos = abd.shard(torch.arange(x.shape[1], device=x.device), dim=0)
+        return model(abd.shard(x, dim=1), abd.shard(y, dim=1), pos=pos)[1]
+
+    def mean(self, loss: torch.Tensor) -> torch.Tensor:
+        total = loss.detach().clone()
+        self.dist.all_reduce(total)
+        return total / self.world
+
+    def average_gradients(self, model) -> None:
+        for p in model.parameters():
+            if p.grad is not None:
+                self.dist.all_reduce(p.grad)
+                p.grad /= self.world
 
 
 def typed_backend(argv) -> str:
@@ -151,7 +199,18 @@ def main(argv=None):
     ap.add_argument("--compile", action="store_true", help="torch.compile the model (fullgraph)")
     ap.add_argument("--log_every", type=int, default=25)
     ap.add_argument("--json", default=None, help="write the loss curve here")
+    ap.add_argument("--context_parallel", type=int, default=1, metavar="W",
+                    help="split each sequence across W ranks (run under torchrun --nproc_per_node W)")
+    ap.add_argument("--cp_scheme", choices=["ring", "ulysses"], default="ring",
+                    help="with --context_parallel: ring attention, or Ulysses (heads divisible by W)")
     args = ap.parse_args(argv)
+    if args.context_parallel > 1:
+        if args.dropout > 0:
+            ap.error("--dropout is not supported with --context_parallel (docs/distributed.md)")
+        if args.compile:
+            ap.error("--compile is not supported with --context_parallel (the collectives break the graph)")
+        if args.attention_call != "ab":
+            ap.error("--context_parallel runs the model's attention through attn_backends.distributed")
     backend = ab.apply_args(args)
 
     torch.manual_seed(args.seed)
@@ -176,14 +235,22 @@ def main(argv=None):
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     step_fn = torch.compile(model, fullgraph=True) if args.compile else model
+    cp = ContextParallel(args.context_parallel, device) if args.context_parallel > 1 else None
+    if cp is not None:
+        for blk in model.blocks:
+            blk.attention_call = args.cp_scheme
+    say = print if cp is None or cp.rank == 0 else (lambda *a, **k: None)
 
     # the plan for the model's own attention call: its operands (views with requires_grad), dtype,
     # device and dropout, as a training step makes them
     plan = ab.explain(*model.blocks[0].heads_of(torch.zeros(args.batch, args.block, args.dim, device=device,
                                                             dtype=dtype)), causal=True, dropout_p=args.dropout)
     used = plan.chosen if args.attention_call == "ab" or args.patch_sdpa else "torch SDPA"
-    print(attention_banner(typed_backend(argv), backend, plan, args.attention_call, args.patch_sdpa))
-    print(f"model: {n_params / 1e6:.2f}M parameters, {args.layers} layers, d={args.dim}, heads {args.heads}/"
+    say(attention_banner(typed_backend(argv), backend, plan, args.attention_call, args.patch_sdpa))
+    if cp is not None:
+        say(f"context parallel: each sequence split over {cp.world} ranks (zigzag), the model's attention by "
+            f"abd.{args.cp_scheme}_attention")
+    say(f"model: {n_params / 1e6:.2f}M parameters, {args.layers} layers, d={args.dim}, heads {args.heads}/"
           f"{args.kv_heads}, block {args.block}, batch {args.batch}, {len(text)} characters of text, "
           f"{args.device} {args.dtype}")
 
@@ -191,6 +258,8 @@ def main(argv=None):
     # values, forward and backward), halved for causal
     flops_per_token = 6 * n_params + 6 * args.layers * args.block * args.dim
     peak = peak_flops(device)
+    if peak and cp is not None:
+        peak *= cp.world  # every rank runs on its own share of the machine (torchrun: one thread each)
     curve = []
     tokens = 0
     t0 = time.perf_counter()
@@ -200,9 +269,12 @@ def main(argv=None):
         for g in opt.param_groups:
             g["lr"] = lr
         x, y = batch("train")
-        _, loss = step_fn(x, y)
+        loss = step_fn(x, y)[1] if cp is None else cp.loss(model, x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if cp is not None:
+            cp.average_gradients(model)
+            loss = cp.mean(loss)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         tokens += x.numel()
@@ -215,14 +287,15 @@ def main(argv=None):
             last_t, last_tokens = now, tokens
             mfu = f"{100 * flops_per_token * tps / peak:.1f}%" if peak else "n/a"
             recent = curve[-args.log_every:]
-            print(f"step {step:5d}  loss {sum(recent) / len(recent):.4f} (mean of the last {len(recent)})  "
+            say(f"step {step:5d}  loss {sum(recent) / len(recent):.4f} (mean of the last {len(recent)})  "
                   f"lr {lr:.2e}  tokens/s {tps:9.0f}  MFU {mfu}", flush=True)
     model.eval()
     with torch.no_grad():
-        val_loss = sum(float(model(*batch("val"))[1]) for _ in range(4)) / 4
+        val = [batch("val") for _ in range(4)]
+        val_loss = sum(float(model(*b)[1] if cp is None else cp.mean(cp.loss(model, *b))) for b in val) / 4
     elapsed = time.perf_counter() - t0
-    print(f"done: {args.steps} steps in {elapsed:.1f}s, final train loss {curve[-1]:.4f}, val loss {val_loss:.4f}")
-    if args.json:
+    say(f"done: {args.steps} steps in {elapsed:.1f}s, final train loss {curve[-1]:.4f}, val loss {val_loss:.4f}")
+    if args.json and (cp is None or cp.rank == 0):
         with open(args.json, "w") as f:
             json.dump(dict(backend=used, requested=args.attn_implementation, steps=args.steps, loss=curve,
                            val_loss=val_loss, seconds=elapsed, args=vars(args)), f)

@@ -247,6 +247,30 @@ def _errors(W, rank):
     assert max_err(abd.unshard(out), ref) < 1e-5
 
 
+def _example(W, rank):
+    """examples/train_gpt.py --context_parallel W (ring and Ulysses) gives the one process's loss curve.
+    The example joins the group the test made, as it would join torchrun's."""
+    import contextlib
+    import importlib.util
+    import io
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_gpt.py")
+    spec = importlib.util.spec_from_file_location("train_gpt", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    small = ["--steps", "4", "--batch", "2", "--block", "32", "--layers", "1", "--dim", "32", "--heads", "4",
+             "--kv_heads", "2", "--log_every", "4"]
+    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
+        example.main(small + ["--json", os.path.join(tmp, "one.json")])
+        for scheme in ("ring", "ulysses"):
+            log = os.path.join(tmp, f"{scheme}.json")
+            example.main(small + ["--context_parallel", str(W), "--cp_scheme", scheme, "--json", log])
+            if rank == 0:  # the rank that writes the curve
+                one, cp = (json.load(open(os.path.join(tmp, f)))["loss"] for f in ("one.json", f"{scheme}.json"))
+                assert len(cp) == len(one) == 4
+                assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(one, cp)), (scheme, one, cp)
+
+
 f32, bf16 = torch.float32, torch.bfloat16
 CASES = {
     "ring-zigzag-float32": _attention_case("ring"),
@@ -279,6 +303,7 @@ CASES = {
                                                               dtype=bf16, Hkv=1),
     "shard-unshard-round-trips": _round_trips,
     "errors": _errors,
+    "example-train-gpt-same-loss-curve": _example,
 }
 
 
