@@ -171,7 +171,8 @@ def ring_attention(
         backend: the kernel for each block of the forward: our "flash" or "math" ("auto" = the planner's
             choice among them).  Other names fall back to one of them with the library's usual warning, or
             raise with ATTN_BACKENDS_STRICT=1: the ring needs each block's lse.  The backward's blocks
-            always run our flash backward (it takes the row's delta from the final output it is given).
+            always run our flash backward (it takes the row's delta from the final output it is given),
+            so float64 inputs get the forward only (a gradient raises ValueError).
 
     Returns:
         out (B, Hq, Sq_local, Dv) in q's dtype for this rank's rows, or (out, lse).

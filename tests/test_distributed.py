@@ -226,7 +226,10 @@ def _errors(W, rank):
         _raises(ValueError, "window left")(lambda: abd.ring_attention(ql, ql, ql, window=(-3, 0)))
     else:
         _raises(RuntimeError, "rank 1", "rejected")(lambda: abd.ring_attention(ql, ql, ql))
-    # Ulysses splits heads: 3 heads do not divide over 2 or 4 ranks
+    # the ring's backward runs our flash backward, which has no float64
+    q64 = ql.double().requires_grad_()
+    _raises(ValueError, "backend", "flash backward")(lambda: abd.ring_attention(q64, q64, q64))
+        # Ulysses splits heads: 3 heads do not divide over 2 or 4 ranks
     q3 = abd.shard(torch.randn(1, 3, 2 * n, 8))
     _raises(ValueError, "q:", "heads (3)", f"divisible by {W}")(lambda: abd.ulysses_attention(q3, q3, q3))
     # ranks in different calls
