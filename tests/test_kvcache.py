@@ -426,3 +426,21 @@ def test_a_call_that_needs_a_gradient_raises(gen):
         ab.attention_with_kvcache(q.requires_grad_(), kc, vc)
     with torch.no_grad():
         ab.attention_with_kvcache(q, kc, vc)
+
+
+# ---- the example -------------------------------------------------------------------------------
+
+def test_the_example_decodes_through_a_paged_cache_as_its_full_forward():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "train_gpt.py")
+    spec = importlib.util.spec_from_file_location("train_gpt_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    model = example.GPT(vocab=20, block=64, layers=2, d=32, heads=4, kv_heads=2, dropout=0.0, attention_call="ab").eval()
+    prompt = torch.randint(0, 20, (1, 7))
+    ids, drift = example.generate(model, prompt, 30)
+    assert ids.shape == (1, 37) and torch.equal(ids[:, :7], prompt)
+    assert drift < 1e-5
