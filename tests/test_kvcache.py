@@ -444,3 +444,33 @@ def test_the_example_decodes_through_a_paged_cache_as_its_full_forward():
     ids, drift = example.generate(model, prompt, 30)
     assert ids.shape == (1, 37) and torch.equal(ids[:, :7], prompt)
     assert drift < 1e-5
+
+
+# ---- HF transformers' continuous batching ------------------------------------------------------
+
+def test_hf_continuous_batching_runs_on_our_kernels_and_matches_hf_paged_sdpa(caplog, fresh_plans):
+    # transformers 5.x takes its flash_attn_with_kvcache fast path only for flash implementations on
+    # CUDA/XPU and accepts only "sdpa", "paged|eager" or flash names for generate_batch, so on CPU
+    # its paged path reaches our kernels through the patched SDPA (docs/decode.md, "HF transformers")
+    transformers = pytest.importorskip("transformers")
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("sdpa")
+    gen_cfg = transformers.GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb_cfg = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64, auto_switch_to_flash=False)
+    prompts = [[1, 5, 9, 3], [7, 8], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]]
+
+    def generate():
+        out = model.generate_batch(inputs=prompts, generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+        return {k: v.generated_tokens for k, v in out.items()}
+
+    hf = generate()
+    caplog.set_level(logging.INFO, logger="attn_backends")
+    with ab.patched_sdpa("flash"):
+        ours = generate()
+    assert ours == hf and all(len(t) == 10 for t in ours.values())
+    assert any(r.getMessage().startswith("attn_backends: flash serves cpu") for r in caplog.records)
