@@ -4,17 +4,20 @@
  * the ISA's flags (ab_vec.h).
  *
  * Decode is memory-bound: per key, the arithmetic is a few dot products of length D while the
- * key and value rows are 2 * D elements read from DRAM.  So one work item is (batch row, KV head,
- * split of the key range) and streams its keys once for every query row that reads them: the Sq
- * tokens x G = Hq / Hkv query heads of the GQA group (rows r = t * G + g).  Keys go by chunks of
- * at most DC_CHUNK, never across a page of a paged cache (one block_table lookup per chunk):
- *   1. scores: each key row is loaded once (converted to float32 in registers) and dotted with up
- *      to four query rows at a time (q is float32, already rotated and scaled, in L1);
+ * key and value rows are 2 * D elements read from DRAM.  So one work item is (batch row, group of
+ * hg KV heads, split of the key range) and streams its keys once for every query row that reads
+ * them: the Sq tokens x hg * G query heads of the group (G = Hq / Hkv; rows r = t * hg * G +
+ * h * G + g).  hg is as large as keeps those rows within DC_ROWS, so one key's rows for the group
+ * are one contiguous read.  Keys go by chunks of at most DC_CHUNK, never across a page of a paged
+ * cache (one block_table lookup per chunk):
+ *   1. scores, key by key in the cache's order: each key row is loaded once (converted to float32
+ *      in registers) and dotted with four query rows at a time (q is float32, already rotated and
+ *      scaled, in L1); the key row two keys ahead and the chunk's value rows are prefetched;
  *   2. softcap, ALiBi and the visibility of each key to each row, then the online softmax per row
  *      (running max m, sum l, the accumulator rescaled by exp(m_old - m_new)), vectorized over the
  *      chunk's keys;
- *   3. O += P V: each value row is loaded while the chunk's K and V are still in L1, with the
- *      accumulators of four rows x two vectors of D in registers.
+ *   3. O += P V, head by head: the value rows stream past the accumulators of four rows x two
+ *      vectors of D (one row x eight for MHA) held in registers.
  * The state of a row (m, l and its D accumulators) lives in the thread's scratch, in L1 for the
  * decode shapes.  Query rows go by tiles of whole tokens (DC_ROWS rows, at least one token), so
  * scratch stays bounded for long chunked-prefill queries, which re-stream their keys per tile.
@@ -34,7 +37,7 @@
 #define DC_CAT(a, b) DC_CAT2(a, b)
 #define DC(name) DC_CAT(name, AB_ISA_SFX)
 
-#define DC_CHUNK 32 /* keys per chunk: their K and V rows (<= 32 KiB at D = 128 float32) stay in L1 */
+#define DC_CHUNK 32 /* keys per chunk: the scores of a tile (64 rows x 32 keys) are 8 KiB */
 #define DC_ROWS 64  /* query rows per tile, unless one token alone has more (G > 64) */
 #define DC_NV (DC_CHUNK / VLEN)
 #define DC_KEYS_AHEAD 2 /* key rows prefetched ahead of the scores' loads */
