@@ -52,7 +52,7 @@ except ImportError:
         raise  # _C is there but does not load (e.g. built against another torch): that error says why
     raise _missing_extension_error() from None  # Python's own message blames a circular import
 from . import _ops  # noqa: F401  (registers ops, fake kernels, autograd)
-from . import _dispatch, _integrations, _planner, _report
+from . import _dispatch, _integrations, _kvcache, _planner, _report
 from ._merge import merge_attention_states
 from ._names import resolve as _resolve
 from ._planner import Plan
@@ -60,9 +60,9 @@ from ._planner import Plan
 __version__ = _C.__version__
 
 __all__ = [
-    "attention", "attention_varlen", "sdpa", "patch_sdpa", "unpatch_sdpa", "patched_sdpa", "use", "resolve",
-    "backends", "explain", "add_argparse_args", "apply_args", "register_transformers", "register_diffusers", "hf_name",
-    "merge_attention_states",
+    "attention", "attention_varlen", "attention_with_kvcache", "sdpa", "patch_sdpa", "unpatch_sdpa", "patched_sdpa",
+    "use", "resolve", "backends", "explain", "add_argparse_args", "apply_args", "register_transformers",
+    "register_diffusers", "hf_name", "merge_attention_states",
     "Plan", "BackendInfo", "__version__",
 ]
 
@@ -157,6 +157,77 @@ def attention_varlen(
     """
     return _dispatch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
                                       causal, dropout_p, scale, window, softcap, return_lse, strict, deterministic)
+
+
+def attention_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    *,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    backend: Optional[str] = "auto",
+    strict: bool = False,
+):
+    """Attention against a KV cache (decode, speculative decoding, chunked prefill), as flash-attn's
+    ``flash_attn_with_kvcache``: same arguments, layouts and semantics (docs/decode.md).
+
+    If k and v are given they are written into k_cache and v_cache *in place* at positions
+    cache_seqlens[b], cache_seqlens[b] + 1, ... (rotated first when rotary_cos/sin are given), then
+    every query attends to its row's keys [cache_leftpad[b], cache_seqlens[b] + Sk_new).  A call that
+    fails a check writes nothing.  Inference only: a call that needs a gradient raises.
+
+    Args:
+        q: (B, Sq, Hq, D), float16 / bfloat16 / float32 (float64 through math).
+        k_cache, v_cache: (B_cache, S_cache, Hkv, D), or with block_table a paged cache
+            (num_blocks, block_size, Hkv, D), any block_size; q's dtype, last dim contiguous.
+        k, v: (B, Sk_new, Hkv, D) new keys and values to append (both or neither; need cache_seqlens).
+        rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2): rotate the new keys at their positions
+            and q at cache_seqlens + t (causal or a window shorter than the cache) or at cache_seqlens
+            (otherwise); dims past rotary_dim are left as they are.  Only with k and v.
+        cache_seqlens: int, or (B,) int32: tokens already in each cache row (default: the whole cache).
+        cache_batch_idx: (B,) int32: the cache row of each batch row (dense caches).
+        cache_leftpad: (B,) int32: each row's keys start at this position.
+        block_table: (B, max_blocks) int32: the blocks of each row, in order; entries past a row's
+            last position may be anything (-1 padding).
+        softmax_scale: multiplies q.k; default 1 / sqrt(D).
+        causal: bottom-right aligned: query t sits at position t + end - Sq, end = cache_seqlens[b] +
+            Sk_new, and sees keys at positions <= its own.
+        window_size: (left, right), query at position i sees keys i - left .. i + right; -1 = unbounded.
+        softcap: > 0 applies softcap * tanh(score / softcap) before ALiBi and the softmax.
+        rotary_interleaved: rotate pairs (2i, 2i + 1); False: GPT-NeoX halves (i, i + rotary_dim / 2).
+        alibi_slopes: (Hq,) or (B, Hq) float32: adds -slope * |query position - key position|.
+        num_splits: splits of each row's keys processed in parallel and merged (0: chosen from the
+            thread count; results can then differ in the last bits between thread counts).
+        return_softmax_lse: also return lse (B, Hq, Sq) float32 (-inf for a query that sees no key).
+        backend: ``"auto"`` (the paged_attention kernel on CPU), ``"paged_attention"``, ``"flash"``
+            (our flash kernel over a gathered view of the cache), ``"math"`` / ``"eager"`` (float64
+            torch ops over the gathered view, any device) or any accepted name; one that cannot serve
+            a KV-cache call falls back with one warning.
+        strict: raise instead of falling back.
+
+    Returns:
+        out (B, Sq, Hq, D) in q's dtype, or (out, lse) with return_softmax_lse=True.  A query that
+        sees no key gets out 0 and lse -inf.
+    """
+    return _kvcache.attention_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+        return_softmax_lse, backend, strict)
 
 
 class BackendInfo(NamedTuple):

@@ -92,6 +92,16 @@ def _dropout_mask_fake(rng_state, B, H, Sq, Sk, dropout_p):
     return rng_state.new_empty((B, H, Sq, Sk), dtype=torch.bool)
 
 
+# KV-cache attention (decode_cpu.h): inference only, so no autograd; it writes k_cache and v_cache
+# in place (the schema marks them mutated), which a fake kernel leaves alone
+@torch.library.register_fake("attn_backends::kvcache_fwd")
+def _kvcache_fwd_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
+                      cache_batch_idx, cache_leftpad, block_table, alibi_slopes, scale, causal, window_left,
+                      window_right, softcap, rotary_interleaved, num_splits):
+    B, Sq, Hq, _ = q.shape
+    return q.new_empty(q.shape), q.new_empty((B, Hq, Sq), dtype=torch.float32)
+
+
 def cuda_layout(t: torch.Tensor) -> torch.Tensor:
     """t itself when the CUDA flash and sage kernels can read it in place (16-byte rows: last dim contiguous,
     other strides multiples of 8 elements, 16-byte aligned data), else a contiguous copy.  The CPU

@@ -138,7 +138,9 @@ class Plan:
         parts = [dev, c["dtype"], f"D={c['D']}" + (f" Dv={c['Dv']}" if c["Dv"] != c["D"] else "")]
         if c["gqa"]:
             parts.append("GQA")
-        if c["varlen"]:
+        if c["varlen"] == 2:
+            parts.append("KV cache")
+        elif c["varlen"]:
             parts.append("varlen")
         if c["causal"] != "none":
             parts.append(f"causal={c['causal']}")

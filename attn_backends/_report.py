@@ -20,7 +20,7 @@ FEATURES = (  # (registry name, column title)
     ("causal_top_left", "causal TL"), ("causal_bottom_right", "causal BR"), ("window", "window"),
     ("softcap", "softcap"), ("dropout", "dropout"), ("backward", "backward"),
     ("deterministic", "determ. bwd"), ("lse", "lse"), ("gqa", "GQA"), ("dv_ne_d", "Dv != D"),
-    ("dense", "dense"), ("varlen", "varlen"),
+    ("dense", "dense"), ("varlen", "varlen"), ("kvcache", "KV cache"),
 )
 
 
@@ -56,8 +56,10 @@ def backend_rows() -> list:
             if not present[dev]:
                 continue
             cc, lib_ok = (_cuda_facts()[:2] if dev == "cuda" else (0, 0))
+            feats = caps[DEVICES.index(dev)][2]
+            layout = 2 if "kvcache" in feats and "dense" not in feats else 0  # a KV-cache-only backend
             sig = (DEVICES.index(dev), cc, int(lib_ok), 0 if dev != "mps" else 0, 64, 64, 0, 1, 0, 0, 0, 0, 0, 0,
-                   0, 0, 0, 0, 0, i, _planner.cpu_isa(), _planner.CPU_UNITS)
+                   0, 0, 0, layout, 0, i, _planner.cpu_isa(), _planner.CPU_UNITS)
             reason = _C.plan(sig)[2][i]
             if not reason:
                 available = True

@@ -96,7 +96,7 @@ static const char* kind_name(ab_backend_kind kind) {
 static const char* const k_feature_names[] = {
     "bool_mask", "float_mask", "mask_grad", "causal_top_left", "bottom_right_aligned",
     "causal_bottom_right", "window", "softcap", "dropout", "backward", "deterministic", "lse",
-    "gqa", "dv_ne_d", "dense", "varlen"};
+    "gqa", "dv_ne_d", "dense", "varlen", "kvcache"};
 
 static PyObject* str_tuple(const char* const* items, Py_ssize_t n) {
   PyObject* t = PyTuple_New(n);
@@ -115,12 +115,12 @@ static PyObject* str_tuple(const char* const* items, Py_ssize_t n) {
 /* (unavailable or None, dtypes, features, min_d, max_d, d_multiple, min_cc, needs_cuda_lib) */
 static PyObject* caps_tuple(const ab_caps* k) {
   const char* dts[4];
-  const char* fts[16];
+  const char* fts[sizeof k_feature_names / sizeof k_feature_names[0]];
   Py_ssize_t nd = 0, nf = 0;
   static const ab_dtype order[] = {AB_DTYPE_F16, AB_DTYPE_BF16, AB_DTYPE_F32, AB_DTYPE_F64};
   for (int i = 0; i < 4; ++i)
     if (k->dtypes & AB_DTYPE_BIT(order[i])) dts[nd++] = ab_dtype_name(order[i]);
-  for (int i = 0; i < 16; ++i)
+  for (size_t i = 0; i < sizeof k_feature_names / sizeof k_feature_names[0]; ++i)
     if (k->features & (1u << i)) fts[nf++] = k_feature_names[i];
   PyObject* dt = str_tuple(dts, nd);
   PyObject* ft = dt ? str_tuple(fts, nf) : NULL;

@@ -7,7 +7,8 @@
  *   2. its chain (sage -> flash; flash_attn_pkg -> flash; _native_* -> sdpa; math -> eager; ...),
  *   3. the device's priority list: CPU flash, math, eager; CUDA flash, sdpa, math, eager (our
  *      kernels first on 8.0+, torch SDPA's kernels first below that, since ours need 8.0);
- *      MPS sdpa, eager; other devices eager.  For auto on a CPU where torch SDPA computes the
+ *      MPS sdpa, eager; other devices eager.  KV-cache calls have their own lists: CPU
+ *      paged_attention, flash, math, eager; CUDA paged_attention, eager; others eager.  For auto on a CPU where torch SDPA computes the
  *      dtype on a matrix unit our kernels do not use (AMX), torch SDPA comes before the list
  *      (torch_first, with the registry's data), and the plan's note says why.
  * The first candidate with no reason against it is chosen.  eager serves every call, so a plan
@@ -24,6 +25,14 @@ static const int k_auto[AB_DEV_COUNT][8] = {
     [AB_DEVICE_CPU] = {AB_BK_FLASH, AB_BK_FLASH_VARLEN, AB_BK_MATH, AB_BK_EAGER, END},
     [AB_DEVICE_CUDA] = {AB_BK_FLASH, AB_BK_FLASH_VARLEN, AB_BK_SDPA, AB_BK_MATH, AB_BK_EAGER, END},
     [AB_DEVICE_MPS] = {AB_BK_SDPA, AB_BK_EAGER, END},
+    [AB_DEVICE_OTHER] = {AB_BK_EAGER, END},
+};
+
+/* KV-cache calls (attention_with_kvcache): the decode kernel first, then the gathered paths. */
+static const int k_kvcache[AB_DEV_COUNT][8] = {
+    [AB_DEVICE_CPU] = {AB_BK_PAGED, AB_BK_FLASH, AB_BK_MATH, AB_BK_EAGER, END},
+    [AB_DEVICE_CUDA] = {AB_BK_PAGED, AB_BK_EAGER, END},
+    [AB_DEVICE_MPS] = {AB_BK_EAGER, END},
     [AB_DEVICE_OTHER] = {AB_BK_EAGER, END},
 };
 
@@ -94,11 +103,16 @@ static void why_not(const ab_call* c, int id, char* out, size_t n) {
     WHY("head dim %lld outside %d..%d", (long long)c->D, k->min_d ? k->min_d : 1, k->max_d);
   if (k->d_multiple && c->D % k->d_multiple)
     WHY("head dim %lld is not a multiple of %d", (long long)c->D, k->d_multiple);
+  /* the kind of call before its details: a backend for another kind of call has one reason, whatever
+   * the details (one warning per reason) */
+  if (c->varlen == 2 && !(f & AB_F_KVCACHE)) WHY("does not serve KV-cache calls (attention_with_kvcache)");
+  if (c->varlen == 1 && !(f & AB_F_VARLEN)) WHY("does not take packed (varlen) sequences");
+  if (!c->varlen && !(f & AB_F_DENSE))
+    WHY("%s", (f & AB_F_VARLEN) ? "takes packed (varlen) sequences only"
+                                : "serves KV-cache calls (attention_with_kvcache) only");
   if (c->Dv != c->D && !(f & AB_F_DV))
     WHY("needs the value head dim equal to the query head dim (Dv %lld != D %lld)", (long long)c->Dv,
         (long long)c->D);
-  if (c->varlen && !(f & AB_F_VARLEN)) WHY("does not take packed (varlen) sequences");
-  if (!c->varlen && !(f & AB_F_DENSE)) WHY("takes packed (varlen) sequences only");
   if (c->mask == 1 && !(f & AB_F_BOOL_MASK)) WHY("no bool attn_mask support");
   if (c->mask == 2 && !(f & AB_F_FLOAT_MASK)) WHY("no float attn_mask support");
   if (c->mask_grad && !(f & AB_F_MASK_GRAD)) WHY("cannot compute the gradient of a float attn_mask");
@@ -172,8 +186,8 @@ void ab_plan_build(const ab_call* call, ab_plan* plan) {
     push(plan, call->requested);
     for (const int* c = chain_of(call->requested); *c != END; ++c) push(plan, *c);
   }
-  if (call->requested == AB_BK_AUTO) torch_first(call, plan);
-  for (const int* c = k_auto[dev]; *c != END; ++c) push(plan, *c);
+  if (call->requested == AB_BK_AUTO && call->varlen != 2) torch_first(call, plan);
+  for (const int* c = (call->varlen == 2 ? k_kvcache : k_auto)[dev]; *c != END; ++c) push(plan, *c);
   for (int i = 0; i < plan->norder; ++i)
     if (plan->reason[plan->order[i]][0] == 0) {
       plan->chosen = plan->order[i];

@@ -68,7 +68,8 @@ enum {
   AB_F_GQA = 1u << 12,
   AB_F_DV = 1u << 13,            /* Dv != D */
   AB_F_DENSE = 1u << 14,         /* serves (B, H, S, D) calls */
-  AB_F_VARLEN = 1u << 15         /* serves packed (total, H, D) calls with cu_seqlens */
+  AB_F_VARLEN = 1u << 15,        /* serves packed (total, H, D) calls with cu_seqlens */
+  AB_F_KVCACHE = 1u << 16        /* serves attention_with_kvcache calls (ab_call.varlen == 2) */
 };
 
 #define AB_DTYPE_BIT(d) (1u << (d))
@@ -143,7 +144,8 @@ typedef struct ab_call {
   int32_t mask_grad;
   ab_causal causal;
   int32_t window, softcap, dropout;
-  int32_t need_grad, deterministic, want_lse, varlen;
+  int32_t need_grad, deterministic, want_lse;
+  int32_t varlen;        /* layout: 0 dense, 1 packed (cu_seqlens), 2 a KV-cache call (attention_with_kvcache) */
   int32_t mps_fix;       /* MPS: torch SDPA with a mask in evaluation gives NaN; avoid it */
   int32_t requested;     /* ab_backend_id */
   int32_t cpu_isa;       /* ab_cpu_isa the CPU kernels run with */

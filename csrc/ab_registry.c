@@ -53,7 +53,9 @@
 #define CAPS_D(dtypes, features, min_d, max_d, mult, min_cc, lib) \
   {NULL, dtypes, features, min_d, max_d, mult, min_cc, lib, 0}
 
-#define NOT_BUILT "not built in this version"
+/* attention_with_kvcache: every backend that serves it takes bottom-right causal, windows, softcap,
+ * ALiBi, lse and GQA (the gathered paths pass them as a mask) */
+#define KVCACHE_F (AB_F_KVCACHE | AB_F_CAUSAL_BR | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_LSE | AB_F_GQA)
 /* The CUDA flash kernels and the CUDA math backward compile in CI but have not run on a GPU yet, so
  * they are opt-in until verified: ATTN_BACKENDS_CUDA_FLASH=1 at import (attn_backends/_planner.py)
  * swaps these caps in. */
@@ -79,7 +81,7 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
                              "kernels_community/flash_attn", "kernels_community/flash_attn3",
                              "kernels_community/vllm_flash_attn3"),
                      AB_KIND_BUNDLED, "fused online-softmax kernel (FlashAttention-2 algorithm)", 0, 0,
-                     {CAPS(NO_F64, FULL), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
+                     {CAPS(NO_F64, FULL | AB_F_KVCACHE), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
     [AB_BK_FLASH_VARLEN] = {"flash_varlen",
                             ALIASES("varlen", "flash_attn_varlen", "flash_attn_varlen_func",
                                     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
@@ -100,13 +102,13 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
     [AB_BK_MATH] = {"math", ALIASES("manual", "reference", "math_reference"), AB_KIND_BUNDLED,
                     "exact reference kernel (float32 scores and accumulation)", 0, 0,
                     /* packed (varlen) calls are padded to dense ones in Python */
-                    {CAPS(ALL_DT, FULL | AB_F_VARLEN), CUDA_MATH_FWD,
+                    {CAPS(ALL_DT, FULL | AB_F_VARLEN | AB_F_KVCACHE), CUDA_MATH_FWD,
                      NONE("no kernel for MPS (eager runs the aten composite there)"),
                      NONE("no kernel for this device (eager runs the aten composite there)")}},
     [AB_BK_EAGER] = {"eager", ALIASES("eager_attention"), AB_KIND_BUNDLED,
                      "universal fallback: the math kernel where we have one, else aten ops", 0, 0,
-                     {CAPS(ALL_DT, FULL | AB_F_VARLEN), CAPS(ALL_DT, FULL | AB_F_VARLEN),
-                      CAPS(NO_F64, FULL | AB_F_VARLEN), CAPS(ALL_DT, FULL | AB_F_VARLEN)}},
+                     {CAPS(ALL_DT, FULL | AB_F_VARLEN | AB_F_KVCACHE), CAPS(ALL_DT, FULL | AB_F_VARLEN | AB_F_KVCACHE),
+                      CAPS(NO_F64, FULL | AB_F_VARLEN | AB_F_KVCACHE), CAPS(ALL_DT, FULL | AB_F_VARLEN | AB_F_KVCACHE)}},
     [AB_BK_SDPA] = {"sdpa", ALIASES("native", "torch", "torch_sdpa", "scaled_dot_product_attention",
                                     "pytorch", "_native_npu", "_native_xla"),
                     AB_KIND_TORCH, "torch.nn.functional.scaled_dot_product_attention, its choice", 0, 1,
@@ -147,8 +149,10 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
                      NONE("FlexAttention does not run on MPS"),
                      NONE("FlexAttention does not run on this device")}},
     [AB_BK_PAGED] = {"paged_attention", ALIASES("paged", "sdpa_paged", "eager_paged", "flash_paged"),
-                     AB_KIND_BUNDLED, "KV-cache decode over a paged cache", 0, 0,
-                     {NONE(NOT_BUILT), NONE(NOT_BUILT), NONE(NOT_BUILT), NONE(NOT_BUILT)}},
+                     AB_KIND_BUNDLED, "KV-cache decode (attention_with_kvcache), dense or paged cache", 0, 0,
+                     /* csrc/cpu/decode_cpu.c; attention_with_kvcache calls only, inference only */
+                     {CAPS(NO_F64, KVCACHE_F), NONE("no decode kernel for CUDA yet (eager serves KV-cache calls there)"),
+                      NONE(NO_KERNEL), NONE(NO_KERNEL)}},
     [AB_BK_XFORMERS] = {"xformers", ALIASES("xformers_attention", "memory_efficient_attention"),
                         AB_KIND_EXTERNAL, "xformers.ops.memory_efficient_attention, if installed", 0, 1,
                         {NONE("xformers runs on CUDA only"),

@@ -14,6 +14,8 @@
 //   sage_fwd, sage_varlen_fwd    forward only (INT8 Q.K^T); the same outputs as flash's forwards;
 //                                CPU and CUDA
 //   dropout_mask                 the keep-mask the kernels draw, for tests (on rng_state's device)
+//   kvcache_fwd                  attention against a KV cache (flash_attn_with_kvcache, CPU): writes the
+//                                new k/v into k_cache/v_cache in place -> (out (B, Sq, Hq, D), lse (B, Hq, Sq))
 // The backward ops take `deterministic`: on CUDA it picks flash's atomic-free dQ kernel (the CPU
 // kernels and CUDA math are deterministic always).
 #include <dlfcn.h>
@@ -32,6 +34,7 @@
 extern "C" {
 #include "ab_core.h"
 #include "ab_shim.h"
+#include "cpu/decode_cpu.h"
 #include "cuda/ab_cuda.h"
 }
 
@@ -535,6 +538,64 @@ Tensor dropout_mask(const Tensor& rng, int64_t B, int64_t H, int64_t Sq, int64_t
   return keep;
 }
 
+// KV-cache attention: q (B, Sq, Hq, D), a dense or paged cache written in place when k and v are
+// given (decode_cpu.h).  cache_seqlen stands for every row when cache_seqlens is None (-1: the whole
+// cache).  out is (B, Sq, Hq, D) contiguous, lse (B, Hq, Sq) float32; the workspace (q in float32,
+// the split partials) comes from torch's allocator for this call only.
+std::tuple<Tensor, Tensor> kvcache_fwd(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
+                                       std::optional<Tensor> k, std::optional<Tensor> v,
+                                       std::optional<Tensor> rotary_cos, std::optional<Tensor> rotary_sin,
+                                       std::optional<Tensor> cache_seqlens, int64_t cache_seqlen,
+                                       std::optional<Tensor> cache_batch_idx, std::optional<Tensor> cache_leftpad,
+                                       std::optional<Tensor> block_table, std::optional<Tensor> alibi_slopes,
+                                       double scale, bool causal, int64_t window_left, int64_t window_right,
+                                       double softcap, bool rotary_interleaved, int64_t num_splits) {
+  if (q.dim() != 4 || k_cache.dim() != 4)
+    fail("q must be (B, Sq, Hq, D) and k_cache (B_cache, S_cache, Hkv, D) or (num_blocks, block_size, Hkv, D)");
+  if (!q.is_cpu()) fail("kvcache_fwd has a CPU kernel only (q is not on the CPU)");
+  ab_kvcache_params p{};
+  p.B = q.size(0);
+  p.Sq = q.size(1);
+  p.Hq = q.size(2);
+  p.D = q.size(3);
+  p.Hkv = k_cache.size(2);
+  p.q = view_of(q, "q");
+  p.k_cache = view_of(k_cache, "k_cache");
+  p.v_cache = view_of(v_cache, "v_cache");
+  const std::pair<const std::optional<Tensor>*, ab_tensor*> optional[] = {
+      {&k, &p.k_new}, {&v, &p.v_new}, {&rotary_cos, &p.rotary_cos}, {&rotary_sin, &p.rotary_sin},
+      {&cache_seqlens, &p.cache_seqlens}, {&cache_batch_idx, &p.cache_batch_idx},
+      {&cache_leftpad, &p.cache_leftpad}, {&block_table, &p.block_table}, {&alibi_slopes, &p.alibi_slopes}};
+  const char* names[] = {"k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
+                         "cache_leftpad", "block_table", "alibi_slopes"};
+  for (size_t i = 0; i < sizeof names / sizeof names[0]; ++i)
+    if (optional[i].first->has_value()) *optional[i].second = view_of(**optional[i].first, names[i]);
+  p.cache_seqlen = cache_seqlen;
+  p.scale = scale;
+  p.softcap = softcap;
+  p.causal = causal ? 1 : 0;
+  p.window_left = window_left;
+  p.window_right = window_right;
+  p.rotary_interleaved = rotary_interleaved ? 1 : 0;
+  p.num_splits = static_cast<int32_t>(num_splits < 0 ? -1 : num_splits > 1 << 20 ? 1 << 20 : num_splits);
+  std::vector<int64_t> out_sizes{p.B, p.Sq, p.Hq, p.D};
+  Tensor out = empty_strided(q, out_sizes, contiguous_strides(out_sizes), aoti_dtype(q.scalar_type()));
+  std::vector<int64_t> lse_sizes{p.B, p.Hq, p.Sq};
+  Tensor lse = empty_strided(q, lse_sizes, contiguous_strides(lse_sizes), aoti_torch_dtype_float32());
+  p.out = view_of(out, "out");
+  p.lse = view_of(lse, "lse");
+  ab_cpu_pool pool = torch_pool();
+  size_t bytes = ab_kvcache_cpu_workspace_size(&p, pool.num_threads);
+  Tensor ws = empty_strided(q, {static_cast<int64_t>(bytes)}, {1}, aoti_torch_dtype_uint8());
+  ab_error err{};
+  const ab_status status = ab_kvcache_cpu_fwd(&p, bytes ? ws.data_ptr() : nullptr, bytes, &pool, &err);
+  // a bad argument (a sequence length past the cache, a block that does not exist, ...) is tagged so
+  // that attn_backends/_kvcache.py can raise it as a ValueError, like its own checks
+  if (status == AB_ERR_INVALID) fail(std::string("invalid argument: ") + err.msg);
+  check(status, err);
+  return std::make_tuple(out, lse);
+}
+
 }  // namespace
 
 extern "C" ab_shim_info ab_shim_info_get(void) {
@@ -572,6 +633,12 @@ STABLE_TORCH_LIBRARY(attn_backends, m) {
       "int max_seqlen_q, int max_seqlen_k, Tensor? rng_state, int causal, float scale, "
       "int window_left, int window_right, float softcap, float dropout_p) -> (Tensor out, Tensor lse)");
   m.def("dropout_mask(Tensor rng_state, int B, int H, int Sq, int Sk, float dropout_p) -> Tensor");
+  m.def(
+      "kvcache_fwd(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
+      "Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_seqlens, int cache_seqlen, "
+      "Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, Tensor? alibi_slopes, "
+      "float scale, bool causal, int window_left, int window_right, float softcap, "
+      "bool rotary_interleaved, int num_splits) -> (Tensor out, Tensor lse)");
 }
 
 namespace {
@@ -587,6 +654,7 @@ void impl_ops(torch::stable::detail::StableLibrary& m) {
   m.impl("sage_fwd", TORCH_BOX(&dense_fwd<Kernel::kSage>));
   m.impl("sage_varlen_fwd", TORCH_BOX(&varlen_fwd<Kernel::kSage>));
   m.impl("dropout_mask", TORCH_BOX(&dropout_mask));
+  m.impl("kvcache_fwd", TORCH_BOX(&kvcache_fwd));
 }
 
 }  // namespace

@@ -5,6 +5,7 @@ backend chosen by a flag, as a training script passes --attn_implementation thro
     python examples/train_gpt.py --attn_implementation flash_attention_2 --steps 50
     python examples/train_gpt.py --attention_call sdpa --patch_sdpa   # model calls F.sdpa, patched
     torchrun --nproc_per_node 2 examples/train_gpt.py --context_parallel 2   # each sequence over 2 ranks
+    python examples/train_gpt.py --steps 200 --generate 200          # then decode through a paged KV cache
 
 Prints the backend name as given, the name it resolves to and the backend that actually runs the
 model's attention (the planner's choice, with the reason when it falls back), then the loss,
@@ -16,6 +17,10 @@ loss curve (examples/plot_losses.py draws several of them).
 sequence across the W ranks (attn_backends.distributed, zigzag layout): each rank embeds, runs and
 scores its rows, the attention runs as ring attention (or --cp_scheme ulysses), and the parameter
 gradients are averaged across ranks, so the loss curve is the one process's (docs/distributed.md).
+
+--generate N then writes N characters after a prompt, one token per step through
+ab.attention_with_kvcache over a paged KV cache (pages of 16 positions, in shuffled order), and
+checks the first step's logits against the model's full forward.
 """
 
 from __future__ import annotations
@@ -81,6 +86,19 @@ class Block(nn.Module):
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, -1))
         return x + self.mlp(self.ln2(x))
 
+    def decode(self, x, cache):
+        """x (B, T, d) new positions against the block's paged cache (k_pages, v_pages, block_table,
+        lengths): the new keys and values are written into the pages and attended with the rest."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split([self.heads * self.hd, self.kv_heads * self.hd,
+                                                self.kv_heads * self.hd], dim=-1)
+        k_pages, v_pages, table, lengths = cache
+        y = ab.attention_with_kvcache(q.view(B, T, self.heads, self.hd), k_pages, v_pages,
+                                      k.view(B, T, self.kv_heads, self.hd), v.view(B, T, self.kv_heads, self.hd),
+                                      cache_seqlens=lengths, block_table=table, causal=True)
+        x = x + self.proj(y.reshape(B, T, -1))
+        return x + self.mlp(self.ln2(x))
+
 
 class GPT(nn.Module):
     def __init__(self, vocab: int, block: int, layers: int, d: int, heads: int, kv_heads: int, dropout: float,
@@ -107,6 +125,42 @@ class GPT(nn.Module):
         logits = self.head(self.ln(x))
         loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return logits, loss
+
+
+@torch.no_grad()
+def generate(model: GPT, prompt: torch.Tensor, n: int, page: int = 16, seed: int = 0) -> tuple[torch.Tensor, float]:
+    """prompt (1, T) token ids -> (1, T + n) with n sampled tokens, decoding one token per step through
+    a paged KV cache per block, and max |logits - full forward's logits| at the prompt's last position."""
+    p = model.tok.weight
+    T = prompt.shape[1]
+    total = T + n
+    if total > model.pos.num_embeddings:
+        raise ValueError(f"prompt + generated tokens ({total}) exceed the model's block ({model.pos.num_embeddings})")
+    pages = -(-total // page)
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randperm(pages, generator=gen).to(torch.int32).view(1, pages).to(p.device)  # any order works
+    caches = []
+    for blk in model.blocks:
+        shape = (pages, page, blk.kv_heads, blk.hd)
+        caches.append((torch.zeros(shape, dtype=p.dtype, device=p.device),
+                       torch.zeros(shape, dtype=p.dtype, device=p.device), table))
+
+    def step(ids, start):
+        x = model.tok(ids) + model.pos(torch.arange(start, start + ids.shape[1], device=ids.device))
+        lengths = torch.tensor([start], dtype=torch.int32, device=ids.device)
+        for blk, (kp, vp, tb) in zip(model.blocks, caches):
+            x = blk.decode(x, (kp, vp, tb, lengths))
+        return model.head(model.ln(x))[:, -1]
+
+    logits = step(prompt, 0)  # the prompt in one call (chunked prefill), then one token per call
+    drift = (logits - model(prompt)[0][:, -1]).abs().max().item()
+    out = [prompt]
+    for t in range(n):
+        nxt = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=gen)
+        out.append(nxt)
+        if t + 1 < n:
+            logits = step(nxt, T + t)
+    return torch.cat(out, 1), drift
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -203,6 +257,9 @@ def main(argv=None):
                     help="split each sequence across W ranks (run under torchrun --nproc_per_node W)")
     ap.add_argument("--cp_scheme", choices=["ring", "ulysses"], default="ring",
                     help="with --context_parallel: ring attention, or Ulysses (heads divisible by W)")
+    ap.add_argument("--generate", type=int, default=0,
+                    help="after training, write this many characters through a paged KV cache")
+    ap.add_argument("--prompt", default="attention ", help="what --generate starts from")
     args = ap.parse_args(argv)
     if args.context_parallel > 1:
         if args.dropout > 0:
@@ -211,6 +268,8 @@ def main(argv=None):
             ap.error("--compile is not supported with --context_parallel (the collectives break the graph)")
         if args.attention_call != "ab":
             ap.error("--context_parallel runs the model's attention through attn_backends.distributed")
+        if args.generate:
+            ap.error("--generate decodes in one process: run it without --context_parallel")
     backend = ab.apply_args(args)
 
     torch.manual_seed(args.seed)
@@ -295,6 +354,14 @@ def main(argv=None):
         val_loss = sum(float(model(*b)[1] if cp is None else cp.mean(cp.loss(model, *b))) for b in val) / 4
     elapsed = time.perf_counter() - t0
     say(f"done: {args.steps} steps in {elapsed:.1f}s, final train loss {curve[-1]:.4f}, val loss {val_loss:.4f}")
+    if args.generate:
+        prompt = torch.tensor([[chars.index(c) for c in args.prompt if c in chars]], device=device)
+        t = time.perf_counter()
+        ids, drift = generate(model, prompt, args.generate, seed=args.seed)
+        dt = time.perf_counter() - t
+        print(f"generate: {args.generate} tokens in {dt:.2f}s ({args.generate / dt:.0f} tokens/s) through "
+              f"ab.attention_with_kvcache, paged; first step vs full forward: max |logits diff| {drift:.2e}")
+        print("".join(chars[i] for i in ids[0].tolist()))
     if args.json and (cp is None or cp.rank == 0):
         with open(args.json, "w") as f:
             json.dump(dict(backend=used, requested=args.attn_implementation, steps=args.steps, loss=curve,

@@ -1,0 +1,473 @@
+"""attention_with_kvcache: flash-attn's ``flash_attn_with_kvcache`` on our backends (docs/decode.md).
+
+One call validates its arguments, asks the planner which backend serves a KV-cache call of its kind
+(the call signature's layout field is 2), and runs it:
+
+- ``paged_attention``: the CPU decode kernel (csrc/cpu/decode_cpu.c) writes the new keys and values
+  into the cache and attends in one op; queries longer than one of its tiles (more than 64 query
+  rows per KV head) go to flash over a gathered view instead, where the tiled products pay off.
+- ``flash``: the cache is gathered into a dense (B, Hkv, S, D) view and our flash kernel attends with
+  a mask that carries leftpad, sequence ends, causal, window and ALiBi.
+- ``math`` and ``eager``: the same gathered view, attended in float64 with plain torch ops (any device).
+
+The gathered paths write the cache with torch ops, exactly where the kernel does, and check the
+values of the index tensors on the host first; the kernel checks them itself.  Either way nothing is
+written when a check fails.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import _planner
+from ._names import ID, resolve
+from ._ops import ops
+
+_FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_INDEX = (torch.int32, torch.int64)
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_is_compiling = torch.compiler.is_compiling
+# query rows per KV head the decode kernel serves in one tile (csrc/cpu/decode_cpu_impl.h DC_ROWS)
+_KERNEL_ROWS = 64
+_INVALID = "attn_backends: invalid argument: "
+
+
+class KVCall(NamedTuple):
+    """A validated call.  seqlen: tokens in every cache row when seqlens is None (-1: the whole
+    cache).  causal is bottom-right; (wl, wr) the window, -1 unbounded."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    k: Optional[torch.Tensor]
+    v: Optional[torch.Tensor]
+    cos: Optional[torch.Tensor]
+    sin: Optional[torch.Tensor]
+    seqlens: Optional[torch.Tensor]
+    seqlen: int
+    batch_idx: Optional[torch.Tensor]
+    leftpad: Optional[torch.Tensor]
+    block_table: Optional[torch.Tensor]
+    alibi: Optional[torch.Tensor]
+    scale: float
+    causal: bool
+    wl: int
+    wr: int
+    softcap: float
+    interleaved: bool
+    num_splits: int
+
+
+# ---- argument checks ---------------------------------------------------------------------------
+
+def _tensor(name, t, ndim, layout, device, dtypes=None, what=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D {layout}, got shape {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must be {what}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on q's device ({device}), got {t.device}")
+
+
+def _index(name, t, B, device):
+    _tensor(name, t, 1, "(B,)", device, _INDEX, "int32 (or int64)")
+    if t.shape[0] != B:
+        raise ValueError(f"{name} must have shape (B,) = ({B},), got {tuple(t.shape)}")
+
+
+def _int(name, x, least):
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < least:
+        raise ValueError(f"{name} must be >= {least}, got {x}")
+    return x
+
+
+def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+          block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+          num_splits) -> KVCall:
+    """Types, shapes, dtypes and devices of every argument (TypeError / ValueError naming it); the
+    values of the index tensors are checked where they are read (see the module docstring)."""
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dim() != 4:
+        raise ValueError(f"q must be 4-D (B, Sq, Hq, D), got shape {tuple(q.shape)}")
+    if q.dtype not in _FLOAT:
+        raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+    dev, dt = q.device, q.dtype
+    B, Sq, Hq, D = q.shape
+    paged = block_table is not None
+    layout = "(num_blocks, block_size, Hkv, D)" if paged else "(B_cache, S_cache, Hkv, D)"
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        _tensor(name, c, 4, layout, dev, (dt,), f"{dt} like q")
+        if c.stride(-1) != 1 and c.numel():
+            raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {c.stride()}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
+    Hkv = k_cache.shape[2]
+    if k_cache.shape[3] != D:
+        raise ValueError(f"k_cache's head dim ({k_cache.shape[3]}) must equal q's ({D})")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"the number of query heads ({Hq}) must be a multiple of the cache's key/value heads ({Hkv})")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together (the new keys and values to append)")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _tensor(name, t, 4, "(B, Sk_new, Hkv, D)", dev, (dt,), f"{dt} like q")
+            if t.shape[0] != B or t.shape[2:] != (Hkv, D):
+                raise ValueError(f"{name} must have shape (B, Sk_new, Hkv, D) = ({B}, Sk_new, {Hkv}, {D}), "
+                                 f"got {tuple(t.shape)}")
+        if v.shape != k.shape:
+            raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    seqlens, seqlen = None, -1
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("cache_seqlens is required when k and v are given (it says where to write them)")
+    elif isinstance(cache_seqlens, torch.Tensor):
+        _index("cache_seqlens", cache_seqlens, B, dev)
+        seqlens = cache_seqlens
+    else:
+        seqlen = _int("cache_seqlens", cache_seqlens, 0)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos and rotary_sin need the new k and v (they rotate the appended keys and q)")
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            _tensor(name, t, 2, "(seqlen_ro, rotary_dim / 2)", dev, _FLOAT, "floating point")
+        if rotary_sin.shape != rotary_cos.shape:
+            raise ValueError(f"rotary_sin must have rotary_cos's shape {tuple(rotary_cos.shape)}, "
+                             f"got {tuple(rotary_sin.shape)}")
+        if not 1 <= rotary_cos.shape[1] <= D // 2:
+            raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {2 * rotary_cos.shape[1]} must be in [2, D = {D}]")
+    if cache_batch_idx is not None:
+        if paged:
+            raise ValueError("cache_batch_idx does not apply to a paged cache (block_table maps the rows)")
+        _index("cache_batch_idx", cache_batch_idx, B, dev)
+    elif not paged and k_cache.shape[0] < B:
+        raise ValueError(f"k_cache has {k_cache.shape[0]} rows for a batch of {B}: "
+                         "give cache_batch_idx to map batch rows to cache rows")
+    if cache_leftpad is not None:
+        _index("cache_leftpad", cache_leftpad, B, dev)
+    if paged:
+        _tensor("block_table", block_table, 2, "(B, max_blocks)", dev, _INDEX, "int32 (or int64)")
+        if block_table.shape[0] != B:
+            raise ValueError(f"block_table must have shape (B, max_blocks) with B = {B}, got {tuple(block_table.shape)}")
+        if k_cache.shape[1] < 1:
+            raise ValueError("a paged cache needs block_size = k_cache.shape[1] >= 1")
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise TypeError(f"alibi_slopes must be a torch.Tensor, got {type(alibi_slopes).__name__}")
+        if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq)):
+            raise ValueError(f"alibi_slopes must have shape (Hq,) = ({Hq},) or (B, Hq) = ({B}, {Hq}), "
+                             f"got {tuple(alibi_slopes.shape)}")
+        _tensor("alibi_slopes", alibi_slopes, alibi_slopes.dim(), "", dev, (torch.float32,), "float32")
+    if softmax_scale is None:
+        scale = D ** -0.5
+    else:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+        scale = float(softmax_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"softmax_scale must be finite, got {scale}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool (bottom-right aligned, as flash-attn), got {type(causal).__name__}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    wl = _int("window_size[0]", window_size[0], -1)
+    wr = _int("window_size[1]", window_size[1], -1)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (softcap >= 0.0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
+    if not isinstance(rotary_interleaved, bool):
+        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
+    num_splits = _int("num_splits", num_splits, 0)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
+        raise RuntimeError("attention_with_kvcache has no backward (inference only): call it under "
+                           "torch.no_grad() or torch.inference_mode(), or with tensors that do not require grad")
+    return KVCall(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen, cache_batch_idx,
+                  cache_leftpad, block_table, alibi_slopes, scale, causal, wl, wr, softcap, rotary_interleaved,
+                  num_splits)
+
+
+# ---- planning ----------------------------------------------------------------------------------
+
+_chosen = ({}, {})
+
+
+def signature(c: KVCall, backend) -> tuple:
+    """The planner's call signature (csrc/ab_planner.h ab_call): layout 2 = a KV-cache call."""
+    from ._dispatch import cuda_device_info
+
+    requested = "auto" if backend == "auto" else (resolve(backend) if backend is not None else "auto")
+    if requested == "auto":
+        requested = _planner.default_backend()
+    q = c.q
+    dev = _planner.DEVICE_IDS.get(q.device.type, 3)
+    cc, lib_ok = cuda_device_info(q.device.index)[:2] if dev == 1 else (0, 0)
+    D = q.shape[3]
+    return (dev, cc, lib_ok, _planner.DTYPE_IDS[q.dtype], D, D, q.shape[2] != c.k_cache.shape[2], False, 0, 0,
+            2 if c.causal else 0, c.wl >= 0 or c.wr >= 0, c.softcap > 0, False, False, False, True, 2,
+            _planner.settings["mps_fix"], ID[requested], _planner.cpu_isa(), _planner.CPU_UNITS)
+
+
+def choose(c: KVCall, backend, strict) -> str:
+    sig = signature(c, backend)
+    strict = bool(strict or _planner.STRICT)
+    chosen = _chosen[strict].get(sig)
+    if chosen is None:
+        chosen = _planner.choose(sig, strict)
+        if len(_chosen[strict]) < 4096:
+            _chosen[strict][sig] = chosen
+    return chosen
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                           cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                           rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend, strict):
+    c = check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+              block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+              num_splits)
+    out, lse = RUNNERS[choose(c, backend, strict)](c)
+    return (out, lse) if return_softmax_lse else out
+
+
+# ---- the decode kernel ---------------------------------------------------------------------------
+
+def run_kernel(c: KVCall):
+    """The CPU decode kernel: cache write and attention in one op.  Its checks of the index values
+    come back as ValueError, like the host checks of the gathered paths."""
+    G = c.q.shape[2] // c.k_cache.shape[2]
+    if c.q.shape[1] * G > _KERNEL_ROWS:
+        return run_gathered(c, _attend_flash)
+    args = (c.q, c.k_cache, c.v_cache, c.k, c.v, c.cos, c.sin, c.seqlens, c.seqlen, c.batch_idx, c.leftpad,
+            c.block_table, c.alibi, c.scale, c.causal, c.wl, c.wr, c.softcap, c.interleaved, c.num_splits)
+    try:
+        if _is_compiling():
+            return ops.kvcache_fwd(*args)
+        with _below_autograd():
+            return ops.kvcache_fwd(*args)
+    except RuntimeError as e:
+        msg = str(e)
+        at = msg.find(_INVALID)
+        if at < 0:
+            raise
+        raise ValueError(msg[at + len(_INVALID):].splitlines()[0]) from None
+
+
+# ---- the gathered paths (flash, math, eager; paged_attention's long queries) --------------------
+
+class _Rows(NamedTuple):
+    """Host copies of the per-row values: tokens in the cache, first visible position, end (one
+    past the last key), dense cache row, and the capacity of a row."""
+
+    seq: list
+    lo: list
+    end: list
+    row: list
+    cap: int
+
+
+def host_rows(c: KVCall) -> _Rows:
+    """The values of the index tensors, checked as the kernel checks them (decode_cpu.c
+    check_values), before anything is written."""
+    B, Sq = c.q.shape[0], c.q.shape[1]
+    paged = c.block_table is not None
+    bs = c.k_cache.shape[1]
+    cap = c.block_table.shape[1] * bs if paged else c.k_cache.shape[1]
+    snew = c.k.shape[1] if c.k is not None else 0
+    seq = c.seqlens.tolist() if c.seqlens is not None else [c.seqlen if c.seqlen >= 0 else cap] * B
+    lo = c.leftpad.tolist() if c.leftpad is not None else [0] * B
+    row = c.batch_idx.tolist() if c.batch_idx is not None else list(range(B))
+    table = c.block_table.tolist() if paged else None
+    per_token = c.causal or 0 <= c.wl < cap or 0 <= c.wr < cap
+    qspan = Sq if per_token else min(Sq, 1)
+    for b in range(B):
+        n = seq[b]
+        if n < 0 or n + snew > cap:
+            if c.seqlens is not None:
+                raise ValueError(f"cache_seqlens[{b}] = {n} is outside the cache: with {snew} new tokens it must be "
+                                 f"in [0, {cap - snew}] (the cache holds {cap} positions per row)")
+            raise ValueError(f"cache_seqlens = {n} is outside the cache: with {snew} new tokens it must be in "
+                             f"[0, {cap - snew}]")
+        if not 0 <= lo[b] <= n:
+            raise ValueError(f"cache_leftpad[{b}] = {lo[b]} must be in [0, cache_seqlens[{b}] = {n}]")
+        if c.batch_idx is not None and not 0 <= row[b] < c.k_cache.shape[0]:
+            raise ValueError(f"cache_batch_idx[{b}] = {row[b]} is not a row of k_cache (it has {c.k_cache.shape[0]})")
+        if paged:
+            for i in range(lo[b] // bs, -(-(n + snew) // bs)):
+                if not 0 <= table[b][i] < c.k_cache.shape[0]:
+                    raise ValueError(f"block_table[{b}][{i}] = {table[b][i]} is not a block of k_cache (it has "
+                                     f"{c.k_cache.shape[0]}), and row {b} reads or writes positions up to "
+                                     f"{n + snew - 1}")
+        if c.cos is not None:
+            need = n + max(snew, qspan)
+            if need > c.cos.shape[0]:
+                raise ValueError(f"rotary_cos has {c.cos.shape[0]} positions, but row {b} rotates up to position "
+                                 f"{need - 1} (cache_seqlens[{b}] + {need - n - 1})")
+    return _Rows(seq, lo, [seq[b] + snew for b in range(B)], row, cap)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pos: torch.Tensor, interleaved: bool,
+           dtype: torch.dtype) -> torch.Tensor:
+    """x (B, S, H, D) rotated in dtype at positions pos (B, S): pairs (2i, 2i + 1) when interleaved,
+    else the GPT-NeoX halves (i, i + rotary_dim / 2); dims past rotary_dim unchanged.  In float32 the
+    arithmetic is the kernel's: x0 * cos - x1 * sin and x0 * sin + x1 * cos, each product rounded."""
+    half = cos.shape[1]
+    c = cos.to(dtype)[pos].unsqueeze(2)  # (B, S, 1, half)
+    s = sin.to(dtype)[pos].unsqueeze(2)
+    y = x.to(dtype).clone()
+    if interleaved:
+        x0, x1 = y[..., 0:2 * half:2].clone(), y[..., 1:2 * half:2].clone()
+        y[..., 0:2 * half:2] = x0 * c - x1 * s
+        y[..., 1:2 * half:2] = x0 * s + x1 * c
+    else:
+        x0, x1 = y[..., :half].clone(), y[..., half:2 * half].clone()
+        y[..., :half] = x0 * c - x1 * s
+        y[..., half:2 * half] = x0 * s + x1 * c
+    return y
+
+
+def _positions(rows: _Rows, S: int, device) -> torch.Tensor:
+    """(B, S) int64: cache_seqlens[b] + t."""
+    return torch.tensor(rows.seq, dtype=torch.int64, device=device)[:, None] + torch.arange(S, device=device)
+
+
+def append(c: KVCall, rows: _Rows) -> None:
+    """The new keys (rotated) and values into the cache at cache_seqlens[b] + t, in place."""
+    if c.k is None or c.k.shape[1] == 0 or c.q.shape[0] == 0:
+        return
+    pos = _positions(rows, c.k.shape[1], c.q.device)
+    k_new = c.k if c.cos is None else rotate(c.k, c.cos, c.sin, pos, c.interleaved, torch.float32).to(c.k.dtype)
+    if c.block_table is None:
+        r = torch.tensor(rows.row, dtype=torch.int64, device=c.q.device)[:, None].expand_as(pos)
+        c.k_cache[r, pos] = k_new
+        c.v_cache[r, pos] = c.v
+    else:
+        bs = c.k_cache.shape[1]
+        blk = torch.gather(c.block_table.long(), 1, pos // bs)
+        c.k_cache[blk, pos % bs] = k_new
+        c.v_cache[blk, pos % bs] = c.v
+
+
+def gather(c: KVCall, rows: _Rows):
+    """The keys and values positions [0, max end) of every row as (B, S, Hkv, D), and the keys each
+    query sees: bool (B, Sq, S), leftpad, sequence end, causal and window, bottom-right aligned."""
+    B, Sq = c.q.shape[0], c.q.shape[1]
+    dev = c.q.device
+    S = max(rows.end, default=0)
+    if c.block_table is None and c.batch_idx is None:
+        K, V = c.k_cache[:B, :S], c.v_cache[:B, :S]  # views: no copy
+    elif c.block_table is None:
+        r = torch.tensor(rows.row, dtype=torch.int64, device=dev)
+        K, V = c.k_cache[r, :S], c.v_cache[r, :S]
+    else:
+        bs = c.k_cache.shape[1]
+        nb = -(-S // bs)
+        blocks = c.block_table[:, :nb].long().clamp(0, c.k_cache.shape[0] - 1)  # unread blocks may be padding
+        K = c.k_cache[blocks].reshape(B, nb * bs, *c.k_cache.shape[2:])[:, :S]
+        V = c.v_cache[blocks].reshape(B, nb * bs, *c.v_cache.shape[2:])[:, :S]
+    j = torch.arange(S, device=dev).view(1, 1, S)
+    end = torch.tensor(rows.end, dtype=torch.int64, device=dev).view(B, 1, 1)
+    lo = torch.tensor(rows.lo, dtype=torch.int64, device=dev).view(B, 1, 1)
+    ii = torch.arange(Sq, device=dev).view(1, Sq, 1) + end - Sq  # the query's position
+    vis = ((j >= lo) & (j < end)).expand(B, Sq, S)
+    if c.causal:
+        vis = vis & (j <= ii)
+    if c.wl >= 0:
+        vis = vis & (j >= ii - c.wl)
+    if c.wr >= 0:
+        vis = vis & (j <= ii + c.wr)
+    return K, V, vis, ii
+
+
+def _alibi_bias(c: KVCall, ii: torch.Tensor, S: int, dtype) -> torch.Tensor:
+    """(B, Hq, Sq, S): -slope * |query position - key position|."""
+    B, Hq = c.q.shape[0], c.q.shape[2]
+    slopes = c.alibi.to(dtype).expand(B, Hq).reshape(B, Hq, 1, 1)
+    dist = (ii - torch.arange(S, device=ii.device).view(1, 1, S)).abs().to(dtype).unsqueeze(1)
+    return -slopes * dist
+
+
+def run_gathered(c: KVCall, attend):
+    """Host checks, the cache write with torch ops, then ``attend(c, rows, q_rotated)``."""
+    rows = host_rows(c)
+    append(c, rows)
+    B, Sq, Hq, D = c.q.shape
+    if B == 0 or Sq == 0 or Hq == 0:
+        return c.q.new_empty(B, Sq, Hq, D), torch.empty(B, Hq, Sq, dtype=torch.float32, device=c.q.device)
+    return attend(c, rows)
+
+
+def _rotated_q(c: KVCall, rows: _Rows, dtype) -> torch.Tensor:
+    if c.cos is None:
+        return c.q.to(dtype)
+    Sq = c.q.shape[1]
+    pos = _positions(rows, Sq, c.q.device)
+    if not (c.causal or 0 <= c.wl < rows.cap or 0 <= c.wr < rows.cap):
+        pos = pos[:, :1].expand(-1, Sq)  # every token at cache_seqlens, as flash-attn
+    return rotate(c.q, c.cos, c.sin, pos, c.interleaved, dtype)
+
+
+def _attend_flash(c: KVCall, rows: _Rows):
+    """Our flash kernel over the gathered cache; the visibility (and ALiBi) as its attn_mask."""
+    K, V, vis, ii = gather(c, rows)
+    q = _rotated_q(c, rows, torch.float32).to(c.q.dtype)
+    mask = vis.unsqueeze(1)  # (B, 1, Sq, S)
+    if c.alibi is not None:
+        bias = _alibi_bias(c, ii, K.shape[1], torch.float32)
+        mask = bias.masked_fill(~mask, -math.inf)
+    args = (q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), mask, None, 0, c.scale, -1, -1, c.softcap, 0.0)
+    with _below_autograd():
+        out, lse = ops.flash_fwd(*args)
+    return out.transpose(1, 2), lse
+
+
+def _attend_float64(c: KVCall, rows: _Rows):
+    """Plain torch ops in float64 over the gathered cache (any device)."""
+    K, V, vis, ii = gather(c, rows)
+    B, Sq, Hq, D = c.q.shape
+    G = Hq // K.shape[2]
+    q = _rotated_q(c, rows, torch.float64)
+    Kr = K.double().repeat_interleave(G, dim=2)  # (B, S, Hq, D)
+    Vr = V.double().repeat_interleave(G, dim=2)
+    s = torch.einsum("bthd,bshd->bhts", q, Kr) * c.scale
+    if c.softcap > 0:
+        s = c.softcap * torch.tanh(s / c.softcap)
+    if c.alibi is not None:
+        s = s + _alibi_bias(c, ii, K.shape[1], torch.float64)
+    s = s.masked_fill(~vis.unsqueeze(1), -math.inf)
+    if s.shape[-1] == 0:  # no row has a key
+        return c.q.new_zeros(B, Sq, Hq, D), torch.full((B, Hq, Sq), -math.inf, device=c.q.device)
+    dead = (s == -math.inf).all(dim=-1, keepdim=True)  # no visible key: out 0, lse -inf
+    s = s.masked_fill(dead, 0.0)
+    m = s.amax(dim=-1, keepdim=True)
+    e = torch.exp(s - m).masked_fill(dead, 0.0)
+    denom = e.sum(dim=-1, keepdim=True)
+    p = e / torch.where(dead, torch.ones_like(denom), denom)
+    lse = torch.where(dead, torch.full_like(denom, -math.inf), m + torch.log(denom)).squeeze(-1)
+    out = torch.einsum("bhts,bshd->bthd", p, Vr)
+    return out.to(c.q.dtype), lse.float()
+
+
+def run_flash(c: KVCall):
+    return run_gathered(c, _attend_flash)
+
+
+def run_float64(c: KVCall):
+    return run_gathered(c, _attend_float64)
+
+
+RUNNERS = {
+    "paged_attention": run_kernel,
+    "flash": run_flash,
+    "math": run_float64,
+    "eager": run_float64,
+}

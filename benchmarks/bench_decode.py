@@ -1,0 +1,270 @@
+"""Decode benchmark: ab.attention_with_kvcache (the paged_attention kernel) vs torch SDPA, and both
+against the machine's read bandwidth, in one run.
+
+Decode reads the whole KV cache once per query token and computes little per byte, so the ceiling
+is memory bandwidth.  Each round measures that ceiling (a sum over a 256 MiB float32 buffer on the
+threads torch uses) beside the candidates, interleaved, so a drifting or shared machine moves all
+of them alike; the table shows medians over rounds:
+
+  - ours: one query token (Sq = 1) against a dense cache (B, Sk, Hkv, D), cache_seqlens = Sk;
+  - paged: the same cache as pages of 16 (and 256) positions under a shuffled block_table;
+  - sdpa: torch.nn.functional.scaled_dot_product_attention on the dense equivalent, q (B, Hq, 1, D)
+    and contiguous k, v (B, Hkv, Sk, D) with enable_gqa (the layout torch likes best);
+  - GB/s = K and V bytes / time, and its % of the measured read bandwidth; ratio = sdpa / ours.
+
+Every candidate reads a different copy of its cache than the call before it, with enough copies
+that they do not fit in the last-level cache, so each call streams from memory.  Shapes (issue
+19): B=1 Hq=32 Hkv=8 Sk=16384; B=8 Hq=32 Hkv=8 Sk=2048; MHA B=4 Hq=Hkv=32 Sk=2048; D=128; bfloat16
+and float32.  --sweep adds time against cache length (B=1 Hq=32 Hkv=8 D=128) for a plot: a CSV
+always, a PNG when matplotlib is installed.
+
+    python benchmarks/bench_decode.py --json benchmarks/results/decode.json --sweep
+    python benchmarks/bench_decode.py --quick          # one shape per dtype, few rounds: a check only
+    python benchmarks/bench_decode.py --threads 1      # one core
+
+Numbers are only meaningful on a quiet machine: the candidates and the bandwidth probe share it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attn_backends as ab
+
+SHAPES = [  # (label, B, Hq, Hkv, Sk)
+    ("B1 GQA 32/8 Sk16384", 1, 32, 8, 16384),
+    ("B8 GQA 32/8 Sk2048", 8, 32, 8, 2048),
+    ("B4 MHA 32/32 Sk2048", 4, 32, 32, 2048),
+]
+D = 128
+PROBE_BYTES = 256 << 20
+LLC_GUESS = 512 << 20  # copies of a cache add up to at least this, so a call never finds it cached
+
+
+def read_bandwidth_probe():
+    buf = torch.ones(PROBE_BYTES // 4, dtype=torch.float32)
+
+    def run():
+        t = time.perf_counter()
+        buf.sum()
+        return PROBE_BYTES / (time.perf_counter() - t)
+
+    run()
+    return run
+
+
+def paged_copy(k, v, block, gen):
+    """The dense cache (B, Sk, Hkv, D) as pages of `block` positions in shuffled order."""
+    B, Sk = k.shape[:2]
+    nb = -(-Sk // block)
+    perm = torch.randperm(B * nb, generator=gen)
+    table = perm.view(B, nb).to(torch.int32)
+    pages_k = torch.empty(B * nb, block, *k.shape[2:], dtype=k.dtype)
+    pages_v = torch.empty_like(pages_k)
+    pad = nb * block - Sk
+    kp = torch.cat([k, k.new_zeros(B, pad, *k.shape[2:])], 1).view(B * nb, block, *k.shape[2:])
+    vp = torch.cat([v, v.new_zeros(B, pad, *v.shape[2:])], 1).view(B * nb, block, *v.shape[2:])
+    pages_k[perm] = kp
+    pages_v[perm] = vp
+    return pages_k, pages_v, table
+
+
+class Case:
+    """Copies of one shape's inputs for every candidate, and the candidates as callables."""
+
+    def __init__(self, B, Hq, Hkv, Sk, dtype, blocks=(16, 256), seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.kv_bytes = 2 * B * Sk * Hkv * D * torch.finfo(dtype).bits // 8
+        copies = max(2, -(-LLC_GUESS // self.kv_bytes))
+        self.q = torch.randn(B, 1, Hq, D, generator=gen).to(dtype)
+        self.seqlens = torch.full((B,), Sk, dtype=torch.int32)
+        self.dense, self.sdpa, self.paged = [], [], {b: [] for b in blocks}
+        for _ in range(copies):
+            k = torch.randn(B, Sk, Hkv, D, generator=gen).to(dtype)
+            v = torch.randn(B, Sk, Hkv, D, generator=gen).to(dtype)
+            self.dense.append((k, v))
+            self.sdpa.append((k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()))
+        for block in blocks:
+            for k, v in self.dense[:copies]:
+                self.paged[block].append(paged_copy(k, v, block, gen))
+        self.q_sdpa = self.q.transpose(1, 2).contiguous()
+        self.turn = 0
+        self.gqa = Hq != Hkv
+
+    def _next(self, seq):
+        self.turn += 1
+        return seq[self.turn % len(seq)]
+
+    def ours(self):
+        k, v = self._next(self.dense)
+        return ab.attention_with_kvcache(self.q, k, v, cache_seqlens=self.seqlens, backend="paged_attention",
+                                         strict=True)
+
+    def paged_fn(self, block):
+        def run():
+            k, v, table = self._next(self.paged[block])
+            return ab.attention_with_kvcache(self.q, k, v, cache_seqlens=self.seqlens, block_table=table,
+                                             backend="paged_attention", strict=True)
+        return run
+
+    def torch_sdpa(self):
+        k, v = self._next(self.sdpa)
+        return F.scaled_dot_product_attention(self.q_sdpa, k, v, enable_gqa=self.gqa)
+
+    def check(self):
+        """Ours (dense and paged) against torch on the same data before timing anything."""
+        k, v = self.dense[0]
+        want = F.scaled_dot_product_attention(self.q_sdpa.double(), k.transpose(1, 2).double(),
+                                              v.transpose(1, 2).double(), enable_gqa=self.gqa).transpose(1, 2)
+        got = [ab.attention_with_kvcache(self.q, k, v, cache_seqlens=self.seqlens, backend="paged_attention",
+                                         strict=True)]
+        for block, copies in self.paged.items():
+            pk, pv, table = copies[0]
+            got.append(ab.attention_with_kvcache(self.q, pk, pv, cache_seqlens=self.seqlens, block_table=table,
+                                                 backend="paged_attention", strict=True))
+        tol = 2e-2 if self.q.dtype == torch.bfloat16 else 1e-4
+        for g in got:
+            err = (g.double() - want).abs().max().item()
+            assert err < tol, f"decode result differs from the reference by {err}"
+
+
+def timed(fn, reps):
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps
+
+
+def measure(case: Case, rounds: int, probe, blocks):
+    """Medians over rounds of seconds per call for each candidate, and of the read bandwidth."""
+    cands = {"ours": case.ours, "sdpa": case.torch_sdpa}
+    for b in blocks:
+        cands[f"paged{b}"] = case.paged_fn(b)
+    for fn in cands.values():  # warm-up: thread pool, allocator, page faults
+        fn()
+        fn()
+    reps = max(1, int(0.05 / max(timed(case.ours, 1), 1e-6)))  # about 50 ms of calls per sample
+    times = {n: [] for n in cands}
+    bw = []
+    for _ in range(rounds):
+        bw.append(probe())
+        for name, fn in cands.items():
+            times[name].append(timed(fn, reps))
+    return {n: statistics.median(t) for n, t in times.items()}, statistics.median(bw)
+
+
+def table_row(label, dtype, med, bw, kv_bytes, blocks):
+    ours = med["ours"]
+    cells = [f"{label:<22}", f"{str(dtype)[6:]:<8}", f"{bw / 1e9:6.1f}"]
+    for name in ["ours", "sdpa"] + [f"paged{b}" for b in blocks]:
+        gbs = kv_bytes / med[name]
+        cells.append(f"{med[name] * 1e3:8.3f} {gbs / 1e9:6.1f} {100 * gbs / bw:4.0f}%")
+    cells.append(f"{med['sdpa'] / ours:5.2f}x")
+    cells += [f"{med[f'paged{b}'] / ours:5.2f}" for b in blocks]
+    return "  ".join(cells)
+
+
+def sweep(dtype, rounds, probe, lengths, out_dir, stem):
+    rows = []
+    for Sk in lengths:
+        case = Case(1, 32, 8, Sk, dtype, blocks=(16,))
+        med, bw = measure(case, rounds, probe, (16,))
+        rows.append(dict(Sk=Sk, dtype=str(dtype)[6:], ours_ms=med["ours"] * 1e3, paged16_ms=med["paged16"] * 1e3,
+                         sdpa_ms=med["sdpa"] * 1e3, read_GBps=bw / 1e9, kv_bytes=case.kv_bytes))
+        print(f"  Sk {Sk:>6}  ours {med['ours'] * 1e3:8.3f} ms  paged16 {med['paged16'] * 1e3:8.3f} ms  "
+              f"sdpa {med['sdpa'] * 1e3:8.3f} ms", flush=True)
+        del case
+    path = os.path.join(out_dir, f"{stem}_sweep_{str(dtype)[6:]}.csv")
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"  wrote {path}")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("  (matplotlib is not installed: no plot, the CSV has the numbers)")
+        return rows
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [r["Sk"] for r in rows]
+    for key, label in (("ours_ms", "ours (dense)"), ("paged16_ms", "ours (paged, 16)"), ("sdpa_ms", "torch SDPA")):
+        ax.plot(xs, [r[key] for r in rows], marker="o", label=label)
+    ax.plot(xs, [r["kv_bytes"] / (r["read_GBps"] * 1e9) * 1e3 for r in rows], "k--", label="K+V at read bandwidth")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("cache length Sk")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(f"decode, B=1 Hq=32 Hkv=8 D=128 {str(dtype)[6:]}, {torch.get_num_threads()} threads")
+    ax.legend()
+    fig.tight_layout()
+    png = os.path.join(out_dir, f"{stem}_sweep_{str(dtype)[6:]}.png")
+    fig.savefig(png, dpi=120)
+    print(f"  wrote {png}")
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="first shape only, 3 rounds: a check, not a measurement")
+    ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--sweep", action="store_true", help="also time against cache length (CSV, PNG)")
+    ap.add_argument("--sweep-lengths", default="512,1024,2048,4096,8192,16384,32768")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rounds = 3 if args.quick else args.rounds
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
+    blocks = (16, 256)
+    probe = read_bandwidth_probe()
+    print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}")
+    print("per candidate: ms per call, GB/s of K and V, % of the read bandwidth; ratio = sdpa / ours; "
+          "paged = paged / dense time")
+    print(f"{'shape':<22}  {'dtype':<8}  {'read':>6}  {'ours':>21}  {'sdpa':>21}  {'paged16':>21}  {'paged256':>21}"
+          f"  ratio  p16   p256")
+    results = []
+    with torch.inference_mode():
+        for dtype in dtypes:
+            for label, B, Hq, Hkv, Sk in shapes:
+                case = Case(B, Hq, Hkv, Sk, dtype, blocks)
+                case.check()
+                med, bw = measure(case, rounds, probe, blocks)
+                print(table_row(label, dtype, med, bw, case.kv_bytes, blocks), flush=True)
+                results.append(dict(shape=label, B=B, Hq=Hq, Hkv=Hkv, Sk=Sk, D=D, dtype=str(dtype)[6:],
+                                    read_GBps=bw / 1e9, kv_bytes=case.kv_bytes,
+                                    **{f"{n}_ms": t * 1e3 for n, t in med.items()}))
+                del case
+        sweeps = {}
+        if args.sweep:
+            out_dir = os.path.dirname(args.json) if args.json else "."
+            stem = os.path.splitext(os.path.basename(args.json))[0] if args.json else "decode"
+            lengths = [int(x) for x in args.sweep_lengths.split(",")]
+            for dtype in dtypes:
+                print(f"sweep {str(dtype)[6:]} (B=1 Hq=32 Hkv=8 D=128):")
+                sweeps[str(dtype)[6:]] = sweep(dtype, rounds, probe, lengths, out_dir or ".", stem)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(machine=platform.platform(), processor=platform.processor(),
+                           threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
+                           date=time.strftime("%Y-%m-%d"), rounds=rounds, results=results, sweeps=sweeps), f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

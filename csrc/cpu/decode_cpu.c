@@ -1,0 +1,439 @@
+/* decode_cpu.c -- the KV-cache attention entry point (decode_cpu.h): checks every argument and
+ * value, writes the new keys and values into the cache (rotated when asked), prepares the queries,
+ * runs the per-ISA kernel over (batch, KV head, split) items and merges the splits.
+ *
+ * Order matters for the caller's cache: nothing is written until every check has passed.
+ */
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "ab_cpu.h"
+#include "ab_vec.h"
+#include "decode_cpu.h"
+
+#define MAX_SPLITS 256
+/* Splits chosen by the heuristic keep at least this many keys each: below it the merge and the
+ * per-item setup cost more than the parallelism gains. */
+#define MIN_SPLIT_KEYS 256
+/* Query rows (tokens x query heads) one work item streams its keys for: the kernel keeps up to 64
+ * rows' softmax state and accumulators per tile. */
+#define MAX_ITEM_ROWS 64
+
+static const ab_decode_cpu_table* decode_table(void) {
+  switch (ab_cpu_isa_get()) {
+    case AB_ISA_AVX512: return &ab_decode_cpu_avx512;
+    case AB_ISA_AVX2: return &ab_decode_cpu_avx2;
+    default: return &ab_decode_cpu_generic;
+  }
+}
+
+static int is_index(const ab_tensor* t) { return t->dtype == AB_DTYPE_I32 || t->dtype == AB_DTYPE_I64; }
+
+static int64_t index_at(const ab_tensor* t, int64_t i, int64_t j) {
+  const int64_t off = i * t->strides[0] + (t->ndim > 1 ? j * t->strides[1] : 0);
+  return t->dtype == AB_DTYPE_I64 ? ((const int64_t*)t->data)[off] : ((const int32_t*)t->data)[off];
+}
+
+static int paged(const ab_kvcache_params* p) { return p->block_table.ndim > 0; }
+
+/* positions a cache row holds */
+static int64_t capacity(const ab_kvcache_params* p) {
+  return paged(p) ? p->block_table.sizes[1] * p->k_cache.sizes[1] : p->k_cache.sizes[1];
+}
+
+static int64_t new_tokens(const ab_kvcache_params* p) { return p->k_new.ndim ? p->k_new.sizes[1] : 0; }
+
+static int64_t seqlen_of(const ab_kvcache_params* p, int64_t b) {
+  if (p->cache_seqlens.ndim) return index_at(&p->cache_seqlens, b, 0);
+  return p->cache_seqlen >= 0 ? p->cache_seqlen : capacity(p);
+}
+
+#define TRY(expr)               \
+  do {                          \
+    ab_status s_ = (expr);      \
+    if (s_ != AB_OK) return s_; \
+  } while (0)
+
+static ab_status want_shape(ab_error* err, const char* name, const ab_tensor* t, int ndim,
+                            const int64_t* want, const char* layout) {
+  int ok = t->ndim == ndim;
+  for (int d = 0; ok && d < ndim; ++d) ok = (want[d] < 0 || t->sizes[d] == want[d]) && t->strides[d] >= 0;
+  if (ok) return AB_OK;
+  char got[96] = "";
+  size_t n = 0;
+  for (int d = 0; d < t->ndim && n < sizeof got; ++d)
+    n += (size_t)snprintf(got + n, sizeof got - n, "%s%lld", d ? ", " : "", (long long)t->sizes[d]);
+  return ab_error_set(err, AB_ERR_INVALID, "%s must be %s (non-negative strides), got shape (%s)", name,
+                      layout, got);
+}
+
+static ab_status want_dtype(ab_error* err, const char* name, const ab_tensor* t, ab_dtype dt) {
+  if (t->dtype == dt) return AB_OK;
+  return ab_error_set(err, AB_ERR_INVALID, "%s must be %s like q, got %s", name, ab_dtype_name(dt),
+                      ab_dtype_name(t->dtype));
+}
+
+static ab_status want_index(ab_error* err, const char* name, const ab_tensor* t) {
+  if (is_index(t)) return AB_OK;
+  return ab_error_set(err, AB_ERR_INVALID, "%s must be int32 (or int64), got %s", name, ab_dtype_name(t->dtype));
+}
+
+static ab_status want_cpu(ab_error* err, const char* name, const ab_tensor* t) {
+  if (t->ndim == 0 || t->device == AB_DEVICE_CPU) return AB_OK;
+  return ab_error_set(err, AB_ERR_INVALID, "%s must be a CPU tensor for the CPU decode kernel", name);
+}
+
+/* Shapes, dtypes, devices and options: everything but the values of the index tensors. */
+static ab_status check_call(const ab_kvcache_params* p, ab_error* err) {
+  const ab_dtype dt = p->q.dtype;
+  if (dt != AB_DTYPE_F32 && dt != AB_DTYPE_F16 && dt != AB_DTYPE_BF16)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "the CPU decode kernel takes float16, bfloat16 or float32 q, got %s",
+                        ab_dtype_name(dt));
+  if (p->B < 0 || p->Sq < 0 || p->Hq < 0 || p->Hkv < 1 || p->D < 1)
+    return ab_error_set(err, AB_ERR_INVALID, "sizes must be B, Sq, Hq >= 0 and Hkv, D >= 1");
+  if (p->Hq % p->Hkv)
+    return ab_error_set(err, AB_ERR_INVALID,
+                        "the number of query heads (%lld) must be a multiple of the cache's key/value heads (%lld)",
+                        (long long)p->Hq, (long long)p->Hkv);
+  const int64_t qs[4] = {p->B, p->Sq, p->Hq, p->D};
+  TRY(want_shape(err, "q", &p->q, 4, qs, "(B, Sq, Hq, D)"));
+  const int64_t cs[4] = {-1, -1, p->Hkv, p->D};
+  const char* cache_layout = paged(p) ? "(num_blocks, block_size, Hkv, D)" : "(B_cache, S_cache, Hkv, D)";
+  TRY(want_shape(err, "k_cache", &p->k_cache, 4, cs, cache_layout));
+  const int64_t vs[4] = {p->k_cache.sizes[0], p->k_cache.sizes[1], p->Hkv, p->D};
+  TRY(want_shape(err, "v_cache", &p->v_cache, 4, vs, "k_cache's shape"));
+  TRY(want_dtype(err, "k_cache", &p->k_cache, dt));
+  TRY(want_dtype(err, "v_cache", &p->v_cache, dt));
+  if (p->k_cache.strides[3] != 1 || p->v_cache.strides[3] != 1)
+    return ab_error_set(err, AB_ERR_INVALID, "k_cache and v_cache must have a contiguous last dimension");
+  if ((p->k_new.ndim > 0) != (p->v_new.ndim > 0))
+    return ab_error_set(err, AB_ERR_INVALID, "k and v must be given together");
+  if (p->k_new.ndim) {
+    const int64_t ns[4] = {p->B, -1, p->Hkv, p->D};
+    TRY(want_shape(err, "k", &p->k_new, 4, ns, "(B, Sk_new, Hkv, D)"));
+    const int64_t nv[4] = {p->B, p->k_new.sizes[1], p->Hkv, p->D};
+    TRY(want_shape(err, "v", &p->v_new, 4, nv, "k's shape"));
+    TRY(want_dtype(err, "k", &p->k_new, dt));
+    TRY(want_dtype(err, "v", &p->v_new, dt));
+    if (!p->cache_seqlens.ndim && p->cache_seqlen < 0)
+      return ab_error_set(err, AB_ERR_INVALID, "cache_seqlens is required when k and v are given (where to write them)");
+  }
+  if ((p->rotary_cos.ndim > 0) != (p->rotary_sin.ndim > 0))
+    return ab_error_set(err, AB_ERR_INVALID, "rotary_cos and rotary_sin must be given together");
+  if (p->rotary_cos.ndim) {
+    if (!p->k_new.ndim)
+      return ab_error_set(err, AB_ERR_INVALID, "rotary_cos and rotary_sin need the new k and v to rotate");
+    const int64_t rs[2] = {-1, -1};
+    TRY(want_shape(err, "rotary_cos", &p->rotary_cos, 2, rs, "(seqlen_ro, rotary_dim / 2)"));
+    const int64_t ss[2] = {p->rotary_cos.sizes[0], p->rotary_cos.sizes[1]};
+    TRY(want_shape(err, "rotary_sin", &p->rotary_sin, 2, ss, "rotary_cos's shape"));
+    if (p->rotary_cos.sizes[1] < 1 || 2 * p->rotary_cos.sizes[1] > p->D)
+      return ab_error_set(err, AB_ERR_INVALID, "rotary_dim = 2 * rotary_cos.shape[1] = %lld must be in [2, D = %lld]",
+                          (long long)(2 * p->rotary_cos.sizes[1]), (long long)p->D);
+    if (!ab_dtype_is_floating(p->rotary_cos.dtype) || !ab_dtype_is_floating(p->rotary_sin.dtype))
+      return ab_error_set(err, AB_ERR_INVALID, "rotary_cos and rotary_sin must be floating point");
+  }
+  const int64_t bsz[1] = {p->B};
+  if (p->cache_seqlens.ndim) {
+    TRY(want_shape(err, "cache_seqlens", &p->cache_seqlens, 1, bsz, "(B,)"));
+    TRY(want_index(err, "cache_seqlens", &p->cache_seqlens));
+  } else if (p->cache_seqlen < -1) {
+    return ab_error_set(err, AB_ERR_INVALID, "cache_seqlens must be >= 0, got %lld", (long long)p->cache_seqlen);
+  }
+  if (p->cache_batch_idx.ndim) {
+    if (paged(p))
+      return ab_error_set(err, AB_ERR_INVALID, "cache_batch_idx does not apply to a paged cache (block_table maps the rows)");
+    TRY(want_shape(err, "cache_batch_idx", &p->cache_batch_idx, 1, bsz, "(B,)"));
+    TRY(want_index(err, "cache_batch_idx", &p->cache_batch_idx));
+  } else if (!paged(p) && p->k_cache.sizes[0] < p->B) {
+    return ab_error_set(err, AB_ERR_INVALID,
+                        "k_cache has %lld rows for a batch of %lld: give cache_batch_idx to map batch rows to cache rows",
+                        (long long)p->k_cache.sizes[0], (long long)p->B);
+  }
+  if (p->cache_leftpad.ndim) {
+    TRY(want_shape(err, "cache_leftpad", &p->cache_leftpad, 1, bsz, "(B,)"));
+    TRY(want_index(err, "cache_leftpad", &p->cache_leftpad));
+  }
+  if (paged(p)) {
+    const int64_t bt[2] = {p->B, -1};
+    TRY(want_shape(err, "block_table", &p->block_table, 2, bt, "(B, max_blocks)"));
+    TRY(want_index(err, "block_table", &p->block_table));
+    if (p->k_cache.sizes[1] < 1) return ab_error_set(err, AB_ERR_INVALID, "a paged cache needs block_size >= 1");
+  }
+  if (p->alibi_slopes.ndim) {
+    const int64_t a1[1] = {p->Hq}, a2[2] = {p->B, p->Hq};
+    if (p->alibi_slopes.ndim == 1)
+      TRY(want_shape(err, "alibi_slopes", &p->alibi_slopes, 1, a1, "(Hq,) or (B, Hq)"));
+    else
+      TRY(want_shape(err, "alibi_slopes", &p->alibi_slopes, 2, a2, "(Hq,) or (B, Hq)"));
+    if (p->alibi_slopes.dtype != AB_DTYPE_F32)
+      return ab_error_set(err, AB_ERR_INVALID, "alibi_slopes must be float32, got %s",
+                          ab_dtype_name(p->alibi_slopes.dtype));
+  }
+  const ab_tensor* all[] = {&p->q, &p->k_cache, &p->v_cache, &p->k_new, &p->v_new, &p->rotary_cos,
+                            &p->rotary_sin, &p->cache_seqlens, &p->cache_batch_idx, &p->cache_leftpad,
+                            &p->block_table, &p->alibi_slopes, &p->out, &p->lse};
+  const char* names[] = {"q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+                         "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "out", "lse"};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) TRY(want_cpu(err, names[i], all[i]));
+  TRY(want_shape(err, "out", &p->out, 4, qs, "(B, Sq, Hq, D)"));
+  TRY(want_dtype(err, "out", &p->out, dt));
+  const int64_t ls[3] = {p->B, p->Hq, p->Sq};
+  TRY(want_shape(err, "lse", &p->lse, 3, ls, "(B, Hq, Sq)"));
+  if (p->lse.dtype != AB_DTYPE_F32) return ab_error_set(err, AB_ERR_INVALID, "lse must be float32");
+  if (!isfinite(p->scale)) return ab_error_set(err, AB_ERR_INVALID, "softmax_scale must be finite, got %g", p->scale);
+  if (!(p->softcap >= 0.0) || !isfinite(p->softcap))
+    return ab_error_set(err, AB_ERR_INVALID, "softcap must be >= 0 and finite, got %g", p->softcap);
+  if (p->window_left < -1 || p->window_right < -1)
+    return ab_error_set(err, AB_ERR_INVALID, "window_size values must be >= -1, got (%lld, %lld)",
+                        (long long)p->window_left, (long long)p->window_right);
+  if (p->num_splits < 0) return ab_error_set(err, AB_ERR_INVALID, "num_splits must be >= 0, got %d", p->num_splits);
+  if (ab_cpu_isa_error()) return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s", ab_cpu_isa_error());
+  return AB_OK;
+}
+
+/* Whether q rotates at one position per token (flash-attn: causal or a window shorter than the
+ * cache) or at cache_seqlens for every token. */
+static int q_rotates_per_token(const ab_kvcache_params* p) {
+  const int64_t cap = capacity(p);
+  return p->causal || (p->window_left >= 0 && p->window_left < cap) || (p->window_right >= 0 && p->window_right < cap);
+}
+
+/* The values: sequence lengths inside the cache, leftpad inside them, cache rows and blocks that
+ * exist, rotary tables long enough.  Runs before anything is written. */
+static ab_status check_values(const ab_kvcache_params* p, ab_error* err) {
+  const int64_t cap = capacity(p), snew = new_tokens(p);
+  const int64_t qspan = q_rotates_per_token(p) ? p->Sq : (p->Sq > 0);
+  for (int64_t b = 0; b < p->B; ++b) {
+    const int64_t len = seqlen_of(p, b);
+    if (len < 0 || len + snew > cap) {
+      if (p->cache_seqlens.ndim)
+        return ab_error_set(err, AB_ERR_INVALID,
+                            "cache_seqlens[%lld] = %lld is outside the cache: with %lld new tokens it must be in "
+                            "[0, %lld] (the cache holds %lld positions per row)",
+                            (long long)b, (long long)len, (long long)snew, (long long)(cap - snew), (long long)cap);
+      return ab_error_set(err, AB_ERR_INVALID,
+                          "cache_seqlens = %lld is outside the cache: with %lld new tokens it must be in [0, %lld]",
+                          (long long)len, (long long)snew, (long long)(cap - snew));
+    }
+    const int64_t lo = p->cache_leftpad.ndim ? index_at(&p->cache_leftpad, b, 0) : 0;
+    if (lo < 0 || lo > len)
+      return ab_error_set(err, AB_ERR_INVALID, "cache_leftpad[%lld] = %lld must be in [0, cache_seqlens[%lld] = %lld]",
+                          (long long)b, (long long)lo, (long long)b, (long long)len);
+    if (p->cache_batch_idx.ndim) {
+      const int64_t row = index_at(&p->cache_batch_idx, b, 0);
+      if (row < 0 || row >= p->k_cache.sizes[0])
+        return ab_error_set(err, AB_ERR_INVALID, "cache_batch_idx[%lld] = %lld is not a row of k_cache (it has %lld)",
+                            (long long)b, (long long)row, (long long)p->k_cache.sizes[0]);
+    }
+    if (paged(p)) {
+      const int64_t bs = p->k_cache.sizes[1], nblocks = p->k_cache.sizes[0];
+      for (int64_t i = lo / bs; i * bs < len + snew; ++i) {
+        const int64_t blk = index_at(&p->block_table, b, i);
+        if (blk < 0 || blk >= nblocks)
+          return ab_error_set(err, AB_ERR_INVALID,
+                              "block_table[%lld][%lld] = %lld is not a block of k_cache (it has %lld), and row %lld "
+                              "reads or writes positions up to %lld",
+                              (long long)b, (long long)i, (long long)blk, (long long)nblocks, (long long)b,
+                              (long long)(len + snew - 1));
+      }
+    }
+    if (p->rotary_cos.ndim) {
+      const int64_t need = len + (snew > qspan ? snew : qspan);
+      if (need > p->rotary_cos.sizes[0])
+        return ab_error_set(err, AB_ERR_INVALID,
+                            "rotary_cos has %lld positions, but row %lld rotates up to position %lld "
+                            "(cache_seqlens[%lld] + %lld)",
+                            (long long)p->rotary_cos.sizes[0], (long long)b, (long long)(need - 1), (long long)b,
+                            (long long)(need - len - 1));
+    }
+  }
+  return AB_OK;
+}
+
+/* x[0, rotary_dim) rotated by the table's row pos, in float32 as flash-attn does: interleaved pairs
+ * (2i, 2i + 1), or the GPT-NeoX halves (i, i + rotary_dim / 2). */
+static void rotate(const ab_kvcache_params* p, int64_t pos, float* x) {
+  const ab_tensor *c = &p->rotary_cos, *s = &p->rotary_sin;
+  const int64_t half = c->sizes[1];
+  for (int64_t i = 0; i < half; ++i) {
+    const float cs = (float)ab_load_scalar(c->data, c->dtype, pos * c->strides[0] + i * c->strides[1]);
+    const float sn = (float)ab_load_scalar(s->data, s->dtype, pos * s->strides[0] + i * s->strides[1]);
+    const int64_t i0 = p->rotary_interleaved ? 2 * i : i, i1 = p->rotary_interleaved ? 2 * i + 1 : i + half;
+    const float x0 = x[i0], x1 = x[i1];
+    x[i0] = x0 * cs - x1 * sn;
+    x[i1] = x0 * sn + x1 * cs;
+  }
+}
+
+/* Element offset of (b, pos, h, 0) in a cache: through block_table when paged. */
+static int64_t cache_off(const ab_kvcache_params* p, const ab_tensor* c, int64_t b, int64_t pos, int64_t h) {
+  if (paged(p)) {
+    const int64_t bs = c->sizes[1];
+    return index_at(&p->block_table, b, pos / bs) * c->strides[0] + (pos % bs) * c->strides[1] + h * c->strides[2];
+  }
+  const int64_t row = p->cache_batch_idx.ndim ? index_at(&p->cache_batch_idx, b, 0) : b;
+  return row * c->strides[0] + pos * c->strides[1] + h * c->strides[2];
+}
+
+/* The new keys (rotated) and values into the cache, at cache_seqlens[b] + t.  Values and unrotated
+ * keys are copied bit for bit. */
+static void append(const ab_kvcache_params* p, float* row) {
+  const int64_t snew = new_tokens(p);
+  const size_t es = ab_dtype_size(p->q.dtype);
+  const ab_tensor *kn = &p->k_new, *vn = &p->v_new;
+  for (int64_t b = 0; b < p->B; ++b) {
+    const int64_t len = seqlen_of(p, b);
+    for (int64_t t = 0; t < snew; ++t)
+      for (int64_t h = 0; h < p->Hkv; ++h) {
+        const int64_t ko = cache_off(p, &p->k_cache, b, len + t, h), vo = cache_off(p, &p->v_cache, b, len + t, h);
+        const int64_t ks = ab_off4(kn, b, t, h, 0), vs = ab_off4(vn, b, t, h, 0);
+        if (p->rotary_cos.ndim) {
+          ab_vec_load_row(kn->data, kn->dtype, ks, p->D, kn->strides[3], row);
+          rotate(p, len + t, row);
+          ab_vec_store_row(p->k_cache.data, p->k_cache.dtype, ko, p->D, 1, row);
+        } else {
+          for (int64_t d = 0; d < p->D; ++d)
+            memcpy((char*)p->k_cache.data + (size_t)(ko + d) * es,
+                   (const char*)kn->data + (size_t)(ks + d * kn->strides[3]) * es, es);
+        }
+        for (int64_t d = 0; d < p->D; ++d)
+          memcpy((char*)p->v_cache.data + (size_t)(vo + d) * es,
+                 (const char*)vn->data + (size_t)(vs + d * vn->strides[3]) * es, es);
+      }
+  }
+}
+
+/* q as float32 (B, Sq, Hq, dpad): rotated at its positions, times scale, pad lanes 0. */
+static void prepare_q(const ab_kvcache_params* p, float* qf, int64_t dpad) {
+  const int per_token = q_rotates_per_token(p);
+  for (int64_t b = 0; b < p->B; ++b)
+    for (int64_t t = 0; t < p->Sq; ++t)
+      for (int64_t h = 0; h < p->Hq; ++h) {
+        float* row = qf + ((b * p->Sq + t) * p->Hq + h) * dpad;
+        memset(row, 0, (size_t)dpad * sizeof(float));
+        ab_vec_load_row(p->q.data, p->q.dtype, ab_off4(&p->q, b, t, h, 0), p->D, p->q.strides[3], row);
+        if (p->rotary_cos.ndim) rotate(p, seqlen_of(p, b) + (per_token ? t : 0), row);
+        for (int64_t d = 0; d < p->D; ++d) row[d] *= (float)p->scale;
+      }
+}
+
+/* KV heads per work item: as many as keep the item's query rows (Sq x heads x G) within a tile of
+ * the kernel, so that a key's rows for the group are one contiguous read. */
+static int64_t heads_per_item(const ab_kvcache_params* p) {
+  const int64_t G = p->Hkv > 0 ? p->Hq / p->Hkv : 1, Sq = p->Sq > 0 ? p->Sq : 1;
+  int64_t hg = 1;
+  for (int64_t h = 1; h <= p->Hkv; ++h)
+    if (p->Hkv % h == 0 && h * G * Sq <= MAX_ITEM_ROWS) hg = h;
+  return hg;
+}
+
+int64_t ab_kvcache_cpu_splits(const ab_kvcache_params* p, int num_threads) {
+  if (p->num_splits > 0) return p->num_splits < MAX_SPLITS ? p->num_splits : MAX_SPLITS;
+  const int64_t items = p->B * (p->Hkv / heads_per_item(p));
+  if (items <= 0 || num_threads <= 1 || items >= num_threads) return 1;
+  int64_t n = (num_threads + items - 1) / items;
+  const int64_t most = capacity(p) / MIN_SPLIT_KEYS;
+  if (n > most) n = most;
+  return n < 1 ? 1 : n > MAX_SPLITS ? MAX_SPLITS : n;
+}
+
+static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+static int64_t dpad_of(const ab_kvcache_params* p) {
+  return (p->D + AB_DECODE_DPAD - 1) / AB_DECODE_DPAD * AB_DECODE_DPAD;
+}
+
+/* Workspace: q (B, Sq, Hq, dpad) float32, the split partials, per-row key ranges and cache rows. */
+static size_t workspace_layout(const ab_kvcache_params* p, int64_t nsplit, size_t* part_at, size_t* idx_at) {
+  const int64_t dpad = dpad_of(p);
+  size_t n = align64((size_t)(p->B * p->Sq * p->Hq * dpad) * sizeof(float));
+  *part_at = n;
+  if (nsplit > 1) n += align64((size_t)(p->B * p->Sq * p->Hq * nsplit * (dpad + 16)) * sizeof(float));
+  *idx_at = n;
+  return n + align64((size_t)(3 * p->B) * sizeof(int64_t)) + (size_t)dpad * sizeof(float);
+}
+
+size_t ab_kvcache_cpu_workspace_size(const ab_kvcache_params* p, int num_threads) {
+  ab_error ignored;
+  if (check_call(p, &ignored) != AB_OK) return 0;
+  size_t part_at, idx_at;
+  return workspace_layout(p, ab_kvcache_cpu_splits(p, num_threads), &part_at, &idx_at);
+}
+
+/* The splits of each output row merged as ab.merge_attention_states does: weights exp(lse_s - max),
+ * a row no split saw stays out 0, lse -inf.  Items are (batch row, query head). */
+static void merge(int64_t begin, int64_t end, void* ctx) {
+  const ab_decode_run* run = (const ab_decode_run*)ctx;
+  const ab_kvcache_params* p = run->p;
+  const int64_t dpad = run->dpad, ns = run->nsplit, stride = dpad + 16;
+  float* acc = (float*)ab_scratch_alloc((size_t)dpad * sizeof(float));
+  if (!acc) {
+    ab_par_fail(run->st, AB_ERR_NOMEM, "out of memory while merging the decode splits");
+    return;
+  }
+  for (int64_t bh = begin; bh < end; ++bh) {
+    const int64_t b = bh / p->Hq, hq = bh % p->Hq;
+    for (int64_t t = 0; t < p->Sq; ++t) {
+      /* split s of this row */
+#define PART(s) (run->part + (((b * ns + (s)) * p->Sq + t) * p->Hq + hq) * stride)
+      float m = -INFINITY;
+      for (int64_t s = 0; s < ns; ++s) m = PART(s)[dpad] > m ? PART(s)[dpad] : m;
+      float total = 0.0f;
+      for (int64_t s = 0; s < ns; ++s) total += PART(s)[dpad] == -INFINITY ? 0.0f : expf(PART(s)[dpad] - m);
+      memset(acc, 0, (size_t)dpad * sizeof(float));
+      if (total > 0.0f)
+        for (int64_t s = 0; s < ns; ++s) {
+          const float* o = PART(s);
+          if (o[dpad] == -INFINITY) continue;
+          const float w = expf(o[dpad] - m) / total;
+          for (int64_t d = 0; d < p->D; ++d) acc[d] += w * o[d];
+        }
+#undef PART
+      const ab_tensor* out = &p->out;
+      ab_vec_store_row(out->data, out->dtype, ab_off4(out, b, t, hq, 0), p->D, out->strides[3], acc);
+      ((float*)p->lse.data)[ab_off3(&p->lse, b, hq, t)] = total > 0.0f ? m + logf(total) : -INFINITY;
+    }
+  }
+  ab_scratch_free(acc);
+}
+
+ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t workspace_bytes,
+                             const ab_cpu_pool* pool, ab_error* err) {
+  TRY(check_call(p, err));
+  TRY(check_values(p, err));
+  const int threads = pool ? pool->num_threads : 1;
+  const int64_t nsplit = ab_kvcache_cpu_splits(p, threads);
+  size_t part_at, idx_at;
+  const size_t need = workspace_layout(p, nsplit, &part_at, &idx_at);
+  if (!workspace || workspace_bytes < need)
+    return ab_error_set(err, AB_ERR_INVALID, "the decode kernel needs %zu bytes of workspace, got %zu", need,
+                        workspace_bytes);
+  char* ws = (char*)workspace;
+  const int64_t dpad = dpad_of(p);
+  int64_t* lo = (int64_t*)(ws + idx_at);
+  int64_t *end = lo + p->B, *row = end + p->B;
+  float* scratch_row = (float*)(ws + idx_at + align64((size_t)(3 * p->B) * sizeof(int64_t)));
+
+  /* checks passed: from here on the cache changes */
+  append(p, scratch_row);
+  if (p->B == 0 || p->Sq == 0 || p->Hq == 0) return AB_OK;
+  prepare_q(p, (float*)ws, dpad);
+  int64_t keys = 0;
+  for (int64_t b = 0; b < p->B; ++b) {
+    lo[b] = p->cache_leftpad.ndim ? index_at(&p->cache_leftpad, b, 0) : 0;
+    end[b] = seqlen_of(p, b) + new_tokens(p);
+    row[b] = p->cache_batch_idx.ndim ? index_at(&p->cache_batch_idx, b, 0) : b;
+    keys += end[b] - lo[b];
+  }
+  ab_par_status st = {AB_OK, err};
+  const int64_t hg = heads_per_item(p);
+  ab_decode_run run = {p, (const float*)ws, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
+                       p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
+                       &st};
+  const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
+  TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
+  if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));
+  return AB_OK;
+}

@@ -1,0 +1,92 @@
+/* decode_cpu.h -- attention against a KV cache on CPU: decode, speculative decoding and chunked
+ * prefill, with flash-attn's flash_attn_with_kvcache semantics (docs/decode.md).
+ *
+ * One call: new keys and values (optional) are rotated (optional) and written into the cache in
+ * place at each batch row's cache_seqlens, the queries are rotated at the same positions, then
+ * every query attends to its row's keys [cache_leftpad, cache_seqlens + Snew), causal and window
+ * aligned bottom-right (query t sits at position t + end - Sq, end the row's last key + 1).  The
+ * cache is dense (B_cache, S_cache, Hkv, D), rows picked by cache_batch_idx, or paged
+ * (num_blocks, block_size, Hkv, D) with block_table (B, max_blocks).
+ *
+ * Every value is checked before anything is written: a call that fails leaves the cache as it was.
+ *
+ * The attention itself is decode_cpu_impl.h, compiled once per ISA (decode_cpu_generic.c, _avx2.c,
+ * _avx512.c): work items are (batch row, group of KV heads, split of the key range), each
+ * streaming its keys once for every query row that reads them (Sq tokens x the query heads of its
+ * KV heads); split results are merged with the lse rule of ab.merge_attention_states.
+ */
+#ifndef AB_DECODE_CPU_H
+#define AB_DECODE_CPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "../ab_core.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ab_kvcache_params {
+  int64_t B, Sq, Hq, Hkv, D;   /* from q (B, Sq, Hq, D) and the cache */
+  ab_tensor q;                 /* (B, Sq, Hq, D), any strides */
+  ab_tensor k_cache, v_cache;  /* (B_cache, S_cache, Hkv, D) or paged (num_blocks, block_size, Hkv, D);
+                                  last dim contiguous; written in place when k_new is present */
+  ab_tensor k_new, v_new;      /* (B, Snew, Hkv, D), optional (both or neither) */
+  ab_tensor rotary_cos, rotary_sin; /* (S_rot, rotary_dim / 2), optional; need k_new */
+  ab_tensor cache_seqlens;     /* (B,) int32 or int64: tokens already in each cache row; optional */
+  int64_t cache_seqlen;        /* the same for every row when cache_seqlens is absent; -1 = full */
+  ab_tensor cache_batch_idx;   /* (B,) int32 or int64: the dense cache row of each batch row; optional */
+  ab_tensor cache_leftpad;     /* (B,) int32 or int64: first valid position of each row; optional */
+  ab_tensor block_table;       /* (B, max_blocks) int32 or int64; present = paged cache */
+  ab_tensor alibi_slopes;      /* (Hq,) or (B, Hq) float32, optional: bias -slope * |i' - j| */
+  ab_tensor out;               /* (B, Sq, Hq, D), q's dtype */
+  ab_tensor lse;               /* (B, Hq, Sq) float32 */
+  double scale, softcap;
+  int32_t causal;              /* bottom-right aligned */
+  int64_t window_left, window_right; /* -1 = unbounded; aligned like causal */
+  int32_t rotary_interleaved;  /* pairs (2i, 2i+1); else GPT-NeoX halves (i, i + rotary_dim / 2) */
+  int32_t num_splits;          /* splits of each row's key range: 0 = chosen from the thread count */
+} ab_kvcache_params;
+
+/* Bytes of workspace ab_kvcache_cpu_fwd needs for p on a pool of num_threads threads (0 when the
+ * call is invalid: fwd then says why). */
+size_t ab_kvcache_cpu_workspace_size(const ab_kvcache_params* p, int num_threads);
+/* The number of splits of each row's key range fwd uses for p on num_threads threads. */
+int64_t ab_kvcache_cpu_splits(const ab_kvcache_params* p, int num_threads);
+ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t workspace_bytes,
+                             const ab_cpu_pool* pool, ab_error* err);
+
+/* ---- between decode_cpu.c and the per-ISA kernels (internal) ---------------------------------- */
+
+/* A work item is (batch row, group of hg KV heads, split of the key range); its query rows are the
+ * Sq tokens x hg * G heads of the group (G = Hq / Hkv). */
+#define AB_DECODE_DPAD 16 /* q and accumulator rows are padded to a multiple of 16 floats */
+
+typedef struct ab_decode_run {
+  const ab_kvcache_params* p;
+  const float* qf;        /* (B, Sq, Hq, dpad) float32: q rotated and multiplied by scale; pad = 0 */
+  float* part;            /* (B, nsplit, Sq, Hq, dpad + 16): each split's out, lse at [dpad]; NULL if nsplit 1 */
+  const int64_t* lo;      /* (B,) first key position of the row (cache_leftpad) */
+  const int64_t* end;     /* (B,) one past the last key (cache_seqlens + Snew) */
+  const int64_t* row;     /* (B,) dense cache row; unused when paged */
+  int64_t dpad, G, hg, nsplit, block_size; /* block_size 0: dense cache */
+  int32_t kv_dtype;       /* ab_dtype of the cache */
+  struct ab_par_status* st;
+} ab_decode_run;
+
+typedef struct ab_decode_cpu_table {
+  const char* isa;
+  /* items [begin, end) of (B * Hkv / hg * nsplit): attention of one (batch, head group, split) */
+  void (*attend)(int64_t begin, int64_t end, void* run);
+} ab_decode_cpu_table;
+
+extern const ab_decode_cpu_table ab_decode_cpu_generic;
+extern const ab_decode_cpu_table ab_decode_cpu_avx2;
+extern const ab_decode_cpu_table ab_decode_cpu_avx512;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* AB_DECODE_CPU_H */

@@ -1,0 +1,523 @@
+/* decode_cpu_impl.h -- the KV-cache attention kernel (decode_cpu.h), one source for every ISA.
+ *
+ * Included by decode_cpu_generic.c / _avx2.c / _avx512.c with AB_ISA_SFX set; VLEN follows from
+ * the ISA's flags (ab_vec.h).
+ *
+ * Decode is memory-bound: per key, the arithmetic is a few dot products of length D while the
+ * key and value rows are 2 * D elements read from DRAM.  So one work item is (batch row, group of
+ * hg KV heads, split of the key range) and streams its keys once for every query row that reads
+ * them: the Sq tokens x hg * G query heads of the group (G = Hq / Hkv; rows r = t * hg * G +
+ * h * G + g).  hg is as large as keeps those rows within DC_ROWS, so one key's rows for the group
+ * are one contiguous read.  Keys go by chunks of at most DC_CHUNK, never across a page of a paged
+ * cache (one block_table lookup per chunk):
+ *   1. scores, key by key in the cache's order: each key row is loaded once (converted to float32
+ *      in registers) and dotted with four query rows at a time (q is float32, already rotated and
+ *      scaled, in L1); the key row two keys ahead and the chunk's value rows are prefetched;
+ *   2. softcap, ALiBi and the visibility of each key to each row, then the online softmax per row
+ *      (running max m, sum l, the accumulator rescaled by exp(m_old - m_new)), vectorized over the
+ *      chunk's keys;
+ *   3. O += P V, head by head: the value rows stream past the accumulators of four rows x two
+ *      vectors of D (one row x eight for MHA) held in registers.
+ * The state of a row (m, l and its D accumulators) lives in the thread's scratch, in L1 for the
+ * decode shapes.  Query rows go by tiles of whole tokens (DC_ROWS rows, at least one token), so
+ * scratch stays bounded for long chunked-prefill queries, which re-stream their keys per tile.
+ *
+ * A split writes its normalized output and lse to the run's partial buffer; decode_cpu.c merges the
+ * splits.  With one split the item writes the output itself.
+ */
+
+#include <math.h>
+#include <string.h>
+
+#include "ab_cpu.h"
+#include "ab_vec.h"
+#include "decode_cpu.h"
+
+#define DC_CAT2(a, b) a##b
+#define DC_CAT(a, b) DC_CAT2(a, b)
+#define DC(name) DC_CAT(name, AB_ISA_SFX)
+
+#define DC_CHUNK 32 /* keys per chunk: the scores of a tile (64 rows x 32 keys) are 8 KiB */
+#define DC_ROWS 64  /* query rows per tile, unless one token alone has more (G > 64) */
+#define DC_NV (DC_CHUNK / VLEN)
+#define DC_KEYS_AHEAD 2 /* key rows prefetched ahead of the scores' loads */
+
+/* VLEN elements of the cache at base + off, as float32. */
+static inline __attribute__((always_inline)) vf DC(ld)(const void* base, int64_t off, const int dt) {
+  if (dt == AB_DTYPE_F32) return vload((const float*)base + off);
+  const uint16_t* s = (const uint16_t*)base + off;
+  if (dt == AB_DTYPE_BF16) {
+#if VLEN == 16
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)s)), 16);
+#elif VLEN == 8
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)s)), 16);
+#else
+    vu u;
+    for (int i = 0; i < VLEN; ++i) u[i] = (uint32_t)s[i] << 16;
+    return (vf)u;
+#endif
+  }
+#if VLEN == 16
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s));
+#elif VLEN == 8
+  return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s));
+#else
+  vf v;
+  for (int i = 0; i < VLEN; ++i) v[i] = ab_f16_to_f32(s[i]);
+  return v;
+#endif
+}
+
+/* The last n < VLEN elements of a row, zero-filled: reading past the row could pull in a NaN that
+ * 0 * NaN would spread. */
+static inline vf DC(ld_tail)(const void* base, int64_t off, int64_t n, const int dt) {
+  float tmp[VLEN] = {0};
+  ab_vec_load_row(base, (ab_dtype)dt, off, n, 1, tmp);
+  return vload(tmp);
+}
+
+static inline float DC(hsum)(vf v) {
+#if VLEN == 16
+  return _mm512_reduce_add_ps((__m512)v);
+#elif VLEN == 8
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+#else
+  return (v[0] + v[2]) + (v[1] + v[3]);
+#endif
+}
+
+/* The lane sums of four vectors, to s[0], s[st], s[2 st], s[3 st]: one transposing reduction
+ * instead of four horizontal ones. */
+static inline void DC(hsum4)(vf a0, vf a1, vf a2, vf a3, float* s, int64_t st) {
+#if VLEN == 16
+  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps((__m512)a0, (__m512)a1), _mm512_unpackhi_ps((__m512)a0, (__m512)a1));
+  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps((__m512)a2, (__m512)a3), _mm512_unpackhi_ps((__m512)a2, (__m512)a3));
+  /* each 128-bit lane now holds [a0, a1, a2, a3] partial sums of its four elements */
+  const __m512 y = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))));
+  const __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)));
+  const __m128 w = _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1));
+#elif VLEN == 8
+  const __m256 x01 = _mm256_add_ps(_mm256_unpacklo_ps((__m256)a0, (__m256)a1), _mm256_unpackhi_ps((__m256)a0, (__m256)a1));
+  const __m256 x23 = _mm256_add_ps(_mm256_unpacklo_ps((__m256)a2, (__m256)a3), _mm256_unpackhi_ps((__m256)a2, (__m256)a3));
+  const __m256 y = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(x01), _mm256_castps_pd(x23))),
+                                 _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(x01), _mm256_castps_pd(x23))));
+  const __m128 w = _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+#endif
+#if VLEN == 16 || VLEN == 8
+  float out[4];
+  _mm_storeu_ps(out, w);
+  s[0] = out[0];
+  s[st] = out[1];
+  s[2 * st] = out[2];
+  s[3 * st] = out[3];
+#else
+  s[0] = DC(hsum)(a0);
+  s[st] = DC(hsum)(a1);
+  s[2 * st] = DC(hsum)(a2);
+  s[3 * st] = DC(hsum)(a3);
+#endif
+}
+
+/* Four dot products of length D: q rows at q + i * qs with cache rows at kb + ko + i * kst (kst 0:
+ * one key row shared by four query rows of a GQA group, loaded once).  Scores to s + i * DC_CHUNK;
+ * the query rows' pad lanes are 0. */
+static inline __attribute__((always_inline)) void DC(dot4)(const float* q, int64_t qs, const void* kb, int64_t ko,
+                                                          int64_t kst, int64_t D, const int dt, float* s) {
+  const int64_t full = D / VLEN * VLEN;
+  vf a0 = vset1(0.0f), a1 = a0, a2 = a0, a3 = a0;
+  int64_t d = 0;
+  for (; d < full; d += VLEN) {
+    if (kst == 0) {
+      const vf k = DC(ld)(kb, ko + d, dt);
+      a0 += vload(q + d) * k;
+      a1 += vload(q + qs + d) * k;
+      a2 += vload(q + 2 * qs + d) * k;
+      a3 += vload(q + 3 * qs + d) * k;
+    } else {
+      a0 += vload(q + d) * DC(ld)(kb, ko + d, dt);
+      a1 += vload(q + qs + d) * DC(ld)(kb, ko + kst + d, dt);
+      a2 += vload(q + 2 * qs + d) * DC(ld)(kb, ko + 2 * kst + d, dt);
+      a3 += vload(q + 3 * qs + d) * DC(ld)(kb, ko + 3 * kst + d, dt);
+    }
+  }
+  if (d < D) {
+    a0 += vload(q + d) * DC(ld_tail)(kb, ko + d, D - d, dt);
+    a1 += vload(q + qs + d) * DC(ld_tail)(kb, ko + kst + d, D - d, dt);
+    a2 += vload(q + 2 * qs + d) * DC(ld_tail)(kb, ko + 2 * kst + d, D - d, dt);
+    a3 += vload(q + 3 * qs + d) * DC(ld_tail)(kb, ko + 3 * kst + d, D - d, dt);
+  }
+  DC(hsum4)(a0, a1, a2, a3, s, DC_CHUNK);
+}
+
+/* One dot product of length D, in two chains so a lone row is not bound by the FMA latency. */
+static inline __attribute__((always_inline)) void DC(dot1)(const float* q, const void* kb, int64_t ko, int64_t D,
+                                                          const int dt, float* s) {
+  const int64_t full = D / VLEN * VLEN;
+  vf a0 = vset1(0.0f), a1 = a0;
+  int64_t d = 0;
+  for (; d + 2 * VLEN <= full; d += 2 * VLEN) {
+    a0 += vload(q + d) * DC(ld)(kb, ko + d, dt);
+    a1 += vload(q + d + VLEN) * DC(ld)(kb, ko + d + VLEN, dt);
+  }
+  if (d < full) {
+    a0 += vload(q + d) * DC(ld)(kb, ko + d, dt);
+    d += VLEN;
+  }
+  if (d < D) a1 += vload(q + d) * DC(ld_tail)(kb, ko + d, D - d, dt);
+  *s = DC(hsum)(a0 + a1);
+}
+
+/* The scores of one token's rows for one key: hg heads x G rows, q at q (rows at stride dpad,
+ * row (h, g) = h * G + g), key rows at kb + ko + h * ks2, scores to s + row * DC_CHUNK.  Groups of
+ * four rows share a key row (G >= 4) or four heads go together (MHA). */
+static inline __attribute__((always_inline)) void DC(key_scores)(const float* q, int64_t dpad, int64_t hg,
+                                                                int64_t G, const void* kb, int64_t ko,
+                                                                int64_t ks2, int64_t D, const int dt, float* s) {
+  if (G == 1) {
+    int64_t h = 0;
+    for (; h + 4 <= hg; h += 4) DC(dot4)(q + h * dpad, dpad, kb, ko + h * ks2, ks2, D, dt, s + h * DC_CHUNK);
+    for (; h < hg; ++h) DC(dot1)(q + h * dpad, kb, ko + h * ks2, D, dt, s + h * DC_CHUNK);
+    return;
+  }
+  for (int64_t h = 0; h < hg; ++h) {
+    const float* qh = q + h * G * dpad;
+    float* sh = s + h * G * DC_CHUNK;
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) DC(dot4)(qh + g * dpad, dpad, kb, ko + h * ks2, 0, D, dt, sh + g * DC_CHUNK);
+    for (; g < G; ++g) DC(dot1)(qh + g * dpad, kb, ko + h * ks2, D, dt, sh + g * DC_CHUNK);
+  }
+}
+
+/* acc_r += sum_j P[r][j] v_j for M rows (acc row stride dpad, P row stride DC_CHUNK) and the nk
+ * value rows at vb + vo + j * vs, NB vectors of D at a time: M * NB accumulators stay in
+ * registers while the chunk's value rows stream past (M and NB are constants at each call site). */
+static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const int NB, float* acc,
+                                                             int64_t dpad, const float* P, const void* vb,
+                                                             int64_t vo, int64_t vs, int64_t nk, int64_t D,
+                                                             const int dt) {
+  const int64_t full = D / VLEN * VLEN;
+  int64_t d = 0;
+  for (; d + NB * VLEN <= full; d += NB * VLEN) {
+    vf o[4][8];
+    for (int i = 0; i < M; ++i)
+      for (int n = 0; n < NB; ++n) o[i][n] = vload(acc + i * dpad + d + n * VLEN);
+    for (int64_t j = 0; j < nk; ++j) {
+      vf v[8];
+      for (int n = 0; n < NB; ++n) v[n] = DC(ld)(vb, vo + j * vs + d + n * VLEN, dt);
+      for (int i = 0; i < M; ++i) {
+        const vf pj = vset1(P[i * DC_CHUNK + j]);
+        for (int n = 0; n < NB; ++n) o[i][n] += pj * v[n];
+      }
+    }
+    for (int i = 0; i < M; ++i)
+      for (int n = 0; n < NB; ++n) vstore(acc + i * dpad + d + n * VLEN, o[i][n]);
+  }
+  /* what is left of D: one vector at a time, the last one zero-filled past D */
+  for (; d < D; d += VLEN) {
+    vf o[4];
+    for (int i = 0; i < M; ++i) o[i] = vload(acc + i * dpad + d);
+    for (int64_t j = 0; j < nk; ++j) {
+      const vf v = D - d < VLEN ? DC(ld_tail)(vb, vo + j * vs + d, D - d, dt) : DC(ld)(vb, vo + j * vs + d, dt);
+      for (int i = 0; i < M; ++i) o[i] += vset1(P[i * DC_CHUNK + j]) * v;
+    }
+    for (int i = 0; i < M; ++i) vstore(acc + i * dpad + d, o[i]);
+  }
+}
+
+/* O += P V for n rows that read the same value rows: four at a time (two vectors of D each), then
+ * the rest with more vectors per row, so a lone row (MHA) still has eight chains in flight. */
+static inline __attribute__((always_inline)) void DC(pv)(float* acc, int64_t n, int64_t dpad, const float* P,
+                                                        const void* vb, int64_t vo, int64_t vs, int64_t nk,
+                                                        int64_t D, const int dt) {
+  int64_t r = 0;
+  for (; r + 4 <= n; r += 4) DC(pv_rows)(4, 2, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, vs, nk, D, dt);
+  switch (n - r) {
+    case 3: DC(pv_rows)(3, 2, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, vs, nk, D, dt); break;
+    case 2: DC(pv_rows)(2, 4, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, vs, nk, D, dt); break;
+    case 1: DC(pv_rows)(1, 8, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, vs, nk, D, dt); break;
+    default: break;
+  }
+}
+
+/* The chunk of keys that starts at j: it ends at *je (at most DC_CHUNK keys, within khi and within
+ * one page of a paged cache), its first K and V rows (head h0) at *ko and *vo. */
+static inline void DC(chunk_at)(const ab_decode_run* run, int64_t b, int64_t h0, int64_t j, int64_t khi,
+                                int64_t* je, int64_t* ko, int64_t* vo) {
+  const ab_kvcache_params* p = run->p;
+  const ab_tensor *kc = &p->k_cache, *vc = &p->v_cache;
+  const int64_t bs = run->block_size;
+  int64_t e = j + DC_CHUNK < khi ? j + DC_CHUNK : khi;
+  if (bs) {
+    const ab_tensor* bt = &p->block_table;
+    const int64_t i = b * bt->strides[0] + (j / bs) * bt->strides[1];
+    const int64_t blk = bt->dtype == AB_DTYPE_I64 ? ((const int64_t*)bt->data)[i] : ((const int32_t*)bt->data)[i];
+    const int64_t page_end = (j / bs + 1) * bs;
+    e = e < page_end ? e : page_end;
+    *ko = blk * kc->strides[0] + (j % bs) * kc->strides[1] + h0 * kc->strides[2];
+    *vo = blk * vc->strides[0] + (j % bs) * vc->strides[1] + h0 * vc->strides[2];
+  } else {
+    *ko = run->row[b] * kc->strides[0] + j * kc->strides[1] + h0 * kc->strides[2];
+    *vo = run->row[b] * vc->strides[0] + j * vc->strides[1] + h0 * vc->strides[2];
+  }
+  *je = e;
+}
+
+/* Asks for the cache lines of the row_bytes at base + off (elements of es bytes): into L1
+ * (locality 3) for a key row two keys ahead, into L2 (locality 2) for a value row that is read after
+ * the chunk's scores, when L1 could not hold the whole chunk. */
+static inline __attribute__((always_inline)) void DC(prefetch)(const void* base, int64_t off, size_t row_bytes,
+                                                              size_t es, const int locality) {
+  const char* row = (const char*)base + (size_t)off * es;
+  for (size_t x = 0; x < row_bytes; x += 64) {
+    if (locality == 3)
+      __builtin_prefetch(row + x, 0, 3);
+    else
+      __builtin_prefetch(row + x, 0, 2);
+  }
+}
+
+/* Scratch of one thread: per row of a tile, the accumulators (dpad), scores (DC_CHUNK), m, l, the
+ * ALiBi slope; per token, its key range. */
+typedef struct DC(tile) {
+  float *acc, *S, *m, *l, *slope;
+  int64_t *tlo, *thi;
+} DC(tile);
+
+/* The keys token t may see: [*lo, *hi), empty when lo >= hi.  t sits at position t + end - Sq. */
+static inline void DC(token_keys)(const ab_kvcache_params* p, int64_t t, int64_t klo, int64_t end,
+                                  int64_t* lo, int64_t* hi) {
+  const int64_t ii = t + end - p->Sq;
+  int64_t l = klo, h = end;
+  if (p->causal && ii + 1 < h) h = ii + 1;
+  if (p->window_right >= 0 && ii + p->window_right + 1 < h) h = ii + p->window_right + 1;
+  if (p->window_left >= 0 && ii - p->window_left > l) l = ii - p->window_left;
+  *lo = l;
+  *hi = h;
+}
+
+/* The rows of one token for one chunk: softcap, ALiBi and visibility on the raw scores St (rows
+ * of DC_CHUNK, keys [a, e) of the chunk visible), then the online softmax, leaving P in St. */
+static inline void DC(softmax)(const DC(tile) * w, int64_t r0, int64_t nrows, float* St, int64_t a, int64_t e,
+                               float cap, int alibi, float dist0, const vf* lanes, int64_t dpad) {
+  const vf lane0 = vset1((float)a), lane1 = vset1((float)e);
+  for (int64_t i = 0; i < nrows; ++i) {
+    const int64_t r = r0 + i;
+    float* Sr = St + i * DC_CHUNK;
+    vf mx = vset1(-INFINITY);
+    for (int v = 0; v < DC_NV; ++v) {
+      vf x = vload(Sr + v * VLEN);
+      if (cap > 0) x = vset1(cap) * vtanh(x * vset1(1.0f / cap));
+      if (alibi) {
+        vf dist = vset1(dist0) + lanes[v];
+        dist = vselect(dist < vset1(0.0f), -dist, dist);
+        x -= vset1(w->slope[r]) * dist;
+      }
+      x = vselect((lanes[v] >= lane0) & (lanes[v] < lane1), x, vset1(-INFINITY));
+      vstore(Sr + v * VLEN, x);
+      mx = vmax(mx, x);
+    }
+    const float cm = vhmax(mx), m_old = w->m[r];
+    const float m_new = cm > m_old ? cm : m_old;
+    if (m_new == -INFINITY) { /* nothing visible so far (or -inf scores): weights 0 */
+      memset(Sr, 0, DC_CHUNK * sizeof(float));
+      continue;
+    }
+    vf sum = vset1(0.0f);
+    for (int v = 0; v < DC_NV; ++v) {
+      const vf x = vexp_nonpos(vload(Sr + v * VLEN) - vset1(m_new));
+      vstore(Sr + v * VLEN, x);
+      sum += x;
+    }
+    const float alpha = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+    if (alpha != 1.0f) {
+      float* acc = w->acc + r * dpad;
+      for (int64_t d = 0; d < dpad; d += VLEN) vstore(acc + d, vload(acc + d) * vset1(alpha));
+    }
+    float total = 0.0f;
+    for (int u = 0; u < VLEN; ++u) total += sum[u];
+    w->l[r] = w->l[r] * alpha + total;
+    w->m[r] = m_new;
+  }
+}
+
+/* One work item: batch row b, KV heads [h0, h0 + hg), split s; dt is the cache dtype (a constant
+ * at each call site, so the loads are specialized).  Rows of a tile: r = (t - t0) * hg * G +
+ * (h - h0) * G + g. */
+static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* run, int64_t b, int64_t h0,
+                                                          int64_t s, const DC(tile) * w, const int dt) {
+  const ab_kvcache_params* p = run->p;
+  const int64_t Sq = p->Sq, D = p->D, G = run->G, hg = run->hg, dpad = run->dpad, HG = hg * G;
+  const int64_t kv_lo = run->lo[b], kv_end = run->end[b];
+  const ab_tensor *kc = &p->k_cache, *vc = &p->v_cache;
+  const void *kb = kc->data, *vb = vc->data;
+  const int64_t ks1 = kc->strides[1], ks2 = kc->strides[2], vs1 = vc->strides[1], vs2 = vc->strides[2];
+  const size_t es = dt == AB_DTYPE_F32 ? 4 : 2;
+  const float cap = (float)p->softcap;
+  const int alibi = p->alibi_slopes.ndim > 0;
+  vf lanes[DC_NV]; /* the key index of each lane of a chunk's score vectors */
+  for (int v = 0; v < DC_NV; ++v)
+    for (int u = 0; u < VLEN; ++u) lanes[v][u] = (float)(v * VLEN + u);
+
+  /* this split's share of the keys any token sees, cut at chunk multiples */
+  int64_t ulo = kv_end, uhi = kv_lo;
+  for (int64_t t = 0; t < Sq; ++t) {
+    int64_t lo, hi;
+    DC(token_keys)(p, t, kv_lo, kv_end, &lo, &hi);
+    if (lo < hi) {
+      ulo = lo < ulo ? lo : ulo;
+      uhi = hi > uhi ? hi : uhi;
+    }
+  }
+  const int64_t chunks = uhi > ulo ? (uhi - ulo + DC_CHUNK - 1) / DC_CHUNK : 0;
+  int64_t ks = ulo + chunks * s / run->nsplit * DC_CHUNK, ke = ulo + chunks * (s + 1) / run->nsplit * DC_CHUNK;
+  ke = ke < uhi ? ke : uhi;
+
+  const int64_t tt = HG >= DC_ROWS ? 1 : DC_ROWS / HG; /* tokens per tile */
+  for (int64_t t0 = 0; t0 < Sq; t0 += tt) {
+    const int64_t t1 = t0 + tt < Sq ? t0 + tt : Sq, nr = (t1 - t0) * HG;
+    int64_t klo = ke, khi = ks;
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t lo, hi;
+      DC(token_keys)(p, t, kv_lo, kv_end, &lo, &hi);
+      lo = lo > ks ? lo : ks;
+      hi = hi < ke ? hi : ke;
+      w->tlo[t - t0] = lo;
+      w->thi[t - t0] = hi;
+      if (lo < hi) {
+        klo = lo < klo ? lo : klo;
+        khi = hi > khi ? hi : khi;
+      }
+    }
+    memset(w->acc, 0, (size_t)(nr * dpad) * sizeof(float));
+    for (int64_t r = 0; r < nr; ++r) {
+      w->m[r] = -INFINITY;
+      w->l[r] = 0.0f;
+      if (alibi) {
+        const ab_tensor* a = &p->alibi_slopes;
+        const int64_t hq = h0 * G + r % HG;
+        const float* sl = (const float*)a->data;
+        w->slope[r] = a->ndim == 2 ? sl[b * a->strides[0] + hq * a->strides[1]] : sl[hq * a->strides[0]];
+      }
+    }
+
+    int64_t je = klo, ko = 0, vo = 0;
+    if (klo < khi) DC(chunk_at)(run, b, h0, klo, khi, &je, &ko, &vo);
+    for (int64_t j = klo; j < khi;) {
+      /* the keys a few rows ahead and this chunk's values are asked for while the scores are
+       * computed: one core's demand misses alone leave most of the memory bandwidth unused, and
+       * a row of hg heads (hg * D elements every Hkv * D) is a pattern the hardware prefetchers
+       * follow poorly when hg < Hkv */
+      const int64_t nk = je - j;
+      int64_t jn = je, nje = je, nko = 0, nvo = 0;
+      const size_t row_bytes = (size_t)(hg * D) * es;
+      if (jn < khi) DC(chunk_at)(run, b, h0, jn, khi, &nje, &nko, &nvo);
+
+      /* 1. scores, key by key so the cache is read in its own order; rows of a token that sees no
+       * key of the chunk get P = 0 */
+      int64_t ta = t1, tb = t0; /* tokens that see a key of the chunk */
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t a = w->tlo[t - t0] > j ? w->tlo[t - t0] : j;
+        const int64_t e = w->thi[t - t0] < je ? w->thi[t - t0] : je;
+        if (a >= e) {
+          memset(w->S + (t - t0) * HG * DC_CHUNK, 0, (size_t)(HG * DC_CHUNK) * sizeof(float));
+          continue;
+        }
+        ta = t < ta ? t : ta;
+        tb = t + 1;
+      }
+      for (int64_t jj = j; jj < je; ++jj) {
+        /* one row at a time, between the dot products, so the loads overlap the arithmetic */
+        const int64_t ahead = jj + DC_KEYS_AHEAD;
+        if (ahead < je)
+          DC(prefetch)(kb, ko + (ahead - j) * ks1, row_bytes, es, 3);
+        else if (ahead - je < nje - jn)
+          DC(prefetch)(kb, nko + (ahead - je) * ks1, row_bytes, es, 3);
+        DC(prefetch)(vb, vo + (jj - j) * vs1, row_bytes, es, 2);
+        for (int64_t t = ta; t < tb; ++t) {
+          if (jj < w->tlo[t - t0] || jj >= w->thi[t - t0]) continue;
+          DC(key_scores)(run->qf + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, kb, ko + (jj - j) * ks1,
+                         ks2, D, dt, w->S + (t - t0) * HG * DC_CHUNK + (jj - j));
+        }
+      }
+
+      /* 2. softcap, ALiBi, visibility and the online softmax, per token */
+      for (int64_t t = ta; t < tb; ++t) {
+        const int64_t a = w->tlo[t - t0] > j ? w->tlo[t - t0] : j;
+        const int64_t e = w->thi[t - t0] < je ? w->thi[t - t0] : je;
+        if (a >= e) continue;
+        const float dist0 = (float)(j - (t + kv_end - Sq)); /* key position - query position, lane 0 */
+        DC(softmax)(w, (t - t0) * HG, HG, w->S + (t - t0) * HG * DC_CHUNK, a - j, e - j, cap, alibi, dist0, lanes,
+                    dpad);
+      }
+
+      /* 3. O += P V, head by head, for the tokens that saw a key */
+      for (int64_t h = 0; h < hg; ++h)
+        for (int64_t t = ta; t < tb; ++t) {
+          const int64_t r = (t - t0) * HG + h * G;
+          DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK, vb, vo + h * vs2, vs1, nk, D, dt);
+        }
+      j = jn;
+      je = nje;
+      ko = nko;
+      vo = nvo;
+    }
+
+    /* this tile's rows: normalized output and lse, to the output or to this split's partials */
+    for (int64_t r = 0; r < nr; ++r) {
+      const int64_t t = t0 + r / HG, hq = h0 * G + r % HG;
+      float* acc = w->acc + r * dpad;
+      const float l = w->l[r];
+      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      for (int64_t d = 0; d < dpad; d += VLEN) vstore(acc + d, vload(acc + d) * vset1(inv));
+      const float lse = l > 0.0f ? w->m[r] + logf(l) : -INFINITY;
+      if (run->nsplit == 1) {
+        const ab_tensor* o = &p->out;
+        ab_vec_store_row(o->data, o->dtype, ab_off4(o, b, t, hq, 0), D, o->strides[3], acc);
+        ((float*)p->lse.data)[ab_off3(&p->lse, b, hq, t)] = lse;
+      } else {
+        float* part = run->part + (((b * run->nsplit + s) * Sq + t) * p->Hq + hq) * (dpad + 16);
+        memcpy(part, acc, (size_t)D * sizeof(float));
+        part[dpad] = lse;
+      }
+    }
+  }
+}
+
+static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
+  const ab_decode_run* run = (const ab_decode_run*)ctx;
+  const ab_kvcache_params* p = run->p;
+  const int64_t HG = run->hg * run->G, dpad = run->dpad;
+  const int64_t tokens = HG >= DC_ROWS ? 1 : DC_ROWS / HG, rows = tokens * HG;
+  const size_t floats = (size_t)(rows * (dpad + DC_CHUNK + 3));
+  char* buf = (char*)ab_scratch_alloc(floats * sizeof(float) + 2 * (size_t)tokens * sizeof(int64_t) + 64);
+  if (!buf) {
+    ab_par_fail(run->st, AB_ERR_NOMEM, "out of memory for the decode kernel's scratch");
+    return;
+  }
+  DC(tile) w;
+  w.acc = (float*)buf;
+  w.S = w.acc + rows * dpad;
+  w.m = w.S + rows * DC_CHUNK;
+  w.l = w.m + rows;
+  w.slope = w.l + rows;
+  w.tlo = (int64_t*)(buf + ((floats * sizeof(float) + 63) & ~(size_t)63));
+  w.thi = w.tlo + tokens;
+  const int64_t groups = p->Hkv / run->hg;
+  for (int64_t it = begin; it < end; ++it) {
+    const int64_t s = it % run->nsplit, bg = it / run->nsplit;
+    const int64_t b = bg / groups, h0 = bg % groups * run->hg;
+    switch (run->kv_dtype) {
+      case AB_DTYPE_F32: DC(item)(run, b, h0, s, &w, AB_DTYPE_F32); break;
+      case AB_DTYPE_BF16: DC(item)(run, b, h0, s, &w, AB_DTYPE_BF16); break;
+      default: DC(item)(run, b, h0, s, &w, AB_DTYPE_F16); break;
+    }
+  }
+  ab_scratch_free(buf);
+}
+
+const ab_decode_cpu_table DC(ab_decode_cpu) = {AB_ISA_NAME, DC(attend)};

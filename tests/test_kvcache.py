@@ -1,0 +1,476 @@
+"""ab.attention_with_kvcache: flash-attn's flash_attn_with_kvcache semantics on every backend that
+serves it.  The reference is built here from plain torch ops: the cache is written where flash-attn
+writes it, gathered per batch row ([cache_leftpad, cache_seqlens + Sk_new)), and attended with the
+float64 reference under a mask of this file's own index arithmetic (bottom-right causal and window,
+ALiBi); the 2x rule of DESIGN.md judges out and lse.  Also: the cache changes exactly where it
+should and nowhere else (nothing on error), split and unsplit agree, every ISA path, the planner,
+and errors that name the argument."""
+
+import dataclasses
+import logging
+import math
+from typing import Optional
+
+import pytest
+import torch
+
+import attn_backends as ab
+from attn_backends import _C
+from attn_backends._testing import check_2x, reference_attention
+
+BACKENDS = ["paged_attention", "flash", "math"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KV:
+    """One call: shapes, cache layout and options."""
+
+    B: int = 2
+    Sq: int = 1
+    Hq: int = 4
+    Hkv: int = 2
+    D: int = 64
+    S: int = 97  # positions a cache row holds (paged: rounded up to whole blocks)
+    block: Optional[int] = None  # paged cache with this block size
+    snew: int = 0  # new tokens appended
+    seqlens: object = "spread"  # "spread" (0, full and random rows), an int, or None (whole cache)
+    rotary: Optional[str] = None  # "interleaved" | "neox"
+    leftpad: bool = False
+    batch_idx: bool = False
+    causal: bool = False
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: Optional[str] = None  # "h" (Hq,) | "bh" (B, Hq)
+    dtype: torch.dtype = torch.float32
+
+    def __str__(self):
+        parts = [f"B{self.B}", f"Sq{self.Sq}", f"H{self.Hq}/{self.Hkv}", f"D{self.D}", f"S{self.S}"]
+        parts += [f"page{self.block}"] if self.block else []
+        parts += [f"new{self.snew}"] if self.snew else []
+        parts += [f"seq={self.seqlens}"] if self.seqlens != "spread" else []
+        parts += [self.rotary] if self.rotary else []
+        parts += [n for n in ("leftpad", "batch_idx", "causal") if getattr(self, n)]
+        parts += [f"win{self.window[0]},{self.window[1]}"] if self.window != (-1, -1) else []
+        parts += [f"cap{self.softcap:g}"] if self.softcap else []
+        parts += [f"alibi_{self.alibi}"] if self.alibi else []
+        return "-".join(parts + [str(self.dtype)[6:]])
+
+
+class Call:
+    """Random inputs for a case, the arguments of the call, and what the cache must hold after it."""
+
+    def __init__(self, c: KV, gen):
+        def rnd(*shape):
+            return torch.randn(*shape, generator=gen).to(c.dtype)
+
+        B, Hkv, D = c.B, c.Hkv, c.D
+        self.c = c
+        if c.block:
+            nb = -(-c.S // c.block)
+            self.cap = nb * c.block
+            num_blocks = B * nb + 3  # a few blocks no row uses
+            perm = torch.randperm(num_blocks, generator=gen)
+            table = perm[: B * nb].view(B, nb).to(torch.int32)
+            self.block_table = torch.cat([table, torch.full((B, 1), -1, dtype=torch.int32)], 1)  # -1 padding
+            self.k_cache, self.v_cache = rnd(num_blocks, c.block, Hkv, D), rnd(num_blocks, c.block, Hkv, D)
+            self.batch_idx = None
+        else:
+            self.cap = c.S
+            rows = B + 2 if c.batch_idx else B
+            self.k_cache, self.v_cache = rnd(rows, c.S, Hkv, D), rnd(rows, c.S, Hkv, D)
+            self.block_table = None
+            self.batch_idx = torch.randperm(rows, generator=gen)[:B].to(torch.int32) if c.batch_idx else None
+        room = self.cap - c.snew
+        if c.seqlens == "spread":
+            seq = torch.randint(0, room + 1, (B,), generator=gen)
+            seq[0] = 0
+            if B > 1:
+                seq[-1] = room
+            self.seq = seq.tolist()
+            self.cache_seqlens = seq.to(torch.int32)
+        elif c.seqlens is None:
+            self.seq = [self.whole()] * B
+            self.cache_seqlens = None
+        else:
+            self.seq = [c.seqlens] * B
+            self.cache_seqlens = c.seqlens
+        self.lo = [int(torch.randint(0, n + 1, (1,), generator=gen)) for n in self.seq] if c.leftpad else [0] * B
+        self.cache_leftpad = torch.tensor(self.lo, dtype=torch.int32) if c.leftpad else None
+        # q as a transposed view: the kernels take any strides
+        self.q = rnd(B, c.Hq, c.Sq, D).transpose(1, 2)
+        self.k = rnd(B, c.snew, Hkv, D) if c.snew else None
+        self.v = rnd(B, c.snew, Hkv, D) if c.snew else None
+        self.cos = self.sin = None
+        if c.rotary:
+            angle = torch.rand(self.cap + c.Sq, D // 4, generator=gen, dtype=torch.float64) * 2 * math.pi
+            self.cos, self.sin = torch.cos(angle).to(c.dtype), torch.sin(angle).to(c.dtype)
+        self.alibi = None
+        if c.alibi:
+            self.alibi = torch.rand(c.Hq if c.alibi == "h" else (B, c.Hq), generator=gen) * 0.3
+        self.before = (self.k_cache.clone(), self.v_cache.clone())
+
+    def reset(self):
+        """The caches as they were before any call."""
+        self.k_cache.copy_(self.before[0])
+        self.v_cache.copy_(self.before[1])
+        return self
+
+    def whole(self):
+        return self.block_table.shape[1] * self.c.block if self.c.block else self.c.S
+
+    def kwargs(self):
+        c = self.c
+        return dict(rotary_cos=self.cos, rotary_sin=self.sin, cache_seqlens=self.cache_seqlens,
+                    cache_batch_idx=self.batch_idx, cache_leftpad=self.cache_leftpad, block_table=self.block_table,
+                    causal=c.causal, window_size=c.window, softcap=c.softcap,
+                    rotary_interleaved=c.rotary != "neox", alibi_slopes=self.alibi)
+
+    def run(self, backend, **extra):
+        return ab.attention_with_kvcache(self.q, self.k_cache, self.v_cache, self.k, self.v, **self.kwargs(),
+                                         return_softmax_lse=True, backend=backend, strict=True, **extra)
+
+    # ---- what flash-attn does, from plain torch ops ----
+
+    def rotate(self, x, pos, dtype):
+        """x (S, H, D) rotated at positions pos (S,), computed in dtype: x * cos + rotate_half(x) * sin."""
+        half = self.cos.shape[1]
+        cos, sin = self.cos.to(dtype)[pos][:, None], self.sin.to(dtype)[pos][:, None]
+        x = x.to(dtype)
+        r = x[..., : 2 * half]
+        if self.c.rotary == "interleaved":
+            x0, x1 = r[..., 0::2], r[..., 1::2]
+            turned = torch.stack([-x1, x0], -1).flatten(-2)
+            cos, sin = cos.repeat_interleave(2, -1), sin.repeat_interleave(2, -1)
+        else:
+            x0, x1 = r[..., :half], r[..., half:]
+            turned = torch.cat([-x1, x0], -1)
+            cos, sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)
+        return torch.cat([r * cos + turned * sin, x[..., 2 * half:]], -1)
+
+    def slot(self, b, p):
+        """(storage index, position) of batch row b's position p."""
+        if self.block_table is not None:
+            return int(self.block_table[b, p // self.c.block]), p % self.c.block
+        return (int(self.batch_idx[b]) if self.batch_idx is not None else b), p
+
+    def expected_caches(self):
+        k_cache, v_cache = (t.clone() for t in self.before)
+        for b in range(self.c.B):
+            for t in range(self.c.snew):
+                p = self.seq[b] + t
+                k_new = self.k[b, t]
+                if self.cos is not None:
+                    k_new = self.rotate(k_new[None], torch.tensor([p]), torch.float32)[0].to(self.c.dtype)
+                k_cache[self.slot(b, p)] = k_new
+                v_cache[self.slot(b, p)] = self.v[b, t]
+        return k_cache, v_cache
+
+    def reference(self, dtype):
+        """(out (B, Sq, Hq, D), lse (B, Hq, Sq)) of the call, computed in dtype over the expected cache."""
+        c = self.c
+        k_cache, v_cache = self.expected_caches()
+        outs, lses = [], []
+        per_token = c.causal or 0 <= c.window[0] < self.whole() or 0 <= c.window[1] < self.whole()
+        for b in range(c.B):
+            end = self.seq[b] + c.snew
+            keys = torch.arange(self.lo[b], end)
+            K = torch.stack([k_cache[self.slot(b, int(p))] for p in keys]) if len(keys) else k_cache[:0, 0]
+            V = torch.stack([v_cache[self.slot(b, int(p))] for p in keys]) if len(keys) else v_cache[:0, 0]
+            q = self.q[b]
+            if self.cos is not None:
+                pos = self.seq[b] + (torch.arange(c.Sq) if per_token else torch.zeros(c.Sq, dtype=torch.long))
+                q = self.rotate(q, pos, torch.float64 if dtype == torch.float64 else torch.float32)
+            qpos = torch.arange(c.Sq)[:, None] + end - c.Sq  # bottom-right: the last query sits at end - 1
+            ok = torch.ones(c.Sq, len(keys), dtype=torch.bool)
+            if c.causal:
+                ok &= keys[None] <= qpos
+            if c.window[0] >= 0:
+                ok &= keys[None] >= qpos - c.window[0]
+            if c.window[1] >= 0:
+                ok &= keys[None] <= qpos + c.window[1]
+            bias = torch.zeros(c.Hq, c.Sq, len(keys), dtype=torch.float64)
+            if self.alibi is not None:
+                slopes = self.alibi if self.alibi.dim() == 1 else self.alibi[b]
+                bias = -slopes.double()[:, None, None] * (qpos - keys[None]).abs().double()
+            mask = bias.masked_fill(~ok, -math.inf)[None]
+            o, lse = reference_attention(q.transpose(0, 1)[None].to(dtype), K.transpose(0, 1)[None],
+                                         V.transpose(0, 1)[None], attn_mask=mask, softcap=c.softcap, dtype=dtype)
+            outs.append(o[0].transpose(0, 1))
+            lses.append(lse[0])
+        return torch.stack(outs), torch.stack(lses)
+
+    def check(self, out, lse):
+        c = self.c
+        assert out.shape == (c.B, c.Sq, c.Hq, c.D) and out.dtype == c.dtype
+        assert lse.shape == (c.B, c.Hq, c.Sq) and lse.dtype == torch.float32
+        ref_out, ref_lse = self.reference(torch.float64)
+        same_out, same_lse = self.reference(c.dtype)
+        check_2x("out", out, ref_out, same_out, 2, c.dtype)
+        check_2x("lse", lse, ref_lse, same_lse, 2, c.dtype)
+        dead = torch.isneginf(ref_lse)  # queries that see no key: exactly 0 and -inf
+        assert torch.isneginf(lse[dead]).all()
+        assert (out.transpose(1, 2)[dead] == 0).all()
+        k_want, v_want = self.expected_caches()
+        assert torch.equal(self.k_cache, k_want), "k_cache differs from where flash-attn writes"
+        assert torch.equal(self.v_cache, v_want), "v_cache differs from where flash-attn writes"
+
+
+CASES = [
+    KV(),  # decode, GQA, per-row lengths including 0 and the full cache
+    KV(B=3, Hq=8, Hkv=1, D=128, S=300, snew=1, causal=True, dtype=torch.bfloat16),  # MQA decode step
+    KV(B=2, Sq=4, Hq=4, Hkv=4, D=40, S=70, snew=4, causal=True, rotary="interleaved", dtype=torch.float16),
+    KV(B=2, Sq=3, Hq=6, Hkv=2, D=64, S=90, snew=2, causal=True, rotary="neox", leftpad=True),
+    KV(B=2, Sq=8, Hq=4, Hkv=2, D=64, S=150, block=16, snew=8, causal=True, dtype=torch.bfloat16),
+    KV(B=3, Sq=2, Hq=8, Hkv=2, D=128, S=600, block=256, snew=1, causal=True, rotary="neox", alibi="bh"),
+    KV(B=2, Sq=5, Hq=2, Hkv=1, D=96, S=80, block=16, window=(7, 0), softcap=4.0, dtype=torch.float16),
+    KV(B=2, Sq=1, Hq=4, Hkv=2, D=64, S=64, batch_idx=True, snew=1, rotary="interleaved", alibi="h"),
+    KV(B=1, Sq=6, Hq=4, Hkv=2, D=64, S=40, seqlens=0, snew=3, causal=True),  # Sq > keys: rows see nothing
+    KV(B=2, Sq=2, Hq=4, Hkv=2, D=64, S=50, seqlens=None, window=(5, 3), leftpad=True, dtype=torch.bfloat16),
+    KV(B=2, Sq=4, Hq=4, Hkv=1, D=32, S=33, seqlens=20, snew=2, causal=True, window=(3, -1), softcap=2.0),
+    KV(B=2, Sq=1, Hq=2, Hkv=2, D=256, S=48, block=16, leftpad=True, alibi="h", dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_matches_the_reference_and_writes_the_cache_where_flash_attn_does(case, backend, gen):
+    call = Call(case, gen)
+    call.check(*call.run(backend))
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[5], CASES[7]], ids=str)
+def test_every_isa_path(case, isa, gen):
+    call = Call(case, gen)
+    call.check(*call.run("paged_attention"))
+
+
+@pytest.mark.parametrize("case", [KV(B=1, Hq=8, Hkv=2, D=64, S=2000, block=16, snew=1, causal=True),
+                                  KV(B=2, Sq=3, Hq=4, Hkv=4, D=128, S=1500, leftpad=True, dtype=torch.bfloat16)],
+                         ids=str)
+def test_split_and_unsplit_agree(case, gen):
+    outs = {}
+    for splits in (1, 3, 7, 0):
+        call = Call(case, gen) if not outs else call.reset()
+        out, lse = call.run("paged_attention", num_splits=splits)
+        call.check(out, lse)
+        outs[splits] = (out.double(), lse.double())
+    for splits in (3, 7, 0):
+        assert torch.allclose(outs[splits][0], outs[1][0], atol=4 * torch.finfo(case.dtype).eps, rtol=0)
+        assert torch.allclose(outs[splits][1], outs[1][1], atol=1e-5, rtol=0)
+
+
+def test_a_fixed_split_count_is_bitwise_reproducible_across_thread_counts(gen):
+    call = Call(KV(B=1, Hq=8, Hkv=2, D=64, S=1200, block=16), gen)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(call.run("paged_attention", num_splits=4))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_long_queries_go_to_flash_over_the_gathered_cache(gen):
+    # 40 tokens x 4 query heads per KV head: more rows than one tile of the decode kernel
+    call = Call(KV(B=2, Sq=40, Hq=8, Hkv=2, D=64, S=120, block=16, snew=40, causal=True, rotary="neox"), gen)
+    call.check(*call.run("paged_attention"))
+
+
+def test_plain_call_without_optional_arguments(gen):
+    # flash-attn's simplest form: the whole cache, no lengths
+    q, kc, vc = torch.randn(2, 1, 4, 32), torch.randn(2, 10, 2, 32), torch.randn(2, 10, 2, 32)
+    out = ab.attention_with_kvcache(q, kc, vc)
+    ref, _ = reference_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2))
+    same, _ = reference_attention(q.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2), dtype=torch.float32)
+    check_2x("out", out.transpose(1, 2), ref, same, 2, torch.float32)
+
+
+def test_opcheck(gen):
+    call = Call(KV(B=2, Sq=2, Hq=4, Hkv=2, D=32, S=40, block=16, snew=2, causal=True), gen)
+    args = (call.q, call.k_cache, call.v_cache, call.k, call.v, None, None, call.cache_seqlens, -1, None, None,
+            call.block_table, None, 0.2, True, -1, -1, 0.0, True, 0)
+    torch.library.opcheck(torch.ops.attn_backends.kvcache_fwd.default, args)
+
+
+# ---- planning ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_plans():
+    """Plans and the once-only log lines forgotten, so this test sees them."""
+    for d in ab._kvcache._chosen:
+        d.clear()
+    ab._dispatch.reset_caches()
+    yield
+
+
+def _tiny():
+    return torch.randn(1, 1, 2, 16), torch.randn(1, 8, 1, 16), torch.randn(1, 8, 1, 16)
+
+
+def test_auto_uses_the_decode_kernel_on_cpu_and_math_for_float64(caplog, fresh_plans):
+    caplog.set_level(logging.INFO, logger="attn_backends")
+    q, kc, vc = _tiny()
+    ab.attention_with_kvcache(q, kc, vc, cache_seqlens=5)
+    ab.attention_with_kvcache(q.double(), kc.double(), vc.double(), cache_seqlens=5)
+    served = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any(m.startswith("attn_backends: paged_attention serves cpu, float32") and "KV cache" in m for m in served)
+    assert any(m.startswith("attn_backends: math serves cpu, float64") for m in served)
+
+
+def test_a_backend_that_cannot_serve_falls_back_once_or_raises_when_strict(caplog, fresh_plans):
+    caplog.set_level(logging.WARNING, logger="attn_backends")
+    q, kc, vc = _tiny()
+    for _ in range(2):
+        ab.attention_with_kvcache(q, kc, vc, cache_seqlens=5, backend="sdpa")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "does not serve KV-cache calls" in warnings[0] and "'paged_attention'" in warnings[0]
+    with pytest.raises(RuntimeError, match="every backend and why not"):
+        ab.attention_with_kvcache(q, kc, vc, cache_seqlens=5, backend="sdpa", strict=True)
+
+
+def test_paged_attention_named_for_a_dense_call_falls_back_to_flash():
+    q = torch.randn(1, 2, 5, 8)
+    p = ab.explain(q, q, q, backend="paged_attention")
+    assert p.chosen == "flash" and "attention_with_kvcache" in p.reasons["paged_attention"]
+
+
+def test_backends_report_paged_attention_available_on_cpu():
+    row = {r.name: r for r in ab.backends()}["paged_attention"]
+    assert row.available and row.devices == ("cpu",) and not row.supports_backward
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+def _base(gen, **over):
+    call = Call(KV(B=2, Sq=1, Hq=4, Hkv=2, D=16, S=32, block=16, snew=1, causal=True), gen)
+    args = dict(q=call.q, k_cache=call.k_cache, v_cache=call.v_cache, k=call.k, v=call.v, **call.kwargs())
+    args.update(over)
+    return call, args
+
+
+BAD = [
+    # (what, overrides(call) -> dict, exception, message)
+    # the cache holds 48 positions per row: 3 blocks of 16 (the last one padding)
+    ("seqlens past the cache", lambda c: dict(cache_seqlens=torch.tensor([3, 48], dtype=torch.int32)), ValueError,
+     r"cache_seqlens\[1\] = 48 is outside the cache: with 1 new tokens it must be in \[0, 47\]"),
+    ("negative seqlens", lambda c: dict(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)), ValueError,
+     r"cache_seqlens\[0\] = -1"),
+    ("int seqlens past the cache", lambda c: dict(cache_seqlens=48), ValueError, r"cache_seqlens = 48 is outside"),
+    ("a padding block in use", lambda c: dict(block_table=torch.tensor([[0, -1, -1], [1, 2, -1]], dtype=torch.int32),
+                                              cache_seqlens=torch.tensor([20, 3], dtype=torch.int32)), ValueError,
+     r"block_table\[0\]\[1\] = -1 is not a block of k_cache"),
+    ("a block past the cache", lambda c: dict(block_table=torch.tensor([[0, 99, -1], [1, 2, -1]], dtype=torch.int32),
+                                              cache_seqlens=torch.tensor([20, 3], dtype=torch.int32)), ValueError,
+     r"block_table\[0\]\[1\] = 99"),
+    ("leftpad past the length", lambda c: dict(cache_leftpad=torch.tensor([0, 9], dtype=torch.int32),
+                                               cache_seqlens=torch.tensor([4, 5], dtype=torch.int32)), ValueError,
+     r"cache_leftpad\[1\] = 9 must be in \[0, cache_seqlens\[1\] = 5\]"),
+    ("short rotary tables", lambda c: dict(rotary_cos=torch.ones(4, 4), rotary_sin=torch.ones(4, 4),
+                                           cache_seqlens=torch.tensor([2, 9], dtype=torch.int32)), ValueError,
+     r"rotary_cos has 4 positions, but row 1 rotates up to position 9"),
+    ("cache dtype", lambda c: dict(k_cache=c.k_cache.double(), v_cache=c.v_cache.double()), TypeError,
+     r"k_cache must be torch.float32 like q"),
+    ("new k dtype", lambda c: dict(k=c.k.half()), TypeError, r"k must be torch.float32 like q"),
+    ("k without v", lambda c: dict(v=None), ValueError, r"k and v must be given together"),
+    ("k without lengths", lambda c: dict(cache_seqlens=None), ValueError, r"cache_seqlens is required"),
+    ("seqlens dtype", lambda c: dict(cache_seqlens=torch.tensor([1.0, 2.0])), TypeError, r"cache_seqlens must be int32"),
+    ("seqlens shape", lambda c: dict(cache_seqlens=torch.tensor([1, 2, 3], dtype=torch.int32)), ValueError,
+     r"cache_seqlens must have shape \(B,\)"),
+    ("block table dtype", lambda c: dict(block_table=c.block_table.float()), TypeError, r"block_table must be int32"),
+    ("head dims", lambda c: dict(q=torch.randn(2, 1, 4, 8)), ValueError, r"k_cache's head dim \(16\) must equal q's \(8\)"),
+    ("heads", lambda c: dict(q=torch.randn(2, 1, 3, 16)), ValueError, r"multiple of the cache's key/value heads"),
+    ("rotary without k", lambda c: dict(k=None, v=None, rotary_cos=torch.ones(40, 4), rotary_sin=torch.ones(40, 4)),
+     ValueError, r"rotary_cos and rotary_sin need the new k and v"),
+    ("rotary too wide", lambda c: dict(rotary_cos=torch.ones(40, 9), rotary_sin=torch.ones(40, 9)), ValueError,
+     r"rotary_dim = 2 \* rotary_cos.shape\[1\] = 18"),
+    ("batch_idx with pages", lambda c: dict(cache_batch_idx=torch.tensor([0, 1], dtype=torch.int32)), ValueError,
+     r"cache_batch_idx does not apply to a paged cache"),
+    ("alibi dtype", lambda c: dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError,
+     r"alibi_slopes must be float32"),
+    ("alibi shape", lambda c: dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape \(Hq,\)"),
+    ("window", lambda c: dict(window_size=(-2, 0)), ValueError, r"window_size\[0\] must be >= -1"),
+    ("softcap", lambda c: dict(softcap=-1.0), ValueError, r"softcap must be >= 0"),
+    ("num_splits", lambda c: dict(num_splits=-1), ValueError, r"num_splits must be >= 0"),
+    ("strided cache", lambda c: dict(k_cache=c.k_cache.transpose(2, 3).contiguous().transpose(2, 3)), ValueError,
+     r"k_cache must have a contiguous last dimension"),
+]
+
+
+@pytest.mark.parametrize("backend", ["paged_attention", "math"])
+@pytest.mark.parametrize("what,over,exc,msg", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_named_and_writes_nothing(what, over, exc, msg, backend, gen):
+    call, args = _base(gen)
+    args.update(over(call))
+    with pytest.raises(exc, match=msg):
+        ab.attention_with_kvcache(**args, backend=backend)
+    assert torch.equal(call.k_cache, call.before[0]) and torch.equal(call.v_cache, call.before[1])
+
+
+def test_dense_cache_errors_name_the_row(gen):
+    call = Call(KV(B=2, D=16, S=20, batch_idx=True, snew=1), gen)
+    bad = torch.tensor([0, 7], dtype=torch.int32)
+    for backend in ("paged_attention", "math"):
+        with pytest.raises(ValueError, match=r"cache_batch_idx\[1\] = 7 is not a row of k_cache \(it has 4\)"):
+            ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v,
+                                      cache_seqlens=call.cache_seqlens, cache_batch_idx=bad, backend=backend)
+        with pytest.raises(ValueError, match=r"k_cache has 4 rows for a batch of 5"):
+            ab.attention_with_kvcache(torch.randn(5, 1, 4, 16), call.k_cache, call.v_cache, backend=backend)
+    assert torch.equal(call.k_cache, call.before[0])
+
+
+def test_a_call_that_needs_a_gradient_raises(gen):
+    q, kc, vc = _tiny()
+    with pytest.raises(RuntimeError, match="no backward"):
+        ab.attention_with_kvcache(q.requires_grad_(), kc, vc)
+    with torch.no_grad():
+        ab.attention_with_kvcache(q, kc, vc)
+
+
+# ---- the example -------------------------------------------------------------------------------
+
+def test_the_example_decodes_through_a_paged_cache_as_its_full_forward():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "train_gpt.py")
+    spec = importlib.util.spec_from_file_location("train_gpt_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    torch.manual_seed(0)
+    model = example.GPT(vocab=20, block=64, layers=2, d=32, heads=4, kv_heads=2, dropout=0.0, attention_call="ab").eval()
+    prompt = torch.randint(0, 20, (1, 7))
+    ids, drift = example.generate(model, prompt, 30)
+    assert ids.shape == (1, 37) and torch.equal(ids[:, :7], prompt)
+    assert drift < 1e-5
+
+
+# ---- HF transformers' continuous batching ------------------------------------------------------
+
+def test_hf_continuous_batching_runs_on_our_kernels_and_matches_hf_paged_sdpa(caplog, fresh_plans):
+    # transformers 5.x takes its flash_attn_with_kvcache fast path only for flash implementations on
+    # CUDA/XPU and accepts only "sdpa", "paged|eager" or flash names for generate_batch, so on CPU
+    # its paged path reaches our kernels through the patched SDPA (docs/decode.md, "HF transformers")
+    transformers = pytest.importorskip("transformers")
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation("sdpa")
+    gen_cfg = transformers.GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb_cfg = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64, auto_switch_to_flash=False)
+    prompts = [[1, 5, 9, 3], [7, 8], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]]
+
+    def generate():
+        out = model.generate_batch(inputs=prompts, generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+        return {k: v.generated_tokens for k, v in out.items()}
+
+    hf = generate()
+    caplog.set_level(logging.INFO, logger="attn_backends")
+    with ab.patched_sdpa("flash"):
+        ours = generate()
+    assert ours == hf and all(len(t) == 10 for t in ours.values())
+    assert any(r.getMessage().startswith("attn_backends: flash serves cpu") for r in caplog.records)
