@@ -46,6 +46,8 @@ ISA_FLAGS = {
     "_avx2.c": ["-ffp-contract=fast"] + (["-mavx2", "-mfma", "-mf16c"] if X86 else []),
     "_avx512.c": ["-ffp-contract=fast"]
     + (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"] if X86 else []),
+    # the AMX tile instructions emulated in plain C (csrc/cpu/ab_amx.h): the generic flags
+    "_amx_emu.c": ["-ffp-contract=fast"],
 }
 CXX_FLAGS = ["-std=c++17", "-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"]
 

@@ -190,6 +190,11 @@ const char* ab_cpu_isa_name(ab_cpu_isa isa);
 /* Float32 flop/s of independent FMA chains on `threads` threads of the current path: the ceiling
  * the CPU benchmarks are measured against. */
 double ab_cpu_fma_peak(double seconds, int threads);
+/* One tile product on the emulated tiles (csrc/cpu/ab_amx.h), for tests of the emulation: op 0
+ * tdpbf16ps, 1 tdpfp16ps, 2 tdpbssd, 3 tdpbusd; shape = rows and bytes per row of C, A, B; c is
+ * read and written (rows x bytes per row each, packed).  A shape the instruction rejects aborts
+ * the process, as the emulation's #UD. */
+void ab_amx_emu_dot(int op, const void* a, const void* b, void* c, const int shape[6]);
 
 /* Writes the dropout keep-mask (1 = kept) the kernels use for (B, H, Sq, Sk), contiguous uint8. */
 ab_status ab_dropout_mask_cpu(uint64_t seed, uint64_t offset, double p, int64_t B, int64_t H,
