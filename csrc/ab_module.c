@@ -294,13 +294,13 @@ static int isa_from_name(PyObject* arg) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "ISA name must be a str");
     return -1;
   }
-  for (int i = AB_ISA_GENERIC; i <= AB_ISA_AVX512; ++i)
+  for (int i = AB_ISA_GENERIC; i < AB_ISA_COUNT; ++i)
     if (strcmp(name, ab_cpu_isa_name((ab_cpu_isa)i)) == 0) return i;
-  PyErr_Format(PyExc_ValueError, "unknown CPU ISA %R; valid: generic, avx2, avx512", arg);
+  PyErr_Format(PyExc_ValueError, "unknown CPU ISA %R; valid: generic, avx2, avx512, amx, amx_emu", arg);
   return -1;
 }
 
-/* cpu_isa() -> the path the CPU kernels use now ("generic", "avx2", "avx512"). */
+/* cpu_isa() -> the path the CPU kernels use now ("generic", "avx2", "avx512", "amx", "amx_emu"). */
 static PyObject* ab_py_cpu_isa(PyObject* self, PyObject* unused) {
   (void)self;
   (void)unused;
@@ -415,7 +415,7 @@ static PyMethodDef ab_methods[] = {
     {"cpu_isa", ab_py_cpu_isa, METH_NOARGS,
      "cpu_isa() -> the instruction-set path of the CPU kernels (ATTN_BACKENDS_CPU_ISA forces one)."},
     {"cpu_isa_index", ab_py_cpu_isa_index, METH_NOARGS,
-     "cpu_isa_index() -> the CPU kernels' path as a number (0 generic, 1 avx2, 2 avx512)."},
+     "cpu_isa_index() -> the CPU kernels' path as a number (0 generic, 1 avx2, 2 avx512, 3 amx, 4 amx_emu)."},
     {"cpu_isa_error", ab_py_cpu_isa_error, METH_NOARGS,
      "cpu_isa_error() -> why ATTN_BACKENDS_CPU_ISA cannot be honoured (CPU kernel calls fail with it), or None."},
     {"cpu_units", ab_py_cpu_units, METH_NOARGS,

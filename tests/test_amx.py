@@ -1,14 +1,38 @@
-"""The emulation of the AMX tile instructions (csrc/cpu/ab_amx.h) against a model of the instruction
-reference written here independently (float32 chains, DAZ and FTZ, VNNI pairs, int32 wraparound),
-bit for bit, and its faults where the hardware faults."""
+"""The AMX tile kernel (csrc/cpu/flash_amx_impl.h; docs/amx.md) on every CPU,
+through the emulation of the tile instructions (csrc/cpu/ab_amx.h, the "amx_emu" path), and on
+real tiles where the CPU has them (the "amx" path runs the same tests):
 
+- the emulation itself against a model of the instruction reference written here independently
+  (float32 chains, DAZ and FTZ, VNNI pairs, int32 wraparound), bit for bit, and its faults;
+- what the shared grid of test_flash_cpu.py does not reach on tiles: several key
+  panels and blocks, float16 on AMX-FP16, dropout replayed by the backward, the float mask's
+  gradient, results independent of the thread count, the caller's tensors left untouched;
+- the path's selection: never the default, float32 on the vector kernel, a clear error where
+  ATTN_BACKENDS_CPU_ISA asks for AMX the CPU lacks.
+"""
+
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+import torch
 
+import attn_backends as ab
 from attn_backends import _C
+from attn_backends._testing import (Case, check_2x, check_against_reference, check_out_and_grads_2x,
+                                   keep_mask_for_next_call, make_inputs, reference_attention)
+
+TILE_ISAS = [isa for isa in ("amx", "amx_emu") if _C.cpu_isa_supported(isa)]
+
+
+@pytest.fixture(params=TILE_ISAS)
+def tiles(request):
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa(before)
 
 
 # ---- the emulated instructions against the instruction reference ---------------------------------
@@ -110,3 +134,136 @@ def test_emulated_instructions_fault_where_the_hardware_does(shape, what):
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode != 0 and "no fault" not in res.stdout
     assert f"emulated AMX fault: {what}" in res.stderr, res.stderr
+
+
+# ---- the kernels on tiles: what the shared grids do not reach ------------------------------------
+
+
+def run_flash(q, k, v, mask, case):
+    return ab.attention(q, k, v, backend="flash", causal=case.causal, attn_mask=mask, window=case.window,
+                        softcap=case.softcap, return_lse=True, strict=True)
+
+
+# forward panels are 256 keys and backward blocks 64: these cross several of each, with the scale
+# folded into the exponential (no softcap, no float mask) and applied first (the others)
+LONG = [
+    Case(B=1, Hq=4, Hkv=1, Sq=70, Sk=600, D=64, dtype=torch.bfloat16, causal="bottom_right"),
+    Case(B=1, Hq=2, Hkv=2, Sq=1, Sk=300, D=128, dtype=torch.bfloat16),
+    Case(B=1, Hq=2, Hkv=1, Sq=300, Sk=300, D=40, Dv=72, dtype=torch.bfloat16, causal=True, window=(100, 3),
+         softcap=3.0, mask="float_rows"),
+    Case(B=2, Hq=2, Hkv=1, Sq=65, Sk=1, D=8, dtype=torch.bfloat16, causal="bottom_right", layout="bshd"),
+    Case(B=1, Hq=2, Hkv=2, Sq=40, Sk=520, D=96, dtype=torch.float16, mask="key_padding", layout="strided_d"),
+]
+
+
+@pytest.mark.parametrize("case", LONG, ids=str)
+def test_flash_on_tiles_across_panels_and_blocks(tiles, case, gen):
+    check_against_reference(case, run_flash, grad=True, generator=gen)
+
+
+@pytest.mark.parametrize("p", [0.2])
+def test_dropout_is_replayed_by_the_backward_on_tiles(tiles, p, gen):
+    case = Case(B=2, Hq=4, Hkv=2, Sq=41, Sk=300, D=24, dtype=torch.bfloat16, causal=True, mask="float_rows")
+    q, k, v, mask = make_inputs(case, requires_grad=True, generator=gen)
+    keep = keep_mask_for_next_call(99, case.B, case.Hq, case.Sq, case.Sk, p)
+    torch.manual_seed(99)
+    out = ab.attention(q, k, v, causal=True, attn_mask=mask, dropout_p=p, backend="flash", strict=True)
+    g = torch.randn(out.shape, generator=gen).to(case.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    check_out_and_grads_2x(out, grads, (q, k, v), g, case.dtype, causal=True, attn_mask=mask, keep=keep,
+                           dropout_p=p)
+
+
+def test_float_mask_gradient_on_tiles(tiles, gen):
+    q = torch.randn(2, 4, 37, 32, generator=gen).bfloat16().requires_grad_()
+    k = torch.randn(2, 2, 90, 32, generator=gen).bfloat16().requires_grad_()
+    v = torch.randn(2, 2, 90, 32, generator=gen).bfloat16().requires_grad_()
+    bias = torch.randn(2, 1, 37, 90, generator=gen).bfloat16().requires_grad_()
+    out = ab.attention(q, k, v, attn_mask=bias, causal="bottom_right", softcap=4.0, backend="flash", strict=True)
+    g = torch.randn(out.shape, generator=gen).bfloat16()
+    ours = torch.autograd.grad(out, (q, k, v, bias), g)
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v, bias)]
+    r_out, _ = reference_attention(*leaves64[:3], attn_mask=leaves64[3], causal="bottom_right", softcap=4.0)
+    ref = torch.autograd.grad(r_out, leaves64, g.double())
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, bias)]
+    d_out, _ = reference_attention(*leaves[:3], attn_mask=leaves[3], causal="bottom_right", softcap=4.0,
+                                   dtype=torch.bfloat16)
+    same = torch.autograd.grad(d_out, leaves, g)
+    for name, a, r, s in zip(("dq", "dk", "dv", "dmask"), ours, ref, same):
+        check_2x(name, a, r, s, 3, torch.bfloat16)
+
+
+def test_results_do_not_depend_on_thread_count(tiles, gen):
+    q, k, v, _ = make_inputs(Case(B=2, Hq=4, Hkv=2, Sq=100, Sk=280, D=64, dtype=torch.bfloat16),
+                             requires_grad=True, generator=gen)
+    results = []
+    n = torch.get_num_threads()
+    try:
+        for threads in (1, max(2, n)):
+            torch.set_num_threads(threads)
+            out = ab.attention(q, k, v, causal=True, backend="flash", strict=True)
+            grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
+            results.append((out.detach(), *grads))
+    finally:
+        torch.set_num_threads(n)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_inputs_are_not_modified_on_tiles(tiles, gen):
+    case = Case(B=2, Hq=4, Hkv=2, Sq=33, Sk=47, D=40, dtype=torch.bfloat16, layout="bshd", mask="float_rows")
+    q, k, v, mask = make_inputs(case, requires_grad=True, generator=gen)
+    mask.requires_grad_(True)
+    before = [t.detach().clone() for t in (q, k, v, mask)]
+    out = ab.attention(q, k, v, attn_mask=mask, causal=True, softcap=2.0, dropout_p=0.2, backend="flash", strict=True)
+    out.float().sum().backward()
+    for a, b in zip(before, (q, k, v, mask)):
+        assert torch.equal(a, b.detach())
+
+
+# ---- the path: selectable, never the default, float32 on the vector kernel --------------------------
+
+
+def test_tile_paths_are_never_the_default():
+    res = subprocess.run([sys.executable, "-c", "from attn_backends import _C; print(_C.cpu_isa())"],
+                         capture_output=True, text=True, env={k: v for k, v in os.environ.items()
+                                                              if k != "ATTN_BACKENDS_CPU_ISA"})
+    assert res.returncode == 0 and res.stdout.strip() in ("generic", "avx2", "avx512")
+
+
+def test_float32_runs_the_vector_kernel_on_the_tile_paths(tiles, gen):
+    # the vector kernel the tile path sits on computes float32 as it is: far closer to the vector path
+    # than the 16-bit rounding of a tile product would be
+    q, k, v = (torch.randn(1, 2, 40, 24, generator=gen) for _ in range(3))
+    out = ab.attention(q, k, v, causal=True, backend="flash", strict=True)
+    _C.set_cpu_isa("generic" if tiles == "amx_emu" else "avx512")
+    try:
+        torch.testing.assert_close(out, ab.attention(q, k, v, causal=True, backend="flash", strict=True),
+                                   rtol=1e-6, atol=1e-6)
+    finally:
+        _C.set_cpu_isa(tiles)
+
+
+@pytest.mark.parametrize("isa", TILE_ISAS)
+def test_tile_path_from_the_environment(isa):
+    code = ("import attn_backends as ab, torch\n"
+            "q = torch.randn(1, 1, 20, 32, dtype=torch.bfloat16)\n"
+            "print(ab._C.cpu_isa(), ab.explain(q, q, q, backend='flash').path)\n"
+            "print(ab.attention(q, q, q, backend='flash', strict=True).shape, ab._C.cpu_isa_error())\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, ATTN_BACKENDS_CPU_ISA=isa))
+    assert res.returncode == 0, res.stderr
+    assert f"{isa} cpu {isa}" in res.stdout and "torch.Size([1, 1, 20, 32]) None" in res.stdout
+
+
+@pytest.mark.skipif(_C.cpu_isa_supported("amx"), reason="this CPU has AMX: the request is honoured")
+def test_amx_is_refused_where_absent():
+    assert not _C.set_cpu_isa("amx")
+    code = ("import attn_backends as ab, torch\n"
+            "q = torch.randn(1, 1, 4, 8, dtype=torch.bfloat16)\n"
+            "try:\n    ab.attention(q, q, q, backend='flash', strict=True)\n"
+            "except RuntimeError as e:\n    print('raised:', e)\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(os.environ, ATTN_BACKENDS_CPU_ISA="amx"))
+    assert res.returncode == 0, res.stderr
+    assert "raised: attn_backends: ATTN_BACKENDS_CPU_ISA=amx: " in res.stdout

@@ -217,8 +217,8 @@ def test_nan_in_v_stays_in_its_channel_and_block(gen):
 
 
 def test_sage_path_follows_the_cpu_path(isa):
-    vnni = _C.cpu_features()["avx512_vnni"]
-    want = {"generic": "generic", "avx2": "avx2", "avx512": "avx512_vnni" if vnni else "avx2"}[isa]
+    avx512 = "avx512_vnni" if _C.cpu_features()["avx512_vnni"] else "avx2"
+    want = {"generic": "generic", "avx2": "avx2", "avx512": avx512, "amx": avx512, "amx_emu": "generic"}[isa]
     assert _C.sage_cpu_isa() == want
 
 
