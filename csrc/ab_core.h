@@ -168,16 +168,16 @@ ab_status ab_flash_cpu_bwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_
  * float16, bfloat16 and float32; masks, causal, window, softcap, GQA, lse, dense or packed; no
  * dropout.  The caller provides workspace_bytes >= ab_sage_cpu_workspace_size(p) of workspace
  * (quantized K and its scales; the shim allocates it through torch).  Same ISA path as flash,
- * except that AVX-512 needs VNNI (else the AVX2 path runs); the AMX paths run the AVX-512 rule
- * (amx) or the generic kernel (amx_emu). */
+ * except that AVX-512 needs VNNI (else the AVX2 path runs) and AMX needs AMX-INT8 (else the
+ * AVX-512 rule applies). */
 size_t ab_sage_cpu_workspace_size(const ab_attn_params* p);
 ab_status ab_sage_cpu_fwd(const ab_attn_params* p, void* workspace, size_t workspace_bytes,
                           const ab_cpu_pool* pool, ab_error* err);
-/* "generic", "avx2" or "avx512_vnni": the path sage runs now. */
+/* "generic", "avx2", "avx512_vnni", "amx_int8" or "amx_emu": the path sage runs now. */
 const char* ab_sage_cpu_isa_name(void);
 
 /* Instruction-set paths of the CPU kernels; a generic C path always exists.  AB_ISA_AMX runs
- * bfloat16 flash and float16 forward (AMX-FP16) on AMX tiles and everything else on AVX-512;
+ * bfloat16 flash, float16 forward (AMX-FP16) and sage on AMX tiles and everything else on AVX-512;
  * AB_ISA_AMX_EMU runs the same tile kernels against a C emulation of the tile instructions (any
  * CPU; for tests).  Neither is ever chosen by default (docs/amx.md). */
 typedef enum ab_cpu_isa {

@@ -346,7 +346,8 @@ static PyObject* ab_py_set_cpu_isa(PyObject* self, PyObject* arg) {
   return PyBool_FromLong(ab_cpu_isa_set((ab_cpu_isa)isa));
 }
 
-/* sage_cpu_isa() -> the path the sage kernel uses now ("generic", "avx2", "avx512_vnni"). */
+/* sage_cpu_isa() -> the path the sage kernel uses now ("generic", "avx2", "avx512_vnni", "amx_int8",
+ * "amx_emu"). */
 static PyObject* ab_py_sage_cpu_isa(PyObject* self, PyObject* unused) {
   (void)self;
   (void)unused;

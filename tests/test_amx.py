@@ -1,10 +1,10 @@
-"""The AMX tile kernel (csrc/cpu/flash_amx_impl.h; docs/amx.md) on every CPU,
+"""The AMX tile kernels (csrc/cpu/flash_amx_impl.h, sage_amx_impl.h; docs/amx.md) on every CPU,
 through the emulation of the tile instructions (csrc/cpu/ab_amx.h, the "amx_emu" path), and on
 real tiles where the CPU has them (the "amx" path runs the same tests):
 
 - the emulation itself against a model of the instruction reference written here independently
   (float32 chains, DAZ and FTZ, VNNI pairs, int32 wraparound), bit for bit, and its faults;
-- what the shared grid of test_flash_cpu.py does not reach on tiles: several key
+- what the shared grids of test_flash_cpu.py and test_sage.py do not reach on tiles: several key
   panels and blocks, float16 on AMX-FP16, dropout replayed by the backward, the float mask's
   gradient, results independent of the thread count, the caller's tensors left untouched;
 - the path's selection: never the default, float32 on the vector kernel, a clear error where
@@ -203,7 +203,9 @@ def test_results_do_not_depend_on_thread_count(tiles, gen):
             torch.set_num_threads(threads)
             out = ab.attention(q, k, v, causal=True, backend="flash", strict=True)
             grads = torch.autograd.grad(out.float().square().sum(), (q, k, v))
-            results.append((out.detach(), *grads))
+            with torch.no_grad():
+                sage = ab.attention(q, k, v, causal=True, backend="sage", strict=True)
+            results.append((out.detach(), *grads, sage))
     finally:
         torch.set_num_threads(n)
     for a, b in zip(*results):
@@ -217,6 +219,8 @@ def test_inputs_are_not_modified_on_tiles(tiles, gen):
     before = [t.detach().clone() for t in (q, k, v, mask)]
     out = ab.attention(q, k, v, attn_mask=mask, causal=True, softcap=2.0, dropout_p=0.2, backend="flash", strict=True)
     out.float().sum().backward()
+    with torch.no_grad():
+        ab.attention(q, k, v, attn_mask=mask.detach(), backend="sage", strict=True)
     for a, b in zip(before, (q, k, v, mask)):
         assert torch.equal(a, b.detach())
 

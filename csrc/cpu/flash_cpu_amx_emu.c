@@ -1,4 +1,4 @@
-/* flash_cpu_amx_emu.c -- the AMX flash kernel against an emulation of the tile
+/* flash_cpu_amx_emu.c -- the AMX flash and sage kernels against an emulation of the tile
  * instructions (ab_amx.h), built with the generic flags, so their tiling, packing and indexing run
  * and are tested on any CPU.  Selected only by ATTN_BACKENDS_CPU_ISA=amx_emu or
  * _C.set_cpu_isa("amx_emu") (the tests): it computes what the real path computes, slowly.
@@ -8,9 +8,12 @@
 #define AB_ISA_SFX _amx_emu_vec
 #define AB_ISA_NAME "generic"
 #include "flash_cpu_impl.h"
+#include "sage_cpu_impl.h"
 #define AB_AMX_SFX _amx_emu
 #define AB_AMX_NAME "amx_emu"
+#define AB_AMX_SAGE_NAME "amx_emu"
 #include "flash_amx_impl.h"
+#include "sage_amx_impl.h"
 
 /* One emulated tile product, for the tests of the emulation itself (tests/test_amx.py): tile 0 = C,
  * 1 = A, 2 = B, configured with the given shapes (which may be wrong on purpose: the emulation
