@@ -41,13 +41,43 @@ DEFAULT_ARCHS = "80+PTX;86;89;90a"
 C_FLAGS = ["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-O3", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 # per-ISA kernel builds: csrc/cpu/*_<isa>.c get that ISA's flags (and FMA contraction)
+AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
 ISA_FLAGS = {
     "_generic.c": ["-ffp-contract=fast"],
     "_avx2.c": ["-ffp-contract=fast"] + (["-mavx2", "-mfma", "-mf16c"] if X86 else []),
-    "_avx512.c": ["-ffp-contract=fast"]
-    + (["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"] if X86 else []),
+    "_avx512.c": ["-ffp-contract=fast"] + (AVX512_FLAGS if X86 else []),
+    # the AMX tile kernel: real tiles (flags from amx_flags(), probed) and emulated ones (generic flags)
+    "_amx.c": ["-ffp-contract=fast"] + (AVX512_FLAGS if X86 else []),
+    "_amx_emu.c": ["-ffp-contract=fast"],
 }
 CXX_FLAGS = ["-std=c++17", "-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"]
+AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
+# tdpfp16ps from inline assembly, where the compiler has no -mamx-fp16 (gcc 12) but the assembler
+# knows the instruction (GNU as >= 2.40)
+AMX_FP16_ASM_PROBE = 'void f(void) { __asm__ volatile("{tdpfp16ps %%tmm2, %%tmm1, %%tmm0|tdpfp16ps %%tmm0, %%tmm1, %%tmm2}" ::); }\n'
+
+
+def compiles(cc, flags, code):
+    """Whether the C compiler cc accepts flags and code (a probe of the toolchain)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "probe.c"
+        src.write_text(code)
+        res = subprocess.run([cc, *flags, "-c", str(src), "-o", str(Path(d) / "probe.o")], capture_output=True)
+        return res.returncode == 0
+
+
+def amx_flags(cc):
+    """Flags for csrc/cpu/flash_cpu_amx.c: AMX where the toolchain has it (else the file builds an
+    empty table and the amx path reports that it was not built), AMX-FP16 by flag or by assembler."""
+    if not X86 or not compiles(cc, AMX_FLAGS, "int x;\n"):
+        return []
+    if compiles(cc, AMX_FLAGS + ["-mamx-fp16"], "int x;\n"):
+        return AMX_FLAGS + ["-mamx-fp16"]
+    if compiles(cc, AMX_FLAGS, AMX_FP16_ASM_PROBE):
+        return AMX_FLAGS + ["-DAB_AMX_FP16_ASM=1"]
+    return AMX_FLAGS
 
 
 def torch_paths():
@@ -104,10 +134,12 @@ class BuildExt(build_ext):
                 ext.extra_link_args = list(ext.extra_link_args or []) + [f"-fsanitize={sanitize}"]
         compiler = self.compiler
         original = compiler._compile
+        isa_flags = dict(ISA_FLAGS)
+        isa_flags["_amx.c"] = isa_flags["_amx.c"] + amx_flags(compiler.compiler_so[0])
 
         def _compile(obj, src, ext, cc_args, extra_postargs, pp_opts):
             flags = CXX_FLAGS if src.endswith(".cpp") else C_FLAGS
-            flags = flags + next((f for suffix, f in ISA_FLAGS.items() if src.endswith(suffix)), []) + san_flags
+            flags = flags + next((f for suffix, f in isa_flags.items() if src.endswith(suffix)), []) + san_flags
             return original(obj, src, ext, cc_args, list(extra_postargs) + flags, pp_opts)
 
         compiler._compile = _compile

@@ -28,7 +28,7 @@ DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float6
 DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
 CAUSAL_NAMES = ("none", "top_left", "bottom_right")
 MASK_NAMES = ("none", "bool", "float")
-ISA_NAMES = ("generic", "avx2", "avx512")
+ISA_NAMES = ("generic", "avx2", "avx512", "amx", "amx_emu")  # ab_cpu_isa (csrc/ab_core.h)
 
 UNIT_NAMES = ("AMX-BF16", "AMX-FP16", "AMX-INT8")  # bit i of cpu_units (csrc/ab_planner.h AB_UNIT_*)
 

@@ -23,11 +23,17 @@ import torch
 FLOORS = {torch.float64: 1e-12, torch.float32: 1e-6, torch.float16: 1e-4, torch.bfloat16: 1e-3}
 
 
+# CPU kernel paths that run tile kernels on an emulation of the instructions (csrc/cpu/ab_amx.h):
+# everywhere, but slowly, so tests give them a reduced grid that still reaches every code path
+EMULATED_ISAS = ("amx_emu",)
+
+
 def cpu_isas() -> list:
-    """The CPU kernel paths (ISAs) this machine can run, for tests that run on each."""
+    """The CPU kernel paths (ISAs) this machine can run, for tests that run on each: the vector
+    paths, AMX tiles where the CPU has them, and the emulated tiles everywhere."""
     from . import _C
 
-    return [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_isa_supported(isa)]
+    return [isa for isa in ("generic", "avx2", "avx512", "amx", "amx_emu") if _C.cpu_isa_supported(isa)]
 
 
 def visible(Sq: int, Sk: int, causal, window, device=None) -> torch.Tensor:

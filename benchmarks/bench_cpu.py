@@ -16,6 +16,14 @@ that row's median peak, so a drifting machine moves both sides of the fraction t
     python benchmarks/bench_cpu.py --sage --json benchmarks/results/cpu_sage.json
                                   # sage (INT8 Q.K^T) vs flash vs torch SDPA, forward, S=2048 D=128,
                                   # with sage's accuracy against the float64 reference
+    python benchmarks/bench_cpu.py --ceiling --isa amx --json benchmarks/results/cpu_amx.json
+                                  # bfloat16: torch SDPA, our flash and sage, and a bf16 matmul
+                                  # (torch.matmul 4096^2, the matrix units' ceiling as torch reaches
+                                  # it) timed in the same rounds; each kernel as a ratio to torch and
+                                  # a % of that ceiling.  --isa picks our kernels' path (amx: AMX
+                                  # tiles, where the CPU has them; docs/amx.md)
+
+The header names the CPU, our kernels' path and the AMX state (`_C.cpu_features()["amx_state"]`).
 """
 
 from __future__ import annotations
@@ -95,6 +103,89 @@ def run_case(B, H, S, D, dtype, causal, pas, rounds):
             times[name].append(time.perf_counter() - t0)
         peaks.append(peak_sample())
     return {**{name: statistics.median(ts) for name, ts in times.items()}, "peak": statistics.median(peaks)}
+
+
+def matmul_operands(n: int):
+    """bfloat16 operands of the ceiling: torch.matmul (n x n) @ (n x n), on the matrix units where the
+    CPU has them (oneDNN's AMX kernels on an AMX CPU)."""
+    return torch.randn(n, n, dtype=torch.bfloat16), torch.randn(n, n, dtype=torch.bfloat16)
+
+
+def matmul_sample(a, b) -> float:
+    """One timing of the ceiling, in flop/s."""
+    t0 = time.perf_counter()
+    torch.matmul(a, b)
+    return 2.0 * a.shape[0] * a.shape[1] * b.shape[1] / (time.perf_counter() - t0)
+
+
+def run_ceiling_case(B, H, S, D, dtype, causal, pas, rounds, mm):
+    """Medians (seconds) of torch SDPA, our flash and (forward only) sage, and of the bf16 matmul
+    ceiling (flop/s), every one timed once per round, in turn."""
+    bwd = pas != "fwd"
+    q, k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=bwd) for _ in range(3))
+    g = torch.randn(B, H, S, D, dtype=dtype)
+
+    def call(fn):
+        def run():
+            if not bwd:
+                with torch.inference_mode():
+                    fn()
+                return
+            for t in (q, k, v):
+                t.grad = None
+            fn().backward(g)
+        return run
+
+    fns = {"torch": call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)),
+           "flash": call(lambda: ab.attention(q, k, v, causal=causal, backend="flash", strict=True))}
+    if not bwd:
+        fns["sage"] = call(lambda: ab.attention(q, k, v, causal=causal, backend="sage", strict=True))
+    for fn in fns.values():  # warm-up
+        fn()
+    matmul_sample(*mm)
+    times = {name: [] for name in fns}
+    ceil = []
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            gc.collect()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        ceil.append(matmul_sample(*mm))
+    return {**{name: statistics.median(ts) for name, ts in times.items()}, "ceiling": statistics.median(ceil)}
+
+
+def ceiling_main(args):
+    mm = matmul_operands(args.ceiling_n)
+    print(f"ceiling: torch.matmul bfloat16 {args.ceiling_n}^2, timed in every round")
+    print(f"{'pass':<9}{'dtype':<9}{'D':>4}{'S':>6} {'causal':<7}{'torch ms':>9}{'flash ms':>9}{'sage ms':>9}"
+          f"{'ceil GF/s':>10}{'torch %':>8}{'flash %':>8}{'sage %':>8}{'flash x':>8}{'sage x':>8}")
+    rows = []
+    for pas in args.passes.split(","):
+        for dt_name in args.dtypes.split(","):
+            dtype = getattr(torch, dt_name)
+            for D in (int(x) for x in args.dims.split(",")):
+                for S in (int(x) for x in args.seqlens.split(",")):
+                    for causal in (False, True):
+                        t = run_ceiling_case(args.batch, args.heads, S, D, dtype, causal, pas, args.rounds, mm)
+                        fl = flops(args.batch, args.heads, S, D, causal, pas)
+                        row = dict(pass_=pas, dtype=dt_name, D=D, S=S, causal=causal,
+                                   ceiling_gflops=t["ceiling"] / 1e9)
+                        for name in ("torch", "flash", "sage"):
+                            if name in t:
+                                row[f"{name}_ms"] = t[name] * 1e3
+                                row[f"{name}_gflops"] = fl / t[name] / 1e9
+                                row[f"{name}_pct_ceiling"] = 100 * fl / t[name] / t["ceiling"]
+                                row[f"{name}_speedup"] = t["torch"] / t[name]  # > 1: faster than torch
+                        rows.append(row)
+                        cell = lambda key, fmt: format(row[key], fmt) if key in row else "-"  # noqa: E731
+                        print(f"{pas:<9}{dt_name:<9}{D:>4}{S:>6} {str(causal):<7}{row['torch_ms']:>9.1f}"
+                              f"{row['flash_ms']:>9.1f}{cell('sage_ms', '.1f'):>9}{row['ceiling_gflops']:>10.0f}"
+                              f"{row['torch_pct_ceiling']:>7.0f}%{row['flash_pct_ceiling']:>7.0f}%"
+                              f"{cell('sage_pct_ceiling', '.0f') + '%' if 'sage_ms' in row else '-':>8}"
+                              f"{row['flash_speedup']:>8.2f}{cell('sage_speedup', '.2f'):>8}", flush=True)
+    print("%: of the matmul ceiling; x: torch ms / kernel ms (> 1: faster than torch SDPA)")
+    return rows
 
 
 def run_sage_case(B, H, S, D, dtype, causal, rounds):
@@ -199,6 +290,12 @@ def main(argv=None):
     ap.add_argument("--memory", action="store_true", help="also measure forward peak memory at S=16384")
     ap.add_argument("--sage", action="store_true",
                     help="sage vs flash vs torch, forward only (defaults: S=2048, D=128, 5 rounds)")
+    ap.add_argument("--ceiling", action="store_true",
+                    help="torch SDPA, flash, sage and the bf16 matmul ceiling in the same rounds (defaults: "
+                         "bfloat16, fwd, S=512,2048)")
+    ap.add_argument("--ceiling-n", type=int, default=4096, help="matmul ceiling size n (n x n @ n x n)")
+    ap.add_argument("--isa", default=None,
+                    help="our kernels' CPU path: generic, avx2, avx512, amx (AMX tiles), amx_emu (emulated tiles)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None, metavar="JSON", help="print a results JSON as a markdown table")
     args = ap.parse_args(argv)
@@ -213,10 +310,29 @@ def main(argv=None):
         args.seqlens = "2048"
     if args.sage and "--dims" not in " ".join(sys.argv):
         args.dims = "128"
+    given = " ".join(sys.argv if argv is None else argv)
+    if args.ceiling:
+        if "--dtypes" not in given:
+            args.dtypes = "bfloat16"
+        if "--passes" not in given:
+            args.passes = "fwd"
+        if "--seqlens" not in given and not args.quick:
+            args.seqlens = "512,2048"
+    if args.isa and not ab._C.set_cpu_isa(args.isa):
+        raise SystemExit(f"--isa {args.isa}: this CPU or build cannot run that path (AMX: "
+                         f"{ab._C.cpu_features()['amx_state']})")
     peak = fma_peak_gflops()
-    print(f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"attn_backends {ab.__version__} ({ab._C.cpu_isa()} path, sage {ab._C.sage_cpu_isa()}); "
-          f"FMA peak {peak:.0f} GFLOP/s")
+    features = ab._C.cpu_features()
+    print(f"{features['brand'].strip() or platform.processor() or platform.machine()}, {torch.get_num_threads()} "
+          f"threads, torch {torch.__version__}, attn_backends {ab.__version__} ({ab._C.cpu_isa()} path, sage "
+          f"{ab._C.sage_cpu_isa()}); AMX {features['amx_state']}; FMA peak {peak:.0f} GFLOP/s")
+    if args.ceiling:
+        rows = ceiling_main(args)
+        if args.json:
+            write_json(args.json, "cpu_ceiling", peak, [{("pass" if k == "pass_" else k): v for k, v in r.items()}
+                                                        for r in rows],
+                       sage_isa=ab._C.sage_cpu_isa(), ceiling_n=args.ceiling_n)
+        return
     if args.sage:
         rows = sage_main(args, peak)
         if args.json:
@@ -261,7 +377,8 @@ def write_json(path: str, benchmark: str, peak: float, results: list, **extra) -
     with open(path, "w") as f:
         json.dump(dict(benchmark=benchmark, date=time.strftime("%Y-%m-%d"),
                        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                       cpu=ab._C.cpu_features()["brand"].strip(), isa=ab._C.cpu_isa(), **extra,
+                       cpu=ab._C.cpu_features()["brand"].strip(), isa=ab._C.cpu_isa(),
+                       amx_state=ab._C.cpu_features()["amx_state"], **extra,
                        threads=torch.get_num_threads(), torch=torch.__version__, fma_peak_gflops=peak,
                        results=results), f, indent=2)
 
@@ -272,6 +389,8 @@ def markdown(path: str) -> str:
         d = json.load(f)
     if d["benchmark"] == "cpu_sage":
         return sage_markdown(d)
+    if d["benchmark"] == "cpu_ceiling":
+        return ceiling_markdown(d)
     lines = [f"`{d['command']}` on {d['cpu']} ({d['threads']} threads, {d['isa']} path), torch {d['torch']}, "
              f"{d['date']}; FMA peak {d['fma_peak_gflops']:.0f} GFLOP/s.", "",
              "| pass | dtype | D | S | causal | ours ms | torch ms | ours GFLOP/s | torch GFLOP/s | % peak | torch % peak "
@@ -284,6 +403,23 @@ def markdown(path: str) -> str:
         lines.append(f"| {r['pass']} | {r['dtype']} | {r['D']} | {r['S']} | {'yes' if r['causal'] else 'no'} | "
                      f"{r['ours_ms']:.1f} | {r['torch_ms']:.1f} | {r['ours_gflops']:.0f} | {r['torch_gflops']:.0f} | "
                      f"{r['pct_peak']:.0f}% | {torch_pct} | {r['ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def ceiling_markdown(d) -> str:
+    lines = [f"`{d['command']}` on {d['cpu']} ({d['threads']} threads, {d['isa']} path, sage {d['sage_isa']}; "
+             f"AMX {d['amx_state']}), torch {d['torch']}, {d['date']}; ceiling: torch.matmul bfloat16 "
+             f"{d['ceiling_n']}^2 in every round.", "",
+             "| pass | dtype | D | S | causal | torch ms | flash ms | sage ms | ceiling GFLOP/s | torch % | flash % "
+             "| sage % | flash / torch speed | sage / torch speed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in d["results"]:
+        sage = r.get("sage_ms")
+        lines.append(f"| {r['pass']} | {r['dtype']} | {r['D']} | {r['S']} | {'yes' if r['causal'] else 'no'} | "
+                     f"{r['torch_ms']:.1f} | {r['flash_ms']:.1f} | {'-' if sage is None else f'{sage:.1f}'} | "
+                     f"{r['ceiling_gflops']:.0f} | {r['torch_pct_ceiling']:.0f}% | {r['flash_pct_ceiling']:.0f}% | "
+                     f"{'-' if sage is None else format(r['sage_pct_ceiling'], '.0f') + '%'} | "
+                     f"{r['flash_speedup']:.2f} | {'-' if sage is None else format(r['sage_speedup'], '.2f')} |")
     return "\n".join(lines)
 
 

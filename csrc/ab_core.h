@@ -168,17 +168,29 @@ ab_status ab_flash_cpu_bwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_
  * float16, bfloat16 and float32; masks, causal, window, softcap, GQA, lse, dense or packed; no
  * dropout.  The caller provides workspace_bytes >= ab_sage_cpu_workspace_size(p) of workspace
  * (quantized K and its scales; the shim allocates it through torch).  Same ISA path as flash,
- * except that AVX-512 needs VNNI (else the AVX2 path runs). */
+ * except that AVX-512 needs VNNI (else the AVX2 path runs) and AMX needs AMX-INT8 (else the
+ * AVX-512 rule applies). */
 size_t ab_sage_cpu_workspace_size(const ab_attn_params* p);
 ab_status ab_sage_cpu_fwd(const ab_attn_params* p, void* workspace, size_t workspace_bytes,
                           const ab_cpu_pool* pool, ab_error* err);
-/* "generic", "avx2" or "avx512_vnni": the path sage runs now. */
+/* "generic", "avx2", "avx512_vnni", "amx_int8" or "amx_emu": the path sage runs now. */
 const char* ab_sage_cpu_isa_name(void);
 
-/* Instruction-set paths of the CPU kernels; a generic C path always exists. */
-typedef enum ab_cpu_isa { AB_ISA_GENERIC = 0, AB_ISA_AVX2 = 1, AB_ISA_AVX512 = 2 } ab_cpu_isa;
+/* Instruction-set paths of the CPU kernels; a generic C path always exists.  AB_ISA_AMX runs
+ * bfloat16 flash, float16 forward (AMX-FP16) and sage on AMX tiles and everything else on AVX-512;
+ * AB_ISA_AMX_EMU runs the same tile kernels against a C emulation of the tile instructions (any
+ * CPU; for tests).  Neither is ever chosen by default (docs/amx.md). */
+typedef enum ab_cpu_isa {
+  AB_ISA_GENERIC = 0,
+  AB_ISA_AVX2 = 1,
+  AB_ISA_AVX512 = 2,
+  AB_ISA_AMX = 3,
+  AB_ISA_AMX_EMU = 4
+} ab_cpu_isa;
+#define AB_ISA_COUNT 5
 
-/* The path in use: the best this CPU and OS support, or ATTN_BACKENDS_CPU_ISA=generic|avx2|avx512. */
+/* The path in use: the best this CPU and OS support among generic, avx2 and avx512, or
+ * ATTN_BACKENDS_CPU_ISA=generic|avx2|avx512|amx|amx_emu. */
 ab_cpu_isa ab_cpu_isa_get(void);
 /* Why ATTN_BACKENDS_CPU_ISA cannot be honoured (an unknown name, a path this CPU or OS cannot run,
  * "amx" without AMX), or NULL.  While set, the flash and sage CPU kernels fail with it. */
@@ -190,6 +202,11 @@ const char* ab_cpu_isa_name(ab_cpu_isa isa);
 /* Float32 flop/s of independent FMA chains on `threads` threads of the current path: the ceiling
  * the CPU benchmarks are measured against. */
 double ab_cpu_fma_peak(double seconds, int threads);
+/* One tile product on the emulated tiles (csrc/cpu/ab_amx.h), for tests of the emulation: op 0
+ * tdpbf16ps, 1 tdpfp16ps, 2 tdpbssd, 3 tdpbusd; shape = rows and bytes per row of C, A, B; c is
+ * read and written (rows x bytes per row each, packed).  A shape the instruction rejects aborts
+ * the process, as the emulation's #UD. */
+void ab_amx_emu_dot(int op, const void* a, const void* b, void* c, const int shape[6]);
 
 /* Writes the dropout keep-mask (1 = kept) the kernels use for (B, H, Sq, Sk), contiguous uint8. */
 ab_status ab_dropout_mask_cpu(uint64_t seed, uint64_t offset, double p, int64_t B, int64_t H,

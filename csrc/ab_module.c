@@ -294,13 +294,13 @@ static int isa_from_name(PyObject* arg) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "ISA name must be a str");
     return -1;
   }
-  for (int i = AB_ISA_GENERIC; i <= AB_ISA_AVX512; ++i)
+  for (int i = AB_ISA_GENERIC; i < AB_ISA_COUNT; ++i)
     if (strcmp(name, ab_cpu_isa_name((ab_cpu_isa)i)) == 0) return i;
-  PyErr_Format(PyExc_ValueError, "unknown CPU ISA %R; valid: generic, avx2, avx512", arg);
+  PyErr_Format(PyExc_ValueError, "unknown CPU ISA %R; valid: generic, avx2, avx512, amx, amx_emu", arg);
   return -1;
 }
 
-/* cpu_isa() -> the path the CPU kernels use now ("generic", "avx2", "avx512"). */
+/* cpu_isa() -> the path the CPU kernels use now ("generic", "avx2", "avx512", "amx", "amx_emu"). */
 static PyObject* ab_py_cpu_isa(PyObject* self, PyObject* unused) {
   (void)self;
   (void)unused;
@@ -346,7 +346,8 @@ static PyObject* ab_py_set_cpu_isa(PyObject* self, PyObject* arg) {
   return PyBool_FromLong(ab_cpu_isa_set((ab_cpu_isa)isa));
 }
 
-/* sage_cpu_isa() -> the path the sage kernel uses now ("generic", "avx2", "avx512_vnni"). */
+/* sage_cpu_isa() -> the path the sage kernel uses now ("generic", "avx2", "avx512_vnni", "amx_int8",
+ * "amx_emu"). */
 static PyObject* ab_py_sage_cpu_isa(PyObject* self, PyObject* unused) {
   (void)self;
   (void)unused;
@@ -364,13 +365,58 @@ static PyObject* ab_py_fma_peak(PyObject* self, PyObject* args) {
   Py_END_ALLOW_THREADS return PyFloat_FromDouble(rate);
 }
 
+/* _amx_emu_dot(op, a, b, c, (rows_c, colsb_c, rows_a, colsb_a, rows_b, colsb_b)) -> bytes: one
+ * product on the emulated tiles (tests of the emulation; ab_amx_emu_dot). */
+static PyObject* ab_py_amx_emu_dot(PyObject* self, PyObject* args) {
+  (void)self;
+  int op, shape[6];
+  PyObject *a, *b, *c;
+  if (!PyArg_ParseTuple(args, "iSSS(iiiiii)", &op, &a, &b, &c, &shape[0], &shape[1], &shape[2], &shape[3],
+                        &shape[4], &shape[5]))
+    return NULL;
+  char *pa, *pb, *pc;
+  Py_ssize_t na, nb, nc;
+  if (PyBytes_AsStringAndSize(a, &pa, &na) < 0 || PyBytes_AsStringAndSize(b, &pb, &nb) < 0 ||
+      PyBytes_AsStringAndSize(c, &pc, &nc) < 0)
+    return NULL;
+  const Py_ssize_t want[3] = {(Py_ssize_t)shape[0] * shape[1], (Py_ssize_t)shape[2] * shape[3],
+                              (Py_ssize_t)shape[4] * shape[5]};
+  const Py_ssize_t have[3] = {nc, na, nb};
+  for (int i = 0; i < 6; ++i)
+    if (shape[i] < 0 || shape[i] > 255) {
+      PyErr_Format(PyExc_ValueError, "_amx_emu_dot: shape[%d] = %d is not in [0, 255]", i, shape[i]);
+      return NULL;
+    }
+  static const char* const names[3] = {"c", "a", "b"};
+  Py_ssize_t room = 1024; /* a whole tile, at least: a valid configuration never reads past it */
+  for (int i = 0; i < 3; ++i) {
+    if (have[i] != want[i]) {
+      PyErr_Format(PyExc_ValueError, "_amx_emu_dot: %s has %zd bytes, its shape says %zd", names[i], have[i],
+                   want[i]);
+      return NULL;
+    }
+    if (have[i] > room) room = have[i];
+  }
+  char* out = (char*)PyMem_Calloc((size_t)room * 3, 1);
+  if (!out) return PyErr_NoMemory();
+  memcpy(out, pc, (size_t)nc);
+  memcpy(out + room, pa, (size_t)na);
+  memcpy(out + 2 * room, pb, (size_t)nb);
+  ab_amx_emu_dot(op, out + room, out + 2 * room, out, shape);
+  PyObject* r = PyBytes_FromStringAndSize(out, nc);
+  PyMem_Free(out);
+  return r;
+}
+
 static PyMethodDef ab_methods[] = {
+    {"_amx_emu_dot", ab_py_amx_emu_dot, METH_VARARGS,
+     "_amx_emu_dot(op, a, b, c, shape) -> C after one emulated tile product (tests of the emulation)."},
     {"fma_peak", ab_py_fma_peak, METH_VARARGS,
      "fma_peak(seconds=0.3, threads=1) -> float32 flop/s of independent FMA chains on the CPU path."},
     {"cpu_isa", ab_py_cpu_isa, METH_NOARGS,
      "cpu_isa() -> the instruction-set path of the CPU kernels (ATTN_BACKENDS_CPU_ISA forces one)."},
     {"cpu_isa_index", ab_py_cpu_isa_index, METH_NOARGS,
-     "cpu_isa_index() -> the CPU kernels' path as a number (0 generic, 1 avx2, 2 avx512)."},
+     "cpu_isa_index() -> the CPU kernels' path as a number (0 generic, 1 avx2, 2 avx512, 3 amx, 4 amx_emu)."},
     {"cpu_isa_error", ab_py_cpu_isa_error, METH_NOARGS,
      "cpu_isa_error() -> why ATTN_BACKENDS_CPU_ISA cannot be honoured (CPU kernel calls fail with it), or None."},
     {"cpu_units", ab_py_cpu_units, METH_NOARGS,

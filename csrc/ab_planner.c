@@ -159,7 +159,6 @@ static const char* unit_name(uint32_t unit) {
  * ISA path of our kernels does not (ab_registry.c holds both lists), torch SDPA goes first; our
  * kernels still serve what it cannot (packed sequences, softcap, lse, ...). */
 static void torch_first(const ab_call* c, ab_plan* plan) {
-  static const char* isa[] = {"generic", "avx2", "avx512"};
   if (c->device != AB_DEVICE_CPU) return;
   uint32_t unless = 0;
   const uint32_t gap = ab_torch_cpu_units(c->dtype, &unless) & c->cpu_units & ~ab_our_cpu_units(c->cpu_isa, c->dtype);
@@ -169,8 +168,7 @@ static void torch_first(const ab_call* c, ab_plan* plan) {
   push(plan, AB_BK_SDPA);
   snprintf(plan->note, sizeof plan->note,
            "torch SDPA first: it computes %s on %s here, which our %s path does not use, so it is faster",
-           ab_dtype_name(c->dtype), unit_name(gap & (0u - gap)),
-           isa[c->cpu_isa >= 0 && c->cpu_isa <= 2 ? c->cpu_isa : 0]);
+           ab_dtype_name(c->dtype), unit_name(gap & (0u - gap)), ab_cpu_isa_name((ab_cpu_isa)c->cpu_isa));
 }
 
 void ab_plan_build(const ab_call* call, ab_plan* plan) {
@@ -194,13 +192,11 @@ void ab_plan_build(const ab_call* call, ab_plan* plan) {
       break;
     }
   if (plan->chosen < 0) return;
-  static const char* isa[] = {"generic", "avx2", "avx512"};
   const ab_backend_info* b = ab_backend_at(plan->chosen);
   if (b->kind != AB_KIND_BUNDLED)
     snprintf(plan->path, sizeof plan->path, "%s", b->kind == AB_KIND_TORCH ? "torch" : "package");
   else if (call->device == AB_DEVICE_CPU)
-    snprintf(plan->path, sizeof plan->path, "cpu %s",
-             isa[call->cpu_isa >= 0 && call->cpu_isa <= 2 ? call->cpu_isa : 0]);
+    snprintf(plan->path, sizeof plan->path, "cpu %s", ab_cpu_isa_name((ab_cpu_isa)call->cpu_isa));
   else if (call->device == AB_DEVICE_CUDA)
     snprintf(plan->path, sizeof plan->path, "cuda sm%d", call->cuda_cc);
   else

@@ -53,7 +53,8 @@ def gen(request):
 
 @pytest.fixture(params=cpu_isas())
 def isa(request):
-    # runs the test once on each CPU kernel path this machine has
+    # runs the test once on each CPU kernel path this machine has (the emulated AMX tiles included;
+    # grid tests give those a reduced grid through indirect parametrization, test_flash_cpu.py)
     before = _C.cpu_isa()
     assert _C.set_cpu_isa(request.param)
     yield request.param

@@ -3,6 +3,7 @@ AVX-512), against the float64 reference (DESIGN.md section 5): output, lse and g
 shared grid; dropout drawing the same stream as math; packed (varlen) calls equal to padded dense
 ones; bad cu_seqlens rejected; results independent of the thread count."""
 
+import dataclasses
 import math
 
 import pytest
@@ -10,8 +11,8 @@ import torch
 
 import attn_backends as ab
 from attn_backends import _providers
-from attn_backends._testing import (Case, cases, check_2x, check_against_reference, make_packed, reference_attention,
-                                   varlen_reference)
+from attn_backends._testing import (EMULATED_ISAS, Case, cases, check_2x, check_against_reference, cpu_isas,
+                                   make_packed, reference_attention, varlen_reference)
 
 
 
@@ -21,9 +22,21 @@ def run_flash(q, k, v, mask, case):
 
 
 FLASH_CASES = [c for c in cases() if c.dtype != torch.float64]
+# The emulated tile path (slow) gets the grid's 16-bit cases, one per (shape, variant): every mask,
+# alignment, window, softcap, GQA and layout on tiles; and one float32 case, which it hands to the
+# vector kernel (the generic path runs the rest of them).
+EMULATED_CASES = [c for c in FLASH_CASES if c.dtype != torch.float32] + [
+    next(c for c in FLASH_CASES if c.dtype == torch.float32 and c.Hq != c.Hkv)]
 
 
-@pytest.mark.parametrize("case", FLASH_CASES, ids=str)
+def isa_params(full, emulated):
+    """(isa, *item) for the `isa` fixture: the full list on the vector and real tile paths, the
+    reduced one on the emulated paths (an item is a case or a tuple of parameters)."""
+    return [(isa, *(c if isinstance(c, tuple) else (c,))) for isa in cpu_isas()
+            for c in (emulated if isa in EMULATED_ISAS else full)]
+
+
+@pytest.mark.parametrize("isa, case", isa_params(FLASH_CASES, EMULATED_CASES), ids=str, indirect=["isa"])
 def test_flash_matches_reference(isa, case, gen):
     check_against_reference(case, run_flash, grad=True, generator=gen)
 
@@ -35,18 +48,20 @@ def test_flash_matches_reference(isa, case, gen):
 SINGLE_KEY_FLOOR = 1e-5
 
 
-@pytest.mark.parametrize(
-    "case, grad_floor",
-    [
-        (Case(B=1, Hq=2, Hkv=2, Sq=1, Sk=300, D=64), None),  # decode-like: one query row
-        (Case(B=1, Hq=4, Hkv=1, Sq=97, Sk=1, D=32, causal="bottom_right"), SINGLE_KEY_FLOOR),
-        (Case(B=2, Hq=2, Hkv=2, Sq=129, Sk=129, D=8, Dv=72, causal=True, mask="bool_rows"), SINGLE_KEY_FLOOR),
-        (Case(B=1, Hq=2, Hkv=1, Sq=70, Sk=200, D=256, window=(1, 0)), SINGLE_KEY_FLOOR),
-        (Case(B=1, Hq=1, Hkv=1, Sq=65, Sk=65, D=40, dtype=torch.bfloat16, softcap=2.0, causal=True,
-              layout="strided_d"), None),
-    ],
-    ids=lambda x: str(x) if isinstance(x, Case) else "",
-)
+EDGE_CASES = [
+    (Case(B=1, Hq=2, Hkv=2, Sq=1, Sk=300, D=64), None),  # decode-like: one query row
+    (Case(B=1, Hq=4, Hkv=1, Sq=97, Sk=1, D=32, causal="bottom_right"), SINGLE_KEY_FLOOR),
+    (Case(B=2, Hq=2, Hkv=2, Sq=129, Sk=129, D=8, Dv=72, causal=True, mask="bool_rows"), SINGLE_KEY_FLOOR),
+    (Case(B=1, Hq=2, Hkv=1, Sq=70, Sk=200, D=256, window=(1, 0)), SINGLE_KEY_FLOOR),
+    (Case(B=1, Hq=1, Hkv=1, Sq=65, Sk=65, D=40, dtype=torch.bfloat16, softcap=2.0, causal=True,
+          layout="strided_d"), None),
+]
+# on the emulated tiles, the same shapes in bfloat16 (float32 would run the vector kernel)
+EDGE_EMULATED = [(dataclasses.replace(c, dtype=torch.bfloat16), None) for c, _ in EDGE_CASES]
+
+
+@pytest.mark.parametrize("isa, case, grad_floor", isa_params(EDGE_CASES, EDGE_EMULATED),
+                         ids=lambda x: str(x) if isinstance(x, (Case, str)) else "", indirect=["isa"])
 def test_flash_edge_shapes(isa, case, grad_floor, gen):
     check_against_reference(case, run_flash, grad=True, generator=gen,
                             grad_floor=grad_floor if case.dtype == torch.float32 else None)

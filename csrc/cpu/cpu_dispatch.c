@@ -1,10 +1,18 @@
 /* cpu_dispatch.c -- picks the instruction-set path of the CPU kernels once, and the flash entry
  * points that check a call before running it on that path.
  *
- * The best path the CPU *and* the OS support (ab_cpu_features: CPUID + XGETBV) is chosen on first
- * use; ATTN_BACKENDS_CPU_ISA=generic|avx2|avx512 forces one (a request this CPU cannot honour makes
- * every CPU kernel call fail with the reason, ab_cpu_isa_error), and ab_cpu_isa_set switches at
- * run time so tests can cover every path.
+ * The best vector path the CPU *and* the OS support (ab_cpu_features: CPUID + XGETBV) is chosen on
+ * first use; ATTN_BACKENDS_CPU_ISA=generic|avx2|avx512|amx|amx_emu forces one (a request this CPU
+ * cannot honour makes every CPU kernel call fail with the reason, ab_cpu_isa_error), and
+ * ab_cpu_isa_set switches at run time so tests can cover every path.
+ *
+ * The AMX paths are never the default.  "amx" (bfloat16 flash and sage on tiles, flash_cpu_amx.c)
+ * has been compiled and its logic tested through the emulation, but it has not run on AMX
+ * hardware: its correctness there and its speed are unverified (docs/amx.md), so it is chosen only
+ * when asked for, and only where CPUID, XCR0 and the kernel's tile-data permission all allow it
+ * (ab_cpu_features: never SIGILL).  "amx_emu" runs the same tile kernels on an emulation of the
+ * instructions (any CPU, slowly): it exists for the tests.  When a real AMX path is measured
+ * faster than torch, the planner's tables (ab_our_cpu_units, ab_registry.c) say so, not this file.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -61,15 +69,15 @@ void ab_scratch_free(void* ptr) {
   }
 }
 
-static const ab_flash_cpu_table* const k_tables[3] = {&ab_flash_cpu_generic, &ab_flash_cpu_avx2,
-                                                       &ab_flash_cpu_avx512};
-static const char* const k_names[3] = {"generic", "avx2", "avx512"};
+static const ab_flash_cpu_table* const k_tables[AB_ISA_COUNT] = {
+    &ab_flash_cpu_generic, &ab_flash_cpu_avx2, &ab_flash_cpu_avx512, &ab_flash_cpu_amx, &ab_flash_cpu_amx_emu};
+static const char* const k_names[AB_ISA_COUNT] = {"generic", "avx2", "avx512", "amx", "amx_emu"};
 
 static atomic_int g_isa = -1;
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
 const char* ab_cpu_isa_name(ab_cpu_isa isa) {
-  return isa >= AB_ISA_GENERIC && isa <= AB_ISA_AVX512 ? k_names[isa] : "unknown";
+  return isa >= AB_ISA_GENERIC && isa < AB_ISA_COUNT ? k_names[isa] : "unknown";
 }
 
 int ab_cpu_isa_supported(ab_cpu_isa isa) {
@@ -80,6 +88,9 @@ int ab_cpu_isa_supported(ab_cpu_isa isa) {
     case AB_ISA_AVX512:
       return k_tables[2]->fwd && f->avx512f && f->avx512bw && f->avx512vl && f->avx512dq && f->fma &&
              f->f16c;
+    case AB_ISA_AMX: /* its vector half is the AVX-512 kernel; amx_bf16 implies the tile permission */
+      return k_tables[3]->fwd && ab_cpu_isa_supported(AB_ISA_AVX512) && f->amx_tile && f->amx_bf16;
+    case AB_ISA_AMX_EMU: return k_tables[4]->fwd != NULL;
     default: return 0;
   }
 }
@@ -95,22 +106,25 @@ static void init_isa(void) {
   const char* env = getenv("ATTN_BACKENDS_CPU_ISA");
   if (env && *env) {
     int asked = -1;
-    for (int i = 0; i < 3; ++i)
+    for (int i = 0; i < AB_ISA_COUNT; ++i)
       if (strcmp(env, k_names[i]) == 0) asked = i;
+    const ab_cpu_features* f = ab_cpu_features_get();
     if (asked >= 0 && ab_cpu_isa_supported((ab_cpu_isa)asked))
       best = asked;
+    else if (asked == AB_ISA_AMX)
+      snprintf(g_isa_error, sizeof g_isa_error, "ATTN_BACKENDS_CPU_ISA=amx: %s%s",
+               !f->amx_tile ? "AMX is " : "",
+               !f->amx_tile              ? f->amx_state
+               : !k_tables[3]->fwd       ? "no AMX kernel path is built in this version (the compiler lacked -mamx-*)"
+               : !f->amx_bf16            ? "this CPU has AMX tiles but no AMX-BF16"
+                                         : "the AMX path needs AVX-512 (F, BW, VL, DQ), which this CPU or OS lacks");
     else if (asked >= 0)
       snprintf(g_isa_error, sizeof g_isa_error,
                "ATTN_BACKENDS_CPU_ISA=%s: this CPU or OS cannot run that path (best here: %s)", env,
                k_names[best]);
-    else if (strcmp(env, "amx") == 0)
-      snprintf(g_isa_error, sizeof g_isa_error,
-               "ATTN_BACKENDS_CPU_ISA=amx: %s%s", ab_cpu_features_get()->amx_tile ? "" : "AMX is ",
-               ab_cpu_features_get()->amx_tile ? "no AMX kernel path is built in this version"
-                                               : ab_cpu_features_get()->amx_state);
     else
       snprintf(g_isa_error, sizeof g_isa_error,
-               "ATTN_BACKENDS_CPU_ISA=%.40s: unknown path (expected generic, avx2, avx512 or amx)", env);
+               "ATTN_BACKENDS_CPU_ISA=%.40s: unknown path (expected generic, avx2, avx512, amx or amx_emu)", env);
   }
   atomic_store(&g_isa, best);
 }

@@ -249,6 +249,35 @@ static void SYM(sg_prep_v)(const ab_attn_params* p, const SYM(sg_ws) * w, const 
   }
 }
 
+/* K's smoothing of one sequence s (Dp floats each, zero past D): mean over the keys, channel
+ * factors cf = sqrt(max_j |K_jd - mean_d|) (1 for an all-zero or non-finite channel) and icf = 1 / cf.
+ * lo, hi, row: Dp floats of scratch.  Shared with the AMX sage kernel (sage_amx_impl.h). */
+static void SYM(sg_k_stats)(const ab_attn_params* p, const SYM(seq) * s, int64_t Dp, float* mean, float* cf,
+                            float* icf, float* lo, float* hi, float* row) {
+  memset(mean, 0, sizeof(float) * (size_t)Dp);
+  memset(row, 0, sizeof(float) * (size_t)Dp);
+  for (int64_t d = 0; d < Dp; ++d) lo[d] = hi[d] = 0.0f;
+  const int64_t ls = p->k.strides[p->k.ndim - 1];
+  for (int64_t j = 0; j < s->Sk; ++j) {
+    ab_vec_load_row(p->k.data, p->k.dtype, s->k + j * s->k_rs, p->D, ls, row);
+    for (int64_t d = 0; d < Dp; d += VLEN) {
+      const vf x = vload(row + d);
+      vstore(mean + d, vload(mean + d) + x);
+      vstore(hi + d, j ? vmax(vload(hi + d), x) : x);
+      vstore(lo + d, j ? -vmax(-vload(lo + d), -x) : x);
+    }
+  }
+  if (s->Sk > 0) {
+    const vf inv = vset1((float)(1.0 / (double)s->Sk));
+    for (int64_t d = 0; d < Dp; d += VLEN) vstore(mean + d, vload(mean + d) * inv);
+  }
+  for (int64_t d = 0; d < Dp; ++d) {
+    const float a = fmaxf(hi[d] - mean[d], mean[d] - lo[d]);
+    cf[d] = a > 0.0f && a < __builtin_inff() ? sqrtf(a) : 1.0f;
+    icf[d] = 1.0f / cf[d];
+  }
+}
+
 /* Prepass over items (batch, KV head): K's mean and channel factors, every row of (K - mean) / c
  * quantized, then V's blocks. */
 static void SYM(sg_prep_range)(int64_t begin, int64_t end, void* vctx) {
@@ -271,28 +300,8 @@ static void SYM(sg_prep_range)(int64_t begin, int64_t end, void* vctx) {
     SYM(seq_get)(p, b, hk * group, hk, &s);
     float* mean = w->mean + (b * p->Hkv + hk) * Dp;
     float* cf = w->cf + (b * p->Hkv + hk) * Dp;
-    memset(mean, 0, sizeof(float) * (size_t)Dp);
-    memset(row, 0, sizeof(float) * (size_t)Dp);
-    for (int64_t d = 0; d < Dp; ++d) lo[d] = hi[d] = 0.0f;
+    SYM(sg_k_stats)(p, &s, Dp, mean, cf, icf, lo, hi, row);
     const int64_t ls = p->k.strides[p->k.ndim - 1];
-    for (int64_t j = 0; j < s.Sk; ++j) {
-      ab_vec_load_row(p->k.data, p->k.dtype, s.k + j * s.k_rs, D, ls, row);
-      for (int64_t d = 0; d < Dp; d += VLEN) {
-        const vf x = vload(row + d);
-        vstore(mean + d, vload(mean + d) + x);
-        vstore(hi + d, j ? vmax(vload(hi + d), x) : x);
-        vstore(lo + d, j ? -vmax(-vload(lo + d), -x) : x);
-      }
-    }
-    if (s.Sk > 0) {
-      const vf inv = vset1((float)(1.0 / (double)s.Sk));
-      for (int64_t d = 0; d < Dp; d += VLEN) vstore(mean + d, vload(mean + d) * inv);
-    }
-    for (int64_t d = 0; d < Dp; ++d) {
-      const float a = fmaxf(hi[d] - mean[d], mean[d] - lo[d]);
-      cf[d] = a > 0.0f && a < __builtin_inff() ? sqrtf(a) : 1.0f;
-      icf[d] = 1.0f / cf[d];
-    }
     const int64_t r0 = hk * w->Ktot + SYM(sg_krow0)(p, b);
     for (int64_t j = 0; j < s.Sk; ++j) {
       ab_vec_load_row(p->k.data, p->k.dtype, s.k + j * s.k_rs, D, ls, row);

@@ -2,13 +2,18 @@
  *
  * The table is the one of the path the flash kernel uses (ab_cpu_isa_get: CPUID + XGETBV,
  * ATTN_BACKENDS_CPU_ISA, _C.set_cpu_isa), except that the AVX-512 table's Q.K^T is vpdpbusd: an
- * AVX-512 CPU without AVX512-VNNI (Skylake-SP) runs the AVX2 table instead.
+ * AVX-512 CPU without AVX512-VNNI (Skylake-SP) runs the AVX2 table instead; and the AMX table's is
+ * tdpbssd: without AMX-INT8 the AVX-512 rule applies (no such CPU is known; the check is cheap).
  */
 #include "ab_cpu.h"
 #include "sage_cpu.h"
 
 static const ab_sage_cpu_table* sage_table(void) {
   switch (ab_cpu_isa_get()) {
+    case AB_ISA_AMX_EMU: return &ab_sage_cpu_amx_emu;
+    case AB_ISA_AMX:
+      if (ab_sage_cpu_amx.fwd && ab_cpu_features_get()->amx_int8) return &ab_sage_cpu_amx;
+      /* fall through */
     case AB_ISA_AVX512:
       return ab_sage_cpu_avx512.fwd && ab_cpu_features_get()->avx512_vnni ? &ab_sage_cpu_avx512
                                                                            : &ab_sage_cpu_avx2;
