@@ -307,12 +307,16 @@ def test_cpu_isa_the_cpu_cannot_honour_is_a_clear_error(isa, why):
             "for b in ('flash', 'sage'):\n"
             "    try:\n        ab.attention(q, q, q, backend=b, strict=True)\n"
             "    except RuntimeError as e:\n        print('raised:', e)\n"
+            "kc = torch.zeros(1, 16, 1, 8)\n"
+            "try:\n    ab.attention_with_kvcache(q.transpose(1, 2)[:, :1], kc, kc, cache_seqlens=4,"
+            " backend='paged_attention', strict=True)\n"
+            "except RuntimeError as e:\n    print('raised:', e)\n"
             "print('math ok', ab.attention(q, q, q, backend='math').shape)\n"
             "from attn_backends._report import report\n"
             "print([l for l in report().splitlines() if 'CPU kernel error' in l][0])\n")
     res = _run_with_isa(isa, code)
     assert res.returncode == 0, res.stderr
-    assert res.stdout.count("raised:") == 2 and why in res.stdout, res.stdout
+    assert res.stdout.count("raised:") == 3 and why in res.stdout, res.stdout
     assert "math ok" in res.stdout  # the math kernel has no ISA paths
     if isa == "amx" and not _C.cpu_features()["amx_tile"]:
         assert _C.cpu_features()["amx_state"] in res.stdout

@@ -20,9 +20,11 @@
  * rows' softmax state and accumulators per tile. */
 #define MAX_ITEM_ROWS 64
 
+/* The AMX paths have no decode kernel of their own (decode streams K and V once: no tile reuse to
+ * gain); they run the vector code they are built on: AVX-512 for amx, generic for amx_emu. */
 static const ab_decode_cpu_table* decode_table(void) {
   switch (ab_cpu_isa_get()) {
-    case AB_ISA_AVX512: return &ab_decode_cpu_avx512;
+    case AB_ISA_AVX512: case AB_ISA_AMX: return &ab_decode_cpu_avx512;
     case AB_ISA_AVX2: return &ab_decode_cpu_avx2;
     default: return &ab_decode_cpu_generic;
   }
@@ -403,6 +405,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t
                              const ab_cpu_pool* pool, ab_error* err) {
   TRY(check_call(p, err));
   TRY(check_values(p, err));
+  if (ab_cpu_isa_error()) return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s", ab_cpu_isa_error());
   const int threads = pool ? pool->num_threads : 1;
   const int64_t nsplit = ab_kvcache_cpu_splits(p, threads);
   size_t part_at, idx_at;
