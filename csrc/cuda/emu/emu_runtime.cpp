@@ -1,0 +1,1093 @@
+// emu_runtime.cpp -- the CUDA emulator: runs the unchanged kernels of csrc/cuda on the host.
+//
+// A launch runs its grid block by block (spread over the caller's thread pool when it has one).
+// Each thread of a block is a fiber with its own stack; it runs until it reaches a warp collective
+// (shuffle, vote, ldmatrix, mma), a __syncthreads or its end, and parks.  When every lane of a warp
+// is parked at a collective, the collective is performed on all 32 lanes' operands at once, with
+// the PTX ISA's fragment layouts (flash_common.cuh); when every thread is at the barrier, it opens.
+// Between barriers the warps run in a seeded random order, interleaved at each collective, and the
+// lanes of a warp in a random direction, so that a missing __syncthreads shows up as a wrong result.
+//
+// cp.async copies are queued per thread and performed when cp.async.wait_group retires their group
+// (or the thread ends), so a read before the wait sees the shared memory as it was.  Device memory
+// (emu_api.cpp copies the tensors in) ends flush against a guard page, as does the dynamic shared
+// memory of a block; explicit checks cover cp.async, ldmatrix, atomics and memsets exactly, and a
+// fault on a guard page is caught (SIGSEGV handler on an alternate stack), named (kernel, block,
+// thread, buffer, offset) and unwound out of the block, failing the call.  docs/cuda.md says what
+// this proves and what it cannot.
+#include <setjmp.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cuda_runtime.h"
+#include "emu_runtime.h"
+
+#if defined(__x86_64__) && !defined(AB_EMU_UCONTEXT)
+#define AB_EMU_X86_SWITCH 1
+#else
+#include <ucontext.h>
+#endif
+
+thread_local unsigned char (*ab_emu_dyn_smem)[] = nullptr;
+
+namespace ab_emu {
+
+thread_local const uint3* tls_thread_idx = nullptr;
+thread_local uint3 tls_block_idx = {0, 0, 0};
+thread_local dim3 tls_block_dim, tls_grid_dim;
+
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr size_t kPage = 4096;
+constexpr size_t kStackBytes = 128 * 1024;   // per emulated thread
+constexpr size_t kMaxSmem = 232448;          // sm_90's opt-in limit, the largest emulated
+constexpr size_t kDefaultSmem = 48 * 1024;   // without cudaFuncSetAttribute
+constexpr unsigned char kCanary = 0xa5;
+
+size_t round_up(size_t n, size_t m) { return (n + m - 1) / m * m; }
+
+// ---- fibers -------------------------------------------------------------------------------------
+
+#ifdef AB_EMU_X86_SWITCH
+// Saves the callee-saved registers on the current stack, stores the stack pointer in *save and
+// resumes the fiber whose stack pointer is `to`: a function call's cost, no system call.
+extern "C" void ab_emu_switch(void** save, void* to);
+extern "C" void ab_emu_fiber_start();
+asm(R"(
+  .text
+  .p2align 4
+  .type ab_emu_switch,@function
+ab_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size ab_emu_switch, .-ab_emu_switch
+  .p2align 4
+  .type ab_emu_fiber_start,@function
+ab_emu_fiber_start:
+  movq %r12, %rdi
+  callq *%r13
+  ud2
+  .size ab_emu_fiber_start, .-ab_emu_fiber_start
+)");
+#endif
+
+enum class St : uint8_t { kReady, kCollective, kBarrier, kDone };
+enum class Op : uint8_t { kShfl, kAny, kLdmatrix, kMma, kMmaS8 };
+
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::kShfl: return "__shfl_xor_sync";
+    case Op::kAny: return "__any_sync";
+    case Op::kLdmatrix: return "ldmatrix";
+    case Op::kMma: return "mma.sync m16n8k16";
+    default: return "mma.sync m16n8k32 s8";
+  }
+}
+
+struct Copy {  // one queued cp.async
+  uint32_t dst;
+  const void* src;
+  int bytes;
+  bool valid;
+};
+
+struct Fiber {
+  void* sp = nullptr;
+  uint3 tid = {0, 0, 0};
+  int lin = 0;
+  St st = St::kDone;
+  // the collective this fiber is parked at: its operands, and where the result goes
+  Op op = Op::kShfl;
+  unsigned mask = 0;
+  uint64_t val = 0;
+  int size = 0, lane_mask = 0, width = 0, pred = 0;
+  uint32_t addr = 0;
+  bool trans = false, bf16 = false;
+  uint32_t* rout = nullptr;
+  float* cf = nullptr;
+  int* ci = nullptr;
+  const uint32_t* a = nullptr;
+  uint32_t b0 = 0, b1 = 0;
+  // cp.async: queued copies; groups[i] = copies committed up to and including group i
+  std::vector<Copy> copies;
+  std::vector<size_t> groups;
+  unsigned char* stack = nullptr;  // kStackBytes above a guard page
+#ifndef AB_EMU_X86_SWITCH
+  ucontext_t uc;
+#endif
+};
+
+struct Grid;
+
+// What one OS thread needs to run blocks: fibers and their stacks, the shared-memory window, the
+// alternate signal stack and the jump back out of a faulting block.
+struct Worker {
+  std::vector<Fiber> fibers;
+  unsigned char* smem_map = nullptr;  // guard page, kMaxSmem rounded to pages, guard page
+  size_t smem_map_len = 0;
+  unsigned char* smem_end = nullptr;  // the trailing guard page
+  unsigned char* smem_open = nullptr; // pages from here to smem_end are accessible
+  unsigned char* smem = nullptr;      // the running block's dynamic shared memory
+  size_t smem_size = 0;
+  void* sched_sp = nullptr;
+#ifndef AB_EMU_X86_SWITCH
+  ucontext_t sched_uc;
+#endif
+  std::vector<unsigned char> altstack;
+  sigjmp_buf jmp;
+  volatile sig_atomic_t in_block = 0;
+  Grid* L = nullptr;
+  bool failed = false;
+  uint64_t rng = 0;
+  std::vector<int> runnable;
+  std::vector<uint8_t> warp_state;  // 0 runnable, 1 at the barrier, 2 done
+};
+
+thread_local Worker* tls_worker = nullptr;
+thread_local Fiber* tls_fiber = nullptr;
+
+Worker& worker() {
+  if (tls_worker == nullptr) tls_worker = new Worker();  // kept for the life of the thread
+  return *tls_worker;
+}
+
+// ---- the session: device memory, errors, the emulated device -------------------------------------
+
+struct Buffer {
+  std::string name;
+  unsigned char* data;
+  size_t bytes;
+  unsigned char* map;
+  size_t map_len;
+  unsigned char *lead, *tail;  // canary ranges before the start and after the end
+  size_t lead_len, tail_len;
+};
+
+struct KernelAttr {
+  int max_dynamic_smem = 0;
+};
+
+struct Session {
+  std::mutex mu;  // guards failure and the launch log (blocks run on several threads)
+  std::vector<Buffer> buffers;
+  const ab_cpu_pool* pool = nullptr;
+  cudaError_t last_error = cudaSuccess;
+  bool sticky = false;  // a kernel fault: every later launch and query fails, as on a device
+  std::string failure;
+  std::map<const void*, KernelAttr> attrs;
+  std::map<std::string, long> log;
+  int cc = 0;
+  uint64_t seed = 0x5eed;
+  uint64_t serial = 0;
+};
+
+Session& session() {
+  static Session* s = [] {
+    Session* x = new Session();
+    const char* sm = getenv("ATTN_BACKENDS_CUDA_EMULATE_SM");
+    x->cc = sm && *sm ? atoi(sm) : 80;
+    const char* seed = getenv("ATTN_BACKENDS_CUDA_EMULATE_SEED");
+    if (seed && *seed) x->seed = strtoull(seed, nullptr, 0);
+    return x;
+  }();
+  return *s;
+}
+
+size_t optin_smem(int cc) {
+  if (cc == 90) return 232448;                         // 227 KiB
+  if (cc == 86 || cc == 89 || cc / 10 == 12) return 101376;  // 99 KiB
+  if (cc == 80 || cc == 87) return 166912;             // 163 KiB
+  return 49152;
+}
+
+void record_failure(const std::string& msg) {
+  Session& s = session();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (s.failure.empty()) s.failure = msg;
+}
+
+std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string format(const char* fmt, ...) {
+  char buf[1024];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  va_end(ap);
+  return buf;
+}
+
+// Whether [p, p + n) lies inside one buffer of the call: the fast path of the explicit checks.
+bool in_buffer(const void* p, size_t n) {
+  const unsigned char* a = static_cast<const unsigned char*>(p);
+  for (const Buffer& b : session().buffers)
+    if (a >= b.data && a + n <= b.data + b.bytes) return true;
+  return false;
+}
+
+// Where a host address falls: inside a buffer, in the canary or guard page next to one.
+std::string describe_global(const void* p, size_t n) {
+  const unsigned char* a = static_cast<const unsigned char*>(p);
+  for (const Buffer& b : session().buffers) {
+    if (a >= b.map && a < b.map + b.map_len) {
+      const long long off = (long long)(a - b.data);
+      if (off >= 0 && (size_t)off + n <= b.bytes)
+        return format("bytes [%lld, %lld) of '%s' (in range)", off, off + (long long)n, b.name.c_str());
+      if (off < 0)
+        return format("%zu bytes at %lld bytes before the start of '%s' (%zu bytes)", n, -off, b.name.c_str(),
+                      b.bytes);
+      return format("%zu bytes at byte offset %lld of '%s', which has %zu bytes (%lld past its end)", n, off,
+                    b.name.c_str(), b.bytes, off + (long long)n - (long long)b.bytes);
+    }
+  }
+  return format("%zu bytes at %p, outside every buffer the launcher was given", n, p);
+}
+
+// ---- the running launch ----------------------------------------------------------------------------
+
+struct Grid {
+  KernelBody body;
+  std::string label;
+  dim3 grid, block;
+  size_t smem;
+  int nthreads;
+  uint64_t serial;
+  std::atomic<bool> failed{false};
+};
+
+[[noreturn]] void abandon_block();
+
+// Fails the call from inside a block: names the kernel, the block and (in a fiber) the thread.
+void fail_in_block(const Fiber* f, const std::string& what) {
+  Worker& w = worker();
+  std::string who = format("block %u", tls_block_idx.x);
+  if (f != nullptr) who += format(", thread %u (warp %d, lane %d)", f->tid.x, f->lin / kWarpSize, f->lin % kWarpSize);
+  record_failure("emulated CUDA kernel " + (w.L ? w.L->label : std::string("?")) + ", " + who + ": " + what);
+  w.failed = true;
+}
+
+[[noreturn]] void fail_here(const std::string& what) {
+  fail_in_block(tls_fiber, what);
+  abandon_block();
+}
+
+// Back to the scheduler for good: the block is abandoned (its fibers are re-made for the next one).
+void abandon_block() {
+  Worker& w = worker();
+  Fiber* f = tls_fiber;
+  if (f == nullptr) siglongjmp(w.jmp, 1);  // scheduler context
+  f->st = St::kDone;
+#ifdef AB_EMU_X86_SWITCH
+  ab_emu_switch(&f->sp, w.sched_sp);
+#else
+  swapcontext(&f->uc, &w.sched_uc);
+#endif
+  abort();  // never resumed
+}
+
+void park(St st) {
+  Fiber* f = tls_fiber;
+  if (f == nullptr) {
+    fputs("attn_backends CUDA emulator: a device function was called outside a kernel\n", stderr);
+    abort();
+  }
+  f->st = st;
+  Worker& w = *tls_worker;
+#ifdef AB_EMU_X86_SWITCH
+  ab_emu_switch(&f->sp, w.sched_sp);
+#else
+  swapcontext(&f->uc, &w.sched_uc);
+#endif
+}
+
+void resume(Worker& w, Fiber* f) {
+  tls_fiber = f;
+  tls_thread_idx = &f->tid;
+#ifdef AB_EMU_X86_SWITCH
+  ab_emu_switch(&w.sched_sp, f->sp);
+#else
+  swapcontext(&w.sched_uc, &f->uc);
+#endif
+  tls_fiber = nullptr;
+}
+
+void perform_copies(Worker& w, Fiber* f, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const Copy& c = f->copies[i];
+    if (c.valid)
+      memcpy(w.smem + c.dst, c.src, (size_t)c.bytes);
+    else
+      memset(w.smem + c.dst, 0, (size_t)c.bytes);
+  }
+  f->copies.erase(f->copies.begin(), f->copies.begin() + (ptrdiff_t)n);
+}
+
+void fiber_main(void* arg) {
+  Fiber* f = static_cast<Fiber*>(arg);
+  Worker& w = *tls_worker;
+  w.L->body.run(w.L->body.ctx);
+  // the thread is done; copies it never waited for still land in shared memory
+  perform_copies(w, f, f->copies.size());
+  f->groups.clear();
+  f->st = St::kDone;
+#ifdef AB_EMU_X86_SWITCH
+  ab_emu_switch(&f->sp, w.sched_sp);
+#else
+  swapcontext(&f->uc, &w.sched_uc);
+#endif
+  abort();
+}
+
+#ifndef AB_EMU_X86_SWITCH
+void fiber_main_uc(unsigned lo, unsigned hi) {
+  fiber_main(reinterpret_cast<void*>(((uintptr_t)hi << 32) | (uintptr_t)lo));
+}
+#endif
+
+unsigned char* map_guarded(size_t bytes) {  // bytes (page multiple) above one guard page
+  void* m = mmap(nullptr, bytes + kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return nullptr;
+  mprotect(m, kPage, PROT_NONE);
+  return static_cast<unsigned char*>(m) + kPage;
+}
+
+void start_fiber(Worker& w, Fiber& f) {
+  if (f.stack == nullptr) {
+    f.stack = map_guarded(kStackBytes);
+    if (f.stack == nullptr) {
+      fputs("attn_backends CUDA emulator: out of memory for thread stacks\n", stderr);
+      abort();
+    }
+  }
+#ifdef AB_EMU_X86_SWITCH
+  uintptr_t top = ((uintptr_t)(f.stack + kStackBytes) & ~(uintptr_t)15) - 16;
+  uint64_t* sp = reinterpret_cast<uint64_t*>(top);
+  *--sp = reinterpret_cast<uint64_t>(&ab_emu_fiber_start);  // ret of ab_emu_switch
+  *--sp = 0;                                                // rbp
+  *--sp = 0;                                                // rbx
+  *--sp = reinterpret_cast<uint64_t>(&f);                   // r12: the argument
+  *--sp = reinterpret_cast<uint64_t>(&fiber_main);          // r13: the function
+  *--sp = 0;                                                // r14
+  *--sp = 0;                                                // r15
+  f.sp = sp;
+#else
+  getcontext(&f.uc);
+  f.uc.uc_stack.ss_sp = f.stack;
+  f.uc.uc_stack.ss_size = kStackBytes;
+  f.uc.uc_link = nullptr;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(&f);
+  makecontext(&f.uc, reinterpret_cast<void (*)()>(&fiber_main_uc), 2, (unsigned)(a & 0xffffffffu),
+              (unsigned)(a >> 32));
+#endif
+  (void)w;
+  f.st = St::kReady;
+  f.copies.clear();
+  f.groups.clear();
+}
+
+uint64_t next_random(uint64_t& s) {  // splitmix64
+  uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+// ---- the collectives, on all lanes of a warp -------------------------------------------------------
+
+float half_bits(uint32_t h, bool bf16) { return bf16 ? ab_bf16_to_f32((uint16_t)h) : ab_f16_to_f32((uint16_t)h); }
+
+bool check_smem(const Fiber& f, uint32_t addr, uint32_t n, uint32_t align, const char* what) {
+  Worker& w = *tls_worker;
+  if (addr % align == 0 && (size_t)addr + n <= w.smem_size) return true;
+  fail_in_block(&f, format("%s reads %u bytes at shared-memory offset %u: %s (the block has %zu bytes)", what, n,
+                           addr, addr % align ? "misaligned" : "out of range", w.smem_size));
+  return false;
+}
+
+bool run_collective(Worker& w, Fiber* lanes, int n) {
+  const Op op = lanes[0].op;
+  for (int l = 1; l < n; ++l)
+    if (lanes[l].op != op) {
+      fail_in_block(&lanes[l], format("lanes of one warp reached different collectives (%s and %s)",
+                                      op_name(op), op_name(lanes[l].op)));
+      return false;
+    }
+  if (n != kWarpSize) {
+    fail_in_block(&lanes[0], format("%s with a partial warp of %d threads", op_name(op), n));
+    return false;
+  }
+  switch (op) {
+    case Op::kShfl: {
+      uint64_t v[kWarpSize];
+      for (int l = 0; l < kWarpSize; ++l) {
+        if (lanes[l].mask != 0xffffffffu || lanes[l].width != kWarpSize || lanes[l].lane_mask < 0 ||
+            lanes[l].lane_mask >= kWarpSize || lanes[l].size != lanes[0].size) {
+          fail_in_block(&lanes[l], "__shfl_xor_sync: the emulator takes full-warp masks, width 32, one type");
+          return false;
+        }
+        v[l] = lanes[l].val;
+      }
+      for (int l = 0; l < kWarpSize; ++l) lanes[l].val = v[l ^ lanes[l].lane_mask];
+      break;
+    }
+    case Op::kAny: {
+      int any = 0;
+      for (int l = 0; l < kWarpSize; ++l) {
+        if (lanes[l].mask != 0xffffffffu) {
+          fail_in_block(&lanes[l], "__any_sync: the emulator takes full-warp masks");
+          return false;
+        }
+        any |= lanes[l].pred != 0;
+      }
+      for (int l = 0; l < kWarpSize; ++l) lanes[l].pred = any;
+      break;
+    }
+    case Op::kLdmatrix: {
+      // lanes 8i .. 8i+7 address rows 0..7 of matrix i (16 bytes each); lane 4g + t receives
+      // plain: M_i[g][2t, 2t+1];  .trans: M_i[2t][g], M_i[2t+1][g]
+      for (int l = 0; l < kWarpSize; ++l) {
+        if (lanes[l].trans != lanes[0].trans) {
+          fail_in_block(&lanes[l], "ldmatrix: lanes disagree on .trans");
+          return false;
+        }
+        if (!check_smem(lanes[l], lanes[l].addr, 16, 16, "ldmatrix")) return false;
+      }
+      const unsigned char* s = w.smem;
+      for (int l = 0; l < kWarpSize; ++l) {
+        const int g = l >> 2, t = l & 3;
+        for (int i = 0; i < 4; ++i) {
+          uint32_t r;
+          if (!lanes[0].trans) {
+            memcpy(&r, s + lanes[8 * i + g].addr + 4 * t, 4);
+          } else {
+            uint16_t lo, hi;
+            memcpy(&lo, s + lanes[8 * i + 2 * t].addr + 2 * g, 2);
+            memcpy(&hi, s + lanes[8 * i + 2 * t + 1].addr + 2 * g, 2);
+            r = (uint32_t)lo | (uint32_t)hi << 16;
+          }
+          lanes[l].rout[i] = r;
+        }
+      }
+      break;
+    }
+    case Op::kMma: {
+      // A 16 x 16 (row), B 16 x 8 (col), C/D 16 x 8 fp32; fragments: flash_common.cuh
+      const bool bf16 = lanes[0].bf16;
+      float A[16][16], B[16][8];
+      for (int l = 0; l < kWarpSize; ++l) {
+        const int g = l >> 2, t = l & 3;
+        const uint32_t* a = lanes[l].a;
+        for (int e = 0; e < 2; ++e) {
+          const int sh = 16 * e;
+          A[g][2 * t + e] = half_bits(a[0] >> sh, bf16);
+          A[g + 8][2 * t + e] = half_bits(a[1] >> sh, bf16);
+          A[g][2 * t + 8 + e] = half_bits(a[2] >> sh, bf16);
+          A[g + 8][2 * t + 8 + e] = half_bits(a[3] >> sh, bf16);
+          B[2 * t + e][g] = half_bits(lanes[l].b0 >> sh, bf16);
+          B[2 * t + 8 + e][g] = half_bits(lanes[l].b1 >> sh, bf16);
+        }
+      }
+      // products of 16-bit values are exact in double; the sum is rounded to fp32 once
+      for (int l = 0; l < kWarpSize; ++l) {
+        const int g = l >> 2, t = l & 3;
+        float* c = lanes[l].cf;
+        for (int e = 0; e < 4; ++e) {
+          const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+          double acc = c[e];
+          for (int k = 0; k < 16; ++k) acc += (double)A[row][k] * (double)B[k][col];
+          c[e] = (float)acc;
+        }
+      }
+      break;
+    }
+    case Op::kMmaS8: {
+      // A 16 x 32 int8 (row), B 32 x 8 (col), C/D s32: a[0] = A[g][4t..], a[1] = A[g+8][4t..],
+      // a[2] = A[g][16+4t..], a[3] = A[g+8][16+4t..]; b[0] = B[4t..][g], b[1] = B[16+4t..][g]
+      int8_t A[16][32], B[32][8];
+      for (int l = 0; l < kWarpSize; ++l) {
+        const int g = l >> 2, t = l & 3;
+        const uint32_t* a = lanes[l].a;
+        for (int e = 0; e < 4; ++e) {
+          const int sh = 8 * e;
+          A[g][4 * t + e] = (int8_t)(a[0] >> sh);
+          A[g + 8][4 * t + e] = (int8_t)(a[1] >> sh);
+          A[g][16 + 4 * t + e] = (int8_t)(a[2] >> sh);
+          A[g + 8][16 + 4 * t + e] = (int8_t)(a[3] >> sh);
+          B[4 * t + e][g] = (int8_t)(lanes[l].b0 >> sh);
+          B[16 + 4 * t + e][g] = (int8_t)(lanes[l].b1 >> sh);
+        }
+      }
+      for (int l = 0; l < kWarpSize; ++l) {
+        const int g = l >> 2, t = l & 3;
+        int* c = lanes[l].ci;
+        for (int e = 0; e < 4; ++e) {
+          const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+          uint32_t acc = (uint32_t)c[e];  // s32 accumulation wraps
+          for (int k = 0; k < 32; ++k) acc += (uint32_t)((int32_t)A[row][k] * (int32_t)B[k][col]);
+          c[e] = (int)acc;
+        }
+      }
+      break;
+    }
+  }
+  for (int l = 0; l < kWarpSize; ++l) lanes[l].st = St::kReady;
+  return true;
+}
+
+// Runs the ready lanes of warp wi until each parks; performs the collective they meet.
+// Returns false when the block failed.
+bool run_warp(Worker& w, int wi, int nthreads) {
+  Fiber* lanes = w.fibers.data() + wi * kWarpSize;
+  const int n = std::min(kWarpSize, nthreads - wi * kWarpSize);
+  const bool reverse = next_random(w.rng) & 1;
+  for (int k = 0; k < n; ++k) {
+    Fiber* f = &lanes[reverse ? n - 1 - k : k];
+    if (f->st != St::kReady) continue;
+    resume(w, f);
+    if (w.failed) return false;
+  }
+  int at_op = 0, at_bar = 0, done = 0;
+  for (int l = 0; l < n; ++l) {
+    at_op += lanes[l].st == St::kCollective;
+    at_bar += lanes[l].st == St::kBarrier;
+    done += lanes[l].st == St::kDone;
+  }
+  if (at_op > 0) {
+    if (at_op != n) {
+      for (int l = 0; l < n; ++l)
+        if (lanes[l].st == St::kCollective) {
+          fail_in_block(&lanes[l], format("%s reached by %d of the warp's %d lanes (the others %s)",
+                                          op_name(lanes[l].op), at_op, n,
+                                          at_bar ? "wait at __syncthreads" : "have returned"));
+          break;
+        }
+      return false;
+    }
+    if (!run_collective(w, lanes, n)) return false;
+    w.warp_state[wi] = 0;
+  } else {
+    w.warp_state[wi] = at_bar > 0 ? 1 : 2;
+    if (at_bar > 0 && done > 0) {
+      fail_in_block(&lanes[0], "__syncthreads reached by part of a warp while its other lanes returned");
+      return false;
+    }
+  }
+  return true;
+}
+
+void set_smem_window(Worker& w, size_t bytes) {
+  if (w.smem_map == nullptr) {
+    w.smem_map_len = round_up(kMaxSmem, kPage) + 2 * kPage;
+    void* m = mmap(nullptr, w.smem_map_len, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) {
+      fputs("attn_backends CUDA emulator: out of memory for shared memory\n", stderr);
+      abort();
+    }
+    w.smem_map = static_cast<unsigned char*>(m);
+    w.smem_end = w.smem_map + w.smem_map_len - kPage;
+    w.smem_open = w.smem_end;
+  }
+  // the buffer ends flush against the trailing guard page; the pages below its first are closed
+  unsigned char* base = w.smem_end - round_up(bytes, 16);
+  unsigned char* open = reinterpret_cast<unsigned char*>((uintptr_t)base & ~(uintptr_t)(kPage - 1));
+  if (open != w.smem_open) {
+    if (open < w.smem_open)
+      mprotect(open, (size_t)(w.smem_open - open), PROT_READ | PROT_WRITE);
+    else
+      mprotect(w.smem_open, (size_t)(open - w.smem_open), PROT_NONE);
+    w.smem_open = open;
+  }
+  w.smem = base;
+  w.smem_size = bytes;
+}
+
+void run_block(Worker& w, Grid& L, unsigned bid) {
+  tls_block_idx = uint3{bid % L.grid.x, (bid / L.grid.x) % L.grid.y, bid / (L.grid.x * L.grid.y)};
+  tls_block_dim = L.block;
+  tls_grid_dim = L.grid;
+  // shared memory starts as garbage on a device: 0xff bytes (NaN) here; canaries around it
+  memset(w.smem_open, kCanary, (size_t)(w.smem - w.smem_open));
+  memset(w.smem, 0xff, L.smem);
+  memset(w.smem + L.smem, kCanary, (size_t)(w.smem_end - w.smem - L.smem));
+  ab_emu_dyn_smem = reinterpret_cast<unsigned char(*)[]>(w.smem);
+
+  const int n = L.nthreads, nw = (n + kWarpSize - 1) / kWarpSize;
+  if ((int)w.fibers.size() < nw * kWarpSize) w.fibers.resize((size_t)nw * kWarpSize);
+  for (int i = 0; i < n; ++i) {
+    Fiber& f = w.fibers[(size_t)i];
+    f.lin = i;
+    f.tid = uint3{i % L.block.x, (i / L.block.x) % L.block.y, i / (L.block.x * L.block.y)};
+    start_fiber(w, f);
+  }
+  w.rng = session().seed ^ (L.serial * 0x100000001b3ull) ^ ((uint64_t)bid << 32);
+  w.warp_state.assign((size_t)nw, 0);
+  for (;;) {
+    w.runnable.clear();
+    for (int i = 0; i < nw; ++i)
+      if (w.warp_state[(size_t)i] == 0) w.runnable.push_back(i);
+    if (!w.runnable.empty()) {
+      const int wi = w.runnable[next_random(w.rng) % w.runnable.size()];
+      if (!run_warp(w, wi, n)) return;
+      continue;
+    }
+    int at_bar = 0, done = 0;
+    for (int i = 0; i < nw; ++i) (w.warp_state[(size_t)i] == 1 ? at_bar : done)++;
+    if (at_bar == 0) break;  // every thread has returned
+    if (done > 0) {
+      fail_in_block(nullptr, format("__syncthreads reached by %d warps while %d others returned", at_bar, done));
+      return;
+    }
+    for (int i = 0; i < n; ++i) w.fibers[(size_t)i].st = St::kReady;  // the barrier opens
+    std::fill(w.warp_state.begin(), w.warp_state.end(), (uint8_t)0);
+  }
+  // a write just outside the shared memory (within the slack the alignment leaves) hits a canary
+  for (unsigned char* p = w.smem_open; p < w.smem; ++p)
+    if (*p != kCanary) {
+      fail_in_block(nullptr, format("a write %lld bytes before the start of shared memory", (long long)(w.smem - p)));
+      return;
+    }
+  for (unsigned char* p = w.smem + L.smem; p < w.smem_end; ++p)
+    if (*p != kCanary) {
+      fail_in_block(nullptr, format("a write at shared-memory offset %lld, past its %zu bytes",
+                                    (long long)(p - w.smem), L.smem));
+      return;
+    }
+}
+
+// ---- faults -----------------------------------------------------------------------------------------
+
+struct sigaction g_old_segv, g_old_bus;
+std::mutex g_handler_mu;
+
+std::string describe_fault(Worker& w, const void* addr) {
+  const unsigned char* a = static_cast<const unsigned char*>(addr);
+  if (w.smem_map && a >= w.smem_map && a < w.smem_map + w.smem_map_len)
+    return format("shared memory access at offset %lld (the block has %zu bytes)", (long long)(a - w.smem),
+                  w.smem_size);
+  for (const Fiber& f : w.fibers)
+    if (f.stack && a >= f.stack - kPage && a < f.stack) return "stack overflow of an emulated thread";
+  return "invalid access: " + describe_global(addr, 1);
+}
+
+void on_fault(int sig, siginfo_t* si, void* uc) {
+  Worker* w = tls_worker;
+  if (w == nullptr || !w->in_block) {  // not ours: the previous handler (or the default) takes it
+    sigaction(sig, sig == SIGSEGV ? &g_old_segv : &g_old_bus, nullptr);
+    (void)uc;
+    return;
+  }
+  fail_in_block(tls_fiber, describe_fault(*w, si->si_addr));
+  siglongjmp(w->jmp, 1);
+}
+
+void install_fault_handlers() {
+  std::lock_guard<std::mutex> lock(g_handler_mu);
+  for (int sig : {SIGSEGV, SIGBUS}) {
+    struct sigaction cur;
+    sigaction(sig, nullptr, &cur);
+    if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == &on_fault) continue;
+    struct sigaction act;
+    memset(&act, 0, sizeof act);
+    act.sa_sigaction = &on_fault;
+    act.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&act.sa_mask);
+    sigaction(sig, &act, sig == SIGSEGV ? &g_old_segv : &g_old_bus);
+  }
+}
+
+// Runs blocks [b0, b1) of the launch on this thread.
+void run_blocks(Grid* L, int64_t b0, int64_t b1) {
+  Worker& w = worker();
+  if (w.altstack.empty()) w.altstack.resize(64 * 1024);
+  stack_t alt, old;
+  alt.ss_sp = w.altstack.data();
+  alt.ss_size = w.altstack.size();
+  alt.ss_flags = 0;
+  sigaltstack(&alt, &old);
+  w.L = L;
+  set_smem_window(w, L->smem);
+  for (volatile int64_t b = b0; b < b1 && !L->failed.load(std::memory_order_relaxed); b = b + 1) {
+    w.failed = false;
+    if (sigsetjmp(w.jmp, 1) == 0) {
+      w.in_block = 1;
+      run_block(w, *L, (unsigned)b);
+    }
+    w.in_block = 0;
+    tls_fiber = nullptr;
+    if (w.failed) {
+      L->failed = true;
+      break;
+    }
+  }
+  w.L = nullptr;
+  sigaltstack(&old, nullptr);
+}
+
+void run_blocks_range(int64_t begin, int64_t end, void* ctx) { run_blocks(static_cast<Grid*>(ctx), begin, end); }
+
+// "fwd_launch_config [with T = __half; int kD = 64; ...]: kernel" from the launcher's
+// __PRETTY_FUNCTION__ and the kernel expression
+std::string kernel_label(const char* name, const char* where) {
+  std::string w = where ? where : "";
+  std::string fn = w.substr(0, w.find('('));
+  const size_t sp = fn.rfind(' ');
+  if (sp != std::string::npos) fn = fn.substr(sp + 1);
+  // the template arguments, without g++'s echo of the typedefs in the signature (int64_t = long, ...)
+  std::string with;
+  const size_t wp = w.find("[with ");
+  if (wp != std::string::npos) {
+    const std::string args = w.substr(wp + 6, w.rfind(']') - wp - 6);
+    size_t at = 0;
+    while (at < args.size()) {
+      size_t end = args.find("; ", at);
+      if (end == std::string::npos) end = args.size();
+      const std::string a = args.substr(at, end - at);
+      const std::string lhs = a.substr(0, a.find(" = "));
+      if (lhs.compare(0, 3, "ab_") != 0 && (lhs.size() < 2 || lhs.compare(lhs.size() - 2, 2, "_t") != 0))
+        with += (with.empty() ? "" : ", ") + a;
+      at = end + 2;
+    }
+  }
+  return fn + (with.empty() ? "" : "<" + with + ">") + ": " + name;
+}
+
+}  // namespace
+
+// ---- the runtime API ----------------------------------------------------------------------------------
+
+cudaError_t get_device(int* device) {
+  if (session().sticky) return session().last_error;
+  *device = 0;
+  return cudaSuccess;
+}
+
+cudaError_t device_attribute(int* value, cudaDeviceAttr attr, int device) {
+  Session& s = session();
+  if (s.sticky) return s.last_error;
+  if (device != 0) return cudaErrorInvalidValue;
+  switch (attr) {
+    case cudaDevAttrComputeCapabilityMajor: *value = s.cc / 10; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor: *value = s.cc % 10; return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = (int)optin_smem(s.cc); return cudaSuccess;
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t func_set_attribute(const void* fn, cudaFuncAttribute attr, int value) {
+  Session& s = session();
+  if (s.sticky) return s.last_error;
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize || value < 0 || (size_t)value > optin_smem(s.cc)) {
+    record_failure(format("cudaFuncSetAttribute: %d bytes of dynamic shared memory, the device allows %zu", value,
+                          optin_smem(s.cc)));
+    return cudaErrorInvalidValue;
+  }
+  s.attrs[fn].max_dynamic_smem = value;
+  return cudaSuccess;
+}
+
+cudaError_t memset_async(void* p, int value, size_t n) {
+  Session& s = session();
+  if (s.sticky) return s.last_error;
+  if (n == 0) return cudaSuccess;
+  if (!in_buffer(p, n)) {
+    record_failure("cudaMemsetAsync of " + describe_global(p, n));
+    return cudaErrorInvalidValue;
+  }
+  memset(p, value, n);
+  return cudaSuccess;
+}
+
+cudaError_t get_last_error() {
+  Session& s = session();
+  const cudaError_t e = s.last_error;
+  if (!s.sticky) s.last_error = cudaSuccess;
+  return e;
+}
+
+const char* error_name(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+  }
+  return "cudaErrorUnknown";
+}
+
+const char* error_string(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevicePointer: return "invalid device pointer";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
+    case cudaErrorLaunchFailure: return "unspecified launch failure";
+  }
+  return "unknown error";
+}
+
+void launch(const void* fn, const char* name, const char* where, dim3 grid, dim3 block, size_t smem,
+            cudaStream_t stream, KernelBody body) {
+  (void)stream;
+  Session& s = session();
+  if (s.sticky) return;
+  const std::string label = kernel_label(name, where);
+  const uint64_t threads = (uint64_t)block.x * block.y * block.z;
+  const uint64_t blocks = (uint64_t)grid.x * grid.y * grid.z;
+  auto bad_launch = [&](cudaError_t e, const std::string& why) {
+    record_failure("launch of " + label + ": " + why);
+    s.last_error = e;
+  };
+  if (threads == 0 || threads > 1024 || block.z > 64)
+    return bad_launch(cudaErrorInvalidConfiguration, format("%llu threads per block", (unsigned long long)threads));
+  if (blocks == 0 || grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535)
+    return bad_launch(cudaErrorInvalidConfiguration,
+                      format("a grid of %u x %u x %u blocks", grid.x, grid.y, grid.z));
+  const auto it = s.attrs.find(fn);
+  const size_t allowed = it != s.attrs.end() && (size_t)it->second.max_dynamic_smem > kDefaultSmem
+                             ? (size_t)it->second.max_dynamic_smem
+                             : kDefaultSmem;
+  if (smem > allowed)
+    return bad_launch(cudaErrorInvalidValue,
+                      format("%zu bytes of dynamic shared memory, the kernel is allowed %zu (cudaFuncSetAttribute)",
+                             smem, allowed));
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    s.log[label]++;
+  }
+  install_fault_handlers();
+  Grid L;
+  L.body = body;
+  L.label = label;
+  L.grid = grid;
+  L.block = block;
+  L.smem = smem;
+  L.nthreads = (int)threads;
+  L.serial = ++s.serial;
+  const ab_cpu_pool* pool = s.pool;
+  if (pool != nullptr && pool->num_threads > 1 && blocks > 1) {
+    if (pool->parallel_for(0, (int64_t)blocks, 1, run_blocks_range, &L) != 0) {
+      record_failure("launch of " + label + ": the thread pool failed");
+      L.failed = true;
+    }
+  } else {
+    run_blocks(&L, 0, (int64_t)blocks);
+  }
+  if (L.failed) {
+    s.sticky = true;
+    s.last_error = cudaErrorIllegalAddress;
+  }
+}
+
+// ---- device-side entry points (called from inside a fiber) -------------------------------------------
+
+uint64_t shfl_xor(unsigned mask, uint64_t bits, int size, int lane_mask, int width) {
+  Fiber* f = tls_fiber;
+  f->op = Op::kShfl;
+  f->mask = mask;
+  f->val = bits;
+  f->size = size;
+  f->lane_mask = lane_mask;
+  f->width = width;
+  park(St::kCollective);
+  return f->val;
+}
+
+int any_sync(unsigned mask, int pred) {
+  Fiber* f = tls_fiber;
+  f->op = Op::kAny;
+  f->mask = mask;
+  f->pred = pred;
+  park(St::kCollective);
+  return f->pred;
+}
+
+void syncthreads() { park(St::kBarrier); }
+
+float atomic_add(float* p, float v) {
+  if (!in_buffer(p, 4) || (uintptr_t)p % 4) fail_here("atomicAdd on " + describe_global(p, 4));
+  uint32_t* u = reinterpret_cast<uint32_t*>(p);
+  uint32_t old = __atomic_load_n(u, __ATOMIC_RELAXED);
+  for (;;) {
+    float f;
+    memcpy(&f, &old, 4);
+    const float nf = f + v;
+    uint32_t nu;
+    memcpy(&nu, &nf, 4);
+    if (__atomic_compare_exchange_n(u, &old, nu, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return f;
+  }
+}
+
+uint32_t cvta_shared(const void* p) {
+  Worker& w = worker();
+  const unsigned char* a = static_cast<const unsigned char*>(p);
+  if (a < w.smem || a > w.smem + w.smem_size)
+    fail_here(format("__cvta_generic_to_shared of %p, outside the block's %zu bytes of shared memory", p, w.smem_size));
+  return (uint32_t)(a - w.smem);
+}
+
+void ldmatrix_x4(uint32_t r[4], uint32_t addr, bool trans) {
+  Fiber* f = tls_fiber;
+  f->op = Op::kLdmatrix;
+  f->addr = addr;
+  f->trans = trans;
+  f->rout = r;
+  park(St::kCollective);
+}
+
+void cp_async(uint32_t dst, const void* src, int bytes, bool valid) {
+  Fiber* f = tls_fiber;
+  Worker& w = *tls_worker;
+  if (dst % (uint32_t)bytes || (size_t)dst + (size_t)bytes > w.smem_size)
+    fail_here(format("cp.async of %d bytes to shared-memory offset %u: %s (the block has %zu bytes)", bytes, dst,
+                     dst % (uint32_t)bytes ? "misaligned" : "out of range", w.smem_size));
+  if (valid && (!in_buffer(src, (size_t)bytes) || (uintptr_t)src % (uintptr_t)bytes))
+    fail_here("cp.async reads " + describe_global(src, (size_t)bytes) +
+              ((uintptr_t)src % (uintptr_t)bytes ? " (misaligned)" : ""));
+  f->copies.push_back(Copy{dst, src, bytes, valid});
+}
+
+void cp_async_commit() {
+  Fiber* f = tls_fiber;
+  f->groups.push_back(f->copies.size());
+}
+
+void cp_async_wait(int n) {
+  Fiber* f = tls_fiber;
+  if ((int)f->groups.size() <= n) return;
+  const size_t k = f->groups.size() - (size_t)n;  // the oldest k groups are retired
+  const size_t upto = f->groups[k - 1];
+  perform_copies(*tls_worker, f, upto);
+  f->groups.erase(f->groups.begin(), f->groups.begin() + (ptrdiff_t)k);
+  for (size_t& g : f->groups) g -= upto;
+}
+
+void mma_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, bool bf16) {
+  Fiber* f = tls_fiber;
+  f->op = Op::kMma;
+  f->cf = c;
+  f->a = a;
+  f->b0 = b0;
+  f->b1 = b1;
+  f->bf16 = bf16;
+  park(St::kCollective);
+}
+
+void mma_m16n8k32_s8(int c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  Fiber* f = tls_fiber;
+  f->op = Op::kMmaS8;
+  f->ci = c;
+  f->a = a;
+  f->b0 = b0;
+  f->b1 = b1;
+  park(St::kCollective);
+}
+
+float ex2_approx(float x) { return exp2f(x); }
+float rcp_approx(float x) { return 1.0f / x; }
+
+// ---- the session (emu_runtime.h) ------------------------------------------------------------------------
+
+void session_begin(const ab_cpu_pool* pool) {
+  Session& s = session();
+  s.pool = pool;
+  s.last_error = cudaSuccess;
+  s.sticky = false;
+  s.failure.clear();
+}
+
+std::string session_failure() {
+  Session& s = session();
+  for (const Buffer& b : s.buffers) {
+    for (size_t i = 0; i < b.lead_len; ++i)
+      if (b.lead[i] != kCanary) {
+        record_failure(format("a write %zu bytes before the start of '%s'", b.lead_len - i, b.name.c_str()));
+        break;
+      }
+    for (size_t i = 0; i < b.tail_len; ++i)
+      if (b.tail[i] != kCanary) {
+        record_failure(format("a write %zu bytes past the end of '%s' (%zu bytes)", i + 1, b.name.c_str(), b.bytes));
+        break;
+      }
+  }
+  return s.failure;
+}
+
+void session_end() {
+  Session& s = session();
+  for (const Buffer& b : s.buffers) munmap(b.map, b.map_len);
+  s.buffers.clear();
+  s.pool = nullptr;
+}
+
+unsigned char* device_alloc(const char* name, size_t bytes, size_t align_mod, size_t align_rem, bool poison) {
+  if (bytes == 0) return nullptr;
+  Session& s = session();
+  // [guard page][lead canary | data | tail canary][guard page], data as close to the end as the
+  // alignment allows
+  const size_t body = round_up(bytes + align_mod, kPage);
+  const size_t len = body + 2 * kPage;
+  void* m = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return nullptr;
+  unsigned char* map = static_cast<unsigned char*>(m);
+  mprotect(map, kPage, PROT_NONE);
+  mprotect(map + kPage + body, kPage, PROT_NONE);
+  unsigned char* end = map + kPage + body;
+  uintptr_t start = (uintptr_t)(end - bytes);
+  start -= (start - align_rem) & (align_mod - 1);  // round down to the wanted residue
+  unsigned char* data = reinterpret_cast<unsigned char*>(start);
+  unsigned char* page0 = reinterpret_cast<unsigned char*>((uintptr_t)data & ~(uintptr_t)(kPage - 1));
+  Buffer b{name, data, bytes, map, len, page0, data + bytes, (size_t)(data - page0), (size_t)(end - data - bytes)};
+  memset(b.lead, kCanary, b.lead_len);
+  memset(b.tail, kCanary, b.tail_len);
+  memset(data, poison ? 0xff : 0, bytes);
+  s.buffers.push_back(b);
+  return data;
+}
+
+int device_cc() { return session().cc; }
+void set_device_cc(int cc) { session().cc = cc; }
+void set_seed(uint64_t seed) { session().seed = seed; }
+
+std::string launch_log() {
+  Session& s = session();
+  std::lock_guard<std::mutex> lock(s.mu);
+  std::string out;
+  for (const auto& kv : s.log) out += kv.first + "\t" + std::to_string(kv.second) + "\n";
+  return out;
+}
+
+void reset_launch_log() {
+  Session& s = session();
+  std::lock_guard<std::mutex> lock(s.mu);
+  s.log.clear();
+}
+
+}  // namespace ab_emu
