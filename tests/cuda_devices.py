@@ -19,10 +19,10 @@ EMU_LIB = os.path.join(os.path.dirname(ab.__file__), "libattn_backends_cuda_emu.
 DEVICES = [pytest.param("cuda", marks=pytest.mark.cuda), pytest.param("emu", marks=pytest.mark.cuda_emu)]
 
 
-def both(gpu_cases, emu_cases):
+def both(gpu_cases, emu_cases, name=str):
     """(dev, case) parameters: the GPU's cases on "cuda", the emulator's (smaller) ones on "emu"."""
-    return ([pytest.param("cuda", c, marks=pytest.mark.cuda, id=f"cuda-{c}") for c in gpu_cases]
-            + [pytest.param("emu", c, marks=pytest.mark.cuda_emu, id=f"emu-{c}") for c in emu_cases])
+    return ([pytest.param("cuda", c, marks=pytest.mark.cuda, id=f"cuda-{name(c)}") for c in gpu_cases]
+            + [pytest.param("emu", c, marks=pytest.mark.cuda_emu, id=f"emu-{name(c)}") for c in emu_cases])
 
 
 def set_emulation(on: bool) -> None:
@@ -65,6 +65,7 @@ def emulator():
     lib.ab_cuda_emu_device_cc.restype = ctypes.c_int
     lib.ab_cuda_emu_set_device_cc.argtypes = [ctypes.c_int]
     lib.ab_cuda_emu_set_seed.argtypes = [ctypes.c_uint64]
+    lib.ab_cuda_emu_selftest.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
     return lib
 
 

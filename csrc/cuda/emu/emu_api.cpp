@@ -12,7 +12,6 @@
 // there; here the CPU tensor arrives as it is) is staged as a contiguous copy.
 #include <string.h>
 
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -20,8 +19,6 @@
 #include "emu_runtime.h"
 
 namespace {
-
-std::mutex g_call;  // one call at a time: the session is global
 
 enum class Role { kIn, kOut };
 
@@ -75,7 +72,7 @@ template <typename F> void for_each_element(const ab_tensor& t, F fn) {
 
 class Call {
  public:
-  explicit Call(void* stream) : lock_(g_call) { ab_emu::session_begin(static_cast<const ab_cpu_pool*>(stream)); }
+  explicit Call(void* stream) { ab_emu::session_begin(static_cast<const ab_cpu_pool*>(stream)); }
   ~Call() { ab_emu::session_end(); }
 
   // Stages t (a view inside the params) in device memory; kernels_read_rows: flash/sage operands.
@@ -89,7 +86,7 @@ class Call {
     const bool pack = kernels_read_rows && !rows16(host);
     const int64_t n = pack ? numel_of(host) : span_of(host);
     const size_t rem = pack ? 0 : reinterpret_cast<uintptr_t>(host.data) % 16;
-    unsigned char* dev = ab_emu::device_alloc(name, (size_t)n * es, 16, rem, role == Role::kOut);
+    unsigned char* dev = ab_emu::device_alloc(name, (size_t)n * es, 16, rem, role == Role::kOut, es);
     if (dev == nullptr) return ab_error_set(err, AB_ERR_NOMEM, "CUDA emulator: no memory for %s", name), false;
     if (pack) {
       int64_t st = 1;
@@ -156,7 +153,6 @@ class Call {
   }
 
  private:
-  std::lock_guard<std::mutex> lock_;
   std::vector<Staged> outs_;
 };
 

@@ -134,9 +134,13 @@ struct Fiber {
   int* ci = nullptr;
   const uint32_t* a = nullptr;
   uint32_t b0 = 0, b1 = 0;
-  // cp.async: queued copies; groups[i] = copies committed up to and including group i
+  // cp.async: queued copies; groups[i].end = copies committed up to and including group i
   std::vector<Copy> copies;
-  std::vector<size_t> groups;
+  struct Group {
+    size_t end;
+    bool early;
+  };
+  std::vector<Group> groups;
   unsigned char* stack = nullptr;  // kStackBytes above a guard page
 #ifndef AB_EMU_X86_SWITCH
   ucontext_t uc;
@@ -182,7 +186,7 @@ Worker& worker() {
 struct Buffer {
   std::string name;
   unsigned char* data;
-  size_t bytes;
+  size_t bytes, elsize;
   unsigned char* map;
   size_t map_len;
   unsigned char *lead, *tail;  // canary ranges before the start and after the end
@@ -194,7 +198,8 @@ struct KernelAttr {
 };
 
 struct Session {
-  std::mutex mu;  // guards failure and the launch log (blocks run on several threads)
+  std::mutex call;  // held from session_begin to session_end
+  std::mutex mu;    // guards failure and the launch log (blocks run on several threads)
   std::vector<Buffer> buffers;
   const ab_cpu_pool* pool = nullptr;
   cudaError_t last_error = cudaSuccess;
@@ -258,11 +263,12 @@ std::string describe_global(const void* p, size_t n) {
       const long long off = (long long)(a - b.data);
       if (off >= 0 && (size_t)off + n <= b.bytes)
         return format("bytes [%lld, %lld) of '%s' (in range)", off, off + (long long)n, b.name.c_str());
-      if (off < 0)
-        return format("%zu bytes at %lld bytes before the start of '%s' (%zu bytes)", n, -off, b.name.c_str(),
-                      b.bytes);
-      return format("%zu bytes at byte offset %lld of '%s', which has %zu bytes (%lld past its end)", n, off,
-                    b.name.c_str(), b.bytes, off + (long long)n - (long long)b.bytes);
+      const long long es = (long long)(b.elsize ? b.elsize : 1);
+      const std::string at = format("byte offset %lld (element %lld%s) of '%s', which has %zu bytes", off,
+                                    off >= 0 ? off / es : -((-off + es - 1) / es),
+                                    off % es ? ", misaligned" : "", b.name.c_str(), b.bytes);
+      if (off < 0) return at + format(": %lld bytes before its start", -off);
+      return at + format(": %lld bytes past its end", off + (long long)n - (long long)b.bytes);
     }
   }
   return format("%zu bytes at %p, outside every buffer the launcher was given", n, p);
@@ -310,14 +316,21 @@ void abandon_block() {
   abort();  // never resumed
 }
 
+void retire_groups(Worker& w, Fiber* f, size_t k);
+
 void park(St st) {
   Fiber* f = tls_fiber;
   if (f == nullptr) {
     fputs("attn_backends CUDA emulator: a device function was called outside a kernel\n", stderr);
     abort();
   }
-  f->st = st;
   Worker& w = *tls_worker;
+  // A committed group may land any time before its wait retires it.  Each is drawn at its commit
+  // to land early (here, at the thread's first stop after it, so that a copy issued while other
+  // warps still read the buffer clobbers what they read: a missing __syncthreads before the issue)
+  // or late (at the wait, so that a read before the wait sees stale memory).  Groups land in order.
+  while (!f->groups.empty() && f->groups.front().early) retire_groups(w, f, 1);
+  f->st = st;
 #ifdef AB_EMU_X86_SWITCH
   ab_emu_switch(&f->sp, w.sched_sp);
 #else
@@ -345,6 +358,14 @@ void perform_copies(Worker& w, Fiber* f, size_t n) {
       memset(w.smem + c.dst, 0, (size_t)c.bytes);
   }
   f->copies.erase(f->copies.begin(), f->copies.begin() + (ptrdiff_t)n);
+}
+
+// The oldest k committed groups land.
+void retire_groups(Worker& w, Fiber* f, size_t k) {
+  const size_t upto = f->groups[k - 1].end;
+  perform_copies(w, f, upto);
+  f->groups.erase(f->groups.begin(), f->groups.begin() + (ptrdiff_t)k);
+  for (Fiber::Group& g : f->groups) g.end -= upto;
 }
 
 void fiber_main(void* arg) {
@@ -691,7 +712,7 @@ std::string describe_fault(Worker& w, const void* addr) {
                   w.smem_size);
   for (const Fiber& f : w.fibers)
     if (f.stack && a >= f.stack - kPage && a < f.stack) return "stack overflow of an emulated thread";
-  return "invalid access: " + describe_global(addr, 1);
+  return "out-of-range access at " + describe_global(addr, 1);
 }
 
 void on_fault(int sig, siginfo_t* si, void* uc) {
@@ -976,17 +997,12 @@ void cp_async(uint32_t dst, const void* src, int bytes, bool valid) {
 
 void cp_async_commit() {
   Fiber* f = tls_fiber;
-  f->groups.push_back(f->copies.size());
+  f->groups.push_back(Fiber::Group{f->copies.size(), (next_random(tls_worker->rng) & 1) != 0});
 }
 
 void cp_async_wait(int n) {
   Fiber* f = tls_fiber;
-  if ((int)f->groups.size() <= n) return;
-  const size_t k = f->groups.size() - (size_t)n;  // the oldest k groups are retired
-  const size_t upto = f->groups[k - 1];
-  perform_copies(*tls_worker, f, upto);
-  f->groups.erase(f->groups.begin(), f->groups.begin() + (ptrdiff_t)k);
-  for (size_t& g : f->groups) g -= upto;
+  if ((int)f->groups.size() > n) retire_groups(*tls_worker, f, f->groups.size() - (size_t)n);
 }
 
 void mma_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, bool bf16) {
@@ -1017,6 +1033,7 @@ float rcp_approx(float x) { return 1.0f / x; }
 
 void session_begin(const ab_cpu_pool* pool) {
   Session& s = session();
+  s.call.lock();
   s.pool = pool;
   s.last_error = cudaSuccess;
   s.sticky = false;
@@ -1045,9 +1062,11 @@ void session_end() {
   for (const Buffer& b : s.buffers) munmap(b.map, b.map_len);
   s.buffers.clear();
   s.pool = nullptr;
+  s.call.unlock();
 }
 
-unsigned char* device_alloc(const char* name, size_t bytes, size_t align_mod, size_t align_rem, bool poison) {
+unsigned char* device_alloc(const char* name, size_t bytes, size_t align_mod, size_t align_rem, bool poison,
+                            size_t elsize) {
   if (bytes == 0) return nullptr;
   Session& s = session();
   // [guard page][lead canary | data | tail canary][guard page], data as close to the end as the
@@ -1064,7 +1083,8 @@ unsigned char* device_alloc(const char* name, size_t bytes, size_t align_mod, si
   start -= (start - align_rem) & (align_mod - 1);  // round down to the wanted residue
   unsigned char* data = reinterpret_cast<unsigned char*>(start);
   unsigned char* page0 = reinterpret_cast<unsigned char*>((uintptr_t)data & ~(uintptr_t)(kPage - 1));
-  Buffer b{name, data, bytes, map, len, page0, data + bytes, (size_t)(data - page0), (size_t)(end - data - bytes)};
+  Buffer b{name, data, bytes, elsize, map, len, page0, data + bytes, (size_t)(data - page0),
+           (size_t)(end - data - bytes)};
   memset(b.lead, kCanary, b.lead_len);
   memset(b.tail, kCanary, b.tail_len);
   memset(data, poison ? 0xff : 0, bytes);

@@ -12,13 +12,13 @@
 
 namespace ab_emu {
 
-// One launcher call at a time (emu_api.cpp holds a lock around it): begin clears the error state and
+// One launcher call at a time: begin waits for the previous call's end, clears the error state and
 // takes the pool the blocks may be spread over (NULL: the calling thread runs them all).
 void session_begin(const ab_cpu_pool* pool);
 // The first failure of the call (a launch's out-of-range access, a bad launch, a broken guard
 // canary), "" if none.  Reading it checks the canaries of every buffer still allocated.
 std::string session_failure();
-// Frees the call's device memory.
+// Frees the call's device memory and lets the next call begin.
 void session_end();
 
 // Device memory for one tensor or workspace: `bytes` bytes ending flush against a guard page
@@ -28,7 +28,8 @@ void session_end();
 // its page and the start (and after the end, when the alignment leaves any) hold a canary that
 // session_failure checks.  poison: filled with 0xff bytes (NaN in every float type) instead of zeros,
 // for outputs and workspaces a kernel must write before it reads.  NULL for bytes == 0.
-unsigned char* device_alloc(const char* name, size_t bytes, size_t align_mod, size_t align_rem, bool poison);
+unsigned char* device_alloc(const char* name, size_t bytes, size_t align_mod, size_t align_rem, bool poison,
+                            size_t elsize = 1);
 
 // The emulated device's compute capability (80 by default, ATTN_BACKENDS_CUDA_EMULATE_SM or
 // set_device_cc): it sets the opt-in shared-memory limit the launchers check.
