@@ -91,6 +91,18 @@ def parse_archs(spec):
     return cubins, ptx
 
 
+def run_jobs(jobs, what):
+    """Runs compiler command lines in parallel (ATTN_BACKENDS_NVCC_THREADS at a time); stops the build
+    with the first failure's output."""
+    threads = int(os.environ.get("ATTN_BACKENDS_NVCC_THREADS", os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
+        results = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), jobs))
+    for cmd, res in zip(jobs, results):
+        if res.returncode != 0:
+            sys.stderr.write(res.stdout + res.stderr)
+            raise SystemExit(f"attn_backends: {what} failed: {' '.join(cmd)}")
+
+
 class BuildExt(build_ext):
     """Compiles .c and .cpp with their own flags, then the CUDA library when nvcc is present."""
 
@@ -170,14 +182,8 @@ class BuildExt(build_ext):
             jobs.append([*flags, "-c", str(src), "-o", str(build / (src.stem + ".o"))])
         jobs.append(["gcc", *C_FLAGS, "-fPIC", f"-I{CSRC}", "-c", str(CSRC / "ab_params.c"),
                      "-o", str(build / "ab_params.o")])
-        threads = int(os.environ.get("ATTN_BACKENDS_NVCC_THREADS", os.cpu_count() or 1))
         print("attn_backends: building the emulated CUDA library with g++", flush=True)
-        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            results = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), jobs))
-        for cmd, res in zip(jobs, results):
-            if res.returncode != 0:
-                sys.stderr.write(res.stdout + res.stderr)
-                raise SystemExit(f"attn_backends: emulated CUDA build failed: {' '.join(cmd)}")
+        run_jobs(jobs, "emulated CUDA build")
         link = ["g++", "-shared", "-o", str(lib), *[j[-1] for j in jobs], "-lpthread"]
         res = subprocess.run(link, capture_output=True, text=True)
         if res.returncode != 0:
@@ -210,14 +216,8 @@ class BuildExt(build_ext):
         # the core's parameter checks and error formatting, shared with the C module
         params_obj = build / "ab_params.o"
         jobs.append(["gcc", *C_FLAGS, "-fPIC", f"-I{CSRC}", "-c", str(CSRC / "ab_params.c"), "-o", str(params_obj)])
-        threads = int(os.environ.get("ATTN_BACKENDS_NVCC_THREADS", os.cpu_count() or 1))
         print(f"attn_backends: building the CUDA library for {arch_str} with {self.nvcc}", flush=True)
-        with ThreadPoolExecutor(max_workers=max(1, threads)) as pool:
-            results = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), jobs))
-        for cmd, res in zip(jobs, results):
-            if res.returncode != 0:
-                sys.stderr.write(res.stdout + res.stderr)
-                raise SystemExit(f"attn_backends: CUDA build failed: {' '.join(cmd)}")
+        run_jobs(jobs, "CUDA build")
         objs = [j[-1] for j in jobs]
         link = [self.nvcc, "-shared", "-cudart", "static", *gencode, "-o", str(lib), *objs,
                 "-Xlinker", "--exclude-libs,ALL", "-lrt", "-ldl", "-lpthread"]

@@ -288,6 +288,22 @@ struct Grid {
 
 [[noreturn]] void abandon_block();
 
+// From a fiber back to the scheduler (the fiber resumes here when the scheduler switches back).
+void to_scheduler(Worker& w, Fiber* f) {
+#ifdef AB_EMU_X86_SWITCH
+  ab_emu_switch(&f->sp, w.sched_sp);
+#else
+  swapcontext(&f->uc, &w.sched_uc);
+#endif
+}
+
+// The fiber ends (returned, or its block is abandoned): it is never resumed.
+[[noreturn]] void end_fiber(Worker& w, Fiber* f) {
+  f->st = St::kDone;
+  to_scheduler(w, f);
+  abort();
+}
+
 // Fails the call from inside a block: names the kernel, the block and (in a fiber) the thread.
 void fail_in_block(const Fiber* f, const std::string& what) {
   Worker& w = worker();
@@ -307,13 +323,7 @@ void abandon_block() {
   Worker& w = worker();
   Fiber* f = tls_fiber;
   if (f == nullptr) siglongjmp(w.jmp, 1);  // scheduler context
-  f->st = St::kDone;
-#ifdef AB_EMU_X86_SWITCH
-  ab_emu_switch(&f->sp, w.sched_sp);
-#else
-  swapcontext(&f->uc, &w.sched_uc);
-#endif
-  abort();  // never resumed
+  end_fiber(w, f);
 }
 
 void retire_groups(Worker& w, Fiber* f, size_t k);
@@ -331,11 +341,7 @@ void park(St st) {
   // or late (at the wait, so that a read before the wait sees stale memory).  Groups land in order.
   while (!f->groups.empty() && f->groups.front().early) retire_groups(w, f, 1);
   f->st = st;
-#ifdef AB_EMU_X86_SWITCH
-  ab_emu_switch(&f->sp, w.sched_sp);
-#else
-  swapcontext(&f->uc, &w.sched_uc);
-#endif
+  to_scheduler(w, f);
 }
 
 void resume(Worker& w, Fiber* f) {
@@ -375,13 +381,7 @@ void fiber_main(void* arg) {
   // the thread is done; copies it never waited for still land in shared memory
   perform_copies(w, f, f->copies.size());
   f->groups.clear();
-  f->st = St::kDone;
-#ifdef AB_EMU_X86_SWITCH
-  ab_emu_switch(&f->sp, w.sched_sp);
-#else
-  swapcontext(&f->uc, &w.sched_uc);
-#endif
-  abort();
+  end_fiber(w, f);
 }
 
 #ifndef AB_EMU_X86_SWITCH
@@ -440,7 +440,40 @@ uint64_t next_random(uint64_t& s) {  // splitmix64
 
 // ---- the collectives, on all lanes of a warp -------------------------------------------------------
 
-float half_bits(uint32_t h, bool bf16) { return bf16 ? ab_bf16_to_f32((uint16_t)h) : ab_f16_to_f32((uint16_t)h); }
+// mma.sync m16n8kK on the 32 lanes' fragments: A 16 x K (row), B K x 8 (col), C/D 16 x 8.  A 32-bit
+// register holds kPer = K / 8 consecutive k elements (two 16-bit or four 8-bit, the lowest k in the
+// low bits): a[r] = A[g + 8 (r & 1)][kPer t .. + (r >> 1) K / 2], b[r] = B[kPer t .. + r K / 2][g];
+// C/D: c[e] = C[g + 8 (e >> 1)][2 t + (e & 1)] (flash_common.cuh, sage_fwd_kernel.cuh).
+// K = 16: float16/bfloat16 in, fp32 out, the 16 exact products summed in double and rounded once.
+// K = 32: int8 in, s32 out, wrapping.
+template <int K, typename Conv> void mma_warp(Fiber* lanes, Conv conv) {
+  using E = decltype(conv(0u));
+  constexpr int kPer = K / 8, kBits = 32 / kPer;
+  E A[16][K], B[K][8];
+  for (int l = 0; l < kWarpSize; ++l) {
+    const int g = l >> 2, t = l & 3;
+    const uint32_t b[2] = {lanes[l].b0, lanes[l].b1};
+    for (int e = 0; e < kPer; ++e) {
+      for (int r = 0; r < 4; ++r) A[g + 8 * (r & 1)][kPer * t + e + (r >> 1) * K / 2] = conv(lanes[l].a[r] >> (kBits * e));
+      for (int r = 0; r < 2; ++r) B[kPer * t + e + r * K / 2][g] = conv(b[r] >> (kBits * e));
+    }
+  }
+  for (int l = 0; l < kWarpSize; ++l) {
+    const int g = l >> 2, t = l & 3;
+    for (int e = 0; e < 4; ++e) {
+      const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
+      if constexpr (K == 16) {
+        double acc = lanes[l].cf[e];
+        for (int k = 0; k < K; ++k) acc += A[row][k] * B[k][col];
+        lanes[l].cf[e] = (float)acc;
+      } else {
+        uint32_t acc = (uint32_t)lanes[l].ci[e];
+        for (int k = 0; k < K; ++k) acc += (uint32_t)(A[row][k] * B[k][col]);
+        lanes[l].ci[e] = (int)acc;
+      }
+    }
+  }
+}
 
 bool check_smem(const Fiber& f, uint32_t addr, uint32_t n, uint32_t align, const char* what) {
   Worker& w = *tls_worker;
@@ -516,65 +549,15 @@ bool run_collective(Worker& w, Fiber* lanes, int n) {
       }
       break;
     }
-    case Op::kMma: {
-      // A 16 x 16 (row), B 16 x 8 (col), C/D 16 x 8 fp32; fragments: flash_common.cuh
-      const bool bf16 = lanes[0].bf16;
-      float A[16][16], B[16][8];
-      for (int l = 0; l < kWarpSize; ++l) {
-        const int g = l >> 2, t = l & 3;
-        const uint32_t* a = lanes[l].a;
-        for (int e = 0; e < 2; ++e) {
-          const int sh = 16 * e;
-          A[g][2 * t + e] = half_bits(a[0] >> sh, bf16);
-          A[g + 8][2 * t + e] = half_bits(a[1] >> sh, bf16);
-          A[g][2 * t + 8 + e] = half_bits(a[2] >> sh, bf16);
-          A[g + 8][2 * t + 8 + e] = half_bits(a[3] >> sh, bf16);
-          B[2 * t + e][g] = half_bits(lanes[l].b0 >> sh, bf16);
-          B[2 * t + 8 + e][g] = half_bits(lanes[l].b1 >> sh, bf16);
-        }
-      }
-      // products of 16-bit values are exact in double; the sum is rounded to fp32 once
-      for (int l = 0; l < kWarpSize; ++l) {
-        const int g = l >> 2, t = l & 3;
-        float* c = lanes[l].cf;
-        for (int e = 0; e < 4; ++e) {
-          const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
-          double acc = c[e];
-          for (int k = 0; k < 16; ++k) acc += (double)A[row][k] * (double)B[k][col];
-          c[e] = (float)acc;
-        }
-      }
+    case Op::kMma:
+      if (lanes[0].bf16)
+        mma_warp<16>(lanes, [](uint32_t x) { return (double)ab_bf16_to_f32((uint16_t)x); });
+      else
+        mma_warp<16>(lanes, [](uint32_t x) { return (double)ab_f16_to_f32((uint16_t)x); });
       break;
-    }
-    case Op::kMmaS8: {
-      // A 16 x 32 int8 (row), B 32 x 8 (col), C/D s32: a[0] = A[g][4t..], a[1] = A[g+8][4t..],
-      // a[2] = A[g][16+4t..], a[3] = A[g+8][16+4t..]; b[0] = B[4t..][g], b[1] = B[16+4t..][g]
-      int8_t A[16][32], B[32][8];
-      for (int l = 0; l < kWarpSize; ++l) {
-        const int g = l >> 2, t = l & 3;
-        const uint32_t* a = lanes[l].a;
-        for (int e = 0; e < 4; ++e) {
-          const int sh = 8 * e;
-          A[g][4 * t + e] = (int8_t)(a[0] >> sh);
-          A[g + 8][4 * t + e] = (int8_t)(a[1] >> sh);
-          A[g][16 + 4 * t + e] = (int8_t)(a[2] >> sh);
-          A[g + 8][16 + 4 * t + e] = (int8_t)(a[3] >> sh);
-          B[4 * t + e][g] = (int8_t)(lanes[l].b0 >> sh);
-          B[16 + 4 * t + e][g] = (int8_t)(lanes[l].b1 >> sh);
-        }
-      }
-      for (int l = 0; l < kWarpSize; ++l) {
-        const int g = l >> 2, t = l & 3;
-        int* c = lanes[l].ci;
-        for (int e = 0; e < 4; ++e) {
-          const int row = g + 8 * (e >> 1), col = 2 * t + (e & 1);
-          uint32_t acc = (uint32_t)c[e];  // s32 accumulation wraps
-          for (int k = 0; k < 32; ++k) acc += (uint32_t)((int32_t)A[row][k] * (int32_t)B[k][col]);
-          c[e] = (int)acc;
-        }
-      }
+    case Op::kMmaS8:
+      mma_warp<32>(lanes, [](uint32_t x) { return (int32_t)(int8_t)x; });
       break;
-    }
   }
   for (int l = 0; l < kWarpSize; ++l) lanes[l].st = St::kReady;
   return true;
@@ -1005,25 +988,26 @@ void cp_async_wait(int n) {
   if ((int)f->groups.size() > n) retire_groups(*tls_worker, f, f->groups.size() - (size_t)n);
 }
 
-void mma_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, bool bf16) {
+namespace {
+void park_at_mma(Op op, float* cf, int* ci, const uint32_t* a, uint32_t b0, uint32_t b1, bool bf16) {
   Fiber* f = tls_fiber;
-  f->op = Op::kMma;
-  f->cf = c;
+  f->op = op;
+  f->cf = cf;
+  f->ci = ci;
   f->a = a;
   f->b0 = b0;
   f->b1 = b1;
   f->bf16 = bf16;
   park(St::kCollective);
 }
+}  // namespace
+
+void mma_m16n8k16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1, bool bf16) {
+  park_at_mma(Op::kMma, c, nullptr, a, b0, b1, bf16);
+}
 
 void mma_m16n8k32_s8(int c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  Fiber* f = tls_fiber;
-  f->op = Op::kMmaS8;
-  f->ci = c;
-  f->a = a;
-  f->b0 = b0;
-  f->b1 = b1;
-  park(St::kCollective);
+  park_at_mma(Op::kMmaS8, nullptr, c, a, b0, b1, false);
 }
 
 float ex2_approx(float x) { return exp2f(x); }
