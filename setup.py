@@ -175,11 +175,15 @@ class BuildExt(build_ext):
         flags = ["g++", "-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden", "-fno-strict-aliasing",
                  "-U_FORTIFY_SOURCE", "-DAB_CUDA_EMULATE", f"-I{emu_dir / 'include'}", f"-I{CSRC}",
                  f"-I{CSRC / 'cuda'}", f"-I{build}", "-Wall", "-Wno-unknown-pragmas", "-Wno-unused-parameter"]
+        # the kernels trap on a misaligned typed access (a uint4 store at an 8-byte boundary), which
+        # x86 would let pass and a GPU refuses; the emulator turns the trap into the call's error
+        kernel_flags = ["-fsanitize=alignment", "-fsanitize-undefined-trap-on-error"]
         jobs = []
         for src in sorted((CSRC / "cuda").glob("*.cu")):
-            jobs.append([*flags, "-x", "c++", "-c", str(src), "-o", str(build / (src.stem + ".o"))])
+            jobs.append([*flags, *kernel_flags, "-x", "c++", "-c", str(src), "-o", str(build / (src.stem + ".o"))])
         for src in sorted(emu_dir.glob("*.cpp")):
-            jobs.append([*flags, "-c", str(src), "-o", str(build / (src.stem + ".o"))])
+            extra = kernel_flags if src.name == "emu_selftest.cpp" else []
+            jobs.append([*flags, *extra, "-c", str(src), "-o", str(build / (src.stem + ".o"))])
         jobs.append(["gcc", *C_FLAGS, "-fPIC", f"-I{CSRC}", "-c", str(CSRC / "ab_params.c"),
                      "-o", str(build / "ab_params.o")])
         print("attn_backends: building the emulated CUDA library with g++", flush=True)

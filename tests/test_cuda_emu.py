@@ -1,5 +1,6 @@
 """The CUDA emulator itself (csrc/cuda/emu, docs/cuda.md; marked `cuda_emu`): that it catches what it
-exists to catch (an out-of-range store or ldmatrix, named by kernel, thread and offset; a missing
+exists to catch (an out-of-range store or ldmatrix, named by kernel, thread and offset; a misaligned
+vector store; a missing
 __syncthreads; a read of cp.async'd memory before the wait), that every kernel variant the launcher
 tables can select runs under it and passes the float64 rule, that the switch routes through the
 normal op path (planner, explain, report) and that without it nothing changes.  The kernels'
@@ -47,6 +48,12 @@ def test_an_out_of_range_store_fails_the_call_naming_kernel_thread_and_offset(em
     assert wrong == -1
     assert "oob_store" in msg and "thread 128" in msg and "element 128" in msg and "'out'" in msg, msg
     assert "past its end" in msg, msg
+
+
+def test_a_misaligned_vector_store_fails_the_call(emu):
+    # x86 would store a uint4 at a 4-byte boundary; a GPU refuses, and so does the emulator
+    wrong, msg = selftest(emu, "misaligned_store")
+    assert wrong == -1 and "misaligned_store" in msg and "misaligned" in msg and "thread" in msg, msg
 
 
 def test_an_out_of_range_ldmatrix_fails_the_call(emu):

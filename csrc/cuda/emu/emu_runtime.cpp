@@ -267,8 +267,8 @@ std::string describe_global(const void* p, size_t n) {
       const std::string at = format("byte offset %lld (element %lld%s) of '%s', which has %zu bytes", off,
                                     off >= 0 ? off / es : -((-off + es - 1) / es),
                                     off % es ? ", misaligned" : "", b.name.c_str(), b.bytes);
-      if (off < 0) return at + format(": %lld bytes before its start", -off);
-      return at + format(": %lld bytes past its end", off + (long long)n - (long long)b.bytes);
+      if (off < 0) return at + ", before its start";
+      return at + ((size_t)off >= b.bytes ? ", past its end" : ", running past its end");
     }
   }
   return format("%zu bytes at %p, outside every buffer the launcher was given", n, p);
@@ -685,7 +685,16 @@ void run_block(Worker& w, Grid& L, unsigned bid) {
 
 // ---- faults -----------------------------------------------------------------------------------------
 
-struct sigaction g_old_segv, g_old_bus;
+// SIGSEGV/SIGBUS: a guard page; SIGILL: the trap g++'s -fsanitize=alignment puts on a misaligned
+// typed access in the kernels (setup.py), which a GPU refuses as a misaligned address
+constexpr int kFaultSignals[] = {SIGSEGV, SIGBUS, SIGILL};
+struct sigaction g_old_action[3];
+
+struct sigaction* old_action(int sig) {
+  for (int i = 0; i < 3; ++i)
+    if (kFaultSignals[i] == sig) return &g_old_action[i];
+  return nullptr;
+}
 std::mutex g_handler_mu;
 
 std::string describe_fault(Worker& w, const void* addr) {
@@ -701,17 +710,19 @@ std::string describe_fault(Worker& w, const void* addr) {
 void on_fault(int sig, siginfo_t* si, void* uc) {
   Worker* w = tls_worker;
   if (w == nullptr || !w->in_block) {  // not ours: the previous handler (or the default) takes it
-    sigaction(sig, sig == SIGSEGV ? &g_old_segv : &g_old_bus, nullptr);
+    sigaction(sig, old_action(sig), nullptr);
     (void)uc;
     return;
   }
-  fail_in_block(tls_fiber, describe_fault(*w, si->si_addr));
+  fail_in_block(tls_fiber, sig == SIGILL ? "misaligned access: a load or store of a type whose alignment its "
+                                           "address does not have (a GPU faults: misaligned address)"
+                                         : describe_fault(*w, si->si_addr));
   siglongjmp(w->jmp, 1);
 }
 
 void install_fault_handlers() {
   std::lock_guard<std::mutex> lock(g_handler_mu);
-  for (int sig : {SIGSEGV, SIGBUS}) {
+  for (int sig : kFaultSignals) {
     struct sigaction cur;
     sigaction(sig, nullptr, &cur);
     if ((cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == &on_fault) continue;
@@ -720,7 +731,7 @@ void install_fault_handlers() {
     act.sa_sigaction = &on_fault;
     act.sa_flags = SA_SIGINFO | SA_ONSTACK;
     sigemptyset(&act.sa_mask);
-    sigaction(sig, &act, sig == SIGSEGV ? &g_old_segv : &g_old_bus);
+    sigaction(sig, &act, old_action(sig));
   }
 }
 

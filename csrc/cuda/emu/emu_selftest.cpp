@@ -1,5 +1,6 @@
 // emu_selftest.cpp -- small kernels with the bugs the emulator exists to catch, for its own tests
-// (tests/test_cuda_emu.py): an out-of-range global store, an out-of-range ldmatrix, a missing
+// (tests/test_cuda_emu.py): an out-of-range global store, a misaligned vector store, an
+// out-of-range ldmatrix, a missing
 // __syncthreads, a read of cp.async'd shared memory before the wait.  They go through the same
 // launch, device memory and checks as the real kernels.
 #include <stdio.h>
@@ -14,6 +15,11 @@ namespace {
 
 // n + 1 threads store into n floats
 __global__ void oob_store(float* out) { out[blockIdx.x * blockDim.x + threadIdx.x] = 1.0f; }
+
+// a 16-byte vector store 4 bytes past a 16-byte boundary
+__global__ void misaligned_store(uint32_t* out) {
+  *reinterpret_cast<uint4*>(out + 1 + 4 * threadIdx.x) = uint4{1, 2, 3, 4};
+}
 
 // each thread reads another warp's slot, with or without the barrier between write and read
 __global__ void exchange(int* out, int sync) {
@@ -44,7 +50,7 @@ __global__ void copy_then_read(const uint32_t* in, uint32_t* out, int wait) {
 
 }  // namespace
 
-// Runs self-test `which` ("oob_store", "exchange", "exchange_synced", "ldmatrix_past_end",
+// Runs self-test `which` ("oob_store", "misaligned_store", "exchange", "exchange_synced", "ldmatrix_past_end",
 // "copy_then_read", "copy_wait_read"): the number of threads that read a wrong value, or -1 when
 // the launch failed, with the emulator's message in msg.
 extern "C" AB_EXPORT int ab_cuda_emu_selftest(const char* which, char* msg, int msg_len) {
@@ -55,6 +61,8 @@ extern "C" AB_EXPORT int ab_cuda_emu_selftest(const char* which, char* msg, int 
   uint32_t* out = reinterpret_cast<uint32_t*>(ab_emu::device_alloc("out", n * 4, 16, 0, true, 4));
   if (w == "oob_store") {
     AB_LAUNCH(1, n + 1, 0, nullptr, oob_store)(reinterpret_cast<float*>(out));
+  } else if (w == "misaligned_store") {
+    AB_LAUNCH(1, 8, 0, nullptr, misaligned_store)(out);
   } else if (w == "exchange" || w == "exchange_synced") {
     AB_LAUNCH(1, n, n * 4, nullptr, exchange)(reinterpret_cast<int*>(out), w == "exchange_synced");
     for (int i = 0; i < n; ++i) wrong += out[i] != (uint32_t)((i + 32) % n);

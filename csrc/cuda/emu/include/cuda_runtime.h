@@ -240,5 +240,7 @@ inline int __any_sync(unsigned mask, int pred) { return ab_emu::any_sync(mask, p
 inline void __syncthreads() { ab_emu::syncthreads(); }
 inline float atomicAdd(float* p, float v) { return ab_emu::atomic_add(p, v); }
 inline size_t __cvta_generic_to_shared(const void* p) { return ab_emu::cvta_shared(p); }
+// a read through the read-only cache is a read
+template <typename T> inline T __ldg(const T* p) { return *p; }
 
 #endif  // AB_EMU_CUDA_RUNTIME_H
