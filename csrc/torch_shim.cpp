@@ -331,7 +331,8 @@ void run_fwd(Kernel kernel, ab_attn_params& p, const int32_t* cu_q_dev = nullptr
   ab_error err{};
   if (const ab_cuda_api* emu = emulated(p)) {
     ab_cpu_pool pool = torch_pool();
-    check(kernel == Kernel::kMath ? emu->math_fwd(&p, &pool, &err) : emu->flash_fwd(&p, cu_q_dev, cu_k_dev, &pool, &err),
+    check(kernel == Kernel::kMath ? emu->math_fwd(&p, &pool, &err)
+                                  : emu->flash_fwd(&p, cu_q_dev, cu_k_dev, &pool, &err),
           err);
   } else if (p.q.device == AB_DEVICE_CPU) {
     ab_cpu_pool pool = torch_pool();

@@ -4,7 +4,7 @@
 // directory first on the include path, so <cuda_runtime.h>, <cuda_fp16.h> and <cuda_bf16.h> land here:
 // the CUDA qualifiers become plain C++, the built-in variables (threadIdx, blockIdx, ...) and the
 // intrinsics the kernels use (warp shuffles, __syncthreads, atomics, the 16-bit types) call into the
-// emulator (emu_runtime.cpp), and the runtime API is the emulator's host version.  The PTX wrappers
+// emulator (emu_block.cpp, emu_device.cpp), and the runtime API is the emulator's host version.  The PTX wrappers
 // (flash_common.cuh, sage_fwd_kernel.cuh) call ab_emu:: directly under AB_CUDA_EMULATE.
 #ifndef AB_EMU_CUDA_RUNTIME_H
 #define AB_EMU_CUDA_RUNTIME_H
@@ -137,7 +137,7 @@ typedef struct CUstream_st* cudaStream_t;
 
 namespace ab_emu {
 
-// ---- the emulator's entry points (emu_runtime.cpp) ------------------------------------------------
+// ---- the emulator's entry points (emu_block.cpp, emu_device.cpp) ---------------------------------
 extern thread_local const uint3* tls_thread_idx;
 extern thread_local uint3 tls_block_idx;
 extern thread_local dim3 tls_block_dim, tls_grid_dim;
