@@ -17,9 +17,10 @@ import torch
 
 import attn_backends as ab
 from attn_backends._ops import ops
-from attn_backends._testing import check_2x, reference_attention
+from attn_backends._testing import check_2x, check_out_and_grads_2x, keep_mask_for_next_call, reference_attention
 
 from cuda_devices import emulator, launched, set_emulation
+from test_sage import check_sage
 
 pytestmark = pytest.mark.cuda_emu
 
@@ -92,32 +93,37 @@ def test_every_kernel_variant_runs_and_matches_the_reference(emu, gen):
             q, k, v = (torch.randn(1, 2, 20, D, generator=gen).to(dt) for _ in range(3))
             out, lse = ab.attention(q, k, v, backend="flash", causal=True, return_lse=True, strict=True)
             _check(q, k, v, out, lse, causal=True)
+            keep = keep_mask_for_next_call(7, 1, 2, 20, 20, 0.2)
             torch.manual_seed(7)
-            ab.attention(q, k, v, backend="flash", dropout_p=0.2, strict=True)
+            out = ab.attention(q, k, v, backend="flash", dropout_p=0.2, strict=True)
+            r_out, _ = reference_attention(q.double(), k.double(), v.double(), keep=keep, dropout_p=0.2)
+            d_out, _ = reference_attention(q, k, v, dtype=dt, keep=keep, dropout_p=0.2)
+            check_2x("out", out, r_out, d_out, 2, dt)
             bm = 128 if D <= 128 else 64
             expect.add(f"fwd_launch_config<T = {T}, int kD = {D}, int kBM = {bm}, int kBN = 64, bool kDropout = false>")
             expect.add(f"fwd_launch_config<T = {T}, int kD = {D}, int kBM = 64, int kBN = 64, bool kDropout = true>")
         for D in (64, 128, 192, 256):  # flash backward: dK/dV (+ atomic dQ), deterministic dQ
             q, k, v = (torch.randn(1, 2, 20, D, generator=gen).to(dt).requires_grad_() for _ in range(3))
+            g = torch.randn(1, 2, 20, D, generator=gen).to(dt)
             for det in (False, True):
                 out = ab.attention(q, k, v, backend="flash", causal=True, strict=True, deterministic=det)
-                grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
-                assert all(torch.isfinite(g).all() for g in grads)
+                grads = torch.autograd.grad(out, (q, k, v), g)
+                check_out_and_grads_2x(out, grads, (q, k, v), g, dt, causal=True)
             expect.add(f"bwd_launch<T = {T}, int kD = {D}>: dkv")
             expect.add(f"bwd_launch<T = {T}, int kD = {D}>: dq")
         expect.add(f"run<T = {T}>: preprocess_kernel<T>")
         expect.add(f"run<T = {T}>: convert_kernel<T>")
         for D in (64, 128, 256):  # sage: the K prepass and the attention kernel
             q, k, v = (torch.randn(1, 2, 20, D, generator=gen).to(dt) for _ in range(3))
-            ab.attention(q, k, v, backend="sage", strict=True)
+            out, lse = ab.attention(q, k, v, backend="sage", return_lse=True, strict=True)
+            check_sage(out, lse, q, k, v)
             for kernel in ("k_stats_kernel<T, kD>", "k_finalize_kernel<kD>", "k_quant_kernel<T, kD>", "kernel"):
                 expect.add(f"sage_launch<T = {T}, int kD = {D}>: {kernel}")
     for dt in (torch.float16, torch.bfloat16, torch.float32, torch.float64):  # math, forward and backward
         q, k, v = (torch.randn(1, 2, 9, 16, generator=gen).to(dt).requires_grad_() for _ in range(3))
         out, lse = ab.attention(q, k, v, backend="math", return_lse=True, strict=True)
-        with torch.no_grad():
-            _check(q, k, v, out, lse)
-        torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        g = torch.randn(out.shape, generator=gen).to(dt)
+        check_out_and_grads_2x(out, torch.autograd.grad(out, (q, k, v), g), (q, k, v), g, dt)
         acc = "double" if dt == torch.float64 else "float"
         expect.add(f"launch<T = {DT_NAME[dt]}, Acc = {acc}>: math_fwd_kernel<T, Acc>")
         expect.add(f"launch<T = {DT_NAME[dt]}, Acc = {acc}>: dq_kernel<T, Acc>")
