@@ -62,6 +62,11 @@ def test_an_out_of_range_ldmatrix_fails_the_call(emu):
     assert wrong == -1 and "ldmatrix" in msg and "offset 512" in msg and "out of range" in msg, msg
 
 
+def test_a_launch_over_48k_of_shared_memory_needs_the_attribute(emu):
+    wrong, msg = selftest(emu, "smem_over_48k_unset")
+    assert wrong == -1 and "65536 bytes of dynamic shared memory" in msg and "cudaFuncSetAttribute" in msg, msg
+
+
 def test_a_missing_syncthreads_shows_up_as_wrong_values(emu):
     # warps run in a random order between barriers: without one, some read before the write
     assert selftest(emu, "exchange")[0] > 0

@@ -50,9 +50,9 @@ __global__ void copy_then_read(const uint32_t* in, uint32_t* out, int wait) {
 
 }  // namespace
 
-// Runs self-test `which` ("oob_store", "misaligned_store", "exchange", "exchange_synced", "ldmatrix_past_end",
-// "copy_then_read", "copy_wait_read"): the number of threads that read a wrong value, or -1 when
-// the launch failed, with the emulator's message in msg.
+// Runs self-test `which` ("oob_store", "misaligned_store", "exchange", "exchange_synced",
+// "smem_over_48k_unset", "ldmatrix_past_end", "copy_then_read", "copy_wait_read"): the number of
+// threads that read a wrong value, or -1 when the launch failed, with the emulator's message in msg.
 extern "C" AB_EXPORT int ab_cuda_emu_selftest(const char* which, char* msg, int msg_len) {
   ab_emu::session_begin(nullptr);
   const std::string w = which;
@@ -66,6 +66,8 @@ extern "C" AB_EXPORT int ab_cuda_emu_selftest(const char* which, char* msg, int 
   } else if (w == "exchange" || w == "exchange_synced") {
     AB_LAUNCH(1, n, n * 4, nullptr, exchange)(reinterpret_cast<int*>(out), w == "exchange_synced");
     for (int i = 0; i < n; ++i) wrong += out[i] != (uint32_t)((i + 32) % n);
+  } else if (w == "smem_over_48k_unset") {  // no cudaFuncSetAttribute: a device refuses the launch
+    AB_LAUNCH(1, n, 64 * 1024, nullptr, exchange)(reinterpret_cast<int*>(out), 1);
   } else if (w == "ldmatrix_past_end") {
     AB_LAUNCH(1, 32, 512, nullptr, ldmatrix_past_end)(out);
   } else if (w == "copy_then_read" || w == "copy_wait_read") {
