@@ -107,9 +107,10 @@ int ab_backend_lookup(const char* name);
 void ab_registry_enable_cuda_flash(int on);
 /* The same for sage on CUDA (forward only; its kernel is just as unverified). */
 void ab_registry_enable_cuda_sage(int on);
-/* The CUDA emulation (docs/cuda.md) on (1) or off: while on, CPU calls of flash, flash_varlen, sage
- * and math are planned with those backends' CUDA capabilities (the emulator runs the CUDA kernels),
- * and ab_registry_emulated_caps returns them (NULL for other backends, or when off). */
+/* The CUDA emulation (docs/cuda.md) on (1) or off: while on, CPU calls of flash, flash_varlen, sage,
+ * math (and eager, which runs math) are planned with those backends' CUDA capabilities (the emulator
+ * runs the CUDA kernels), and ab_registry_emulated_caps returns them (NULL for other backends, or
+ * when off). */
 void ab_registry_set_cuda_emulation(int on);
 const ab_caps* ab_registry_emulated_caps(int id);
 /* 1 for compute capabilities whose blocks get at most 99 KiB of shared memory (8.6, 8.9, 12.x). */

@@ -248,6 +248,8 @@ const ab_caps* ab_registry_emulated_caps(int id) {
     case AB_BK_FLASH_VARLEN: return &packed;
     case AB_BK_SAGE: return &sage;
     case AB_BK_MATH: return &math;
+    /* eager runs the math kernel on the CPU, so the emulated one too */
+    case AB_BK_EAGER: return &g_backends[AB_BK_EAGER].caps[AB_DEVICE_CUDA];
     default: return NULL;
   }
 }

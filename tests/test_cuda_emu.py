@@ -163,6 +163,11 @@ def test_the_switch_routes_through_the_planner_and_says_so(emu):
     emu.ab_cuda_emu_reset_launch_log()
     ab.attention(q, k, v, backend="flash", strict=True)
     assert any("fwd_launch_config" in label for label in launched(emu))
+    # eager runs the math kernel on the CPU: the emulated one
+    assert ab.explain(q, k, v, backend="eager").path == "cuda emulated on cpu"
+    emu.ab_cuda_emu_reset_launch_log()
+    ab.attention(q, k, v, backend="eager", strict=True)
+    assert any("math_fwd_kernel" in label for label in launched(emu))
 
 
 def test_without_the_switch_nothing_changes(emu):
