@@ -9,13 +9,13 @@
 // Between barriers the warps run in a seeded random order, interleaved at each collective, and the
 // lanes of a warp in a random direction, so that a missing __syncthreads shows up as a wrong result.
 //
-// cp.async copies are queued per thread and performed when cp.async.wait_group retires their group
-// (or the thread ends), so a read before the wait sees the shared memory as it was.  Device memory
-// (emu_api.cpp copies the tensors in) ends flush against a guard page, as does the dynamic shared
-// memory of a block; explicit checks cover cp.async, ldmatrix, atomics and memsets exactly, and a
-// fault on a guard page is caught (SIGSEGV handler on an alternate stack), named (kernel, block,
-// thread, buffer, offset) and unwound out of the block, failing the call.  docs/cuda.md says what
-// this proves and what it cannot.
+// cp.async copies are queued per thread; each committed group lands either at the thread's next
+// stop or only when cp.async.wait_group retires it (drawn at the commit), so both a copy issued too
+// early and a read before the wait show up.  The block's dynamic shared memory ends flush against a
+// guard page (device memory likewise, emu_device.cpp); explicit checks cover cp.async, ldmatrix and
+// atomics exactly, and a fault (a guard page; the trap of a misaligned typed access) is caught by a
+// handler on an alternate stack, named (kernel, block, thread, buffer, offset) and unwound out of
+// the block, failing the call.  docs/cuda.md says what this proves and what it cannot.
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
