@@ -114,6 +114,12 @@ _detect_providers()
 _C.enable_cuda_flash(os.environ.get("ATTN_BACKENDS_CUDA_FLASH", "0") == "1")
 # the same for our CUDA sage forward (docs/sage.md, "CUDA")
 _C.enable_cuda_sage(os.environ.get("ATTN_BACKENDS_CUDA_SAGE", "0") == "1")
+# the CUDA emulator (docs/cuda.md): CPU tensors of flash, flash_varlen, sage and math run the CUDA kernels
+if _env_flag("ATTN_BACKENDS_CUDA_EMULATE"):
+    try:
+        _C.set_cuda_emulation(True)
+    except RuntimeError as e:
+        logger.warning("ignoring ATTN_BACKENDS_CUDA_EMULATE: %s", e)
 
 
 @dataclasses.dataclass(frozen=True)

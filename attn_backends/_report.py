@@ -58,7 +58,9 @@ def backend_rows() -> list:
             cc, lib_ok = (_cuda_facts()[:2] if dev == "cuda" else (0, 0))
             feats = caps[DEVICES.index(dev)][2]
             layout = 2 if "kvcache" in feats and "dense" not in feats else 0  # a KV-cache-only backend
-            sig = (DEVICES.index(dev), cc, int(lib_ok), 0 if dev != "mps" else 0, 64, 64, 0, 1, 0, 0, 0, 0, 0, 0,
+            # float16 on an emulated CUDA device (the CPU under ATTN_BACKENDS_CUDA_EMULATE), else float32
+            dtype = 1 if dev == "cpu" and _C.cuda_emulation() else 0
+            sig = (DEVICES.index(dev), cc, int(lib_ok), dtype, 64, 64, 0, 1, 0, 0, 0, 0, 0, 0,
                    0, 0, 0, layout, 0, i, _planner.cpu_isa(), _planner.CPU_UNITS)
             reason = _C.plan(sig)[2][i]
             if not reason:
@@ -138,6 +140,8 @@ def report() -> str:
     present = os.path.exists(info["cuda_library"])
     add(f"  CUDA archs             {info['cuda_archs'] or 'none (built without nvcc)'}")
     add(f"  CUDA library           {info['cuda_library'] if present else 'not built'}")
+    emu = os.path.exists(info["cuda_emu_library"])
+    add(f"  CUDA emulator          {info['cuda_emu_library'] if emu else 'not built'}")
     add(f"  CPU kernel path        {_C.cpu_isa()}")
     if _C.cpu_isa_error():
         add(f"  CPU kernel error       {_C.cpu_isa_error()}")
@@ -167,6 +171,9 @@ def report() -> str:
     add(f"  default backend        {_planner.default_backend()} (ATTN_BACKENDS_BACKEND)")
     add(f"  strict                 {_planner.STRICT} (ATTN_BACKENDS_STRICT)")
     add(f"  MPS mask fix           {_planner.settings['mps_fix']} (ATTN_BACKENDS_DISABLE_MPS_FIX)")
+    add(f"  CUDA emulation         {_C.cuda_emulation()} (ATTN_BACKENDS_CUDA_EMULATE)"
+        + (": CPU tensors of flash, flash_varlen, sage and math run the CUDA kernels on the emulator"
+           if _C.cuda_emulation() else ""))
     add("")
     add("backends (available on this machine, or why not)")
     rows = backend_rows()

@@ -236,6 +236,13 @@ struct ab_cuda_api;
 const struct ab_cuda_api* ab_cuda_load(ab_error* err);
 /* Path the loader looks at; for the report. */
 const char* ab_cuda_library_path(void);
+/* The CUDA emulator (csrc/cuda/emu, docs/cuda.md): on = 1 loads libattn_backends_cuda_emu.so from
+ * beside this module (AB_ERR_UNAVAILABLE when it is not there) and makes ab_cuda_emulation return
+ * its launcher table, which the shim then uses for CPU tensors of flash, flash_varlen, sage and math;
+ * on = 0 turns that off (NULL). */
+ab_status ab_cuda_set_emulation(int on, ab_error* err);
+const struct ab_cuda_api* ab_cuda_emulation(void);
+const char* ab_cuda_emu_library_path(void);
 
 #ifdef __cplusplus
 }

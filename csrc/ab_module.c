@@ -71,6 +71,7 @@ static PyObject* ab_py_build_info(PyObject* self, PyObject* unused) {
   if (dict_set_str(d, "torch_headers_version", ver) < 0) goto fail;
   if (dict_set_str(d, "cuda_archs", AB_CUDA_ARCHS) < 0) goto fail;
   if (dict_set_str(d, "cuda_library", ab_cuda_library_path()) < 0) goto fail;
+  if (dict_set_str(d, "cuda_emu_library", ab_cuda_emu_library_path()) < 0) goto fail;
 #if defined(__clang__)
   if (dict_set_str(d, "compiler", "clang " __clang_version__) < 0) goto fail;
 #elif defined(__GNUC__)
@@ -205,6 +206,30 @@ static PyObject* ab_py_enable_cuda_sage(PyObject* self, PyObject* arg) {
   if (on < 0) return NULL;
   ab_registry_enable_cuda_sage(on);
   Py_RETURN_NONE;
+}
+
+/* set_cuda_emulation(on): CPU tensors of flash, flash_varlen, sage and math run the CUDA kernels on
+ * the emulator (docs/cuda.md); loads its library (RuntimeError when it is missing) and tells the
+ * planner, which then plans those backends on the CPU with their CUDA capabilities. */
+static PyObject* ab_py_set_cuda_emulation(PyObject* self, PyObject* arg) {
+  (void)self;
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return NULL;
+  ab_error err;
+  err.msg[0] = 0;
+  if (ab_cuda_set_emulation(on, &err) != AB_OK) {
+    PyErr_SetString(PyExc_RuntimeError, err.msg);
+    return NULL;
+  }
+  ab_registry_set_cuda_emulation(on);
+  Py_RETURN_NONE;
+}
+
+/* cuda_emulation() -> whether the CUDA emulation is on. */
+static PyObject* ab_py_cuda_emulation(PyObject* self, PyObject* unused) {
+  (void)self;
+  (void)unused;
+  return PyBool_FromLong(ab_cuda_emulation() != NULL);
 }
 
 /* plan(call) -> (chosen id or -1, (order...), (reason per id...), path, note).  call is the tuple
@@ -441,6 +466,9 @@ static PyMethodDef ab_methods[] = {
      "set_provider(id, available, why_not): record whether a torch feature or package exists."},
     {"plan", ab_py_plan, METH_O,
      "plan(call) -> (chosen, order, reasons, path) for a described call (see ab_planner.h)."},
+    {"set_cuda_emulation", ab_py_set_cuda_emulation, METH_O,
+     "set_cuda_emulation(on): CPU tensors of flash, flash_varlen, sage and math run the CUDA kernels on the emulator."},
+    {"cuda_emulation", ab_py_cuda_emulation, METH_NOARGS, "cuda_emulation() -> whether the CUDA emulation is on."},
     {"cuda_device", ab_py_cuda_device, METH_O,
      "cuda_device(index) -> (cc, supported, why_not): loads the CUDA library and asks the device."},
     {"lookup", ab_py_lookup, METH_O,

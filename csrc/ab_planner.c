@@ -83,6 +83,7 @@ static int is_torch_sdpa(int id) {
 static void why_not(const ab_call* c, int id, char* out, size_t n) {
   const ab_backend_info* b = ab_backend_at(id);
   const ab_caps* k = &b->caps[c->device < AB_DEV_COUNT ? c->device : AB_DEVICE_OTHER];
+  if (c->device == AB_DEVICE_CPU && ab_registry_emulated_caps(id)) k = ab_registry_emulated_caps(id);
   const uint32_t f = k->features;
   const char* pw = NULL;
   char buf[96];
@@ -195,6 +196,8 @@ void ab_plan_build(const ab_call* call, ab_plan* plan) {
   const ab_backend_info* b = ab_backend_at(plan->chosen);
   if (b->kind != AB_KIND_BUNDLED)
     snprintf(plan->path, sizeof plan->path, "%s", b->kind == AB_KIND_TORCH ? "torch" : "package");
+  else if (call->device == AB_DEVICE_CPU && ab_registry_emulated_caps(plan->chosen))
+    snprintf(plan->path, sizeof plan->path, "cuda emulated on cpu");
   else if (call->device == AB_DEVICE_CPU)
     snprintf(plan->path, sizeof plan->path, "cpu %s", ab_cpu_isa_name((ab_cpu_isa)call->cpu_isa));
   else if (call->device == AB_DEVICE_CUDA)

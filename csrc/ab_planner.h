@@ -124,6 +124,12 @@ uint32_t ab_our_cpu_units(int isa, int dtype);
 void ab_registry_enable_cuda_flash(int on);
 /* The same for sage on CUDA (forward only; its kernel is just as unverified). */
 void ab_registry_enable_cuda_sage(int on);
+/* The CUDA emulation (docs/cuda.md) on (1) or off: while on, CPU calls of flash, flash_varlen, sage,
+ * math (and eager, which runs math) are planned with those backends' CUDA capabilities (the emulator
+ * runs the CUDA kernels), and ab_registry_emulated_caps returns them (NULL for other backends, or
+ * when off). */
+void ab_registry_set_cuda_emulation(int on);
+const ab_caps* ab_registry_emulated_caps(int id);
 /* 1 for compute capabilities whose blocks get at most 99 KiB of shared memory (8.6, 8.9, 12.x). */
 int ab_cuda_small_smem(int cc);
 /* Records whether a provider backend (torch feature, optional package) exists in this process. */

@@ -236,6 +236,28 @@ void ab_registry_enable_cuda_sage(int on) {
   g_backends[AB_BK_SAGE].caps[AB_DEVICE_CUDA] = on ? caps : off;
 }
 
+static int g_cuda_emulation;
+
+void ab_registry_set_cuda_emulation(int on) { g_cuda_emulation = on != 0; }
+
+/* What the emulated device (an sm_80) serves: the CUDA kernels' capabilities with the opt-ins on. */
+const ab_caps* ab_registry_emulated_caps(int id) {
+  static const ab_caps flash = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_DENSE, 32, 256, 8, 80, 1, 0};
+  static const ab_caps packed = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_VARLEN, 32, 256, 8, 80, 1, 0};
+  static const ab_caps sage = CAPS_D(HALF_DT, CUDA_FWD_F | AB_F_DENSE | AB_F_VARLEN, 32, 256, 8, 80, 1);
+  static const ab_caps math = CUDA_MATH_ALL;
+  if (!g_cuda_emulation) return NULL;
+  switch (id) {
+    case AB_BK_FLASH: return &flash;
+    case AB_BK_FLASH_VARLEN: return &packed;
+    case AB_BK_SAGE: return &sage;
+    case AB_BK_MATH: return &math;
+    /* eager runs the math kernel on the CPU, so the emulated one too */
+    case AB_BK_EAGER: return &g_backends[AB_BK_EAGER].caps[AB_DEVICE_CUDA];
+    default: return NULL;
+  }
+}
+
 int ab_cuda_small_smem(int cc) { return cc == 86 || cc == 89 || cc / 10 == 12; }
 
 /* ---- CPU matrix units: what torch computes each dtype on, and what our CPU paths do ------------- */

@@ -18,6 +18,9 @@
 //                                new k/v into k_cache/v_cache in place -> (out (B, Sq, Hq, D), lse (B, Hq, Sq))
 // The backward ops take `deterministic`: on CUDA it picks flash's atomic-free dQ kernel (the CPU
 // kernels and CUDA math are deterministic always).
+// With the CUDA emulation on (ATTN_BACKENDS_CUDA_EMULATE=1, docs/cuda.md), CPU tensors run the CUDA
+// launchers of libattn_backends_cuda_emu.so instead of the CPU kernels: same calls, with torch's
+// thread pool (an ab_cpu_pool*) where the stream would go.
 #include <dlfcn.h>
 
 #include <optional>
@@ -139,6 +142,11 @@ void* current_cuda_stream(int32_t device_index) {
   void* stream = nullptr;
   if (fn(device_index, &stream) != AOTI_TORCH_SUCCESS) fail("could not get the current CUDA stream");
   return stream;
+}
+
+// The emulator's launcher table when the CUDA emulation is on and the call is on the CPU, else NULL.
+const ab_cuda_api* emulated(const ab_attn_params& p) {
+  return p.q.device == AB_DEVICE_CPU ? ab_cuda_emulation() : nullptr;
 }
 
 const ab_cuda_api* cuda_api() {
@@ -291,6 +299,15 @@ const char* kernel_name(Kernel k) {
 void run_sage(const Tensor& q, ab_attn_params& p, const int32_t* cu_q_dev = nullptr,
               const int32_t* cu_k_dev = nullptr) {
   ab_error err{};
+  if (const ab_cuda_api* emu = emulated(p)) {
+    ab_cpu_pool pool = torch_pool();
+    size_t bytes = 0;
+    check(emu->sage_fwd(&p, cu_q_dev, cu_k_dev, nullptr, &bytes, &pool, &err), err);
+    if (bytes == 0) return;
+    Tensor ws = empty_strided(q, {static_cast<int64_t>(bytes)}, {1}, aoti_torch_dtype_uint8());
+    check(emu->sage_fwd(&p, cu_q_dev, cu_k_dev, ws.data_ptr(), &bytes, &pool, &err), err);
+    return;
+  }
   if (p.q.device == AB_DEVICE_CUDA) {
     const ab_cuda_api* api = cuda_api();
     torch::stable::accelerator::DeviceGuard guard(p.q.device_index);
@@ -315,7 +332,12 @@ void run_sage(const Tensor& q, ab_attn_params& p, const int32_t* cu_q_dev = null
 void run_fwd(Kernel kernel, ab_attn_params& p, const int32_t* cu_q_dev = nullptr,
              const int32_t* cu_k_dev = nullptr) {
   ab_error err{};
-  if (p.q.device == AB_DEVICE_CPU) {
+  if (const ab_cuda_api* emu = emulated(p)) {
+    ab_cpu_pool pool = torch_pool();
+    check(kernel == Kernel::kMath ? emu->math_fwd(&p, &pool, &err)
+                                  : emu->flash_fwd(&p, cu_q_dev, cu_k_dev, &pool, &err),
+          err);
+  } else if (p.q.device == AB_DEVICE_CPU) {
     ab_cpu_pool pool = torch_pool();
     check(kernel == Kernel::kMath ? ab_math_cpu_fwd(&p, &pool, &err) : ab_flash_cpu_fwd(&p, &pool, &err), err);
   } else if (p.q.device == AB_DEVICE_CUDA && kernel == Kernel::kMath) {
@@ -337,7 +359,15 @@ void run_fwd(Kernel kernel, ab_attn_params& p, const int32_t* cu_q_dev = nullptr
 void run_bwd(Kernel kernel, const Tensor& q, ab_attn_params& p, const int32_t* cu_q_dev = nullptr,
              const int32_t* cu_k_dev = nullptr) {
   ab_error err{};
-  if (p.q.device == AB_DEVICE_CPU) {
+  if (const ab_cuda_api* emu = emulated(p); emu != nullptr && kernel != Kernel::kSage) {
+    ab_cpu_pool pool = torch_pool();
+    const size_t bytes = kernel == Kernel::kMath ? emu->math_bwd_workspace(&p) : emu->flash_bwd_workspace(&p);
+    Tensor ws = empty_strided(q, {static_cast<int64_t>(bytes)}, {1}, aoti_torch_dtype_uint8());
+    void* wsp = bytes ? ws.data_ptr() : nullptr;
+    check(kernel == Kernel::kMath ? emu->math_bwd(&p, wsp, bytes, &pool, &err)
+                                  : emu->flash_bwd(&p, cu_q_dev, cu_k_dev, wsp, bytes, &pool, &err),
+          err);
+  } else if (p.q.device == AB_DEVICE_CPU) {
     ab_cpu_pool pool = torch_pool();
     check(kernel == Kernel::kMath ? ab_math_cpu_bwd(&p, &pool, &err) : ab_flash_cpu_bwd(&p, &pool, &err), err);
   } else if (p.q.device == AB_DEVICE_CUDA && kernel != Kernel::kSage) {
@@ -479,9 +509,9 @@ std::tuple<Tensor, Tensor> varlen_fwd(const Tensor& q, const Tensor& k, const Te
     else
       run_fwd(K, p, base, base + cu_q.size(0));
   } else if constexpr (K == Kernel::kSage) {
-    run_sage(q, p);
+    run_sage(q, p, p.cu_seqlens_q, p.cu_seqlens_k);  // the emulator takes the host copies
   } else {
-    run_fwd(K, p);
+    run_fwd(K, p, p.cu_seqlens_q, p.cu_seqlens_k);
   }
   return std::make_tuple(out, lse);
 }
@@ -510,7 +540,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_varlen_bwd(
     const int32_t* base = static_cast<const int32_t*>(cu_dev.data_ptr());
     run_bwd(Kernel::kFlash, q, p, base, base + cu_q.size(0));
   } else {
-    run_bwd(Kernel::kFlash, q, p);
+    run_bwd(Kernel::kFlash, q, p, p.cu_seqlens_q, p.cu_seqlens_k);  // the emulator takes the host copies
   }
   return std::make_tuple(dq, dk, dv);
 }
@@ -525,7 +555,11 @@ Tensor dropout_mask(const Tensor& rng, int64_t B, int64_t H, int64_t Sq, int64_t
   Tensor keep = empty_strided(rng, shape, contiguous_strides(shape), aoti_torch_dtype_bool());
   uint8_t* out = static_cast<uint8_t*>(keep.numel() ? keep.data_ptr() : nullptr);
   ab_error err{};
-  if (rng.is_cpu()) {  // the mask lives where rng_state does
+  const ab_cuda_api* emu = rng.is_cpu() ? ab_cuda_emulation() : nullptr;
+  if (emu != nullptr) {  // the CUDA mask kernel, emulated
+    ab_cpu_pool pool = torch_pool();
+    check(emu->dropout_mask(seed, offset, nullptr, dropout_p, B, H, Sq, Sk, out, &pool, &err), err);
+  } else if (rng.is_cpu()) {  // the mask lives where rng_state does
     ab_cpu_pool pool = torch_pool();
     check(ab_dropout_mask_cpu(seed, offset, dropout_p, B, H, Sq, Sk, out, &pool, &err), err);
   } else {

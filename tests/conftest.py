@@ -1,5 +1,6 @@
-"""Shared fixtures: deterministic seeds per test, CUDA tests skipped cleanly without a GPU, the CPU
-kernel paths (ISAs) this machine can run."""
+"""Shared fixtures: deterministic seeds per test, CUDA tests skipped cleanly without a GPU (and the
+emulated ones without the emulator's library), the device of the CUDA tests (`dev`: a GPU or the CUDA
+emulator, tests/cuda_devices.py), the CPU kernel paths (ISAs) this machine can run."""
 
 import os
 import zlib
@@ -10,6 +11,8 @@ from hypothesis import HealthCheck, settings
 
 from attn_backends import _C
 from attn_backends._testing import cpu_isas
+
+import cuda_devices
 
 # property tests (test_properties.py): the same examples on every CI run unless asked otherwise
 settings.register_profile(
@@ -27,13 +30,33 @@ def _seed_of(request) -> int:
     return zlib.crc32(request.node.nodeid.encode())
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda_emu: runs CUDA kernels on the CUDA emulator (CPU tensors)")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_emu = pytest.mark.skip(reason="the CUDA emulator library is not built (ATTN_BACKENDS_CUDA_EMULATOR=0?)")
+    gpu, emu = torch.cuda.is_available(), os.path.exists(cuda_devices.EMU_LIB)
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if "cuda" in item.keywords and not gpu:
+            item.add_marker(skip_gpu)
+        elif "cuda_emu" in item.keywords and not emu:
+            item.add_marker(skip_emu)
+
+
+@pytest.fixture
+def dev(request):
+    # the device of a CUDA test, parametrized indirectly: "cuda" (a GPU) or "emu" (CPU tensors through
+    # the CUDA emulator, switched on for the test and back to the process's setting after it)
+    device = cuda_devices.Device(request.param)
+    if device.emulated:
+        cuda_devices.set_emulation(True)
+    try:
+        yield device
+    finally:
+        if device.emulated:
+            cuda_devices.set_emulation(cuda_devices.emulation_default())
 
 
 @pytest.fixture(autouse=True)

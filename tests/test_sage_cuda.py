@@ -5,7 +5,9 @@ the float64 emulation of its own recipe (attn_backends._testing.sage_recipe: lse
 which catches any indexing or scale mix-up), against the CPU sage kernel on the same inputs, packed
 against dense, the head-dim paddings, fully masked rows and empty shapes, NaN confinement, the current
 stream, the caller's tensors left untouched, and the planner's rules on a real device (forward only;
-auto never picks it).  One command on a GPU machine: `python -m pytest -m cuda tests/test_sage_cuda.py`."""
+auto never picks it).  One command on a GPU machine: `python -m pytest -m cuda tests/test_sage_cuda.py`.
+Each test also runs on the CUDA emulator ("emu", marked `cuda_emu`: CPU tensors, the same kernels;
+tests/cuda_devices.py), on shorter sequences."""
 
 import dataclasses
 import logging
@@ -19,16 +21,17 @@ import attn_backends as ab
 from attn_backends import _dispatch
 from attn_backends._testing import Case, make_inputs, make_packed, reference_attention, sage_recipe, varlen_reference
 
+from cuda_devices import DEVICES, both
 from test_sage import check_packed_equals_dense, check_sage, sage_metrics, with_outliers
 
-pytestmark = pytest.mark.cuda
+pytestmark = pytest.mark.usefixtures("cuda_sage_on")
 
 # K channels scaled by 10: the float64 emulation of the recipe measures relative L1 up to 0.021 at
 # Sk = 4096 (docs/sage.md, "CUDA"); 16-bit P adds a little
 SCALED = dict(rel_l1_max=0.03, lse_max=0.2, lse_mean=0.03)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def cuda_sage_on():
     # our CUDA sage forward is opt-in until verified (ATTN_BACKENDS_CUDA_SAGE=1); these tests verify it
     ab._C.enable_cuda_sage(True)
@@ -43,10 +46,10 @@ def run_sage(q, k, v, case, **kw):
                         return_lse=True, strict=True, **kw)
 
 
-def cuda_inputs(case, gen, outliers="none"):
+def cuda_inputs(dev, case, gen, outliers="none"):
     q, k, v, _ = make_inputs(case, generator=gen)
     k = with_outliers(k, gen, outliers)
-    return q.cuda(), k.cuda(), v.cuda()
+    return dev(q), dev(k), dev(v)
 
 
 GRID = [
@@ -62,26 +65,30 @@ GRID = [
     Case(B=1, Hq=4, Hkv=2, Sq=1024, Sk=4096, D=128, causal="bottom_right"),         # long
     Case(B=1, Hq=2, Hkv=1, Sq=2048, Sk=2048, D=128, causal=True, softcap=30.0),
 ]
+# the emulator's: the grid without its long sequences (every head dim, padding, masking variant stays),
+# and keys past one K-statistics chunk (256 keys: the prepass's partial sums are then reduced)
+EMU_GRID = [c for c in GRID if c.Sq * c.Sk <= 257 * 129] + [Case(B=1, Hq=2, Hkv=1, Sq=33, Sk=600, D=64,
+                                                                  causal="bottom_right")]
 
 
 @pytest.mark.parametrize("outliers", ["none", "offset", "scale"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", GRID, ids=str)
-def test_cuda_sage_matches_reference(case, dtype, outliers, gen):
+@pytest.mark.parametrize("dev, case", both(GRID, EMU_GRID), indirect=["dev"])
+def test_cuda_sage_matches_reference(dev, case, dtype, outliers, gen):
     case = dataclasses.replace(case, dtype=dtype)
-    q, k, v = cuda_inputs(case, gen, outliers)
+    q, k, v = cuda_inputs(dev, case, gen, outliers)
     assert ab.explain(q, k, v, backend="sage", causal=case.causal).chosen == "sage"
     out, lse = run_sage(q, k, v, case)
     check_sage(out, lse, q, k, v, causal=case.causal, window=case.window, softcap=case.softcap,
                **(SCALED if outliers == "scale" else {}))
 
 
-@pytest.mark.parametrize("case", GRID, ids=str)
-def test_cuda_sage_computes_its_recipe(case, gen):
+@pytest.mark.parametrize("dev, case", both(GRID, EMU_GRID), indirect=["dev"])
+def test_cuda_sage_computes_its_recipe(dev, case, gen):
     # the kernel's own arithmetic in float64: lse (fp32 sums, no 16-bit rounding) agrees to float
     # rounding (and the odd int8 value rounded the other way); out up to P's and out's bf16 rounding
     case = dataclasses.replace(case, dtype=torch.bfloat16)
-    q, k, v = cuda_inputs(case, gen, "offset")
+    q, k, v = cuda_inputs(dev, case, gen, "offset")
     out, lse = run_sage(q, k, v, case)
     r_out, r_lse = sage_recipe(q, k, v, causal=case.causal, window=case.window, softcap=case.softcap)
     live = ~torch.isinf(r_lse)
@@ -93,14 +100,17 @@ def test_cuda_sage_computes_its_recipe(case, gen):
     assert cos >= 0.9999 and rel_l1 <= 0.008, (cos, rel_l1)
 
 
+@pytest.mark.parametrize("dev", DEVICES, indirect=True)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cpu_and_cuda_sage_agree(dtype, gen):
+def test_cpu_and_cuda_sage_agree(dev, dtype, gen):
     # the same recipe on both devices: each is within the sage rule of the reference, so of each other
-    case = Case(B=2, Hq=4, Hkv=2, Sq=300, Sk=1000, D=128, dtype=dtype, causal="bottom_right")
+    Sq, Sk = (70, 200) if dev.emulated else (300, 1000)
+    case = Case(B=2, Hq=4, Hkv=2, Sq=Sq, Sk=Sk, D=128, dtype=dtype, causal="bottom_right")
     q, k, v, _ = make_inputs(case, generator=gen)
     k = with_outliers(k, gen, "offset")
-    cpu, cpu_lse = run_sage(q, k, v, case)
-    gpu, gpu_lse = run_sage(q.cuda(), k.cuda(), v.cuda(), case)
+    with dev.off():  # the CPU sage kernel
+        cpu, cpu_lse = run_sage(q, k, v, case)
+    gpu, gpu_lse = run_sage(dev(q), dev(k), dev(v), case)
     cos, rel_l1 = sage_metrics(gpu.cpu(), cpu)
     assert cos >= 0.999 and rel_l1 <= 0.02, (cos, rel_l1)
     assert float((gpu_lse.cpu() - cpu_lse).abs().max()) <= 0.1
@@ -112,16 +122,23 @@ VARLEN = [
     dict(lens_q=[64, 65, 2], lens_k=[64, 1, 100], causal=False, window=(4, 2), softcap=3.0),
     dict(lens_q=[130, 0, 513], lens_k=[0, 9, 513], causal=False),  # a sequence with no key: zeros, lse -inf
 ]
+EMU_VARLEN = [
+    VARLEN[0],
+    dict(lens_q=[3, 40, 0, 7, 70], lens_k=[9, 140, 4, 70, 100], causal="bottom_right"),
+    VARLEN[2],
+    dict(lens_q=[70, 0, 33], lens_k=[0, 9, 300], causal=False),
+]
 
 
-@pytest.mark.parametrize("spec", VARLEN, ids=lambda s: f"{s['lens_q']}x{s['lens_k']}")
+@pytest.mark.parametrize("dev, spec", both(VARLEN, EMU_VARLEN, lambda s: f"{s['lens_q']}x{s['lens_k']}"),
+                         indirect=["dev"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_cuda_sage_varlen_matches_reference_and_dense(spec, dtype, gen):
+def test_cuda_sage_varlen_matches_reference_and_dense(dev, spec, dtype, gen):
     spec = dict(spec)
     lens_q, lens_k = spec.pop("lens_q"), spec.pop("lens_k")
     q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, 4, 2, 128, 128, dtype, generator=gen)
     k = with_outliers(k, gen, "offset")
-    q, k, v = q.cuda(), k.cuda(), v.cuda()
+    q, k, v = dev(q), dev(k), dev(v)
     out, lse = ab.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), backend="sage",
                                    return_lse=True, strict=True, **spec)
     r_out, r_lse = varlen_reference(q, k, v, cu_q, cu_k, **spec)
@@ -133,9 +150,10 @@ def test_cuda_sage_varlen_matches_reference_and_dense(spec, dtype, gen):
     check_packed_equals_dense(out, q, k, v, cu_q, cu_k, **spec)
 
 
-def test_cuda_sage_fully_masked_rows_and_empty_shapes(gen):
-    q = torch.randn(1, 2, 40, 64, device="cuda", dtype=torch.float16)
-    k, v = (torch.randn(1, 2, 25, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+@pytest.mark.parametrize("dev", DEVICES, indirect=True)
+def test_cuda_sage_fully_masked_rows_and_empty_shapes(dev, gen):
+    q = torch.randn(1, 2, 40, 64, device=dev.type, dtype=torch.float16)
+    k, v = (torch.randn(1, 2, 25, 64, device=dev.type, dtype=torch.float16) for _ in range(2))
     out, lse = ab.attention(q, k, v, causal="bottom_right", backend="sage", return_lse=True, strict=True)
     assert torch.all(out[:, :, :15] == 0) and torch.all(lse[:, :, :15] == -math.inf)
     assert torch.isfinite(out).all()
@@ -147,8 +165,9 @@ def test_cuda_sage_fully_masked_rows_and_empty_shapes(gen):
         assert out.numel() == 0 and out.shape == qq.shape and lse.shape == qq.shape[:3]
 
 
-def test_cuda_sage_nan_in_a_query_row_stays_in_that_row():
-    q, k, v = (torch.randn(1, 1, 70, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+@pytest.mark.parametrize("dev", DEVICES, indirect=True)
+def test_cuda_sage_nan_in_a_query_row_stays_in_that_row(dev):
+    q, k, v = (torch.randn(1, 1, 70, 64, device=dev.type, dtype=torch.bfloat16) for _ in range(3))
     q[0, 0, 2, 5] = math.nan
     out = ab.attention(q, k, v, backend="sage", strict=True)
     assert bool(torch.isnan(out[0, 0, 2]).all())
@@ -156,15 +175,17 @@ def test_cuda_sage_nan_in_a_query_row_stays_in_that_row():
     assert not bool(torch.isnan(rest).any())
 
 
-def test_cuda_sage_leaves_its_inputs_alone(gen):
+@pytest.mark.parametrize("dev", DEVICES, indirect=True)
+def test_cuda_sage_leaves_its_inputs_alone(dev, gen):
     case = Case(B=2, Hq=4, Hkv=2, Sq=33, Sk=47, D=64, dtype=torch.bfloat16, layout="bshd")
-    q, k, v = cuda_inputs(case, gen, "offset")
+    q, k, v = cuda_inputs(dev, case, gen, "offset")
     saved = [t.clone() for t in (q, k, v)]
     run_sage(q, k, v, case)
     for a, b in zip((q, k, v), saved):
         assert torch.equal(a, b)
 
 
+@pytest.mark.cuda
 def test_cuda_sage_runs_on_the_current_stream():
     q, k, v = (torch.randn(4, h, 2048, 128, device="cuda", dtype=torch.bfloat16) for h in (8, 2, 2))
     ref, _ = reference_attention(q, k, v, causal=True)
@@ -178,8 +199,9 @@ def test_cuda_sage_runs_on_the_current_stream():
     assert cos >= 0.999 and rel_l1 <= 0.02
 
 
-def test_cuda_sage_is_forward_only_and_never_auto(caplog):
-    q, k, v = (torch.randn(1, 2, 33, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+@pytest.mark.parametrize("dev", DEVICES, indirect=True)
+def test_cuda_sage_is_forward_only_and_never_auto(dev, caplog):
+    q, k, v = (torch.randn(1, 2, 33, 64, device=dev.type, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
     p = ab.explain(q, k, v, backend="sage")
     assert p.chosen != "sage" and p.reasons["sage"] == "forward only, and this call needs a gradient"

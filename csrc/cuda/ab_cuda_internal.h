@@ -13,7 +13,14 @@ static inline ab_status ab_cuda_check(cudaError_t e, const char* what, ab_error*
                       cudaGetErrorName(e));
 }
 
-#ifdef __CUDACC__
+// AB_LAUNCH(grid, block, smem, stream, kernel)(args) is kernel<<<grid, block, smem, stream>>>(args),
+// spelled so that the emulated build (csrc/cuda/emu, compiled by g++) runs the same launcher source:
+// its cuda_runtime.h defines AB_LAUNCH first.  The kernel comes last: a template-id's commas.
+#ifndef AB_LAUNCH
+#define AB_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
+#endif
+
+#if defined(__CUDACC__) || defined(AB_CUDA_EMULATE)
 // The dropout pair of a call: from device memory when the shim passed it there (drawn on the GPU,
 // e.g. under CUDA graph capture, so each replay reads the value its own draw wrote), else the
 // host values carried in the params.  P is ab_attn_params or a kernel's copy of those fields

@@ -49,6 +49,7 @@ extern "C" ab_status ab_cuda_dropout_mask(uint64_t seed, uint64_t offset, const 
   if (total == 0) return AB_OK;
   const int threads = 256;
   const int64_t blocks = (total + threads - 1) / threads;
-  mask_kernel<<<(unsigned)(blocks < (1 << 20) ? blocks : (1 << 20)), threads, 0, static_cast<cudaStream_t>(stream)>>>(a);
+  AB_LAUNCH((unsigned)(blocks < (1 << 20) ? blocks : (1 << 20)), threads, 0, static_cast<cudaStream_t>(stream),
+            mask_kernel)(a);
   return ab_cuda_check(cudaGetLastError(), "dropout_mask launch", err);
 }

@@ -133,7 +133,7 @@ ab_status run(int kD, BwdParams& bp, const ab_attn_params* p, const RowArgs& row
   pa.Dv = (int)p->Dv;
   const int64_t nrows = rows.nb * rows.H * rows.S;
   if (nrows > 0) {
-    preprocess_kernel<T><<<grid_for(nrows, 8), 256, 0, stream>>>(pa);
+    AB_LAUNCH(grid_for(nrows, 8), 256, 0, stream, preprocess_kernel<T>)(pa);
     ab_status st = ab_cuda_check(cudaGetLastError(), "flash_bwd preprocess launch", err);
     if (st != AB_OK) return st;
   }
@@ -165,7 +165,7 @@ ab_status run(int kD, BwdParams& bp, const ab_attn_params* p, const RowArgs& row
   ca.scale = bp.scale;
   const int64_t n = nrows * p->D;
   if (n == 0) return AB_OK;
-  convert_kernel<T><<<grid_for(n, 256), 256, 0, stream>>>(ca);
+  AB_LAUNCH(grid_for(n, 256), 256, 0, stream, convert_kernel<T>)(ca);
   return ab_cuda_check(cudaGetLastError(), "flash_bwd convert launch", err);
 }
 

@@ -418,12 +418,12 @@ ab_status bwd_launch(const BwdParams& p, int64_t dkv_blocks, int64_t dq_blocks, 
   if (st != AB_OK) return st;
   if ((st = prepare_smem(dq, kSmem, "flash backward", kD, err)) != AB_OK) return st;
   if (dkv_blocks > 0) {
-    dkv<<<(unsigned)dkv_blocks, kBwdThreads, kSmem, stream>>>(p);
+    AB_LAUNCH((unsigned)dkv_blocks, kBwdThreads, kSmem, stream, dkv)(p);
     st = ab_cuda_check(cudaGetLastError(), "flash_bwd dkv launch", err);
     if (st != AB_OK) return st;
   }
   if (dq_blocks > 0) {
-    dq<<<(unsigned)dq_blocks, kBwdThreads, kSmem, stream>>>(p);
+    AB_LAUNCH((unsigned)dq_blocks, kBwdThreads, kSmem, stream, dq)(p);
     st = ab_cuda_check(cudaGetLastError(), "flash_bwd dq launch", err);
   }
   return st;

@@ -40,6 +40,20 @@ constexpr float kLn2 = 0.6931471805599453f;
 //   plain:  r[i] = M_i[g][2t, 2t+1]
 //   .trans: r[i] = M_i[2t, 2t+1][g]   (element pair from rows 2t and 2t+1, column g)
 
+#ifdef AB_CUDA_EMULATE
+// The emulated build (csrc/cuda/emu, docs/cuda.md): the same instructions, executed by the emulator
+// on the host with these fragment layouts.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return ab_emu::cvta_shared(p); }
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], uint32_t addr) { ab_emu::ldmatrix_x4(r, addr, false); }
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], uint32_t addr) { ab_emu::ldmatrix_x4(r, addr, true); }
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  ab_emu::cp_async(dst, src, 16, valid);
+}
+__device__ __forceinline__ void cp_async_commit() { ab_emu::cp_async_commit(); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { ab_emu::cp_async_wait(N); }
+__device__ __forceinline__ float fast_exp2(float x) { return ab_emu::ex2_approx(x); }
+__device__ __forceinline__ float fast_rcp(float x) { return ab_emu::rcp_approx(x); }
+#else
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -84,6 +98,8 @@ __device__ __forceinline__ float fast_rcp(float x) {
   return y;
 }
 
+#endif  // AB_CUDA_EMULATE
+
 // tanh(y) given e = 2^(2 y log2(e)) = exp(2 y), as 1 - 2 / (exp(2y) + 1).  Its absolute error is
 // a few 1e-7 (relative error is larger near 0, but the softmax only feels the absolute error of a
 // score), and it is a handful of instructions where tanhf's inlined polynomial, unrolled over
@@ -95,11 +111,15 @@ template <typename T> struct MmaOps;
 template <> struct MmaOps<__half> {
   // c += a b for one m16n8k16 tile
   static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+#ifdef AB_CUDA_EMULATE
+    ab_emu::mma_m16n8k16(c, a, b0, b1, false);
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
         "{%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
   }
   // two floats -> one .b32 register, `lo` in the low half (the lower column of a fragment pair)
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
@@ -110,11 +130,15 @@ template <> struct MmaOps<__half> {
 
 template <> struct MmaOps<__nv_bfloat16> {
   static __device__ __forceinline__ void mma(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+#ifdef AB_CUDA_EMULATE
+    ab_emu::mma_m16n8k16(c, a, b0, b1, true);
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
         "{%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
   }
   static __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);

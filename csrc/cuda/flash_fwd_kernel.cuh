@@ -171,7 +171,7 @@ ab_status fwd_launch_config(const FwdParams& p, int64_t blocks, cudaStream_t str
   auto kernel = fwd_kernel<T, kD, kBM, kBN, kDropout>;
   const ab_status st = prepare_smem(kernel, kSmem, "flash", kD, err);
   if (st != AB_OK) return st;
-  kernel<<<(unsigned)blocks, kFwdThreads, kSmem, stream>>>(p);
+  AB_LAUNCH((unsigned)blocks, kFwdThreads, kSmem, stream, kernel)(p);
   return ab_cuda_check(cudaGetLastError(), "flash_fwd launch", err);
 }
 

@@ -292,12 +292,12 @@ ab_status launch(const ab_attn_params* p, void* workspace, cudaStream_t stream, 
                         (long long)p->D, (long long)p->Dv);
   const int64_t rows = p->B * p->Hq * p->Sq, keys = p->B * p->Hkv * p->Sk;
   if (rows > 0) {
-    dq_kernel<T, Acc><<<(unsigned)(rows < kMaxGrid ? rows : kMaxGrid), kThreads, smem_dq, stream>>>(args);
+    AB_LAUNCH((unsigned)(rows < kMaxGrid ? rows : kMaxGrid), kThreads, smem_dq, stream, dq_kernel<T, Acc>)(args);
     ab_status st = ab_cuda_check(cudaGetLastError(), "math_bwd dq launch", err);
     if (st != AB_OK) return st;
   }
   if (keys > 0) {
-    dkv_kernel<T, Acc><<<(unsigned)(keys < kMaxGrid ? keys : kMaxGrid), kThreads, smem_dkv, stream>>>(args);
+    AB_LAUNCH((unsigned)(keys < kMaxGrid ? keys : kMaxGrid), kThreads, smem_dkv, stream, dkv_kernel<T, Acc>)(args);
     return ab_cuda_check(cudaGetLastError(), "math_bwd dkv launch", err);
   }
   return AB_OK;

@@ -166,7 +166,7 @@ ab_status launch(const ab_attn_params* p, cudaStream_t stream, ab_error* err) {
                         (long long)p->Dv);
   const int64_t max_grid = 1 << 20;  // grid-stride beyond this
   const unsigned grid = (unsigned)(args.rows < max_grid ? args.rows : max_grid);
-  math_fwd_kernel<T, Acc><<<grid, kThreads, smem, stream>>>(args);
+  AB_LAUNCH(grid, kThreads, smem, stream, math_fwd_kernel<T, Acc>)(args);
   return ab_cuda_check(cudaGetLastError(), "math_fwd launch", err);
 }
 

@@ -51,17 +51,25 @@ constexpr unsigned kFull = 0xffffffffu;
 
 // c += a b for one m16n8k32 tile of int8 (s32 accumulate; |sum| <= 256 * 127 * 127 < 2^31).
 __device__ __forceinline__ void mma_s8(int (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#ifdef AB_CUDA_EMULATE
+  ab_emu::mma_m16n8k32_s8(c, a, b0, b1);
+#else
   asm volatile(
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
       "{%8, %9}, {%0, %1, %2, %3};\n"
       : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 // 4 bytes global -> shared; !valid writes 4 zero bytes and reads nothing.
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, bool valid) {
+#ifdef AB_CUDA_EMULATE
+  ab_emu::cp_async(dst, src, 4, valid);
+#else
   const int src_bytes = valid ? 4 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+#endif
 }
 
 // ---- one row across a warp ------------------------------------------------------------------------
@@ -446,11 +454,11 @@ ab_status sage_launch(SageParams& sp, const ab_attn_params* p, cudaStream_t stre
   if (st != AB_OK) return st;
   // The prepass: no launch has an empty grid (Sk = 0 skips the two that read K; finalize still
   // writes mean 0 and c 1, which the Q quantization reads).
-  if (sp.chunks > 0) k_stats_kernel<T, kD><<<(unsigned)(bhk * sp.chunks), kPrepThreads, 0, stream>>>(sp);
-  k_finalize_kernel<kD><<<(unsigned)bhk, kPrepThreads, 0, stream>>>(sp);
+  if (sp.chunks > 0) AB_LAUNCH((unsigned)(bhk * sp.chunks), kPrepThreads, 0, stream, k_stats_kernel<T, kD>)(sp);
+  AB_LAUNCH((unsigned)bhk, kPrepThreads, 0, stream, k_finalize_kernel<kD>)(sp);
   if (quant_chunks > 0)
-    k_quant_kernel<T, kD><<<(unsigned)(bhk * quant_chunks), kPrepThreads, 0, stream>>>(sp, quant_chunks);
-  kernel<<<(unsigned)blocks, kFwdThreads, kSmem, stream>>>(sp);
+    AB_LAUNCH((unsigned)(bhk * quant_chunks), kPrepThreads, 0, stream, k_quant_kernel<T, kD>)(sp, quant_chunks);
+  AB_LAUNCH((unsigned)blocks, kFwdThreads, kSmem, stream, kernel)(sp);
   return ab_cuda_check(cudaGetLastError(), "sage_fwd launch", err);
 }
 
