@@ -6,15 +6,16 @@ What gets built:
   attn_backends/_C.abi3.so   C11 core + the C++ torch shim (LibTorch stable ABI, target 2.10),
                              CPython limited API (3.10+).  Loading it registers the torch ops.
   attn_backends/libattn_backends_cuda.so
-                             CUDA kernels (static cudart), built when nvcc is found; loaded by the
-                             core the first time a CUDA tensor arrives.
+                             CUDA kernels (static cudart), built when nvcc is found and torch has
+                             CUDA; loaded by the core the first time a CUDA tensor arrives.
   attn_backends/libattn_backends_cuda_emu.so
                              the same CUDA sources built with g++ against the CUDA emulator
                              (csrc/cuda/emu), no nvcc needed; loaded under ATTN_BACKENDS_CUDA_EMULATE=1
                              (docs/cuda.md).
 
 Environment:
-  ATTN_BACKENDS_CUDA=0            skip the CUDA library even if nvcc is found
+  ATTN_BACKENDS_CUDA=0|1          skip the CUDA library even if nvcc is found, or build it even for a
+                                  CPU-only torch (default: build it when nvcc is found and torch has CUDA)
   ATTN_BACKENDS_CUDA_ARCHS=...    targets, e.g. "80" or "80+PTX;90a" (default "80+PTX;86;89;90a");
                                   "+PTX" also embeds PTX for that arch, so newer GPUs can JIT it
   ATTN_BACKENDS_NVCC_THREADS=N    parallel nvcc (and emulator g++) jobs (default: CPU count)
@@ -94,8 +95,19 @@ def torch_paths():
 
 
 def find_nvcc():
-    if os.environ.get("ATTN_BACKENDS_CUDA", "1") == "0":
+    """nvcc when the CUDA library is to be built: ATTN_BACKENDS_CUDA=1 builds it whenever nvcc is
+    found; unset, only for a torch built with CUDA (a CPU-only torch never hands the library a
+    CUDA tensor, so building it there only costs minutes); 0 never."""
+    want = os.environ.get("ATTN_BACKENDS_CUDA", "").strip()
+    if want == "0":
         return None
+    if want != "1":
+        import torch
+
+        if torch.version.cuda is None:
+            print("attn_backends: this torch has no CUDA, so the CUDA library is not built "
+                  "(ATTN_BACKENDS_CUDA=1 builds it anyway)", file=sys.stderr)
+            return None
     home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     if home and (Path(home) / "bin" / "nvcc").exists():
         return str(Path(home) / "bin" / "nvcc")
