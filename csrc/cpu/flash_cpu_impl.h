@@ -168,14 +168,8 @@ static void SYM(seq_get)(const ab_attn_params* p, int64_t b, int64_t h, int64_t 
 /* Visible keys of query row i of a sequence: [lo, hi) from causal and window (docs/semantics.md). */
 static inline void SYM(row_range)(const ab_attn_params* p, const SYM(seq) * s, int64_t i, int64_t* lo,
                                   int64_t* hi) {
-  const int64_t ii = p->causal == AB_CAUSAL_BOTTOM_RIGHT ? i + s->Sk - s->Sq : i;
-  int64_t l = 0, h = s->Sk;
-  if (p->causal != AB_CAUSAL_NONE && ii + 1 < h) h = ii + 1;
-  if (p->window_right >= 0 && ii + p->window_right + 1 < h) h = ii + p->window_right + 1;
-  if (p->window_left >= 0 && ii - p->window_left > l) l = ii - p->window_left;
-  if (h < l) h = l;
-  *lo = l;
-  *hi = h;
+  ab_key_range(p, s->Sq, s->Sk, i, lo, hi);
+  if (*hi < *lo) *hi = *lo;
 }
 
 /* Loads row chunk [i0, i0 + n) of a (rows x cols) operand transposed and scaled into
@@ -509,8 +503,9 @@ static ab_status SYM(flash_fwd)(const ab_attn_params* p, const ab_cpu_pool* pool
   ctx.p = p;
   ctx.st.err = err;
   atomic_init(&ctx.st.status, AB_OK);
-  SYM(fwd_chunks)(p->Sq, &ctx.nv, &ctx.nchunk);
-  const double work = (double)p->B * p->Hq * p->Sq * p->Sk * (double)(p->D + p->Dv);
+  const int64_t Sq = ab_rows_q(p), Sk = ab_rows_k(p);
+  SYM(fwd_chunks)(Sq, &ctx.nv, &ctx.nchunk);
+  const double work = (double)p->B * p->Hq * Sq * Sk * (double)(p->D + p->Dv);
   return ab_par_run(pool, p->B * p->Hq * ctx.nchunk, 1, work, SYM(fwd_range), &ctx, &ctx.st);
 }
 
@@ -529,7 +524,7 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   const int want_dmask = p->dmask.ndim > 0, softcap = p->softcap > 0;
   const int nv = NV_MAX;
   const int64_t rc = RC_MAX;
-  const int64_t Sqp = (p->Sq + rc - 1) / rc * rc, Skm = p->Sk; /* Sq, Sk: maxima for varlen */
+  const int64_t Sqp = (ab_rows_q(p) + rc - 1) / rc * rc, Skm = ab_rows_k(p); /* the longest sequences */
   const int64_t G = AB_STAGGER; /* after every buffer: no two start at the same address mod 4 KiB */
   const size_t nfl = (size_t)(Skm * Dp + Skm * Dvp + Skm * Dp + Skm * Dvp  /* K, V, dK, dV */
                               + Sqp * Dp + Dp * Sqp + Sqp * Dvp + Dvp * Sqp /* Q, Q^T, dO, dO^T */
@@ -707,7 +702,7 @@ static ab_status SYM(flash_bwd)(const ab_attn_params* p, const ab_cpu_pool* pool
   ctx.p = p;
   ctx.st.err = err;
   atomic_init(&ctx.st.status, AB_OK);
-  const double work = 2.5 * (double)p->B * p->Hq * p->Sq * p->Sk * (double)(p->D + p->Dv);
+  const double work = 2.5 * (double)p->B * p->Hq * ab_rows_q(p) * ab_rows_k(p) * (double)(p->D + p->Dv);
   return ab_par_run(pool, p->B * p->Hkv, 1, work, SYM(bwd_range), &ctx, &ctx.st);
 }
 
