@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attn_backends as ab
-from attn_backends._testing import make_packed
+from attn_backends._testing import make_packed, max_err
 
 ops = torch.ops.attn_backends
 CPU_BACKENDS = ["flash", "math", "eager", "sdpa", "flex"]
@@ -147,3 +147,111 @@ def test_varlen_cu_seqlens_on_meta_is_named(which):
     cu[which] = cu[which].to("meta")
     with pytest.raises(ValueError, match=rf"{which} must be on the CPU or on q's device \(cpu\), got a tensor on meta"):
         ab.attention_varlen(q, k, v, cu["cu_seqlens_q"], cu["cu_seqlens_k"], 5, 6)
+
+
+# ---- ab.sdpa is F.sdpa ---------------------------------------------------------------------------
+
+
+def _layout(kind, B, H, S, D, dtype, g):
+    if kind == "bhsd":
+        return torch.randn(B, H, S, D, generator=g).to(dtype)
+    if kind == "bshd":
+        return torch.randn(B, S, H, D, generator=g).to(dtype).transpose(1, 2)
+    if kind == "hsbd":
+        return torch.randn(H, S, B, D, generator=g).to(dtype).permute(2, 0, 1, 3)
+    if kind == "strided_d":
+        return torch.randn(B, H, S, 2 * D, generator=g).to(dtype)[..., ::2]
+    return torch.randn(1, H, S, D, generator=g).to(dtype).expand(B, H, S, D)  # expand_batch
+
+
+def _math(*args, **kwargs):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["flash", "math", "eager", "sdpa"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd", "hsbd", "strided_d", "expand_batch"])
+@pytest.mark.parametrize("case", ["plain", "gqa", "dv", "mask", "causal", "decode", "dropout", "grad"])
+def test_sdpa_output_has_torch_strides(backend, layout, case, gen):
+    # contiguous (B, H, S, D) in gives contiguous out, as F.sdpa (code calls .view on it); torch's
+    # fused CPU kernel lays its output out like q, its math path contiguously
+    B, H, S, D = 2, 4, 5, 8
+    q = _layout(layout, B, H, 1 if case == "decode" else S, D, torch.float32, gen)
+    Hkv = 2 if case == "gqa" else H
+    k = _layout("bhsd", B, Hkv, S, D, torch.float32, gen)
+    v = _layout("bhsd", B, Hkv, S, 6 if case == "dv" else D, torch.float32, gen)
+    kw = dict(enable_gqa=case == "gqa", is_causal=case == "causal", dropout_p=0.3 if case == "dropout" else 0.0)
+    if case == "mask":
+        kw["attn_mask"] = torch.rand(S, S, generator=gen) > 0.3
+    if case == "grad":
+        q.requires_grad_()
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+    with ab.use(backend):
+        got = ab.sdpa(q, k, v, **kw)
+    assert got.shape == want.shape and got.stride() == want.stride()
+    if case != "dropout":
+        assert max_err(got, want) < 1e-5
+    if case == "grad":
+        g = torch.randn(want.shape, generator=gen)
+        assert max_err(torch.autograd.grad(got, q, g)[0], torch.autograd.grad(want, q, g)[0]) < 1e-5
+
+
+def test_sdpa_contiguous_output_views_like_torch(gen):
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(3))
+    out = ab.sdpa(q, k, v)
+    assert out.stride() == (120, 40, 8, 1)
+    out.view(2, 15, 8)  # what callers do with F.sdpa's result
+
+
+@pytest.mark.parametrize("scale", [math.nan, math.inf, -math.inf, 1e39])
+def test_sdpa_scale_torch_takes_gives_torch_math_result(scale, gen):
+    # torch's math backend: NaN everywhere (its fast CPU path returns finite garbage for NaN: the
+    # deliberate difference of docs/integrations.md); our kernels cannot take these, torch's math runs
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(3))
+    out = ab.sdpa(q, k, v, scale=scale)
+    want = _math(q, k, v, scale=scale)
+    assert torch.equal(torch.isnan(out), torch.isnan(want)) and bool(torch.isnan(out).all())
+    assert out.stride() == torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale).stride()
+
+
+def test_sdpa_causal_negative_scale_follows_torch_math(gen):
+    q, k, v = (torch.randn(2, 3, 5, 8, generator=gen) for _ in range(3))
+    want = _math(q, k, v, is_causal=True, scale=-0.5)
+    assert bool(torch.isnan(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                             scale=-0.5)).any())  # torch's fast path
+    for backend in ("flash", "math", "eager"):
+        with ab.use(backend):
+            assert max_err(ab.sdpa(q, k, v, is_causal=True, scale=-0.5), want) < 1e-6
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_sdpa_1d_mask_follows_torch_math(gqa, gen):
+    # torch's fast CPU path raises IndexError on a 1-D mask (4-D inputs); its math path broadcasts it
+    q = torch.randn(2, 4, 5, 8, generator=gen)
+    k, v = (torch.randn(2, 2 if gqa else 4, 7, 8, generator=gen) for _ in range(2))
+    for mask in (torch.rand(7, generator=gen) > 0.3, torch.randn(7, generator=gen)):
+        with pytest.raises(IndexError):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        want = _math(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        got = ab.sdpa(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        assert got.stride() == want.stride() and max_err(got, want) < 1e-6
+
+
+def test_sdpa_2d_inputs_with_enable_gqa_raise_as_torch(gen):
+    # (L, E) inputs have no head dim: every torch backend raises IndexError, with or without a mask
+    q, k = torch.randn(5, 8, generator=gen), torch.randn(7, 8, generator=gen)
+    for mask in (None, torch.rand(7, generator=gen) > 0.3, torch.rand(5, 7, generator=gen) > 0.3):
+        with pytest.raises(IndexError):
+            ab.sdpa(q, k, k, attn_mask=mask, enable_gqa=True)
+        assert max_err(ab.sdpa(q, k, k, attn_mask=mask), _math(q, k, k, attn_mask=mask)) < 1e-6
+
+
+@pytest.mark.parametrize("shape_k", [(2, 3, 4, 0, 8), (2, 0, 4, 7, 8), (0, 3, 4, 7, 8)])
+def test_sdpa_5d_with_an_empty_dim_returns_torch_result(shape_k, gen):
+    q = torch.randn(*shape_k[:3], 5, 8, generator=gen)
+    k, v = torch.randn(*shape_k, generator=gen), torch.randn(*shape_k, generator=gen)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    got = ab.sdpa(q, k, v)
+    assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(got, want)
