@@ -114,6 +114,62 @@ def _grad_out(grad_out, out, flash):
     return cuda_layout(grad_out) if flash and grad_out.is_cuda else grad_out
 
 
+# ---- double backward -------------------------------------------------------------------------------
+# The kernels' backward is not itself differentiable.  When autograd records the backward
+# (create_graph=True, an input that requires grad), the first-order gradient is computed instead by
+# the eager composite (_eager.attention, plain aten ops, the same semantics and the same dropout mask),
+# whose own autograd then gives the second (and any higher) derivative.  docs/semantics.md says why.
+
+
+def records_graph(*tensors) -> bool:
+    """True when this backward runs under create_graph=True for something that requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def keep_mask(rng_state, B, H, Sq, Sk, dropout_p, device):
+    """The kernels' dropout keep-mask for this call, or None without dropout."""
+    if not dropout_p > 0:
+        return None
+    return ops.dropout_mask(rng_state, B, H, Sq, Sk, dropout_p).to(device)
+
+
+def _differentiable_grads(outputs, grads, inputs):
+    """d outputs / d inputs against grads, recorded for a further derivative (None where unused)."""
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
+                                     allow_unused=True) if pairs and wanted else ())
+    return [next(found) if t is not None and t.requires_grad else None for t in inputs]
+
+
+def composite_backward(q, k, v, attn_mask, rng_state, args, grad_out, grad_lse):
+    """(dq, dk, dv, dmask) of a dense call through the eager composite, differentiable."""
+    from . import _eager
+
+    causal, scale, wl, wr, softcap, dropout_p = args
+    keep = keep_mask(rng_state, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p, q.device)
+    mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool or attn_mask.requires_grad \
+        else attn_mask.detach()
+    out, lse = _eager.attention(q, k, v, mask, causal, scale, wl, wr, softcap, dropout_p, keep=keep)
+    return _differentiable_grads((out, lse), (grad_out, grad_lse),
+                                 (q, k, v, mask if mask is not None and mask.dtype != torch.bool else None))
+
+
+def composite_varlen_backward(q, k, v, cu_q, cu_k, max_q, max_k, rng_state, opts, grad_out, grad_lse):
+    """(dq, dk, dv) of a packed call: padded to (B, H, max_seqlen, D) (the rows its dropout numbers),
+    the eager composite, unpadded."""
+    from . import _eager, _varlen
+
+    causal, scale, wl, wr, softcap, dropout_p = opts
+    len_q, len_k = (cu[1:].long() - cu[:-1].long() for cu in (cu_q.cpu(), cu_k.cpu()))
+    qd, kd, vd = _varlen.pad(q, len_q, max_q), _varlen.pad(k, len_k, max_k), _varlen.pad(v, len_k, max_k)
+    mask = _varlen.padded_mask(len_q, len_k, max_q, max_k, causal, wl, wr, q.device)
+    keep = keep_mask(rng_state, len_q.numel(), q.shape[1], max_q, max_k, dropout_p, q.device)
+    out, lse = _eager.attention(qd, kd, vd, mask, 0, scale, -1, -1, softcap, dropout_p, keep=keep)
+    out, lse = _varlen.unpad(out, len_q), _varlen.unpad_lse(lse, len_q)
+    return _differentiable_grads((out, lse), (grad_out, grad_lse), (q, k, v))
+
+
 def _make_autograd(bwd_op, flash=False):
     """setup_context and backward for a forward op with the math_fwd argument list."""
 
@@ -129,6 +185,9 @@ def _make_autograd(bwd_op, flash=False):
 
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, attn_mask, rng_state = ctx.saved_tensors
+        if records_graph(q, k, v, attn_mask, grad_out, grad_lse):
+            dq, dk, dv, dmask = composite_backward(q, k, v, attn_mask, rng_state, ctx.args, grad_out, grad_lse)
+            return dq, dk, dv, dmask, None, None, None, None, None, None, None
         grad_out = _grad_out(grad_out, out, flash)
         dq, dk, dv, dmask = bwd_op(
             grad_out, q, k, v, out, lse, grad_lse, attn_mask, rng_state, *ctx.args, ctx.mask_grad,
@@ -160,7 +219,10 @@ def _make_varlen_autograd(bwd_op, flash=True):
 
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse, cu_q, cu_k, rng_state = ctx.saved_tensors
-        grad_out = _grad_out(grad_out, out, flash)
+        if records_graph(q, k, v, grad_out, grad_lse):
+            dq, dk, dv = composite_varlen_backward(q, k, v, cu_q, cu_k, *ctx.args, rng_state, ctx.opts, grad_out,
+                                                   grad_lse)
+            return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
         dq, dk, dv = bwd_op(grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, *ctx.args, rng_state, *ctx.opts,
                             deterministic_backward(ctx))
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None

@@ -255,3 +255,108 @@ def test_sdpa_5d_with_an_empty_dim_returns_torch_result(shape_k, gen):
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     got = ab.sdpa(q, k, v)
     assert got.shape == want.shape and got.stride() == want.stride() and torch.equal(got, want)
+
+
+# ---- double backward -----------------------------------------------------------------------------
+
+
+def _second_order(fn, leaves, w, u, r):
+    """First-order grads of <out, w> + <lse, u> (recorded), then grads of <first, r>."""
+    out, lse = fn(*leaves)
+    first = torch.autograd.grad((out * w).sum() + (lse[lse > -math.inf] * u[lse > -math.inf]).sum(), leaves,
+                                create_graph=True, allow_unused=True)
+    total = sum((f * rr).sum() for f, rr in zip(first, r) if f is not None)
+    second = torch.autograd.grad(total, leaves, allow_unused=True)
+    return [f.detach() if f is not None else torch.zeros_like(x) for f, x in zip(first, leaves)], \
+        [s if s is not None else torch.zeros_like(x) for s, x in zip(second, leaves)]
+
+
+@pytest.mark.parametrize("backend", ["flash", "math", "eager"])
+@pytest.mark.parametrize("opts", [dict(), dict(causal=True, softcap=5.0), dict(mask="float", causal="bottom_right"),
+                                  dict(mask="bool", window=(3, 1)), dict(dropout_p=0.3)])
+def test_double_backward_matches_reference(backend, opts, gen):
+    # it used to be silently zero (torch only warned that math_bwd had no autograd kernel)
+    from attn_backends._testing import check_2x, keep_mask_for_next_call, reference_attention
+
+    B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 9, 11, 16
+    q, k, v = qkv(B, Hq, Hkv, Sq, Sk, D, g=gen)
+    opts = dict(opts)
+    kind = opts.pop("mask", None)
+    leaves = [q, k, v]
+    if kind == "float":
+        m = torch.randn(B, 1, Sq, Sk, generator=gen).masked_fill(torch.rand(B, 1, Sq, Sk, generator=gen) < 0.2,
+                                                                 -math.inf)
+        m[:, :, 0] = -math.inf  # a fully masked row
+        leaves.append(m)
+    elif kind == "bool":
+        opts["attn_mask"] = torch.rand(B, 1, Sq, Sk, generator=gen) > 0.3
+    w = torch.randn(B, Hq, Sq, D, generator=gen)
+    u = torch.randn(B, Hq, Sq, generator=gen)
+    r = [torch.randn(t.shape, generator=gen) for t in leaves]
+    p = opts.pop("dropout_p", 0.0)
+    keep = keep_mask_for_next_call(11, B, Hq, Sq, Sk, p) if p else None
+
+    def ours(*xs):
+        torch.manual_seed(11)
+        mask = xs[3] if len(xs) > 3 else opts.get("attn_mask")
+        return ab.attention(*xs[:3], backend=backend, strict=True, return_lse=True, dropout_p=p,
+                            **dict(opts, attn_mask=mask))
+
+    def ref(dtype):
+        def fn(*xs):
+            mask = xs[3] if len(xs) > 3 else opts.get("attn_mask")
+            return reference_attention(*xs[:3], dtype=dtype, keep=keep, dropout_p=p, **dict(opts, attn_mask=mask))
+        return fn
+
+    got = _second_order(ours, [t.clone().requires_grad_() for t in leaves], w, u, r)
+    r64 = _second_order(ref(torch.float64), [t.double().requires_grad_() for t in leaves], w.double(), u.double(),
+                        [t.double() for t in r])
+    r32 = _second_order(ref(torch.float32), [t.clone().requires_grad_() for t in leaves], w, u, r)
+    for order, a, b, c in zip(("first", "second"), got, r64, r32):
+        for name, x, y, z in zip(("q", "k", "v", "mask"), a, b, c):
+            assert bool(x.abs().max() > 0) or bool(y.abs().max() == 0), f"{order} d{name} is zero"
+            check_2x(f"{order} d{name}", x, y, z, 3, torch.float32, 1e-5 * max(1.0, float(y.abs().max())))
+
+
+def test_math_float64_passes_gradgradcheck(gen):
+    q, k, v = (t.double().requires_grad_() for t in qkv(1, 2, 1, 3, 4, 5, g=gen))
+    mask = torch.randn(1, 1, 3, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+
+    def fn(q, k, v, mask):
+        out, lse = ab.attention(q, k, v, attn_mask=mask, softcap=3.0, causal="bottom_right", backend="math",
+                                strict=True, return_lse=True)
+        return out, lse
+
+    assert torch.autograd.gradgradcheck(fn, (q, k, v, mask))
+
+
+@pytest.mark.parametrize("backend", ["flash_varlen", "math", "eager"])
+def test_varlen_double_backward_matches_padded_reference(backend, gen):
+    from attn_backends._testing import check_2x, varlen_reference
+
+    q, k, v, cu_q, cu_k = make_packed([3, 0, 6], [5, 2, 6], 4, 2, 16, 16, torch.float32, gen)
+    w = torch.randn(q.shape[0], 4, 16, generator=gen)
+    u = torch.randn(4, q.shape[0], generator=gen)
+    r = [torch.randn(t.shape, generator=gen) for t in (q, k, v)]
+    opts = dict(causal="bottom_right", softcap=4.0)
+    got = _second_order(lambda *xs: ab.attention_varlen(*xs, cu_q, cu_k, 9, 9, backend=backend, strict=True,
+                                                        return_lse=True, **opts),
+                        [t.clone().requires_grad_() for t in (q, k, v)], w, u, r)
+    r64 = _second_order(lambda *xs: varlen_reference(*xs, cu_q, cu_k, **opts),
+                        [t.double().requires_grad_() for t in (q, k, v)], w.double(), u.double(),
+                        [t.double() for t in r])
+    r32 = _second_order(lambda *xs: varlen_reference(*xs, cu_q, cu_k, dtype=torch.float32, **opts),
+                        [t.clone().requires_grad_() for t in (q, k, v)], w, u, r)
+    for order, a, b, c in zip(("first", "second"), got, r64, r32):
+        for name, x, y, z in zip(("q", "k", "v"), a, b, c):
+            assert bool(x.abs().max() > 0), f"{order} d{name} is zero"
+            check_2x(f"{order} d{name}", x, y, z, 3, torch.float32, 1e-5 * max(1.0, float(y.abs().max())))
+
+
+def test_op_called_directly_has_a_double_backward(gen):
+    # register_autograd's path (torch.ops called directly) takes the same backward
+    q, k, v = (t.requires_grad_() for t in qkv(g=gen))
+    out, _ = ops.flash_fwd(q, k, v, None, None, 1, 0.3, -1, -1, 0.0, 0.0)
+    (g,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    (h,) = torch.autograd.grad(g.sum(), k)
+    assert bool(h.abs().max() > 0)
