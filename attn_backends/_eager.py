@@ -47,7 +47,12 @@ def attention(q, k, v, attn_mask, causal: int, scale: float, window_left: int, w
     if Hkv != Hq and Hkv > 0:
         kf = kf.repeat_interleave(Hq // Hkv, dim=1)
         vf = vf.repeat_interleave(Hq // Hkv, dim=1)
-    s = torch.matmul(qf, kf.transpose(-2, -1)) * scale
+    # the scale goes where it cannot overflow: into q when it shrinks (a q.k beyond float32 that the scale
+    # brings back in range stays finite, as with torch's sqrt(scale) on q and k), onto q.k when it grows
+    if abs(scale) <= 1:
+        s = torch.matmul(qf * scale, kf.transpose(-2, -1))
+    else:
+        s = torch.matmul(qf, kf.transpose(-2, -1)) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     visible = visible_keys(Sq, Sk, causal, window_left, window_right, q.device)

@@ -52,26 +52,39 @@ def _empty_grad(t):
     return t.new_empty_strided(t.shape, grad_strides(t))
 
 
+def _flash_fwd_fake(*args):
+    out, lse = _fwd_fake(*args)
+    return out, lse, lse.new_empty((2,) + tuple(lse.shape))
+
+
 def _bwd_fake(grad_out, q, k, v, out, lse, grad_lse, attn_mask, rng_state, causal, scale,
-              window_left, window_right, softcap, dropout_p, mask_grad, deterministic=False):
+              window_left, window_right, softcap, dropout_p, mask_grad, deterministic=False, stats=None):
     B, Hq, Sq, _ = q.shape
     Sk = k.shape[2]
     dmask = q.new_empty((B, Hq, Sq, Sk) if mask_grad else (0,), dtype=lse_dtype(q.dtype))
     return _empty_grad(q), _empty_grad(k), _empty_grad(v), dmask
 
 
+# flash_fwd also returns `stats` (2, B, Hq, Sq): each row's max score and the log of its sum, lse in
+# two parts, which flash's backward takes its softmax from (free of lse's float32 rounding)
+torch.library.register_fake("attn_backends::math_fwd")(_fwd_fake)
+torch.library.register_fake("attn_backends::flash_fwd")(_flash_fwd_fake)
 for _kernel in ("math", "flash"):
-    torch.library.register_fake(f"attn_backends::{_kernel}_fwd")(_fwd_fake)
     torch.library.register_fake(f"attn_backends::{_kernel}_bwd")(_bwd_fake)
 
 
-@torch.library.register_fake("attn_backends::flash_varlen_fwd")
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rng_state, causal,
                      scale, window_left, window_right, softcap, dropout_p):
     Tq, Hq, _ = q.shape
     out = q.new_empty((Tq, Hq, v.shape[-1]))
     lse = q.new_empty((Hq, Tq), dtype=lse_dtype(q.dtype))
     return out, lse
+
+
+@torch.library.register_fake("attn_backends::flash_varlen_fwd")
+def _flash_varlen_fwd_fake(*args):
+    out, lse = _varlen_fwd_fake(*args)
+    return out, lse, lse.new_empty((2,) + tuple(lse.shape))
 
 
 # sage is forward only: no autograd is registered for its ops, and the planner never routes a call
@@ -83,7 +96,7 @@ torch.library.register_fake("attn_backends::sage_varlen_fwd")(_varlen_fwd_fake)
 @torch.library.register_fake("attn_backends::flash_varlen_bwd")
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, rng_state, causal, scale, window_left, window_right, softcap, dropout_p,
-                     deterministic=False):
+                     deterministic=False, stats=None):
     return _empty_grad(q), _empty_grad(k), _empty_grad(v)
 
 
@@ -175,23 +188,26 @@ def _make_autograd(bwd_op, flash=False):
 
     def setup_context(ctx, inputs, output):
         q, k, v, attn_mask, rng_state, causal, scale, wl, wr, softcap, dropout_p = inputs
-        out, lse = output
+        out, lse = output[0], output[1]
+        stats = output[2] if flash else None
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng_state)
+        if flash:
+            ctx.mark_non_differentiable(stats)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng_state, stats)
         ctx.args = (causal, scale, wl, wr, softcap, dropout_p)
         ctx.mask_grad = bool(
             attn_mask is not None and attn_mask.dtype != torch.bool and ctx.needs_input_grad[3]
         )
 
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, attn_mask, rng_state = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_lse, grad_stats=None):
+        q, k, v, out, lse, attn_mask, rng_state, stats = ctx.saved_tensors
         if records_graph(q, k, v, attn_mask, grad_out, grad_lse):
             dq, dk, dv, dmask = composite_backward(q, k, v, attn_mask, rng_state, ctx.args, grad_out, grad_lse)
             return dq, dk, dv, dmask, None, None, None, None, None, None, None
         grad_out = _grad_out(grad_out, out, flash)
         dq, dk, dv, dmask = bwd_op(
             grad_out, q, k, v, out, lse, grad_lse, attn_mask, rng_state, *ctx.args, ctx.mask_grad,
-            deterministic_backward(ctx)
+            deterministic_backward(ctx), stats
         )
         if ctx.mask_grad:
             # the kernel writes the gradient at (B, Hq, Sq, Sk); a broadcast mask gets the sum
@@ -211,20 +227,21 @@ for _kernel in ("math", "flash"):
 def _make_varlen_autograd(bwd_op, flash=True):
     def setup_context(ctx, inputs, output):
         q, k, v, cu_q, cu_k, max_q, max_k, rng_state, causal, scale, wl, wr, softcap, dropout_p = inputs
-        out, lse = output
+        out, lse, stats = output
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state)
+        ctx.mark_non_differentiable(stats)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state, stats)
         ctx.args = (max_q, max_k)
         ctx.opts = (causal, scale, wl, wr, softcap, dropout_p)
 
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, cu_q, cu_k, rng_state = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_lse, grad_stats=None):
+        q, k, v, out, lse, cu_q, cu_k, rng_state, stats = ctx.saved_tensors
         if records_graph(q, k, v, grad_out, grad_lse):
             dq, dk, dv = composite_varlen_backward(q, k, v, cu_q, cu_k, *ctx.args, rng_state, ctx.opts, grad_out,
                                                    grad_lse)
             return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
         dq, dk, dv = bwd_op(grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, *ctx.args, rng_state, *ctx.opts,
-                            deterministic_backward(ctx))
+                            deterministic_backward(ctx), stats)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
     return setup_context, backward
@@ -264,7 +281,7 @@ def kernel_function(fwd_op, bwd_op, make_autograd=_make_autograd, flash=False):
             return output
 
         @staticmethod
-        def backward(ctx, grad_out, grad_lse):
+        def backward(ctx, grad_out, grad_lse, grad_stats=None):
             return (*backward(ctx, grad_out, grad_lse), None)
 
     KernelFunction.__name__ = KernelFunction.__qualname__ = f"{fwd_op.name().split('::')[-1].split('.')[0]}_function"

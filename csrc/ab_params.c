@@ -154,6 +154,11 @@ static ab_status check_varlen(const ab_attn_params* p, int backward, ab_error* e
   AB_TRY(check_dtype(err, "out", &p->out, dt));
   AB_TRY(check_shape(err, "lse", &p->lse, 2, ls));
   AB_TRY(check_dtype(err, "lse", &p->lse, lse_dt));
+  if (p->stats.ndim) {
+    const int64_t ss[3] = {2, p->Hq, Tq};
+    AB_TRY(check_shape(err, "stats", &p->stats, 3, ss));
+    AB_TRY(check_dtype(err, "stats", &p->stats, lse_dt));
+  }
   AB_TRY(check_cu(err, "cu_seqlens_q", p->cu_seqlens_q, p->B, Tq, p->Sq));
   AB_TRY(check_cu(err, "cu_seqlens_k", p->cu_seqlens_k, p->B, Tk, p->Sk));
   AB_TRY(check_options(p, err));
@@ -224,6 +229,11 @@ ab_status ab_attn_params_check(const ab_attn_params* p, int backward, ab_error* 
   AB_TRY(check_dtype(err, "out", &p->out, dt));
   AB_TRY(check_shape(err, "lse", &p->lse, 3, ls));
   AB_TRY(check_dtype(err, "lse", &p->lse, lse_dt));
+  if (p->stats.ndim) {
+    const int64_t ss[4] = {2, p->B, p->Hq, p->Sq};
+    AB_TRY(check_shape(err, "stats", &p->stats, 4, ss));
+    AB_TRY(check_dtype(err, "stats", &p->stats, lse_dt));
+  }
   AB_TRY(check_options(p, err));
   if (!backward) return AB_OK;
 

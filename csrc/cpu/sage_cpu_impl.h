@@ -526,7 +526,7 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
       const int64_t nb = jhi - j0 < BK ? jhi - j0 : BK;
       SYM(sg_qk)(nb, nv, Dg, w->kw + (r0 + j0) * Dg, qp, c0, sq, w->sk + r0 + j0, bias, st);
       const int structural = partial_rows || j0 < all_lo || j0 + nb > all_hi;
-      SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, rc);
+      SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, rc, 1.0);
       if (SYM(online_softmax)(st, nb, mrow, lrow, arow, nv)) SYM(rescale_rows)(on, arow, nrows, Dvp);
       const int64_t R = v0 + j0; /* the block's first V row */
       SYM(sg_pv)(nb, nrows, nv, st, pw, ps, w->vw + R * (Dvp / 2),
