@@ -11,15 +11,20 @@ from hypothesis import HealthCheck, settings
 from attn_backends import _C
 from attn_backends._testing import cpu_isas
 
-# property tests (test_properties.py): the same examples on every CI run unless asked otherwise
-settings.register_profile(
-    "attn_backends",
-    max_examples=int(os.environ.get("ATTN_BACKENDS_FUZZ_EXAMPLES", "100")),
-    derandomize=os.environ.get("ATTN_BACKENDS_FUZZ_RANDOM", "0") != "1",
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
+# property tests (test_properties.py): the same examples on every CI run unless asked otherwise;
+# `-m fuzz` selects them alone with the long profile (20x the examples), still seeded
+_FUZZ = dict(derandomize=os.environ.get("ATTN_BACKENDS_FUZZ_RANDOM", "0") != "1", deadline=None,
+             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+settings.register_profile("attn_backends", max_examples=int(os.environ.get("ATTN_BACKENDS_FUZZ_EXAMPLES", "100")),
+                          **_FUZZ)
+settings.register_profile("attn_backends_long",
+                          max_examples=int(os.environ.get("ATTN_BACKENDS_FUZZ_EXAMPLES", "2000")), **_FUZZ)
 settings.load_profile("attn_backends")
+
+
+def pytest_configure(config):
+    if "fuzz" in (config.getoption("markexpr") or "").replace("not fuzz", ""):
+        settings.load_profile("attn_backends_long")
 
 
 def _seed_of(request) -> int:

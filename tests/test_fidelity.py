@@ -453,3 +453,20 @@ def test_varlen_backward_precision_with_large_logits(gen):
         d_grads = torch.autograd.grad(varlen_reference(*d, cu_q, cu_k, dtype=torch.float32, **opts)[0], d, gout)
         for name, a, rr, dd in zip(("dq", "dk", "dv"), grads, r_grads, d_grads):
             check_2x(name, a, rr, dd, 3, torch.float32, FLOORS[torch.float32] * max(1.0, float(rr.abs().amax())))
+
+
+def test_flash_ops_with_stats_pass_opcheck(gen):
+    # flash's forward returns (out, lse, stats) and its backward takes stats: fake kernels, schemas and
+    # autograd agree (torch.compile relies on them)
+    q, k, v = (t.requires_grad_() for t in qkv(2, 4, 2, 5, 7, 8, g=gen))
+    mask = torch.randn(2, 1, 5, 7, generator=gen)
+    args = (q, k, v, mask, None, 2, 0.3, -1, -1, 5.0, 0.0)
+    torch.library.opcheck(ops.flash_fwd.default, args)
+    out, lse, stats = ops.flash_fwd(*args)
+    assert stats.shape == (2,) + lse.shape and torch.equal(stats[0] + stats[1], lse)
+    g = torch.randn(out.shape, generator=gen)
+    q, k, v, out, lse, stats = (t.detach() for t in (q, k, v, out, lse, stats))  # the backward op has no autograd
+    torch.library.opcheck(ops.flash_bwd.default, (g, q, k, v, out, lse, None, mask, None, 2, 0.3, -1, -1, 5.0, 0.0,
+                                                  False, False, stats))
+    pq, pk, pv, cu_q, cu_k = make_packed([3, 5], [4, 6], 2, 1, 8, 8, torch.float32, gen)
+    torch.library.opcheck(ops.flash_varlen_fwd.default, (pq, pk, pv, cu_q, cu_k, 5, 6, None, 1, 0.3, -1, -1, 0.0, 0.0))
