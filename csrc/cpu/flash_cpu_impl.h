@@ -438,25 +438,26 @@ static void SYM(store_rows)(const ab_attn_params* p, const SYM(seq) * s, int64_t
   const int64_t Dv = p->Dv;
   for (int64_t r = 0; r < nrows; ++r) {
     const float l = lrow[r], m = mrow[r];
-    float lse;
+    float lse, logl = 0.0f;
     if (l != l || m != m) {
       for (int64_t d = 0; d < Dv; ++d) tmp[d] = __builtin_nanf("");
-      lse = __builtin_nanf("");
+      lse = logl = __builtin_nanf("");
     } else if (m == -__builtin_inff()) {
       for (int64_t d = 0; d < Dv; ++d) tmp[d] = 0.0f;
       lse = -__builtin_inff();
     } else {
       const float inv = 1.0f / l;
       for (int64_t d = 0; d < Dv; ++d) tmp[d] = on[r * Dvp + d] * inv;
-      lse = m + logf(l);
+      logl = logf(l);
+      lse = m + logl;
     }
     ab_vec_store_row(p->out.data, p->out.dtype, s->o + (i0 + r) * s->o_rs, Dv,
                      p->out.strides[p->out.ndim - 1], tmp);
     ((float*)p->lse.data)[s->lse + (i0 + r) * s->lse_rs] = lse;
-    if (p->stats.ndim) { /* the two parts of lse (-inf and 0 for a row that sees no key) */
+    if (p->stats.ndim) { /* lse in its two parts (-inf and 0 for a row that sees no key) */
       float* st = (float*)p->stats.data + s->st + (i0 + r) * s->st_rs;
       st[0] = lse != lse ? lse : m;
-      st[p->stats.strides[0]] = lse != lse ? lse : m == -__builtin_inff() ? 0.0f : logf(l);
+      st[p->stats.strides[0]] = logl;
     }
   }
 }
