@@ -79,9 +79,9 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
     causal_i = _CAUSAL.get(causal) if causal.__class__ in (bool, str) else None
     if causal_i is None:
         causal_i = _validate.check_causal(causal)
-    wl, wr = _validate.check_window(window) if window is not None else (-1, -1)
-    scale_f = D ** -0.5 if scale is None else _validate.check_scale(scale, D)
-    softcap_f = _validate.check_softcap(softcap) if softcap else 0.0
+    wl, wr = _validate.clamp_window(*_validate.check_window(window), Sq, Sk) if window is not None else (-1, -1)
+    scale_f = D ** -0.5 if scale is None else _validate.check_scale(scale, D, q.dtype)
+    softcap_f = _validate.check_softcap(softcap, q.dtype) if softcap else 0.0
     p = _validate.check_dropout(dropout_p) if dropout_p else 0.0
     mask_kind = mask_grad = 0
     if attn_mask is not None:
@@ -150,11 +150,14 @@ def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p
     from . import _varlen
 
     Tq, Hq, D, Tk, Hkv, Dv = _varlen.check_qkv(q, k, v)
-    hcu_q, hcu_k, B, len_q, len_k = _varlen.check_cu_seqlens(cu_q, cu_k, max_q, max_k, Tq, Tk)
+    hcu_q, hcu_k, B, len_q, len_k = _varlen.check_cu_seqlens(cu_q, cu_k, max_q, max_k, Tq, Tk, q.device)
+    # the kernels and the padding get the real longest sequence, not the caller's bound: work scales
+    # with the data, and the result does not depend on how loose the bound is
+    max_q, max_k = _varlen.longest(len_q), _varlen.longest(len_k)
     causal_i = _validate.check_causal(causal)
-    wl, wr = _validate.check_window(window) if window is not None else (-1, -1)
-    scale_f = _validate.check_scale(scale, D)
-    softcap_f = _validate.check_softcap(softcap) if softcap else 0.0
+    wl, wr = _validate.clamp_window(*_validate.check_window(window), max_q, max_k) if window is not None else (-1, -1)
+    scale_f = _validate.check_scale(scale, D, q.dtype)
+    softcap_f = _validate.check_softcap(softcap, q.dtype) if softcap else 0.0
     p = _validate.check_dropout(dropout_p) if dropout_p else 0.0
     requested = resolve(backend) if backend is not None else "auto"
     if requested == "auto":

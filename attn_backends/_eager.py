@@ -5,7 +5,11 @@ Same semantics as the kernels (docs/semantics.md): float32 (float64 for float64 
 softmax, masks combined with causal and window, softcap, GQA, fully masked rows giving exactly 0
 output, -inf lse and zero gradient (never NaN).  Autograd comes from the aten ops themselves.
 Dropout uses torch's own dropout on the device: same distribution as the kernels' Philox stream,
-not the same mask.  Memory is O(Sq x Sk) per head, as in HF's eager attention.
+not the same mask; given `keep` (the kernels' mask, _ops.keep_mask) it applies that one instead.
+Memory is O(Sq x Sk) per head, as in HF's eager attention.
+
+It is also how our kernels' backward is differentiated (_ops.py: double backward): its autograd is
+that of plain aten ops, to any order.
 """
 
 from __future__ import annotations
@@ -32,8 +36,10 @@ def visible_keys(Sq: int, Sk: int, causal: int, window_left: int, window_right: 
 
 
 def attention(q, k, v, attn_mask, causal: int, scale: float, window_left: int, window_right: int,
-              softcap: float, dropout_p: float):
-    """Returns (out (B, Hq, Sq, Dv) in q's dtype, lse (B, Hq, Sq) float32 / float64)."""
+              softcap: float, dropout_p: float, keep: torch.Tensor | None = None):
+    """Returns (out (B, Hq, Sq, Dv) in q's dtype, lse (B, Hq, Sq) float32 / float64).
+
+    keep: optional bool (B, Hq, Sq, Sk) dropout keep-mask, applied instead of a fresh draw."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     Hq, Sq = q.shape[1], q.shape[2]
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -41,7 +47,12 @@ def attention(q, k, v, attn_mask, causal: int, scale: float, window_left: int, w
     if Hkv != Hq and Hkv > 0:
         kf = kf.repeat_interleave(Hq // Hkv, dim=1)
         vf = vf.repeat_interleave(Hq // Hkv, dim=1)
-    s = torch.matmul(qf, kf.transpose(-2, -1)) * scale
+    # the scale goes where it cannot overflow: into q when it shrinks (a q.k beyond float32 that the scale
+    # brings back in range stays finite, as with torch's sqrt(scale) on q and k), onto q.k when it grows
+    if abs(scale) <= 1:
+        s = torch.matmul(qf * scale, kf.transpose(-2, -1))
+    else:
+        s = torch.matmul(qf, kf.transpose(-2, -1)) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     visible = visible_keys(Sq, Sk, causal, window_left, window_right, q.device)
@@ -61,7 +72,9 @@ def attention(q, k, v, attn_mask, causal: int, scale: float, window_left: int, w
     s_safe = s.masked_fill(dead, 0.0)
     p = torch.softmax(s_safe, dim=-1).masked_fill(dead, 0.0)
     lse = torch.logsumexp(s_safe, dim=-1).masked_fill(dead.squeeze(-1), float("-inf"))
-    if dropout_p > 0:
+    if dropout_p > 0 and keep is not None:
+        p = p * keep.to(device=p.device, dtype=p.dtype) / (1.0 - dropout_p)
+    elif dropout_p > 0:
         p = torch.nn.functional.dropout(p, dropout_p)
     out = torch.matmul(p, vf).to(q.dtype)
     return out, lse

@@ -5,7 +5,9 @@ training scripts pass through.
 ab.sdpa keeps F.sdpa's contract exactly: every call it would not serve with F.sdpa's semantics
 (other ranks than it can reshape, broadcast batch dims, a mask together with is_causal, dtypes or
 shapes F.sdpa rejects, tensor subclasses) goes to the original torch function, so it never raises
-an exception torch would not raise, and raises the ones torch does.
+an exception torch would not raise, and raises the ones torch does.  Its output has the strides
+F.sdpa's would have.  Where torch's fast CPU path itself misbehaves, it follows torch's math backend
+(docs/integrations.md lists each such difference).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import math
 import sys
 import warnings
 
@@ -20,9 +23,12 @@ import torch
 
 from . import _planner
 from ._names import ALL_NAMES, resolve
+from ._ops import grad_strides
 from ._providers import ORIGINAL_SDPA
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_is_compiling = torch.compiler.is_compiling
 
 
 def _servable(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> bool:
@@ -47,6 +53,8 @@ def _servable(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     if nd >= 4 and query.shape[-3] != key.shape[-3]:
         if not enable_gqa or key.shape[-3] == 0 or query.shape[-3] % key.shape[-3]:
             return False
+    if enable_gqa and nd < 3:
+        return False  # torch indexes the head dim (-3), which (L, E) inputs lack: IndexError
     if attn_mask is not None:
         if is_causal or type(attn_mask) is not T or attn_mask.device != query.device:
             return False
@@ -66,6 +74,58 @@ def _servable(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     return isinstance(is_causal, bool)
 
 
+def _scale_beyond_kernels(scale, dtype) -> bool:
+    """A scale our kernels reject (not finite, or beyond float32 for float32 scores) that torch takes."""
+    if scale is None or isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        return False
+    return not math.isfinite(scale) or (dtype != torch.float64 and abs(scale) > _F32_MAX)
+
+
+def _torch_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+    """torch's math backend: what F.sdpa computes where its fast CPU path misbehaves (a NaN or infinite
+    scale gives finite garbage there, NaN in math)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                             scale=scale, enable_gqa=enable_gqa)
+
+
+def _fused_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
+    """The backend F.sdpa would run (torch.nn.attention.SDPBackend value); a call its selection rejects
+    (a 1-D mask raises IndexError there) counts as math, where torch computes it."""
+    try:
+        return int(torch._fused_sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
+                                           enable_gqa=enable_gqa))
+    except (RuntimeError, IndexError, ValueError, TypeError):
+        return 0
+
+
+_fused_choice_traced = torch.compiler.assume_constant_result(_fused_choice)
+
+
+def _torch_strides(query, value, nd, choice) -> tuple:
+    """The strides of F.sdpa's output: torch's fused CPU/CUDA kernels allocate it like the query
+    (empty_like: the query's own strides when dense, else contiguous); its math path returns a
+    matmul result, contiguous."""
+    shape = tuple(query.shape[:-1]) + (value.shape[-1],)
+    if nd == 4 and choice > 0 and query.shape[-1] == value.shape[-1]:
+        return grad_strides(query)
+    strides, s = [0] * len(shape), 1
+    for d in reversed(range(len(shape))):
+        strides[d] = s
+        s *= max(shape[d], 1)
+    return tuple(strides)
+
+
+def _with_strides(out: torch.Tensor, strides: tuple) -> torch.Tensor:
+    if out.stride() == strides:
+        return out
+    if out.numel() == 0 or all(a == b or n == 1 for a, b, n in zip(out.stride(), strides, out.shape)):
+        return out.as_strided(out.shape, strides, out.storage_offset())  # the same elements: a view
+    return torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device).copy_(out)
+
+
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
          *, backend=None):
     from . import attention
@@ -74,6 +134,10 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         return ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                              scale=scale, enable_gqa=enable_gqa)
     nd = query.dim()
+    call = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    choice = _fused_choice_traced(*call) if _is_compiling() else _fused_choice(*call)
+    if _scale_beyond_kernels(scale, query.dtype):
+        return _with_strides(_torch_math(*call), _torch_strides(query, value, nd, choice))
     q, k, v, m = query, key, value, attn_mask
     if nd == 3:  # (N, L, E): no head dim
         q, k, v = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
@@ -81,16 +145,19 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
             m = m.unsqueeze(1)
     elif nd == 2:  # (L, E)
         q, k, v = query[None, None], key[None, None], value[None, None]
-    elif nd > 4:  # (*batch, H, L, E): the batch dims flattened into one
-        q, k, v = (t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+    elif nd > 4:  # (*batch, H, L, E): the batch dims flattened into one (sized explicitly: any may be 0)
+        batch = math.prod(query.shape[:-3])
+        q, k, v = (t.reshape(batch, *t.shape[-3:]) for t in (query, key, value))
         if m is not None:
             full = tuple(query.shape[:-2]) + (query.shape[-2], key.shape[-2])
-            m = m.expand(full).reshape(-1, *full[-3:])
+            m = m.expand(full).reshape(batch, *full[-3:])
     out = attention(q, k, v, backend="auto" if backend is None else backend, causal=is_causal, attn_mask=m,
                     dropout_p=dropout_p, scale=scale)
-    if nd == 4:
-        return out
-    return out.reshape(*query.shape[:-1], value.shape[-1])
+    if nd != 4:
+        out = out.reshape(*query.shape[:-1], value.shape[-1])
+    elif choice > 0 and out.stride() == query.stride():
+        return out  # the usual (B, S, H, D) query: torch's fused kernel and ours lay the output out alike
+    return _with_strides(out, _torch_strides(query, value, nd, choice))
 
 
 _patched = {"router": None}

@@ -426,7 +426,7 @@ def _attend_flash(c: KVCall, rows: _Rows):
         mask = bias.masked_fill(~mask, -math.inf)
     args = (q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), mask, None, 0, c.scale, -1, -1, c.softcap, 0.0)
     with _below_autograd():
-        out, lse = ops.flash_fwd(*args)
+        out, lse = ops.flash_fwd(*args)[:2]
     return out.transpose(1, 2), lse
 
 

@@ -52,26 +52,39 @@ def _empty_grad(t):
     return t.new_empty_strided(t.shape, grad_strides(t))
 
 
+def _flash_fwd_fake(*args):
+    out, lse = _fwd_fake(*args)
+    return out, lse, lse.new_empty((2,) + tuple(lse.shape))
+
+
 def _bwd_fake(grad_out, q, k, v, out, lse, grad_lse, attn_mask, rng_state, causal, scale,
-              window_left, window_right, softcap, dropout_p, mask_grad, deterministic=False):
+              window_left, window_right, softcap, dropout_p, mask_grad, deterministic=False, stats=None):
     B, Hq, Sq, _ = q.shape
     Sk = k.shape[2]
     dmask = q.new_empty((B, Hq, Sq, Sk) if mask_grad else (0,), dtype=lse_dtype(q.dtype))
     return _empty_grad(q), _empty_grad(k), _empty_grad(v), dmask
 
 
+# flash_fwd also returns `stats` (2, B, Hq, Sq): each row's max score and the log of its sum, lse in
+# two parts, which flash's backward takes its softmax from (free of lse's float32 rounding)
+torch.library.register_fake("attn_backends::math_fwd")(_fwd_fake)
+torch.library.register_fake("attn_backends::flash_fwd")(_flash_fwd_fake)
 for _kernel in ("math", "flash"):
-    torch.library.register_fake(f"attn_backends::{_kernel}_fwd")(_fwd_fake)
     torch.library.register_fake(f"attn_backends::{_kernel}_bwd")(_bwd_fake)
 
 
-@torch.library.register_fake("attn_backends::flash_varlen_fwd")
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rng_state, causal,
                      scale, window_left, window_right, softcap, dropout_p):
     Tq, Hq, _ = q.shape
     out = q.new_empty((Tq, Hq, v.shape[-1]))
     lse = q.new_empty((Hq, Tq), dtype=lse_dtype(q.dtype))
     return out, lse
+
+
+@torch.library.register_fake("attn_backends::flash_varlen_fwd")
+def _flash_varlen_fwd_fake(*args):
+    out, lse = _varlen_fwd_fake(*args)
+    return out, lse, lse.new_empty((2,) + tuple(lse.shape))
 
 
 # sage is forward only: no autograd is registered for its ops, and the planner never routes a call
@@ -83,7 +96,7 @@ torch.library.register_fake("attn_backends::sage_varlen_fwd")(_varlen_fwd_fake)
 @torch.library.register_fake("attn_backends::flash_varlen_bwd")
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, rng_state, causal, scale, window_left, window_right, softcap, dropout_p,
-                     deterministic=False):
+                     deterministic=False, stats=None):
     return _empty_grad(q), _empty_grad(k), _empty_grad(v)
 
 
@@ -124,25 +137,87 @@ def _grad_out(grad_out, out, flash):
     return cuda_layout(grad_out) if flash and grad_out.is_cuda else grad_out
 
 
+# ---- double backward -------------------------------------------------------------------------------
+# The kernels' backward is not itself differentiable.  When autograd records the backward
+# (create_graph=True, an input that requires grad), the first-order gradient is computed instead by
+# the eager composite (_eager.attention, plain aten ops, the same semantics and the same dropout mask),
+# whose own autograd then gives the second (and any higher) derivative.  docs/semantics.md says why.
+
+
+def records_graph(*tensors) -> bool:
+    """True when this backward runs under create_graph=True for something that requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def keep_mask(rng_state, B, H, Sq, Sk, dropout_p, device):
+    """The kernels' dropout keep-mask for this call, or None without dropout."""
+    if not dropout_p > 0:
+        return None
+    return ops.dropout_mask(rng_state, B, H, Sq, Sk, dropout_p).to(device)
+
+
+def _differentiable_grads(outputs, grads, inputs):
+    """d outputs / d inputs against grads, recorded for a further derivative (None where unused)."""
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None]
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    found = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], create_graph=True,
+                                     allow_unused=True) if pairs and wanted else ())
+    return [next(found) if t is not None and t.requires_grad else None for t in inputs]
+
+
+def composite_backward(q, k, v, attn_mask, rng_state, args, grad_out, grad_lse):
+    """(dq, dk, dv, dmask) of a dense call through the eager composite, differentiable."""
+    from . import _eager
+
+    causal, scale, wl, wr, softcap, dropout_p = args
+    keep = keep_mask(rng_state, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p, q.device)
+    mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool or attn_mask.requires_grad \
+        else attn_mask.detach()
+    out, lse = _eager.attention(q, k, v, mask, causal, scale, wl, wr, softcap, dropout_p, keep=keep)
+    return _differentiable_grads((out, lse), (grad_out, grad_lse),
+                                 (q, k, v, mask if mask is not None and mask.dtype != torch.bool else None))
+
+
+def composite_varlen_backward(q, k, v, cu_q, cu_k, max_q, max_k, rng_state, opts, grad_out, grad_lse):
+    """(dq, dk, dv) of a packed call: padded to (B, H, max_seqlen, D) (the rows its dropout numbers),
+    the eager composite, unpadded."""
+    from . import _eager, _varlen
+
+    causal, scale, wl, wr, softcap, dropout_p = opts
+    len_q, len_k = (cu[1:].long() - cu[:-1].long() for cu in (cu_q.cpu(), cu_k.cpu()))
+    qd, kd, vd = _varlen.pad(q, len_q, max_q), _varlen.pad(k, len_k, max_k), _varlen.pad(v, len_k, max_k)
+    mask = _varlen.padded_mask(len_q, len_k, max_q, max_k, causal, wl, wr, q.device)
+    keep = keep_mask(rng_state, len_q.numel(), q.shape[1], max_q, max_k, dropout_p, q.device)
+    out, lse = _eager.attention(qd, kd, vd, mask, 0, scale, -1, -1, softcap, dropout_p, keep=keep)
+    out, lse = _varlen.unpad(out, len_q), _varlen.unpad_lse(lse, len_q)
+    return _differentiable_grads((out, lse), (grad_out, grad_lse), (q, k, v))
+
+
 def _make_autograd(bwd_op, flash=False):
     """setup_context and backward for a forward op with the math_fwd argument list."""
 
     def setup_context(ctx, inputs, output):
         q, k, v, attn_mask, rng_state, causal, scale, wl, wr, softcap, dropout_p = inputs
-        out, lse = output
+        out, lse = output[0], output[1]
+        stats = output[2] if flash else None
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng_state)
+        if flash:
+            ctx.mark_non_differentiable(stats)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng_state, stats)
         ctx.args = (causal, scale, wl, wr, softcap, dropout_p)
         ctx.mask_grad = bool(
             attn_mask is not None and attn_mask.dtype != torch.bool and ctx.needs_input_grad[3]
         )
 
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, attn_mask, rng_state = ctx.saved_tensors
+    def backward(ctx, grad_out, grad_lse, grad_stats=None):
+        q, k, v, out, lse, attn_mask, rng_state, stats = ctx.saved_tensors
+        if records_graph(q, k, v, attn_mask, grad_out, grad_lse):
+            dq, dk, dv, dmask = composite_backward(q, k, v, attn_mask, rng_state, ctx.args, grad_out, grad_lse)
+            return dq, dk, dv, dmask, None, None, None, None, None, None, None
         grad_out = _grad_out(grad_out, out, flash)
         dq, dk, dv, dmask = bwd_op(
             grad_out, q, k, v, out, lse, grad_lse, attn_mask, rng_state, *ctx.args, ctx.mask_grad,
-            deterministic_backward(ctx)
+            deterministic_backward(ctx), stats
         )
         if ctx.mask_grad:
             # the kernel writes the gradient at (B, Hq, Sq, Sk); a broadcast mask gets the sum
@@ -162,17 +237,21 @@ for _kernel in ("math", "flash"):
 def _make_varlen_autograd(bwd_op, flash=True):
     def setup_context(ctx, inputs, output):
         q, k, v, cu_q, cu_k, max_q, max_k, rng_state, causal, scale, wl, wr, softcap, dropout_p = inputs
-        out, lse = output
+        out, lse, stats = output
         ctx.set_materialize_grads(False)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state)
+        ctx.mark_non_differentiable(stats)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state, stats)
         ctx.args = (max_q, max_k)
         ctx.opts = (causal, scale, wl, wr, softcap, dropout_p)
 
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse, cu_q, cu_k, rng_state = ctx.saved_tensors
-        grad_out = _grad_out(grad_out, out, flash)
+    def backward(ctx, grad_out, grad_lse, grad_stats=None):
+        q, k, v, out, lse, cu_q, cu_k, rng_state, stats = ctx.saved_tensors
+        if records_graph(q, k, v, grad_out, grad_lse):
+            dq, dk, dv = composite_varlen_backward(q, k, v, cu_q, cu_k, *ctx.args, rng_state, ctx.opts, grad_out,
+                                                   grad_lse)
+            return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
         dq, dk, dv = bwd_op(grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, *ctx.args, rng_state, *ctx.opts,
-                            deterministic_backward(ctx))
+                            deterministic_backward(ctx), stats)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
     return setup_context, backward
@@ -212,7 +291,7 @@ def kernel_function(fwd_op, bwd_op, make_autograd=_make_autograd, flash=False):
             return output
 
         @staticmethod
-        def backward(ctx, grad_out, grad_lse):
+        def backward(ctx, grad_out, grad_lse, grad_stats=None):
             return (*backward(ctx, grad_out, grad_lse), None)
 
     KernelFunction.__name__ = KernelFunction.__qualname__ = f"{fwd_op.name().split('::')[-1].split('.')[0]}_function"

@@ -52,9 +52,8 @@ def _kernel(fwd_op, function):
     def run(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
         rng = draw_rng_state(q) if p > 0 else None
         args = (q, k, v, mask, rng, causal, scale, wl, wr, softcap, p)
-        if need_grad:
-            return function.apply(*args, det)
-        return _no_grad_call(fwd_op, *args)
+        res = function.apply(*args, det) if need_grad else _no_grad_call(fwd_op, *args)
+        return res[0], res[1]  # flash's third output, its stats, is for its backward only
 
     return run
 
@@ -262,8 +261,10 @@ def run_flash_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max
     q, k, v = _cuda_qkv(q, k, v)
     args = (q, k, v, hcu_q, hcu_k, max_q, max_k, rng, causal, scale, wl, wr, softcap, p)
     if need_grad:
-        return _ops.FlashVarlenFunction.apply(*args, det)
-    return _no_grad_call(_ops.ops.flash_varlen_fwd.default, *args)
+        res = _ops.FlashVarlenFunction.apply(*args, det)
+    else:
+        res = _no_grad_call(_ops.ops.flash_varlen_fwd.default, *args)
+    return res[0], res[1]
 
 
 def run_sage_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal, scale, wl, wr,

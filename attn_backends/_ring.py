@@ -53,8 +53,10 @@ def kernel_fwd(kernel: str, q, k, v, causal: int, scale: float, wl: int, wr: int
     q, k, v = _cuda_rows(q, k, v)
     with _below_autograd():
         if cu is None:
-            return _FWD[kernel](q, k, v, None, None, causal, scale, wl, wr, softcap, 0.0)
-        out, lse = _VARLEN_FWD(q, k, v, cu, cu, max_len, max_len, None, causal, scale, wl, wr, softcap, 0.0)
+            return _FWD[kernel](q, k, v, None, None, causal, scale, wl, wr, softcap, 0.0)[:2]
+        # flash's third output, its row stats, is not passed on: each block's backward must take P
+        # from the merged lse of the whole row, not from the block's own max and sum
+        out, lse = _VARLEN_FWD(q, k, v, cu, cu, max_len, max_len, None, causal, scale, wl, wr, softcap, 0.0)[:2]
         return out, lse.t()
 
 

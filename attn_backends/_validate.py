@@ -8,10 +8,15 @@ The C core checks again at the op boundary (direct torch.ops calls), with Runtim
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
 FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+INT64_MAX = 2**63 - 1
+# float16, bfloat16 and float32 inputs get float32 scores: a scale or softcap beyond float32's range
+# cannot be applied there at all
+F32_MAX = float(torch.finfo(torch.float32).max)
 _CAUSAL = {False: 0, True: 1, "top_left": 1, "bottom_right": 2}
 
 
@@ -111,22 +116,57 @@ def check_causal(causal) -> int:
         ) from None
 
 
+def as_int(val, name: str) -> int:
+    """val as a Python int: an int, a numpy integer, or a 0-d integer tensor (flash-attn's own tests pass
+    window sizes as tensors).  bool is not an int here."""
+    if isinstance(val, int) and not isinstance(val, bool):
+        return val
+    if isinstance(val, torch.Tensor):
+        if val.dim() != 0 or val.dtype.is_floating_point or val.dtype.is_complex or val.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int or a 0-d integer tensor, got a {val.dtype} tensor of shape "
+                            f"{_shape(val)}")
+        if val.device.type == "meta":
+            raise ValueError(f"{name} must hold a value, got a tensor on the meta device")
+        return int(val.item())
+    if not isinstance(val, bool) and not (type(val).__module__ == "numpy" and type(val).__name__ == "bool_"):
+        try:
+            return operator.index(val)  # numpy integers
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be an int, got {type(val).__name__}")
+
+
 def check_window(window) -> tuple[int, int]:
-    """None or (left, right), each >= -1 (-1 = unbounded on that side)."""
+    """None or (left, right), each an int in [-1, 2**63 - 1] (-1 = unbounded on that side)."""
     if window is None:
         return -1, -1
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise ValueError(f"window must be None or a pair (left, right), got {window!r}")
-    left, right = window
-    for side, val in (("left", left), ("right", right)):
-        if isinstance(val, bool) or not isinstance(val, int):
-            raise TypeError(f"window {side} must be an int, got {type(val).__name__}")
+    sides = []
+    for side, val in zip(("left", "right"), window):
+        val = as_int(val, f"window {side}")
         if val < -1:
             raise ValueError(f"window {side} must be >= -1 (-1 = unbounded), got {val}")
-    return left, right
+        if val > INT64_MAX:
+            raise ValueError(f"window {side} must be at most 2**63 - 1 (any value >= Sq + Sk is unbounded), got {val}")
+        sides.append(val)
+    return sides[0], sides[1]
 
 
-def check_scale(scale, D: int) -> float:
+def clamp_window(wl: int, wr: int, Sq: int, Sk: int) -> tuple[int, int]:
+    """A side at least Sq + Sk wide hides no key: it becomes -1, so no kernel adds it to a row index
+    (a window near 2**63 would overflow there)."""
+    span = Sq + Sk
+    return (-1 if wl >= span else wl), (-1 if wr >= span else wr)
+
+
+def _float_range_error(name: str, val: float, dtype) -> None:
+    if dtype != torch.float64 and abs(val) > F32_MAX:
+        raise ValueError(f"{name} must be within float32's range (|{name}| <= {F32_MAX:.4g}) for {dtype} inputs, "
+                         f"whose scores are computed in float32; got {val:g}")
+
+
+def check_scale(scale, D: int, dtype=torch.float32) -> float:
     if scale is None:
         return 1.0 / math.sqrt(D)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -134,15 +174,17 @@ def check_scale(scale, D: int) -> float:
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
+    _float_range_error("scale", scale, dtype)
     return scale
 
 
-def check_softcap(softcap) -> float:
+def check_softcap(softcap, dtype=torch.float32) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
     softcap = float(softcap)
     if not (softcap >= 0.0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
+    _float_range_error("softcap", softcap, dtype)
     return softcap
 
 

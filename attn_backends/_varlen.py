@@ -45,8 +45,14 @@ def check_qkv(q, k, v):
     return Tq, Hq, D, Tk, Hkv, Dv
 
 
-def check_cu_seqlens(cu_q, cu_k, max_q, max_k, Tq, Tk):
-    """Validates cu_seqlens on the host; returns (host int32 copies, batch, lengths q, lengths k)."""
+# cu_seqlens are int32, so no sequence is longer than this: a larger max_seqlen bounds nothing real
+MAX_SEQLEN = 2**31 - 1
+
+
+def check_cu_seqlens(cu_q, cu_k, max_q, max_k, Tq, Tk, device=None):
+    """Validates cu_seqlens on the host; returns (host int32 copies, batch, lengths q, lengths k).
+
+    cu_seqlens may live on the CPU or on q's device (they are copied to the host once, here)."""
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -54,12 +60,24 @@ def check_cu_seqlens(cu_q, cu_k, max_q, max_k, Tq, Tk):
             raise TypeError(f"{name} must be int32 (as in flash-attn), got {cu.dtype}")
         if cu.dim() != 1 or cu.numel() < 1:
             raise ValueError(f"{name} must be 1-D of length batch + 1, got shape {tuple(cu.shape)}")
+        if cu.device.type == "meta" or (device is not None and cu.device.type != "cpu" and cu.device != device):
+            raise ValueError(f"{name} must be on the CPU or on q's device ({device}), got a tensor on {cu.device}")
     if cu_q.numel() != cu_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got lengths "
                          f"{cu_q.numel()} and {cu_k.numel()}")
+    maxima = []
     for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        try:
+            m = _validate.as_int(m, name)
+        except TypeError:
+            raise ValueError(f"{name} must be a non-negative int, got {m!r}") from None
+        if m < 0:
             raise ValueError(f"{name} must be a non-negative int, got {m!r}")
+        if m > MAX_SEQLEN:
+            raise ValueError(f"{name} = {m} is larger than any sequence int32 cu_seqlens can describe; it must be "
+                             f"at most 2**31 - 1 (it is an upper bound of the sequence lengths)")
+        maxima.append(m)
+    max_q, max_k = maxima
     host_q = cu_q.detach().to("cpu").contiguous()
     host_k = cu_k.detach().to("cpu").contiguous()
     lens = []
@@ -79,6 +97,11 @@ def check_cu_seqlens(cu_q, cu_k, max_q, max_k, Tq, Tk):
                              f"max_seqlen_{name[-1]} = {mx}")
         lens.append(d)
     return host_q, host_k, host_q.numel() - 1, lens[0], lens[1]
+
+
+def longest(lens: torch.Tensor) -> int:
+    """The longest sequence (0 for an empty batch)."""
+    return int(lens.max()) if lens.numel() else 0
 
 
 def _index(lens: torch.Tensor, max_len: int, device) -> tuple:

@@ -121,6 +121,11 @@ typedef struct ab_attn_params {
   ab_tensor dk;    /* (B, Hkv, Sk, D) */
   ab_tensor dv;    /* (B, Hkv, Sk, Dv) */
   ab_tensor dmask; /* (B, Hq, Sq, Sk) float32, optional */
+  /* (2, B, Hq, Sq) (packed: (2, Hq, Tq)) like lse, optional: each row's max score m and the log of its
+   * sum of exp(x - m), lse = m + log sum kept in two parts.  The CPU flash forward writes it and its
+   * backward takes p = exp((x - m) - log sum) from it, free of lse's float32 rounding, which grows
+   * with |lse|; without it the backward uses lse (m = lse, log sum = 0). */
+  ab_tensor stats;
 
   double scale;    /* multiplies q.k */
   double softcap;  /* > 0: score = softcap * tanh(score / softcap) */

@@ -3,6 +3,7 @@
  * Every kernel entry point calls ab_attn_params_check first, so a direct call of the torch op with
  * inconsistent operands fails with a message naming the argument instead of reading out of bounds.
  */
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -109,6 +110,13 @@ static ab_status check_options(const ab_attn_params* p, ab_error* err) {
     return ab_error_set(err, AB_ERR_INVALID, "scale must be finite, got %g", p->scale);
   if (!(p->softcap >= 0.0) || !isfinite(p->softcap))
     return ab_error_set(err, AB_ERR_INVALID, "softcap must be >= 0 and finite, got %g", p->softcap);
+  /* float16, bfloat16 and float32 inputs get float32 scores: a factor beyond float32's range cannot
+   * be applied there */
+  if (p->q.dtype != AB_DTYPE_F64 && (fabs(p->scale) > FLT_MAX || p->softcap > FLT_MAX))
+    return ab_error_set(err, AB_ERR_INVALID,
+                        "%s must be within float32's range (<= %g) for %s inputs, got %g",
+                        fabs(p->scale) > FLT_MAX ? "scale" : "softcap", (double)FLT_MAX,
+                        ab_dtype_name(p->q.dtype), fabs(p->scale) > FLT_MAX ? p->scale : p->softcap);
   if (!(p->dropout_p >= 0.0 && p->dropout_p < 1.0))
     return ab_error_set(err, AB_ERR_INVALID, "dropout_p must be in [0, 1), got %g", p->dropout_p);
   if (p->window_left < -1 || p->window_right < -1)
@@ -125,6 +133,12 @@ static ab_status check_varlen(const ab_attn_params* p, int backward, ab_error* e
   const ab_dtype dt = p->q.dtype;
   const ab_dtype lse_dt = dt == AB_DTYPE_F64 ? AB_DTYPE_F64 : AB_DTYPE_F32;
   if (!p->cu_seqlens_k) return ab_error_set(err, AB_ERR_INVALID, "cu_seqlens_k is missing");
+  /* cu_seqlens are int32: no sequence is longer, and dropout row numbers (b Hq + h) max + i stay
+   * far inside 64 bits */
+  if (p->Sq > INT32_MAX || p->Sk > INT32_MAX)
+    return ab_error_set(err, AB_ERR_INVALID, "%s = %lld must be at most 2**31 - 1 (cu_seqlens are int32)",
+                        p->Sq > INT32_MAX ? "max_seqlen_q" : "max_seqlen_k",
+                        (long long)(p->Sq > INT32_MAX ? p->Sq : p->Sk));
   if (p->mask.ndim) return ab_error_set(err, AB_ERR_INVALID, "packed (varlen) calls take no attn_mask");
   const int64_t Tq = p->q.ndim == 3 ? p->q.sizes[0] : -1, Tk = p->k.ndim == 3 ? p->k.sizes[0] : -1;
   const int64_t qs[3] = {Tq, p->Hq, p->D}, ks[3] = {Tk, p->Hkv, p->D}, vs[3] = {Tk, p->Hkv, p->Dv};
@@ -140,6 +154,11 @@ static ab_status check_varlen(const ab_attn_params* p, int backward, ab_error* e
   AB_TRY(check_dtype(err, "out", &p->out, dt));
   AB_TRY(check_shape(err, "lse", &p->lse, 2, ls));
   AB_TRY(check_dtype(err, "lse", &p->lse, lse_dt));
+  if (p->stats.ndim) {
+    const int64_t ss[3] = {2, p->Hq, Tq};
+    AB_TRY(check_shape(err, "stats", &p->stats, 3, ss));
+    AB_TRY(check_dtype(err, "stats", &p->stats, lse_dt));
+  }
   AB_TRY(check_cu(err, "cu_seqlens_q", p->cu_seqlens_q, p->B, Tq, p->Sq));
   AB_TRY(check_cu(err, "cu_seqlens_k", p->cu_seqlens_k, p->B, Tk, p->Sk));
   AB_TRY(check_options(p, err));
@@ -210,6 +229,11 @@ ab_status ab_attn_params_check(const ab_attn_params* p, int backward, ab_error* 
   AB_TRY(check_dtype(err, "out", &p->out, dt));
   AB_TRY(check_shape(err, "lse", &p->lse, 3, ls));
   AB_TRY(check_dtype(err, "lse", &p->lse, lse_dt));
+  if (p->stats.ndim) {
+    const int64_t ss[4] = {2, p->B, p->Hq, p->Sq};
+    AB_TRY(check_shape(err, "stats", &p->stats, 4, ss));
+    AB_TRY(check_dtype(err, "stats", &p->stats, lse_dt));
+  }
   AB_TRY(check_options(p, err));
   if (!backward) return AB_OK;
 

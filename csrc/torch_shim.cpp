@@ -8,9 +8,11 @@
 // What it must not do: compute anything.  Every kernel lives in the C core or the CUDA library.
 //
 // Ops (schemas below; Python registers fake kernels and autograd in attn_backends/_ops.py):
-//   math_fwd, flash_fwd          -> (out (B, Hq, Sq, Dv), lse (B, Hq, Sq))
-//   math_bwd, flash_bwd          -> (dq, dk, dv, dmask)
-//   flash_varlen_fwd / _bwd      packed sequences: out (Tq, Hq, Dv), lse (Hq, Tq); (dq, dk, dv)
+//   math_fwd                     -> (out (B, Hq, Sq, Dv), lse (B, Hq, Sq))
+//   flash_fwd                    -> (out, lse, stats (2, B, Hq, Sq): each row's max and log sum)
+//   math_bwd, flash_bwd          -> (dq, dk, dv, dmask); flash_bwd takes the forward's stats
+//   flash_varlen_fwd / _bwd      packed sequences: out (Tq, Hq, Dv), lse (Hq, Tq), stats (2, Hq, Tq);
+//                                (dq, dk, dv)
 //   sage_fwd, sage_varlen_fwd    forward only (INT8 Q.K^T); the same outputs as flash's forwards;
 //                                CPU and CUDA
 //   dropout_mask                 the keep-mask the kernels draw, for tests (on rng_state's device)
@@ -395,12 +397,30 @@ Tensor cu_seqlens_on_device(const Tensor& q, const Tensor& cu_q, const Tensor& c
   return cu_dev;
 }
 
-// Dense forward: out (B, Hq, Sq, Dv) stored (B, Sq, Hq, Dv), lse (B, Hq, Sq).
+// flash's stats (2, ..., lse's shape): each row's max and log sum, which the CPU forward writes and
+// the CPU backward reads (ab_core.h).  The CUDA forward does not compute them yet: there they are
+// filled as lse = max + 0, which its backward does not read.  The same holds for CPU tensors under
+// the CUDA emulation, so that stats are always written, whichever backward later reads them.
+Tensor alloc_stats(const Tensor& q, const Tensor& lse, ab_attn_params& p) {
+  std::vector<int64_t> sizes{2};
+  for (int64_t d = 0; d < lse.dim(); ++d) sizes.push_back(lse.size(d));
+  Tensor stats = empty_strided(q, sizes, contiguous_strides(sizes), lse_dtype(q));
+  if (p.q.device == AB_DEVICE_CPU && emulated(p) == nullptr) p.stats = view_of(stats, "stats");
+  return stats;
+}
+
+void fill_stats_from_lse(Tensor& stats, const Tensor& lse) {
+  Tensor m = torch::stable::select(stats, 0, 0), ls = torch::stable::select(stats, 0, 1);
+  torch::stable::copy_(m, lse);
+  torch::stable::zero_(ls);
+}
+
+// Dense forward: out (B, Hq, Sq, Dv) stored (B, Sq, Hq, Dv), lse (B, Hq, Sq); flash also returns
+// its stats (2, B, Hq, Sq).
 template <Kernel K>
-std::tuple<Tensor, Tensor> dense_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                     std::optional<Tensor> mask, std::optional<Tensor> rng,
-                                     int64_t causal, double scale, int64_t window_left,
-                                     int64_t window_right, double softcap, double dropout_p) {
+std::tuple<Tensor, Tensor, std::optional<Tensor>> dense_fwd_impl(
+    const Tensor& q, const Tensor& k, const Tensor& v, std::optional<Tensor> mask, std::optional<Tensor> rng,
+    int64_t causal, double scale, int64_t window_left, int64_t window_right, double softcap, double dropout_p) {
   ab_attn_params p = make_params(q, k, v, mask, rng, causal, scale, window_left, window_right,
                                  softcap, dropout_p);
   // out is laid out (B, Sq, Hq, Dv) in memory and returned as a (B, Hq, Sq, Dv) view, so the usual
@@ -413,11 +433,37 @@ std::tuple<Tensor, Tensor> dense_fwd(const Tensor& q, const Tensor& k, const Ten
   Tensor lse = empty_strided(q, lse_sizes, contiguous_strides(lse_sizes), lse_dtype(q));
   p.out = view_of(out, "out");
   p.lse = view_of(lse, "lse");
+  std::optional<Tensor> stats;
+  if constexpr (K == Kernel::kFlash) stats = alloc_stats(q, lse, p);
   if constexpr (K == Kernel::kSage)
     run_sage(q, p);
   else
     run_fwd(K, p);
-  return std::make_tuple(out, lse);
+  if (stats.has_value() && p.stats.ndim == 0) fill_stats_from_lse(*stats, lse);
+  return std::make_tuple(out, lse, stats);
+}
+
+template <Kernel K>
+std::tuple<Tensor, Tensor> dense_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                     std::optional<Tensor> mask, std::optional<Tensor> rng,
+                                     int64_t causal, double scale, int64_t window_left,
+                                     int64_t window_right, double softcap, double dropout_p) {
+  auto res = dense_fwd_impl<K>(q, k, v, mask, rng, causal, scale, window_left, window_right, softcap, dropout_p);
+  return std::make_tuple(std::get<0>(res), std::get<1>(res));
+}
+
+std::tuple<Tensor, Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                             std::optional<Tensor> mask, std::optional<Tensor> rng,
+                                             int64_t causal, double scale, int64_t window_left,
+                                             int64_t window_right, double softcap, double dropout_p) {
+  auto res = dense_fwd_impl<Kernel::kFlash>(q, k, v, mask, rng, causal, scale, window_left, window_right, softcap,
+                                            dropout_p);
+  return std::make_tuple(std::get<0>(res), std::get<1>(res), *std::get<2>(res));
+}
+
+// The stats a backward was handed, if any (flash only; the CPU kernel reads them).
+void read_stats(const std::optional<Tensor>& stats, ab_attn_params& p) {
+  if (stats.has_value() && p.q.device == AB_DEVICE_CPU) p.stats = view_of(*stats, "stats");
 }
 
 template <Kernel K>
@@ -425,11 +471,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dense_bwd(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, std::optional<Tensor> grad_lse, std::optional<Tensor> mask,
     std::optional<Tensor> rng, int64_t causal, double scale, int64_t window_left,
-    int64_t window_right, double softcap, double dropout_p, bool mask_grad, bool deterministic) {
+    int64_t window_right, double softcap, double dropout_p, bool mask_grad, bool deterministic,
+    std::optional<Tensor> stats) {
   ab_attn_params p = make_params(q, k, v, mask, rng, causal, scale, window_left, window_right,
                                  softcap, dropout_p);
   p.out = view_of(out, "out");
   p.lse = view_of(lse, "lse");
+  read_stats(stats, p);
   p.dout = view_of(grad_out, "grad_out");
   if (grad_lse.has_value()) p.dlse = view_of(*grad_lse, "grad_lse");
   const int32_t dt = aoti_dtype(q.scalar_type());
@@ -488,11 +536,10 @@ ab_attn_params make_varlen_params(const Tensor& q, const Tensor& k, const Tensor
 }
 
 template <Kernel K>
-std::tuple<Tensor, Tensor> varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                      const Tensor& cu_q, const Tensor& cu_k, int64_t max_q,
-                                      int64_t max_k, std::optional<Tensor> rng, int64_t causal,
-                                      double scale, int64_t wl, int64_t wr, double softcap,
-                                      double dropout_p) {
+std::tuple<Tensor, Tensor, std::optional<Tensor>> varlen_fwd_impl(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q, const Tensor& cu_k, int64_t max_q,
+    int64_t max_k, std::optional<Tensor> rng, int64_t causal, double scale, int64_t wl, int64_t wr, double softcap,
+    double dropout_p) {
   ab_attn_params p = make_varlen_params(q, k, v, cu_q, cu_k, max_q, max_k, rng, causal, scale, wl, wr,
                                         softcap, dropout_p);
   std::vector<int64_t> out_sizes{q.size(0), p.Hq, p.Dv};
@@ -501,6 +548,8 @@ std::tuple<Tensor, Tensor> varlen_fwd(const Tensor& q, const Tensor& k, const Te
   Tensor lse = empty_strided(q, lse_sizes, contiguous_strides(lse_sizes), lse_dtype(q));
   p.out = view_of(out, "out");
   p.lse = view_of(lse, "lse");
+  std::optional<Tensor> stats;
+  if constexpr (K == Kernel::kFlash) stats = alloc_stats(q, lse, p);
   if (p.q.device == AB_DEVICE_CUDA) {
     Tensor cu_dev = cu_seqlens_on_device(q, cu_q, cu_k);
     const int32_t* base = static_cast<const int32_t*>(cu_dev.data_ptr());
@@ -513,18 +562,39 @@ std::tuple<Tensor, Tensor> varlen_fwd(const Tensor& q, const Tensor& k, const Te
   } else {
     run_fwd(K, p, p.cu_seqlens_q, p.cu_seqlens_k);
   }
-  return std::make_tuple(out, lse);
+  if (stats.has_value() && p.stats.ndim == 0) fill_stats_from_lse(*stats, lse);
+  return std::make_tuple(out, lse, stats);
+}
+
+std::tuple<Tensor, Tensor> sage_varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
+                                           const Tensor& cu_k, int64_t max_q, int64_t max_k,
+                                           std::optional<Tensor> rng, int64_t causal, double scale, int64_t wl,
+                                           int64_t wr, double softcap, double dropout_p) {
+  auto res = varlen_fwd_impl<Kernel::kSage>(q, k, v, cu_q, cu_k, max_q, max_k, rng, causal, scale, wl, wr, softcap,
+                                            dropout_p);
+  return std::make_tuple(std::get<0>(res), std::get<1>(res));
+}
+
+std::tuple<Tensor, Tensor, Tensor> flash_varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                    const Tensor& cu_q, const Tensor& cu_k, int64_t max_q,
+                                                    int64_t max_k, std::optional<Tensor> rng, int64_t causal,
+                                                    double scale, int64_t wl, int64_t wr, double softcap,
+                                                    double dropout_p) {
+  auto res = varlen_fwd_impl<Kernel::kFlash>(q, k, v, cu_q, cu_k, max_q, max_k, rng, causal, scale, wl, wr,
+                                             softcap, dropout_p);
+  return std::make_tuple(std::get<0>(res), std::get<1>(res), *std::get<2>(res));
 }
 
 std::tuple<Tensor, Tensor, Tensor> flash_varlen_bwd(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, std::optional<Tensor> grad_lse, const Tensor& cu_q, const Tensor& cu_k,
     int64_t max_q, int64_t max_k, std::optional<Tensor> rng, int64_t causal, double scale,
-    int64_t wl, int64_t wr, double softcap, double dropout_p, bool deterministic) {
+    int64_t wl, int64_t wr, double softcap, double dropout_p, bool deterministic, std::optional<Tensor> stats) {
   ab_attn_params p = make_varlen_params(q, k, v, cu_q, cu_k, max_q, max_k, rng, causal, scale, wl, wr,
                                         softcap, dropout_p);
   p.out = view_of(out, "out");
   p.lse = view_of(lse, "lse");
+  read_stats(stats, p);
   p.dout = view_of(grad_out, "grad_out");
   if (grad_lse.has_value()) p.dlse = view_of(*grad_lse, "grad_lse");
   const int32_t dt = aoti_dtype(q.scalar_type());
@@ -643,23 +713,26 @@ extern "C" ab_shim_info ab_shim_info_get(void) {
 #define AB_DENSE_BWD_ARGS                                                                      \
   "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse, "      \
   "Tensor? attn_mask, Tensor? rng_state, int causal, float scale, int window_left, "               \
-  "int window_right, float softcap, float dropout_p, bool mask_grad, bool deterministic=False) "      \
-  "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)"
+  "int window_right, float softcap, float dropout_p, bool mask_grad, bool deterministic=False, "     \
+  "Tensor? stats=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)"
 
 STABLE_TORCH_LIBRARY(attn_backends, m) {
   m.def("math_fwd" AB_DENSE_FWD_ARGS);
   m.def("math_bwd" AB_DENSE_BWD_ARGS);
-  m.def("flash_fwd" AB_DENSE_FWD_ARGS);
+  m.def(
+      "flash_fwd(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? rng_state, int causal, float scale, "
+      "int window_left, int window_right, float softcap, float dropout_p) -> (Tensor out, Tensor lse, Tensor stats)");
   m.def("flash_bwd" AB_DENSE_BWD_ARGS);
   m.def(
       "flash_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, Tensor? rng_state, int causal, float scale, "
-      "int window_left, int window_right, float softcap, float dropout_p) -> (Tensor out, Tensor lse)");
+      "int window_left, int window_right, float softcap, float dropout_p) "
+      "-> (Tensor out, Tensor lse, Tensor stats)");
   m.def(
       "flash_varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? grad_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, Tensor? rng_state, int causal, float scale, int window_left, "
-      "int window_right, float softcap, float dropout_p, bool deterministic=False) "
+      "int window_right, float softcap, float dropout_p, bool deterministic=False, Tensor? stats=None) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("sage_fwd" AB_DENSE_FWD_ARGS);
   m.def(
@@ -681,12 +754,12 @@ namespace {
 void impl_ops(torch::stable::detail::StableLibrary& m) {
   m.impl("math_fwd", TORCH_BOX(&dense_fwd<Kernel::kMath>));
   m.impl("math_bwd", TORCH_BOX(&dense_bwd<Kernel::kMath>));
-  m.impl("flash_fwd", TORCH_BOX(&dense_fwd<Kernel::kFlash>));
+  m.impl("flash_fwd", TORCH_BOX(&flash_fwd));
   m.impl("flash_bwd", TORCH_BOX(&dense_bwd<Kernel::kFlash>));
-  m.impl("flash_varlen_fwd", TORCH_BOX(&varlen_fwd<Kernel::kFlash>));
+  m.impl("flash_varlen_fwd", TORCH_BOX(&flash_varlen_fwd));
   m.impl("flash_varlen_bwd", TORCH_BOX(&flash_varlen_bwd));
   m.impl("sage_fwd", TORCH_BOX(&dense_fwd<Kernel::kSage>));
-  m.impl("sage_varlen_fwd", TORCH_BOX(&varlen_fwd<Kernel::kSage>));
+  m.impl("sage_varlen_fwd", TORCH_BOX(&sage_varlen_fwd));
   m.impl("dropout_mask", TORCH_BOX(&dropout_mask));
   m.impl("kvcache_fwd", TORCH_BOX(&kvcache_fwd));
 }

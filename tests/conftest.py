@@ -14,14 +14,14 @@ from attn_backends._testing import cpu_isas
 
 import cuda_devices
 
-# property tests (test_properties.py): the same examples on every CI run unless asked otherwise
-settings.register_profile(
-    "attn_backends",
-    max_examples=int(os.environ.get("ATTN_BACKENDS_FUZZ_EXAMPLES", "100")),
-    derandomize=os.environ.get("ATTN_BACKENDS_FUZZ_RANDOM", "0") != "1",
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
-)
+# property tests (test_properties.py): the same examples on every CI run unless asked otherwise;
+# `-m fuzz` selects them alone with the long profile (20x the examples), still seeded
+_FUZZ = dict(derandomize=os.environ.get("ATTN_BACKENDS_FUZZ_RANDOM", "0") != "1", deadline=None,
+             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+settings.register_profile("attn_backends", max_examples=int(os.environ.get("ATTN_BACKENDS_FUZZ_EXAMPLES", "100")),
+                          **_FUZZ)
+settings.register_profile("attn_backends_long",
+                          max_examples=int(os.environ.get("ATTN_BACKENDS_FUZZ_EXAMPLES", "2000")), **_FUZZ)
 settings.load_profile("attn_backends")
 
 
@@ -32,6 +32,8 @@ def _seed_of(request) -> int:
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda_emu: runs CUDA kernels on the CUDA emulator (CPU tensors)")
+    if "fuzz" in (config.getoption("markexpr") or "").replace("not fuzz", ""):
+        settings.load_profile("attn_backends_long")
 
 
 def pytest_collection_modifyitems(config, items):

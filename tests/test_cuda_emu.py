@@ -144,7 +144,7 @@ def test_a_device_with_less_shared_memory_makes_the_launcher_refuse(emu):
     # sm_86 gives a block 99 KiB: the flash backward at head dim 192 needs 119 KiB (flash_bwd.cuh)
     emu.ab_cuda_emu_set_device_cc(86)
     q, k, v = (torch.randn(1, 1, 8, 192, dtype=torch.float16) for _ in range(3))
-    out, lse = ops.flash_fwd(q, k, v, None, None, 0, 0.1, -1, -1, 0.0, 0.0)  # 75 KiB: fits
+    out, lse, _ = ops.flash_fwd(q, k, v, None, None, 0, 0.1, -1, -1, 0.0, 0.0)  # 75 KiB: fits
     _check(q, k, v, out, lse, scale=0.1)
     with pytest.raises(RuntimeError, match="head dim 192 needs 121344 bytes of shared memory per block, this "
                                            "device allows 101376"):

@@ -24,19 +24,40 @@ static inline int64_t ab_off3(const ab_tensor* t, int64_t a, int64_t b, int64_t 
   return a * t->strides[0] + b * t->strides[1] + c * t->strides[2];
 }
 
-/* The keys query row i may see through causal and window alone: [*lo, *hi).  Empty when lo >= hi.
- * Alignment: i' = i + Sk - Sq for bottom-right causal, i' = i otherwise (docs/semantics.md). */
-static inline void ab_row_key_range(const ab_attn_params* p, int64_t i, int64_t* lo, int64_t* hi) {
-  const int64_t ii = p->causal == AB_CAUSAL_BOTTOM_RIGHT ? i + p->Sk - p->Sq : i;
-  int64_t l = 0, h = p->Sk;
+/* The keys query row i of a (Sq, Sk) sequence may see through causal and window alone: [*lo, *hi),
+ * empty when *lo >= *hi.  Alignment: i' = i + Sk - Sq for bottom-right causal, i' = i otherwise
+ * (docs/semantics.md).  The window sides are compared before they are added, so a window up to
+ * 2^63 - 1 (a direct op call) cannot overflow. */
+static inline void ab_key_range(const ab_attn_params* p, int64_t Sq, int64_t Sk, int64_t i, int64_t* lo,
+                                int64_t* hi) {
+  const int64_t ii = p->causal == AB_CAUSAL_BOTTOM_RIGHT ? i + Sk - Sq : i;
+  int64_t l = 0, h = Sk;
   if (p->causal != AB_CAUSAL_NONE && ii + 1 < h) h = ii + 1;
-  if (p->window_right >= 0 && ii + p->window_right + 1 < h) h = ii + p->window_right + 1;
-  if (p->window_left >= 0 && ii - p->window_left > l) l = ii - p->window_left;
+  if (p->window_right >= 0 && p->window_right < h - ii - 1) h = ii + p->window_right + 1;
+  if (p->window_left >= 0 && p->window_left < ii) l = ii - p->window_left;
   if (h < 0) h = 0;
-  if (l > p->Sk) l = p->Sk;
+  if (l > Sk) l = Sk;
   *lo = l;
   *hi = h;
 }
+
+static inline void ab_row_key_range(const ab_attn_params* p, int64_t i, int64_t* lo, int64_t* hi) {
+  ab_key_range(p, p->Sq, p->Sk, i, lo, hi);
+}
+
+/* The longest query (key) sequence of a call: Sq (Sk) for dense calls; for packed calls the longest
+ * one in cu_seqlens, which max_seqlen only bounds.  Kernels size work and scratch by it, so a loose
+ * max_seqlen costs nothing. */
+static inline int64_t ab_longest(const int32_t* cu, int64_t B, int64_t bound) {
+  if (!cu) return bound;
+  int64_t m = 0;
+  for (int64_t b = 0; b < B; ++b)
+    if ((int64_t)cu[b + 1] - cu[b] > m) m = (int64_t)cu[b + 1] - cu[b];
+  return m;
+}
+
+static inline int64_t ab_rows_q(const ab_attn_params* p) { return ab_longest(p->cu_seqlens_q, p->B, p->Sq); }
+static inline int64_t ab_rows_k(const ab_attn_params* p) { return ab_longest(p->cu_seqlens_k, p->B, p->Sk); }
 
 static inline int ab_mask_is_bool(const ab_attn_params* p) {
   return p->mask.ndim > 0 && p->mask.dtype == AB_DTYPE_BOOL;

@@ -439,7 +439,7 @@ static void AMXS(fwd_range)(int64_t begin, int64_t end, void* vctx) {
       }
       ops->score_finish(ctx, &ch, j0, nb, sq, bias, st);
       const int structural = nrows < AMX_RC || j0 < ch.all_lo || j0 + nb > ch.all_hi;
-      SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, AMX_RC);
+      SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, AMX_RC, 1.0);
       if (AMXS(softmax)(st, nb, ctx->c, mrow, lrow, arow))
         for (int64_t d = 0; d < Dvp; ++d)
           for (int64_t v = 0; v < AMX_RC; v += VLEN)
@@ -463,7 +463,7 @@ static void AMXS(fwd_range)(int64_t begin, int64_t end, void* vctx) {
 
 /* Runs the forward items once ctx's packed K and V are in place. */
 static ab_status AMXS(fwd_run)(AMXS(fwd_ctx) * ctx, const ab_cpu_pool* pool, double work) {
-  ctx->nchunk = (ctx->p->Sq + AMX_RC - 1) / AMX_RC;
+  ctx->nchunk = (ab_rows_q(ctx->p) + AMX_RC - 1) / AMX_RC;
   return ab_par_run(pool, ctx->p->B * ctx->p->Hq * ctx->nchunk, 1, work, AMXS(fwd_range), ctx, &ctx->st);
 }
 
@@ -588,7 +588,7 @@ static ab_status AMXS(flash_fwd_tiles)(const ab_attn_params* p, int kind, const 
   const double pack = (double)p->B * p->Hkv * p->Sk * (double)(p->D + p->Dv) * 4;
   ab_status st = ab_par_run(pool, p->B * p->Hkv, 1, pack, AMXS(flash_pack_range), &pc, &pc.st);
   if (st == AB_OK) {
-    const double work = (double)p->B * p->Hq * p->Sq * p->Sk * (double)(p->D + p->Dv);
+    const double work = (double)p->B * p->Hq * ab_rows_q(p) * ab_rows_k(p) * (double)(p->D + p->Dv);
     st = AMXS(fwd_run)(&ctx, pool, work);
   }
   free(buf);
@@ -619,7 +619,7 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   const int64_t D = p->D, Dv = p->Dv, group = p->Hq / p->Hkv;
   const int64_t Dp = AMXS(up)(D, 32), Dvp = AMXS(up)(Dv, 32), Dmax = Dp > Dvp ? Dp : Dvp;
   const int want_dmask = p->dmask.ndim > 0, softcap = p->softcap > 0;
-  const int64_t Skr = AMXS(up)(p->Sk, 32), Sqp = AMXS(up)(p->Sq, AMX_RC), nch = Sqp / AMX_RC;
+  const int64_t Skr = AMXS(up)(ab_rows_k(p), 32), Sqp = AMXS(up)(ab_rows_q(p), AMX_RC), nch = Sqp / AMX_RC;
   const int64_t G = AB_STAGGER; /* floats after every buffer: no two start at the same address mod 4 KiB */
   /* buffers in floats (16-bit and word buffers counted in 4-byte units) */
   const int64_t n_kp = Skr * Dp / 2, n_vp = Skr * Dvp / 2, n_kt = Dp * Skr / 2;
@@ -740,7 +740,7 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
                           dpt, AMX_RC * 4, 0);
           AMXS(vscale)(st, nb * AMX_RC, scale);
           const int structural = nrows < AMX_RC || j0 < all_lo || j0 + nb > all_hi;
-          SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, softcap ? th : NULL, AMX_RC);
+          SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, softcap ? th : NULL, AMX_RC, 1.0);
           /* P^T = exp(S^T - lse) */
           for (int64_t v = 0; v < AMX_RC; v += VLEN) {
             const vf lv = vload(lse + i0 + v);
@@ -849,7 +849,7 @@ static ab_status AMXS(flash_bwd)(const ab_attn_params* p, const ab_cpu_pool* poo
   ctx.p = p;
   ctx.st.err = err;
   atomic_init(&ctx.st.status, AB_OK);
-  const double work = 2.5 * (double)p->B * p->Hq * p->Sq * p->Sk * (double)(p->D + p->Dv);
+  const double work = 2.5 * (double)p->B * p->Hq * ab_rows_q(p) * ab_rows_k(p) * (double)(p->D + p->Dv);
   return ab_par_run(pool, p->B * p->Hkv, 1, work, AMXS(bwd_range), &ctx, &ctx.st);
 }
 

@@ -20,7 +20,8 @@
  *
  * Backward, per (batch, KV head): K and V packed once; for each query head of the group, Q and
  * dO are packed (natural and transposed) and for each key block and row chunk the kernel
- * recomputes P from lse, then dV += P^T dO, dS = P (dP - delta), dK += dS^T Q, dQ += dS K.  Each
+ * recomputes P from each row's max and log sum (the forward's `stats`), then dV += P^T dO,
+ * dS = P (dP - delta), dK += dS^T Q, dQ += dS K.  Each
  * item owns its dK, dV and dQ rows: no atomics, bitwise the same result on every run.
  */
 
@@ -46,6 +47,8 @@
 #define BK 64 /* keys per block: St (BK x rc floats) stays in L1 */
 #endif
 #define KC 64 /* head dims per pass of S = K Q^T */
+#define NDOM 16 /* the backward corrects delta's rounding on keys with P > 1 / NDOM (at most NDOM - 1) */
+#define LOG_NDOM 2.7725887f
 
 #define AB_CAT2(a, b) a##b
 #define AB_CAT(a, b) AB_CAT2(a, b)
@@ -127,6 +130,7 @@ typedef struct SYM(seq) {
   int64_t q_rs, k_rs, v_rs, o_rs, lse_rs; /* row strides */
   uint64_t drop_row0;       /* dropout row index of query row 0 */
   int64_t mask;             /* offset of (b, h, 0, 0) in the mask view */
+  int64_t st, st_rs;        /* stats: offset of row 0's max (its log sum is one plane further), row stride */
 } SYM(seq);
 
 static void SYM(seq_get)(const ab_attn_params* p, int64_t b, int64_t h, int64_t hk, SYM(seq) * s) {
@@ -145,6 +149,8 @@ static void SYM(seq_get)(const ab_attn_params* p, int64_t b, int64_t h, int64_t 
     s->o_rs = p->out.strides[0];
     s->lse_rs = p->lse.strides[1];
     s->mask = 0;
+    s->st = p->stats.ndim ? h * p->stats.strides[1] + q0 * p->stats.strides[2] : 0;
+    s->st_rs = p->stats.ndim ? p->stats.strides[2] : 0;
   } else {
     s->Sq = p->Sq;
     s->Sk = p->Sk;
@@ -159,6 +165,8 @@ static void SYM(seq_get)(const ab_attn_params* p, int64_t b, int64_t h, int64_t 
     s->o_rs = p->out.strides[2];
     s->lse_rs = p->lse.strides[2];
     s->mask = p->mask.ndim ? b * p->mask.strides[0] + h * p->mask.strides[1] : 0;
+    s->st = p->stats.ndim ? b * p->stats.strides[1] + h * p->stats.strides[2] : 0;
+    s->st_rs = p->stats.ndim ? p->stats.strides[3] : 0;
   }
   /* dense: (b * Hq + h) * Sq + i; packed: the same with Sq = max_seqlen_q, so a packed call and
    * the padded dense call draw the same dropout mask */
@@ -168,14 +176,8 @@ static void SYM(seq_get)(const ab_attn_params* p, int64_t b, int64_t h, int64_t 
 /* Visible keys of query row i of a sequence: [lo, hi) from causal and window (docs/semantics.md). */
 static inline void SYM(row_range)(const ab_attn_params* p, const SYM(seq) * s, int64_t i, int64_t* lo,
                                   int64_t* hi) {
-  const int64_t ii = p->causal == AB_CAUSAL_BOTTOM_RIGHT ? i + s->Sk - s->Sq : i;
-  int64_t l = 0, h = s->Sk;
-  if (p->causal != AB_CAUSAL_NONE && ii + 1 < h) h = ii + 1;
-  if (p->window_right >= 0 && ii + p->window_right + 1 < h) h = ii + p->window_right + 1;
-  if (p->window_left >= 0 && ii - p->window_left > l) l = ii - p->window_left;
-  if (h < l) h = l;
-  *lo = l;
-  *hi = h;
+  ab_key_range(p, s->Sq, s->Sk, i, lo, hi);
+  if (*hi < *lo) *hi = *lo;
 }
 
 /* Loads row chunk [i0, i0 + n) of a (rows x cols) operand transposed and scaled into
@@ -200,19 +202,42 @@ static void SYM(pack_rows)(const ab_tensor* t, int64_t base, int64_t rs, int64_t
   }
 }
 
+/* Where the softmax scale goes.  Folded into Q^T when |scale| <= 1 (the usual 1/sqrt(D)): q * scale
+ * cannot overflow and S = K Q^T is then free of extra work.  A larger scale multiplies S after the
+ * product instead (`post`), so q * scale never overflows where scale * q.k does not (torch scales q
+ * and k by sqrt(scale); either way a score overflows only when it is beyond float32). */
+static inline float SYM(q_scale)(const ab_attn_params* p) {
+  return fabs(p->scale) <= 1.0 ? (float)p->scale : 1.0f;
+}
+
+static inline double SYM(post_scale)(const ab_attn_params* p) { return fabs(p->scale) <= 1.0 ? 1.0 : p->scale; }
+
 /* Applies causal/window and a bool/float mask to St (nb x rc, keys j0..) of row chunk i0 with
- * visible ranges lo/hi (int32 per row, padded rows have lo = hi = 0); softcap first. */
+ * visible ranges lo/hi (int32 per row, padded rows have lo = hi = 0); before them, the scale left
+ * after the product (post, 1 for none) and softcap. */
 static void SYM(mask_scores)(const ab_attn_params* p, const SYM(seq) * s, int64_t i0, int64_t nrows,
                              int64_t j0, int64_t nb, const int32_t* lo, const int32_t* hi, int structural,
-                             float* St, float* Th, int64_t rc) {
+                             float* St, float* Th, int64_t rc, double post) {
   const vf ninf = vset1(-__builtin_inff());
   if (p->softcap > 0) {
-    const vf cap = vset1((float)p->softcap), inv = vset1((float)(1.0 / p->softcap));
+    /* softcap * tanh(post * S / softcap): the factor post / softcap is one multiply when it is a
+     * normal float32, else two (a power of two, then the rest), so a softcap near float32's limits
+     * neither overflows it nor turns it subnormal */
+    const double f = post / p->softcap;
+    int e = 0;
+    frexp(f, &e);
+    const int split = fabs(f) < 0x1p-120 || fabs(f) > 0x1p120;
+    const vf c1 = vset1(split ? (float)ldexp(1.0, e / 2) : 1.0f);
+    const vf c2 = vset1(split ? (float)(f / ldexp(1.0, e / 2)) : (float)f);
+    const vf cap = vset1((float)p->softcap);
     for (int64_t x = 0; x < nb * rc; x += VLEN) {
-      vf t = vtanh(vload(St + x) * inv);
+      const vf t = split ? vtanh((vload(St + x) * c1) * c2) : vtanh(vload(St + x) * c2);
       if (Th) vstore(Th + x, t);
       vstore(St + x, cap * t);
     }
+  } else if (post != 1.0) {
+    const vf f = vset1((float)post);
+    for (int64_t x = 0; x < nb * rc; x += VLEN) vstore(St + x, vload(St + x) * f);
   }
   if (p->mask.ndim) {
     const int64_t ms_i = p->mask.strides[2], ms_j = p->mask.strides[3];
@@ -413,21 +438,27 @@ static void SYM(store_rows)(const ab_attn_params* p, const SYM(seq) * s, int64_t
   const int64_t Dv = p->Dv;
   for (int64_t r = 0; r < nrows; ++r) {
     const float l = lrow[r], m = mrow[r];
-    float lse;
+    float lse, logl = 0.0f;
     if (l != l || m != m) {
       for (int64_t d = 0; d < Dv; ++d) tmp[d] = __builtin_nanf("");
-      lse = __builtin_nanf("");
+      lse = logl = __builtin_nanf("");
     } else if (m == -__builtin_inff()) {
       for (int64_t d = 0; d < Dv; ++d) tmp[d] = 0.0f;
       lse = -__builtin_inff();
     } else {
       const float inv = 1.0f / l;
       for (int64_t d = 0; d < Dv; ++d) tmp[d] = on[r * Dvp + d] * inv;
-      lse = m + logf(l);
+      logl = logf(l);
+      lse = m + logl;
     }
     ab_vec_store_row(p->out.data, p->out.dtype, s->o + (i0 + r) * s->o_rs, Dv,
                      p->out.strides[p->out.ndim - 1], tmp);
     ((float*)p->lse.data)[s->lse + (i0 + r) * s->lse_rs] = lse;
+    if (p->stats.ndim) { /* lse in its two parts (-inf and 0 for a row that sees no key) */
+      float* st = (float*)p->stats.data + s->st + (i0 + r) * s->st_rs;
+      st[0] = lse != lse ? lse : m;
+      st[p->stats.strides[0]] = logl;
+    }
   }
 }
 
@@ -446,6 +477,7 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
   const int nv = ctx->nv;
   const int64_t rc = (int64_t)nv * VLEN;
   const int k_direct = p->k.dtype == AB_DTYPE_F32 && p->k.strides[p->k.ndim - 1] == 1;
+  const double post = SYM(post_scale)(p);
   const int64_t Dvp = (Dv + VLEN - 1) / VLEN * VLEN;
   /* V rows are read in place when float32, contiguous and a whole number of vectors wide */
   const int v_direct = p->v.dtype == AB_DTYPE_F32 && p->v.strides[p->v.ndim - 1] == 1 && Dv == Dvp;
@@ -471,7 +503,7 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
     if (!SYM(chunk_begin)(p, item, ctx->nchunk, rc, lo, hi, mrow, lrow, &ch)) continue;
     const SYM(seq) s = ch.s;
     const int64_t i0 = ch.i0, nrows = ch.nrows, jlo = ch.jlo, jhi = ch.jhi, all_lo = ch.all_lo, all_hi = ch.all_hi;
-    SYM(pack_t)(&p->q, s.q, s.q_rs, i0, nrows, D, (float)p->scale, qt, tmp, rc);
+    SYM(pack_t)(&p->q, s.q, s.q_rs, i0, nrows, D, SYM(q_scale)(p), qt, tmp, rc);
     memset(on, 0, sizeof(float) * (size_t)(nrows * Dvp));
     const int partial_rows = nrows < rc;
     for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
@@ -491,7 +523,7 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
       for (int64_t d0 = 0; d0 < D; d0 += KC)
         SYM(gemm_nv)(nb, nv, D - d0 < KC ? D - d0 : KC, ka + d0, ka_m, 1, qt + d0 * rc, rc, st, rc, d0 > 0);
       const int structural = partial_rows || j0 < all_lo || j0 + nb > all_hi;
-      SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, rc);
+      SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, rc, post);
       if (SYM(online_softmax)(st, nb, mrow, lrow, arow, nv)) SYM(rescale_rows)(on, arow, nrows, Dvp);
       if (p->dropout_p > 0) { /* the sum l above is of the weights before dropout */
         SYM(drop_factors)(p, &s, i0, nrows, j0, nb, fd, rc);
@@ -509,8 +541,9 @@ static ab_status SYM(flash_fwd)(const ab_attn_params* p, const ab_cpu_pool* pool
   ctx.p = p;
   ctx.st.err = err;
   atomic_init(&ctx.st.status, AB_OK);
-  SYM(fwd_chunks)(p->Sq, &ctx.nv, &ctx.nchunk);
-  const double work = (double)p->B * p->Hq * p->Sq * p->Sk * (double)(p->D + p->Dv);
+  const int64_t Sq = ab_rows_q(p), Sk = ab_rows_k(p);
+  SYM(fwd_chunks)(Sq, &ctx.nv, &ctx.nchunk);
+  const double work = (double)p->B * p->Hq * Sq * Sk * (double)(p->D + p->Dv);
   return ab_par_run(pool, p->B * p->Hq * ctx.nchunk, 1, work, SYM(fwd_range), &ctx, &ctx.st);
 }
 
@@ -529,13 +562,14 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   const int want_dmask = p->dmask.ndim > 0, softcap = p->softcap > 0;
   const int nv = NV_MAX;
   const int64_t rc = RC_MAX;
-  const int64_t Sqp = (p->Sq + rc - 1) / rc * rc, Skm = p->Sk; /* Sq, Sk: maxima for varlen */
+  const int64_t Sqp = (ab_rows_q(p) + rc - 1) / rc * rc, Skm = ab_rows_k(p); /* the longest sequences */
   const int64_t G = AB_STAGGER; /* after every buffer: no two start at the same address mod 4 KiB */
   const size_t nfl = (size_t)(Skm * Dp + Skm * Dvp + Skm * Dp + Skm * Dvp  /* K, V, dK, dV */
                               + Sqp * Dp + Dp * Sqp + Sqp * Dvp + Dvp * Sqp /* Q, Q^T, dO, dO^T */
-                              + Sqp * Dp + 2 * Sqp                          /* dQ, lse, delta */
-                              + 4 * BK * rc + (Dp > Dvp ? Dp : Dvp) * 2 + 17 * G);
-  float* kp = (float*)ab_scratch_alloc(sizeof(float) * nfl + sizeof(int32_t) * 2 * rc);
+                              + Sqp * Dp + 3 * Sqp                          /* dQ, max, log sum, delta */
+                              + 4 * BK * rc + (Dp > Dvp ? Dp : Dvp) * 2 + 18 * G);
+  float* kp = (float*)ab_scratch_alloc(sizeof(float) * nfl + sizeof(int32_t) * (3 + NDOM) * rc +
+                                       sizeof(float) * (2 * NDOM + 1) * rc);
   if (!kp) {
     ab_par_fail(&ctx->st, AB_ERR_NOMEM, "flash: out of memory for the backward scratch");
     return;
@@ -548,8 +582,9 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   float* don = qt + Dp * Sqp + G;   /* dO rows (Sqp x Dvp) */
   float* dot = don + Sqp * Dvp + G; /* dO^T by row chunk: (Sqp / rc) x (Dvp x rc) */
   float* dq = dot + Dvp * Sqp + G;  /* dQ rows (Sqp x Dp) */
-  float* lse = dq + Sqp * Dp + G;   /* per row; +inf for padding and dead rows so P = 0 */
-  float* delta = lse + Sqp + G;
+  float* mx = dq + Sqp * Dp + G;    /* per row: the max score; +inf for padding and dead rows so P = 0 */
+  float* lsum = mx + Sqp + G;       /* per row: log of the sum of exp(x - max) */
+  float* delta = lsum + Sqp + G;
   float* st = delta + Sqp + G;      /* S^T then P^T (BK x rc) */
   float* dpt = st + BK * rc + G;    /* dP^T then dS^T */
   float* pd = dpt + BK * rc + G;    /* dropout factors, then P^T after dropout */
@@ -558,7 +593,13 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   float* tmp2 = tmp + (Dp > Dvp ? Dp : Dvp) + G;
   int32_t* lo = (int32_t*)(tmp2 + (Dp > Dvp ? Dp : Dvp) + G);
   int32_t* hi = lo + rc;
-  const float scale = (float)p->scale;
+  int32_t* ndom = hi + rc;                 /* per row of a chunk: how many heavy keys (P > 1/NDOM) */
+  int32_t* jdom = ndom + rc;               /* (rc x NDOM) those keys, */
+  float* pdom = (float*)(jdom + NDOM * rc); /* their P */
+  float* tdom = pdom + NDOM * rc;          /* and tanh of their softcap */
+  float* dsum = tdom + NDOM * rc;          /* per row: the sum of its dS */
+  const float scale = (float)p->scale, qscale = SYM(q_scale)(p);
+  const double post = SYM(post_scale)(p);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / p->Hkv, hk = item % p->Hkv;
     SYM(seq) s0;
@@ -585,15 +626,24 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
       for (int64_t i = 0; i < sqp; ++i) {
         float* qtc = qt + (i / rc) * Dp * rc + i % rc;
         float* dotc = dot + (i / rc) * Dvp * rc + i % rc;
-        for (int64_t d = 0; d < Dp; ++d) qtc[d * rc] = qn[i * Dp + d] * scale;
+        for (int64_t d = 0; d < Dp; ++d) qtc[d * rc] = qn[i * Dp + d] * qscale;
         for (int64_t d = 0; d < Dvp; ++d) dotc[d * rc] = don[i * Dvp + d];
       }
       for (int64_t i = 0; i < sqp; ++i) {
-        float l = __builtin_inff();
+        float m = __builtin_inff(), ls = 0.0f;
         double dl = 0.0; /* a float64 sum: Dv terms of either sign, where float32 would lose digits */
         if (i < Sq) {
-          l = ((const float*)p->lse.data)[s.lse + i * s.lse_rs];
-          if (l == -__builtin_inff()) l = __builtin_inff(); /* dead row: P = exp(x - inf) = 0 */
+          /* P = exp((x - max) - log sum), both parts as the forward left them: exp(x - lse) would
+           * carry lse's float32 rounding, which grows with |lse| (softcap, ALiBi, large scales) and
+           * is shared by a whole row */
+          if (p->stats.ndim) {
+            const float* st = (const float*)p->stats.data + s.st + i * s.st_rs;
+            m = st[0];
+            ls = st[p->stats.strides[0]];
+          } else {
+            m = ((const float*)p->lse.data)[s.lse + i * s.lse_rs];
+          }
+          if (m == -__builtin_inff()) m = __builtin_inff(), ls = 0.0f; /* dead row: P = exp(x - inf) = 0 */
           ab_vec_load_row(p->out.data, p->out.dtype, s.o + i * s.o_rs, Dv, p->out.strides[p->out.ndim - 1], tmp);
           for (int64_t d = 0; d < Dv; ++d) dl += (double)tmp[d] * (double)don[i * Dvp + d];
           if (p->dlse.ndim) {
@@ -603,13 +653,30 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
             dl -= ((const float*)p->dlse.data)[off];
           }
         }
-        lse[i] = l;
+        mx[i] = m;
+        lsum[i] = ls;
         delta[i] = (float)dl;
       }
       memset(dq, 0, sizeof(float) * (size_t)(sqp * Dp));
       for (int64_t i0 = 0; i0 < Sq; i0 += rc) {
         const int64_t nrows = Sq - i0 < rc ? Sq - i0 : rc;
         int64_t jlo = Sk, jhi = 0, all_lo = 0, all_hi = Sk;
+        /* Rows whose weight sits on a few keys (some P > 1/NDOM: the log sum < log NDOM).  delta =
+         * rowsum(dO * O) reads O as stored, rounded to the output dtype, and at a heavy key dS is a
+         * difference dP - delta of two nearly equal values: O's rounding (2^-11 relative in float16,
+         * 2^-24 in float32) is then most of the result, where a softmax that sums P dP (torch's, our
+         * math) is exact, saturated rows above all.  The rounding's effect is measured (a row's dS
+         * must sum to dlse: the excess e is delta's error) and, once the chunk is done, P e is taken
+         * off the heavy keys' dS; on the light ones it is below e / NDOM, no larger than the rounding
+         * of the many terms such a row sums.  Only with the forward's stats: they say the call's keys
+         * are the whole row (a caller that passes lse alone, as the ring of attn_backends/_ring.py
+         * does for each block of keys, gets each block's exact share dS = P (dP - delta) instead). */
+        int heavy = 0;
+        for (int64_t r = 0; r < nrows; ++r) {
+          ndom[r] = 0;
+          dsum[r] = 0.0f;
+          heavy |= p->stats.ndim && lsum[i0 + r] < LOG_NDOM && mx[i0 + r] < __builtin_inff();
+        }
         for (int64_t r = 0; r < rc; ++r) {
           int64_t l = 0, hh = 0;
           if (r < nrows) {
@@ -626,14 +693,27 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
         }
         for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
           const int64_t nb = jhi - j0 < BK ? jhi - j0 : BK;
-          /* recompute S^T and P^T = exp(S^T - lse) */
+          /* recompute S^T (bitwise as the forward did) and P^T = exp((S^T - max) - log sum) */
           SYM(gemm_nv)(nb, nv, D, kp + j0 * Dp, Dp, 1, qt + i0 * Dp, rc, st, rc, 0);
           const int structural = nrows < rc || j0 < all_lo || j0 + nb > all_hi;
-          SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, softcap ? th : NULL, rc);
+          SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, softcap ? th : NULL, rc, post);
           for (int64_t v = 0; v < rc; v += VLEN) {
-            const vf lv = vload(lse + i0 + v);
-            for (int64_t j = 0; j < nb; ++j) vstore(st + j * rc + v, vexp_nonpos(vload(st + j * rc + v) - lv));
+            const vf mv = vload(mx + i0 + v), lv = vload(lsum + i0 + v);
+            for (int64_t j = 0; j < nb; ++j)
+              vstore(st + j * rc + v, vexp_nonpos((vload(st + j * rc + v) - mv) - lv));
           }
+          if (heavy)
+            for (int64_t j = 0; j < nb; ++j)
+              for (int64_t v = 0; v < rc; v += VLEN) {
+                if (vall(vload(st + j * rc + v) <= vset1(1.0f / NDOM))) continue;
+                for (int64_t r = v; r < v + VLEN && r < nrows; ++r)
+                  if (st[j * rc + r] > 1.0f / NDOM && ndom[r] < NDOM) { /* fewer than NDOM can be */
+                    const int64_t slot = r * NDOM + ndom[r]++;
+                    jdom[slot] = (int32_t)(j0 + j);
+                    pdom[slot] = st[j * rc + r];
+                    tdom[slot] = softcap ? th[j * rc + r] : 0.0f;
+                  }
+              }
           /* dP^T = V dO^T */
           SYM(gemm_nv)(nb, nv, Dv, vp + j0 * Dvp, Dvp, 1, dot + i0 * Dvp, rc, dpt, rc, 0);
           const float* pw = st; /* the weights dV sees: P, or P after dropout */
@@ -647,9 +727,20 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
           /* dS = P (dP - delta); the float mask's gradient; softcap chain rule; scale */
           for (int64_t v = 0; v < rc; v += VLEN) {
             const vf dl = vload(delta + i0 + v);
-            for (int64_t j = 0; j < nb; ++j) {
-              const int64_t x = j * rc + v;
-              vstore(dpt + x, vload(st + x) * (vload(dpt + x) - dl));
+            if (heavy) {
+              vf sum = vload(dsum + v);
+              for (int64_t j = 0; j < nb; ++j) {
+                const int64_t x = j * rc + v;
+                const vf ds = vload(st + x) * (vload(dpt + x) - dl);
+                vstore(dpt + x, ds);
+                sum += ds;
+              }
+              vstore(dsum + v, sum);
+            } else {
+              for (int64_t j = 0; j < nb; ++j) {
+                const int64_t x = j * rc + v;
+                vstore(dpt + x, vload(st + x) * (vload(dpt + x) - dl));
+              }
             }
           }
           if (want_dmask) {
@@ -672,6 +763,27 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
           SYM(gemm)(nb, Dvp / VLEN, rc, pw, rc, 1, don + i0 * Dvp, Dvp, dv + j0 * Dvp, Dvp, 1);
           SYM(gemm)(nb, Dp / VLEN, rc, dpt, rc, 1, qn + i0 * Dp, Dp, dk + j0 * Dp, Dp, 1);
           SYM(gemm)(nrows, Dp / VLEN, nb, dpt, 1, rc, kp + j0 * Dp, Dp, dq + i0 * Dp, Dp, 1);
+        }
+        for (int64_t r = 0; r < nrows && heavy; ++r) {
+          if (ndom[r] == 0) continue;
+          const int64_t i = i0 + r;
+          float e = dsum[r]; /* delta's error: the row's dS sums to dlse, not 0, when lse has a gradient */
+          if (p->dlse.ndim)
+            e -= ((const float*)p->dlse.data)[p->cu_seqlens_q
+                                                  ? h * p->dlse.strides[0] + (p->cu_seqlens_q[b] + i) * p->dlse.strides[1]
+                                                  : b * p->dlse.strides[0] + h * p->dlse.strides[1] + i * p->dlse.strides[2]];
+          for (int32_t u = 0; u < ndom[r]; ++u) {
+            const int64_t slot = r * NDOM + u, j = jdom[slot];
+            const float c = -pdom[slot] * e; /* what dS at key j lacks */
+            if (want_dmask)
+              ((float*)p->dmask.data)[b * p->dmask.strides[0] + h * p->dmask.strides[1] + i * p->dmask.strides[2] +
+                                      j * p->dmask.strides[3]] += c;
+            const vf cv = vset1(c * scale * (softcap ? 1.0f - tdom[slot] * tdom[slot] : 1.0f));
+            for (int64_t d = 0; d < Dp; d += VLEN) {
+              vstore(dq + i * Dp + d, vload(dq + i * Dp + d) + cv * vload(kp + j * Dp + d));
+              vstore(dk + j * Dp + d, vload(dk + j * Dp + d) + cv * vload(qn + i * Dp + d));
+            }
+          }
         }
         if (want_dmask) { /* keys no row of the chunk sees get gradient 0 */
           for (int64_t r = 0; r < nrows; ++r) {
@@ -707,7 +819,7 @@ static ab_status SYM(flash_bwd)(const ab_attn_params* p, const ab_cpu_pool* pool
   ctx.p = p;
   ctx.st.err = err;
   atomic_init(&ctx.st.status, AB_OK);
-  const double work = 2.5 * (double)p->B * p->Hq * p->Sq * p->Sk * (double)(p->D + p->Dv);
+  const double work = 2.5 * (double)p->B * p->Hq * ab_rows_q(p) * ab_rows_k(p) * (double)(p->D + p->Dv);
   return ab_par_run(pool, p->B * p->Hkv, 1, work, SYM(bwd_range), &ctx, &ctx.st);
 }
 

@@ -6,26 +6,18 @@
 
 #define ACC float
 #define ACC_EXP expf
-#define ACC_LOG logf
-#define ACC_TANH tanhf
 #define SFX(name) name##_f32
 #include "math_cpu_impl.h"
 #undef ACC
 #undef ACC_EXP
-#undef ACC_LOG
-#undef ACC_TANH
 #undef SFX
 
 #define ACC double
 #define ACC_EXP exp
-#define ACC_LOG log
-#define ACC_TANH tanh
 #define SFX(name) name##_f64
 #include "math_cpu_impl.h"
 #undef ACC
 #undef ACC_EXP
-#undef ACC_LOG
-#undef ACC_TANH
 #undef SFX
 
 static int serial_parallel_for(int64_t begin, int64_t end, int64_t grain, ab_range_fn fn,

@@ -1,8 +1,8 @@
 /* math_cpu_impl.h -- body of the math (exact reference) CPU kernel, written once for both
  * accumulation types.  math_cpu.c includes it twice: ACC = float (float16, bfloat16 and float32
  * inputs) and ACC = double (float64 inputs, so gradcheck sees float64 all the way through).
- * SFX(name) gives each copy its own symbol names; ACC_EXP, ACC_LOG and ACC_TANH are the libm
- * functions of that precision.  No include guard on purpose.
+ * SFX(name) gives each copy its own symbol names; ACC_EXP is the libm exp of that precision (the
+ * scores themselves, their softcap and lse are computed in double).  No include guard on purpose.
  *
  * Forward, per query row i of head h (KV head hk = h / (Hq / Hkv)):
  *   x_j = scale * q_i . k_j                       j in the causal/window range, bool mask true
@@ -12,11 +12,12 @@
  *   out_i = sum_j keep_ij p_j / (1 - dropout_p) v_j
  * A row with no visible key writes out_i = 0 and lse_i = -inf.
  *
- * Backward recomputes p from the saved lse, one query row at a time, so scratch stays O(Sk):
+ * Backward recomputes p from the row's scores (its max and sum, as the forward did: the saved lse is
+ * rounded to float32), one query row at a time, so scratch stays O(Sk):
  *   dP_j  = keep_ij / (1 - dropout_p) * dout_i . v_j
  *   delta = sum_j p_j dP_j - dlse_i               (dlse: the gradient flowing into lse, if any)
  *   dS_j  = p_j (dP_j - delta)                    (= the gradient of a float mask)
- *   dx_j  = dS_j (1 - tanh^2)                     with softcap; then dq_i, dk_j, dv_j as usual.
+ *   dx_j  = dS_j (1 - tanh^2)                     with softcap (tanh in double); then dq_i, dk_j, dv_j.
  * Work is split by (b, hk), so each KV head's dk/dv are owned by one thread: no atomics and the
  * same result on every run.
  */
@@ -170,15 +171,69 @@ static void SFX(load_kv)(const ab_attn_params* p, int64_t b, int64_t hk, ACC* kc
   }
 }
 
-/* Score from the raw q.k: scale, then softcap (keeping tanh for its derivative). */
-static inline ACC SFX(score)(const ab_attn_params* p, ACC raw, ACC* th) {
-  ACC x = raw * (ACC)p->scale;
+/* q.k of one row pair in double: the ACC dot product overflowed (|q.k| beyond float32 while
+ * scale * q.k is not: large q and k, scale < 1) or met inf - inf. */
+static double SFX(dot64)(const ACC* a, const ACC* b, int64_t n) {
+  double t = 0;
+  for (int64_t x = 0; x < n; ++x) t += (double)a[x] * (double)b[x];
+  return t;
+}
+
+/* Score from the raw q.k: scale, then softcap (keeping its derivative 1 - tanh^2), in double: a score is
+ * finite whenever scale * q.k is (as with torch's sqrt(scale)-scaled q and k, and past float32's range
+ * too), x / softcap neither overflows nor turns subnormal on the way, and no rounding to float32 is
+ * added to what torch's float32 computation rounds. */
+static inline double SFX(score)(const ab_attn_params* p, double raw, ACC* dcap) {
+  const double x = raw * p->scale;
   if (p->softcap > 0) {
-    ACC t = ACC_TANH(x / (ACC)p->softcap);
-    *th = t;
-    x = (ACC)p->softcap * t;
+    const double t = tanh(x / p->softcap);
+    *dcap = (ACC)(1.0 - t * t); /* from the double tanh: near saturation 1 - t^2 of a float t is noise */
+    return p->softcap * t;
   }
   return x;
+}
+
+/* The raw q.k of key j: the ACC dot product, or its double recomputation where that one is not
+ * finite (only an input that is itself inf or NaN keeps it so). */
+static inline double SFX(raw)(ACC dot, const ACC* qrow, const ACC* krow, int64_t D) {
+  return isfinite(dot) ? (double)dot : SFX(dot64)(qrow, krow, D);
+}
+
+/* Scores x_j (double) of row (b, h, i) for keys [lo, hi) from the raw dot products, masked keys
+ * -inf; dcap_j the softcap's derivative (0 when hidden).  Returns the row max: -inf when no key is visible,
+ * NaN when a score is NaN (NaN in, NaN out, as in the float64 reference).  The forward and the
+ * backward share it, so the backward's softmax is bitwise the forward's.  Scores stay in double
+ * through x - max: with large logits (softcap 50, ALiBi biases) a float32 score would lose the
+ * digits that set p (torch's float32 loses them too; the reference need not). */
+static double SFX(row_scores)(const ab_attn_params* p, int64_t b, int64_t h, int64_t i, int64_t lo, int64_t hi,
+                              const ACC* raw, const ACC* qrow, const ACC* kc, double* x, ACC* dcap) {
+  const int bool_mask = ab_mask_is_bool(p), float_mask = ab_mask_is_float(p);
+  double m = -INFINITY;
+  int has_nan = 0;
+  for (int64_t j = lo; j < hi; ++j) {
+    const int64_t moff = (bool_mask || float_mask) ? ab_off4(&p->mask, b, h, i, j) : 0;
+    dcap[j] = 0;
+    if (bool_mask && !((const uint8_t*)p->mask.data)[moff]) {
+      x[j] = -INFINITY;
+      continue;
+    }
+    double xj = SFX(score)(p, SFX(raw)(raw[j], qrow, kc + j * p->D, p->D), dcap + j);
+    if (float_mask) xj += ab_load_scalar(p->mask.data, p->mask.dtype, moff);
+    x[j] = xj;
+    if (xj > m) m = xj;
+    if (xj != xj) has_nan = 1;
+  }
+  return has_nan ? NAN : m;
+}
+
+/* e_j = exp(x_j - m) for keys [lo, hi); returns their sum l (p_j = e_j / l). */
+static ACC SFX(row_exp)(const double* x, double m, int64_t lo, int64_t hi, ACC* e) {
+  ACC l = 0;
+  for (int64_t j = lo; j < hi; ++j) {
+    e[j] = ACC_EXP((ACC)(x[j] - m));
+    l += e[j];
+  }
+  return l;
 }
 
 /* Dropout decisions of one row, four keys per Philox call. */
@@ -207,17 +262,19 @@ static void SFX(fwd_range)(int64_t begin, int64_t end, void* vctx) {
   SFX(fwd_ctx)* ctx = (SFX(fwd_ctx)*)vctx;
   const ab_attn_params* p = ctx->p;
   const int64_t D = p->D, Dv = p->Dv, Sk = p->Sk, group = p->Hq / p->Hkv;
-  const int has_drop = p->dropout_p > 0, bool_mask = ab_mask_is_bool(p);
-  const int float_mask = ab_mask_is_float(p);
+  const int has_drop = p->dropout_p > 0;
   const ACC rdrop = (ACC)(1.0 / (1.0 - p->dropout_p));
-  ACC* kc = (ACC*)ab_scratch_alloc(sizeof(ACC) * (size_t)(Sk * D + Sk * Dv + Sk + D + Dv));
-  if (!kc) {
+  double* xs = (double*)ab_scratch_alloc(sizeof(double) * (size_t)Sk +
+                                         sizeof(ACC) * (size_t)(Sk * D + Sk * Dv + 2 * Sk + D + Dv));
+  if (!xs) {
     ab_par_fail(&ctx->st, AB_ERR_NOMEM, "math: out of memory for the K/V scratch");
     return;
   }
+  ACC* kc = (ACC*)(xs + Sk); /* xs: the row's scores */
   ACC* vc = kc + Sk * D;
   ACC* s = vc + Sk * Dv;
-  ACC* qrow = s + Sk;
+  ACC* th = s + Sk;
+  ACC* qrow = th + Sk;
   ACC* orow = qrow + D;
   int64_t cur_b = -1, cur_hk = -1;
   for (int64_t item = begin; item < end; ++item) {
@@ -233,39 +290,22 @@ static void SFX(fwd_range)(int64_t begin, int64_t end, void* vctx) {
     for (int64_t i = i0; i < i1; ++i) {
       int64_t lo, hi;
       ab_row_key_range(p, i, &lo, &hi);
+      if (hi < lo) hi = lo;
       SFX(load_row)(p->q.data, p->q.dtype, ab_off4(&p->q, b, h, i, 0), D, p->q.strides[3], qrow);
-      ACC m = (ACC)-INFINITY;
-      int has_nan = 0;
       if (hi > lo) SFX(gemv)(qrow, kc + lo * D, D, hi - lo, D, s + lo);
-      for (int64_t j = lo; j < hi; ++j) {
-        const int64_t moff = (bool_mask || float_mask) ? ab_off4(&p->mask, b, h, i, j) : 0;
-        if (bool_mask && !((const uint8_t*)p->mask.data)[moff]) {
-          s[j] = (ACC)-INFINITY;
-          continue;
-        }
-        ACC th;
-        ACC x = SFX(score)(p, s[j], &th);
-        if (float_mask) x += (ACC)ab_load_scalar(p->mask.data, p->mask.dtype, moff);
-        s[j] = x;
-        if (x > m) m = x;
-        if (x != x) has_nan = 1;
-      }
+      const double m = SFX(row_scores)(p, b, h, i, lo, hi, s, qrow, kc, xs, th);
       for (int64_t c = 0; c < Dv; ++c) orow[c] = 0;
       ACC lse;
-      if (has_nan) {
+      if (m != m) {
         /* NaN in, NaN out, as the float64 reference does */
         for (int64_t c = 0; c < Dv; ++c) orow[c] = (ACC)NAN;
         lse = (ACC)NAN;
-      } else if (m == (ACC)-INFINITY) {
+      } else if (m == -INFINITY) {
         lse = (ACC)-INFINITY; /* no visible key: out stays 0 */
       } else {
-        ACC l = 0;
-        for (int64_t j = lo; j < hi; ++j) {
-          s[j] = ACC_EXP(s[j] - m);
-          l += s[j];
-        }
+        const ACC l = SFX(row_exp)(xs, m, lo, hi, s);
         const ACC inv = (ACC)1 / l;
-        lse = m + ACC_LOG(l);
+        lse = (ACC)(m + log((double)l));
         SFX(drop_row) dr = {(uint64_t)((b * p->Hq + h) * p->Sq + i), -1, {0, 0, 0, 0},
                             ab_dropout_threshold(p->dropout_p)};
         for (int64_t j = lo; j < hi; ++j) {
@@ -279,7 +319,7 @@ static void SFX(fwd_range)(int64_t begin, int64_t end, void* vctx) {
       SFX(store_scalar)(&p->lse, ab_off3(&p->lse, b, h, i), lse);
     }
   }
-  ab_scratch_free(kc);
+  ab_scratch_free(xs);
 }
 
 static ab_status SFX(math_fwd)(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {
@@ -309,16 +349,16 @@ static void SFX(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   SFX(bwd_ctx)* ctx = (SFX(bwd_ctx)*)vctx;
   const ab_attn_params* p = ctx->p;
   const int64_t D = p->D, Dv = p->Dv, Sk = p->Sk, group = p->Hq / p->Hkv;
-  const int has_drop = p->dropout_p > 0, bool_mask = ab_mask_is_bool(p);
-  const int float_mask = ab_mask_is_float(p), want_dmask = p->dmask.ndim > 0;
+  const int has_drop = p->dropout_p > 0, want_dmask = p->dmask.ndim > 0;
   const ACC rdrop = (ACC)(1.0 / (1.0 - p->dropout_p));
   const ACC scale = (ACC)p->scale;
   const size_t n = (size_t)(3 * Sk * D + 2 * Sk * Dv + 4 * Sk + 2 * D + Dv);
-  ACC* kc = (ACC*)ab_scratch_alloc(sizeof(ACC) * n);
-  if (!kc) {
+  double* xs = (double*)ab_scratch_alloc(sizeof(double) * (size_t)Sk + sizeof(ACC) * n);
+  if (!xs) {
     ab_par_fail(&ctx->st, AB_ERR_NOMEM, "math: out of memory for the backward scratch");
     return;
   }
+  ACC* kc = (ACC*)(xs + Sk); /* xs: the row's scores */
   ACC* kt = kc + Sk * D;   /* K transposed (D, Sk): dq_i = K^T dx is then one gemv */
   ACC* vc = kt + Sk * D;
   ACC* dkc = vc + Sk * Dv;
@@ -326,7 +366,7 @@ static void SFX(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   ACC* pr = dvc + Sk * Dv; /* raw q.k, then p_j */
   ACC* dp = pr + Sk;       /* dout.v_j, then dP_j, then dx_j */
   ACC* pd = dp + Sk;       /* p_j after dropout, for dv */
-  ACC* th = pd + Sk;       /* tanh(raw / softcap) */
+  ACC* th = pd + Sk;       /* the softcap's derivative 1 - tanh^2(scale raw / softcap) */
   ACC* qrow = th + Sk;
   ACC* dqrow = qrow + D;
   ACC* dorow = dqrow + D;
@@ -338,10 +378,9 @@ static void SFX(bwd_range)(int64_t begin, int64_t end, void* vctx) {
     memset(dkc, 0, sizeof(ACC) * (size_t)(Sk * D + Sk * Dv));
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       for (int64_t i = 0; i < p->Sq; ++i) {
-        const ACC lse_i = (ACC)ab_load_scalar(p->lse.data, p->lse.dtype, ab_off3(&p->lse, b, h, i));
         int64_t lo, hi;
         ab_row_key_range(p, i, &lo, &hi);
-        if (lse_i == (ACC)-INFINITY || hi < lo) lo = hi = 0; /* fully masked row: zero gradient */
+        if (hi < lo) hi = lo;
         SFX(load_row)(p->q.data, p->q.dtype, ab_off4(&p->q, b, h, i, 0), D, p->q.strides[3], qrow);
         SFX(load_row)(p->dout.data, p->dout.dtype, ab_off4(&p->dout, b, h, i, 0), Dv,
                       p->dout.strides[3], dorow);
@@ -354,20 +393,18 @@ static void SFX(bwd_range)(int64_t begin, int64_t end, void* vctx) {
           SFX(gemv)(qrow, kc + lo * D, D, hi - lo, D, pr + lo);
           SFX(gemv)(dorow, vc + lo * Dv, Dv, hi - lo, Dv, dp + lo);
         }
+        /* The row's softmax again, from its scores, bitwise as the forward computed it (max m, then
+         * exp(x - m) / l), rather than exp(x - lse): lse is rounded to float32, an error that grows
+         * with |lse| and that every p of the row shares (large logits: softcap, ALiBi biases). */
+        const double m = SFX(row_scores)(p, b, h, i, lo, hi, pr, qrow, kc, xs, th);
+        if (m == -INFINITY) lo = hi = 0; /* fully masked row: zero gradient */
+        const ACC inv = (ACC)1 / SFX(row_exp)(xs, m, lo, hi, pr);
         ACC delta = 0;
         for (int64_t j = lo; j < hi; ++j) {
-          const int64_t moff = (bool_mask || float_mask) ? ab_off4(&p->mask, b, h, i, j) : 0;
-          th[j] = 0;
-          if (bool_mask && !((const uint8_t*)p->mask.data)[moff]) {
-            pr[j] = dp[j] = pd[j] = 0;
-            continue;
-          }
-          ACC x = SFX(score)(p, pr[j], th + j);
-          if (float_mask) x += (ACC)ab_load_scalar(p->mask.data, p->mask.dtype, moff);
-          const ACC pj = ACC_EXP(x - lse_i);
-          const int keep = has_drop ? SFX(kept)(p, &dr, j) : 1;
+          const ACC pj = pr[j] * inv;
+          const int keep = xs[j] == -INFINITY ? 0 : has_drop ? SFX(kept)(p, &dr, j) : 1;
           pr[j] = pj;
-          dp[j] = keep ? dp[j] * rdrop : 0;
+          dp[j] = keep ? dp[j] * rdrop : 0; /* a hidden key's value never reaches delta, even as 0 * NaN */
           pd[j] = keep ? pj * rdrop : 0;
           delta += pj * dp[j];
         }
@@ -375,7 +412,7 @@ static void SFX(bwd_range)(int64_t begin, int64_t end, void* vctx) {
         for (int64_t j = lo; j < hi; ++j) {
           ACC dx = pr[j] * (dp[j] - delta); /* dS_j, the gradient of a float mask */
           if (want_dmask) SFX(store_scalar)(&p->dmask, ab_off4(&p->dmask, b, h, i, j), dx);
-          if (p->softcap > 0) dx *= (1 - th[j] * th[j]);
+          if (p->softcap > 0) dx *= th[j];
           dp[j] = pr[j] == 0 ? 0 : dx * scale; /* masked or underflowed keys contribute nothing */
         }
         if (want_dmask)
@@ -401,7 +438,7 @@ static void SFX(bwd_range)(int64_t begin, int64_t end, void* vctx) {
                      dvc + j * Dv);
     }
   }
-  ab_scratch_free(kc);
+  ab_scratch_free(xs);
 }
 
 static ab_status SFX(math_bwd)(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {

@@ -235,7 +235,7 @@ static ab_status AMXS(sage_fwd)(const ab_attn_params* p, void* workspace, size_t
   ctx.sk = w.sk;
   ctx.mean = w.mean;
   ctx.cf = w.cf;
-  const double work = (double)p->B * p->Hq * p->Sq * p->Sk * (double)(p->D / 4 + p->Dv / 2);
+  const double work = (double)p->B * p->Hq * ab_rows_q(p) * ab_rows_k(p) * (double)(p->D / 4 + p->Dv / 2);
   return AMXS(fwd_run)(&ctx, pool, work);
 }
 

@@ -535,7 +535,7 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
       const int64_t nb = jhi - j0 < BK ? jhi - j0 : BK;
       SYM(sg_qk)(nb, nv, Dg, w->kw + (r0 + j0) * Dg, qp, c0, sq, w->sk + r0 + j0, bias, st);
       const int structural = partial_rows || j0 < all_lo || j0 + nb > all_hi;
-      SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, rc);
+      SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, rc, 1.0);
       if (SYM(online_softmax)(st, nb, mrow, lrow, arow, nv)) SYM(rescale_rows)(on, arow, nrows, Dvp);
       const int64_t R = v0 + j0; /* the block's first V row */
       SYM(sg_pv)(nb, nrows, nv, st, pw, ps, w->vw + R * (Dvp / 2),
@@ -562,11 +562,12 @@ static ab_status SYM(sage_fwd)(const ab_attn_params* p, void* workspace, size_t 
   if (bytes < need || (need && !workspace))
     return ab_error_set(err, AB_ERR_INVALID, "sage: workspace of %zu bytes, %zu needed", bytes, need);
   /* the prepass touches each K element twice and each V element once */
-  const double prep = (double)p->B * p->Hkv * p->Sk * (double)(p->D * 8 + p->Dv * 4);
+  const double prep = (double)p->B * p->Hkv * ab_rows_k(p) * (double)(p->D * 8 + p->Dv * 4);
   ab_status st = ab_par_run(pool, p->B * p->Hkv, 1, prep, SYM(sg_prep_range), &ctx, &ctx.st);
   if (st != AB_OK) return st;
-  SYM(fwd_chunks)(p->Sq, &ctx.nv, &ctx.nchunk);
-  const double work = (double)p->B * p->Hq * p->Sq * p->Sk * (double)(p->D / 4 + p->Dv / 2);
+  const int64_t Sq = ab_rows_q(p), Sk = ab_rows_k(p);
+  SYM(fwd_chunks)(Sq, &ctx.nv, &ctx.nchunk);
+  const double work = (double)p->B * p->Hq * Sq * Sk * (double)(p->D / 4 + p->Dv / 2);
   return ab_par_run(pool, p->B * p->Hq * ctx.nchunk, 1, work, SYM(sg_fwd_range), &ctx, &ctx.st);
 }
 
