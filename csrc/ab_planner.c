@@ -157,13 +157,21 @@ static const char* unit_name(uint32_t unit) {
 }
 
 /* auto is never slower than torch SDPA: on a CPU with a unit torch computes this dtype on and the
- * ISA path of our kernels does not (ab_registry.c holds both lists), torch SDPA goes first; our
+ * ISA path of our kernels does not (ab_registry.c holds both lists), or for the calls where torch's
+ * kernel measured faster on the same units (ab_torch_cpu_faster), torch SDPA goes first; our
  * kernels still serve what it cannot (packed sequences, softcap, lse, ...). */
 static void torch_first(const ab_call* c, ab_plan* plan) {
   if (c->device != AB_DEVICE_CPU) return;
   uint32_t unless = 0;
   const uint32_t gap = ab_torch_cpu_units(c->dtype, &unless) & c->cpu_units & ~ab_our_cpu_units(c->cpu_isa, c->dtype);
-  if (!gap) return;
+  if (!gap) {
+    if (!ab_torch_cpu_faster(c)) return;
+    push(plan, AB_BK_SDPA);
+    snprintf(plan->note, sizeof plan->note,
+             "torch SDPA first: for a float32 forward at head dim >= 128 with no causal mask, its kernel "
+             "measured faster than ours on the same FMA units (docs/benchmarks.md)");
+    return;
+  }
   const uint32_t has = (c->dropout ? AB_F_DROPOUT : 0u) | (c->window ? AB_F_WINDOW : 0u);
   if (has & unless) return;
   push(plan, AB_BK_SDPA);

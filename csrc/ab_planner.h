@@ -171,6 +171,9 @@ typedef struct ab_plan {
 } ab_plan;
 
 void ab_plan_build(const ab_call* call, ab_plan* plan);
+/* 1 for a CPU call torch's own fused kernel was measured to serve faster than ours on the same FMA
+ * units (ab_registry.c lists which and the figures). */
+int ab_torch_cpu_faster(const ab_call* call);
 
 #ifdef __cplusplus
 }

@@ -297,3 +297,17 @@ uint32_t ab_our_cpu_units(int isa, int dtype) {
   (void)dtype;
   return 0;
 }
+
+/* Calls where torch's fused CPU kernel, computing on the same FMA units as ours, measured faster than
+ * our flash, side by side (docs/benchmarks.md, "auto against torch, per dtype"): a float32 forward
+ * with no gradient wanted, no causal mask, no attn_mask, no GQA, head dim >= 128.  Ours ran at
+ * 0.85-0.97x torch there on two AVX-512 CPUs (2026-11-21 and 2026-11-24, B=2..4, S=1024..4096), where
+ * torch's kernel reaches 61-73% of the FMA peak.  Causal calls (ours 1.07-1.46x), the backward
+ * (forward+backward 0.99-1.34x), bfloat16 (1.37-2.25x), float16 (0.94-1.08x: parity) and head dims
+ * <= 96 stay ours.  Features torch's fused kernel lacks (softcap, window, lse, packed) never reach
+ * this: the call must be one torch serves as it is. */
+int ab_torch_cpu_faster(const ab_call* c) {
+  return c->device == AB_DEVICE_CPU && c->dtype == AB_DTYPE_F32 && !c->need_grad && c->causal == AB_CAUSAL_NONE &&
+         !c->mask && !c->gqa && !c->window && !c->softcap && !c->dropout && !c->want_lse && c->varlen == 0 &&
+         c->D >= 128;
+}

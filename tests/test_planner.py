@@ -88,6 +88,38 @@ def test_torch_first_only_where_torch_keeps_its_advantage():
     assert not plan(device=CUDA, cc=90, dtype="bfloat16", units=amx).note
 
 
+def test_torch_first_where_its_fma_kernel_measured_faster():
+    # float32 forward, no grad, no causal, no mask, no GQA, D >= 128: torch's fused kernel measured
+    # faster than ours on the same FMA units (csrc/ab_registry.c ab_torch_cpu_faster), on any CPU
+    for units in (0, AMX_BF16 | AMX_FP16 | AMX_INT8):
+        for D in (128, 256):
+            p = plan(dtype="float32", D=D, units=units)
+            assert p.chosen == "sdpa" and p.order[:2] == ("sdpa", "flash")
+            assert "float32 forward at head dim >= 128" in p.note and "note:" in str(p)
+    # everything else keeps our kernel: each condition alone flips it back
+    for kw in (dict(D=64), dict(D=96), dict(need_grad=1), dict(causal=1), dict(causal=2), dict(mask=1),
+               dict(mask=2), dict(gqa=1), dict(dtype="float16"), dict(dtype="bfloat16"), dict(requested="flash")):
+        args = dict(dtype="float32", D=128)
+        args.update(kw)
+        p = plan(**args)
+        assert p.chosen == "flash" and not p.note, kw
+    # what torch cannot serve never gets there
+    for kw in (dict(softcap=1), dict(want_lse=1), dict(window=1), dict(dropout=1, need_grad=0)):
+        assert plan(dtype="float32", D=128, **kw).chosen == "flash", kw
+    assert plan(dtype="float32", D=128, varlen=1).chosen == "flash_varlen"
+    assert not plan(device=CUDA, cc=90, dtype="float32", D=128).note
+
+
+def test_torch_first_for_fma_calls_end_to_end():
+    q = torch.randn(1, 2, 8, 128)
+    p = ab.explain(q, q, q)
+    assert p.chosen == "sdpa" and p.note
+    assert ab.explain(q, q, q, causal=True).chosen == "flash"
+    assert ab.explain(q.requires_grad_(), q, q).chosen == "flash"
+    qd = q.detach()
+    torch.testing.assert_close(ab.attention(qd, qd, qd), torch.nn.functional.scaled_dot_product_attention(qd, qd, qd))
+
+
 def test_this_cpu_units_reach_the_plan():
     q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
     p = ab.explain(q, q, q)
