@@ -1,6 +1,7 @@
 """A quick side-by-side run of the backends on this machine: each backend on one moderate causal
-shape, in float32 and in bfloat16 (the dtype models train in), checked against the float64
-reference and timed next to torch SDPA.  The header names the CPU, the ISA features the kernels
+shape, in float32 and in bfloat16 (the dtype models train in), and one decode step (one query
+token against a KV cache 16x the shape's length, dense and paged, bfloat16), checked against the
+float64 reference and timed next to torch SDPA.  The header names the CPU, the ISA features the kernels
 care about, the kernel path in use and torch's thread count, so the numbers can be read against
 the machine that produced them.
 
@@ -32,8 +33,7 @@ from attn_backends._testing import FLOORS, max_err, reference_attention
 # build's feature detection reports them
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16")
 
-# (label, dtype): the prefill/training-shaped calls.  A decode-shaped case (Sq = 1 against a long
-# KV cache, through ab.attention_with_kvcache) joins this list with the decode work.
+# (label, dtype): the prefill/training-shaped calls; run_decode adds the decode-shaped one
 CASES = (("float32", torch.float32), ("bfloat16", torch.bfloat16))
 
 
@@ -86,24 +86,61 @@ def run_case(label: str, dtype: torch.dtype, B: int, H: int, S: int, D: int, rou
     bound = 2 * max_err(same, ref) + FLOORS[dtype]
     plan = ab.explain(q, k, v, causal=True)
     scale = D ** -0.5
+    same_ = lambda o: o
     runs = {
-        "torch sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-        f"ab auto ({plan.chosen}, {plan.path})": lambda: ab.attention(q, k, v, causal=True),
-        "ab math": lambda: ab.attention(q, k, v, causal=True, backend="math"),
-        "ab eager (aten composite)": lambda: _eager.attention(q, k, v, None, 1, scale, -1, -1, 0.0, 0.0)[0],
+        "torch sdpa": (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), same_),
+        f"ab auto ({plan.chosen}, {plan.path})": (lambda: ab.attention(q, k, v, causal=True), same_),
+        "ab math": (lambda: ab.attention(q, k, v, causal=True, backend="math"), same_),
+        "ab eager (aten composite)": (lambda: _eager.attention(q, k, v, None, 1, scale, -1, -1, 0.0, 0.0)[0], same_),
     }
-    print(f"\ncausal attention, B={B} H={H} S={S} D={D} {label}")
+    return _table(f"causal attention, B={B} H={H} S={S} D={D} {label}", runs, ref, bound, rounds)
+
+
+def _table(title: str, runs: dict, ref, bound: float, rounds: int) -> bool:
+    print(f"\n{title}")
     print(f"{'backend':<34}{'max err vs fp64':>16}{'rule':>6}{'median ms':>12}{'vs torch':>10}")
     ok, base = True, None
-    for name, fn in runs.items():
-        err = max_err(fn(), ref)
-        peer = name == "torch sdpa"
-        verdict = "-" if peer else ("ok" if err <= bound else "FAIL")
+    for name, (fn, view) in runs.items():
+        err = max_err(view(fn()), ref)
+        verdict = "-" if name == "torch sdpa" else ("ok" if err <= bound else "FAIL")
         ok = ok and verdict != "FAIL"
         t = median_us(fn, rounds) / 1e3
         base = base or t
         print(f"{name:<34}{err:>16.2e}{verdict:>6}{t:>12.3f}{t / base:>9.2f}x")
     return ok
+
+
+def run_decode(B: int, H: int, S: int, D: int, rounds: int, dtype=torch.bfloat16) -> bool:
+    """One decode step: q (B, 1, H, D) against a cache of 16 S tokens with H / 4 KV heads (GQA), through
+    ab.attention_with_kvcache on a dense cache and on the same cache paged in shuffled blocks of 16;
+    torch SDPA on the dense equivalent (contiguous K, V, enable_gqa).  False if ours breaks the rule."""
+    Hkv = max(1, H // 4)
+    while H % Hkv:
+        Hkv -= 1
+    Sk, blk = 16 * S, 16
+    q = torch.randn(B, 1, H, D).to(dtype)
+    k_cache, v_cache = (torch.randn(B, Sk, Hkv, D).to(dtype) for _ in range(2))
+    qs, ks, vs = q.transpose(1, 2), k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous()
+    ref, _ = reference_attention(qs, ks, vs)
+    same, _ = reference_attention(qs, ks, vs, dtype=dtype)
+    bound = 2 * max_err(same, ref) + FLOORS[dtype]
+    nb = Sk // blk
+    perm = torch.randperm(B * nb)
+    k_pages = torch.empty(B * nb, blk, Hkv, D, dtype=dtype)
+    v_pages = torch.empty_like(k_pages)
+    k_pages[perm] = k_cache.reshape(B * nb, blk, Hkv, D)
+    v_pages[perm] = v_cache.reshape(B * nb, blk, Hkv, D)
+    table = perm.view(B, nb).to(torch.int32)
+    as_ref = lambda out: out.transpose(1, 2)  # (B, 1, H, D) -> (B, H, 1, D)
+    runs = {
+        "torch sdpa": (lambda: F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=Hkv != H), lambda o: o),
+        "ab attention_with_kvcache": (lambda: ab.attention_with_kvcache(q, k_cache, v_cache), as_ref),
+        f"ab ... paged (blocks of {blk})": (lambda: ab.attention_with_kvcache(q, k_pages, v_pages, block_table=table),
+                                           as_ref),
+    }
+    with torch.inference_mode():
+        return _table(f"decode step, B={B} Hq={H} Hkv={Hkv} cache {Sk} D={D} {str(dtype)[6:]}", runs, ref, bound,
+                      rounds)
 
 
 def main(argv=None) -> int:
@@ -117,6 +154,7 @@ def main(argv=None) -> int:
     ok = True
     for label, dtype in CASES:
         ok = run_case(label, dtype, *args.shape, args.rounds) and ok
+    ok = run_decode(*args.shape, args.rounds) and ok
     return 0 if ok else 1
 
 

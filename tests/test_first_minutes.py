@@ -59,6 +59,9 @@ def test_readme_main_command_python_steps_print_no_warning(tmp_path):
         assert r.returncode == 0, r.stdout
         assert not re.search(r"(?i)warning|traceback", r.stdout), r.stdout
     assert "bfloat16" in r.stdout and "torch threads" in r.stdout
+    # the decode-shaped case, dense and paged, each within the correctness rule
+    decode = r.stdout[r.stdout.index("decode step"):].splitlines()
+    assert [line.split()[-3] for line in decode[3:5]] == ["ok", "ok"], r.stdout
 
 
 @pytest.fixture(scope="module")
