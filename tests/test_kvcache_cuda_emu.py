@@ -8,6 +8,7 @@ writes them (rotary included); split-KV on and off; every kernel variant the lau
 planner's route; bad input rejected with the CPU path's errors and nothing written."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -43,16 +44,24 @@ SPLIT_CASES = [
 ]
 
 
+def switch_decode(on: bool) -> None:
+    """Our CUDA decode kernel on or off for a GPU (opt-in there: ATTN_BACKENDS_CUDA_DECODE); plans forgotten."""
+    _C.enable_cuda_decode(on)
+    _dispatch.reset_caches()
+
+
+def decode_default() -> bool:
+    return os.environ.get("ATTN_BACKENDS_CUDA_DECODE", "0") == "1"
+
+
 @pytest.fixture
 def decode(dev):
-    """dev, with our CUDA decode kernel switched on for a GPU (it is opt-in there) and plans forgotten."""
-    _C.enable_cuda_decode(True)
-    _dispatch.reset_caches()
+    """dev, with our CUDA decode kernel switched on for a GPU."""
+    switch_decode(True)
     try:
         yield dev
     finally:
-        _C.enable_cuda_decode(False)
-        _dispatch.reset_caches()
+        switch_decode(decode_default())
 
 
 def run(dev, call: Call, **extra):
@@ -196,8 +205,11 @@ def test_bad_input_is_named_and_writes_nothing(decode, what, over, exc, msg, gen
 @pytest.mark.cuda
 def test_without_the_switch_eager_serves_cuda(gen, caplog):
     caplog.set_level(logging.INFO, logger="attn_backends")
-    _dispatch.reset_caches()
-    call = Call(KV(B=1, D=16, S=20, snew=1), gen)
-    q, kc, vc, k, v = (t.cuda() for t in (call.q, call.k_cache, call.v_cache, call.k, call.v))
-    ab.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=call.cache_seqlens.cuda())
-    assert any(r.getMessage().startswith("attn_backends: eager serves cuda") for r in caplog.records)
+    switch_decode(False)
+    try:
+        call = Call(KV(B=1, D=16, S=20, snew=1), gen)
+        q, kc, vc, k, v = (t.cuda() for t in (call.q, call.k_cache, call.v_cache, call.k, call.v))
+        ab.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=call.cache_seqlens.cuda())
+        assert any(r.getMessage().startswith("attn_backends: eager serves cuda") for r in caplog.records)
+    finally:
+        switch_decode(decode_default())
