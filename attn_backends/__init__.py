@@ -212,9 +212,11 @@ def attention_with_kvcache(
         rotary_interleaved: rotate pairs (2i, 2i + 1); False: GPT-NeoX halves (i, i + rotary_dim / 2).
         alibi_slopes: (Hq,) or (B, Hq) float32: adds -slope * |query position - key position|.
         num_splits: splits of each row's keys processed in parallel and merged (0: chosen from the
-            thread count; results can then differ in the last bits between thread counts).
+            thread count, or the GPU's SM count; results can then differ in the last bits between
+            thread counts).
         return_softmax_lse: also return lse (B, Hq, Sq) float32 (-inf for a query that sees no key).
-        backend: ``"auto"`` (the paged_attention kernel on CPU), ``"paged_attention"``, ``"flash"``
+        backend: ``"auto"`` (the paged_attention kernel on CPU; on CUDA eager, or our CUDA decode
+            kernel with ATTN_BACKENDS_CUDA_DECODE=1: unverified on a GPU), ``"paged_attention"``, ``"flash"``
             (our flash kernel over a gathered view of the cache), ``"math"`` / ``"eager"`` (float64
             torch ops over the gathered view, any device) or any accepted name; one that cannot serve
             a KV-cache call falls back with one warning.

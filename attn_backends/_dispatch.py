@@ -118,7 +118,9 @@ _chosen = ({}, {})  # signature -> backend, for strict False and True: the hot p
 
 def reset_caches() -> None:
     """Forgets every plan and every fallback already reported (tests; after changing providers)."""
-    for d in _chosen:
+    from . import _kvcache  # imported here: it imports this module
+
+    for d in (*_chosen, *_kvcache._chosen):
         d.clear()
     _planner._plans.clear()
     _planner._warned.clear()

@@ -6,6 +6,8 @@ One call validates its arguments, asks the planner which backend serves a KV-cac
 - ``paged_attention``: the CPU decode kernel (csrc/cpu/decode_cpu.c) writes the new keys and values
   into the cache and attends in one op; queries longer than one of its tiles (more than 64 query
   rows per KV head) go to flash over a gathered view instead, where the tiled products pay off.
+  On CUDA (opt-in, ATTN_BACKENDS_CUDA_DECODE=1), and on the CPU under the CUDA emulation, the same
+  op runs the CUDA decode kernel (csrc/cuda/decode.cu) for every query length.
 - ``flash``: the cache is gathered into a dense (B, Hkv, S, D) view and our flash kernel attends with
   a mask that carries leftpad, sequence ends, causal, window and ALiBi.
 - ``math`` and ``eager``: the same gathered view, attended in float64 with plain torch ops (any device).
@@ -22,7 +24,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import _planner
+from . import _C, _planner
 from ._names import ID, resolve
 from ._ops import ops
 
@@ -244,9 +246,39 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
 def run_kernel(c: KVCall):
     """The CPU decode kernel: cache write and attention in one op.  Its checks of the index values
     come back as ValueError, like the host checks of the gathered paths."""
+    if c.q.is_cuda or _C.cuda_emulation():
+        return run_cuda_kernel(c)
     G = c.q.shape[2] // c.k_cache.shape[2]
     if c.q.shape[1] * G > _KERNEL_ROWS:
         return run_gathered(c, _attend_flash)
+    return _kernel_op(c)
+
+
+def _rows16(t: torch.Tensor) -> bool:
+    """Whether the CUDA decode kernel can read t's rows with 16-byte loads."""
+    es = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(n <= 1 or s * es % 16 == 0 for n, s in zip(t.shape[:3], t.stride()[:3]))
+
+
+_warned = set()
+
+
+def run_cuda_kernel(c: KVCall):
+    """The CUDA decode kernel (csrc/cuda/decode.cu; on the CPU under the CUDA emulation): the index
+    values live on the device, where the kernel cannot raise, so they are checked here on the host
+    first (host_rows: the CPU kernel's checks and messages; one device-to-host copy per call).
+    Caches whose rows are not 16-byte aligned go to eager."""
+    if not (_rows16(c.k_cache) and _rows16(c.v_cache)):
+        if "align" not in _warned:
+            _warned.add("align")
+            _planner.logger.warning("attn_backends: the CUDA decode kernel reads cache rows with 16-byte loads; "
+                                    "these caches are not 16-byte aligned, so eager serves the call")
+        return run_float64(c)
+    host_rows(c)
+    return _kernel_op(c)
+
+
+def _kernel_op(c: KVCall):
     args = (c.q, c.k_cache, c.v_cache, c.k, c.v, c.cos, c.sin, c.seqlens, c.seqlen, c.batch_idx, c.leftpad,
             c.block_table, c.alibi, c.scale, c.causal, c.wl, c.wr, c.softcap, c.interleaved, c.num_splits)
     try:

@@ -114,7 +114,10 @@ _detect_providers()
 _C.enable_cuda_flash(os.environ.get("ATTN_BACKENDS_CUDA_FLASH", "0") == "1")
 # the same for our CUDA sage forward (docs/sage.md, "CUDA")
 _C.enable_cuda_sage(os.environ.get("ATTN_BACKENDS_CUDA_SAGE", "0") == "1")
-# the CUDA emulator (docs/cuda.md): CPU tensors of flash, flash_varlen, sage and math run the CUDA kernels
+# and for our CUDA decode kernel, paged_attention (docs/decode.md, "The CUDA kernel")
+_C.enable_cuda_decode(os.environ.get("ATTN_BACKENDS_CUDA_DECODE", "0") == "1")
+# the CUDA emulator (docs/cuda.md): CPU tensors of flash, flash_varlen, sage, math and paged_attention run
+# the CUDA kernels
 if _env_flag("ATTN_BACKENDS_CUDA_EMULATE"):
     try:
         _C.set_cuda_emulation(True)

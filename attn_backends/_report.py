@@ -172,7 +172,7 @@ def report() -> str:
     add(f"  strict                 {_planner.STRICT} (ATTN_BACKENDS_STRICT)")
     add(f"  MPS mask fix           {_planner.settings['mps_fix']} (ATTN_BACKENDS_DISABLE_MPS_FIX)")
     add(f"  CUDA emulation         {_C.cuda_emulation()} (ATTN_BACKENDS_CUDA_EMULATE)"
-        + (": CPU tensors of flash, flash_varlen, sage and math run the CUDA kernels on the emulator"
+        + (": CPU tensors of flash, flash_varlen, sage, math and paged_attention run the CUDA kernels on the emulator"
            if _C.cuda_emulation() else ""))
     add("")
     add("backends (available on this machine, or why not)")

@@ -21,6 +21,11 @@ always, a PNG when matplotlib is installed.
     python benchmarks/bench_decode.py --json benchmarks/results/decode.json --sweep
     python benchmarks/bench_decode.py --quick          # one shape per dtype, few rounds: a check only
     python benchmarks/bench_decode.py --threads 1      # one core
+    python benchmarks/bench_decode.py --device cuda --json benchmarks/results/gpu/decode_cuda.json
+
+--device cuda times our CUDA decode kernel (csrc/cuda/decode.cu, switched on here: it is opt-in and
+unverified on a GPU until this has run) against torch SDPA on the GPU, with CUDA events, and the
+probe sums a 1 GiB buffer on the GPU (its read bandwidth, far above the L2).
 
 Numbers are only meaningful on a quiet machine: the candidates and the bandwidth probe share it.
 """
@@ -47,16 +52,17 @@ SHAPES = [  # (label, B, Hq, Hkv, Sk)
 ]
 D = 128
 PROBE_BYTES = 256 << 20
+GPU_PROBE_BYTES = 1 << 30
 LLC_GUESS = 512 << 20  # copies of a cache add up to at least this, so a call never finds it cached
+DEVICE = "cpu"  # --device
 
 
 def read_bandwidth_probe():
-    buf = torch.ones(PROBE_BYTES // 4, dtype=torch.float32)
+    n = GPU_PROBE_BYTES if DEVICE == "cuda" else PROBE_BYTES
+    buf = torch.ones(n // 4, dtype=torch.float32, device=DEVICE)
 
     def run():
-        t = time.perf_counter()
-        buf.sum()
-        return PROBE_BYTES / (time.perf_counter() - t)
+        return n / timed(buf.sum, 1)
 
     run()
     return run
@@ -85,17 +91,17 @@ class Case:
         gen = torch.Generator().manual_seed(seed)
         self.kv_bytes = 2 * B * Sk * Hkv * D * torch.finfo(dtype).bits // 8
         copies = max(2, -(-LLC_GUESS // self.kv_bytes))
-        self.q = torch.randn(B, 1, Hq, D, generator=gen).to(dtype)
-        self.seqlens = torch.full((B,), Sk, dtype=torch.int32)
+        self.q = torch.randn(B, 1, Hq, D, generator=gen).to(DEVICE, dtype)
+        self.seqlens = torch.full((B,), Sk, dtype=torch.int32, device=DEVICE)
         self.dense, self.sdpa, self.paged = [], [], {b: [] for b in blocks}
         for _ in range(copies):
-            k = torch.randn(B, Sk, Hkv, D, generator=gen).to(dtype)
-            v = torch.randn(B, Sk, Hkv, D, generator=gen).to(dtype)
+            k = torch.randn(B, Sk, Hkv, D, generator=gen).to(DEVICE, dtype)
+            v = torch.randn(B, Sk, Hkv, D, generator=gen).to(DEVICE, dtype)
             self.dense.append((k, v))
             self.sdpa.append((k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()))
         for block in blocks:
             for k, v in self.dense[:copies]:
-                self.paged[block].append(paged_copy(k, v, block, gen))
+                self.paged[block].append(tuple(t.to(DEVICE) for t in paged_copy(k.cpu(), v.cpu(), block, gen)))
         self.q_sdpa = self.q.transpose(1, 2).contiguous()
         self.turn = 0
         self.gqa = Hq != Hkv
@@ -138,6 +144,15 @@ class Case:
 
 
 def timed(fn, reps):
+    """Seconds per call: wall clock on the CPU, CUDA events around the calls on a GPU."""
+    if DEVICE == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / reps
     t = time.perf_counter()
     for _ in range(reps):
         fn()
@@ -224,7 +239,14 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="also time against cache length (CSV, PNG)")
     ap.add_argument("--sweep-lengths", default="512,1024,2048,4096,8192,16384,32768")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: our CUDA decode kernel (opt-in, switched on here) against torch SDPA on the GPU")
     args = ap.parse_args(argv)
+    global DEVICE
+    DEVICE = args.device
+    if DEVICE == "cuda":
+        ab._C.enable_cuda_decode(True)  # ATTN_BACKENDS_CUDA_DECODE=1: unverified on a GPU until this runs
+        ab._dispatch.reset_caches()
     if args.threads:
         torch.set_num_threads(args.threads)
     rounds = 3 if args.quick else args.rounds
@@ -232,8 +254,10 @@ def main(argv=None):
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     blocks = (16, 256)
     probe = read_bandwidth_probe()
-    print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-          f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}")
+    where = (torch.cuda.get_device_name() if DEVICE == "cuda"
+             else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+                  f"CPU path {ab._C.cpu_isa()}")
+    print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {where}")
     print("per candidate: ms per call, GB/s of K and V, % of the read bandwidth; ratio = sdpa / ours; "
           "paged = paged / dense time")
     print(f"{'shape':<22}  {'dtype':<8}  {'read':>6}  {'ours':>21}  {'sdpa':>21}  {'paged16':>21}  {'paged256':>21}"
@@ -260,7 +284,8 @@ def main(argv=None):
                 sweeps[str(dtype)[6:]] = sweep(dtype, rounds, probe, lengths, out_dir or ".", stem)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(machine=platform.platform(), processor=platform.processor(),
+            json.dump(dict(machine=platform.platform(), processor=platform.processor(), device=DEVICE,
+                           gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else None,
                            threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
                            date=time.strftime("%Y-%m-%d"), rounds=rounds, results=results, sweeps=sweeps), f, indent=1)
         print(f"wrote {args.json}")

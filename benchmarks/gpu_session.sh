@@ -5,20 +5,21 @@
 #   bash benchmarks/gpu_session.sh bench      # build if needed, the full benchmark (JSON + plot)
 #   bash benchmarks/gpu_session.sh bwd        # build if needed, the backward benchmark (JSON)
 #   bash benchmarks/gpu_session.sh sage       # build if needed, sage vs our flash (the 1.5x target)
+#   bash benchmarks/gpu_session.sh decode     # build if needed, the CUDA decode kernel vs torch SDPA (JSON)
 #   bash benchmarks/gpu_session.sh sanitize   # build if needed, compute-sanitizer over the CUDA tests
 #
 # The machine starts bare with its own torch and python3 (docs/benchmarks.md, "GPU"), so each call
 # builds in place for the device's own architecture (sm_90a on Hopper) and leaves everything it
 # measured under ${OUT:-benchmarks/results/gpu}: build.log, report.txt, tests.log and the
 # benchmark's JSON, plot and log, or the sanitizer's logs.  The last lines printed are the summary.
-# Our CUDA kernels are opt-in until verified; this script opts in (ATTN_BACKENDS_CUDA_FLASH=1 and
-# ATTN_BACKENDS_CUDA_SAGE=1).
+# Our CUDA kernels are opt-in until verified; this script opts in (ATTN_BACKENDS_CUDA_FLASH=1,
+# ATTN_BACKENDS_CUDA_SAGE=1 and ATTN_BACKENDS_CUDA_DECODE=1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-check}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 ATTN_BACKENDS_CUDA_FLASH=1 ATTN_BACKENDS_CUDA_SAGE=1
+export PYTHONUNBUFFERED=1 ATTN_BACKENDS_CUDA_FLASH=1 ATTN_BACKENDS_CUDA_SAGE=1 ATTN_BACKENDS_CUDA_DECODE=1
 py=$(command -v python3 || command -v python)
 if ! command -v python > /dev/null; then # gpu_sanitize.sh calls `python`
   mkdir -p /tmp/ab_bin && ln -sf "$py" /tmp/ab_bin/python && export PATH="/tmp/ab_bin:$PATH"
@@ -63,6 +64,9 @@ case "$what" in
     grep -E "passed|failed|error" "$out/tests.log" | tail -3
     step "quick benchmark"
     bench_cuda bench_quick.log 150 12 --quick --rounds 5 --sage
+    step "quick decode benchmark"
+    timeout 120 "$py" benchmarks/bench_decode.py --device cuda --quick > "$out/decode_quick.log" 2>&1 || status=1
+    tail -6 "$out/decode_quick.log"
     ;;
   bench)
     step "benchmark"
@@ -76,12 +80,18 @@ case "$what" in
     step "sage vs flash"
     bench_cuda bench_sage.log 540 30 --sage-vs-flash --json "$out/cuda_sage.json"
     ;;
+  decode)
+    step "decode benchmark"
+    timeout 540 "$py" benchmarks/bench_decode.py --device cuda --sweep --json "$out/decode_cuda.json" \
+      > "$out/decode.log" 2>&1 || status=1
+    tail -30 "$out/decode.log"
+    ;;
   sanitize)
     step "compute-sanitizer"
     OUT="$out" timeout 540 bash benchmarks/gpu_sanitize.sh || status=1
     ;;
   *)
-    echo "gpu_session: unknown step '$what' (check, bench, bwd, sage, sanitize)" >&2
+    echo "gpu_session: unknown step '$what' (check, bench, bwd, sage, decode, sanitize)" >&2
     exit 2
     ;;
 esac

@@ -208,9 +208,18 @@ static PyObject* ab_py_enable_cuda_sage(PyObject* self, PyObject* arg) {
   Py_RETURN_NONE;
 }
 
-/* set_cuda_emulation(on): CPU tensors of flash, flash_varlen, sage and math run the CUDA kernels on
- * the emulator (docs/cuda.md); loads its library (RuntimeError when it is missing) and tells the
- * planner, which then plans those backends on the CPU with their CUDA capabilities. */
+/* enable_cuda_decode(on): see ab_registry_enable_cuda_decode. */
+static PyObject* ab_py_enable_cuda_decode(PyObject* self, PyObject* arg) {
+  (void)self;
+  const int on = PyObject_IsTrue(arg);
+  if (on < 0) return NULL;
+  ab_registry_enable_cuda_decode(on);
+  Py_RETURN_NONE;
+}
+
+/* set_cuda_emulation(on): CPU tensors of flash, flash_varlen, sage, math and paged_attention run the
+ * CUDA kernels on the emulator (docs/cuda.md); loads its library (RuntimeError when it is missing)
+ * and tells the planner, which then plans those backends on the CPU with their CUDA capabilities. */
 static PyObject* ab_py_set_cuda_emulation(PyObject* self, PyObject* arg) {
   (void)self;
   const int on = PyObject_IsTrue(arg);
@@ -462,6 +471,8 @@ static PyMethodDef ab_methods[] = {
      "enable_cuda_flash(on): serve flash/flash_varlen (forward, backward) and math backward on CUDA from our (not yet verified) kernels."},
     {"enable_cuda_sage", ab_py_enable_cuda_sage, METH_O,
      "enable_cuda_sage(on): serve sage on CUDA (forward only) from our (not yet verified) kernel."},
+    {"enable_cuda_decode", ab_py_enable_cuda_decode, METH_O,
+     "enable_cuda_decode(on): serve paged_attention (attention_with_kvcache) on CUDA from our (not yet verified) kernel."},
     {"set_provider", ab_py_set_provider, METH_VARARGS,
      "set_provider(id, available, why_not): record whether a torch feature or package exists."},
     {"plan", ab_py_plan, METH_O,

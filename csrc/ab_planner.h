@@ -124,8 +124,10 @@ uint32_t ab_our_cpu_units(int isa, int dtype);
 void ab_registry_enable_cuda_flash(int on);
 /* The same for sage on CUDA (forward only; its kernel is just as unverified). */
 void ab_registry_enable_cuda_sage(int on);
+/* The CUDA decode kernel (csrc/cuda/decode.cu) likewise, for paged_attention: ATTN_BACKENDS_CUDA_DECODE. */
+void ab_registry_enable_cuda_decode(int on);
 /* The CUDA emulation (docs/cuda.md) on (1) or off: while on, CPU calls of flash, flash_varlen, sage,
- * math (and eager, which runs math) are planned with those backends' CUDA capabilities (the emulator
+ * math (and eager, which runs math) and paged_attention are planned with those backends' CUDA capabilities (the emulator
  * runs the CUDA kernels), and ab_registry_emulated_caps returns them (NULL for other backends, or
  * when off). */
 void ab_registry_set_cuda_emulation(int on);

@@ -64,6 +64,12 @@
 /* The CUDA sage forward likewise: ATTN_BACKENDS_CUDA_SAGE=1 at import swaps its caps in. */
 #define CUDA_SAGE_OFF \
   "the CUDA sage kernel is not verified on a GPU yet (set ATTN_BACKENDS_CUDA_SAGE=1 to use it)"
+/* The CUDA decode kernel likewise: ATTN_BACKENDS_CUDA_DECODE=1 at import swaps its caps in; until
+ * then eager serves KV-cache calls on CUDA.  It takes head dims that are multiples of 8 up to 256. */
+#define CUDA_DECODE_OFF                                                                                 \
+  "the CUDA decode kernel is not verified on a GPU yet (set ATTN_BACKENDS_CUDA_DECODE=1 to use it; "  \
+  "eager serves KV-cache calls on CUDA meanwhile)"
+#define CUDA_DECODE CAPS_D(NO_F64, KVCACHE_F, 8, 256, 8, 80, 1)
 /* math on CUDA: the forward by default; the backward (csrc/cuda/math_bwd.cu) when opted in */
 #define CUDA_MATH_FWD CAPS_D(ALL_DT, (FULL | AB_F_VARLEN) & ~(AB_F_BACKWARD | AB_F_MASK_GRAD), 0, 0, 0, 80, 1)
 #define CUDA_MATH_ALL CAPS_D(ALL_DT, FULL | AB_F_VARLEN, 0, 0, 0, 80, 1)
@@ -150,8 +156,9 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
                      NONE("FlexAttention does not run on this device")}},
     [AB_BK_PAGED] = {"paged_attention", ALIASES("paged", "sdpa_paged", "eager_paged", "flash_paged"),
                      AB_KIND_BUNDLED, "KV-cache decode (attention_with_kvcache), dense or paged cache", 0, 0,
-                     /* csrc/cpu/decode_cpu.c; attention_with_kvcache calls only, inference only */
-                     {CAPS(NO_F64, KVCACHE_F), NONE("no decode kernel for CUDA yet (eager serves KV-cache calls there)"),
+                     /* csrc/cpu/decode_cpu.c, csrc/cuda/decode.cu; attention_with_kvcache calls only,
+                      * inference only */
+                     {CAPS(NO_F64, KVCACHE_F), NONE(CUDA_DECODE_OFF),
                       NONE(NO_KERNEL), NONE(NO_KERNEL)}},
     [AB_BK_XFORMERS] = {"xformers", ALIASES("xformers_attention", "memory_efficient_attention"),
                         AB_KIND_EXTERNAL, "xformers.ops.memory_efficient_attention, if installed", 0, 1,
@@ -236,6 +243,11 @@ void ab_registry_enable_cuda_sage(int on) {
   g_backends[AB_BK_SAGE].caps[AB_DEVICE_CUDA] = on ? caps : off;
 }
 
+void ab_registry_enable_cuda_decode(int on) {
+  static const ab_caps caps = CUDA_DECODE, off = NONE(CUDA_DECODE_OFF);
+  g_backends[AB_BK_PAGED].caps[AB_DEVICE_CUDA] = on ? caps : off;
+}
+
 static int g_cuda_emulation;
 
 void ab_registry_set_cuda_emulation(int on) { g_cuda_emulation = on != 0; }
@@ -245,13 +257,14 @@ const ab_caps* ab_registry_emulated_caps(int id) {
   static const ab_caps flash = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_DENSE, 32, 256, 8, 80, 1, 0};
   static const ab_caps packed = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_VARLEN, 32, 256, 8, 80, 1, 0};
   static const ab_caps sage = CAPS_D(HALF_DT, CUDA_FWD_F | AB_F_DENSE | AB_F_VARLEN, 32, 256, 8, 80, 1);
-  static const ab_caps math = CUDA_MATH_ALL;
+  static const ab_caps math = CUDA_MATH_ALL, decode = CUDA_DECODE;
   if (!g_cuda_emulation) return NULL;
   switch (id) {
     case AB_BK_FLASH: return &flash;
     case AB_BK_FLASH_VARLEN: return &packed;
     case AB_BK_SAGE: return &sage;
     case AB_BK_MATH: return &math;
+    case AB_BK_PAGED: return &decode;
     /* eager runs the math kernel on the CPU, so the emulated one too */
     case AB_BK_EAGER: return &g_backends[AB_BK_EAGER].caps[AB_DEVICE_CUDA];
     default: return NULL;

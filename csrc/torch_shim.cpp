@@ -16,7 +16,7 @@
 //   sage_fwd, sage_varlen_fwd    forward only (INT8 Q.K^T); the same outputs as flash's forwards;
 //                                CPU and CUDA
 //   dropout_mask                 the keep-mask the kernels draw, for tests (on rng_state's device)
-//   kvcache_fwd                  attention against a KV cache (flash_attn_with_kvcache, CPU): writes the
+//   kvcache_fwd                  attention against a KV cache (flash_attn_with_kvcache): writes the
 //                                new k/v into k_cache/v_cache in place -> (out (B, Sq, Hq, D), lse (B, Hq, Sq))
 // The backward ops take `deterministic`: on CUDA it picks flash's atomic-free dQ kernel (the CPU
 // kernels and CUDA math are deterministic always).
@@ -645,7 +645,8 @@ Tensor dropout_mask(const Tensor& rng, int64_t B, int64_t H, int64_t Sq, int64_t
 // KV-cache attention: q (B, Sq, Hq, D), a dense or paged cache written in place when k and v are
 // given (decode_cpu.h).  cache_seqlen stands for every row when cache_seqlens is None (-1: the whole
 // cache).  out is (B, Sq, Hq, D) contiguous, lse (B, Hq, Sq) float32; the workspace (q in float32,
-// the split partials) comes from torch's allocator for this call only.
+// the split partials) comes from torch's allocator for this call only.  CUDA tensors run the CUDA
+// decode kernel (csrc/cuda/decode.cu), and so do CPU tensors under the CUDA emulation.
 std::tuple<Tensor, Tensor> kvcache_fwd(const Tensor& q, const Tensor& k_cache, const Tensor& v_cache,
                                        std::optional<Tensor> k, std::optional<Tensor> v,
                                        std::optional<Tensor> rotary_cos, std::optional<Tensor> rotary_sin,
@@ -656,7 +657,6 @@ std::tuple<Tensor, Tensor> kvcache_fwd(const Tensor& q, const Tensor& k_cache, c
                                        double softcap, bool rotary_interleaved, int64_t num_splits) {
   if (q.dim() != 4 || k_cache.dim() != 4)
     fail("q must be (B, Sq, Hq, D) and k_cache (B_cache, S_cache, Hkv, D) or (num_blocks, block_size, Hkv, D)");
-  if (!q.is_cpu()) fail("kvcache_fwd has a CPU kernel only (q is not on the CPU)");
   ab_kvcache_params p{};
   p.B = q.size(0);
   p.Sq = q.size(1);
@@ -689,10 +689,27 @@ std::tuple<Tensor, Tensor> kvcache_fwd(const Tensor& q, const Tensor& k_cache, c
   p.out = view_of(out, "out");
   p.lse = view_of(lse, "lse");
   ab_cpu_pool pool = torch_pool();
-  size_t bytes = ab_kvcache_cpu_workspace_size(&p, pool.num_threads);
-  Tensor ws = empty_strided(q, {static_cast<int64_t>(bytes)}, {1}, aoti_torch_dtype_uint8());
   ab_error err{};
-  const ab_status status = ab_kvcache_cpu_fwd(&p, bytes ? ws.data_ptr() : nullptr, bytes, &pool, &err);
+  ab_status status;
+  const ab_cuda_api* emu = p.q.device == AB_DEVICE_CPU ? ab_cuda_emulation() : nullptr;
+  if (emu != nullptr || p.q.device == AB_DEVICE_CUDA) {
+    const ab_cuda_api* api = emu != nullptr ? emu : cuda_api();
+    std::optional<torch::stable::accelerator::DeviceGuard> guard;
+    void* stream = &pool;  // the emulator spreads its blocks over torch's threads
+    if (emu == nullptr) {
+      guard.emplace(p.q.device_index);
+      stream = current_cuda_stream(p.q.device_index);
+    }
+    const size_t bytes = api->kvcache_workspace(&p);
+    Tensor ws = empty_strided(q, {static_cast<int64_t>(bytes)}, {1}, aoti_torch_dtype_uint8());
+    status = api->kvcache_fwd(&p, bytes ? ws.data_ptr() : nullptr, bytes, stream, &err);
+  } else if (p.q.device == AB_DEVICE_CPU) {
+    const size_t bytes = ab_kvcache_cpu_workspace_size(&p, pool.num_threads);
+    Tensor ws = empty_strided(q, {static_cast<int64_t>(bytes)}, {1}, aoti_torch_dtype_uint8());
+    status = ab_kvcache_cpu_fwd(&p, bytes ? ws.data_ptr() : nullptr, bytes, &pool, &err);
+  } else {
+    fail("kvcache_fwd has CPU and CUDA kernels only");
+  }
   // a bad argument (a sequence length past the cache, a block that does not exist, ...) is tagged so
   // that attn_backends/_kvcache.py can raise it as a ValueError, like its own checks
   if (status == AB_ERR_INVALID) fail(std::string("invalid argument: ") + err.msg);

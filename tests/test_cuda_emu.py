@@ -193,8 +193,8 @@ def test_the_environment_variable_turns_it_on_and_the_report_says_so():
     lines = res.stdout.splitlines()
     assert lines[0] == "cuda emulated on cpu"
     setting = [line.split(None, 2)[2] for line in lines if line.split()[:2] == ["CUDA", "emulation"]]
-    assert setting == ["True (ATTN_BACKENDS_CUDA_EMULATE): CPU tensors of flash, flash_varlen, sage and math run "
-                       "the CUDA kernels on the emulator"], res.stdout
+    assert setting == ["True (ATTN_BACKENDS_CUDA_EMULATE): CPU tensors of flash, flash_varlen, sage, math and "
+                       "paged_attention run the CUDA kernels on the emulator"], res.stdout
     assert any(line.split()[:2] == ["CUDA", "emulator"] and line.endswith("libattn_backends_cuda_emu.so")
                for line in lines), res.stdout
 

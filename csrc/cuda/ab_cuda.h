@@ -15,9 +15,11 @@
 extern "C" {
 #endif
 
+struct ab_kvcache_params; /* csrc/cpu/decode_cpu.h: a KV-cache call (attention_with_kvcache) */
+
 /* Bumped whenever the table's layout or a launcher's contract changes; the loader refuses a
  * library with another version (a stale build beside a fresh module). */
-#define AB_CUDA_API_VERSION 4
+#define AB_CUDA_API_VERSION 5
 
 typedef struct ab_cuda_api {
   int api_version;
@@ -66,6 +68,15 @@ typedef struct ab_cuda_api {
    * rng_dev as in ab_attn_params (NULL: seed and offset). */
   ab_status (*dropout_mask)(uint64_t seed, uint64_t offset, const int64_t* rng_dev, double p, int64_t B,
                             int64_t H, int64_t Sq, int64_t Sk, uint8_t* keep, void* stream, ab_error* err);
+  /* KV-cache attention (flash_attn_with_kvcache, docs/decode.md): the new k/v written into the
+   * cache in place (rotated when asked), then q attends; float16/bfloat16/float32, D a multiple of 8
+   * up to 256, 16-byte aligned cache rows; every tensor on the device.  The index values must have
+   * been checked by the caller (attn_backends/_kvcache.py host_rows): the kernels only keep a bad
+   * value from reaching memory outside the caches.  kvcache_workspace gives the bytes the call
+   * needs on the current device (split-KV partials; 0 when unsplit); the caller allocates them. */
+  size_t (*kvcache_workspace)(const struct ab_kvcache_params* p);
+  ab_status (*kvcache_fwd)(const struct ab_kvcache_params* p, void* workspace, size_t workspace_bytes, void* stream,
+                           ab_error* err);
 } ab_cuda_api;
 
 AB_EXPORT const ab_cuda_api* ab_cuda_api_get(void);

@@ -48,6 +48,7 @@ const ab_cuda_api kApi = {
     supports_cc,                ab_cuda_math_fwd, ab_cuda_flash_fwd,
     ab_cuda_sage_fwd,           ab_cuda_math_bwd_workspace, ab_cuda_flash_bwd_workspace,
     ab_cuda_math_bwd,           ab_cuda_flash_bwd, ab_cuda_dropout_mask,
+    ab_cuda_kvcache_workspace,  ab_cuda_kvcache_fwd,
 };
 
 }  // namespace

@@ -55,4 +55,8 @@ extern "C" ab_status ab_cuda_dropout_mask(uint64_t seed, uint64_t offset, const 
                                           int64_t B, int64_t H, int64_t Sq, int64_t Sk, uint8_t* keep,
                                           void* stream, ab_error* err);
 
+extern "C" size_t ab_cuda_kvcache_workspace(const struct ab_kvcache_params* p);
+extern "C" ab_status ab_cuda_kvcache_fwd(const struct ab_kvcache_params* p, void* workspace, size_t workspace_bytes,
+                                         void* stream, ab_error* err);
+
 #endif  // AB_CUDA_INTERNAL_H

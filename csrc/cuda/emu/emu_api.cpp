@@ -13,20 +13,26 @@
 #include <string.h>
 
 #include <string>
+#include <initializer_list>
 #include <vector>
 
+#include "../../cpu/decode_cpu.h"
 #include "../ab_cuda_internal.h"
 #include "emu_runtime.h"
 
 namespace {
 
-enum class Role { kIn, kOut };
+// kInOut: read and written in place (the KV caches): copied in, and back element by element, so
+// that the bytes between its elements (another tensor's, as in an interleaved K/V buffer) are not
+// overwritten with the stale copy.
+enum class Role { kIn, kOut, kInOut };
 
 struct Staged {
   ab_tensor* view;  // the device view handed to the launcher
   ab_tensor host;   // the caller's tensor
   unsigned char* dev;
   bool packed;      // staged contiguous (the host layout is not one the kernels read)
+  bool in_place;    // Role::kInOut
 };
 
 // Elements from the first to one past the last, for non-negative strides.
@@ -86,7 +92,8 @@ class Call {
     const bool pack = kernels_read_rows && !rows16(host);
     const int64_t n = pack ? numel_of(host) : span_of(host);
     const size_t rem = pack ? 0 : reinterpret_cast<uintptr_t>(host.data) % 16;
-    unsigned char* dev = ab_emu::device_alloc(name, (size_t)n * es, 16, rem, role == Role::kOut, es);
+    const bool copy_in = role != Role::kOut;
+    unsigned char* dev = ab_emu::device_alloc(name, (size_t)n * es, 16, rem, !copy_in, es);
     if (dev == nullptr) return ab_error_set(err, AB_ERR_NOMEM, "CUDA emulator: no memory for %s", name), false;
     if (pack) {
       int64_t st = 1;
@@ -94,15 +101,15 @@ class Call {
         t.strides[d] = st;
         st *= t.sizes[d];
       }
-      if (role == Role::kIn)
+      if (copy_in)
         for_each_element(host, [&](int64_t off, int64_t i) {
           memcpy(dev + i * es, static_cast<const unsigned char*>(host.data) + off * es, es);
         });
-    } else if (role == Role::kIn) {
+    } else if (copy_in) {
       memcpy(dev, host.data, (size_t)n * es);
     }
     t.data = dev;
-    if (role == Role::kOut) outs_.push_back(Staged{&t, host, dev, pack});
+    if (role != Role::kIn) outs_.push_back(Staged{&t, host, dev, pack, role == Role::kInOut});
     return true;
   }
 
@@ -125,6 +132,10 @@ class Call {
       if (o.packed)
         for_each_element(o.host, [&](int64_t off, int64_t i) {
           memcpy(static_cast<unsigned char*>(o.host.data) + off * es, o.dev + i * es, es);
+        });
+      else if (o.in_place)  // the same layout on both sides
+        for_each_element(o.host, [&](int64_t off, int64_t) {
+          memcpy(static_cast<unsigned char*>(o.host.data) + off * es, o.dev + off * es, es);
         });
       else
         memcpy(o.host.data, o.dev, (size_t)span_of(o.host) * es);
@@ -233,10 +244,42 @@ ab_status emu_dropout_mask(uint64_t seed, uint64_t offset, const int64_t* rng_de
       real().dropout_mask(seed, offset, rng_dev, p, B, H, Sq, Sk, static_cast<uint8_t*>(t.data), nullptr, err), err);
 }
 
+size_t emu_kvcache_workspace(const ab_kvcache_params* p) {
+  Call call(nullptr);  // the launcher asks the emulated device for its SM count
+  ab_kvcache_params d = *p;  // the launcher reads no data here, only shapes, layouts and devices
+  for (ab_tensor* t : {&d.q, &d.k_cache, &d.v_cache, &d.k_new, &d.v_new, &d.rotary_cos, &d.rotary_sin,
+                       &d.cache_seqlens, &d.cache_batch_idx, &d.cache_leftpad, &d.block_table, &d.alibi_slopes,
+                       &d.out, &d.lse})
+    if (t->ndim) t->device = AB_DEVICE_CUDA;
+  return real().kvcache_workspace(&d);
+}
+
+ab_status emu_kvcache_fwd(const ab_kvcache_params* p, void* workspace, size_t workspace_bytes, void* stream,
+                          ab_error* err) {
+  Call call(stream);
+  ab_kvcache_params d = *p;
+  const struct {
+    ab_tensor* t;
+    const char* name;
+    Role role;
+  } operands[] = {{&d.q, "q", Role::kIn}, {&d.k_cache, "k_cache", Role::kInOut}, {&d.v_cache, "v_cache", Role::kInOut},
+                  {&d.k_new, "k", Role::kIn}, {&d.v_new, "v", Role::kIn}, {&d.rotary_cos, "rotary_cos", Role::kIn},
+                  {&d.rotary_sin, "rotary_sin", Role::kIn}, {&d.cache_seqlens, "cache_seqlens", Role::kIn},
+                  {&d.cache_batch_idx, "cache_batch_idx", Role::kIn}, {&d.cache_leftpad, "cache_leftpad", Role::kIn},
+                  {&d.block_table, "block_table", Role::kIn}, {&d.alibi_slopes, "alibi_slopes", Role::kIn},
+                  {&d.out, "out", Role::kOut}, {&d.lse, "lse", Role::kOut}};
+  for (const auto& o : operands)
+    if (!call.tensor(*o.t, o.name, o.role, false, err)) return AB_ERR_NOMEM;
+  void* ws = workspace ? call.raw("workspace", nullptr, workspace_bytes, 256, err) : nullptr;
+  if (workspace && ws == nullptr && workspace_bytes > 0) return AB_ERR_NOMEM;
+  return call.finish(real().kvcache_fwd(&d, ws, workspace_bytes, nullptr, err), err);
+}
+
 const ab_cuda_api kEmuApi = {
     AB_CUDA_API_VERSION,     "emulated",           emu_device_capability,  emu_supports_cc,
     emu_math_fwd,            emu_flash_fwd,        emu_sage_fwd,           emu_math_bwd_workspace,
     emu_flash_bwd_workspace, emu_math_bwd,         emu_flash_bwd,          emu_dropout_mask,
+    emu_kvcache_workspace,   emu_kvcache_fwd,
 };
 
 std::string g_log;  // the last launch_log() answer, kept alive for the caller

@@ -122,6 +122,8 @@ cudaError_t device_attribute(int* value, cudaDeviceAttr attr, int device) {
     case cudaDevAttrComputeCapabilityMajor: *value = s.cc / 10; return cudaSuccess;
     case cudaDevAttrComputeCapabilityMinor: *value = s.cc % 10; return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = (int)optin_smem(s.cc); return cudaSuccess;
+    // the SMs of an A100, an RTX A6000, an L40 and an H100 (the decode launcher sizes its splits by them)
+    case cudaDevAttrMultiProcessorCount: *value = s.cc == 86 ? 84 : s.cc == 89 ? 142 : s.cc == 90 ? 132 : 108; return cudaSuccess;
   }
   return cudaErrorInvalidValue;
 }

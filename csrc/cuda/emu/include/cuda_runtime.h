@@ -110,6 +110,11 @@ inline int __float2int_rn(float x) {
   if (x <= -2147483648.0f) return INT_MIN;
   return (int)nearbyintf(x);
 }
+// float arithmetic rounded once per operation, never contracted into an FMA (g++ without -mfma
+// has none to contract into)
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __int_as_float(int i) {
   float f;
   memcpy(&f, &i, sizeof f);
@@ -126,6 +131,7 @@ enum cudaError_t {
   cudaErrorLaunchFailure = 719,
 };
 enum cudaDeviceAttr {
+  cudaDevAttrMultiProcessorCount = 16,
   cudaDevAttrComputeCapabilityMajor = 75,
   cudaDevAttrComputeCapabilityMinor = 76,
   cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,

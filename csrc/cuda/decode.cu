@@ -1,0 +1,297 @@
+// decode.cu -- attention against a KV cache on CUDA (flash_attn_with_kvcache semantics,
+// docs/decode.md): the launcher of the decode kernels (decode_kernel.cuh).  It checks the call's
+// shapes, dtypes, devices and layouts, fills DecodeParams once, picks the rows per block and the
+// split count, and launches the cache write, the attention and (split-KV) the merge on the stream.
+//
+// The values of the index tensors (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) live
+// on the device: the caller checks them on the host first (attn_backends/_kvcache.py host_rows, the
+// same checks and messages as the CPU kernel's), so that a bad value raises before anything is
+// written.  The kernels bound what they read and write by them anyway: a value out of range never
+// reaches memory outside the caches.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include <initializer_list>
+
+#include "ab_cuda_internal.h"
+#include "decode_kernel.cuh"
+#include "../cpu/decode_cpu.h"
+
+namespace {
+
+constexpr int64_t kMaxSplits = 128;
+// Splits chosen by the heuristic keep at least this many keys each: below it the merge and the
+// per-block setup cost more than the parallelism gains (the CPU kernel's figure; to tune on a GPU).
+constexpr int64_t kMinSplitKeys = 256;
+
+bool paged(const ab_kvcache_params* p) { return p->block_table.ndim > 0; }
+
+int64_t capacity(const ab_kvcache_params* p) {
+  return paged(p) ? p->block_table.sizes[1] * p->k_cache.sizes[1] : p->k_cache.sizes[1];
+}
+
+int rows_per_block(const ab_kvcache_params* p) {
+  const int64_t rows = p->Sq * (p->Hq / p->Hkv);
+  return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : kMaxRows;
+}
+
+int64_t row_tiles(const ab_kvcache_params* p) {
+  const int kr = rows_per_block(p);
+  return (p->Sq * (p->Hq / p->Hkv) + kr - 1) / kr;
+}
+
+// Splits of each row's key range: num_splits when given, else enough to give every SM a block when
+// (batch, KV head, row tile) blocks are fewer than the SMs, each split keeping kMinSplitKeys keys
+// of the cache's capacity.
+ab_status split_count(const ab_kvcache_params* p, int64_t* nsplit, ab_error* err) {
+  if (p->num_splits > 0) {
+    *nsplit = p->num_splits < kMaxSplits ? p->num_splits : kMaxSplits;
+    return AB_OK;
+  }
+  int device = 0, sms = 0;
+  ab_status st = ab_cuda_check(cudaGetDevice(&device), "cudaGetDevice", err);
+  if (st != AB_OK) return st;
+  st = ab_cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute",
+                     err);
+  if (st != AB_OK) return st;
+  const int64_t blocks = p->B * p->Hkv * row_tiles(p);
+  int64_t n = 1;
+  if (blocks > 0 && blocks < sms) {
+    n = (sms + blocks - 1) / blocks;
+    const int64_t most = capacity(p) / kMinSplitKeys;
+    n = n < most ? n : most;
+  }
+  *nsplit = n < 1 ? 1 : n > kMaxSplits ? kMaxSplits : n;
+  return AB_OK;
+}
+
+size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
+
+size_t workspace_for(const ab_kvcache_params* p, int64_t nsplit) {
+  if (nsplit <= 1) return 0;
+  const size_t rows = (size_t)(p->B * nsplit * p->Sq * p->Hq);
+  return align256(rows * (size_t)p->D * sizeof(float)) + align256(rows * sizeof(float));
+}
+
+const char* dtype_name(const ab_tensor& t) { return ab_dtype_name(t.dtype); }
+
+ab_status want(bool ok, ab_error* err, const char* fmt, const char* a = "", const char* b = "") {
+  return ok ? AB_OK : ab_error_set(err, AB_ERR_INVALID, fmt, a, b);
+}
+
+#define TRY(expr)               \
+  do {                          \
+    ab_status s_ = (expr);      \
+    if (s_ != AB_OK) return s_; \
+  } while (0)
+
+// Shapes, dtypes, devices and layouts (the Python layer checked the same and more, with messages
+// naming each argument; these guard the launcher's own contract).
+ab_status check_call(const ab_kvcache_params* p, ab_error* err) {
+  const ab_dtype dt = p->q.dtype;
+  if (dt != AB_DTYPE_F32 && dt != AB_DTYPE_F16 && dt != AB_DTYPE_BF16)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "the CUDA decode kernel takes float16, bfloat16 or float32, got %s",
+                        ab_dtype_name(dt));
+  if (p->B < 0 || p->Sq < 0 || p->Hq < 0 || p->Hkv < 1 || p->Hq % p->Hkv)
+    return ab_error_set(err, AB_ERR_INVALID, "sizes must be B, Sq, Hq >= 0, Hkv >= 1 and Hq a multiple of Hkv");
+  if (p->D % kChunk || p->D < kChunk || p->D > kMaxHeadDim)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED,
+                        "the CUDA decode kernel takes head dims that are multiples of 8 up to %d, got %lld",
+                        kMaxHeadDim, (long long)p->D);
+  const ab_tensor* same[] = {&p->q, &p->k_cache, &p->v_cache, &p->k_new, &p->v_new, &p->out};
+  const char* names[] = {"q", "k_cache", "v_cache", "k", "v", "out"};
+  for (int i = 0; i < 6; ++i) {
+    if (same[i]->ndim == 0) continue;
+    TRY(want(same[i]->ndim == 4, err, "%s must be 4-D", names[i]));
+    TRY(want(same[i]->dtype == dt, err, "%s must have q's dtype, got %s", names[i], dtype_name(*same[i])));
+  }
+  TRY(want(p->k_cache.sizes[2] == p->Hkv && p->k_cache.sizes[3] == p->D, err, "k_cache must be (..., Hkv, D)"));
+  for (int d = 0; d < 4; ++d)
+    TRY(want(p->v_cache.sizes[d] == p->k_cache.sizes[d], err, "v_cache must have k_cache's shape"));
+  if ((p->k_new.ndim > 0) != (p->v_new.ndim > 0)) return ab_error_set(err, AB_ERR_INVALID, "k and v go together");
+  if (p->k_new.ndim)
+    for (int d = 0; d < 4; ++d)
+      TRY(want(p->k_new.sizes[d] == (d == 0 ? p->B : d == 1 ? p->v_new.sizes[1] : d == 2 ? p->Hkv : p->D) &&
+                   p->v_new.sizes[d] == p->k_new.sizes[d],
+               err, "k and v must be (B, Sk_new, Hkv, D)"));
+  // 16-byte rows: every key row of the caches is read with 16-byte loads
+  for (const ab_tensor* c : {&p->k_cache, &p->v_cache}) {
+    const size_t es = ab_dtype_size(c->dtype);
+    bool ok = c->strides[3] == 1 && reinterpret_cast<uintptr_t>(c->data) % 16 == 0;
+    for (int d = 0; d < 3; ++d) ok = ok && (c->sizes[d] <= 1 || (size_t)c->strides[d] * es % 16 == 0);
+    if (!ok)
+      return ab_error_set(err, AB_ERR_UNSUPPORTED,
+                          "the CUDA decode kernel reads cache rows with 16-byte loads: the caches need a contiguous "
+                          "last dim, a 16-byte aligned start and strides that are multiples of 16 bytes");
+  }
+  for (const ab_tensor* t : {&p->cache_seqlens, &p->cache_batch_idx, &p->cache_leftpad, &p->block_table})
+    if (t->ndim && t->dtype != AB_DTYPE_I32 && t->dtype != AB_DTYPE_I64)
+      return ab_error_set(err, AB_ERR_INVALID, "index tensors must be int32 or int64, got %s", dtype_name(*t));
+  if (paged(p) && (p->block_table.ndim != 2 || p->block_table.sizes[0] != p->B || p->k_cache.sizes[1] < 1))
+    return ab_error_set(err, AB_ERR_INVALID, "block_table must be (B, max_blocks) and block_size >= 1");
+  if (paged(p) && p->cache_batch_idx.ndim)
+    return ab_error_set(err, AB_ERR_INVALID, "cache_batch_idx does not apply to a paged cache");
+  if (p->rotary_cos.ndim) {
+    TRY(want(p->k_new.ndim > 0, err, "rotary_cos and rotary_sin need the new k and v"));
+    TRY(want(p->rotary_sin.ndim == 2 && p->rotary_cos.ndim == 2 && p->rotary_sin.dtype == p->rotary_cos.dtype &&
+                 p->rotary_sin.sizes[0] == p->rotary_cos.sizes[0] && p->rotary_sin.sizes[1] == p->rotary_cos.sizes[1],
+             err, "rotary_cos and rotary_sin must be (seqlen_ro, rotary_dim / 2) of one dtype"));
+    TRY(want(p->rotary_cos.sizes[1] >= 1 && 2 * p->rotary_cos.sizes[1] <= p->D && p->rotary_cos.sizes[0] >= 1, err,
+             "rotary_dim must be in [2, D]"));
+  }
+  if (p->alibi_slopes.ndim && p->alibi_slopes.dtype != AB_DTYPE_F32)
+    return ab_error_set(err, AB_ERR_INVALID, "alibi_slopes must be float32");
+  TRY(want(p->lse.ndim == 3 && p->lse.dtype == AB_DTYPE_F32, err, "lse must be (B, Hq, Sq) float32"));
+  const ab_tensor* all[] = {&p->q, &p->k_cache, &p->v_cache, &p->k_new, &p->v_new, &p->rotary_cos,
+                            &p->rotary_sin, &p->cache_seqlens, &p->cache_batch_idx, &p->cache_leftpad,
+                            &p->block_table, &p->alibi_slopes, &p->out, &p->lse};
+  for (const ab_tensor* t : all)
+    if (t->ndim && t->device != AB_DEVICE_CUDA)
+      return ab_error_set(err, AB_ERR_INVALID, "every tensor of a CUDA decode call must be on the GPU");
+  if (p->num_splits < 0) return ab_error_set(err, AB_ERR_INVALID, "num_splits must be >= 0");
+  return AB_OK;
+}
+
+Index index_of(const ab_tensor& t) {
+  Index x{t.ndim ? t.data : nullptr, t.ndim ? t.strides[0] : 0, t.ndim > 1 ? t.strides[1] : 0,
+          t.dtype == AB_DTYPE_I64};
+  return x;
+}
+
+// Whether q rotates at one position per token (flash-attn: causal or a window shorter than the
+// cache) or at cache_seqlens for every token (decode_cpu.c's rule).
+bool q_per_token(const ab_kvcache_params* p) {
+  const int64_t cap = capacity(p);
+  return p->causal || (p->window_left >= 0 && p->window_left < cap) || (p->window_right >= 0 && p->window_right < cap);
+}
+
+DecodeParams fill_params(const ab_kvcache_params* p, int64_t nsplit, void* workspace) {
+  DecodeParams d{};
+  d.B = p->B;
+  d.Sq = p->Sq;
+  d.Hq = p->Hq;
+  d.Hkv = p->Hkv;
+  d.D = p->D;
+  d.G = p->Hq / p->Hkv;
+  d.rows = p->Sq * d.G;
+  d.row_tiles = row_tiles(p);
+  d.nsplit = nsplit;
+  d.q = p->q.data;
+  for (int i = 0; i < 4; ++i) d.qs[i] = p->q.strides[i];
+  d.kc = p->k_cache.data;
+  d.vc = p->v_cache.data;
+  for (int i = 0; i < 3; ++i) {
+    d.ks[i] = p->k_cache.strides[i];
+    d.vs[i] = p->v_cache.strides[i];
+  }
+  d.block_size = paged(p) ? p->k_cache.sizes[1] : 0;
+  d.num_blocks = p->k_cache.sizes[0];
+  d.cap = capacity(p);
+  d.block_table = index_of(p->block_table);
+  if (p->k_new.ndim) {
+    d.knew = p->k_new.data;
+    d.vnew = p->v_new.data;
+    d.snew = p->k_new.sizes[1];
+    for (int i = 0; i < 4; ++i) {
+      d.kns[i] = p->k_new.strides[i];
+      d.vns[i] = p->v_new.strides[i];
+    }
+  }
+  if (p->rotary_cos.ndim) {
+    d.cos = p->rotary_cos.data;
+    d.sin = p->rotary_sin.data;
+    for (int i = 0; i < 2; ++i) {
+      d.cs[i] = p->rotary_cos.strides[i];
+      d.ss[i] = p->rotary_sin.strides[i];
+    }
+    d.rot_half = p->rotary_cos.sizes[1];
+    d.rot_len = p->rotary_cos.sizes[0];
+    d.cos_dtype = p->rotary_cos.dtype;
+  }
+  d.interleaved = p->rotary_interleaved;
+  d.q_per_token = q_per_token(p);
+  d.seqlens = index_of(p->cache_seqlens);
+  d.batch_idx = index_of(p->cache_batch_idx);
+  d.leftpad = index_of(p->cache_leftpad);
+  d.seqlen = p->cache_seqlen;
+  if (p->alibi_slopes.ndim) {
+    d.alibi = static_cast<const float*>(p->alibi_slopes.data);
+    d.alibi_sb = p->alibi_slopes.ndim == 2 ? p->alibi_slopes.strides[0] : 0;
+    d.alibi_sh = p->alibi_slopes.strides[p->alibi_slopes.ndim - 1];
+  }
+  d.out = p->out.data;
+  for (int i = 0; i < 4; ++i) d.os[i] = p->out.strides[i];
+  d.lse = static_cast<float*>(p->lse.data);
+  for (int i = 0; i < 3; ++i) d.ls[i] = p->lse.strides[i];
+  if (nsplit > 1) {
+    d.part = static_cast<float*>(workspace);
+    const size_t rows = (size_t)(p->B * nsplit * p->Sq * p->Hq);
+    d.part_lse = reinterpret_cast<float*>(static_cast<char*>(workspace) + align256(rows * (size_t)p->D * sizeof(float)));
+  }
+  d.scale = (float)p->scale;
+  d.softcap = (float)p->softcap;
+  d.causal = p->causal;
+  d.wl = p->window_left;
+  d.wr = p->window_right;
+  return d;
+}
+
+template <typename T, int kRows>
+ab_status launch_attend(const DecodeParams& d, cudaStream_t stream, ab_error* err) {
+  const size_t smem = sizeof(float) * (size_t)(kRows * d.D + kWarps * kRows * d.D + kWarps * kRows * 2);
+  const dim3 grid((unsigned)(d.nsplit * d.B), (unsigned)(d.Hkv * d.row_tiles));
+  AB_LAUNCH(grid, kThreads, smem, stream, attend_kernel<T, kRows>)(d);
+  return ab_cuda_check(cudaGetLastError(), "kvcache_fwd attention launch", err);
+}
+
+template <typename T>
+ab_status run(const ab_kvcache_params* p, const DecodeParams& d, cudaStream_t stream, ab_error* err) {
+  if (d.snew > 0 && d.B > 0) {
+    AB_LAUNCH(dim3((unsigned)d.snew, (unsigned)d.B), kThreads, 0, stream, append_kernel<T>)(d);
+    TRY(ab_cuda_check(cudaGetLastError(), "kvcache_fwd cache write launch", err));
+  }
+  if (d.B == 0 || d.rows == 0) return AB_OK;
+  switch (rows_per_block(p)) {
+    case 1: TRY((launch_attend<T, 1>(d, stream, err))); break;
+    case 2: TRY((launch_attend<T, 2>(d, stream, err))); break;
+    case 4: TRY((launch_attend<T, 4>(d, stream, err))); break;
+    default: TRY((launch_attend<T, kMaxRows>(d, stream, err))); break;
+  }
+  if (d.nsplit > 1) {
+    const int64_t n = d.B * d.Sq * d.Hq, most = 1 << 20;  // grid-stride beyond this
+    AB_LAUNCH((unsigned)(n < most ? n : most), kThreads, 0, stream, merge_kernel<T>)(d);
+    TRY(ab_cuda_check(cudaGetLastError(), "kvcache_fwd merge launch", err));
+  }
+  return AB_OK;
+}
+
+}  // namespace
+
+extern "C" size_t ab_cuda_kvcache_workspace(const ab_kvcache_params* p) {
+  ab_error ignored;
+  int64_t nsplit = 1;
+  if (check_call(p, &ignored) != AB_OK || split_count(p, &nsplit, &ignored) != AB_OK) return 0;
+  return workspace_for(p, nsplit);
+}
+
+extern "C" ab_status ab_cuda_kvcache_fwd(const ab_kvcache_params* p, void* workspace, size_t workspace_bytes,
+                                         void* stream, ab_error* err) {
+  TRY(check_call(p, err));
+  if (p->B > 65535 || p->Hkv * row_tiles(p) > 65535)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "the CUDA decode kernel takes B and Hkv * query tiles up to 65535");
+  int64_t nsplit = 1;
+  TRY(split_count(p, &nsplit, err));
+  const size_t need = workspace_for(p, nsplit);
+  if (workspace_bytes < need || (need > 0 && workspace == nullptr))
+    return ab_error_set(err, AB_ERR_INVALID, "the CUDA decode kernel needs %zu bytes of workspace, got %zu", need,
+                        workspace_bytes);
+  const DecodeParams d = fill_params(p, nsplit, workspace);
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  switch (p->q.dtype) {
+    case AB_DTYPE_F16: return run<__half>(p, d, s, err);
+    case AB_DTYPE_BF16: return run<__nv_bfloat16>(p, d, s, err);
+    default: return run<float>(p, d, s, err);
+  }
+}

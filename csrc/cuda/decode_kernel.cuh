@@ -1,0 +1,421 @@
+// decode_kernel.cuh -- the KV-cache decode kernels on CUDA (docs/decode.md, "The CUDA kernel"):
+// attention of a few query tokens against a dense or paged cache, with the CPU decode kernel's
+// semantics (csrc/cpu/decode_cpu.c).  Included by decode.cu only, which checks a call, fills
+// DecodeParams and launches, in stream order:
+//
+//   append_kernel   the new keys (rotated) and values into the cache at cache_seqlens[b] + t;
+//   attend_kernel   one block per (split of the key range, KV head and tile of query rows, batch
+//                   row): every query row of the tile (tokens x the query heads of the KV head) is
+//                   attended in one pass over the keys, so each key and value byte is read once
+//                   for all the query heads that use it (GQA);
+//   merge_kernel    with split-KV, the splits' (out, lse) merged in float32 (ab.merge_attention_states'
+//                   rule).
+//
+// Lanes split a key row into chunks of 8 elements (one 16-byte load in 16-bit types, two in
+// float32); a warp holds 32 / L keys at once, L = the chunks of a row rounded up to a power of two,
+// and a block of kWarps warps walks its keys kWarps * 32 / L at a time.  Scores are reduced over the
+// L lanes of a key with xor shuffles (every lane ends with the same sum, bit for bit), the online
+// softmax state (max, sum, 8 accumulators per row) stays in registers, and at the end the key
+// groups of a warp are merged with shuffles and the warps through shared memory.  Everything is
+// float32; the queries are rotated, scaled and kept in shared memory as float32 rows.
+#ifndef AB_DECODE_KERNEL_CUH
+#define AB_DECODE_KERNEL_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "ab_cuda_internal.h"
+
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kChunk = 8;       // elements of a key row per lane and load
+constexpr int kMaxHeadDim = 256;  // 32 lanes x 8
+constexpr int kMaxRows = 8;     // query rows per block (registers: 8 accumulators per row per lane)
+
+// An index tensor (int32 or int64; data NULL when absent): element (i, j) at i * s0 + j * s1.
+struct Index {
+  const void* data;
+  int64_t s0, s1;
+  int32_t is64;
+};
+
+// One call, as the kernels see it (decode.cu fill_params): pointers, strides in elements, sizes
+// and options.  Cache offsets are int64: a cache can hold more than 2^31 elements.
+struct DecodeParams {
+  int64_t B, Sq, Hq, Hkv, D, G, rows;   // rows = Sq * G query rows per KV head
+  int64_t row_tiles, nsplit;            // tiles of kRows rows; splits of each key range
+  const void* q;                        // (B, Sq, Hq, D), any strides
+  int64_t qs[4];
+  void *kc, *vc;                        // caches; last dim contiguous, rows 16-byte aligned
+  int64_t ks[3], vs[3];
+  int64_t block_size, num_blocks;       // block_size 0: dense cache, num_blocks = its rows
+  int64_t cap;                          // positions a cache row holds
+  Index block_table;                    // (B, max_blocks)
+  const void *knew, *vnew;              // (B, snew, Hkv, D), any strides
+  int64_t kns[4], vns[4], snew;
+  const void *cos, *sin;                // (S_rot, rot_half), any float dtype
+  int64_t cs[2], ss[2], rot_half, rot_len; // rot_half 0: no rotary; rot_len the table's rows
+  int32_t cos_dtype, interleaved, q_per_token;
+  Index seqlens, batch_idx, leftpad;
+  int64_t seqlen;                       // every row's length when seqlens is absent (-1: cap)
+  const float* alibi;                   // (Hq,) or (B, Hq); alibi_sb 0 for (Hq,)
+  int64_t alibi_sb, alibi_sh;
+  void* out;                            // (B, Sq, Hq, D), q's dtype
+  int64_t os[4];
+  float* lse;                           // (B, Hq, Sq)
+  int64_t ls[3];
+  float* part;                          // (B, nsplit, Sq, Hq, D) split outputs, normalised
+  float* part_lse;                      // (B, nsplit, Sq, Hq)
+  float scale, softcap;
+  int32_t causal;
+  int64_t wl, wr;
+};
+
+__device__ __forceinline__ int64_t index_at(const Index& t, int64_t i, int64_t j = 0) {
+  const int64_t off = i * t.s0 + j * t.s1;
+  return t.is64 ? static_cast<const int64_t*>(t.data)[off] : static_cast<const int32_t*>(t.data)[off];
+}
+
+__device__ __forceinline__ float to_f(float x) { return x; }
+__device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// One rotary table entry (any float dtype), read as the CPU reads it: through double.
+__device__ __forceinline__ float table_at(const void* base, int32_t dtype, int64_t off) {
+  switch (dtype) {
+    case AB_DTYPE_F16: return __half2float(static_cast<const __half*>(base)[off]);
+    case AB_DTYPE_BF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(base)[off]);
+    case AB_DTYPE_F64: return (float)static_cast<const double*>(base)[off];
+    default: return static_cast<const float*>(base)[off];
+  }
+}
+
+// Element d of x rotated at table row pos: pairs (2i, 2i + 1) when interleaved, else the GPT-NeoX
+// halves (i, i + rot_half), in float32 with every product rounded as on the CPU (no contraction
+// into an FMA: the cache must hold the same bits whichever kernel wrote it).  x(e) reads element e.
+template <typename X>
+__device__ __forceinline__ float rotated(const DecodeParams& p, int64_t pos, int64_t d, X x) {
+  const int64_t half = p.rot_half;
+  if (d >= 2 * half) return x(d);
+  const int64_t i = p.interleaved ? d / 2 : d % half;
+  const int64_t d0 = p.interleaved ? 2 * i : i, d1 = p.interleaved ? 2 * i + 1 : i + half;
+  pos = pos < p.rot_len ? pos : p.rot_len - 1;  // a row the host checks rejected
+  const float c = table_at(p.cos, p.cos_dtype, pos * p.cs[0] + i * p.cs[1]);
+  const float s = table_at(p.sin, p.cos_dtype, pos * p.ss[0] + i * p.ss[1]);
+  const float x0 = x(d0), x1 = x(d1);
+  return d == d0 ? __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)) : __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}
+
+// A batch row's values.  The host checked them (attn_backends/_kvcache.py host_rows) before the
+// launch; `ok` says whether they are in range, so that no value can make a kernel write or read
+// outside the caches.
+struct Row {
+  int64_t seq, lo, end, row;
+  bool ok;
+};
+
+__device__ __forceinline__ Row row_of(const DecodeParams& p, int64_t b) {
+  Row r;
+  r.seq = p.seqlens.data ? index_at(p.seqlens, b) : p.seqlen >= 0 ? p.seqlen : p.cap;
+  r.lo = p.leftpad.data ? index_at(p.leftpad, b) : 0;
+  r.row = p.batch_idx.data ? index_at(p.batch_idx, b) : b;
+  r.end = r.seq + p.snew;
+  r.ok = r.seq >= 0 && r.end <= p.cap && r.lo >= 0 && r.lo <= r.seq &&
+         (p.block_size > 0 || (r.row >= 0 && r.row < p.num_blocks));
+  return r;
+}
+
+// Element offset of (position pos, head h, element 0) of batch row b in a cache of strides cs, or
+// -1 where the block table names no block of the cache.
+__device__ __forceinline__ int64_t cache_off(const DecodeParams& p, const int64_t* cs, int64_t b, int64_t row,
+                                             int64_t pos, int64_t h) {
+  if (p.block_size == 0) return row * cs[0] + pos * cs[1] + h * cs[2];
+  const int64_t blk = index_at(p.block_table, b, pos / p.block_size);
+  if (blk < 0 || blk >= p.num_blocks) return -1;
+  return blk * cs[0] + (pos % p.block_size) * cs[1] + h * cs[2];
+}
+
+__device__ __forceinline__ int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t lmax(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// ---- the cache write ---------------------------------------------------------------------------
+
+// grid (snew, B): one new token of one batch row per block, the threads over its Hkv * D elements.
+// Values, and keys without rotary, are copied bit for bit.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) append_kernel(const DecodeParams p) {
+  const int64_t t = blockIdx.x, b = blockIdx.y;
+  const Row r = row_of(p, b);
+  if (!r.ok) return;
+  const int64_t pos = r.seq + t;
+  const T* kn = static_cast<const T*>(p.knew);
+  const T* vn = static_cast<const T*>(p.vnew);
+  T* kc = static_cast<T*>(p.kc);
+  T* vc = static_cast<T*>(p.vc);
+  for (int64_t e = threadIdx.x; e < p.Hkv * p.D; e += kThreads) {
+    const int64_t h = e / p.D, d = e % p.D;
+    const int64_t ko = cache_off(p, p.ks, b, r.row, pos, h), vo = cache_off(p, p.vs, b, r.row, pos, h);
+    if (ko < 0 || vo < 0) continue;
+    const int64_t kb = b * p.kns[0] + t * p.kns[1] + h * p.kns[2];
+    if (p.rot_half > 0)
+      kc[ko + d] = from_f<T>(rotated(p, pos, d, [&](int64_t i) { return to_f(kn[kb + i * p.kns[3]]); }));
+    else
+      kc[ko + d] = kn[kb + d * p.kns[3]];
+    vc[vo + d] = vn[b * p.vns[0] + t * p.vns[1] + h * p.vns[2] + d * p.vns[3]];
+  }
+}
+
+// ---- the attention -----------------------------------------------------------------------------
+
+// kChunk elements at p (16-byte aligned) as float32: one 16-byte load in 16-bit types, two in float32.
+template <typename T> __device__ __forceinline__ void load_chunk(const T* p, float x[kChunk]) {
+  constexpr int kVecs = (int)sizeof(T) * kChunk / 16;
+  uint4 u[kVecs];
+#pragma unroll
+  for (int i = 0; i < kVecs; ++i) u[i] = reinterpret_cast<const uint4*>(p)[i];
+  const T* e = reinterpret_cast<const T*>(u);
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) x[i] = to_f(e[i]);
+}
+
+// Key j's chunk cl of K and V (zeros for a lane past the row's chunks); have = whether key j is one
+// of the split's keys [.., ke) and in the cache.
+template <typename T>
+__device__ __forceinline__ void load_key(const DecodeParams& p, const Row& r, int64_t b, int64_t hkv, int64_t j,
+                                         int64_t ke, int cl, bool has_chunk, float kx[kChunk], float vx[kChunk],
+                                         bool& have) {
+  int64_t ko = -1, vo = -1;
+  if (j < ke) {
+    ko = cache_off(p, p.ks, b, r.row, j, hkv);
+    vo = cache_off(p, p.vs, b, r.row, j, hkv);
+  }
+  have = ko >= 0 && vo >= 0;
+  if (have && has_chunk) {
+    load_chunk(static_cast<const T*>(p.kc) + ko + cl * kChunk, kx);
+    load_chunk(static_cast<const T*>(p.vc) + vo + cl * kChunk, vx);
+  } else {
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) kx[c] = vx[c] = 0.0f;
+  }
+}
+
+// (m, l, acc) <- the merge of two online-softmax states (max, sum of exp(s - max), sum of
+// exp(s - max) v); a state that saw no key has m = -inf and adds nothing.
+__device__ __forceinline__ void merge_state(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
+  const float mn = fmaxf(m, m2);
+  if (mn == -INFINITY) return;
+  const float a = m == -INFINITY ? 0.0f : expf(m - mn), a2 = m2 == -INFINITY ? 0.0f : expf(m2 - mn);
+  l = l * a + l2 * a2;
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) acc[c] = acc[c] * a + acc2[c] * a2;
+  m = mn;
+}
+
+// grid (nsplit * B, Hkv * row_tiles), kThreads threads: split `split` of batch row b's key range,
+// for query rows [tile * kRows, + kRows) of KV head hkv (row = t * G + g: token t, query head
+// hkv * G + g).  Dynamic shared memory: q (kRows, D), the warps' accumulators (kWarps, kRows, D)
+// and their (max, sum) (kWarps, kRows, 2), float32.
+template <typename T, int kRows>
+__global__ void __launch_bounds__(kThreads) attend_kernel(const DecodeParams p) {
+  extern __shared__ unsigned char smem_raw[];
+  float* qs = reinterpret_cast<float*>(smem_raw);
+  float* red = qs + kRows * p.D;
+  float* red_ml = red + kWarps * kRows * p.D;
+
+  const int64_t split = blockIdx.x % p.nsplit, b = blockIdx.x / p.nsplit;
+  const int64_t hkv = blockIdx.y / p.row_tiles, r0 = (blockIdx.y % p.row_tiles) * kRows;
+  const int64_t nr = lmin(kRows, p.rows - r0);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  Row r = row_of(p, b);
+  if (!r.ok) r.seq = r.lo = r.end = r.row = 0;  // values the host checks rejected: no keys
+  const int64_t shift = r.end - p.Sq;           // query token t sits at position t + shift
+
+  // the queries: rotated at their positions, times scale, float32; rows past nr stay zero
+  const T* qd = static_cast<const T*>(p.q);
+  for (int64_t e = tid; e < kRows * p.D; e += kThreads) {
+    const int64_t rr = e / p.D, d = e % p.D;
+    float x = 0.0f;
+    if (rr < nr) {
+      const int64_t t = (r0 + rr) / p.G, hq = hkv * p.G + (r0 + rr) % p.G;
+      const int64_t base = b * p.qs[0] + t * p.qs[1] + hq * p.qs[2];
+      auto at = [&](int64_t i) { return to_f(qd[base + i * p.qs[3]]); };
+      x = p.rot_half > 0 ? rotated(p, r.seq + (p.q_per_token ? t : 0), d, at) : at(d);
+      x = __fmul_rn(x, p.scale);
+    }
+    qs[e] = x;
+  }
+
+  // the keys any row of the tile sees (causal and window bottom-right), and this split's share
+  const int64_t first = r0 / p.G + shift, last = (r0 + nr - 1) / p.G + shift;
+  int64_t klo = r.lo, khi = r.end;
+  if (p.causal) khi = lmin(khi, last + 1);
+  if (p.wr >= 0) khi = lmin(khi, last + p.wr + 1);
+  if (p.wl >= 0) klo = lmax(klo, first - p.wl);
+  khi = lmax(khi, klo);
+  const int64_t per = (khi - klo + p.nsplit - 1) / p.nsplit;
+  const int64_t ks = lmin(khi, klo + split * per), ke = lmin(khi, ks + per);
+
+  // lanes: L per key (a power of two), chunk cl of the key's row; 32 / L keys per warp
+  const int nchunk = (int)(p.D / kChunk);
+  int L = 1;
+  while (L < nchunk) L <<= 1;
+  const int sub = lane / L, cl = lane % L;
+  const bool has_chunk = cl < nchunk;
+  const int64_t step = (int64_t)kWarps * (32 / L);
+
+  float m[kRows], l[kRows], acc[kRows][kChunk], slope[kRows];
+  int64_t ipos[kRows];
+#pragma unroll
+  for (int rr = 0; rr < kRows; ++rr) {
+    m[rr] = -INFINITY;
+    l[rr] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) acc[rr][c] = 0.0f;
+    const int64_t hq = hkv * p.G + (r0 + rr) % p.G;
+    ipos[rr] = (r0 + rr) / p.G + shift;
+    slope[rr] = p.alibi != nullptr && rr < nr ? p.alibi[b * p.alibi_sb + hq * p.alibi_sh] : 0.0f;
+  }
+  __syncthreads();  // qs written
+
+  const int64_t mine = warp * (32 / L) + sub;  // this lane's key in each step
+  float kx[kChunk], vx[kChunk];
+  bool have;
+  load_key<T>(p, r, b, hkv, ks + mine, ke, cl, has_chunk, kx, vx, have);
+  for (int64_t base = ks; base < ke; base += step) {
+    const int64_t j = base + mine;
+    // the next step's key is requested before this one's arithmetic: its loads overlap it
+    float nk[kChunk], nv[kChunk];
+    bool next_have;
+    load_key<T>(p, r, b, hkv, j + step, ke, cl, has_chunk, nk, nv, next_have);
+#pragma unroll
+    for (int rr = 0; rr < kRows; ++rr) {
+      float s = 0.0f;
+      if (has_chunk) {
+        const float* q = qs + rr * p.D + cl * kChunk;
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c) s += q[c] * kx[c];
+      }
+      for (int o = 1; o < L; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      const int64_t i = ipos[rr];
+      const bool seen = have && rr < nr && !(p.causal && j > i) && !(p.wl >= 0 && j < i - p.wl) &&
+                        !(p.wr >= 0 && j > i + p.wr);
+      if (seen) {
+        if (p.softcap > 0.0f) s = p.softcap * tanhf(s / p.softcap);
+        s -= slope[rr] * fabsf((float)(i - j));
+        // the online softmax, one key at a time: rescale by exp(old max - new max)
+        const float mn = fmaxf(m[rr], s);
+        const float a = expf(m[rr] - mn), e = expf(s - mn);
+        l[rr] = l[rr] * a + e;
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c) acc[rr][c] = acc[rr][c] * a + e * vx[c];
+        m[rr] = mn;
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) {
+      kx[c] = nk[c];
+      vx[c] = nv[c];
+    }
+    have = next_have;
+  }
+
+  // the warp's key groups merged (lanes cl, cl + L, ... hold the same elements), then the warps
+  for (int o = L; o < 32; o <<= 1) {
+#pragma unroll
+    for (int rr = 0; rr < kRows; ++rr) {
+      float other[kChunk];
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) other[c] = __shfl_xor_sync(0xffffffffu, acc[rr][c], o);
+      const float m2 = __shfl_xor_sync(0xffffffffu, m[rr], o), l2 = __shfl_xor_sync(0xffffffffu, l[rr], o);
+      merge_state(m[rr], l[rr], acc[rr], m2, l2, other);
+    }
+  }
+  if (sub == 0 && has_chunk) {
+#pragma unroll
+    for (int rr = 0; rr < kRows; ++rr)
+#pragma unroll
+      for (int c = 0; c < kChunk; ++c) red[(warp * kRows + rr) * p.D + cl * kChunk + c] = acc[rr][c];
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int rr = 0; rr < kRows; ++rr) {
+      red_ml[(warp * kRows + rr) * 2] = m[rr];
+      red_ml[(warp * kRows + rr) * 2 + 1] = l[rr];
+    }
+  }
+  __syncthreads();
+
+  for (int64_t e = tid; e < nr * p.D; e += kThreads) {
+    const int64_t rr = e / p.D, d = e % p.D;
+    float mx = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_ml[(w * kRows + rr) * 2]);
+    float sum = 0.0f, o = 0.0f;
+    if (mx != -INFINITY)
+      for (int w = 0; w < kWarps; ++w) {
+        const float mw = red_ml[(w * kRows + rr) * 2];
+        if (mw == -INFINITY) continue;
+        const float a = expf(mw - mx);
+        sum += red_ml[(w * kRows + rr) * 2 + 1] * a;
+        o += red[(w * kRows + rr) * p.D + d] * a;
+      }
+    // a row that saw no key: out exactly 0, lse -inf
+    o = sum > 0.0f ? o / sum : 0.0f;
+    const float lse = sum > 0.0f ? mx + logf(sum) : -INFINITY;
+    const int64_t t = (r0 + rr) / p.G, hq = hkv * p.G + (r0 + rr) % p.G;
+    if (p.nsplit == 1) {
+      static_cast<T*>(p.out)[b * p.os[0] + t * p.os[1] + hq * p.os[2] + d * p.os[3]] = from_f<T>(o);
+      if (d == 0) p.lse[b * p.ls[0] + hq * p.ls[1] + t * p.ls[2]] = lse;
+    } else {
+      const int64_t at = ((b * p.nsplit + split) * p.Sq + t) * p.Hq + hq;
+      p.part[at * p.D + d] = o;
+      if (d == 0) p.part_lse[at] = lse;
+    }
+  }
+}
+
+// ---- split-KV: the merge -----------------------------------------------------------------------
+
+// One block per output row (b, t, hq), grid-stride: out = sum_s w_s out_s, w_s = exp(lse_s - max) /
+// sum exp(lse_s - max), lse = max + log(sum); a row no split saw stays 0 / -inf.
+template <typename T>
+__global__ void __launch_bounds__(kThreads) merge_kernel(const DecodeParams p) {
+  const int64_t n = p.B * p.Sq * p.Hq;
+  for (int64_t idx = blockIdx.x; idx < n; idx += gridDim.x) {
+    const int64_t hq = idx % p.Hq, t = idx / p.Hq % p.Sq, b = idx / (p.Hq * p.Sq);
+    // split s of this row at first + s * stride
+    const int64_t first = (b * p.nsplit * p.Sq + t) * p.Hq + hq, stride = p.Sq * p.Hq;
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < p.nsplit; ++s) mx = fmaxf(mx, p.part_lse[first + s * stride]);
+    float total = 0.0f;
+    if (mx != -INFINITY)
+      for (int64_t s = 0; s < p.nsplit; ++s) {
+        const float ls = p.part_lse[first + s * stride];
+        if (ls != -INFINITY) total += expf(ls - mx);
+      }
+    for (int64_t d = threadIdx.x; d < p.D; d += kThreads) {
+      float o = 0.0f;
+      if (total > 0.0f)
+        for (int64_t s = 0; s < p.nsplit; ++s) {
+          const float ls = p.part_lse[first + s * stride];
+          if (ls != -INFINITY) o += expf(ls - mx) / total * p.part[(first + s * stride) * p.D + d];
+        }
+      static_cast<T*>(p.out)[b * p.os[0] + t * p.os[1] + hq * p.os[2] + d * p.os[3]] = from_f<T>(o);
+    }
+    if (threadIdx.x == 0)
+      p.lse[b * p.ls[0] + hq * p.ls[1] + t * p.ls[2]] = total > 0.0f ? mx + logf(total) : -INFINITY;
+  }
+}
+
+}  // namespace
+
+#endif  // AB_DECODE_KERNEL_CUH

@@ -1,0 +1,215 @@
+"""The CUDA decode kernel (csrc/cuda/decode.cu, docs/decode.md "The CUDA kernel") behind
+ab.attention_with_kvcache(backend="paged_attention"): through the CUDA emulator on every run (marked
+`cuda_emu`: CPU tensors run the unchanged kernel sources on the CPU) and on a GPU when there is one
+(marked `cuda`, skipped without).  test_kvcache.py's cases and reference: out and lse against the
+float64 reference by the 2x rule, and against the CPU decode kernel (our error at most twice the CPU
+kernel's); the caches bit for bit where flash-attn writes them and bit for bit as the CPU kernel
+writes them (rotary included); split-KV on and off; every kernel variant the launcher can pick; the
+planner's route; bad input rejected with the CPU path's errors and nothing written."""
+
+import logging
+import os
+
+import pytest
+import torch
+
+import attn_backends as ab
+from attn_backends import _C, _dispatch
+from attn_backends._testing import check_2x
+
+from cuda_devices import both, emulator, launched
+from test_kvcache import BAD, KV, Call, _base
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+
+# small shapes: the emulator runs every thread of every block on the CPU
+CASES = [
+    KV(),  # decode, GQA 4/2, dense, lengths 0, random and full
+    KV(B=3, Hq=8, Hkv=1, D=128, S=300, snew=1, causal=True, dtype=BF16),  # MQA: 8 rows per block
+    KV(B=2, Sq=4, Hq=4, Hkv=4, D=40, S=70, snew=4, causal=True, rotary="interleaved", dtype=F16),  # MHA, D=40
+    KV(B=2, Sq=3, Hq=6, Hkv=2, D=64, S=90, snew=2, causal=True, rotary="neox", leftpad=True),  # 9 rows: 2 tiles
+    KV(B=2, Sq=2, Hq=4, Hkv=2, D=64, S=150, block=16, snew=2, causal=True, dtype=BF16),
+    KV(B=3, Sq=2, Hq=8, Hkv=2, D=128, S=200, block=32, snew=1, causal=True, rotary="neox", alibi="bh"),
+    KV(B=2, Sq=4, Hq=2, Hkv=1, D=96, S=80, block=16, window=(7, 0), softcap=4.0, dtype=F16),
+    KV(B=2, Sq=1, Hq=4, Hkv=2, D=64, S=64, batch_idx=True, snew=1, rotary="interleaved", alibi="h", dtype=BF16),
+    KV(B=1, Sq=4, Hq=4, Hkv=2, D=64, S=40, seqlens=0, snew=3, causal=True),  # Sq > keys: rows see nothing
+    KV(B=2, Sq=2, Hq=4, Hkv=2, D=64, S=50, seqlens=None, window=(5, 3), leftpad=True, dtype=BF16),
+    KV(B=2, Sq=4, Hq=4, Hkv=1, D=32, S=33, seqlens=20, snew=2, causal=True, window=(3, -1), softcap=2.0),
+    KV(B=2, Sq=1, Hq=2, Hkv=2, D=256, S=48, block=16, leftpad=True, alibi="h"),  # D=256 float32: 2 loads a lane
+    KV(B=2, Sq=1, Hq=2, Hkv=1, D=8, S=70, block=32, snew=1, rotary="neox", dtype=F16),  # D=8: 32 keys a warp
+]
+SPLIT_CASES = [
+    KV(B=1, Hq=8, Hkv=2, D=64, S=700, block=16, snew=1, causal=True, dtype=BF16),
+    KV(B=2, Sq=3, Hq=4, Hkv=4, D=128, S=300, leftpad=True, window=(100, -1), dtype=F16),
+]
+
+
+def switch_decode(on: bool) -> None:
+    """Our CUDA decode kernel on or off for a GPU (opt-in there: ATTN_BACKENDS_CUDA_DECODE); plans forgotten."""
+    _C.enable_cuda_decode(on)
+    _dispatch.reset_caches()
+
+
+def decode_default() -> bool:
+    return os.environ.get("ATTN_BACKENDS_CUDA_DECODE", "0") == "1"
+
+
+@pytest.fixture
+def decode(dev):
+    """dev, with our CUDA decode kernel switched on for a GPU."""
+    switch_decode(True)
+    try:
+        yield dev
+    finally:
+        switch_decode(decode_default())
+
+
+def run(dev, call: Call, **extra):
+    """call through paged_attention on dev's tensors; the caches written back into call's (CPU) ones."""
+    kw = {k: dev(t) if isinstance(t, torch.Tensor) else t for k, t in call.kwargs().items()}
+    k_cache, v_cache = dev(call.k_cache), dev(call.v_cache)
+    new = [dev(t) if t is not None else None for t in (call.k, call.v)]
+    out, lse = ab.attention_with_kvcache(dev(call.q), k_cache, v_cache, *new, **kw, return_softmax_lse=True,
+                                         backend="paged_attention", strict=True, **extra)
+    if k_cache is not call.k_cache:
+        call.k_cache.copy_(k_cache.cpu())
+        call.v_cache.copy_(v_cache.cpu())
+    return out.cpu(), lse.cpu()
+
+
+def cpu_kernel(dev, call: Call, **extra):
+    """The CPU decode kernel on the same call (caches reset before and after)."""
+    call.reset()
+    with dev.off():
+        _dispatch.reset_caches()
+        out, lse = call.run("paged_attention", **extra)
+    _dispatch.reset_caches()
+    caches = call.k_cache.clone(), call.v_cache.clone()
+    call.reset()
+    return out, lse, caches
+
+
+@pytest.mark.parametrize("dev, case", both(CASES, CASES, name=str), indirect=["dev"])
+def test_matches_the_reference_and_the_cpu_kernel_and_writes_the_cache(decode, case, gen):
+    call = Call(case, gen)
+    cpu_out, cpu_lse, cpu_caches = cpu_kernel(decode, call)
+    out, lse = run(decode, call)
+    call.check(out, lse)  # the float64 rule, dead rows 0 / -inf, the caches where flash-attn writes
+    ref_out, ref_lse = call.reference(torch.float64)
+    check_2x("out against the CPU kernel", out, ref_out, cpu_out, 2, case.dtype)
+    check_2x("lse against the CPU kernel", lse, ref_lse, cpu_lse, 2, case.dtype)
+    assert torch.equal(call.k_cache, cpu_caches[0]) and torch.equal(call.v_cache, cpu_caches[1])
+
+
+@pytest.mark.parametrize("dev, case", both(SPLIT_CASES, SPLIT_CASES, name=str), indirect=["dev"])
+def test_split_and_unsplit_agree(decode, case, gen):
+    call = Call(case, gen)
+    outs = {}
+    for splits in (1, 3, 0):  # 0: the launcher's choice from the SM count and the cache length
+        out, lse = run(decode, call.reset(), num_splits=splits)
+        call.check(out, lse)
+        outs[splits] = out.double(), lse.double()
+    for splits in (3, 0):
+        assert torch.allclose(outs[splits][0], outs[1][0], atol=4 * torch.finfo(case.dtype).eps, rtol=0)
+        assert torch.allclose(outs[splits][1], outs[1][1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dev", ["emu"], indirect=True)
+def test_every_kernel_variant_runs(decode, gen):
+    lib = emulator()
+    lib.ab_cuda_emu_reset_launch_log()
+    names = {F16: "__half", BF16: "__nv_bfloat16", F32: "float"}
+    expect = set()
+    for dt in (F16, BF16, F32):
+        # query rows per KV head 1, 2, 4 and 8: the four row tiles
+        for Sq, Hq, Hkv in ((1, 2, 2), (2, 2, 2), (1, 8, 2), (2, 4, 1)):
+            call = Call(KV(B=1, Sq=Sq, Hq=Hq, Hkv=Hkv, D=16, S=40, snew=1, dtype=dt), gen)
+            call.check(*run(decode, call, num_splits=2))
+            rows = min(8, Sq * Hq // Hkv)
+            expect.add(f"launch_attend<T = {names[dt]}, int kRows = {rows}>: attend_kernel<T, kRows>")
+        expect.add(f"run<T = {names[dt]}>: append_kernel<T>")
+        expect.add(f"run<T = {names[dt]}>: merge_kernel<T>")
+    ran = launched(lib)
+    missing = sorted(e for e in expect if not any(e in label for label in ran))
+    assert not missing, f"not launched: {missing}\nlaunched: {sorted(ran)}"
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dev", ["emu"], indirect=True)
+def test_the_launcher_splits_a_long_cache_when_blocks_are_few(decode, gen):
+    # one block (B = Hkv = 1) for the emulated A100's 108 SMs: split, keeping >= 256 positions a split
+    lib = emulator()
+    for S, splits in ((600, True), (300, False)):
+        lib.ab_cuda_emu_reset_launch_log()
+        call = Call(KV(B=1, Hq=2, Hkv=1, D=16, S=S, seqlens=S - 1, snew=1, dtype=BF16), gen)
+        call.check(*run(decode, call))
+        assert any("merge_kernel" in label for label in launched(lib)) == splits
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dev", ["emu"], indirect=True)
+def test_the_emulation_routes_paged_attention_and_says_so(decode, gen, caplog):
+    caplog.set_level(logging.INFO, logger="attn_backends")
+    lib = emulator()
+    lib.ab_cuda_emu_reset_launch_log()
+    call = Call(KV(B=1, D=16, S=20, snew=1), gen)
+    call.check(*call.run("paged_attention"))
+    assert any("attend_kernel" in label for label in launched(lib))
+    served = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any(m.startswith("attn_backends: paged_attention serves cpu") and "cuda emulated on cpu" in m
+               for m in served), served
+    # a head dim the CUDA kernel does not take falls back as on a GPU; strict raises naming why
+    odd = Call(KV(B=1, D=12, S=20, snew=1), gen)
+    with pytest.raises(RuntimeError, match="head dim 12 is not a multiple of 8"):
+        odd.run("paged_attention")
+    # without the emulation the CPU kernel serves, and nothing is emulated
+    with decode.off():
+        lib.ab_cuda_emu_reset_launch_log()
+        call.reset()
+        call.check(*call.run("paged_attention"))
+        assert launched(lib) == {}
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dev", ["emu"], indirect=True)
+def test_caches_whose_rows_are_not_16_byte_aligned_go_to_eager(decode, gen, caplog):
+    call = Call(KV(B=2, D=16, S=20, snew=1), gen)
+    for name in ("k_cache", "v_cache"):  # the same values, one float into a buffer: 4-byte aligned rows
+        t = getattr(call, name)
+        shifted = torch.empty(t.numel() + 1)[1:].view(t.shape)
+        setattr(call, name, shifted.copy_(t))
+    lib = emulator()
+    lib.ab_cuda_emu_reset_launch_log()
+    ab._kvcache._warned.clear()
+    call.check(*call.run("paged_attention"))
+    assert launched(lib) == {}
+    assert any("not 16-byte aligned, so eager serves the call" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("dev", [pytest.param("emu", marks=pytest.mark.cuda_emu),
+                                 pytest.param("cuda", marks=pytest.mark.cuda)], indirect=True)
+@pytest.mark.parametrize("what,over,exc,msg", BAD, ids=[b[0] for b in BAD])
+def test_bad_input_is_named_and_writes_nothing(decode, what, over, exc, msg, gen):
+    call, args = _base(gen)
+    replaced = over(call)
+    args.update(replaced)
+    args = {k: decode(t) if isinstance(t, torch.Tensor) else t for k, t in args.items()}
+    with pytest.raises(exc, match=msg):
+        ab.attention_with_kvcache(**args, backend="paged_attention")
+    assert torch.equal(call.k_cache, call.before[0]) and torch.equal(call.v_cache, call.before[1])
+    if "k_cache" not in replaced:  # on a GPU: the device copies
+        assert torch.equal(args["k_cache"].cpu(), call.before[0]) and torch.equal(args["v_cache"].cpu(), call.before[1])
+
+
+@pytest.mark.cuda
+def test_without_the_switch_eager_serves_cuda(gen, caplog):
+    caplog.set_level(logging.INFO, logger="attn_backends")
+    switch_decode(False)
+    try:
+        call = Call(KV(B=1, D=16, S=20, snew=1), gen)
+        q, kc, vc, k, v = (t.cuda() for t in (call.q, call.k_cache, call.v_cache, call.k, call.v))
+        ab.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=call.cache_seqlens.cuda())
+        assert any(r.getMessage().startswith("attn_backends: eager serves cuda") for r in caplog.records)
+    finally:
+        switch_decode(decode_default())
