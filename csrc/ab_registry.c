@@ -23,10 +23,12 @@
 
 #define MASKS (AB_F_BOOL_MASK | AB_F_FLOAT_MASK)
 #define CAUSAL (AB_F_CAUSAL_TL | AB_F_CAUSAL_BR)
-/* every feature of the dense semantics (docs/semantics.md) */
+/* every feature of the dense semantics (docs/semantics.md) but sinks and ALiBi (SINKS_ALIBI) */
 #define FULL                                                                                   \
   (MASKS | AB_F_MASK_GRAD | CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_DROPOUT | AB_F_BACKWARD | \
    AB_F_DETERMINISTIC | AB_F_LSE | AB_F_GQA | AB_F_DV | AB_F_DENSE)
+/* attention sinks and ALiBi: the CPU kernels (math, flash, decode) and the eager composite */
+#define SINKS_ALIBI (AB_F_SINKS | AB_F_ALIBI)
 /* packed sequences (flash-attn's varlen functions): no attn_mask */
 #define VARLEN_F                                                                              \
   (CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_DROPOUT | AB_F_BACKWARD | AB_F_DETERMINISTIC |  \
@@ -55,7 +57,7 @@
 
 /* attention_with_kvcache: every backend that serves it takes bottom-right causal, windows, softcap,
  * ALiBi, lse and GQA (the gathered paths pass them as a mask) */
-#define KVCACHE_F (AB_F_KVCACHE | AB_F_CAUSAL_BR | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_LSE | AB_F_GQA)
+#define KVCACHE_F (AB_F_KVCACHE | AB_F_CAUSAL_BR | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_LSE | AB_F_GQA | SINKS_ALIBI)
 /* The CUDA flash kernels and the CUDA math backward compile in CI but have not run on a GPU yet, so
  * they are opt-in until verified: ATTN_BACKENDS_CUDA_FLASH=1 at import (attn_backends/_planner.py)
  * swaps these caps in. */
@@ -68,6 +70,8 @@
 #define CUDA_MATH_FWD CAPS_D(ALL_DT, (FULL | AB_F_VARLEN) & ~(AB_F_BACKWARD | AB_F_MASK_GRAD), 0, 0, 0, 80, 1)
 #define CUDA_MATH_ALL CAPS_D(ALL_DT, FULL | AB_F_VARLEN, 0, 0, 0, 80, 1)
 #define NO_KERNEL "no kernel for this device"
+/* eager serves every call: the math kernel on CPU, the aten composite elsewhere (attn_backends/_eager.py) */
+#define EAGER_F (FULL | AB_F_VARLEN | AB_F_KVCACHE | SINKS_ALIBI)
 
 static ab_backend_info g_backends[AB_BK_COUNT] = {
     [AB_BK_AUTO] = {"auto", NO_ALIASES, AB_KIND_PLANNER, "the planner picks the fastest exact backend", 0, 0,
@@ -81,13 +85,15 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
                              "kernels_community/flash_attn", "kernels_community/flash_attn3",
                              "kernels_community/vllm_flash_attn3"),
                      AB_KIND_BUNDLED, "fused online-softmax kernel (FlashAttention-2 algorithm)", 0, 0,
-                     {CAPS(NO_F64, FULL | AB_F_KVCACHE), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
+                     {CAPS(NO_F64, FULL | AB_F_KVCACHE | SINKS_ALIBI), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL),
+                      NONE(NO_KERNEL)}},
     [AB_BK_FLASH_VARLEN] = {"flash_varlen",
                             ALIASES("varlen", "flash_attn_varlen", "flash_attn_varlen_func",
                                     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
                                     "_flash_varlen_3", "flash_varlen_hub", "_flash_3_varlen_hub"),
                             AB_KIND_BUNDLED, "flash over packed variable-length sequences", 0, 0,
-                            {CAPS(NO_F64, VARLEN_F), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
+                            {CAPS(NO_F64, VARLEN_F | SINKS_ALIBI), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL),
+                             NONE(NO_KERNEL)}},
     [AB_BK_SAGE] = {"sage",
                     ALIASES("sage_varlen", "sage_hub", "sageattention", "sage_attention", "sageattn",
                             "sageattn_varlen", "_sage_qk_int8_pv_fp16_cuda",
@@ -102,13 +108,12 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
     [AB_BK_MATH] = {"math", ALIASES("manual", "reference", "math_reference"), AB_KIND_BUNDLED,
                     "exact reference kernel (float32 scores and accumulation)", 0, 0,
                     /* packed (varlen) calls are padded to dense ones in Python */
-                    {CAPS(ALL_DT, FULL | AB_F_VARLEN | AB_F_KVCACHE), CUDA_MATH_FWD,
+                    {CAPS(ALL_DT, FULL | AB_F_VARLEN | AB_F_KVCACHE | SINKS_ALIBI), CUDA_MATH_FWD,
                      NONE("no kernel for MPS (eager runs the aten composite there)"),
                      NONE("no kernel for this device (eager runs the aten composite there)")}},
     [AB_BK_EAGER] = {"eager", ALIASES("eager_attention"), AB_KIND_BUNDLED,
                      "universal fallback: the math kernel where we have one, else aten ops", 0, 0,
-                     {CAPS(ALL_DT, FULL | AB_F_VARLEN | AB_F_KVCACHE), CAPS(ALL_DT, FULL | AB_F_VARLEN | AB_F_KVCACHE),
-                      CAPS(NO_F64, FULL | AB_F_VARLEN | AB_F_KVCACHE), CAPS(ALL_DT, FULL | AB_F_VARLEN | AB_F_KVCACHE)}},
+                     {CAPS(ALL_DT, EAGER_F), CAPS(ALL_DT, EAGER_F), CAPS(NO_F64, EAGER_F), CAPS(ALL_DT, EAGER_F)}},
     [AB_BK_SDPA] = {"sdpa", ALIASES("native", "torch", "torch_sdpa", "scaled_dot_product_attention",
                                     "pytorch", "_native_npu", "_native_xla"),
                     AB_KIND_TORCH, "torch.nn.functional.scaled_dot_product_attention, its choice", 0, 1,
