@@ -78,6 +78,8 @@ def _cuda_qkv(q, k, v):
 def run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False, sinks=None,
               alibi=None):
     q, k, v = _cuda_qkv(q, k, v)
+    if sinks is not None and not need_grad:  # the CUDA flash forward reads float32 sinks (any dtype on CPU)
+        sinks = sinks.float().contiguous()
     return _run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det, sinks, alibi)
 
 
@@ -268,6 +270,8 @@ def run_flash_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max
                      softcap, p, need_grad, want_lse, det=False, sinks=None, alibi=None):
     rng = draw_rng_state(q) if p > 0 else None
     q, k, v = _cuda_qkv(q, k, v)
+    if sinks is not None and not need_grad:  # the CUDA flash forward reads float32 sinks (any dtype on CPU)
+        sinks = sinks.float().contiguous()
     args = (q, k, v, hcu_q, hcu_k, max_q, max_k, rng, causal, scale, wl, wr, softcap, p)
     if sinks is not None or alibi is not None:
         args += (sinks, alibi)

@@ -21,6 +21,7 @@ FEATURES = (  # (registry name, column title)
     ("softcap", "softcap"), ("dropout", "dropout"), ("backward", "backward"),
     ("deterministic", "determ. bwd"), ("lse", "lse"), ("gqa", "GQA"), ("dv_ne_d", "Dv != D"),
     ("dense", "dense"), ("varlen", "varlen"), ("kvcache", "KV cache"), ("sinks", "sinks"), ("alibi", "ALiBi"),
+    ("sinks_alibi_grad", "sinks/ALiBi bwd"),
 )
 
 

@@ -97,7 +97,7 @@ static const char* kind_name(ab_backend_kind kind) {
 static const char* const k_feature_names[] = {
     "bool_mask", "float_mask", "mask_grad", "causal_top_left", "bottom_right_aligned",
     "causal_bottom_right", "window", "softcap", "dropout", "backward", "deterministic", "lse",
-    "gqa", "dv_ne_d", "dense", "varlen", "kvcache", "sinks", "alibi"};
+    "gqa", "dv_ne_d", "dense", "varlen", "kvcache", "sinks", "alibi", "sinks_alibi_grad"};
 
 static PyObject* str_tuple(const char* const* items, Py_ssize_t n) {
   PyObject* t = PyTuple_New(n);

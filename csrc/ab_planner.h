@@ -70,8 +70,9 @@ enum {
   AB_F_DENSE = 1u << 14,         /* serves (B, H, S, D) calls */
   AB_F_VARLEN = 1u << 15,        /* serves packed (total, H, D) calls with cu_seqlens */
   AB_F_KVCACHE = 1u << 16,       /* serves attention_with_kvcache calls (ab_call.varlen == 2) */
-  AB_F_SINKS = 1u << 17,         /* attention sinks (forward, and their gradient with AB_F_BACKWARD) */
-  AB_F_ALIBI = 1u << 18          /* ALiBi slopes */
+  AB_F_SINKS = 1u << 17,         /* attention sinks */
+  AB_F_ALIBI = 1u << 18,         /* ALiBi slopes */
+  AB_F_SINKS_ALIBI_GRAD = 1u << 19 /* the backward takes sinks and ALiBi too (the sinks' gradient included) */
 };
 
 #define AB_DTYPE_BIT(d) (1u << (d))

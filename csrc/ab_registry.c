@@ -27,8 +27,10 @@
 #define FULL                                                                                   \
   (MASKS | AB_F_MASK_GRAD | CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_DROPOUT | AB_F_BACKWARD | \
    AB_F_DETERMINISTIC | AB_F_LSE | AB_F_GQA | AB_F_DV | AB_F_DENSE)
-/* attention sinks and ALiBi: the CPU kernels (math, flash, decode) and the eager composite */
-#define SINKS_ALIBI (AB_F_SINKS | AB_F_ALIBI)
+/* attention sinks and ALiBi, forward and backward: the CPU kernels (math, flash, decode) and the eager
+ * composite; the CUDA flash forward takes them without a backward (CUDA_SINKS_ALIBI) */
+#define SINKS_ALIBI (AB_F_SINKS | AB_F_ALIBI | AB_F_SINKS_ALIBI_GRAD)
+#define CUDA_SINKS_ALIBI (AB_F_SINKS | AB_F_ALIBI)
 /* packed sequences (flash-attn's varlen functions): no attn_mask */
 #define VARLEN_F                                                                              \
   (CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_DROPOUT | AB_F_BACKWARD | AB_F_DETERMINISTIC |  \
@@ -224,9 +226,9 @@ int ab_backend_lookup(const char* name) {
 }
 
 void ab_registry_enable_cuda_flash(int on) {
-  static const ab_caps dense = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_DENSE, 32, 256, 8, 80, 1,
+  static const ab_caps dense = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_DENSE | CUDA_SINKS_ALIBI, 32, 256, 8, 80, 1,
                                 CUDA_FLASH_GRAD_MAX_D_SMALL_SMEM};
-  static const ab_caps packed = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_VARLEN, 32, 256, 8, 80, 1,
+  static const ab_caps packed = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_VARLEN | CUDA_SINKS_ALIBI, 32, 256, 8, 80, 1,
                                  CUDA_FLASH_GRAD_MAX_D_SMALL_SMEM};
   static const ab_caps off = NONE(CUDA_FLASH_OFF);
   static const ab_caps math_fwd = CUDA_MATH_FWD, math_all = CUDA_MATH_ALL;
@@ -247,8 +249,10 @@ void ab_registry_set_cuda_emulation(int on) { g_cuda_emulation = on != 0; }
 
 /* What the emulated device (an sm_80) serves: the CUDA kernels' capabilities with the opt-ins on. */
 const ab_caps* ab_registry_emulated_caps(int id) {
-  static const ab_caps flash = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_DENSE, 32, 256, 8, 80, 1, 0};
-  static const ab_caps packed = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_VARLEN, 32, 256, 8, 80, 1, 0};
+  static const ab_caps flash = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_DENSE | CUDA_SINKS_ALIBI, 32, 256, 8, 80, 1,
+                                0};
+  static const ab_caps packed = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_VARLEN | CUDA_SINKS_ALIBI, 32, 256, 8, 80, 1,
+                                 0};
   static const ab_caps sage = CAPS_D(HALF_DT, CUDA_FWD_F | AB_F_DENSE | AB_F_VARLEN, 32, 256, 8, 80, 1);
   static const ab_caps math = CUDA_MATH_ALL;
   if (!g_cuda_emulation) return NULL;

@@ -15,7 +15,8 @@
 //                                (dq, dk, dv, dsinks)
 //   Every forward and backward above takes `sinks` (Hq,) and `alibi_slopes` (Hq,) or (B, Hq) last,
 //   optional (ab_attn_params); dsinks is (Hq,) like lse's dtype with sinks, else empty.  The CPU
-//   kernels (math, flash) serve them; sage and the CUDA kernels refuse them.
+//   kernels (math, flash) serve them, and the CUDA flash forward; sage and the other CUDA kernels
+//   refuse them.
 //   sage_fwd, sage_varlen_fwd    forward only (INT8 Q.K^T); the same outputs as flash's forwards;
 //                                CPU and CUDA
 //   dropout_mask                 the keep-mask the kernels draw, for tests (on rng_state's device)
@@ -150,13 +151,15 @@ void* current_cuda_stream(int32_t device_index) {
 }
 
 // The emulator's launcher table when the CUDA emulation is on and the call is on the CPU, else NULL.
-// Calls with sinks or ALiBi run the CPU kernels: the CUDA kernels do not take them.
-const ab_cuda_api* emulated(const ab_attn_params& p) {
-  if (p.sinks.ndim || p.alibi.ndim) return nullptr;
+// Calls with sinks or ALiBi run the CPU kernels unless the CUDA kernel takes them (sinks_ok: the
+// flash forward).
+const ab_cuda_api* emulated(const ab_attn_params& p, bool sinks_ok = false) {
+  if ((p.sinks.ndim || p.alibi.ndim) && !sinks_ok) return nullptr;
   return p.q.device == AB_DEVICE_CPU ? ab_cuda_emulation() : nullptr;
 }
 
-// The CUDA kernels take no sinks and no ALiBi (the planner never routes such a call to them).
+// The CUDA kernels other than the flash forward take no sinks and no ALiBi (the planner never routes
+// such a call to them).
 void refuse_on_cuda(const ab_attn_params& p, const char* kernel) {
   if (p.q.device == AB_DEVICE_CUDA && (p.sinks.ndim || p.alibi.ndim))
     fail(std::string(kernel) + " on CUDA takes no " + (p.sinks.ndim ? "sinks" : "alibi_slopes") +
@@ -361,8 +364,8 @@ void run_sage(const Tensor& q, ab_attn_params& p, const int32_t* cu_q_dev = null
 void run_fwd(Kernel kernel, ab_attn_params& p, const int32_t* cu_q_dev = nullptr,
              const int32_t* cu_k_dev = nullptr) {
   ab_error err{};
-  refuse_on_cuda(p, kernel_name(kernel));
-  if (const ab_cuda_api* emu = emulated(p)) {
+  if (kernel != Kernel::kFlash) refuse_on_cuda(p, kernel_name(kernel));
+  if (const ab_cuda_api* emu = emulated(p, kernel == Kernel::kFlash)) {
     ab_cpu_pool pool = torch_pool();
     check(kernel == Kernel::kMath ? emu->math_fwd(&p, &pool, &err)
                                   : emu->flash_fwd(&p, cu_q_dev, cu_k_dev, &pool, &err),
@@ -434,7 +437,7 @@ Tensor alloc_stats(const Tensor& q, const Tensor& lse, ab_attn_params& p) {
   std::vector<int64_t> sizes{2};
   for (int64_t d = 0; d < lse.dim(); ++d) sizes.push_back(lse.size(d));
   Tensor stats = empty_strided(q, sizes, contiguous_strides(sizes), lse_dtype(q));
-  if (p.q.device == AB_DEVICE_CPU && emulated(p) == nullptr) p.stats = view_of(stats, "stats");
+  if (p.q.device == AB_DEVICE_CPU && emulated(p, true) == nullptr) p.stats = view_of(stats, "stats");
   return stats;
 }
 

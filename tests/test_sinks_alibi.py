@@ -258,20 +258,77 @@ def test_a_backend_that_cannot_take_sinks_falls_back_or_raises_when_strict(caplo
         ab.attention(q, k, v, backend="sdpa", sinks=sinks, strict=True)
 
 
+EMU_CASES = [
+    (Case(B=2, Hq=4, Hkv=2, Sq=70, Sk=90, D=64, dtype=torch.float16, causal="bottom_right"), True, "bh"),
+    (Case(B=1, Hq=2, Hkv=2, Sq=33, Sk=17, D=32, dtype=torch.bfloat16, causal="bottom_right", window=(5, 0)), True,
+     None),  # rows that see no key: out 0, lse = sink
+    (Case(B=1, Hq=2, Hkv=1, Sq=40, Sk=129, D=128, dtype=torch.float16, softcap=5.0), False, "h"),  # not causal
+]
+
+
 @pytest.mark.cuda_emu
-def test_under_the_cuda_emulation_sinks_run_the_cpu_kernels(gen):
-    # the CUDA kernels take neither: the plan moves to eager (the math kernel on the CPU), never ignoring them
-    q, k, v = (torch.randn(1, 2, 9, 32, generator=gen, dtype=torch.float16) for _ in range(3))
-    sinks, slopes = torch.randn(2, generator=gen), torch.rand(2, generator=gen)
+@pytest.mark.parametrize("case, sinks_on, alibi", EMU_CASES, ids=_ids)
+def test_cuda_flash_forward_on_the_emulator(case, sinks_on, alibi, gen):
+    # the CUDA flash forward takes sinks and ALiBi (csrc/cuda/flash_fwd_kernel.cuh): run on the emulator
+    q, k, v, _ = make_inputs(case, generator=gen)
+    sinks = _sinks(case.Hq, gen, requires_grad=False) if sinks_on else None
+    slopes = _slopes(alibi, case.B, case.Hq, gen)
+    opts = dict(causal=case.causal, window=case.window, softcap=case.softcap)
     cuda_devices.set_emulation(True)
     try:
-        assert ab.explain(q, k, v, causal=True, sinks=sinks, alibi_slopes=slopes).chosen == "eager"
-        out = ab.attention(q, k, v, causal=True, sinks=sinks, alibi_slopes=slopes)
+        plan = ab.explain(q, k, v, sinks=sinks, alibi_slopes=slopes, **opts)
+        assert plan.chosen == "flash" and plan.path == "cuda emulated on cpu"
+        out, lse = ab.attention(q, k, v, sinks=sinks, alibi_slopes=slopes, return_lse=True, **opts)
     finally:
         cuda_devices.set_emulation(cuda_devices.emulation_default())
-    ref, _ = reference_attention(q, k, v, causal=True, sinks=sinks, alibi_slopes=slopes)
-    same, _ = reference_attention(q, k, v, causal=True, sinks=sinks, alibi_slopes=slopes, dtype=torch.float16)
+    ref, r_lse = reference_attention(q, k, v, sinks=sinks, alibi_slopes=slopes, **opts)
+    same, s_lse = reference_attention(q, k, v, sinks=sinks, alibi_slopes=slopes, dtype=case.dtype, **opts)
+    check_2x("out", out, ref, same, 2, case.dtype)
+    check_2x("lse", lse, r_lse, s_lse, 2, case.dtype)
+
+
+@pytest.mark.cuda_emu
+def test_cuda_flash_varlen_forward_on_the_emulator(gen):
+    q, k, v, cu_q, cu_k = make_packed([5, 40, 1], [9, 33, 0], 4, 2, 64, 64, torch.float16, generator=gen)
+    sinks, slopes = _sinks(4, gen, requires_grad=False), _slopes("bh", 3, 4, gen)
+    cuda_devices.set_emulation(True)
+    try:
+        out, lse = ab.attention_varlen(q, k, v, cu_q, cu_k, 40, 33, causal="bottom_right", return_lse=True,
+                                       sinks=sinks, alibi_slopes=slopes, backend="flash_varlen", strict=True)
+    finally:
+        cuda_devices.set_emulation(cuda_devices.emulation_default())
+    opts = dict(causal="bottom_right", sinks=sinks, alibi_slopes=slopes)
+    ref, r_lse = varlen_reference(q, k, v, cu_q, cu_k, **opts)
+    same, s_lse = varlen_reference(q, k, v, cu_q, cu_k, dtype=torch.float16, **opts)
     check_2x("out", out, ref, same, 2, torch.float16)
+    check_2x("lse", lse, r_lse, s_lse, 2, torch.float16)
+
+
+@pytest.mark.cuda_emu
+def test_under_the_cuda_emulation_training_with_sinks_runs_the_cpu_kernels(gen):
+    # the CUDA backward takes neither: a call that needs a gradient moves to eager (the math kernel on the
+    # CPU), never ignoring them
+    q = torch.randn(1, 2, 9, 32, generator=gen, dtype=torch.float16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 9, 32, generator=gen, dtype=torch.float16) for _ in range(2))
+    sinks, slopes = _sinks(2, gen), torch.rand(2, generator=gen)
+    cuda_devices.set_emulation(True)
+    try:
+        plan = ab.explain(q, k, v, causal=True, sinks=sinks, alibi_slopes=slopes)
+        assert plan.chosen == "eager" and "its backward takes no attention sinks" in plan.reasons["flash"]
+        out = ab.attention(q, k, v, causal=True, sinks=sinks, alibi_slopes=slopes)
+        dq, ds = torch.autograd.grad(out, [q, sinks], torch.ones_like(out))
+    finally:
+        cuda_devices.set_emulation(cuda_devices.emulation_default())
+    leaves = [t.detach().double().requires_grad_() for t in (q, sinks)]
+    ref, _ = reference_attention(leaves[0], k, v, causal=True, sinks=leaves[1], alibi_slopes=slopes)
+    r_dq, r_ds = torch.autograd.grad(ref, leaves, torch.ones_like(ref))
+    same_l = [t.detach().to(d).requires_grad_() for t, d in ((q, torch.float16), (sinks, torch.float16))]
+    same, _ = reference_attention(same_l[0], k, v, causal=True, sinks=same_l[1], alibi_slopes=slopes,
+                                  dtype=torch.float16)
+    s_dq, s_ds = torch.autograd.grad(same, same_l, torch.ones_like(same))
+    check_2x("out", out, ref, same, 2, torch.float16)
+    check_2x("dq", dq, r_dq, s_dq, 3, torch.float16)
+    check_2x("dsinks", ds, r_ds, s_ds, 3, torch.float16)
 
 
 # ---- the ops ---------------------------------------------------------------------------------------------
