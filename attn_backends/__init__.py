@@ -84,6 +84,8 @@ def attention(
     return_lse: bool = False,
     strict: bool = False,
     deterministic: bool = False,
+    sinks: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ):
     """Scaled dot-product attention, served by the best backend for the call.
 
@@ -114,13 +116,20 @@ def attention(
             torch.use_deterministic_algorithms(True) (which is honoured without this): backends
             whose backward is not reproducible are not chosen, and our CUDA flash takes its
             atomic-free dQ path.
+        sinks: (Hq,) floating, attention sinks (FA3's / vLLM's / GPT-OSS's ``s_aux``): one learnable
+            logit per query head that joins every row's softmax denominator and contributes no
+            value; lse includes it.  Differentiable (its gradient too).  A row that sees no key then
+            outputs 0 with lse = sinks[h].
+        alibi_slopes: (Hq,) or (B, Hq) float32, ALiBi as flash-attn defines it: the score of query
+            i and key j gets -slope * |i + Sk - Sq - j| (bottom-right alignment, causal or not),
+            after softcap.  No gradient (as in flash-attn).
 
     Returns:
         out (B, Hq, Sq, Dv) in q's dtype, or (out, lse) with return_lse=True.  A query row with no
         visible key outputs exactly 0 and gets zero gradient.
     """
     return _dispatch.attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap,
-                               return_lse, strict, deterministic)
+                               return_lse, strict, deterministic, sinks, alibi_slopes)
 
 
 def attention_varlen(
@@ -141,6 +150,8 @@ def attention_varlen(
     return_lse: bool = False,
     strict: bool = False,
     deterministic: bool = False,
+    sinks: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ):
     """Attention over packed variable-length sequences, as flash-attn's ``flash_attn_varlen_func``.
 
@@ -150,13 +161,15 @@ def attention_varlen(
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,): sequence b is rows cu[b] .. cu[b+1].  Checked
             on the host: start at 0, never decrease, end at the total, same batch for q and k.
         max_seqlen_q, max_seqlen_k: upper bounds of the lengths (a longer sequence is an error).
-        Other arguments as in ``attention``; causal and window align per sequence.
+        Other arguments as in ``attention``; causal, window and ALiBi align per sequence
+        (alibi_slopes (B, Hq): one row per sequence).
 
     Returns:
         out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) float32, as flash-attn.
     """
     return _dispatch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
-                                      causal, dropout_p, scale, window, softcap, return_lse, strict, deterministic)
+                                      causal, dropout_p, scale, window, softcap, return_lse, strict, deterministic,
+                                      sinks, alibi_slopes)
 
 
 def attention_with_kvcache(
@@ -182,6 +195,7 @@ def attention_with_kvcache(
     return_softmax_lse: bool = False,
     backend: Optional[str] = "auto",
     strict: bool = False,
+    sinks: Optional[torch.Tensor] = None,
 ):
     """Attention against a KV cache (decode, speculative decoding, chunked prefill), as flash-attn's
     ``flash_attn_with_kvcache``: same arguments, layouts and semantics (docs/decode.md).
@@ -221,15 +235,17 @@ def attention_with_kvcache(
             torch ops over the gathered view, any device) or any accepted name; one that cannot serve
             a KV-cache call falls back with one warning.
         strict: raise instead of falling back.
+        sinks: (Hq,) floating attention sinks, as in ``attention`` (counted once per row, also when
+            the keys are split).
 
     Returns:
         out (B, Sq, Hq, D) in q's dtype, or (out, lse) with return_softmax_lse=True.  A query that
-        sees no key gets out 0 and lse -inf.
+        sees no key gets out 0 and lse -inf (lse = sinks[h] with sinks).
     """
     return _kvcache.attention_with_kvcache(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-        return_softmax_lse, backend, strict)
+        return_softmax_lse, backend, strict, sinks)
 
 
 class BackendInfo(NamedTuple):

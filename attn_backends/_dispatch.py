@@ -70,7 +70,17 @@ def _static_int(x) -> int:
 _CAUSAL = _validate._CAUSAL
 
 
-def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse, deterministic=False):
+def _sinks_alibi(q, B, Hq, sinks, alibi_slopes):
+    """(sinks, alibi) checked, and the two planner fields for them."""
+    if sinks is not None:
+        sinks = _validate.check_sinks(sinks, q, Hq)
+    if alibi_slopes is not None:
+        alibi_slopes = _validate.check_alibi(alibi_slopes, q, B, Hq)
+    return sinks, alibi_slopes, (sinks is not None, alibi_slopes is not None)
+
+
+def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse, deterministic=False,
+            sinks=None, alibi_slopes=None):
     """Validates a dense call; returns (run arguments, planner signature).
 
     The common case (no mask, no window, no softcap, no dropout, default scale) touches only what
@@ -107,6 +117,14 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
            wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
            bool(return_lse), 0, _SETTINGS["mps_fix"], ID[requested], _cpu_isa(), _CPU_UNITS)
     args = (q, k, v, attn_mask, causal_i, scale_f, wl, wr, softcap_f, p, need_grad, bool(return_lse))
+    if sinks is not None or alibi_slopes is not None:
+        # sinks and ALiBi: two more planner fields and two more runner arguments (None when absent)
+        sinks, alibi_slopes, flags = _sinks_alibi(q, B, Hq, sinks, alibi_slopes)
+        if sinks is not None and sinks.requires_grad and torch.is_grad_enabled() and not need_grad:
+            need_grad = True
+            sig = sig[:14] + (True,) + sig[15:]
+            args = args[:10] + (True,) + args[11:]
+        return args + (bool(deterministic), sinks, alibi_slopes), sig + flags
     return (args + (True,) if deterministic else args), sig
 
 
@@ -127,9 +145,9 @@ def reset_caches() -> None:
 
 
 def attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse, strict,
-              deterministic=False):
+              deterministic=False, sinks=None, alibi_slopes=None):
     args, sig = prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse,
-                        deterministic)
+                        deterministic, sinks, alibi_slopes)
     strict = strict or _planner.STRICT
     chosen = None if _is_compiling() else _chosen[strict].get(sig)
     if chosen is None:
@@ -141,14 +159,14 @@ def attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, sof
 
 
 def explain(q, k, v, backend="auto", causal=False, attn_mask=None, dropout_p=0.0, scale=None, window=None,
-            softcap=0.0, return_lse=False, strict=False, deterministic=False):
+            softcap=0.0, return_lse=False, strict=False, deterministic=False, sinks=None, alibi_slopes=None):
     _, sig = prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse,
-                     deterministic)
+                     deterministic, sinks, alibi_slopes)
     return _planner.build(sig)
 
 
 def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window, softcap,
-                   return_lse, deterministic=False):
+                   return_lse, deterministic=False, sinks=None, alibi_slopes=None):
     from . import _varlen
 
     Tq, Hq, D, Tk, Hkv, Dv = _varlen.check_qkv(q, k, v)
@@ -164,7 +182,9 @@ def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p
     requested = resolve(backend) if backend is not None else "auto"
     if requested == "auto":
         requested = _planner.default_backend()
-    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    sinks, alibi_slopes, flags = _sinks_alibi(q, B, Hq, sinks, alibi_slopes)
+    need_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or
+                                             (sinks is not None and sinks.requires_grad))
     device = q.device
     dev = _DEVICE_IDS.get(device.type, 3)
     cc, lib_ok = cuda_device_info(device.index)[:2] if dev == 1 else (0, 0)
@@ -173,13 +193,15 @@ def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p
            bool(return_lse), 1, _planner.settings["mps_fix"], ID[requested], _planner.cpu_isa(), _CPU_UNITS)
     args = (q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal_i, scale_f, wl, wr, softcap_f, p,
             need_grad, bool(return_lse), bool(deterministic))
+    if flags != (False, False):
+        return args + (sinks, alibi_slopes), sig + flags
     return args, sig
 
 
 def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window, softcap,
-                     return_lse, strict, deterministic=False):
+                     return_lse, strict, deterministic=False, sinks=None, alibi_slopes=None):
     args, sig = prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window,
-                               softcap, return_lse, deterministic)
+                               softcap, return_lse, deterministic, sinks, alibi_slopes)
     chosen = _planner.choose(sig, strict or _planner.STRICT)
     out, lse = VARLEN_RUNNERS[chosen](*args)
     return (out, lse) if return_lse else out

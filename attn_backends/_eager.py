@@ -35,11 +35,23 @@ def visible_keys(Sq: int, Sk: int, causal: int, window_left: int, window_right: 
     return ok
 
 
+def alibi_bias(slopes: torch.Tensor, B: int, Hq: int, Sq: int, Sk: int, dtype) -> torch.Tensor:
+    """(B, Hq, Sq, Sk) ALiBi bias -slope * |i + Sk - Sq - j| (flash-attn's definition) from slopes
+    (Hq,) or (B, Hq)."""
+    i = torch.arange(Sq, device=slopes.device).view(Sq, 1) + (Sk - Sq)
+    j = torch.arange(Sk, device=slopes.device).view(1, Sk)
+    dist = (i - j).abs().to(dtype)
+    return -slopes.to(dtype).expand(B, Hq).reshape(B, Hq, 1, 1) * dist
+
+
 def attention(q, k, v, attn_mask, causal: int, scale: float, window_left: int, window_right: int,
-              softcap: float, dropout_p: float, keep: torch.Tensor | None = None):
+              softcap: float, dropout_p: float, keep: torch.Tensor | None = None, sinks: torch.Tensor | None = None,
+              alibi: torch.Tensor | None = None):
     """Returns (out (B, Hq, Sq, Dv) in q's dtype, lse (B, Hq, Sq) float32 / float64).
 
-    keep: optional bool (B, Hq, Sq, Sk) dropout keep-mask, applied instead of a fresh draw."""
+    keep: optional bool (B, Hq, Sq, Sk) dropout keep-mask, applied instead of a fresh draw.
+    sinks: optional (Hq,) logits that join each row's softmax denominator (no value); autograd
+        reaches them.  alibi: optional (Hq,) or (B, Hq) ALiBi slopes (alibi_bias)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     Hq, Sq = q.shape[1], q.shape[2]
     Hkv, Sk = k.shape[1], k.shape[2]
@@ -55,6 +67,8 @@ def attention(q, k, v, attn_mask, causal: int, scale: float, window_left: int, w
         s = torch.matmul(qf, kf.transpose(-2, -1)) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
+    if alibi is not None:
+        s = s + alibi_bias(alibi, q.shape[0], Hq, Sq, Sk, acc)
     visible = visible_keys(Sq, Sk, causal, window_left, window_right, q.device)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -63,6 +77,10 @@ def attention(q, k, v, attn_mask, causal: int, scale: float, window_left: int, w
             s = s + attn_mask.to(acc)
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
+    if sinks is not None:  # the sink as one more key with no value: its column is dropped after the softmax
+        col = sinks.to(acc).view(1, Hq, 1, 1).expand(s.shape[0], Hq, Sq, 1)
+        s = torch.cat([s, col], dim=-1)
+        Sk = Sk + 1
     # A row with no visible key would give softmax 0/0: compute it on zeros, then force 0, so that
     # neither the output nor the gradient sees a NaN.
     if Sk > 0:
@@ -72,6 +90,8 @@ def attention(q, k, v, attn_mask, causal: int, scale: float, window_left: int, w
     s_safe = s.masked_fill(dead, 0.0)
     p = torch.softmax(s_safe, dim=-1).masked_fill(dead, 0.0)
     lse = torch.logsumexp(s_safe, dim=-1).masked_fill(dead.squeeze(-1), float("-inf"))
+    if sinks is not None:
+        p = p[..., :-1]
     if dropout_p > 0 and keep is not None:
         p = p * keep.to(device=p.device, dtype=p.dtype) / (1.0 - dropout_p)
     elif dropout_p > 0:

@@ -9,7 +9,9 @@ One call validates its arguments, asks the planner which backend serves a KV-cac
   On CUDA (opt-in, ATTN_BACKENDS_CUDA_DECODE=1), and on the CPU under the CUDA emulation, the same
   op runs the CUDA decode kernel (csrc/cuda/decode.cu) for every query length.
 - ``flash``: the cache is gathered into a dense (B, Hkv, S, D) view and our flash kernel attends with
-  a mask that carries leftpad, sequence ends, causal, window and ALiBi.
+  a bool mask that carries leftpad, sequence ends, causal and window; ALiBi and sinks are the
+  kernel's own arguments (with ALiBi each row's keys are first moved to end at S, so that the
+  kernel's bottom-right alignment is the row's own).
 - ``math`` and ``eager``: the same gathered view, attended in float64 with plain torch ops (any device).
 
 The gathered paths write the cache with torch ops, exactly where the kernel does, and check the
@@ -61,6 +63,7 @@ class KVCall(NamedTuple):
     softcap: float
     interleaved: bool
     num_splits: int
+    sinks: Optional[torch.Tensor] = None
 
 
 # ---- argument checks ---------------------------------------------------------------------------
@@ -92,7 +95,7 @@ def _int(name, x, least):
 
 def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
           block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-          num_splits) -> KVCall:
+          num_splits, sinks=None) -> KVCall:
     """Types, shapes, dtypes and devices of every argument (TypeError / ValueError naming it); the
     values of the index tensors are checked where they are read (see the module docstring)."""
     if not isinstance(q, torch.Tensor):
@@ -169,6 +172,10 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
             raise ValueError(f"alibi_slopes must have shape (Hq,) = ({Hq},) or (B, Hq) = ({B}, {Hq}), "
                              f"got {tuple(alibi_slopes.shape)}")
         _tensor("alibi_slopes", alibi_slopes, alibi_slopes.dim(), "", dev, (torch.float32,), "float32")
+    if sinks is not None:
+        from ._validate import check_sinks
+
+        check_sinks(sinks, q, Hq)
     if softmax_scale is None:
         scale = D ** -0.5
     else:
@@ -191,12 +198,12 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
     if not isinstance(rotary_interleaved, bool):
         raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
     num_splits = _int("num_splits", num_splits, 0)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, sinks)):
         raise RuntimeError("attention_with_kvcache has no backward (inference only): call it under "
                            "torch.no_grad() or torch.inference_mode(), or with tensors that do not require grad")
     return KVCall(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen, cache_batch_idx,
                   cache_leftpad, block_table, alibi_slopes, scale, causal, wl, wr, softcap, rotary_interleaved,
-                  num_splits)
+                  num_splits, sinks)
 
 
 # ---- planning ----------------------------------------------------------------------------------
@@ -217,7 +224,8 @@ def signature(c: KVCall, backend) -> tuple:
     D = q.shape[3]
     return (dev, cc, lib_ok, _planner.DTYPE_IDS[q.dtype], D, D, q.shape[2] != c.k_cache.shape[2], False, 0, 0,
             2 if c.causal else 0, c.wl >= 0 or c.wr >= 0, c.softcap > 0, False, False, False, True, 2,
-            _planner.settings["mps_fix"], ID[requested], _planner.cpu_isa(), _planner.CPU_UNITS)
+            _planner.settings["mps_fix"], ID[requested], _planner.cpu_isa(), _planner.CPU_UNITS, c.sinks is not None,
+            c.alibi is not None)
 
 
 def choose(c: KVCall, backend, strict) -> str:
@@ -233,10 +241,11 @@ def choose(c: KVCall, backend, strict) -> str:
 
 def attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                            cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                           rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend, strict):
+                           rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend, strict,
+                           sinks=None):
     c = check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
               block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-              num_splits)
+              num_splits, sinks)
     out, lse = RUNNERS[choose(c, backend, strict)](c)
     return (out, lse) if return_softmax_lse else out
 
@@ -280,7 +289,7 @@ def run_cuda_kernel(c: KVCall):
 
 def _kernel_op(c: KVCall):
     args = (c.q, c.k_cache, c.v_cache, c.k, c.v, c.cos, c.sin, c.seqlens, c.seqlen, c.batch_idx, c.leftpad,
-            c.block_table, c.alibi, c.scale, c.causal, c.wl, c.wr, c.softcap, c.interleaved, c.num_splits)
+            c.block_table, c.alibi, c.scale, c.causal, c.wl, c.wr, c.softcap, c.interleaved, c.num_splits, c.sinks)
     try:
         if _is_compiling():
             return ops.kvcache_fwd(*args)
@@ -448,15 +457,30 @@ def _rotated_q(c: KVCall, rows: _Rows, dtype) -> torch.Tensor:
     return rotate(c.q, c.cos, c.sin, pos, c.interleaved, dtype)
 
 
+def _right_aligned(K, V, vis, end):
+    """K, V and vis with each row's keys moved to end at the last position S - 1 (zeros and hidden
+    before them).  Then the kernel's ALiBi alignment i + Sk - Sq is each row's own query position
+    t + end_b - Sq, whatever the row's length."""
+    B, S = K.shape[0], K.shape[1]
+    pos = torch.arange(S, device=K.device).view(1, S) - (S - end.view(B, 1))  # the row's position at slot j
+    idx = pos.clamp(min=0)
+    rows = torch.arange(B, device=K.device).view(B, 1)
+    ok = (pos >= 0).view(B, 1, S)
+    vis = torch.gather(vis, 2, idx.view(B, 1, S).expand(B, vis.shape[1], S)) & ok
+    return K[rows, idx], V[rows, idx], vis
+
+
 def _attend_flash(c: KVCall, rows: _Rows):
-    """Our flash kernel over the gathered cache; the visibility (and ALiBi) as its attn_mask."""
+    """Our flash kernel over the gathered cache: the visibility as its attn_mask, ALiBi and sinks as
+    its own arguments (the keys right-aligned per row first, when ALiBi needs each row's position)."""
     K, V, vis, ii = gather(c, rows)
     q = _rotated_q(c, rows, torch.float32).to(c.q.dtype)
+    if c.alibi is not None and K.shape[1]:
+        end = torch.tensor(rows.end, dtype=torch.int64, device=K.device)
+        K, V, vis = _right_aligned(K, V, vis, end)
     mask = vis.unsqueeze(1)  # (B, 1, Sq, S)
-    if c.alibi is not None:
-        bias = _alibi_bias(c, ii, K.shape[1], torch.float32)
-        mask = bias.masked_fill(~mask, -math.inf)
-    args = (q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), mask, None, 0, c.scale, -1, -1, c.softcap, 0.0)
+    args = (q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), mask, None, 0, c.scale, -1, -1, c.softcap, 0.0,
+            c.sinks, c.alibi)
     with _below_autograd():
         out, lse = ops.flash_fwd(*args)[:2]
     return out.transpose(1, 2), lse
@@ -476,6 +500,9 @@ def _attend_float64(c: KVCall, rows: _Rows):
     if c.alibi is not None:
         s = s + _alibi_bias(c, ii, K.shape[1], torch.float64)
     s = s.masked_fill(~vis.unsqueeze(1), -math.inf)
+    if c.sinks is not None:  # one more key per head, with a zero value
+        s = torch.cat([s, c.sinks.double().view(1, Hq, 1, 1).expand(B, Hq, Sq, 1)], dim=-1)
+        Vr = torch.cat([Vr, Vr.new_zeros(B, 1, Hq, Vr.shape[-1])], dim=1)
     if s.shape[-1] == 0:  # no row has a key
         return c.q.new_zeros(B, Sq, Hq, D), torch.full((B, Hq, Sq), -math.inf, device=c.q.device)
     dead = (s == -math.inf).all(dim=-1, keepdim=True)  # no visible key: out 0, lse -inf

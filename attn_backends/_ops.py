@@ -20,7 +20,8 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _fwd_fake(q, k, v, attn_mask, rng_state, causal, scale, window_left, window_right, softcap, dropout_p):
+def _fwd_fake(q, k, v, attn_mask, rng_state, causal, scale, window_left, window_right, softcap, dropout_p,
+              sinks=None, alibi_slopes=None):
     B, Hq, Sq, _ = q.shape
     Dv = v.shape[-1]
     # the real kernel returns out laid out (B, Sq, Hq, Dv) and viewed as (B, Hq, Sq, Dv)
@@ -57,12 +58,17 @@ def _flash_fwd_fake(*args):
     return out, lse, lse.new_empty((2,) + tuple(lse.shape))
 
 
+def _dsinks_fake(q, sinks, Hq):
+    return q.new_empty((Hq if sinks is not None else 0,), dtype=lse_dtype(q.dtype))
+
+
 def _bwd_fake(grad_out, q, k, v, out, lse, grad_lse, attn_mask, rng_state, causal, scale,
-              window_left, window_right, softcap, dropout_p, mask_grad, deterministic=False, stats=None):
+              window_left, window_right, softcap, dropout_p, mask_grad, deterministic=False, stats=None,
+              sinks=None, alibi_slopes=None):
     B, Hq, Sq, _ = q.shape
     Sk = k.shape[2]
     dmask = q.new_empty((B, Hq, Sq, Sk) if mask_grad else (0,), dtype=lse_dtype(q.dtype))
-    return _empty_grad(q), _empty_grad(k), _empty_grad(v), dmask
+    return _empty_grad(q), _empty_grad(k), _empty_grad(v), dmask, _dsinks_fake(q, sinks, Hq)
 
 
 # flash_fwd also returns `stats` (2, B, Hq, Sq): each row's max score and the log of its sum, lse in
@@ -74,7 +80,7 @@ for _kernel in ("math", "flash"):
 
 
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rng_state, causal,
-                     scale, window_left, window_right, softcap, dropout_p):
+                     scale, window_left, window_right, softcap, dropout_p, sinks=None, alibi_slopes=None):
     Tq, Hq, _ = q.shape
     out = q.new_empty((Tq, Hq, v.shape[-1]))
     lse = q.new_empty((Hq, Tq), dtype=lse_dtype(q.dtype))
@@ -96,8 +102,8 @@ torch.library.register_fake("attn_backends::sage_varlen_fwd")(_varlen_fwd_fake)
 @torch.library.register_fake("attn_backends::flash_varlen_bwd")
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, rng_state, causal, scale, window_left, window_right, softcap, dropout_p,
-                     deterministic=False, stats=None):
-    return _empty_grad(q), _empty_grad(k), _empty_grad(v)
+                     deterministic=False, stats=None, sinks=None, alibi_slopes=None):
+    return _empty_grad(q), _empty_grad(k), _empty_grad(v), _dsinks_fake(q, sinks, q.shape[1])
 
 
 @torch.library.register_fake("attn_backends::dropout_mask")
@@ -110,7 +116,7 @@ def _dropout_mask_fake(rng_state, B, H, Sq, Sk, dropout_p):
 @torch.library.register_fake("attn_backends::kvcache_fwd")
 def _kvcache_fwd_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
                       cache_batch_idx, cache_leftpad, block_table, alibi_slopes, scale, causal, window_left,
-                      window_right, softcap, rotary_interleaved, num_splits):
+                      window_right, softcap, rotary_interleaved, num_splits, sinks=None):
     B, Sq, Hq, _ = q.shape
     return q.new_empty(q.shape), q.new_empty((B, Hq, Sq), dtype=torch.float32)
 
@@ -165,66 +171,93 @@ def _differentiable_grads(outputs, grads, inputs):
     return [next(found) if t is not None and t.requires_grad else None for t in inputs]
 
 
-def composite_backward(q, k, v, attn_mask, rng_state, args, grad_out, grad_lse):
-    """(dq, dk, dv, dmask) of a dense call through the eager composite, differentiable."""
+def composite_backward(q, k, v, attn_mask, rng_state, args, grad_out, grad_lse, sinks=None, alibi=None):
+    """(dq, dk, dv, dmask, dsinks) of a dense call through the eager composite, differentiable."""
     from . import _eager
 
     causal, scale, wl, wr, softcap, dropout_p = args
     keep = keep_mask(rng_state, q.shape[0], q.shape[1], q.shape[2], k.shape[2], dropout_p, q.device)
     mask = attn_mask if attn_mask is None or attn_mask.dtype == torch.bool or attn_mask.requires_grad \
         else attn_mask.detach()
-    out, lse = _eager.attention(q, k, v, mask, causal, scale, wl, wr, softcap, dropout_p, keep=keep)
+    out, lse = _eager.attention(q, k, v, mask, causal, scale, wl, wr, softcap, dropout_p, keep=keep, sinks=sinks,
+                                alibi=alibi)
     return _differentiable_grads((out, lse), (grad_out, grad_lse),
-                                 (q, k, v, mask if mask is not None and mask.dtype != torch.bool else None))
+                                 (q, k, v, mask if mask is not None and mask.dtype != torch.bool else None, sinks))
 
 
-def composite_varlen_backward(q, k, v, cu_q, cu_k, max_q, max_k, rng_state, opts, grad_out, grad_lse):
-    """(dq, dk, dv) of a packed call: padded to (B, H, max_seqlen, D) (the rows its dropout numbers),
-    the eager composite, unpadded."""
+def composite_varlen_backward(q, k, v, cu_q, cu_k, max_q, max_k, rng_state, opts, grad_out, grad_lse, sinks=None,
+                              alibi=None):
+    """(dq, dk, dv, dsinks) of a packed call: padded to (B, H, max_seqlen, D) (the rows its dropout
+    numbers), the eager composite, unpadded."""
     from . import _eager, _varlen
 
     causal, scale, wl, wr, softcap, dropout_p = opts
     len_q, len_k = (cu[1:].long() - cu[:-1].long() for cu in (cu_q.cpu(), cu_k.cpu()))
     qd, kd, vd = _varlen.pad(q, len_q, max_q), _varlen.pad(k, len_k, max_k), _varlen.pad(v, len_k, max_k)
     mask = _varlen.padded_mask(len_q, len_k, max_q, max_k, causal, wl, wr, q.device)
+    if alibi is not None:
+        mask = _varlen.alibi_mask(mask, alibi, len_q, len_k, max_q, max_k, q.shape[1], _eager_acc(q))
     keep = keep_mask(rng_state, len_q.numel(), q.shape[1], max_q, max_k, dropout_p, q.device)
-    out, lse = _eager.attention(qd, kd, vd, mask, 0, scale, -1, -1, softcap, dropout_p, keep=keep)
+    out, lse = _eager.attention(qd, kd, vd, mask, 0, scale, -1, -1, softcap, dropout_p, keep=keep, sinks=sinks)
     out, lse = _varlen.unpad(out, len_q), _varlen.unpad_lse(lse, len_q)
-    return _differentiable_grads((out, lse), (grad_out, grad_lse), (q, k, v))
+    return _differentiable_grads((out, lse), (grad_out, grad_lse), (q, k, v, sinks))
+
+
+def _eager_acc(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _sinks_alibi(extra):
+    """(sinks, alibi_slopes) from the optional inputs after an op's fixed ones (absent: None)."""
+    extra = tuple(extra) + (None, None)
+    return extra[0], extra[1]
+
+
+def _dsinks(ctx, dsinks, sinks, index):
+    """The sinks' gradient in their dtype, when asked for (the kernels give it in lse's dtype)."""
+    return dsinks.to(sinks.dtype) if sinks is not None and ctx.needs_input_grad[index] else None
 
 
 def _make_autograd(bwd_op, flash=False):
     """setup_context and backward for a forward op with the math_fwd argument list."""
 
     def setup_context(ctx, inputs, output):
-        q, k, v, attn_mask, rng_state, causal, scale, wl, wr, softcap, dropout_p = inputs
+        q, k, v, attn_mask, rng_state, causal, scale, wl, wr, softcap, dropout_p, *extra = inputs
+        sinks, alibi = _sinks_alibi(extra)
         out, lse = output[0], output[1]
         stats = output[2] if flash else None
         ctx.set_materialize_grads(False)
         if flash:
             ctx.mark_non_differentiable(stats)
-        ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng_state, stats)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, rng_state, stats, sinks, alibi)
         ctx.args = (causal, scale, wl, wr, softcap, dropout_p)
+        ctx.n_inputs = len(inputs)
         ctx.mask_grad = bool(
             attn_mask is not None and attn_mask.dtype != torch.bool and ctx.needs_input_grad[3]
         )
 
     def backward(ctx, grad_out, grad_lse, grad_stats=None):
-        q, k, v, out, lse, attn_mask, rng_state, stats = ctx.saved_tensors
-        if records_graph(q, k, v, attn_mask, grad_out, grad_lse):
-            dq, dk, dv, dmask = composite_backward(q, k, v, attn_mask, rng_state, ctx.args, grad_out, grad_lse)
-            return dq, dk, dv, dmask, None, None, None, None, None, None, None
+        q, k, v, out, lse, attn_mask, rng_state, stats, sinks, alibi = ctx.saved_tensors
+        rest = [None] * (ctx.n_inputs - 4)  # rng_state ... dropout_p, then sinks (index 11) and alibi
+        if records_graph(q, k, v, attn_mask, sinks, grad_out, grad_lse):
+            dq, dk, dv, dmask, dsinks = composite_backward(q, k, v, attn_mask, rng_state, ctx.args, grad_out, grad_lse,
+                                                           sinks, alibi)
+            if sinks is not None:
+                rest[7] = dsinks
+            return (dq, dk, dv, dmask, *rest)
         grad_out = _grad_out(grad_out, out, flash)
-        dq, dk, dv, dmask = bwd_op(
+        dq, dk, dv, dmask, dsinks = bwd_op(
             grad_out, q, k, v, out, lse, grad_lse, attn_mask, rng_state, *ctx.args, ctx.mask_grad,
-            deterministic_backward(ctx), stats
+            deterministic_backward(ctx), stats, sinks, alibi
         )
         if ctx.mask_grad:
             # the kernel writes the gradient at (B, Hq, Sq, Sk); a broadcast mask gets the sum
             dmask = dmask.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
         else:
             dmask = None
-        return dq, dk, dv, dmask, None, None, None, None, None, None, None
+        if sinks is not None:
+            rest[7] = _dsinks(ctx, dsinks, sinks, 11)
+        return (dq, dk, dv, dmask, *rest)
 
     return setup_context, backward
 
@@ -236,23 +269,30 @@ for _kernel in ("math", "flash"):
 
 def _make_varlen_autograd(bwd_op, flash=True):
     def setup_context(ctx, inputs, output):
-        q, k, v, cu_q, cu_k, max_q, max_k, rng_state, causal, scale, wl, wr, softcap, dropout_p = inputs
+        q, k, v, cu_q, cu_k, max_q, max_k, rng_state, causal, scale, wl, wr, softcap, dropout_p, *extra = inputs
+        sinks, alibi = _sinks_alibi(extra)
         out, lse, stats = output
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(stats)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state, stats)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state, stats, sinks, alibi)
         ctx.args = (max_q, max_k)
         ctx.opts = (causal, scale, wl, wr, softcap, dropout_p)
+        ctx.n_inputs = len(inputs)
 
     def backward(ctx, grad_out, grad_lse, grad_stats=None):
-        q, k, v, out, lse, cu_q, cu_k, rng_state, stats = ctx.saved_tensors
-        if records_graph(q, k, v, grad_out, grad_lse):
-            dq, dk, dv = composite_varlen_backward(q, k, v, cu_q, cu_k, *ctx.args, rng_state, ctx.opts, grad_out,
-                                                   grad_lse)
-            return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
-        dq, dk, dv = bwd_op(grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, *ctx.args, rng_state, *ctx.opts,
-                            deterministic_backward(ctx), stats)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+        q, k, v, out, lse, cu_q, cu_k, rng_state, stats, sinks, alibi = ctx.saved_tensors
+        rest = [None] * (ctx.n_inputs - 3)  # cu_seqlens_q ... dropout_p, then sinks (index 14) and alibi
+        if records_graph(q, k, v, sinks, grad_out, grad_lse):
+            dq, dk, dv, dsinks = composite_varlen_backward(q, k, v, cu_q, cu_k, *ctx.args, rng_state, ctx.opts,
+                                                           grad_out, grad_lse, sinks, alibi)
+            if sinks is not None:
+                rest[11] = dsinks
+            return (dq, dk, dv, *rest)
+        dq, dk, dv, dsinks = bwd_op(grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, *ctx.args, rng_state,
+                                    *ctx.opts, deterministic_backward(ctx), stats, sinks, alibi)
+        if sinks is not None:
+            rest[11] = _dsinks(ctx, dsinks, sinks, 14)
+        return (dq, dk, dv, *rest)
 
     return setup_context, backward
 

@@ -35,7 +35,7 @@ UNIT_NAMES = ("AMX-BF16", "AMX-FP16", "AMX-INT8")  # bit i of cpu_units (csrc/ab
 # signature fields, in the order of the C planner's ab_call
 FIELDS = ("device", "cuda_cc", "cuda_lib_ok", "dtype", "D", "Dv", "gqa", "square", "mask", "mask_grad",
           "causal", "window", "softcap", "dropout", "need_grad", "deterministic", "want_lse", "varlen",
-          "mps_fix", "requested", "cpu_isa", "cpu_units")
+          "mps_fix", "requested", "cpu_isa", "cpu_units", "sinks", "alibi")
 
 
 def _env_flag(name: str) -> bool:
@@ -155,9 +155,9 @@ class Plan:
             parts.append(f"causal={c['causal']}")
         if c["mask"] != "none":
             parts.append(f"{c['mask']} mask" + (" (needs grad)" if c["mask_grad"] else ""))
-        for flag in ("window", "softcap", "dropout"):
-            if c[flag]:
-                parts.append(flag)
+        for flag in ("window", "softcap", "dropout", "sinks", "alibi"):
+            if c.get(flag):
+                parts.append("ALiBi" if flag == "alibi" else flag)
         parts.append("training" if c["need_grad"] else "inference")
         if c["deterministic"]:
             parts.append("deterministic")
@@ -189,6 +189,8 @@ _warned: set = set()
 
 def describe(sig: tuple) -> dict:
     d = dict(zip(FIELDS, sig))
+    d.setdefault("sinks", 0)  # signatures of calls without sinks and ALiBi may end before these fields
+    d.setdefault("alibi", 0)
     d["device"] = DEVICE_NAMES[d["device"]]
     d["dtype"] = DTYPE_NAMES[d["dtype"]] if d["dtype"] < len(DTYPE_NAMES) else "other"
     d["causal"] = CAUSAL_NAMES[d["causal"]]

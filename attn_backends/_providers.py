@@ -4,7 +4,9 @@ Every runner takes the validated call
     (q, k, v, attn_mask, causal, scale, window_left, window_right, softcap, dropout_p, need_grad, want_lse,
      deterministic=False)
 with causal as 0/1/2 (none, top-left, bottom-right) and returns (out, lse or None).  deterministic is
-the call's own request for a bitwise reproducible backward (torch's global flag is read as well).  The planner
+the call's own request for a bitwise reproducible backward (torch's global flag is read as well).
+Calls with attention sinks or ALiBi add (sinks, alibi_slopes) after deterministic; only the runners
+whose registry rows serve them (math, flash, eager) take those.  The planner
 only routes a call to a runner whose registry row says it can serve it exactly, so runners do not
 re-check capabilities.
 """
@@ -49,9 +51,12 @@ def _no_grad_call(fwd_op, *args):
 def _kernel(fwd_op, function):
     """Runner for one of our kernels: the autograd Function when a gradient is needed, else the op."""
 
-    def run(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
+    def run(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False, sinks=None,
+            alibi=None):
         rng = draw_rng_state(q) if p > 0 else None
         args = (q, k, v, mask, rng, causal, scale, wl, wr, softcap, p)
+        if sinks is not None or alibi is not None:
+            args += (sinks, alibi)
         res = function.apply(*args, det) if need_grad else _no_grad_call(fwd_op, *args)
         return res[0], res[1]  # flash's third output, its stats, is for its backward only
 
@@ -70,9 +75,12 @@ def _cuda_qkv(q, k, v):
     return _ops.cuda_layout(q), _ops.cuda_layout(k), _ops.cuda_layout(v)
 
 
-def run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
+def run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False, sinks=None,
+              alibi=None):
     q, k, v = _cuda_qkv(q, k, v)
-    return _run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det)
+    if sinks is not None and not need_grad:  # the CUDA flash forward reads float32 sinks (any dtype on CPU)
+        sinks = sinks.float().contiguous()
+    return _run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det, sinks, alibi)
 
 
 def run_sage(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
@@ -82,10 +90,13 @@ def run_sage(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_l
     return _no_grad_call(_ops.ops.sage_fwd.default, q, k, v, mask, None, causal, scale, wl, wr, softcap, 0.0)
 
 
-def run_eager(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
+def run_eager(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False, sinks=None,
+              alibi=None):
     """HF's eager, our way: the math kernel where this device has one, else the aten composite."""
     if q.is_cpu:
-        return run_math(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det)
+        return run_math(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det, sinks, alibi)
+    if sinks is not None or alibi is not None:  # the CUDA math kernel takes neither
+        return _eager.attention(q, k, v, mask, causal, scale, wl, wr, softcap, p, sinks=sinks, alibi=alibi)
     if q.is_cuda and not need_grad:
         from ._dispatch import cuda_math_ready
 
@@ -256,10 +267,14 @@ RUNNERS = {
 # (out (Tq, Hq, Dv), lse (Hq, Tq)).
 
 def run_flash_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal, scale, wl, wr,
-                     softcap, p, need_grad, want_lse, det=False):
+                     softcap, p, need_grad, want_lse, det=False, sinks=None, alibi=None):
     rng = draw_rng_state(q) if p > 0 else None
     q, k, v = _cuda_qkv(q, k, v)
+    if sinks is not None and not need_grad:  # the CUDA flash forward reads float32 sinks (any dtype on CPU)
+        sinks = sinks.float().contiguous()
     args = (q, k, v, hcu_q, hcu_k, max_q, max_k, rng, causal, scale, wl, wr, softcap, p)
+    if sinks is not None or alibi is not None:
+        args += (sinks, alibi)
     if need_grad:
         res = _ops.FlashVarlenFunction.apply(*args, det)
     else:
@@ -279,10 +294,14 @@ def _padded(dense):
     from . import _varlen
 
     def run(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal, scale, wl, wr, softcap, p,
-            need_grad, want_lse, det=False):
+            need_grad, want_lse, det=False, sinks=None, alibi=None):
         qd, kd, vd = _varlen.pad(q, len_q, max_q), _varlen.pad(k, len_k, max_k), _varlen.pad(v, len_k, max_k)
         mask = _varlen.padded_mask(len_q, len_k, max_q, max_k, causal, wl, wr, q.device)
-        out, lse = dense(qd, kd, vd, mask, 0, scale, -1, -1, softcap, p, need_grad, want_lse, det)
+        if alibi is not None:  # per sequence, as the varlen kernel aligns it: a float mask after padding
+            mask = _varlen.alibi_mask(mask, alibi, len_q, len_k, max_q, max_k, q.shape[1],
+                                      torch.float64 if q.dtype == torch.float64 else torch.float32)
+        extra = (sinks,) if sinks is not None else ()
+        out, lse = dense(qd, kd, vd, mask, 0, scale, -1, -1, softcap, p, need_grad, want_lse, det, *extra)
         return _varlen.unpad(out, len_q), (_varlen.unpad_lse(lse, len_q) if lse is not None else None)
 
     return run

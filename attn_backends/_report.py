@@ -20,7 +20,8 @@ FEATURES = (  # (registry name, column title)
     ("causal_top_left", "causal TL"), ("causal_bottom_right", "causal BR"), ("window", "window"),
     ("softcap", "softcap"), ("dropout", "dropout"), ("backward", "backward"),
     ("deterministic", "determ. bwd"), ("lse", "lse"), ("gqa", "GQA"), ("dv_ne_d", "Dv != D"),
-    ("dense", "dense"), ("varlen", "varlen"), ("kvcache", "KV cache"),
+    ("dense", "dense"), ("varlen", "varlen"), ("kvcache", "KV cache"), ("sinks", "sinks"), ("alibi", "ALiBi"),
+    ("sinks_alibi_grad", "sinks/ALiBi bwd"),
 )
 
 

@@ -71,12 +71,11 @@ def kernel_bwd(dout, q, k, v, out, lse, dlse, causal: int, scale: float, wl: int
     dout, q, k, v, out = _cuda_rows(dout, q, k, v, out)
     with _below_autograd():
         if cu is None:
-            dq, dk, dv, _ = _BWD["flash"](dout, q, k, v, out, lse, dlse, None, None, causal, scale, wl, wr, softcap,
-                                         0.0, False, deterministic)
-            return dq, dk, dv
+            return _BWD["flash"](dout, q, k, v, out, lse, dlse, None, None, causal, scale, wl, wr, softcap,
+                                 0.0, False, deterministic)[:3]
         lse, dlse = lse.t().contiguous(), None if dlse is None else dlse.t().contiguous()
         return _VARLEN_BWD(dout, q, k, v, out, lse, dlse, cu, cu, max_len, max_len, None, causal, scale, wl, wr,
-                           softcap, 0.0, deterministic)
+                           softcap, 0.0, deterministic)[:3]
 
 
 # ---- which (query chunk, key chunk) pairs are empty, full or partial ----------------------------

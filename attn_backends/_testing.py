@@ -54,8 +54,15 @@ def visible(Sq: int, Sk: int, causal, window, device=None) -> torch.Tensor:
 
 
 def reference_attention(q, k, v, *, causal=False, attn_mask=None, scale=None, window=None, softcap=0.0,
-                        keep=None, dropout_p=0.0, dtype=torch.float64, only_visible=False):
+                        keep=None, dropout_p=0.0, dtype=torch.float64, only_visible=False, sinks=None,
+                        alibi_slopes=None):
     """Attention from plain torch ops in ``dtype`` (float64 for ref64).
+
+    sinks: optional (Hq,) attention sinks: an extra logit per head in every row's softmax denominator
+        with no value (lse includes it; a row that sees no key outputs 0 with lse = sinks[h]).
+        Differentiable.
+    alibi_slopes: optional (Hq,) or (B, Hq): the score of (i, j) gets -slope * |i + Sk - Sq - j|
+        after softcap (flash-attn's ALiBi).
 
     keep: optional bool (B, Hq, Sq, Sk) dropout keep-mask; kept weights are scaled by 1/(1-p).
     only_visible: sum P.V over the keys each row may see only (score above -inf), so a NaN or inf
@@ -73,6 +80,11 @@ def reference_attention(q, k, v, *, causal=False, attn_mask=None, scale=None, wi
     s = torch.einsum("bhid,bhjd->bhij", q, k) * scale
     if softcap:
         s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        i = torch.arange(Sq, device=q.device).view(-1, 1) + (Sk - Sq)
+        j = torch.arange(Sk, device=q.device).view(1, -1)
+        slopes = alibi_slopes.to(dtype).expand(B, Hq).reshape(B, Hq, 1, 1)
+        s = s - slopes * (i - j).abs().to(dtype)
     allowed = visible(Sq, Sk, causal, window, q.device).expand(B, Hq, Sq, Sk)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
@@ -80,6 +92,12 @@ def reference_attention(q, k, v, *, causal=False, attn_mask=None, scale=None, wi
         else:
             s = s + attn_mask.to(dtype)
     s = torch.where(allowed, s, torch.full_like(s, -math.inf))
+    if sinks is not None:
+        # the sink is one more key per head whose value is 0: p and lse over Sk + 1 columns, the sink's dropped
+        sink_col = sinks.to(dtype).view(1, Hq, 1, 1).expand(B, Hq, Sq, 1)
+        v0 = torch.cat([v, torch.zeros_like(v[:, :, :1])], dim=2)
+        o, lse = reference_attention_logits(torch.cat([s, sink_col], dim=-1), v0, keep, dropout_p, only_visible)
+        return o, lse
     if Sk == 0:  # no keys at all: every row is fully masked (amax needs a non-empty dim)
         out = torch.zeros(B, Hq, Sq, v.shape[-1], dtype=dtype, device=q.device) + 0 * q.sum() + 0 * v.sum()
         return out, torch.full((B, Hq, Sq), -math.inf, dtype=dtype, device=q.device)
@@ -99,6 +117,27 @@ def reference_attention(q, k, v, *, causal=False, attn_mask=None, scale=None, wi
         return torch.where(seen[..., None], terms, torch.zeros_like(terms)).sum(-2), lse
     out = torch.einsum("bhij,bhjd->bhid", p, v)
     return out, lse
+
+
+def reference_attention_logits(s, v, keep=None, dropout_p=0.0, only_visible=False):
+    """The softmax and P V of reference_attention from finished scores s (B, Hq, Sq, n), -inf where
+    hidden; v (B, Hq, n, Dv).  keep, when given, covers the first keep.shape[-1] columns (the keys; a
+    sink column after them is never dropped)."""
+    dead = (s == -math.inf).all(dim=-1, keepdim=True)
+    s0 = torch.where(dead, torch.zeros_like(s), s)
+    m = s0.amax(dim=-1, keepdim=True).detach()
+    e = torch.exp(s0 - m)
+    denom = e.sum(dim=-1, keepdim=True)
+    p = torch.where(dead, torch.zeros_like(e), e / denom)
+    lse = torch.where(dead, torch.full_like(denom, -math.inf), m + torch.log(denom)).squeeze(-1)
+    if keep is not None and dropout_p > 0:
+        n = keep.shape[-1]
+        p = torch.cat([p[..., :n] * keep.to(p.dtype) / (1.0 - dropout_p), p[..., n:]], dim=-1)
+    if only_visible:
+        seen = s != -math.inf
+        terms = p[..., None] * v[:, :, None, :, :]
+        return torch.where(seen[..., None], terms, torch.zeros_like(terms)).sum(-2), lse
+    return torch.einsum("bhij,bhjd->bhid", p, v), lse
 
 
 def sage_recipe(q, k, v, *, scale=None, **opts):
@@ -353,12 +392,16 @@ def make_packed(lens_q, lens_k, Hq, Hkv, D, Dv, dtype, generator=None):
 
 
 def varlen_reference(q, k, v, cu_q, cu_k, dtype=torch.float64, **opts):
-    """reference_attention per packed sequence; returns (out (Tq, Hq, Dv), lse (Hq, Tq))."""
+    """reference_attention per packed sequence; returns (out (Tq, Hq, Dv), lse (Hq, Tq)).
+    alibi_slopes (B, Hq) gives sequence b its row b."""
     outs, lses = [], []
+    alibi = opts.pop("alibi_slopes", None)
     for b in range(cu_q.numel() - 1):
         qs = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)[None]
         ks = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1)[None]
         vs = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1)[None]
+        if alibi is not None:
+            opts["alibi_slopes"] = alibi[b] if alibi.dim() == 2 else alibi
         o, lse = reference_attention(qs, ks, vs, dtype=dtype, **opts)
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])

@@ -82,23 +82,15 @@ _warned_output_attentions = [False]
 
 
 def _attend(q, k, v, sinks, cu=None, **kw):
-    """ab.attention (or ab.attention_varlen when cu = (cu_q, cu_k, max_q, max_k) is given) with
-    attention sinks: one logit s per query head that joins each row's softmax denominator and
-    contributes no value (GPT-OSS, FA3's s_aux).  Exact on top of lse: with sinks the output is
-    out * exp(lse) / (exp(lse) + exp(s)) = out * sigmoid(lse - s), and autograd carries the gradient
-    to q, k, v (through the backward op's grad_lse) and to s.  A row that sees no key has lse = -inf
-    and stays 0.  When the kernels take sinks themselves, this becomes one call."""
+    """ab.attention (or ab.attention_varlen when cu = (cu_q, cu_k, max_q, max_k) is given), with the
+    model's attention sinks (GPT-OSS's s_aux: one logit per query head in each row's softmax
+    denominator, no value) passed to the kernels, which compute them and their gradient; a backend
+    that cannot take them falls back (ab.explain says why)."""
     from . import attention, attention_varlen
 
-    if sinks is None:
-        return attention(q, k, v, **kw) if cu is None else attention_varlen(q, k, v, *cu, **kw)
-    if cu is None:
-        out, lse = attention(q, k, v, return_lse=True, **kw)  # out (B, Hq, Sq, Dv), lse (B, Hq, Sq)
-        w = torch.sigmoid(lse - sinks.to(lse.dtype)[:, None])
-    else:
-        out, lse = attention_varlen(q, k, v, *cu, return_lse=True, **kw)  # out (T, Hq, Dv), lse (Hq, T)
-        w = torch.sigmoid(lse - sinks.to(lse.dtype)[:, None]).t()
-    return (out * w[..., None]).to(out.dtype)
+    if sinks is not None:
+        kw["sinks"] = sinks
+    return attention(q, k, v, **kw) if cu is None else attention_varlen(q, k, v, *cu, **kw)
 
 
 def _bias_mask(bias, mask):
@@ -183,10 +175,14 @@ def _packed_args(kw, position_ids, varlen_name, mask):
 
 def _read_kwargs(module, kw, varlen_name, mask):
     """The keywords a model passed, checked: (sinks, position_bias, softcap, sliding_window,
-    deterministic, packed).  Anything that would change the result and is not honoured raises."""
+    deterministic, packed, alibi_slopes).  Anything that would change the result and is not honoured
+    raises."""
     sinks = kw.pop("s_aux", None)
     if sinks is None:
         sinks = kw.pop("sinks", None)
+    # ALiBi as slopes (flash-attn's definition), for a model that hands them over; the ALiBi models of
+    # transformers 5.x (MPT, Bloom, Falcon) compute attention in their own code and never call us
+    alibi = kw.pop("alibi_slopes", None)
     bias = kw.pop("position_bias", None)
     softcap = kw.pop("softcap", None) or 0.0
     window = kw.pop("sliding_window", None)
@@ -200,13 +196,13 @@ def _read_kwargs(module, kw, varlen_name, mask):
     if unknown:
         raise TypeError(f"attn_backends: {type(module).__name__} passed {', '.join(map(repr, unknown))} to the "
                         "attention function, which it cannot honour; use attn_implementation='eager'")
-    return sinks, bias, softcap, None if window is None else int(window), deterministic, packed
+    return sinks, bias, softcap, None if window is None else int(window), deterministic, packed, alibi
 
 
 def _forward(backend, module, query, key, value, attention_mask, dropout, scaling, is_causal, kw):
     """(B, Sq, Hq, Dv) attention output for one HF attention call; see ``_make_forward``."""
     varlen_name = backend == "flash_varlen"
-    sinks, bias, softcap, sw, deterministic, packed = _read_kwargs(module, kw, varlen_name, attention_mask)
+    sinks, bias, softcap, sw, deterministic, packed, alibi = _read_kwargs(module, kw, varlen_name, attention_mask)
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     if backend == "auto":
@@ -214,6 +210,8 @@ def _forward(backend, module, query, key, value, attention_mask, dropout, scalin
 
         backend = default_backend()
     opts = dict(dropout_p=dropout, scale=scaling, softcap=softcap, deterministic=deterministic)
+    if alibi is not None:
+        opts["alibi_slopes"] = alibi
     # HF's sliding_window counts the query itself (causal: key j is visible when i - j < sliding_window);
     # its bidirectional masks take |i - j| <= sliding_window
     window = None if sw is None else (sw - 1, -1) if is_causal else (sw, sw)

@@ -195,3 +195,30 @@ def check_dropout(dropout_p) -> float:
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     return dropout_p
+
+
+def check_sinks(sinks, q: torch.Tensor, Hq: int):
+    """Attention sinks: a floating tensor (Hq,) on q's device (one logit per query head)."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor of shape (Hq,) = ({Hq},), got {type(sinks).__name__}")
+    if tuple(sinks.shape) != (Hq,):
+        raise ValueError(f"sinks must have shape (Hq,) = ({Hq},): one logit per query head, got {_shape(sinks)}")
+    if sinks.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"sinks must be floating (float16, bfloat16, float32 or float64), got {sinks.dtype}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device ({q.device}), got {sinks.device}")
+    return sinks
+
+
+def check_alibi(alibi_slopes, q: torch.Tensor, B: int, Hq: int):
+    """ALiBi slopes: float32 (Hq,) or (B, Hq) on q's device, as flash-attn takes them."""
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor, got {type(alibi_slopes).__name__}")
+    if tuple(alibi_slopes.shape) not in ((Hq,), (B, Hq)):
+        raise ValueError(f"alibi_slopes must have shape (Hq,) = ({Hq},) or (B, Hq) = ({B}, {Hq}), "
+                         f"got {_shape(alibi_slopes)}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be float32 (as in flash-attn), got {alibi_slopes.dtype}")
+    if alibi_slopes.device != q.device:
+        raise ValueError(f"alibi_slopes must be on q's device ({q.device}), got {alibi_slopes.device}")
+    return alibi_slopes

@@ -149,3 +149,15 @@ def padded_mask(len_q, len_k, max_q, max_k, causal: int, wl: int, wr: int, devic
     if wr >= 0:
         ok &= j <= ii + wr
     return ok.unsqueeze(1).to(device)
+
+
+def alibi_mask(visible, slopes, len_q, len_k, max_q, max_k, Hq: int, dtype) -> torch.Tensor:
+    """A padded call's float mask (B, Hq, max_q, max_k): ALiBi's -slope * |i + Sk_b - Sq_b - j|, aligned
+    per sequence as the varlen kernel does (one dense offset cannot express it), -inf where ``visible``
+    (padded_mask's bool) hides the key."""
+    B = len_q.numel()
+    i = torch.arange(max_q).view(1, -1, 1) + (len_k - len_q).view(-1, 1, 1)
+    j = torch.arange(max_k).view(1, 1, -1)
+    dist = (i - j).abs().to(device=slopes.device, dtype=dtype).unsqueeze(1)  # (B, 1, max_q, max_k)
+    bias = -slopes.to(dtype).expand(B, Hq).reshape(B, Hq, 1, 1) * dist
+    return bias.masked_fill(~visible.to(bias.device), float("-inf"))

@@ -138,11 +138,28 @@ typedef struct ab_attn_params {
    * capture), where a host value would be frozen into the graph. */
   const int64_t* rng_dev;
   int32_t deterministic;             /* backward: bitwise identical results run after run */
+
+  /* Attention sinks, optional: (Hq,) floating, one logit s_h per query head that joins every row's
+   * softmax denominator and contributes no value (FA3's and vLLM's s_aux, GPT-OSS): p_j =
+   * exp(x_j) / (exp(s_h) + sum exp(x)), lse = log(exp(s_h) + sum exp(x)).  A row that sees no key
+   * then outputs 0 with lse = s_h. */
+  ab_tensor sinks;
+  /* ALiBi slopes, optional: (Hq,) or (B, Hq) float32; score (after softcap) += -slope * |i' - j|
+   * with i' = i + Sk - Sq (per sequence for packed calls), flash-attn's definition, whatever the
+   * causal alignment.  No gradient. */
+  ab_tensor alibi;
+  /* Backward, optional: the gradient of sinks, (Hq,) float32 (float64 for float64 inputs). */
+  ab_tensor dsinks;
 } ab_attn_params;
 
 /* Checks shapes, dtypes and strides of the operands the forward (backward = 0) or the backward
  * (backward = 1) reads and writes; names the offending argument in err. */
 ab_status ab_attn_params_check(const ab_attn_params* p, int backward, ab_error* err);
+
+/* The softmax's extra logit of query head h (0 ... Hq - 1), or -inf without sinks; ALiBi's slope of
+ * (batch b, query head h), or 0 without ALiBi.  For kernels that read them one head at a time. */
+double ab_attn_sink(const ab_attn_params* p, int64_t h);
+double ab_attn_alibi_slope(const ab_attn_params* p, int64_t b, int64_t h);
 
 /* ---- CPU execution: the caller lends its thread pool (torch's, through the shim) ---------------- */
 

@@ -97,7 +97,7 @@ static const char* kind_name(ab_backend_kind kind) {
 static const char* const k_feature_names[] = {
     "bool_mask", "float_mask", "mask_grad", "causal_top_left", "bottom_right_aligned",
     "causal_bottom_right", "window", "softcap", "dropout", "backward", "deterministic", "lse",
-    "gqa", "dv_ne_d", "dense", "varlen", "kvcache"};
+    "gqa", "dv_ne_d", "dense", "varlen", "kvcache", "sinks", "alibi", "sinks_alibi_grad"};
 
 static PyObject* str_tuple(const char* const* items, Py_ssize_t n) {
   PyObject* t = PyTuple_New(n);
@@ -244,7 +244,7 @@ static PyObject* ab_py_cuda_emulation(PyObject* self, PyObject* unused) {
 /* plan(call) -> (chosen id or -1, (order...), (reason per id...), path, note).  call is the tuple
  * (device, cuda_cc, cuda_lib_ok, dtype, D, Dv, gqa, square, mask, mask_grad, causal, window,
  *  softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix, requested, cpu_isa,
- *  cpu_units). */
+ *  cpu_units[, sinks, alibi]). */
 static PyObject* ab_py_plan(PyObject* self, PyObject* arg) {
   (void)self;
   ab_call c;
@@ -252,10 +252,10 @@ static PyObject* ab_py_plan(PyObject* self, PyObject* arg) {
   long long D, Dv;
   memset(&c, 0, sizeof c);
   unsigned int units = 0;
-  if (!PyArg_ParseTuple(arg, "iiiiLLiiiiiiiiiiiiiiiI", &device, &c.cuda_cc, &c.cuda_lib_ok, &dtype,
+  if (!PyArg_ParseTuple(arg, "iiiiLLiiiiiiiiiiiiiiiI|ii", &device, &c.cuda_cc, &c.cuda_lib_ok, &dtype,
                         &D, &Dv, &c.gqa, &c.square, &c.mask, &c.mask_grad, &causal, &c.window,
                         &c.softcap, &c.dropout, &c.need_grad, &c.deterministic, &c.want_lse,
-                        &c.varlen, &c.mps_fix, &c.requested, &c.cpu_isa, &units))
+                        &c.varlen, &c.mps_fix, &c.requested, &c.cpu_isa, &units, &c.sinks, &c.alibi))
     return NULL;
   c.cpu_units = units;
   if (device < 0 || device >= AB_DEV_COUNT || dtype < 0 || dtype > AB_DTYPE_OTHER || causal < 0 ||

@@ -9,6 +9,7 @@
 #include <stdio.h>
 
 #include "ab_core.h"
+#include "ab_half.h"
 
 ab_status ab_error_set(ab_error* err, ab_status code, const char* fmt, ...) {
   if (err) {
@@ -128,6 +129,54 @@ static ab_status check_options(const ab_attn_params* p, ab_error* err) {
   return AB_OK;
 }
 
+static double load_float(const ab_tensor* t, int64_t off) {
+  switch (t->dtype) {
+    case AB_DTYPE_F32: return ((const float*)t->data)[off];
+    case AB_DTYPE_F64: return ((const double*)t->data)[off];
+    case AB_DTYPE_F16: return ab_f16_to_f32(((const uint16_t*)t->data)[off]);
+    case AB_DTYPE_BF16: return ab_bf16_to_f32(((const uint16_t*)t->data)[off]);
+    default: return NAN;
+  }
+}
+
+double ab_attn_sink(const ab_attn_params* p, int64_t h) {
+  return p->sinks.ndim ? load_float(&p->sinks, h * p->sinks.strides[0]) : -INFINITY;
+}
+
+double ab_attn_alibi_slope(const ab_attn_params* p, int64_t b, int64_t h) {
+  const ab_tensor* a = &p->alibi;
+  if (!a->ndim) return 0.0;
+  return a->ndim == 2 ? load_float(a, b * a->strides[0] + h * a->strides[1]) : load_float(a, h * a->strides[0]);
+}
+
+/* sinks (Hq,) floating, alibi (Hq,) or (B, Hq) float32, dsinks (Hq,) like lse; on q's device. */
+static ab_status check_sinks_alibi(const ab_attn_params* p, int backward, ab_error* err) {
+  const int64_t hs[1] = {p->Hq};
+  if (p->sinks.ndim) {
+    AB_TRY(check_shape(err, "sinks", &p->sinks, 1, hs));
+    AB_TRY(check_device(err, "sinks", &p->sinks, &p->q));
+    if (!ab_dtype_is_floating(p->sinks.dtype))
+      return ab_error_set(err, AB_ERR_INVALID, "sinks must be floating, got %s", ab_dtype_name(p->sinks.dtype));
+  }
+  if (p->alibi.ndim) {
+    const int64_t as[2] = {p->B, p->Hq};
+    if (p->alibi.ndim == 1)
+      AB_TRY(check_shape(err, "alibi_slopes", &p->alibi, 1, hs));
+    else if (p->alibi.ndim == 2)
+      AB_TRY(check_shape(err, "alibi_slopes", &p->alibi, 2, as));
+    else
+      return ab_error_set(err, AB_ERR_INVALID, "alibi_slopes must be (Hq,) or (B, Hq), got %d-D", p->alibi.ndim);
+    AB_TRY(check_dtype(err, "alibi_slopes", &p->alibi, AB_DTYPE_F32));
+    AB_TRY(check_device(err, "alibi_slopes", &p->alibi, &p->q));
+  }
+  if (backward && p->dsinks.ndim) {
+    if (!p->sinks.ndim) return ab_error_set(err, AB_ERR_INVALID, "grad_sinks asked for a call without sinks");
+    AB_TRY(check_shape(err, "grad_sinks", &p->dsinks, 1, hs));
+    AB_TRY(check_dtype(err, "grad_sinks", &p->dsinks, p->q.dtype == AB_DTYPE_F64 ? AB_DTYPE_F64 : AB_DTYPE_F32));
+  }
+  return AB_OK;
+}
+
 /* Packed calls: q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), out (Tq, Hq, Dv), lse (Hq, Tq). */
 static ab_status check_varlen(const ab_attn_params* p, int backward, ab_error* err) {
   const ab_dtype dt = p->q.dtype;
@@ -162,6 +211,7 @@ static ab_status check_varlen(const ab_attn_params* p, int backward, ab_error* e
   AB_TRY(check_cu(err, "cu_seqlens_q", p->cu_seqlens_q, p->B, Tq, p->Sq));
   AB_TRY(check_cu(err, "cu_seqlens_k", p->cu_seqlens_k, p->B, Tk, p->Sk));
   AB_TRY(check_options(p, err));
+  AB_TRY(check_sinks_alibi(p, backward, err));
   if (!backward) return AB_OK;
   AB_TRY(check_shape(err, "grad_out", &p->dout, 3, os));
   AB_TRY(check_dtype(err, "grad_out", &p->dout, dt));
@@ -235,6 +285,7 @@ ab_status ab_attn_params_check(const ab_attn_params* p, int backward, ab_error* 
     AB_TRY(check_dtype(err, "stats", &p->stats, lse_dt));
   }
   AB_TRY(check_options(p, err));
+  AB_TRY(check_sinks_alibi(p, backward, err));
   if (!backward) return AB_OK;
 
   AB_TRY(check_shape(err, "grad_out", &p->dout, 4, os));

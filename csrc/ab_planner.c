@@ -135,6 +135,10 @@ static void why_not(const ab_call* c, int id, char* out, size_t n) {
     WHY("its backward is not deterministic and deterministic algorithms are requested");
   if (c->want_lse && !(f & AB_F_LSE)) WHY("cannot return lse");
   if (c->gqa && !(f & AB_F_GQA)) WHY("no grouped-query attention (Hq != Hkv)");
+  if (c->sinks && !(f & AB_F_SINKS)) WHY("no attention sinks");
+  if (c->alibi && !(f & AB_F_ALIBI)) WHY("no ALiBi (alibi_slopes)");
+  if ((c->sinks || c->alibi) && c->need_grad && !(f & AB_F_SINKS_ALIBI_GRAD))
+    WHY("its backward takes no attention sinks or ALiBi (forward only), and this call needs a gradient");
   if (c->device == AB_DEVICE_MPS && c->mps_fix && c->mask && !c->need_grad && is_torch_sdpa(id))
     WHY("torch SDPA on MPS gives NaN with an attention mask in evaluation "
         "(ATTN_BACKENDS_DISABLE_MPS_FIX=1 or --disable_mps_fix uses it anyway)");

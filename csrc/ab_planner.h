@@ -69,7 +69,10 @@ enum {
   AB_F_DV = 1u << 13,            /* Dv != D */
   AB_F_DENSE = 1u << 14,         /* serves (B, H, S, D) calls */
   AB_F_VARLEN = 1u << 15,        /* serves packed (total, H, D) calls with cu_seqlens */
-  AB_F_KVCACHE = 1u << 16        /* serves attention_with_kvcache calls (ab_call.varlen == 2) */
+  AB_F_KVCACHE = 1u << 16,       /* serves attention_with_kvcache calls (ab_call.varlen == 2) */
+  AB_F_SINKS = 1u << 17,         /* attention sinks */
+  AB_F_ALIBI = 1u << 18,         /* ALiBi slopes */
+  AB_F_SINKS_ALIBI_GRAD = 1u << 19 /* the backward takes sinks and ALiBi too (the sinks' gradient included) */
 };
 
 #define AB_DTYPE_BIT(d) (1u << (d))
@@ -158,6 +161,8 @@ typedef struct ab_call {
   int32_t requested;     /* ab_backend_id */
   int32_t cpu_isa;       /* ab_cpu_isa the CPU kernels run with */
   uint32_t cpu_units;    /* AB_UNIT_* this CPU has and the process may use (ab_cpu_units_detect) */
+  int32_t sinks;         /* attention sinks (one softmax logit per query head) */
+  int32_t alibi;         /* ALiBi slopes */
 } ab_call;
 
 

@@ -23,10 +23,14 @@
 
 #define MASKS (AB_F_BOOL_MASK | AB_F_FLOAT_MASK)
 #define CAUSAL (AB_F_CAUSAL_TL | AB_F_CAUSAL_BR)
-/* every feature of the dense semantics (docs/semantics.md) */
+/* every feature of the dense semantics (docs/semantics.md) but sinks and ALiBi (SINKS_ALIBI) */
 #define FULL                                                                                   \
   (MASKS | AB_F_MASK_GRAD | CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_DROPOUT | AB_F_BACKWARD | \
    AB_F_DETERMINISTIC | AB_F_LSE | AB_F_GQA | AB_F_DV | AB_F_DENSE)
+/* attention sinks and ALiBi, forward and backward: the CPU kernels (math, flash, decode) and the eager
+ * composite; the CUDA flash forward takes them without a backward (CUDA_SINKS_ALIBI) */
+#define SINKS_ALIBI (AB_F_SINKS | AB_F_ALIBI | AB_F_SINKS_ALIBI_GRAD)
+#define CUDA_SINKS_ALIBI (AB_F_SINKS | AB_F_ALIBI)
 /* packed sequences (flash-attn's varlen functions): no attn_mask */
 #define VARLEN_F                                                                              \
   (CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_DROPOUT | AB_F_BACKWARD | AB_F_DETERMINISTIC |  \
@@ -55,7 +59,7 @@
 
 /* attention_with_kvcache: every backend that serves it takes bottom-right causal, windows, softcap,
  * ALiBi, lse and GQA (the gathered paths pass them as a mask) */
-#define KVCACHE_F (AB_F_KVCACHE | AB_F_CAUSAL_BR | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_LSE | AB_F_GQA)
+#define KVCACHE_F (AB_F_KVCACHE | AB_F_CAUSAL_BR | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_LSE | AB_F_GQA | SINKS_ALIBI)
 /* The CUDA flash kernels and the CUDA math backward compile in CI but have not run on a GPU yet, so
  * they are opt-in until verified: ATTN_BACKENDS_CUDA_FLASH=1 at import (attn_backends/_planner.py)
  * swaps these caps in. */
@@ -69,11 +73,14 @@
 #define CUDA_DECODE_OFF                                                                                 \
   "the CUDA decode kernel is not verified on a GPU yet (set ATTN_BACKENDS_CUDA_DECODE=1 to use it; "  \
   "eager serves KV-cache calls on CUDA meanwhile)"
-#define CUDA_DECODE CAPS_D(NO_F64, KVCACHE_F, 8, 256, 8, 80, 1)
+/* the CUDA decode kernel (csrc/cuda/decode.cu) takes ALiBi but not sinks yet */
+#define CUDA_DECODE CAPS_D(NO_F64, (KVCACHE_F & ~SINKS_ALIBI) | AB_F_ALIBI, 8, 256, 8, 80, 1)
 /* math on CUDA: the forward by default; the backward (csrc/cuda/math_bwd.cu) when opted in */
 #define CUDA_MATH_FWD CAPS_D(ALL_DT, (FULL | AB_F_VARLEN) & ~(AB_F_BACKWARD | AB_F_MASK_GRAD), 0, 0, 0, 80, 1)
 #define CUDA_MATH_ALL CAPS_D(ALL_DT, FULL | AB_F_VARLEN, 0, 0, 0, 80, 1)
 #define NO_KERNEL "no kernel for this device"
+/* eager serves every call: the math kernel on CPU, the aten composite elsewhere (attn_backends/_eager.py) */
+#define EAGER_F (FULL | AB_F_VARLEN | AB_F_KVCACHE | SINKS_ALIBI)
 
 static ab_backend_info g_backends[AB_BK_COUNT] = {
     [AB_BK_AUTO] = {"auto", NO_ALIASES, AB_KIND_PLANNER, "the planner picks the fastest exact backend", 0, 0,
@@ -87,13 +94,15 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
                              "kernels_community/flash_attn", "kernels_community/flash_attn3",
                              "kernels_community/vllm_flash_attn3"),
                      AB_KIND_BUNDLED, "fused online-softmax kernel (FlashAttention-2 algorithm)", 0, 0,
-                     {CAPS(NO_F64, FULL | AB_F_KVCACHE), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
+                     {CAPS(NO_F64, FULL | AB_F_KVCACHE | SINKS_ALIBI), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL),
+                      NONE(NO_KERNEL)}},
     [AB_BK_FLASH_VARLEN] = {"flash_varlen",
                             ALIASES("varlen", "flash_attn_varlen", "flash_attn_varlen_func",
                                     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
                                     "_flash_varlen_3", "flash_varlen_hub", "_flash_3_varlen_hub"),
                             AB_KIND_BUNDLED, "flash over packed variable-length sequences", 0, 0,
-                            {CAPS(NO_F64, VARLEN_F), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL), NONE(NO_KERNEL)}},
+                            {CAPS(NO_F64, VARLEN_F | SINKS_ALIBI), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL),
+                             NONE(NO_KERNEL)}},
     [AB_BK_SAGE] = {"sage",
                     ALIASES("sage_varlen", "sage_hub", "sageattention", "sage_attention", "sageattn",
                             "sageattn_varlen", "_sage_qk_int8_pv_fp16_cuda",
@@ -108,13 +117,12 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
     [AB_BK_MATH] = {"math", ALIASES("manual", "reference", "math_reference"), AB_KIND_BUNDLED,
                     "exact reference kernel (float32 scores and accumulation)", 0, 0,
                     /* packed (varlen) calls are padded to dense ones in Python */
-                    {CAPS(ALL_DT, FULL | AB_F_VARLEN | AB_F_KVCACHE), CUDA_MATH_FWD,
+                    {CAPS(ALL_DT, FULL | AB_F_VARLEN | AB_F_KVCACHE | SINKS_ALIBI), CUDA_MATH_FWD,
                      NONE("no kernel for MPS (eager runs the aten composite there)"),
                      NONE("no kernel for this device (eager runs the aten composite there)")}},
     [AB_BK_EAGER] = {"eager", ALIASES("eager_attention"), AB_KIND_BUNDLED,
                      "universal fallback: the math kernel where we have one, else aten ops", 0, 0,
-                     {CAPS(ALL_DT, FULL | AB_F_VARLEN | AB_F_KVCACHE), CAPS(ALL_DT, FULL | AB_F_VARLEN | AB_F_KVCACHE),
-                      CAPS(NO_F64, FULL | AB_F_VARLEN | AB_F_KVCACHE), CAPS(ALL_DT, FULL | AB_F_VARLEN | AB_F_KVCACHE)}},
+                     {CAPS(ALL_DT, EAGER_F), CAPS(ALL_DT, EAGER_F), CAPS(NO_F64, EAGER_F), CAPS(ALL_DT, EAGER_F)}},
     [AB_BK_SDPA] = {"sdpa", ALIASES("native", "torch", "torch_sdpa", "scaled_dot_product_attention",
                                     "pytorch", "_native_npu", "_native_xla"),
                     AB_KIND_TORCH, "torch.nn.functional.scaled_dot_product_attention, its choice", 0, 1,
@@ -226,9 +234,9 @@ int ab_backend_lookup(const char* name) {
 }
 
 void ab_registry_enable_cuda_flash(int on) {
-  static const ab_caps dense = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_DENSE, 32, 256, 8, 80, 1,
+  static const ab_caps dense = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_DENSE | CUDA_SINKS_ALIBI, 32, 256, 8, 80, 1,
                                 CUDA_FLASH_GRAD_MAX_D_SMALL_SMEM};
-  static const ab_caps packed = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_VARLEN, 32, 256, 8, 80, 1,
+  static const ab_caps packed = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_VARLEN | CUDA_SINKS_ALIBI, 32, 256, 8, 80, 1,
                                  CUDA_FLASH_GRAD_MAX_D_SMALL_SMEM};
   static const ab_caps off = NONE(CUDA_FLASH_OFF);
   static const ab_caps math_fwd = CUDA_MATH_FWD, math_all = CUDA_MATH_ALL;
@@ -254,8 +262,10 @@ void ab_registry_set_cuda_emulation(int on) { g_cuda_emulation = on != 0; }
 
 /* What the emulated device (an sm_80) serves: the CUDA kernels' capabilities with the opt-ins on. */
 const ab_caps* ab_registry_emulated_caps(int id) {
-  static const ab_caps flash = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_DENSE, 32, 256, 8, 80, 1, 0};
-  static const ab_caps packed = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_VARLEN, 32, 256, 8, 80, 1, 0};
+  static const ab_caps flash = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_DENSE | CUDA_SINKS_ALIBI, 32, 256, 8, 80, 1,
+                                0};
+  static const ab_caps packed = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_VARLEN | CUDA_SINKS_ALIBI, 32, 256, 8, 80, 1,
+                                 0};
   static const ab_caps sage = CAPS_D(HALF_DT, CUDA_FWD_F | AB_F_DENSE | AB_F_VARLEN, 32, 256, 8, 80, 1);
   static const ab_caps math = CUDA_MATH_ALL, decode = CUDA_DECODE;
   if (!g_cuda_emulation) return NULL;

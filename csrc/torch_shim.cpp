@@ -10,9 +10,13 @@
 // Ops (schemas below; Python registers fake kernels and autograd in attn_backends/_ops.py):
 //   math_fwd                     -> (out (B, Hq, Sq, Dv), lse (B, Hq, Sq))
 //   flash_fwd                    -> (out, lse, stats (2, B, Hq, Sq): each row's max and log sum)
-//   math_bwd, flash_bwd          -> (dq, dk, dv, dmask); flash_bwd takes the forward's stats
+//   math_bwd, flash_bwd          -> (dq, dk, dv, dmask, dsinks); flash_bwd takes the forward's stats
 //   flash_varlen_fwd / _bwd      packed sequences: out (Tq, Hq, Dv), lse (Hq, Tq), stats (2, Hq, Tq);
-//                                (dq, dk, dv)
+//                                (dq, dk, dv, dsinks)
+//   Every forward and backward above takes `sinks` (Hq,) and `alibi_slopes` (Hq,) or (B, Hq) last,
+//   optional (ab_attn_params); dsinks is (Hq,) like lse's dtype with sinks, else empty.  The CPU
+//   kernels (math, flash) serve them, and the CUDA flash forward; sage and the other CUDA kernels
+//   refuse them.
 //   sage_fwd, sage_varlen_fwd    forward only (INT8 Q.K^T); the same outputs as flash's forwards;
 //                                CPU and CUDA
 //   dropout_mask                 the keep-mask the kernels draw, for tests (on rng_state's device)
@@ -147,8 +151,19 @@ void* current_cuda_stream(int32_t device_index) {
 }
 
 // The emulator's launcher table when the CUDA emulation is on and the call is on the CPU, else NULL.
-const ab_cuda_api* emulated(const ab_attn_params& p) {
+// Calls with sinks or ALiBi run the CPU kernels unless the CUDA kernel takes them (sinks_ok: the
+// flash forward).
+const ab_cuda_api* emulated(const ab_attn_params& p, bool sinks_ok = false) {
+  if ((p.sinks.ndim || p.alibi.ndim) && !sinks_ok) return nullptr;
   return p.q.device == AB_DEVICE_CPU ? ab_cuda_emulation() : nullptr;
+}
+
+// The CUDA kernels other than the flash forward take no sinks and no ALiBi (the planner never routes
+// such a call to them).
+void refuse_on_cuda(const ab_attn_params& p, const char* kernel) {
+  if (p.q.device == AB_DEVICE_CUDA && (p.sinks.ndim || p.alibi.ndim))
+    fail(std::string(kernel) + " on CUDA takes no " + (p.sinks.ndim ? "sinks" : "alibi_slopes") +
+         " (the CPU kernels do)");
 }
 
 const ab_cuda_api* cuda_api() {
@@ -259,6 +274,20 @@ int32_t lse_dtype(const Tensor& q) {
                                                : aoti_torch_dtype_float32();
 }
 
+// The optional sinks and ALiBi slopes (checked with the rest in ab_attn_params_check).
+void read_sinks_alibi(const std::optional<Tensor>& sinks, const std::optional<Tensor>& alibi, ab_attn_params& p) {
+  if (sinks.has_value()) p.sinks = view_of(*sinks, "sinks");
+  if (alibi.has_value()) p.alibi = view_of(*alibi, "alibi_slopes");
+}
+
+// dsinks (Hq,) in lse's dtype when the call has sinks, else an empty tensor.
+Tensor alloc_dsinks(const Tensor& q, ab_attn_params& p) {
+  std::vector<int64_t> sizes{p.sinks.ndim ? p.Hq : 0};
+  Tensor dsinks = empty_strided(q, sizes, {1}, lse_dtype(q));
+  if (p.sinks.ndim) p.dsinks = view_of(dsinks, "grad_sinks");
+  return dsinks;
+}
+
 // Fills shapes, the q/k/v/mask views and the options shared by forward and backward.
 ab_attn_params make_params(const Tensor& q, const Tensor& k, const Tensor& v,
                            const std::optional<Tensor>& mask, const std::optional<Tensor>& rng,
@@ -301,6 +330,7 @@ const char* kernel_name(Kernel k) {
 void run_sage(const Tensor& q, ab_attn_params& p, const int32_t* cu_q_dev = nullptr,
               const int32_t* cu_k_dev = nullptr) {
   ab_error err{};
+  refuse_on_cuda(p, "sage");
   if (const ab_cuda_api* emu = emulated(p)) {
     ab_cpu_pool pool = torch_pool();
     size_t bytes = 0;
@@ -334,7 +364,8 @@ void run_sage(const Tensor& q, ab_attn_params& p, const int32_t* cu_q_dev = null
 void run_fwd(Kernel kernel, ab_attn_params& p, const int32_t* cu_q_dev = nullptr,
              const int32_t* cu_k_dev = nullptr) {
   ab_error err{};
-  if (const ab_cuda_api* emu = emulated(p)) {
+  if (kernel != Kernel::kFlash) refuse_on_cuda(p, kernel_name(kernel));
+  if (const ab_cuda_api* emu = emulated(p, kernel == Kernel::kFlash)) {
     ab_cpu_pool pool = torch_pool();
     check(kernel == Kernel::kMath ? emu->math_fwd(&p, &pool, &err)
                                   : emu->flash_fwd(&p, cu_q_dev, cu_k_dev, &pool, &err),
@@ -361,6 +392,7 @@ void run_fwd(Kernel kernel, ab_attn_params& p, const int32_t* cu_q_dev = nullptr
 void run_bwd(Kernel kernel, const Tensor& q, ab_attn_params& p, const int32_t* cu_q_dev = nullptr,
              const int32_t* cu_k_dev = nullptr) {
   ab_error err{};
+  refuse_on_cuda(p, kernel_name(kernel));
   if (const ab_cuda_api* emu = emulated(p); emu != nullptr && kernel != Kernel::kSage) {
     ab_cpu_pool pool = torch_pool();
     const size_t bytes = kernel == Kernel::kMath ? emu->math_bwd_workspace(&p) : emu->flash_bwd_workspace(&p);
@@ -405,7 +437,7 @@ Tensor alloc_stats(const Tensor& q, const Tensor& lse, ab_attn_params& p) {
   std::vector<int64_t> sizes{2};
   for (int64_t d = 0; d < lse.dim(); ++d) sizes.push_back(lse.size(d));
   Tensor stats = empty_strided(q, sizes, contiguous_strides(sizes), lse_dtype(q));
-  if (p.q.device == AB_DEVICE_CPU && emulated(p) == nullptr) p.stats = view_of(stats, "stats");
+  if (p.q.device == AB_DEVICE_CPU && emulated(p, true) == nullptr) p.stats = view_of(stats, "stats");
   return stats;
 }
 
@@ -420,9 +452,11 @@ void fill_stats_from_lse(Tensor& stats, const Tensor& lse) {
 template <Kernel K>
 std::tuple<Tensor, Tensor, std::optional<Tensor>> dense_fwd_impl(
     const Tensor& q, const Tensor& k, const Tensor& v, std::optional<Tensor> mask, std::optional<Tensor> rng,
-    int64_t causal, double scale, int64_t window_left, int64_t window_right, double softcap, double dropout_p) {
+    int64_t causal, double scale, int64_t window_left, int64_t window_right, double softcap, double dropout_p,
+    const std::optional<Tensor>& sinks, const std::optional<Tensor>& alibi) {
   ab_attn_params p = make_params(q, k, v, mask, rng, causal, scale, window_left, window_right,
                                  softcap, dropout_p);
+  read_sinks_alibi(sinks, alibi, p);
   // out is laid out (B, Sq, Hq, Dv) in memory and returned as a (B, Hq, Sq, Dv) view, so the usual
   // out.transpose(1, 2).reshape(B, Sq, Hq * Dv) that follows attention costs no copy.
   std::vector<int64_t> out_sizes{p.B, p.Hq, p.Sq, p.Dv};
@@ -447,17 +481,20 @@ template <Kernel K>
 std::tuple<Tensor, Tensor> dense_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                      std::optional<Tensor> mask, std::optional<Tensor> rng,
                                      int64_t causal, double scale, int64_t window_left,
-                                     int64_t window_right, double softcap, double dropout_p) {
-  auto res = dense_fwd_impl<K>(q, k, v, mask, rng, causal, scale, window_left, window_right, softcap, dropout_p);
+                                     int64_t window_right, double softcap, double dropout_p,
+                                     std::optional<Tensor> sinks, std::optional<Tensor> alibi) {
+  auto res = dense_fwd_impl<K>(q, k, v, mask, rng, causal, scale, window_left, window_right, softcap, dropout_p,
+                               sinks, alibi);
   return std::make_tuple(std::get<0>(res), std::get<1>(res));
 }
 
 std::tuple<Tensor, Tensor, Tensor> flash_fwd(const Tensor& q, const Tensor& k, const Tensor& v,
                                              std::optional<Tensor> mask, std::optional<Tensor> rng,
                                              int64_t causal, double scale, int64_t window_left,
-                                             int64_t window_right, double softcap, double dropout_p) {
+                                             int64_t window_right, double softcap, double dropout_p,
+                                             std::optional<Tensor> sinks, std::optional<Tensor> alibi) {
   auto res = dense_fwd_impl<Kernel::kFlash>(q, k, v, mask, rng, causal, scale, window_left, window_right, softcap,
-                                            dropout_p);
+                                            dropout_p, sinks, alibi);
   return std::make_tuple(std::get<0>(res), std::get<1>(res), *std::get<2>(res));
 }
 
@@ -467,14 +504,15 @@ void read_stats(const std::optional<Tensor>& stats, ab_attn_params& p) {
 }
 
 template <Kernel K>
-std::tuple<Tensor, Tensor, Tensor, Tensor> dense_bwd(
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> dense_bwd(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, std::optional<Tensor> grad_lse, std::optional<Tensor> mask,
     std::optional<Tensor> rng, int64_t causal, double scale, int64_t window_left,
     int64_t window_right, double softcap, double dropout_p, bool mask_grad, bool deterministic,
-    std::optional<Tensor> stats) {
+    std::optional<Tensor> stats, std::optional<Tensor> sinks, std::optional<Tensor> alibi) {
   ab_attn_params p = make_params(q, k, v, mask, rng, causal, scale, window_left, window_right,
                                  softcap, dropout_p);
+  read_sinks_alibi(sinks, alibi, p);
   p.out = view_of(out, "out");
   p.lse = view_of(lse, "lse");
   read_stats(stats, p);
@@ -493,9 +531,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> dense_bwd(
   p.dk = view_of(dk, "dk");
   p.dv = view_of(dv, "dv");
   if (mask_grad) p.dmask = view_of(dmask, "grad_mask");
+  Tensor dsinks = alloc_dsinks(q, p);
   p.deterministic = deterministic;
   run_bwd(K, q, p);
-  return std::make_tuple(dq, dk, dv, dmask);
+  return std::make_tuple(dq, dk, dv, dmask, dsinks);
 }
 
 // Packed (varlen) calls: q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv), cu_seqlens int32 (B + 1,)
@@ -539,9 +578,10 @@ template <Kernel K>
 std::tuple<Tensor, Tensor, std::optional<Tensor>> varlen_fwd_impl(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q, const Tensor& cu_k, int64_t max_q,
     int64_t max_k, std::optional<Tensor> rng, int64_t causal, double scale, int64_t wl, int64_t wr, double softcap,
-    double dropout_p) {
+    double dropout_p, const std::optional<Tensor>& sinks, const std::optional<Tensor>& alibi) {
   ab_attn_params p = make_varlen_params(q, k, v, cu_q, cu_k, max_q, max_k, rng, causal, scale, wl, wr,
                                         softcap, dropout_p);
+  read_sinks_alibi(sinks, alibi, p);
   std::vector<int64_t> out_sizes{q.size(0), p.Hq, p.Dv};
   Tensor out = empty_strided(q, out_sizes, contiguous_strides(out_sizes), aoti_dtype(q.scalar_type()));
   std::vector<int64_t> lse_sizes{p.Hq, q.size(0)};
@@ -569,9 +609,10 @@ std::tuple<Tensor, Tensor, std::optional<Tensor>> varlen_fwd_impl(
 std::tuple<Tensor, Tensor> sage_varlen_fwd(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
                                            const Tensor& cu_k, int64_t max_q, int64_t max_k,
                                            std::optional<Tensor> rng, int64_t causal, double scale, int64_t wl,
-                                           int64_t wr, double softcap, double dropout_p) {
+                                           int64_t wr, double softcap, double dropout_p,
+                                           std::optional<Tensor> sinks, std::optional<Tensor> alibi) {
   auto res = varlen_fwd_impl<Kernel::kSage>(q, k, v, cu_q, cu_k, max_q, max_k, rng, causal, scale, wl, wr, softcap,
-                                            dropout_p);
+                                            dropout_p, sinks, alibi);
   return std::make_tuple(std::get<0>(res), std::get<1>(res));
 }
 
@@ -579,19 +620,22 @@ std::tuple<Tensor, Tensor, Tensor> flash_varlen_fwd(const Tensor& q, const Tenso
                                                     const Tensor& cu_q, const Tensor& cu_k, int64_t max_q,
                                                     int64_t max_k, std::optional<Tensor> rng, int64_t causal,
                                                     double scale, int64_t wl, int64_t wr, double softcap,
-                                                    double dropout_p) {
+                                                    double dropout_p, std::optional<Tensor> sinks,
+                                                    std::optional<Tensor> alibi) {
   auto res = varlen_fwd_impl<Kernel::kFlash>(q, k, v, cu_q, cu_k, max_q, max_k, rng, causal, scale, wl, wr,
-                                             softcap, dropout_p);
+                                             softcap, dropout_p, sinks, alibi);
   return std::make_tuple(std::get<0>(res), std::get<1>(res), *std::get<2>(res));
 }
 
-std::tuple<Tensor, Tensor, Tensor> flash_varlen_bwd(
+std::tuple<Tensor, Tensor, Tensor, Tensor> flash_varlen_bwd(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, std::optional<Tensor> grad_lse, const Tensor& cu_q, const Tensor& cu_k,
     int64_t max_q, int64_t max_k, std::optional<Tensor> rng, int64_t causal, double scale,
-    int64_t wl, int64_t wr, double softcap, double dropout_p, bool deterministic, std::optional<Tensor> stats) {
+    int64_t wl, int64_t wr, double softcap, double dropout_p, bool deterministic, std::optional<Tensor> stats,
+    std::optional<Tensor> sinks, std::optional<Tensor> alibi) {
   ab_attn_params p = make_varlen_params(q, k, v, cu_q, cu_k, max_q, max_k, rng, causal, scale, wl, wr,
                                         softcap, dropout_p);
+  read_sinks_alibi(sinks, alibi, p);
   p.out = view_of(out, "out");
   p.lse = view_of(lse, "lse");
   read_stats(stats, p);
@@ -604,6 +648,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_varlen_bwd(
   p.dq = view_of(dq, "dq");
   p.dk = view_of(dk, "dk");
   p.dv = view_of(dv, "dv");
+  Tensor dsinks = alloc_dsinks(q, p);
   p.deterministic = deterministic;
   if (p.q.device == AB_DEVICE_CUDA) {
     Tensor cu_dev = cu_seqlens_on_device(q, cu_q, cu_k);
@@ -612,7 +657,7 @@ std::tuple<Tensor, Tensor, Tensor> flash_varlen_bwd(
   } else {
     run_bwd(Kernel::kFlash, q, p, p.cu_seqlens_q, p.cu_seqlens_k);  // the emulator takes the host copies
   }
-  return std::make_tuple(dq, dk, dv);
+  return std::make_tuple(dq, dk, dv, dsinks);
 }
 
 Tensor dropout_mask(const Tensor& rng, int64_t B, int64_t H, int64_t Sq, int64_t Sk,
@@ -654,7 +699,8 @@ std::tuple<Tensor, Tensor> kvcache_fwd(const Tensor& q, const Tensor& k_cache, c
                                        std::optional<Tensor> cache_batch_idx, std::optional<Tensor> cache_leftpad,
                                        std::optional<Tensor> block_table, std::optional<Tensor> alibi_slopes,
                                        double scale, bool causal, int64_t window_left, int64_t window_right,
-                                       double softcap, bool rotary_interleaved, int64_t num_splits) {
+                                       double softcap, bool rotary_interleaved, int64_t num_splits,
+                                       std::optional<Tensor> sinks) {
   if (q.dim() != 4 || k_cache.dim() != 4)
     fail("q must be (B, Sq, Hq, D) and k_cache (B_cache, S_cache, Hkv, D) or (num_blocks, block_size, Hkv, D)");
   ab_kvcache_params p{};
@@ -669,9 +715,10 @@ std::tuple<Tensor, Tensor> kvcache_fwd(const Tensor& q, const Tensor& k_cache, c
   const std::pair<const std::optional<Tensor>*, ab_tensor*> optional[] = {
       {&k, &p.k_new}, {&v, &p.v_new}, {&rotary_cos, &p.rotary_cos}, {&rotary_sin, &p.rotary_sin},
       {&cache_seqlens, &p.cache_seqlens}, {&cache_batch_idx, &p.cache_batch_idx},
-      {&cache_leftpad, &p.cache_leftpad}, {&block_table, &p.block_table}, {&alibi_slopes, &p.alibi_slopes}};
+      {&cache_leftpad, &p.cache_leftpad}, {&block_table, &p.block_table}, {&alibi_slopes, &p.alibi_slopes},
+      {&sinks, &p.sinks}};
   const char* names[] = {"k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
-                         "cache_leftpad", "block_table", "alibi_slopes"};
+                         "cache_leftpad", "block_table", "alibi_slopes", "sinks"};
   for (size_t i = 0; i < sizeof names / sizeof names[0]; ++i)
     if (optional[i].first->has_value()) *optional[i].second = view_of(**optional[i].first, names[i]);
   p.cache_seqlen = cache_seqlen;
@@ -726,43 +773,47 @@ extern "C" ab_shim_info ab_shim_info_get(void) {
 
 #define AB_DENSE_FWD_ARGS                                                                  \
   "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? rng_state, int causal, float scale, " \
-  "int window_left, int window_right, float softcap, float dropout_p) -> (Tensor out, Tensor lse)"
+  "int window_left, int window_right, float softcap, float dropout_p, Tensor? sinks=None, "        \
+  "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)"
 #define AB_DENSE_BWD_ARGS                                                                      \
   "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? grad_lse, "      \
   "Tensor? attn_mask, Tensor? rng_state, int causal, float scale, int window_left, "               \
   "int window_right, float softcap, float dropout_p, bool mask_grad, bool deterministic=False, "     \
-  "Tensor? stats=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask)"
+  "Tensor? stats=None, Tensor? sinks=None, Tensor? alibi_slopes=None) "                             \
+  "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)"
 
 STABLE_TORCH_LIBRARY(attn_backends, m) {
   m.def("math_fwd" AB_DENSE_FWD_ARGS);
   m.def("math_bwd" AB_DENSE_BWD_ARGS);
   m.def(
       "flash_fwd(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? rng_state, int causal, float scale, "
-      "int window_left, int window_right, float softcap, float dropout_p) -> (Tensor out, Tensor lse, Tensor stats)");
+      "int window_left, int window_right, float softcap, float dropout_p, Tensor? sinks=None, "
+      "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse, Tensor stats)");
   m.def("flash_bwd" AB_DENSE_BWD_ARGS);
   m.def(
       "flash_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, Tensor? rng_state, int causal, float scale, "
-      "int window_left, int window_right, float softcap, float dropout_p) "
-      "-> (Tensor out, Tensor lse, Tensor stats)");
+      "int window_left, int window_right, float softcap, float dropout_p, Tensor? sinks=None, "
+      "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse, Tensor stats)");
   m.def(
       "flash_varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? grad_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, Tensor? rng_state, int causal, float scale, int window_left, "
-      "int window_right, float softcap, float dropout_p, bool deterministic=False, Tensor? stats=None) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "int window_right, float softcap, float dropout_p, bool deterministic=False, Tensor? stats=None, "
+      "Tensor? sinks=None, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
   m.def("sage_fwd" AB_DENSE_FWD_ARGS);
   m.def(
       "sage_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, Tensor? rng_state, int causal, float scale, "
-      "int window_left, int window_right, float softcap, float dropout_p) -> (Tensor out, Tensor lse)");
+      "int window_left, int window_right, float softcap, float dropout_p, Tensor? sinks=None, "
+      "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
   m.def("dropout_mask(Tensor rng_state, int B, int H, int Sq, int Sk, float dropout_p) -> Tensor");
   m.def(
       "kvcache_fwd(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
       "Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_seqlens, int cache_seqlen, "
       "Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, Tensor? alibi_slopes, "
       "float scale, bool causal, int window_left, int window_right, float softcap, "
-      "bool rotary_interleaved, int num_splits) -> (Tensor out, Tensor lse)");
+      "bool rotary_interleaved, int num_splits, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
 }
 
 namespace {

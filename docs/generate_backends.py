@@ -26,8 +26,8 @@ Every name below works wherever a backend is named (`backend=`, `ab.use(...)`,
 
 The planner (`csrc/ab_planner.c`) takes a description of the call (device and compute capability,
 whether our CUDA library has code for it, dtype, head dims, GQA, mask kind, causal alignment,
-window, softcap, dropout, whether a gradient is needed, deterministic mode, whether lse is wanted)
-and tries, in order: the named backend, its chain, then the device's list.
+window, softcap, dropout, whether a gradient is needed, deterministic mode, whether lse is wanted,
+attention sinks, ALiBi) and tries, in order: the named backend, its chain, then the device's list.
 
 | device | auto's list |
 |---|---|

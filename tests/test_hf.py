@@ -292,8 +292,8 @@ def test_sliding_window_and_softcap_without_a_mask(case, gen):
 def test_a_keyword_it_cannot_honour_raises_naming_it():
     forward = _forward()
     q = torch.randn(1, 2, 3, 8)
-    with pytest.raises(TypeError, match="'alibi_slopes'.*cannot honour"):
-        forward(_Module(), q, q, q, None, alibi_slopes=torch.ones(2))
+    with pytest.raises(TypeError, match="'head_mask'.*cannot honour"):
+        forward(_Module(), q, q, q, None, head_mask=torch.ones(2))
     with pytest.raises(TypeError, match="'block_table', 'cache'"):
         forward(_Module(), q, q, q, None, cache=object(), block_table=torch.zeros(1))
     # keywords that do not change the result, and absent (None) ones, are fine
@@ -389,3 +389,20 @@ def test_patched_sdpa_serves_hf_sdpa_models(gen, spy):
     torch.testing.assert_close(got[keep], want[keep], rtol=1e-4, atol=1e-5)
     for a, b in zip(grads, want_grads):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_alibi_slopes_from_a_model_reach_the_kernel(padded, gen):
+    # no ALiBi model of transformers 5.x calls the attention interface (MPT, Bloom and Falcon attend in their
+    # own code); a model that hands over flash-attn-style slopes gets them applied, not ignored
+    forward = _forward("attn_backends_fa_varlen" if padded else "attn_backends")
+    B, Hq, Hkv, S, D = 2, 4, 2, 9, 8
+    q = torch.randn(B, Hq, S, D, generator=gen)
+    k, v = (torch.randn(B, Hkv, S, D, generator=gen) for _ in range(2))
+    slopes = torch.rand(Hq, generator=gen)
+    pad = torch.ones(B, S, dtype=torch.bool)
+    out, _ = forward(_Module(True), q, k, v, pad if padded else None, alibi_slopes=slopes)
+    kk, vv = (t.repeat_interleave(2, 1) for t in (k, v))
+    r64, _ = reference_attention(q, kk, vv, causal=True, alibi_slopes=slopes, dtype=torch.float64)
+    r32, _ = reference_attention(q, kk, vv, causal=True, alibi_slopes=slopes, dtype=torch.float32)
+    check_2x("out", out, r64.transpose(1, 2), r32.transpose(1, 2), 2, torch.float32)

@@ -42,6 +42,7 @@ class KV:
     softcap: float = 0.0
     alibi: Optional[str] = None  # "h" (Hq,) | "bh" (B, Hq)
     dtype: torch.dtype = torch.float32
+    sinks: bool = False  # attention sinks (Hq,)
 
     def __str__(self):
         parts = [f"B{self.B}", f"Sq{self.Sq}", f"H{self.Hq}/{self.Hkv}", f"D{self.D}", f"S{self.S}"]
@@ -53,6 +54,7 @@ class KV:
         parts += [f"win{self.window[0]},{self.window[1]}"] if self.window != (-1, -1) else []
         parts += [f"cap{self.softcap:g}"] if self.softcap else []
         parts += [f"alibi_{self.alibi}"] if self.alibi else []
+        parts += ["sinks"] if self.sinks else []
         return "-".join(parts + [str(self.dtype)[6:]])
 
 
@@ -107,6 +109,8 @@ class Call:
         self.alibi = None
         if c.alibi:
             self.alibi = torch.rand(c.Hq if c.alibi == "h" else (B, c.Hq), generator=gen) * 0.3
+        # sinks of the scores' size, so that they take a real share of each row
+        self.sinks = torch.randn(c.Hq, generator=gen) * 2 if c.sinks else None
         self.before = (self.k_cache.clone(), self.v_cache.clone())
 
     def reset(self):
@@ -123,7 +127,7 @@ class Call:
         return dict(rotary_cos=self.cos, rotary_sin=self.sin, cache_seqlens=self.cache_seqlens,
                     cache_batch_idx=self.batch_idx, cache_leftpad=self.cache_leftpad, block_table=self.block_table,
                     causal=c.causal, window_size=c.window, softcap=c.softcap,
-                    rotary_interleaved=c.rotary != "neox", alibi_slopes=self.alibi)
+                    rotary_interleaved=c.rotary != "neox", alibi_slopes=self.alibi, sinks=self.sinks)
 
     def run(self, backend, **extra):
         return ab.attention_with_kvcache(self.q, self.k_cache, self.v_cache, self.k, self.v, **self.kwargs(),
@@ -194,10 +198,18 @@ class Call:
                 bias = -slopes.double()[:, None, None] * (qpos - keys[None]).abs().double()
             mask = bias.masked_fill(~ok, -math.inf)[None]
             o, lse = reference_attention(q.transpose(0, 1)[None].to(dtype), K.transpose(0, 1)[None],
-                                         V.transpose(0, 1)[None], attn_mask=mask, softcap=c.softcap, dtype=dtype)
+                                         V.transpose(0, 1)[None], attn_mask=mask, softcap=c.softcap, dtype=dtype,
+                                         sinks=self.sinks)
             outs.append(o[0].transpose(0, 1))
             lses.append(lse[0])
         return torch.stack(outs), torch.stack(lses)
+
+    def reference_without_sinks(self):
+        sinks, self.sinks = self.sinks, None
+        try:
+            return self.reference(torch.float64)
+        finally:
+            self.sinks = sinks
 
     def check(self, out, lse):
         c = self.c
@@ -210,6 +222,11 @@ class Call:
         dead = torch.isneginf(ref_lse)  # queries that see no key: exactly 0 and -inf
         assert torch.isneginf(lse[dead]).all()
         assert (out.transpose(1, 2)[dead] == 0).all()
+        if self.sinks is not None:  # with sinks, such a query is 0 with lse = its head's sink
+            alone = torch.isneginf(self.reference_without_sinks()[1])
+            assert (out.transpose(1, 2)[alone] == 0).all()
+            sink_lse = self.sinks.view(1, -1, 1).expand_as(lse)
+            torch.testing.assert_close(lse[alone], sink_lse[alone])
         k_want, v_want = self.expected_caches()
         assert torch.equal(self.k_cache, k_want), "k_cache differs from where flash-attn writes"
         assert torch.equal(self.v_cache, v_want), "v_cache differs from where flash-attn writes"
@@ -228,6 +245,12 @@ CASES = [
     KV(B=2, Sq=2, Hq=4, Hkv=2, D=64, S=50, seqlens=None, window=(5, 3), leftpad=True, dtype=torch.bfloat16),
     KV(B=2, Sq=4, Hq=4, Hkv=1, D=32, S=33, seqlens=20, snew=2, causal=True, window=(3, -1), softcap=2.0),
     KV(B=2, Sq=1, Hq=2, Hkv=2, D=256, S=48, block=16, leftpad=True, alibi="h", dtype=torch.bfloat16),
+    # attention sinks (GPT-OSS): decode, chunked prefill with rows that see nothing, with ALiBi and a window
+    KV(B=3, Sq=1, Hq=8, Hkv=2, D=64, S=120, block=16, snew=1, causal=True, sinks=True, dtype=torch.bfloat16),
+    KV(B=1, Sq=6, Hq=4, Hkv=2, D=64, S=40, seqlens=0, snew=3, causal=True, sinks=True),
+    KV(B=2, Sq=3, Hq=4, Hkv=2, D=40, S=70, snew=2, causal=True, window=(9, 0), alibi="bh", leftpad=True,
+       sinks=True, dtype=torch.float16),
+    KV(B=2, Sq=4, Hq=4, Hkv=4, D=64, S=90, alibi="h", sinks=True),  # not causal: ALiBi's |i - j| both ways
 ]
 
 
@@ -238,14 +261,16 @@ def test_matches_the_reference_and_writes_the_cache_where_flash_attn_does(case, 
     call.check(*call.run(backend))
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[5], CASES[7]], ids=str)
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[5], CASES[7], CASES[12], CASES[14]], ids=str)
 def test_every_isa_path(case, isa, gen):
     call = Call(case, gen)
     call.check(*call.run("paged_attention"))
 
 
 @pytest.mark.parametrize("case", [KV(B=1, Hq=8, Hkv=2, D=64, S=2000, block=16, snew=1, causal=True),
-                                  KV(B=2, Sq=3, Hq=4, Hkv=4, D=128, S=1500, leftpad=True, dtype=torch.bfloat16)],
+                                  KV(B=2, Sq=3, Hq=4, Hkv=4, D=128, S=1500, leftpad=True, dtype=torch.bfloat16),
+                                  # the sink joins once, after the splits are merged
+                                  KV(B=2, Sq=2, Hq=4, Hkv=2, D=64, S=1200, causal=True, alibi="h", sinks=True)],
                          ids=str)
 def test_split_and_unsplit_agree(case, gen):
     outs = {}

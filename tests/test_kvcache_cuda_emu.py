@@ -173,6 +173,24 @@ def test_the_emulation_routes_paged_attention_and_says_so(decode, gen, caplog):
 
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
+def test_sinks_are_not_claimed_by_the_cuda_kernel(decode, gen):
+    # the CUDA decode kernel takes ALiBi but no sinks (csrc/ab_registry.c CUDA_DECODE): strict names
+    # why, and without strict the call falls back and is still right
+    call = Call(KV(B=1, D=16, S=20, snew=1, sinks=True), gen)
+    with pytest.raises(RuntimeError, match="no attention sinks"):
+        call.run("paged_attention")
+    lib = emulator()
+    lib.ab_cuda_emu_reset_launch_log()
+    call.reset()
+    kw = call.kwargs()
+    out, lse = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, **kw,
+                                         return_softmax_lse=True, backend="paged_attention")
+    call.check(out, lse)
+    assert not any("attend_kernel" in label for label in launched(lib))
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dev", ["emu"], indirect=True)
 def test_caches_whose_rows_are_not_16_byte_aligned_go_to_eager(decode, gen, caplog):
     call = Call(KV(B=2, D=16, S=20, snew=1), gen)
     for name in ("k_cache", "v_cache"):  # the same values, one float into a buffer: 4-byte aligned rows

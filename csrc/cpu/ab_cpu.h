@@ -123,4 +123,10 @@ static inline ab_status ab_par_run(const ab_cpu_pool* pool, int64_t n, int64_t g
   return (ab_status)atomic_load(&st->status);
 }
 
+/* The gradient of the attention sinks (p->dsinks, (Hq,)), from what the forward left and the
+ * output's gradient: d s_h = -sum over the rows of head h of P_sink * delta, with P_sink =
+ * exp(s_h - lse) the sink's weight and delta = dO . O - dlse.  Dense or packed; one head per work
+ * item, summed in float64 in a fixed order, so deterministic.  sinks_cpu.c. */
+ab_status ab_sinks_cpu_bwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err);
+
 #endif /* AB_CPU_H */

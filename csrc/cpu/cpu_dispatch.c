@@ -198,6 +198,9 @@ ab_status ab_flash_cpu_fwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_
 
 ab_status ab_flash_cpu_bwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {
   ab_status st = check_flash(p, 1, err);
-  if (st != AB_OK || p->B == 0 || p->Hkv == 0) return st;
-  return k_tables[ab_cpu_isa_get()]->bwd(p, pool, err);
+  if (st != AB_OK) return st;
+  if (p->B == 0 || p->Hkv == 0) return p->dsinks.ndim ? ab_sinks_cpu_bwd(p, pool, err) : AB_OK;
+  st = k_tables[ab_cpu_isa_get()]->bwd(p, pool, err);
+  if (st == AB_OK && p->dsinks.ndim) st = ab_sinks_cpu_bwd(p, pool, err);
+  return st;
 }

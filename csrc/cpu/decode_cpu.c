@@ -173,11 +173,17 @@ static ab_status check_call(const ab_kvcache_params* p, ab_error* err) {
       return ab_error_set(err, AB_ERR_INVALID, "alibi_slopes must be float32, got %s",
                           ab_dtype_name(p->alibi_slopes.dtype));
   }
+  if (p->sinks.ndim) {
+    const int64_t hs[1] = {p->Hq};
+    TRY(want_shape(err, "sinks", &p->sinks, 1, hs, "(Hq,)"));
+    if (!ab_dtype_is_floating(p->sinks.dtype))
+      return ab_error_set(err, AB_ERR_INVALID, "sinks must be floating, got %s", ab_dtype_name(p->sinks.dtype));
+  }
   const ab_tensor* all[] = {&p->q, &p->k_cache, &p->v_cache, &p->k_new, &p->v_new, &p->rotary_cos,
                             &p->rotary_sin, &p->cache_seqlens, &p->cache_batch_idx, &p->cache_leftpad,
-                            &p->block_table, &p->alibi_slopes, &p->out, &p->lse};
+                            &p->block_table, &p->alibi_slopes, &p->sinks, &p->out, &p->lse};
   const char* names[] = {"q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
-                         "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "out", "lse"};
+                         "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "sinks", "out", "lse"};
   for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) TRY(want_cpu(err, names[i], all[i]));
   TRY(want_shape(err, "out", &p->out, 4, qs, "(B, Sq, Hq, D)"));
   TRY(want_dtype(err, "out", &p->out, dt));
@@ -347,14 +353,15 @@ static int64_t dpad_of(const ab_kvcache_params* p) {
   return (p->D + AB_DECODE_DPAD - 1) / AB_DECODE_DPAD * AB_DECODE_DPAD;
 }
 
-/* Workspace: q (B, Sq, Hq, dpad) float32, the split partials, per-row key ranges and cache rows. */
+/* Workspace: q (B, Sq, Hq, dpad) float32, the split partials, per-row key ranges and cache rows, a
+ * row of scratch, each head's sink. */
 static size_t workspace_layout(const ab_kvcache_params* p, int64_t nsplit, size_t* part_at, size_t* idx_at) {
   const int64_t dpad = dpad_of(p);
   size_t n = align64((size_t)(p->B * p->Sq * p->Hq * dpad) * sizeof(float));
   *part_at = n;
   if (nsplit > 1) n += align64((size_t)(p->B * p->Sq * p->Hq * nsplit * (dpad + 16)) * sizeof(float));
   *idx_at = n;
-  return n + align64((size_t)(3 * p->B) * sizeof(int64_t)) + (size_t)dpad * sizeof(float);
+  return n + align64((size_t)(3 * p->B) * sizeof(int64_t)) + (size_t)(dpad + p->Hq) * sizeof(float);
 }
 
 size_t ab_kvcache_cpu_workspace_size(const ab_kvcache_params* p, int num_threads) {
@@ -393,9 +400,13 @@ static void merge(int64_t begin, int64_t end, void* ctx) {
           for (int64_t d = 0; d < p->D; ++d) acc[d] += w * o[d];
         }
 #undef PART
+      float factor;
+      const float lse = ab_decode_add_sink(total > 0.0f ? m + logf(total) : -INFINITY, run->sink[hq], &factor);
+      if (factor != 1.0f)
+        for (int64_t d = 0; d < p->D; ++d) acc[d] *= factor;
       const ab_tensor* out = &p->out;
       ab_vec_store_row(out->data, out->dtype, ab_off4(out, b, t, hq, 0), p->D, out->strides[3], acc);
-      ((float*)p->lse.data)[ab_off3(&p->lse, b, hq, t)] = total > 0.0f ? m + logf(total) : -INFINITY;
+      ((float*)p->lse.data)[ab_off3(&p->lse, b, hq, t)] = lse;
     }
   }
   ab_scratch_free(acc);
@@ -418,6 +429,10 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t
   int64_t* lo = (int64_t*)(ws + idx_at);
   int64_t *end = lo + p->B, *row = end + p->B;
   float* scratch_row = (float*)(ws + idx_at + align64((size_t)(3 * p->B) * sizeof(int64_t)));
+  float* sink = scratch_row + dpad;
+  for (int64_t h = 0; h < p->Hq; ++h)
+    sink[h] = p->sinks.ndim ? (float)ab_load_scalar(p->sinks.data, p->sinks.dtype, h * p->sinks.strides[0])
+                            : -INFINITY;
 
   /* checks passed: from here on the cache changes */
   append(p, scratch_row);
@@ -434,7 +449,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t
   const int64_t hg = heads_per_item(p);
   ab_decode_run run = {p, (const float*)ws, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
-                       &st};
+                       sink, &st};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));

@@ -18,6 +18,7 @@
 #ifndef AB_DECODE_CPU_H
 #define AB_DECODE_CPU_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -47,6 +48,8 @@ typedef struct ab_kvcache_params {
   int64_t window_left, window_right; /* -1 = unbounded; aligned like causal */
   int32_t rotary_interleaved;  /* pairs (2i, 2i+1); else GPT-NeoX halves (i, i + rotary_dim / 2) */
   int32_t num_splits;          /* splits of each row's key range: 0 = chosen from the thread count */
+  ab_tensor sinks;             /* (Hq,) floating, optional: one logit per query head in each row's softmax
+                                  denominator, no value (ab_attn_params.sinks) */
 } ab_kvcache_params;
 
 /* Bytes of workspace ab_kvcache_cpu_fwd needs for p on a pool of num_threads threads (0 when the
@@ -72,6 +75,7 @@ typedef struct ab_decode_run {
   const int64_t* row;     /* (B,) dense cache row; unused when paged */
   int64_t dpad, G, hg, nsplit, block_size; /* block_size 0: dense cache */
   int32_t kv_dtype;       /* ab_dtype of the cache */
+  const float* sink;      /* (Hq,) each query head's sink logit, -inf without sinks */
   struct ab_par_status* st;
 } ab_decode_run;
 
@@ -80,6 +84,20 @@ typedef struct ab_decode_cpu_table {
   /* items [begin, end) of (B * Hkv / hg * nsplit): attention of one (batch, head group, split) */
   void (*attend)(int64_t begin, int64_t end, void* run);
 } ab_decode_cpu_table;
+
+/* A row's (out, lse) over its keys, joined by the sink s of its head (s = -inf: none): returns the
+ * lse with the sink and sets *factor, what out is multiplied by (exp(lse - new lse)).  Applied once
+ * per row, after the splits are merged, so the sink counts once. */
+static inline float ab_decode_add_sink(float lse, float s, float* factor) {
+  if (s == -INFINITY) {
+    *factor = 1.0f;
+    return lse;
+  }
+  const float m = lse > s ? lse : s;
+  const float wo = lse == -INFINITY ? 0.0f : expf(lse - m), total = wo + expf(s - m);
+  *factor = wo / total;
+  return m + logf(total);
+}
 
 extern const ab_decode_cpu_table ab_decode_cpu_generic;
 extern const ab_decode_cpu_table ab_decode_cpu_avx2;

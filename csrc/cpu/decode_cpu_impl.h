@@ -474,8 +474,12 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       const float l = w->l[r];
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
       for (int64_t d = 0; d < dpad; d += VLEN) vstore(acc + d, vload(acc + d) * vset1(inv));
-      const float lse = l > 0.0f ? w->m[r] + logf(l) : -INFINITY;
+      float lse = l > 0.0f ? w->m[r] + logf(l) : -INFINITY;
       if (run->nsplit == 1) {
+        float factor; /* the sink joins once the row is complete: here, or after the merge of the splits */
+        lse = ab_decode_add_sink(lse, run->sink[hq], &factor);
+        if (factor != 1.0f)
+          for (int64_t d = 0; d < dpad; d += VLEN) vstore(acc + d, vload(acc + d) * vset1(factor));
         const ab_tensor* o = &p->out;
         ab_vec_store_row(o->data, o->dtype, ab_off4(o, b, t, hq, 0), D, o->strides[3], acc);
         ((float*)p->lse.data)[ab_off3(&p->lse, b, hq, t)] = lse;

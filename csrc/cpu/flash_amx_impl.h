@@ -837,14 +837,17 @@ static int AMXS(fp16_tiles)(void) {
 #endif
 }
 
+/* Sinks and ALiBi run on the vector kernel: the tile kernels' softmax takes its scale in the
+ * exponent (AMXS(fwd_scale)), where an additive bias per (row, key) has no place yet. */
 static ab_status AMXS(flash_fwd)(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {
+  if (p->sinks.ndim || p->alibi.ndim) return SYM(flash_fwd)(p, pool, err);
   if (p->q.dtype == AB_DTYPE_BF16) return AMXS(flash_fwd_tiles)(p, AMX_BF16, pool, err);
   if (p->q.dtype == AB_DTYPE_F16 && AMXS(fp16_tiles)()) return AMXS(flash_fwd_tiles)(p, AMX_FP16, pool, err);
   return SYM(flash_fwd)(p, pool, err);
 }
 
 static ab_status AMXS(flash_bwd)(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {
-  if (p->q.dtype != AB_DTYPE_BF16) return SYM(flash_bwd)(p, pool, err);
+  if (p->q.dtype != AB_DTYPE_BF16 || p->sinks.ndim || p->alibi.ndim) return SYM(flash_bwd)(p, pool, err);
   AMXS(bwd_ctx) ctx;
   ctx.p = p;
   ctx.st.err = err;

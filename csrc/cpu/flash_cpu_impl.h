@@ -131,6 +131,8 @@ typedef struct SYM(seq) {
   uint64_t drop_row0;       /* dropout row index of query row 0 */
   int64_t mask;             /* offset of (b, h, 0, 0) in the mask view */
   int64_t st, st_rs;        /* stats: offset of row 0's max (its log sum is one plane further), row stride */
+  float sink;               /* this head's sink logit, -inf without sinks */
+  float slope;              /* this (batch, head)'s ALiBi slope, 0 without ALiBi */
 } SYM(seq);
 
 static void SYM(seq_get)(const ab_attn_params* p, int64_t b, int64_t h, int64_t hk, SYM(seq) * s) {
@@ -171,6 +173,8 @@ static void SYM(seq_get)(const ab_attn_params* p, int64_t b, int64_t h, int64_t 
   /* dense: (b * Hq + h) * Sq + i; packed: the same with Sq = max_seqlen_q, so a packed call and
    * the padded dense call draw the same dropout mask */
   s->drop_row0 = (uint64_t)((b * p->Hq + h) * p->Sq);
+  s->sink = (float)ab_attn_sink(p, h);
+  s->slope = (float)ab_attn_alibi_slope(p, b, h);
 }
 
 /* Visible keys of query row i of a sequence: [lo, hi) from causal and window (docs/semantics.md). */
@@ -214,7 +218,7 @@ static inline double SYM(post_scale)(const ab_attn_params* p) { return fabs(p->s
 
 /* Applies causal/window and a bool/float mask to St (nb x rc, keys j0..) of row chunk i0 with
  * visible ranges lo/hi (int32 per row, padded rows have lo = hi = 0); before them, the scale left
- * after the product (post, 1 for none) and softcap. */
+ * after the product (post, 1 for none), softcap and ALiBi. */
 static void SYM(mask_scores)(const ab_attn_params* p, const SYM(seq) * s, int64_t i0, int64_t nrows,
                              int64_t j0, int64_t nb, const int32_t* lo, const int32_t* hi, int structural,
                              float* St, float* Th, int64_t rc, double post) {
@@ -238,6 +242,19 @@ static void SYM(mask_scores)(const ab_attn_params* p, const SYM(seq) * s, int64_
   } else if (post != 1.0) {
     const vf f = vset1((float)post);
     for (int64_t x = 0; x < nb * rc; x += VLEN) vstore(St + x, vload(St + x) * f);
+  }
+  if (s->slope != 0.0f) {
+    /* ALiBi, -slope * |i' - j| with i' = i + Sk - Sq: the distance of lane r to key j0 is an exact
+     * integer, rounded to float32 once (exact below 2^24), then stepped down key by key */
+    const vf sl = vset1(s->slope);
+    for (int64_t v = 0; v < rc; v += VLEN) {
+      vf d0 = vset1(0.0f);
+      for (int u = 0; u < VLEN; ++u) d0[u] = (float)(i0 + v + u + s->Sk - s->Sq - j0);
+      for (int64_t j = 0; j < nb; ++j) {
+        const vf d = d0 - vset1((float)j);
+        vstore(St + j * rc + v, vload(St + j * rc + v) - sl * vselect(d < vset1(0.0f), -d, d));
+      }
+    }
   }
   if (p->mask.ndim) {
     const int64_t ms_i = p->mask.strides[2], ms_j = p->mask.strides[3];
@@ -393,8 +410,9 @@ static int SYM(chunk_begin)(const ab_attn_params* p, int64_t item, int64_t nchun
       if (l < ch->jlo) ch->jlo = l;
       if (hh > ch->jhi) ch->jhi = hh;
     }
-    mrow[r] = -__builtin_inff();
-    lrow[r] = 0.0f;
+    /* a sink starts each row: max s, sum exp(s - s) = 1, no value */
+    mrow[r] = ch->s.sink;
+    lrow[r] = ch->s.sink == -__builtin_inff() ? 0.0f : 1.0f;
   }
   ch->all_lo = 0;
   ch->all_hi = ch->s.Sk;
@@ -772,6 +790,8 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
             e -= ((const float*)p->dlse.data)[p->cu_seqlens_q
                                                   ? h * p->dlse.strides[0] + (p->cu_seqlens_q[b] + i) * p->dlse.strides[1]
                                                   : b * p->dlse.strides[0] + h * p->dlse.strides[1] + i * p->dlse.strides[2]];
+          /* with a sink the keys' dS sum to dlse + P_sink delta (the sink's own share is not a key's) */
+          if (s.sink != -__builtin_inff()) e -= expf((s.sink - mx[i]) - lsum[i]) * delta[i];
           for (int32_t u = 0; u < ndom[r]; ++u) {
             const int64_t slot = r * NDOM + u, j = jdom[slot];
             const float c = -pdom[slot] * e; /* what dS at key j lacks */

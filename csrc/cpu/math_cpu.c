@@ -51,6 +51,8 @@ ab_status ab_math_cpu_bwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_e
   if (st != AB_OK) return st;
   if (p->q.device != AB_DEVICE_CPU)
     return ab_error_set(err, AB_ERR_INVALID, "math CPU kernel called with non-CPU tensors");
-  if (p->B == 0 || p->Hkv == 0) return AB_OK;
-  return p->q.dtype == AB_DTYPE_F64 ? math_bwd_f64(p, pool, err) : math_bwd_f32(p, pool, err);
+  if (p->B == 0 || p->Hkv == 0) return p->dsinks.ndim ? ab_sinks_cpu_bwd(p, pool, err) : AB_OK;
+  st = p->q.dtype == AB_DTYPE_F64 ? math_bwd_f64(p, pool, err) : math_bwd_f32(p, pool, err);
+  if (st == AB_OK && p->dsinks.ndim) st = ab_sinks_cpu_bwd(p, pool, err);
+  return st;
 }

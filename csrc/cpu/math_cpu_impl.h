@@ -7,15 +7,17 @@
  * Forward, per query row i of head h (KV head hk = h / (Hq / Hkv)):
  *   x_j = scale * q_i . k_j                       j in the causal/window range, bool mask true
  *   x_j = softcap * tanh(x_j / softcap)           if softcap > 0
+ *   x_j -= slope_bh * |i + Sk - Sq - j|           with ALiBi
  *   x_j += mask_ij                                if the mask is floating
- *   lse_i = log sum_j exp(x_j);  p_j = exp(x_j - lse_i)
+ *   lse_i = log (exp(s_h) + sum_j exp(x_j));  p_j = exp(x_j - lse_i)   (s_h: the sink, -inf without)
  *   out_i = sum_j keep_ij p_j / (1 - dropout_p) v_j
- * A row with no visible key writes out_i = 0 and lse_i = -inf.
+ * A row with no visible key writes out_i = 0 and lse_i = s_h (-inf without sinks).
  *
  * Backward recomputes p from the row's scores (its max and sum, as the forward did: the saved lse is
  * rounded to float32), one query row at a time, so scratch stays O(Sk):
  *   dP_j  = keep_ij / (1 - dropout_p) * dout_i . v_j
  *   delta = sum_j p_j dP_j - dlse_i               (dlse: the gradient flowing into lse, if any)
+ *                                                 (the sink's p has no value: it adds no term)
  *   dS_j  = p_j (dP_j - delta)                    (= the gradient of a float mask)
  *   dx_j  = dS_j (1 - tanh^2)                     with softcap (tanh in double); then dq_i, dk_j, dv_j.
  * Work is split by (b, hk), so each KV head's dk/dv are owned by one thread: no atomics and the
@@ -208,6 +210,7 @@ static inline double SFX(raw)(ACC dot, const ACC* qrow, const ACC* krow, int64_t
 static double SFX(row_scores)(const ab_attn_params* p, int64_t b, int64_t h, int64_t i, int64_t lo, int64_t hi,
                               const ACC* raw, const ACC* qrow, const ACC* kc, double* x, ACC* dcap) {
   const int bool_mask = ab_mask_is_bool(p), float_mask = ab_mask_is_float(p);
+  const double slope = ab_attn_alibi_slope(p, b, h), ii = (double)(i + p->Sk - p->Sq);
   double m = -INFINITY;
   int has_nan = 0;
   for (int64_t j = lo; j < hi; ++j) {
@@ -218,6 +221,7 @@ static double SFX(row_scores)(const ab_attn_params* p, int64_t b, int64_t h, int
       continue;
     }
     double xj = SFX(score)(p, SFX(raw)(raw[j], qrow, kc + j * p->D, p->D), dcap + j);
+    if (slope != 0.0) xj -= slope * fabs(ii - (double)j);
     if (float_mask) xj += ab_load_scalar(p->mask.data, p->mask.dtype, moff);
     x[j] = xj;
     if (xj > m) m = xj;
@@ -226,9 +230,10 @@ static double SFX(row_scores)(const ab_attn_params* p, int64_t b, int64_t h, int
   return has_nan ? NAN : m;
 }
 
-/* e_j = exp(x_j - m) for keys [lo, hi); returns their sum l (p_j = e_j / l). */
-static ACC SFX(row_exp)(const double* x, double m, int64_t lo, int64_t hi, ACC* e) {
-  ACC l = 0;
+/* e_j = exp(x_j - m) for keys [lo, hi); returns their sum l plus the sink's exp(sink - m)
+ * (p_j = e_j / l). */
+static ACC SFX(row_exp)(const double* x, double m, int64_t lo, int64_t hi, ACC* e, double sink) {
+  ACC l = sink == -INFINITY ? (ACC)0 : ACC_EXP((ACC)(sink - m));
   for (int64_t j = lo; j < hi; ++j) {
     e[j] = ACC_EXP((ACC)(x[j] - m));
     l += e[j];
@@ -287,13 +292,15 @@ static void SFX(fwd_range)(int64_t begin, int64_t end, void* vctx) {
     }
     const int64_t i0 = blk * ctx->rows_per_item;
     const int64_t i1 = i0 + ctx->rows_per_item < p->Sq ? i0 + ctx->rows_per_item : p->Sq;
+    const double sink = ab_attn_sink(p, h);
     for (int64_t i = i0; i < i1; ++i) {
       int64_t lo, hi;
       ab_row_key_range(p, i, &lo, &hi);
       if (hi < lo) hi = lo;
       SFX(load_row)(p->q.data, p->q.dtype, ab_off4(&p->q, b, h, i, 0), D, p->q.strides[3], qrow);
       if (hi > lo) SFX(gemv)(qrow, kc + lo * D, D, hi - lo, D, s + lo);
-      const double m = SFX(row_scores)(p, b, h, i, lo, hi, s, qrow, kc, xs, th);
+      const double m0 = SFX(row_scores)(p, b, h, i, lo, hi, s, qrow, kc, xs, th);
+      const double m = sink > m0 ? sink : m0; /* NaN stays NaN */
       for (int64_t c = 0; c < Dv; ++c) orow[c] = 0;
       ACC lse;
       if (m != m) {
@@ -303,7 +310,7 @@ static void SFX(fwd_range)(int64_t begin, int64_t end, void* vctx) {
       } else if (m == -INFINITY) {
         lse = (ACC)-INFINITY; /* no visible key: out stays 0 */
       } else {
-        const ACC l = SFX(row_exp)(xs, m, lo, hi, s);
+        const ACC l = SFX(row_exp)(xs, m, lo, hi, s, sink); /* no visible key but a sink: out 0, lse = sink */
         const ACC inv = (ACC)1 / l;
         lse = (ACC)(m + log((double)l));
         SFX(drop_row) dr = {(uint64_t)((b * p->Hq + h) * p->Sq + i), -1, {0, 0, 0, 0},
@@ -377,6 +384,7 @@ static void SFX(bwd_range)(int64_t begin, int64_t end, void* vctx) {
       for (int64_t c = 0; c < D; ++c) kt[c * Sk + j] = kc[j * D + c];
     memset(dkc, 0, sizeof(ACC) * (size_t)(Sk * D + Sk * Dv));
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
+      const double sink = ab_attn_sink(p, h);
       for (int64_t i = 0; i < p->Sq; ++i) {
         int64_t lo, hi;
         ab_row_key_range(p, i, &lo, &hi);
@@ -396,9 +404,10 @@ static void SFX(bwd_range)(int64_t begin, int64_t end, void* vctx) {
         /* The row's softmax again, from its scores, bitwise as the forward computed it (max m, then
          * exp(x - m) / l), rather than exp(x - lse): lse is rounded to float32, an error that grows
          * with |lse| and that every p of the row shares (large logits: softcap, ALiBi biases). */
-        const double m = SFX(row_scores)(p, b, h, i, lo, hi, pr, qrow, kc, xs, th);
-        if (m == -INFINITY) lo = hi = 0; /* fully masked row: zero gradient */
-        const ACC inv = (ACC)1 / SFX(row_exp)(xs, m, lo, hi, pr);
+        const double m0 = SFX(row_scores)(p, b, h, i, lo, hi, pr, qrow, kc, xs, th);
+        const double m = sink > m0 ? sink : m0;
+        if (m0 == -INFINITY) lo = hi = 0; /* no visible key (all weight on the sink, if any): zero gradient */
+        const ACC inv = (ACC)1 / SFX(row_exp)(xs, m, lo, hi, pr, sink);
         ACC delta = 0;
         for (int64_t j = lo; j < hi; ++j) {
           const ACC pj = pr[j] * inv;

@@ -42,6 +42,8 @@ ab_status ab_sage_cpu_fwd(const ab_attn_params* p, void* workspace, size_t works
                         ab_dtype_name(p->q.dtype));
   if (p->dropout_p > 0)
     return ab_error_set(err, AB_ERR_UNSUPPORTED, "sage is inference only: no dropout");
+  if (p->sinks.ndim || p->alibi.ndim)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "sage takes no %s", p->sinks.ndim ? "sinks" : "alibi_slopes");
   if (ab_cpu_isa_error()) return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s", ab_cpu_isa_error());
   if (p->B == 0 || p->Hq == 0 || p->Sq == 0) return AB_OK;
   return sage_table()->fwd(p, workspace, workspace_bytes, pool, err);

@@ -10,7 +10,8 @@
 // in flash_fwd.cuh.
 //
 // Served: float16 and bfloat16; D and Dv multiples of 8 up to 256; causal (top-left and
-// bottom-right), window, softcap, dropout, GQA/MQA, lse; any strides whose last dimension is
+// bottom-right), window, softcap, dropout, GQA/MQA, lse, attention sinks (float32) and ALiBi; any
+// strides whose last dimension is
 // contiguous and whose other strides (and data pointers) keep rows 16-byte aligned.  Not served
 // (AB_ERR_UNSUPPORTED, so the caller can fall back): float32/float64, attn_mask, other strides.
 #include <cuda_runtime.h>
@@ -67,6 +68,12 @@ ab_status prepare(const ab_attn_params* p, const Serves& serves, const int32_t* 
   if (p->mask.ndim) return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA takes no attn_mask", who);
   if (p->dropout_p > 0 && !serves.dropout)
     return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA has no dropout (dropout_p = %g)", who, p->dropout_p);
+  if ((p->sinks.ndim || p->alibi.ndim) && !serves.sinks_alibi)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA takes no %s", who,
+                        p->sinks.ndim ? "sinks" : "alibi_slopes");
+  if (p->sinks.ndim && (p->sinks.dtype != AB_DTYPE_F32 || (p->sinks.sizes[0] > 1 && p->sinks.strides[0] != 1)))
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA takes contiguous float32 sinks, got %s", who,
+                        ab_dtype_name(p->sinks.dtype));
   const bool packed = p->cu_seqlens_q != nullptr;
   if (packed && (cu_q_dev == nullptr || cu_k_dev == nullptr))
     return ab_error_set(err, AB_ERR_INVALID, "%s on CUDA: packed call without device cu_seqlens", who);
@@ -129,6 +136,10 @@ ab_status prepare(const ab_attn_params* p, const Serves& serves, const int32_t* 
   fp.seed = p->seed;
   fp.offset = p->offset;
   fp.rng_dev = p->rng_dev;
+  fp.sinks = p->sinks.ndim ? static_cast<const float*>(p->sinks.data) : nullptr;
+  fp.alibi = p->alibi.ndim ? static_cast<const float*>(p->alibi.data) : nullptr;
+  fp.alibi_bs = p->alibi.ndim == 2 ? p->alibi.strides[0] : 0;
+  fp.alibi_hs = p->alibi.ndim ? p->alibi.strides[p->alibi.ndim - 1] : 0;
   return AB_OK;
 }
 
@@ -172,7 +183,7 @@ extern "C" ab_status ab_cuda_flash_fwd(const ab_attn_params* p, const int32_t* c
                                        const int32_t* cu_seqlens_k_dev, void* stream, ab_error* err) {
   FwdParams fp;
   bool empty = false;
-  const ab_flash::Serves serves = {"flash", 256, true, 0};
+  const ab_flash::Serves serves = {"flash", 256, true, 0, true};
   ab_status st = ab_flash::prepare(p, serves, cu_seqlens_q_dev, cu_seqlens_k_dev, fp, &empty, err);
   if (st != AB_OK || empty) return st;
   const int kD = ab_flash::padded_head_dim(ab_flash::kFwdHeadDims, p->D, p->Dv);

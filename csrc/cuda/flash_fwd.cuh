@@ -54,6 +54,10 @@ struct FwdParams {
   float rdrop;                // 1 / (1 - dropout_p)
   uint64_t seed, offset;      // the stream's key and offset, unless rng_dev is set
   const int64_t* rng_dev;     // [seed, offset] in device memory (drawn on the GPU), or NULL
+  // attention sinks and ALiBi (forward only, docs/semantics.md): NULL when absent
+  const float* sinks;         // (Hq,) float32, contiguous: one logit per query head in each row's denominator
+  const float* alibi;         // slopes (Hq,) or (B, Hq) float32: slope of (b, h) at b * alibi_bs + h * alibi_hs
+  int64_t alibi_bs, alibi_hs;
 };
 
 // Tile table: rows of Q (kBM) and of K/V (kBN) per thread block, by padded head dim.  One block
@@ -111,6 +115,7 @@ struct Serves {
   bool dropout;      // dropout_p > 0 is served (flash); else AB_ERR_UNSUPPORTED (sage)
   int backward;      // 1: a backward call (ab_attn_params_check's flag; the caller then checks dout
                      // and the gradients' layout itself)
+  bool sinks_alibi;  // attention sinks and ALiBi are served (the flash forward); else AB_ERR_UNSUPPORTED
 };
 
 // The one parameter-preparation path of the flash forward, the flash backward and the sage

@@ -13,8 +13,8 @@
 // is a template flag, so the kernel without it pays nothing.
 //
 // Included only by flash_fwd_hdim*.cu, which instantiate fwd_launch<T, kD>.  Semantics (causal
-// alignment, window, softcap, lse, fully masked rows) follow docs/semantics.md and the CPU twin
-// csrc/cpu/flash_cpu_impl.h.  The per-tile steps after the scores (masking, online softmax, P V)
+// alignment, window, softcap, attention sinks, ALiBi, lse, fully masked rows) follow docs/semantics.md
+// and the CPU twin csrc/cpu/flash_cpu_impl.h.  The per-tile steps after the scores (masking, online softmax, P V)
 // and the epilogue are in fwd_common.cuh, shared with the sage kernel; the PTX wrappers, tile loader
 // and dropout bits in flash_common.cuh, shared with the backward too.
 #ifndef AB_FLASH_FWD_KERNEL_CUH
@@ -58,6 +58,10 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_kernel(const FwdParams p) {
 
   float o[kMT][kDT][4], row_m[2 * kMT], row_l[2 * kMT];  // see softmax_tile
   init_rows<kMT, kDT>(o, row_m, row_l);
+  if (p.sinks != nullptr) sink_rows<kMT>(p, bt.h, t, row_m, row_l);
+  // ALiBi's slope in base-2 units (0: none), one per block
+  const float slope_log2 =
+      p.alibi != nullptr ? p.alibi[bt.b * p.alibi_bs + bt.h * p.alibi_hs] * 1.4426950408889634f : 0.0f;
 
   // Prologue: Q and the first K tile in one cp.async group.
   load_tile<T, kBM, kD>(sQ, q, p.q_rs, bt.rows_here, p.D, tid);
@@ -131,6 +135,7 @@ __global__ void __launch_bounds__(kFwdThreads) fwd_kernel(const FwdParams p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) s[mt][nt][e] *= p.scale_log2;
     }
+    if (slope_log2 != 0.0f) alibi_tile<kMT, kNT>(s, slope_log2, bt, n0, warp * 16 * kMT, g, t);
     if (n0 < bt.lo_max || n0 + kBN > bt.hi_min) mask_tile<kMT, kNT>(p, bt, s, n0, warp * 16 * kMT, g, t);
 
     // Dropout's keep bits (see softmax_tile); all ones without dropout.

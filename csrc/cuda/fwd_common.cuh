@@ -84,6 +84,39 @@ __device__ __forceinline__ void init_rows(float (&o)[kMT][kDT][4], float (&row_m
   }
 }
 
+// Attention sinks: each row starts with the sink's logit (base 2) as its running max and one term
+// 2^0 in its sum, held by lane t == 0 (the four lanes of a row add their parts in the epilogue); the
+// sink has no value, so O starts at 0.  A row that then sees no key ends with out 0, lse = sink.
+template <int kMT>
+__device__ __forceinline__ void sink_rows(const FwdParams& p, int h, int t, float (&row_m)[2 * kMT],
+                                          float (&row_l)[2 * kMT]) {
+  const float s = p.sinks[h] * 1.4426950408889634f;
+#pragma unroll
+  for (int r = 0; r < 2 * kMT; ++r) {
+    row_m[r] = s;
+    row_l[r] = t == 0 && s != -INFINITY ? 1.0f : 0.0f;
+  }
+}
+
+// ALiBi over a tile of base-2 scores: s -= slope log2(e) |i + Sk - Sq - j|, flash-attn's alignment
+// (per sequence for packed calls).  The distance is an exact integer until the float conversion.
+template <int kMT, int kNT>
+__device__ __forceinline__ void alibi_tile(float (&s)[kMT][kNT][4], float slope_log2, const BlockTiles& bt, int n0,
+                                           int warp_row0, int g, int t) {
+#pragma unroll
+  for (int r = 0; r < 2 * kMT; ++r) {
+    const int ii = bt.row0 + warp_row0 + 16 * (r >> 1) + g + 8 * (r & 1) + bt.k_len - bt.q_len;
+    const int mt = r >> 1, e0 = 2 * (r & 1);
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+      for (int e = e0; e < e0 + 2; ++e) {
+        const int d = ii - (n0 + 8 * nt + 2 * t + (e & 1));
+        s[mt][nt][e] -= slope_log2 * (float)(d < 0 ? -d : d);
+      }
+  }
+}
+
 // softcap over a tile: s = softcap tanh(y) in base-2 units (out_scale = softcap log2 e), where
 // 2^(in_scale s) = exp(2 y) and y is the true score / softcap.  The flash kernel passes raw q . k
 // (in_scale = 2 log2(e) scale / softcap), the sage kernel base-2 true scores (in_scale = 2 / softcap).
