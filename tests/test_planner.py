@@ -298,6 +298,28 @@ def test_cpu_isa_from_the_environment_reaches_kernels_plans_and_report():
     assert "CPU kernel path        generic" in res.stdout
 
 
+def test_generic_isa_from_the_environment_reaches_every_answer():
+    # ATTN_BACKENDS_CPU_ISA=generic: the C core's path is the one the report, the plans (their call,
+    # their path, the report's backend rows) and the kernels use; Python keeps no copy of its own
+    code = ("import attn_backends as ab, torch\n"
+            "from attn_backends import _planner\n"
+            "q = torch.randn(1, 1, 4, 8)\n"
+            "p = ab.explain(q, q, q, backend='flash')\n"
+            "print(_planner.ISA_NAMES[_planner.cpu_isa()], p.call['cpu_isa'], p.path, p.chosen)\n"
+            "rows = {r.name: r for r in ab.backends()}\n"
+            "print(rows['flash'].available, rows['flash_varlen'].available, rows['sage'].available)\n"
+            "cu = torch.tensor([0, 4], dtype=torch.int32)\n"
+            "pv = ab.attention_varlen(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), cu, cu, 4, 4,"
+            " backend='flash_varlen', strict=True)\n"
+            "print(ab._C.sage_cpu_isa(), tuple(pv.shape))\n")
+    res = _run_with_isa("generic", code)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == "generic generic cpu generic flash", res.stdout
+    assert lines[1] == "True True True", res.stdout
+    assert lines[2] == "generic (4, 1, 8)", res.stdout
+
+
 # (where the CPU has AMX the amx request is honoured instead: tests/test_amx.py)
 @pytest.mark.parametrize("isa,why", [("amx", "ATTN_BACKENDS_CPU_ISA=amx: ")] * (not _C.cpu_isa_supported("amx"))
                          + [("avx9000", "unknown path")])
@@ -424,6 +446,29 @@ def test_backends_lists_every_backend():
     assert by["flash"].aliases and "flash_attention_2" in by["flash"].aliases
     for r in rows:
         assert r.available or r.why_not, r
+
+
+def test_report_says_flash_varlen_serves_packed_calls():
+    # flash_varlen takes packed sequences only: the report asks it about a packed call, so it is
+    # available, as attention_varlen(..., backend="flash_varlen", strict=True) shows
+    from attn_backends._report import report
+
+    row = {r.name: r for r in ab.backends()}["flash_varlen"]
+    assert row.available and row.why_not == "" and row.devices == ("cpu",) and row.supports_backward
+    q = torch.randn(9, 2, 16)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    assert ab.attention_varlen(q, q, q, cu, cu, 5, 5, backend="flash_varlen", strict=True).shape == (9, 2, 16)
+    line = next(x for x in report().splitlines() if x.strip().startswith("flash_varlen "))
+    assert "  available  " in line and "packed (varlen) calls only" in line and "no:" not in line, line
+    # a dense call: explain says why it is not the one, and flash serves it
+    d = torch.randn(1, 2, 5, 16)
+    p = ab.explain(d, d, d, backend="flash_varlen")
+    assert p.chosen == "flash" and p.reasons["flash_varlen"] == "takes packed (varlen) sequences only"
+    with pytest.raises(RuntimeError, match="takes packed"):
+        ab.attention(d, d, d, backend="flash_varlen", strict=True)
+    # the KV-cache-only backend is asked about a KV-cache call the same way
+    line = next(x for x in report().splitlines() if x.strip().startswith("paged_attention "))
+    assert "  available  " in line and "KV-cache calls only" in line, line
 
 
 def test_support_matrix_in_docs_is_generated_from_the_registry():
