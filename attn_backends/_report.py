@@ -75,13 +75,13 @@ def backend_rows() -> list:
         for dev in ("cuda", "mps", "cpu"):
             if not present[dev]:
                 continue
-            cc, lib_ok = (_cuda_facts()[:2] if dev == "cuda" else (0, 0))
+            cc, lib_ok, _, smem = (_cuda_facts() if dev == "cuda" else (0, 0, "", 0))
             feats = caps[DEVICES.index(dev)][2]
             layout = call_layout(feats)
             # float16 on an emulated CUDA device (the CPU under ATTN_BACKENDS_CUDA_EMULATE), else float32
             dtype = 1 if dev == "cpu" and _C.cuda_emulation() else 0
             sig = (DEVICES.index(dev), cc, int(lib_ok), dtype, 64, 64, 0, 1, 0, 0, 0, 0, 0, 0,
-                   0, 0, 0, layout, 0, i, _planner.cpu_isa(), _planner.CPU_UNITS)
+                   0, 0, 0, layout, 0, i, _planner.cpu_isa(), _planner.CPU_UNITS, smem)
             reason = _C.plan(sig)[2][i]
             if not reason:
                 available = True
@@ -97,7 +97,7 @@ def backend_rows() -> list:
 def auto_cpu_note(dtype) -> str:
     """Why auto's order differs on this CPU for a plain call of this dtype ("" when it does not)."""
     sig = (0, 0, 0, _planner.DTYPE_IDS[dtype], 64, 64, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-           _planner.cpu_isa(), _planner.CPU_UNITS)
+           _planner.cpu_isa(), _planner.CPU_UNITS, 0)
     return _C.plan(sig)[4]
 
 

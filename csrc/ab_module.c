@@ -235,7 +235,7 @@ static PyObject* ab_py_cuda_emulation(PyObject* self, PyObject* unused) {
 /* plan(call) -> (chosen id or -1, (order...), (reason per id...), path, note).  call is the tuple
  * (device, cuda_cc, cuda_lib_ok, dtype, D, Dv, gqa, square, mask, mask_grad, causal, window,
  *  softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix, requested, cpu_isa,
- *  cpu_units). */
+ *  cpu_units, cuda_smem). */
 static PyObject* ab_py_plan(PyObject* self, PyObject* arg) {
   (void)self;
   ab_call c;
@@ -243,10 +243,10 @@ static PyObject* ab_py_plan(PyObject* self, PyObject* arg) {
   long long D, Dv;
   memset(&c, 0, sizeof c);
   unsigned int units = 0;
-  if (!PyArg_ParseTuple(arg, "iiiiLLiiiiiiiiiiiiiiiI", &device, &c.cuda_cc, &c.cuda_lib_ok, &dtype,
+  if (!PyArg_ParseTuple(arg, "iiiiLLiiiiiiiiiiiiiiiIi", &device, &c.cuda_cc, &c.cuda_lib_ok, &dtype,
                         &D, &Dv, &c.gqa, &c.square, &c.mask, &c.mask_grad, &causal, &c.window,
                         &c.softcap, &c.dropout, &c.need_grad, &c.deterministic, &c.want_lse,
-                        &c.varlen, &c.mps_fix, &c.requested, &c.cpu_isa, &units))
+                        &c.varlen, &c.mps_fix, &c.requested, &c.cpu_isa, &units, &c.cuda_smem))
     return NULL;
   c.cpu_units = units;
   if (device < 0 || device >= AB_DEV_COUNT || dtype < 0 || dtype > AB_DTYPE_OTHER || causal < 0 ||
@@ -294,9 +294,9 @@ static PyObject* ab_py_lookup(PyObject* self, PyObject* arg) {
   return PyUnicode_FromString(ab_backend_at(idx)->name);
 }
 
-/* cuda_device(index) -> (compute capability as int, e.g. 90, bool: our library has code for it),
- * or (0, False, reason) when the library or the device is missing.  Loads the CUDA library: call it
- * only once a CUDA tensor has arrived. */
+/* cuda_device(index) -> (compute capability as int, e.g. 90, bool: our library has code for it, why
+ * not, bytes of shared memory a block may opt in to), or (0, False, reason, 0) when the library or the
+ * device is missing.  Loads the CUDA library: call it only once a CUDA tensor has arrived. */
 static PyObject* ab_py_cuda_device(PyObject* self, PyObject* arg) {
   (void)self;
   long index = PyLong_AsLong(arg);
@@ -304,13 +304,14 @@ static PyObject* ab_py_cuda_device(PyObject* self, PyObject* arg) {
   ab_error err;
   err.msg[0] = 0;
   const ab_cuda_api* api = ab_cuda_load(&err);
-  if (!api) return Py_BuildValue("(iOs)", 0, Py_False, err.msg);
-  int cc = 0;
-  if (api->device_capability((int)index, &cc, &err) != AB_OK)
-    return Py_BuildValue("(iOs)", 0, Py_False, err.msg);
+  if (!api) return Py_BuildValue("(iOsi)", 0, Py_False, err.msg, 0);
+  int cc = 0, smem = 0;
+  if (api->device_capability((int)index, &cc, &err) != AB_OK ||
+      api->device_smem_optin((int)index, &smem, &err) != AB_OK)
+    return Py_BuildValue("(iOsi)", 0, Py_False, err.msg, 0);
   const int ok = api->supports_cc(cc);
-  return Py_BuildValue("(iOs)", cc, ok ? Py_True : Py_False,
-                       ok ? "" : "the CUDA library was not built for this compute capability");
+  return Py_BuildValue("(iOsi)", cc, ok ? Py_True : Py_False,
+                       ok ? "" : "the CUDA library was not built for this compute capability", smem);
 }
 
 static int isa_from_name(PyObject* arg) {

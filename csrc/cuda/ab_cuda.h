@@ -17,7 +17,7 @@ extern "C" {
 
 /* Bumped whenever the table's layout or a launcher's contract changes; the loader refuses a
  * library with another version (a stale build beside a fresh module). */
-#define AB_CUDA_API_VERSION 4
+#define AB_CUDA_API_VERSION 5
 
 typedef struct ab_cuda_api {
   int api_version;
@@ -66,6 +66,10 @@ typedef struct ab_cuda_api {
    * rng_dev as in ab_attn_params (NULL: seed and offset). */
   ab_status (*dropout_mask)(uint64_t seed, uint64_t offset, const int64_t* rng_dev, double p, int64_t B,
                             int64_t H, int64_t Sq, int64_t Sk, uint8_t* keep, void* stream, ab_error* err);
+  /* Bytes of shared memory a block of device `device` may opt in to (the device's answer,
+   * cudaDevAttrMaxSharedMemoryPerBlockOptin): what the planner weighs the kernels' configs
+   * against (ab_cuda_limits.h), as the launchers do before a launch. */
+  ab_status (*device_smem_optin)(int device, int* bytes, ab_error* err);
 } ab_cuda_api;
 
 AB_EXPORT const ab_cuda_api* ab_cuda_api_get(void);
