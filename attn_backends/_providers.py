@@ -73,7 +73,7 @@ def _cuda_qkv(q, k, v):
 # ---- the CPU flash forward without the dispatcher -------------------------------------------------
 # A call that needs no autograd gains nothing from the op but pays its fixed cost (the dispatcher and
 # the boxed stable-ABI call, most of a small call's time: docs/benchmarks.md, "Per-call cost").  Such
-# calls run the same kernel through _C.flash_fwd_cpu (csrc/ab_module.c) with outputs allocated here
+# calls run the same kernel through _C.flash_fwd_cpu (csrc/ab_module.c), which allocates the outputs
 # in the op's layout: the same bits (tests/test_direct.py).  Whatever must see the op keeps it.
 
 _C.set_tensor_api(torch.empty_strided, torch.device("cpu"),  # the dtypes in ab_dtype's order (csrc/ab_core.h)
@@ -100,12 +100,13 @@ def direct_ok(q, k, v, mask) -> bool:
 
 
 def run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False):
-    if q.is_cuda:
+    if q.is_cpu:
+        if not (need_grad or p) and direct_ok(q, k, v, mask):
+            res = _C.flash_fwd_cpu(q, k, v, mask, causal, scale, wl, wr, softcap, want_lse)
+            if res is not None:  # None: the CUDA emulation serves CPU tensors, through the op
+                return res
+    elif q.is_cuda:
         q, k, v = _ops.cuda_layout(q), _ops.cuda_layout(k), _ops.cuda_layout(v)
-    elif not (need_grad or p) and q.is_cpu and direct_ok(q, k, v, mask):
-        res = _C.flash_fwd_cpu(q, k, v, mask, causal, scale, wl, wr, softcap, want_lse)
-        if res is not None:  # None: the CUDA emulation serves CPU tensors, through the op
-            return res
     return _run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det)
 
 

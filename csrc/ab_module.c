@@ -32,6 +32,7 @@ typedef struct ab_state {
   PyObject* s_data_ptr; /* "data_ptr" */
   PyObject* s_dtype;    /* "dtype" */
   PyObject* s_is_cpu;   /* "is_cpu" */
+  PyObject* s_new_empty_strided; /* "new_empty_strided" */
   PyObject* empty_strided; /* torch.empty_strided; NULL until set_tensor_api */
   PyObject* dtypes[AB_DTYPE_OTHER]; /* torch.float32, float16, bfloat16, float64, bool, int32, int64, uint8:
                                        indexed by ab_dtype */
@@ -459,9 +460,9 @@ static PyObject* ab_py_amx_emu_dot(PyObject* self, PyObject* args) {
  * A call that needs no autograd and is not being traced (attn_backends/_providers.py decides: CPU
  * tensors of the plain torch.Tensor type, no gradient, no dropout, no torch.compile, tracing,
  * dispatch or function mode, functorch transform or inference mode) skips the dispatcher: the
- * metadata is read here, the outputs are allocated with torch.empty_strided in the layout the op
- * gives them, and ab_flash_cpu_fwd runs on torch's thread pool (ab_shim_cpu_pool) with the GIL
- * released.  Same kernel, same checks (ab_attn_params_check), same pool: the same bits as the
+ * metadata is read here, the outputs are allocated through torch (q.new_empty_strided, and
+ * torch.empty_strided for lse) in the layout the op gives them, and ab_flash_cpu_fwd runs on torch's
+ * thread pool (ab_shim_cpu_pool), with the GIL released unless the call is tiny.  Same kernel, same checks (ab_attn_params_check), same pool: the same bits as the
  * flash_fwd op (tests/test_direct.py).  What it saves is the op call's fixed cost (the dispatcher,
  * the boxed stable-ABI call), which dominates small calls (docs/benchmarks.md, "Per-call cost"). */
 
@@ -547,9 +548,10 @@ static void contiguous_strides(const int64_t* sizes, int n, int64_t* strides) {
   }
 }
 
-/* torch.empty_strided(sizes, strides, dtype=..., device="cpu") */
-static PyObject* empty_strided(const ab_state* st, const int64_t* sizes, const int64_t* strides, int n,
-                               ab_dtype dtype) {
+/* like.new_empty_strided(sizes, strides) when like is given (its dtype and device, and no keyword
+ * arguments to parse: the cheaper call), else torch.empty_strided(sizes, strides, dtype=..., device="cpu") */
+static PyObject* empty_strided(const ab_state* st, PyObject* like, const int64_t* sizes, const int64_t* strides,
+                               int n, ab_dtype dtype) {
   PyObject* sz = PyTuple_New(n);
   PyObject* sd = sz ? PyTuple_New(n) : NULL;
   if (!sd) {
@@ -559,6 +561,12 @@ static PyObject* empty_strided(const ab_state* st, const int64_t* sizes, const i
   for (int d = 0; d < n; ++d) {
     PyTuple_SetItem(sz, d, PyLong_FromLongLong(sizes[d]));
     PyTuple_SetItem(sd, d, PyLong_FromLongLong(strides[d]));
+  }
+  if (like && !PyErr_Occurred()) {
+    PyObject* t = PyObject_CallMethodObjArgs(like, st->s_new_empty_strided, sz, sd, NULL);
+    Py_DECREF(sz);
+    Py_DECREF(sd);
+    return t;
   }
   PyObject* args = PyErr_Occurred() ? NULL : PyTuple_Pack(2, sz, sd);
   Py_DECREF(sz);
@@ -672,7 +680,8 @@ static PyObject* ab_py_flash_fwd_cpu(PyObject* self, PyObject* args) {
   const int64_t lse_sizes[3] = {p.B, p.Hq, p.Sq};
   memcpy(p.lse.sizes, lse_sizes, sizeof lse_sizes);
   contiguous_strides(lse_sizes, 3, p.lse.strides);
-  PyObject* out = empty_strided(st, p.out.sizes, p.out.strides, 4, dt);
+  /* out in q's dtype (a dtype the kernel rejects still gets an out: the kernel's check then fails) */
+  PyObject* out = empty_strided(st, p.q.dtype < AB_DTYPE_BOOL ? q : NULL, p.out.sizes, p.out.strides, 4, dt);
   if (!out || set_data(st, out, &p.out) < 0) {
     Py_XDECREF(out);
     return NULL;
@@ -680,7 +689,7 @@ static PyObject* ab_py_flash_fwd_cpu(PyObject* self, PyObject* args) {
   PyObject* lse = NULL;
   void* own_lse = NULL;
   if (want_lse) {
-    lse = empty_strided(st, p.lse.sizes, p.lse.strides, 3, lse_dt);
+    lse = empty_strided(st, NULL, p.lse.sizes, p.lse.strides, 3, lse_dt);
     if (!lse || set_data(st, lse, &p.lse) < 0) {
       Py_DECREF(out);
       Py_XDECREF(lse);
@@ -800,7 +809,8 @@ static int ab_exec(PyObject* module) {
   ab_state* st = state_of(module);
   if (!(st->s_shape = PyUnicode_InternFromString("shape")) || !(st->s_stride = PyUnicode_InternFromString("stride")) ||
       !(st->s_data_ptr = PyUnicode_InternFromString("data_ptr")) ||
-      !(st->s_dtype = PyUnicode_InternFromString("dtype")) || !(st->s_is_cpu = PyUnicode_InternFromString("is_cpu")))
+      !(st->s_dtype = PyUnicode_InternFromString("dtype")) || !(st->s_is_cpu = PyUnicode_InternFromString("is_cpu")) ||
+      !(st->s_new_empty_strided = PyUnicode_InternFromString("new_empty_strided")))
     return -1;
   return PyModule_AddStringConstant(module, "__version__", AB_VERSION);
 }
@@ -822,6 +832,7 @@ static int ab_clear(PyObject* module) {
   Py_CLEAR(st->s_data_ptr);
   Py_CLEAR(st->s_dtype);
   Py_CLEAR(st->s_is_cpu);
+  Py_CLEAR(st->s_new_empty_strided);
   Py_CLEAR(st->empty_strided);
   for (int i = 0; i < AB_DTYPE_OTHER; ++i) Py_CLEAR(st->dtypes[i]);
   for (int i = 0; i < 4; ++i) Py_CLEAR(st->alloc_kw[i]);
