@@ -24,26 +24,27 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def cuda_device_info(index) -> tuple:
-    """(compute capability x10, our CUDA library holds code for it, why not) for cuda:index.
-    Asked once per device, the first time a tensor of that device arrives."""
+    """(compute capability x10, our CUDA library holds code for it, why not, bytes of shared memory a
+    block may opt in to (0 when not known)) for cuda:index.  Asked once per device, the first time a
+    tensor of that device arrives."""
     index = index or 0
     info = _cuda_devices.get(index)
     if info is None:
         if not os.path.exists(_cuda_lib):
             major, minor = torch.cuda.get_device_capability(index)
-            info = (major * 10 + minor, False, "the CUDA library was not built (no nvcc at install time)")
+            info = (major * 10 + minor, False, "the CUDA library was not built (no nvcc at install time)", 0)
         else:
             from . import _C
 
-            cc, ok, why = _C.cuda_device(index)
-            info = (cc, bool(ok), why)
+            cc, ok, why, smem = _C.cuda_device(index)
+            info = (cc, bool(ok), why, smem)
         _cuda_devices[index] = info
     return info
 
 
 def cuda_math_ready(index) -> str:
     """'' when our CUDA kernels can run on cuda:index, else why not."""
-    cc, ok, why = cuda_device_info(index)
+    cc, ok, why = cuda_device_info(index)[:3]
     if ok and cc < 80:
         return f"compute capability {cc // 10}.{cc % 10} < 8.0"
     return "" if ok else why
@@ -103,11 +104,11 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
         requested = _planner.default_backend()
     need_grad = (q.requires_grad or k.requires_grad or v.requires_grad or bool(mask_grad)) and torch.is_grad_enabled()
     if q.is_cpu:
-        dev = cc = lib_ok = 0
+        dev = cc = lib_ok = smem = 0
     else:
         device = q.device
         dev = _DEVICE_IDS.get(device.type, 3)
-        cc, lib_ok = cuda_device_info(device.index)[:2] if dev == 1 else (0, 0)
+        cc, lib_ok, _, smem = cuda_device_info(device.index) if dev == 1 else (0, 0, "", 0)
     gqa, square = Hq != Hkv, Sq == Sk
     if _is_compiling():
         D, Dv = _static_int(D), _static_int(Dv)
@@ -115,7 +116,7 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
         square = True if square else False  # noqa: SIM210
     sig = (dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, gqa, square, mask_kind, mask_grad, causal_i,
            wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
-           bool(return_lse), 0, _SETTINGS["mps_fix"], ID[requested], _cpu_isa(), _CPU_UNITS)
+           bool(return_lse), 0, _SETTINGS["mps_fix"], ID[requested], _cpu_isa(), _CPU_UNITS, smem)
     args = (q, k, v, attn_mask, causal_i, scale_f, wl, wr, softcap_f, p, need_grad, bool(return_lse))
     if sinks is not None or alibi_slopes is not None:
         # sinks and ALiBi: two more planner fields and two more runner arguments (None when absent)
@@ -187,10 +188,10 @@ def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p
                                              (sinks is not None and sinks.requires_grad))
     device = q.device
     dev = _DEVICE_IDS.get(device.type, 3)
-    cc, lib_ok = cuda_device_info(device.index)[:2] if dev == 1 else (0, 0)
+    cc, lib_ok, _, smem = cuda_device_info(device.index) if dev == 1 else (0, 0, "", 0)
     sig = (dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, Hq != Hkv, max_q == max_k, 0, 0, causal_i,
            wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
-           bool(return_lse), 1, _planner.settings["mps_fix"], ID[requested], _planner.cpu_isa(), _CPU_UNITS)
+           bool(return_lse), 1, _planner.settings["mps_fix"], ID[requested], _planner.cpu_isa(), _CPU_UNITS, smem)
     args = (q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal_i, scale_f, wl, wr, softcap_f, p,
             need_grad, bool(return_lse), bool(deterministic))
     if flags != (False, False):

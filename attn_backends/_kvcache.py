@@ -220,12 +220,12 @@ def signature(c: KVCall, backend) -> tuple:
         requested = _planner.default_backend()
     q = c.q
     dev = _planner.DEVICE_IDS.get(q.device.type, 3)
-    cc, lib_ok = cuda_device_info(q.device.index)[:2] if dev == 1 else (0, 0)
+    cc, lib_ok, _, smem = cuda_device_info(q.device.index) if dev == 1 else (0, 0, "", 0)
     D = q.shape[3]
     return (dev, cc, lib_ok, _planner.DTYPE_IDS[q.dtype], D, D, q.shape[2] != c.k_cache.shape[2], False, 0, 0,
             2 if c.causal else 0, c.wl >= 0 or c.wr >= 0, c.softcap > 0, False, False, False, True, 2,
-            _planner.settings["mps_fix"], ID[requested], _planner.cpu_isa(), _planner.CPU_UNITS, c.sinks is not None,
-            c.alibi is not None)
+            _planner.settings["mps_fix"], ID[requested], _planner.cpu_isa(), _planner.CPU_UNITS, smem,
+            c.sinks is not None, c.alibi is not None)
 
 
 def choose(c: KVCall, backend, strict) -> str:

@@ -35,7 +35,7 @@ UNIT_NAMES = ("AMX-BF16", "AMX-FP16", "AMX-INT8")  # bit i of cpu_units (csrc/ab
 # signature fields, in the order of the C planner's ab_call
 FIELDS = ("device", "cuda_cc", "cuda_lib_ok", "dtype", "D", "Dv", "gqa", "square", "mask", "mask_grad",
           "causal", "window", "softcap", "dropout", "need_grad", "deterministic", "want_lse", "varlen",
-          "mps_fix", "requested", "cpu_isa", "cpu_units", "sinks", "alibi")
+          "mps_fix", "requested", "cpu_isa", "cpu_units", "cuda_smem", "sinks", "alibi")
 
 
 def _env_flag(name: str) -> bool:

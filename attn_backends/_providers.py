@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from . import _eager, _ops
+from . import _C, _eager, _ops
 
 # torch's own function, captured before anyone (ab.patch_sdpa included) can replace it: the sdpa
 # backends call this, so a patched F.scaled_dot_product_attention never calls itself
@@ -75,9 +75,44 @@ def _cuda_qkv(q, k, v):
     return _ops.cuda_layout(q), _ops.cuda_layout(k), _ops.cuda_layout(v)
 
 
+# ---- the CPU flash forward without the dispatcher -------------------------------------------------
+# A call that needs no autograd gains nothing from the op but pays its fixed cost (the dispatcher and
+# the boxed stable-ABI call, most of a small call's time: docs/benchmarks.md, "Per-call cost").  Such
+# calls run the same kernel through _C.flash_fwd_cpu (csrc/ab_module.c), which allocates the outputs
+# in the op's layout: the same bits (tests/test_direct.py).  Whatever must see the op keeps it.
+
+_C.set_tensor_api(torch.empty_strided, torch.device("cpu"),  # the dtypes in ab_dtype's order (csrc/ab_core.h)
+                  (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.bool, torch.int32,
+                   torch.int64, torch.uint8))
+_Tensor = torch.Tensor
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode = torch._C._is_torch_function_mode_enabled
+_inference_mode = torch.is_inference_mode_enabled
+_tracing_state = torch._C._get_tracing_state
+_functorch_layer = torch._C._functorch.peek_interpreter_stack
+
+
+def direct_ok(q, k, v, mask) -> bool:
+    """Whether a CPU call that needs no gradient may skip the dispatcher: not while torch.compile
+    traces (first, so that dynamo folds the rest away) or a jit trace records; q, k, v and the mask
+    plain torch.Tensors (a FakeTensor or any other subclass has its own dispatch); no
+    TorchDispatchMode or TorchFunctionMode active (they must see the op), no functorch transform
+    (vmap, grad), not in inference mode (left to the op: the direct path is kept to the plainest
+    eager calls)."""
+    return (not _is_compiling() and q.__class__ is _Tensor and k.__class__ is _Tensor and v.__class__ is _Tensor
+            and (mask is None or mask.__class__ is _Tensor) and not _dispatch_modes() and not _function_mode()
+            and not _inference_mode() and _tracing_state() is None and _functorch_layer() is None)
+
+
 def run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False, sinks=None,
               alibi=None):
-    q, k, v = _cuda_qkv(q, k, v)
+    if q.is_cpu:
+        if not (need_grad or p) and sinks is None and alibi is None and direct_ok(q, k, v, mask):
+            res = _C.flash_fwd_cpu(q, k, v, mask, causal, scale, wl, wr, softcap, want_lse)
+            if res is not None:  # None: the CUDA emulation serves CPU tensors, through the op
+                return res
+    elif q.is_cuda:
+        q, k, v = _ops.cuda_layout(q), _ops.cuda_layout(k), _ops.cuda_layout(v)
     if sinks is not None and not need_grad:  # the CUDA flash forward reads float32 sinks (any dtype on CPU)
         sinks = sinks.float().contiguous()
     return _run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det, sinks, alibi)

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from . import _C, _planner
-from ._names import TABLE
+from ._names import ID, TABLE
 
 DEVICES = ("cpu", "cuda", "mps", "other")
 
@@ -41,8 +41,28 @@ def _cuda_facts() -> tuple:
     return cuda_device_info(torch.cuda.current_device())
 
 
+# the kinds of call a backend may serve, as the planner's layout field numbers them (ab_call.varlen)
+CALL_KINDS = (("dense", 0, "dense"), ("varlen", 1, "packed (varlen)"), ("kvcache", 2, "KV-cache"))
+
+
+def call_layout(feats) -> int:
+    """The layout of the plain call a backend is asked about: dense where it serves dense calls, else
+    the first kind it does serve (flash_varlen: packed; paged_attention: KV cache), so that a backend
+    for one kind of call is not reported unavailable for not serving another."""
+    return next((layout for key, layout, _ in CALL_KINDS if key in feats), 0)
+
+
+def calls_note(feats) -> str:
+    """"packed (varlen) calls only" for a backend that serves one kind of call and not dense ones."""
+    kinds = [title for key, _, title in CALL_KINDS if key in feats]
+    return f"{kinds[0]} calls only" if "dense" not in feats and len(kinds) == 1 else ""
+
+
 def backend_rows() -> list:
-    """(name, aliases, kind, available, why_not, devices, lossy, supports_backward) per backend."""
+    """(name, aliases, kind, available, why_not, devices, lossy, supports_backward) per backend.
+
+    Each backend is asked about a plain call of the kind it serves (dense, packed or KV-cache; see
+    call_layout) on each device this machine has."""
     present = _present_devices()
     rows = []
     for i, (name, aliases, kind, _summary, lossy, _provider, caps) in enumerate(TABLE):
@@ -56,13 +76,13 @@ def backend_rows() -> list:
         for dev in ("cuda", "mps", "cpu"):
             if not present[dev]:
                 continue
-            cc, lib_ok = (_cuda_facts()[:2] if dev == "cuda" else (0, 0))
+            cc, lib_ok, _, smem = (_cuda_facts() if dev == "cuda" else (0, 0, "", 0))
             feats = caps[DEVICES.index(dev)][2]
-            layout = 2 if "kvcache" in feats and "dense" not in feats else 0  # a KV-cache-only backend
+            layout = call_layout(feats)
             # float16 on an emulated CUDA device (the CPU under ATTN_BACKENDS_CUDA_EMULATE), else float32
             dtype = 1 if dev == "cpu" and _C.cuda_emulation() else 0
             sig = (DEVICES.index(dev), cc, int(lib_ok), dtype, 64, 64, 0, 1, 0, 0, 0, 0, 0, 0,
-                   0, 0, 0, layout, 0, i, _planner.cpu_isa(), _planner.CPU_UNITS)
+                   0, 0, 0, layout, 0, i, _planner.cpu_isa(), _planner.CPU_UNITS, smem)
             reason = _C.plan(sig)[2][i]
             if not reason:
                 available = True
@@ -78,7 +98,7 @@ def backend_rows() -> list:
 def auto_cpu_note(dtype) -> str:
     """Why auto's order differs on this CPU for a plain call of this dtype ("" when it does not)."""
     sig = (0, 0, 0, _planner.DTYPE_IDS[dtype], 64, 64, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-           _planner.cpu_isa(), _planner.CPU_UNITS)
+           _planner.cpu_isa(), _planner.CPU_UNITS, 0)
     return _C.plan(sig)[4]
 
 
@@ -188,6 +208,9 @@ def report() -> str:
             extra.append("lossy")
         if kind != "planner" and devices and not bwd:
             extra.append("forward only")
+        note = calls_note(set().union(*(c[2] for c in TABLE[ID[name]][6] if c[0] is None)))
+        if note:
+            extra.append(note)
         add(f"  {name:<{w}}  {kind:<8}  {status}" + (f"  [{'; '.join(extra)}]" if extra else ""))
     return "\n".join(out)
 

@@ -3,9 +3,11 @@
 At B=1 H=1 S=16 D=64 the arithmetic is a few thousand multiply-adds, so the time is mostly what a
 call costs: argument checks, planning, the dispatcher, allocation, autograd bookkeeping.  Both are
 timed side by side, interleaved round by round, and the table shows medians and the ratio
-(target: ours <= 1.5x torch's, forward and forward+backward).  A third row times our flash op alone,
-called below autograd exactly as the forward path calls it but with none of our Python around
-it: the floor that validation, planning and dispatch add to.
+(target: ours <= 1.5x torch's, forward and forward+backward).  "forward, op path" is the same
+forward call with the direct path switched off (what it cost before that path, and what calls that
+must keep the op still pay).  "op alone" times our flash op with none of our Python around it,
+called below autograd as the op path calls it; "direct alone" the direct call of the same kernel
+(_C.flash_fwd_cpu, docs/architecture.md): the floors that validation, planning and dispatch add to.
 
     python benchmarks/bench_overhead.py [--rounds 40] [--json benchmarks/results/overhead.json]
 """
@@ -25,6 +27,10 @@ import torch.nn.functional as F
 from torch.utils import benchmark
 
 import attn_backends as ab
+
+
+def _never(*args):
+    return False
 
 
 def make_calls(B, H, S, D, dtype, backend):
@@ -53,12 +59,30 @@ def make_calls(B, H, S, D, dtype, backend):
         with below():
             op(q, k, v, None, None, 0, scale, -1, -1, 0.0, 0.0)
 
+    from attn_backends import _providers
+
+    direct_ok = _providers.direct_ok
+
+    def ours_fwd_op_path():
+        # the same call with the direct path switched off: what every such call paid before it existed
+        _providers.direct_ok = _never
+        try:
+            ab.attention(q, k, v, backend=backend)
+        finally:
+            _providers.direct_ok = direct_ok
+
+    def direct_alone():
+        # the floor under ours_fwd on the direct path: the kernel called from _C, outputs allocated there
+        ab._C.flash_fwd_cpu(q, k, v, None, 0, scale, -1, -1, 0.0, False)
+
     calls = {
         "forward": (ours_fwd, torch_fwd),
         "forward+backward": (ours_fwd_bwd, torch_fwd_bwd),
     }
     if backend in ("auto", "flash"):
+        calls["forward, op path"] = (ours_fwd_op_path, torch_fwd)
         calls["forward, op alone"] = (op_alone, torch_fwd)
+        calls["forward, direct alone"] = (direct_alone, torch_fwd)
     return calls
 
 
@@ -88,12 +112,12 @@ def main(argv=None):
     rows = []
     print(f"per-call cost, B={B} H={H} S={S} D={D} {args.dtype}, backend={args.backend!r}, "
           f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds")
-    print(f"{'pass':<18}{'ours us':>10}{'torch us':>10}{'ratio':>8}")
+    print(f"{'pass':<22}{'ours us':>10}{'torch us':>10}{'ratio':>8}")
     for name, (ours, theirs) in make_calls(B, H, S, D, dtype, args.backend).items():
         t_ours, t_torch = interleaved([ours, theirs], args.rounds, args.number)
         ratio = t_ours / t_torch
         rows.append(dict(pass_=name, ours_us=t_ours * 1e6, torch_us=t_torch * 1e6, ratio=ratio))
-        print(f"{name:<18}{t_ours * 1e6:>10.1f}{t_torch * 1e6:>10.1f}{ratio:>8.2f}")
+        print(f"{name:<22}{t_ours * 1e6:>10.1f}{t_torch * 1e6:>10.1f}{ratio:>8.2f}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

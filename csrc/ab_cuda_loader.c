@@ -2,6 +2,10 @@
  * emulator's twin, libattn_backends_cuda_emu.so (the same launchers built with g++ against
  * csrc/cuda/emu), loaded when ATTN_BACKENDS_CUDA_EMULATE switches the emulation on.
  *
+ * Beside the tables, the planner's question for the kernels behind them (ab_cuda_flash_why_not,
+ * ab_cuda_sage_why_not): the launchers' own head-dim rule and configs (cuda/ab_cuda_limits.h) against
+ * the shared memory the device reports.
+ *
  * The libraries sit beside this module's own shared object; dladdr() on one of our symbols gives
  * that directory, so the lookup does not depend on LD_LIBRARY_PATH or the working directory.
  */
@@ -12,7 +16,9 @@
 #include <string.h>
 
 #include "ab_core.h"
+#include "ab_planner.h"
 #include "cuda/ab_cuda.h"
+#include "cuda/ab_cuda_limits.h"
 
 #define AB_CUDA_LIB_NAME "libattn_backends_cuda.so"
 #define AB_CUDA_EMU_LIB_NAME "libattn_backends_cuda_emu.so"
@@ -107,3 +113,25 @@ ab_status ab_cuda_set_emulation(int on, ab_error* err) {
 }
 
 const ab_cuda_api* ab_cuda_emulation(void) { return g_emu_on ? g_emu_api : NULL; }
+
+/* ---- what the kernels behind the tables can serve, for the planner ------------------------------ */
+
+/* Shared memory per block of the device a call runs on: the described CUDA device's (0 = not known),
+ * or for a CPU call under the CUDA emulation the emulated device's. */
+static int64_t call_smem(const ab_call* c) {
+  if (c->device == AB_DEVICE_CUDA) return c->cuda_smem;
+  const ab_cuda_api* emu = ab_cuda_emulation();
+  int bytes = 0;
+  ab_error err;
+  return emu && emu->device_smem_optin(0, &bytes, &err) == AB_OK ? bytes : 0;
+}
+
+void ab_cuda_flash_why_not(const ab_call* c, char* out, size_t n) {
+  const int64_t smem = call_smem(c);
+  if (ab_cuda_kernel_why_not(AB_CUDA_FLASH_FWD, c->D, c->Dv, smem, out, n)) return;
+  if (c->need_grad) ab_cuda_kernel_why_not(AB_CUDA_FLASH_BWD, c->D, c->Dv, smem, out, n);
+}
+
+void ab_cuda_sage_why_not(const ab_call* c, char* out, size_t n) {
+  ab_cuda_kernel_why_not(AB_CUDA_SAGE_FWD, c->D, c->Dv, call_smem(c), out, n);
+}

@@ -126,11 +126,6 @@ static void why_not(const ab_call* c, int id, char* out, size_t n) {
   if (c->softcap && !(f & AB_F_SOFTCAP)) WHY("no softcap");
   if (c->dropout && !(f & AB_F_DROPOUT)) WHY("no dropout");
   if (c->need_grad && !(f & AB_F_BACKWARD)) WHY("forward only, and this call needs a gradient");
-  if (c->device == AB_DEVICE_CUDA && c->need_grad && k->grad_max_d_small_smem &&
-      ab_cuda_small_smem(c->cuda_cc) && (c->D > k->grad_max_d_small_smem || c->Dv > k->grad_max_d_small_smem))
-    WHY("its backward needs more shared memory than compute capability %d.%d gives a block for head dim "
-        "%lld (up to %d here)",
-        c->cuda_cc / 10, c->cuda_cc % 10, (long long)(c->D > c->Dv ? c->D : c->Dv), k->grad_max_d_small_smem);
   if (c->need_grad && c->deterministic && !(f & AB_F_DETERMINISTIC))
     WHY("its backward is not deterministic and deterministic algorithms are requested");
   if (c->want_lse && !(f & AB_F_LSE)) WHY("cannot return lse");
@@ -142,6 +137,10 @@ static void why_not(const ab_call* c, int id, char* out, size_t n) {
   if (c->device == AB_DEVICE_MPS && c->mps_fix && c->mask && !c->need_grad && is_torch_sdpa(id))
     WHY("torch SDPA on MPS gives NaN with an attention mask in evaluation "
         "(ATTN_BACKENDS_DISABLE_MPS_FIX=1 or --disable_mps_fix uses it anyway)");
+  if (k->why_not) {
+    k->why_not(c, out, n); /* the kernel family's own limits (head dims, shared memory, ...) */
+    if (out[0]) return;
+  }
   if (b->lossy && c->requested == AB_BK_AUTO) WHY("lossy, so never chosen by auto (name it to use it)");
 }
 

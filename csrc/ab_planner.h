@@ -13,6 +13,7 @@
 #ifndef AB_PLANNER_H
 #define AB_PLANNER_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "ab_core.h"
@@ -77,6 +78,14 @@ enum {
 
 #define AB_DTYPE_BIT(d) (1u << (d))
 
+struct ab_call;
+/* A kernel family's own answer for a call, from its launcher's constants (and, on CUDA, the device's
+ * shared memory): why it cannot serve it, written into out ("" when it can).  It lives beside the
+ * family's launcher (ab_flash_cpu_why_not in csrc/cpu/cpu_dispatch.c; ab_cuda_flash_why_not and
+ * ab_cuda_sage_why_not in csrc/ab_cuda_loader.c, from csrc/cuda/ab_cuda_limits.h); the planner asks
+ * it after the registry's own checks. */
+typedef void (*ab_why_not_fn)(const struct ab_call* c, char* out, size_t n);
+
 /* What one backend serves on one device. */
 typedef struct ab_caps {
   const char* unavailable; /* NULL when implemented on this device, else why not */
@@ -85,9 +94,7 @@ typedef struct ab_caps {
   int32_t min_d, max_d, d_multiple; /* head dim constraints (0 = none) */
   int32_t min_cc;          /* CUDA: lowest compute capability, x10 (80 = 8.0) */
   int32_t needs_cuda_lib;  /* our CUDA library must hold code for the device */
-  /* CUDA, with a gradient: the largest head dim served on GPUs with 99 KiB of shared memory per
-   * block (sm_86, sm_89, sm_120: ab_cuda_small_smem); 0 = no such limit */
-  int32_t grad_max_d_small_smem;
+  ab_why_not_fn why_not;   /* the kernel family's own limits (NULL: none beyond the above) */
 } ab_caps;
 
 typedef struct ab_backend_info {
@@ -135,8 +142,6 @@ void ab_registry_enable_cuda_decode(int on);
  * when off). */
 void ab_registry_set_cuda_emulation(int on);
 const ab_caps* ab_registry_emulated_caps(int id);
-/* 1 for compute capabilities whose blocks get at most 99 KiB of shared memory (8.6, 8.9, 12.x). */
-int ab_cuda_small_smem(int cc);
 /* Records whether a provider backend (torch feature, optional package) exists in this process. */
 void ab_provider_set(int id, int available, const char* why_not);
 /* 1 if backend id is present in this process (always, for non-providers); else 0 and *why_not. */
@@ -161,9 +166,16 @@ typedef struct ab_call {
   int32_t requested;     /* ab_backend_id */
   int32_t cpu_isa;       /* ab_cpu_isa the CPU kernels run with */
   uint32_t cpu_units;    /* AB_UNIT_* this CPU has and the process may use (ab_cpu_units_detect) */
+  int32_t cuda_smem;     /* CUDA: bytes of shared memory a block may opt in to, as the device reports
+                            it (ab_cuda_api.device_smem_optin); 0 = not known (then not weighed) */
   int32_t sinks;         /* attention sinks (one softmax logit per query head) */
   int32_t alibi;         /* ALiBi slopes */
 } ab_call;
+
+/* The kernel families' answers (ab_why_not_fn). */
+void ab_flash_cpu_why_not(const ab_call* c, char* out, size_t n);
+void ab_cuda_flash_why_not(const ab_call* c, char* out, size_t n);
+void ab_cuda_sage_why_not(const ab_call* c, char* out, size_t n);
 
 
 #define AB_REASON_LEN 192

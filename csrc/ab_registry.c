@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "ab_planner.h"
+#include "cuda/ab_cuda_limits.h"
 
 #define ALIASES(...) ((const char* const[]){__VA_ARGS__, NULL})
 #define NO_ALIASES ((const char* const[]){NULL})
@@ -43,19 +44,24 @@
    AB_F_DETERMINISTIC | AB_F_GQA | AB_F_DV | AB_F_DENSE)
 
 /* The forward features our CUDA tensor-core kernels share (flash and sage): the dense and packed
- * semantics without masks or Dv != D; head dims 32..256 in steps of 8; sm_80 and newer. */
+ * semantics without masks or Dv != D; sm_80 and newer.  Their head dims and shared memory are the
+ * launchers' (csrc/cuda/ab_cuda_limits.h), asked through ab_cuda_flash_why_not / ab_cuda_sage_why_not. */
 #define CUDA_FWD_F (CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_LSE | AB_F_GQA)
 /* flash on CUDA (csrc/cuda/flash_fwd*.cu, flash_bwd*.cu): those, plus dropout, forward and
  * backward (deterministic on request: docs/cuda.md).  sage on CUDA (csrc/cuda/sage_fwd*.cu) is
  * CUDA_FWD_F alone: forward only, no dropout. */
 #define CUDA_FLASH_F (CUDA_FWD_F | AB_F_DROPOUT | AB_F_BACKWARD | AB_F_DETERMINISTIC)
-/* the flash backward keeps 4 tiles of 64 x (D + 8) in shared memory: up to D = 128 in 99 KiB */
-#define CUDA_FLASH_GRAD_MAX_D_SMALL_SMEM 128
-
-#define NONE(why) {why, 0, 0, 0, 0, 0, 0, 0, 0}
-#define CAPS(dtypes, features) {NULL, dtypes, features, 0, 0, 0, 0, 0, 0}
+#define NONE(why) {why, 0, 0, 0, 0, 0, 0, 0, NULL}
+#define CAPS(dtypes, features) {NULL, dtypes, features, 0, 0, 0, 0, 0, NULL}
 #define CAPS_D(dtypes, features, min_d, max_d, mult, min_cc, lib) \
-  {NULL, dtypes, features, min_d, max_d, mult, min_cc, lib, 0}
+  {NULL, dtypes, features, min_d, max_d, mult, min_cc, lib, NULL}
+/* our CPU flash kernel (dense and packed): its dispatcher's own rule */
+#define CPU_FLASH(features) {NULL, NO_F64, features, 0, 0, 0, 0, 0, ab_flash_cpu_why_not}
+/* our CUDA tensor-core kernels: head dims as their launchers take them (shown in the support matrix;
+ * the family's answer checks them with the shared memory) */
+#define CUDA_KERNEL(features, why_not)                                                               \
+  {NULL, HALF_DT, features, AB_CUDA_HEAD_DIM_MULTIPLE, AB_CUDA_MAX_HEAD_DIM, AB_CUDA_HEAD_DIM_MULTIPLE, 80, 1, \
+   why_not}
 
 /* attention_with_kvcache: every backend that serves it takes bottom-right causal, windows, softcap,
  * ALiBi, lse and GQA (the gathered paths pass them as a mask) */
@@ -94,14 +100,14 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
                              "kernels_community/flash_attn", "kernels_community/flash_attn3",
                              "kernels_community/vllm_flash_attn3"),
                      AB_KIND_BUNDLED, "fused online-softmax kernel (FlashAttention-2 algorithm)", 0, 0,
-                     {CAPS(NO_F64, FULL | AB_F_KVCACHE | SINKS_ALIBI), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL),
+                     {CPU_FLASH(FULL | AB_F_KVCACHE | SINKS_ALIBI), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL),
                       NONE(NO_KERNEL)}},
     [AB_BK_FLASH_VARLEN] = {"flash_varlen",
                             ALIASES("varlen", "flash_attn_varlen", "flash_attn_varlen_func",
                                     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
                                     "_flash_varlen_3", "flash_varlen_hub", "_flash_3_varlen_hub"),
                             AB_KIND_BUNDLED, "flash over packed variable-length sequences", 0, 0,
-                            {CAPS(NO_F64, VARLEN_F | SINKS_ALIBI), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL),
+                            {CPU_FLASH(VARLEN_F | SINKS_ALIBI), NONE(CUDA_FLASH_OFF), NONE(NO_KERNEL),
                              NONE(NO_KERNEL)}},
     [AB_BK_SAGE] = {"sage",
                     ALIASES("sage_varlen", "sage_hub", "sageattention", "sage_attention", "sageattn",
@@ -234,10 +240,8 @@ int ab_backend_lookup(const char* name) {
 }
 
 void ab_registry_enable_cuda_flash(int on) {
-  static const ab_caps dense = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_DENSE | CUDA_SINKS_ALIBI, 32, 256, 8, 80, 1,
-                                CUDA_FLASH_GRAD_MAX_D_SMALL_SMEM};
-  static const ab_caps packed = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_VARLEN | CUDA_SINKS_ALIBI, 32, 256, 8, 80, 1,
-                                 CUDA_FLASH_GRAD_MAX_D_SMALL_SMEM};
+  static const ab_caps dense = CUDA_KERNEL(CUDA_FLASH_F | AB_F_DENSE | CUDA_SINKS_ALIBI, ab_cuda_flash_why_not);
+  static const ab_caps packed = CUDA_KERNEL(CUDA_FLASH_F | AB_F_VARLEN | CUDA_SINKS_ALIBI, ab_cuda_flash_why_not);
   static const ab_caps off = NONE(CUDA_FLASH_OFF);
   static const ab_caps math_fwd = CUDA_MATH_FWD, math_all = CUDA_MATH_ALL;
   g_backends[AB_BK_FLASH].caps[AB_DEVICE_CUDA] = on ? dense : off;
@@ -246,7 +250,7 @@ void ab_registry_enable_cuda_flash(int on) {
 }
 
 void ab_registry_enable_cuda_sage(int on) {
-  static const ab_caps caps = CAPS_D(HALF_DT, CUDA_FWD_F | AB_F_DENSE | AB_F_VARLEN, 32, 256, 8, 80, 1);
+  static const ab_caps caps = CUDA_KERNEL(CUDA_FWD_F | AB_F_DENSE | AB_F_VARLEN, ab_cuda_sage_why_not);
   static const ab_caps off = NONE(CUDA_SAGE_OFF);
   g_backends[AB_BK_SAGE].caps[AB_DEVICE_CUDA] = on ? caps : off;
 }
@@ -260,13 +264,12 @@ static int g_cuda_emulation;
 
 void ab_registry_set_cuda_emulation(int on) { g_cuda_emulation = on != 0; }
 
-/* What the emulated device (an sm_80) serves: the CUDA kernels' capabilities with the opt-ins on. */
+/* What the emulated device serves: the CUDA kernels' capabilities with the opt-ins on (their
+ * families' answers weigh the emulated device's shared memory). */
 const ab_caps* ab_registry_emulated_caps(int id) {
-  static const ab_caps flash = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_DENSE | CUDA_SINKS_ALIBI, 32, 256, 8, 80, 1,
-                                0};
-  static const ab_caps packed = {NULL, HALF_DT, CUDA_FLASH_F | AB_F_VARLEN | CUDA_SINKS_ALIBI, 32, 256, 8, 80, 1,
-                                 0};
-  static const ab_caps sage = CAPS_D(HALF_DT, CUDA_FWD_F | AB_F_DENSE | AB_F_VARLEN, 32, 256, 8, 80, 1);
+  static const ab_caps flash = CUDA_KERNEL(CUDA_FLASH_F | AB_F_DENSE | CUDA_SINKS_ALIBI, ab_cuda_flash_why_not);
+  static const ab_caps packed = CUDA_KERNEL(CUDA_FLASH_F | AB_F_VARLEN | CUDA_SINKS_ALIBI, ab_cuda_flash_why_not);
+  static const ab_caps sage = CUDA_KERNEL(CUDA_FWD_F | AB_F_DENSE | AB_F_VARLEN, ab_cuda_sage_why_not);
   static const ab_caps math = CUDA_MATH_ALL, decode = CUDA_DECODE;
   if (!g_cuda_emulation) return NULL;
   switch (id) {
@@ -281,7 +284,6 @@ const ab_caps* ab_registry_emulated_caps(int id) {
   }
 }
 
-int ab_cuda_small_smem(int cc) { return cc == 86 || cc == 89 || cc / 10 == 12; }
 
 /* ---- CPU matrix units: what torch computes each dtype on, and what our CPU paths do ------------- */
 

@@ -2,12 +2,15 @@
  *
  * The shim registers the attn_backends::* ops with torch's dispatcher when the module's shared
  * object is loaded (static registration through torch's stable ABI).  This header exposes what the
- * CPython module reports about that build; the core below never calls it.
+ * CPython module reports about that build, and torch's thread pool for the module's direct call of
+ * the CPU flash forward; the core below never calls it.
  */
 #ifndef AB_SHIM_H
 #define AB_SHIM_H
 
 #include <stdint.h>
+
+#include "ab_core.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -19,6 +22,11 @@ typedef struct ab_shim_info {
 } ab_shim_info;
 
 ab_shim_info ab_shim_info_get(void);
+
+/* torch's intra-op thread pool as the core's ab_cpu_pool (torch.set_num_threads is honoured): the
+ * pool the ops run the CPU kernels on, lent to the CPython module's direct call of the CPU flash
+ * forward (ab_module.c) so that both give the same work split and the same results. */
+ab_cpu_pool ab_shim_cpu_pool(void);
 
 #ifdef __cplusplus
 }

@@ -771,6 +771,8 @@ extern "C" ab_shim_info ab_shim_info_get(void) {
                       static_cast<uint64_t>(TORCH_ABI_VERSION)};
 }
 
+extern "C" ab_cpu_pool ab_shim_cpu_pool(void) { return torch_pool(); }
+
 #define AB_DENSE_FWD_ARGS                                                                  \
   "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? rng_state, int causal, float scale, " \
   "int window_left, int window_right, float softcap, float dropout_p, Tensor? sinks=None, "        \

@@ -104,7 +104,8 @@ def test_cuda_fully_masked_rows_are_zero(dev):
 
 @pytest.mark.cuda
 def test_cuda_device_report():
-    cc, ok, why = ab._C.cuda_device(torch.cuda.current_device())
+    cc, ok, why, smem = ab._C.cuda_device(torch.cuda.current_device())
+    assert smem == torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin
     major, minor = torch.cuda.get_device_capability()
     assert cc == major * 10 + minor
     assert ok or why

@@ -151,6 +151,26 @@ def test_a_device_with_less_shared_memory_makes_the_launcher_refuse(emu):
         ops.flash_bwd(out, q, k, v, out, lse, None, None, None, 0, 0.1, -1, -1, 0.0, 0.0, False, False)
 
 
+def test_the_planner_weighs_the_emulated_devices_shared_memory(emu):
+    # the planner asks the device (here the emulated one) how much shared memory a block gets, and the
+    # launchers' configs (csrc/cuda/ab_cuda_limits.h) how much they need: on an emulated sm_86 the
+    # backward at head dim 192 does not fit and training goes elsewhere, before any launch refuses it
+    q = torch.randn(1, 1, 8, 192, dtype=torch.bfloat16, requires_grad=True)
+    ab._dispatch.reset_caches()
+    try:
+        assert ab.explain(q, q, q, backend="flash").chosen == "flash"  # sm_80: 163 KiB
+        emu.ab_cuda_emu_set_device_cc(86)
+        ab._dispatch.reset_caches()
+        p = ab.explain(q, q, q, backend="flash")
+        assert p.chosen != "flash"
+        assert "head dim 192 needs 121344 bytes of shared memory per block, this device allows 101376" in \
+            p.reasons["flash"], p.reasons["flash"]
+        with torch.no_grad():
+            assert ab.explain(q, q, q, backend="flash").chosen == "flash"  # the forward's 75 KiB fit
+    finally:
+        ab._dispatch.reset_caches()
+
+
 def test_the_switch_routes_through_the_planner_and_says_so(emu):
     q, k, v = (torch.randn(1, 2, 20, 64, dtype=torch.bfloat16) for _ in range(3))
     plan = ab.explain(q, k, v, backend="flash")

@@ -22,10 +22,10 @@ DT = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 
 def plan(device=CPU, cc=0, lib=1, dtype="float32", D=64, Dv=None, gqa=0, square=1, mask=0, mask_grad=0,
          causal=0, window=0, softcap=0, dropout=0, need_grad=0, deterministic=0, want_lse=0, varlen=0,
-         mps_fix=1, requested="auto", isa=2, units=0):
+         mps_fix=1, requested="auto", isa=2, units=0, smem=0):
     sig = (device, cc, lib, DT[dtype], D, D if Dv is None else Dv, gqa, square, mask, mask_grad, causal, window,
            softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix, _names.ID[ab.resolve(requested)],
-           isa, units)
+           isa, units, smem)
     return _planner.build(sig)
 
 
@@ -330,6 +330,28 @@ def test_cpu_isa_from_the_environment_reaches_kernels_plans_and_report():
     assert "CPU kernel path        generic" in res.stdout
 
 
+def test_generic_isa_from_the_environment_reaches_every_answer():
+    # ATTN_BACKENDS_CPU_ISA=generic: the C core's path is the one the report, the plans (their call,
+    # their path, the report's backend rows) and the kernels use; Python keeps no copy of its own
+    code = ("import attn_backends as ab, torch\n"
+            "from attn_backends import _planner\n"
+            "q = torch.randn(1, 1, 4, 8)\n"
+            "p = ab.explain(q, q, q, backend='flash')\n"
+            "print(_planner.ISA_NAMES[_planner.cpu_isa()], p.call['cpu_isa'], p.path, p.chosen)\n"
+            "rows = {r.name: r for r in ab.backends()}\n"
+            "print(rows['flash'].available, rows['flash_varlen'].available, rows['sage'].available)\n"
+            "cu = torch.tensor([0, 4], dtype=torch.int32)\n"
+            "pv = ab.attention_varlen(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1), cu, cu, 4, 4,"
+            " backend='flash_varlen', strict=True)\n"
+            "print(ab._C.sage_cpu_isa(), tuple(pv.shape))\n")
+    res = _run_with_isa("generic", code)
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert lines[0] == "generic generic cpu generic flash", res.stdout
+    assert lines[1] == "True True True", res.stdout
+    assert lines[2] == "generic (4, 1, 8)", res.stdout
+
+
 # (where the CPU has AMX the amx request is honoured instead: tests/test_amx.py)
 @pytest.mark.parametrize("isa,why", [("amx", "ATTN_BACKENDS_CPU_ISA=amx: ")] * (not _C.cpu_isa_supported("amx"))
                          + [("avx9000", "unknown path")])
@@ -458,6 +480,29 @@ def test_backends_lists_every_backend():
         assert r.available or r.why_not, r
 
 
+def test_report_says_flash_varlen_serves_packed_calls():
+    # flash_varlen takes packed sequences only: the report asks it about a packed call, so it is
+    # available, as attention_varlen(..., backend="flash_varlen", strict=True) shows
+    from attn_backends._report import report
+
+    row = {r.name: r for r in ab.backends()}["flash_varlen"]
+    assert row.available and row.why_not == "" and row.devices == ("cpu",) and row.supports_backward
+    q = torch.randn(9, 2, 16)
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    assert ab.attention_varlen(q, q, q, cu, cu, 5, 5, backend="flash_varlen", strict=True).shape == (9, 2, 16)
+    line = next(x for x in report().splitlines() if x.strip().startswith("flash_varlen "))
+    assert "  available  " in line and "packed (varlen) calls only" in line and "no:" not in line, line
+    # a dense call: explain says why it is not the one, and flash serves it
+    d = torch.randn(1, 2, 5, 16)
+    p = ab.explain(d, d, d, backend="flash_varlen")
+    assert p.chosen == "flash" and p.reasons["flash_varlen"] == "takes packed (varlen) sequences only"
+    with pytest.raises(RuntimeError, match="takes packed"):
+        ab.attention(d, d, d, backend="flash_varlen", strict=True)
+    # the KV-cache-only backend is asked about a KV-cache call the same way
+    line = next(x for x in report().splitlines() if x.strip().startswith("paged_attention "))
+    assert "  available  " in line and "KV-cache calls only" in line, line
+
+
 def test_support_matrix_in_docs_is_generated_from_the_registry():
     from attn_backends._report import support_matrix_markdown
 
@@ -506,15 +551,62 @@ def test_cuda_flash_opt_in_serves_training_dropout_and_deterministic(cuda_flash_
     assert plan(device=CUDA, cc=90, dtype="float32", need_grad=1).chosen != "flash"
 
 
+SMEM_99K, SMEM_163K, SMEM_227K = 101376, 166912, 232448  # what sm_86/89/120, sm_80 and sm_90 report
+
+
 @pytest.mark.parametrize("cc", [86, 89, 120])
 def test_cuda_flash_backward_head_dims_on_99k_shared_memory_gpus(cuda_flash_on, cc):
-    # the backward's tiles for D > 128 need more than the 99 KiB a block gets on these GPUs: the
-    # planner falls back for training there, and serves inference (the forward fits) and D <= 128
-    big = plan(device=CUDA, cc=cc, dtype="bfloat16", need_grad=1, D=192)
-    assert big.chosen != "flash" and "shared memory" in big.reasons["flash"]
-    assert plan(device=CUDA, cc=cc, dtype="bfloat16", need_grad=0, D=256).chosen == "flash"
-    assert plan(device=CUDA, cc=cc, dtype="bfloat16", need_grad=1, D=128).chosen == "flash"
-    assert plan(device=CUDA, cc=90, dtype="bfloat16", need_grad=1, D=256).chosen == "flash"
+    # the backward's tiles for D > 128 need more than the 99 KiB a block gets on these GPUs (as the
+    # device reports it): the planner falls back for training there, and serves inference (the
+    # forward's largest tile, 101376 bytes, fits exactly) and D <= 128
+    big = plan(device=CUDA, cc=cc, smem=SMEM_99K, dtype="bfloat16", need_grad=1, D=192)
+    assert big.chosen != "flash"
+    assert ("flash backward on CUDA: head dim 192 needs 121344 bytes of shared memory per block, this device "
+            "allows 101376") in big.reasons["flash"]
+    assert plan(device=CUDA, cc=cc, smem=SMEM_99K, dtype="bfloat16", need_grad=0, D=256).chosen == "flash"
+    assert plan(device=CUDA, cc=cc, smem=SMEM_99K, dtype="bfloat16", need_grad=1, D=128).chosen == "flash"
+    assert plan(device=CUDA, cc=90, smem=SMEM_227K, dtype="bfloat16", need_grad=1, D=256).chosen == "flash"
+
+
+def test_cuda_kernels_are_weighed_against_the_shared_memory_the_device_reports(cuda_flash_on):
+    # the rule is the device's answer, not a list of compute capabilities: the same sm_90 with less
+    # shared memory is refused what does not fit, and one never asked (0) is not weighed
+    for smem, fits in ((SMEM_227K, True), (SMEM_163K, True), (SMEM_99K, False), (0, True)):
+        p = plan(device=CUDA, cc=90, smem=smem, dtype="float16", need_grad=1, D=256)
+        assert (p.chosen == "flash") == fits, (smem, p.reasons["flash"])
+    p = plan(device=CUDA, cc=90, smem=90000, dtype="float16", D=256)  # the forward's 101376 bytes
+    assert p.chosen != "flash" and "head dim 256 needs 101376 bytes" in p.reasons["flash"]
+    # sage's tiles are smaller: its D = 256 needs 69376 bytes
+    _C.enable_cuda_sage(True)
+    ab._dispatch.reset_caches()
+    try:
+        assert plan(device=CUDA, cc=90, smem=90000, dtype="float16", D=256, requested="sage").chosen == "sage"
+        p = plan(device=CUDA, cc=90, smem=60000, dtype="float16", D=256, requested="sage")
+        assert "sage on CUDA: head dim 256 needs 69376 bytes" in p.reasons["sage"]
+    finally:
+        _C.enable_cuda_sage(os.environ.get("ATTN_BACKENDS_CUDA_SAGE", "0") == "1")
+        ab._dispatch.reset_caches()
+
+
+def test_cuda_head_dims_are_the_launchers_rule(cuda_flash_on):
+    # multiples of 8 up to 256, each padded up to a kernel's head dim (8, 16 and 24 run the 32 kernel);
+    # the registry used to say 32..256 while the launcher took any multiple of 8
+    for D in (8, 16, 24, 40, 256):
+        assert plan(device=CUDA, cc=90, smem=SMEM_227K, dtype="bfloat16", D=D).chosen == "flash", D
+    for D in (4, 36, 264):
+        p = plan(device=CUDA, cc=90, smem=SMEM_227K, dtype="bfloat16", D=D)
+        assert p.chosen != "flash" and "head dim" in p.reasons["flash"], D
+    caps = {r[0]: r for r in _C.backend_table()}["flash"][6][CUDA]  # the table now, with the opt-in on
+    assert caps[0] is None and caps[3:6] == (8, 256, 8)  # min, max, multiple: the launchers' numbers
+
+
+def test_cpu_flash_dtype_rule_is_the_kernels():
+    # the registry's CPU dtypes for flash and flash_varlen and the kernel family's own answer agree
+    for name in ("flash", "flash_varlen"):
+        dtypes = {r[0]: r for r in _names.TABLE}[name][6][CPU][1]
+        for dt in DT:
+            p = plan(device=CPU, dtype=dt, varlen=int(name == "flash_varlen"), requested=name)
+            assert (p.reasons[name] == "") == (dt in dtypes), (name, dt, p.reasons[name])
 
 
 def test_cuda_math_backward_is_opt_in_with_the_cuda_kernels(cuda_flash_on):

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "../ab_planner.h"
 #include "ab_cpu.h"
 #include "flash_cpu.h"
 
@@ -178,13 +179,23 @@ double ab_cpu_fma_peak(double seconds, int threads) {
   return total;
 }
 
+/* The dtypes the flash tables are built for: float32 accumulation of float16, bfloat16, float32. */
+static int flash_dtype_ok(ab_dtype dt) { return dt == AB_DTYPE_F32 || dt == AB_DTYPE_F16 || dt == AB_DTYPE_BF16; }
+
+/* The planner's question (ab_planner.h, ab_why_not_fn), answered by the rule the calls are checked with. */
+void ab_flash_cpu_why_not(const ab_call* c, char* out, size_t n) {
+  out[0] = 0;
+  if (!flash_dtype_ok(c->dtype))
+    snprintf(out, n, "flash on CPU takes float16, bfloat16 or float32, got %s", ab_dtype_name(c->dtype));
+}
+
 static ab_status check_flash(const ab_attn_params* p, int backward, ab_error* err) {
   ab_status st = ab_attn_params_check(p, backward, err);
   if (st != AB_OK) return st;
   if (ab_cpu_isa_error()) return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s", ab_cpu_isa_error());
   if (p->q.device != AB_DEVICE_CPU)
     return ab_error_set(err, AB_ERR_INVALID, "flash CPU kernel called with non-CPU tensors");
-  if (p->q.dtype != AB_DTYPE_F32 && p->q.dtype != AB_DTYPE_F16 && p->q.dtype != AB_DTYPE_BF16)
+  if (!flash_dtype_ok(p->q.dtype))
     return ab_error_set(err, AB_ERR_UNSUPPORTED, "flash on CPU takes float16, bfloat16 or float32, got %s",
                         ab_dtype_name(p->q.dtype));
   return AB_OK;

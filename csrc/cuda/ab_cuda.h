@@ -19,7 +19,7 @@ struct ab_kvcache_params; /* csrc/cpu/decode_cpu.h: a KV-cache call (attention_w
 
 /* Bumped whenever the table's layout or a launcher's contract changes; the loader refuses a
  * library with another version (a stale build beside a fresh module). */
-#define AB_CUDA_API_VERSION 5
+#define AB_CUDA_API_VERSION 6
 
 typedef struct ab_cuda_api {
   int api_version;
@@ -77,6 +77,10 @@ typedef struct ab_cuda_api {
   size_t (*kvcache_workspace)(const struct ab_kvcache_params* p);
   ab_status (*kvcache_fwd)(const struct ab_kvcache_params* p, void* workspace, size_t workspace_bytes, void* stream,
                            ab_error* err);
+  /* Bytes of shared memory a block of device `device` may opt in to (the device's answer,
+   * cudaDevAttrMaxSharedMemoryPerBlockOptin): what the planner weighs the kernels' configs
+   * against (ab_cuda_limits.h), as the launchers do before a launch. */
+  ab_status (*device_smem_optin)(int device, int* bytes, ab_error* err);
 } ab_cuda_api;
 
 AB_EXPORT const ab_cuda_api* ab_cuda_api_get(void);

@@ -35,6 +35,11 @@ ab_status device_capability(int device, int* cc, ab_error* err) {
   return AB_OK;
 }
 
+ab_status device_smem_optin(int device, int* bytes, ab_error* err) {
+  return ab_cuda_check(cudaDeviceGetAttribute(bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                       "cudaDeviceGetAttribute", err);
+}
+
 // A cubin runs on its own major version at an equal or higher minor (sm_80 code on 8.6); PTX
 // JIT-compiles for any newer device.  Arch-specific targets (sm_90a) run only on that exact cc.
 int supports_cc(int cc) {
@@ -49,6 +54,7 @@ const ab_cuda_api kApi = {
     ab_cuda_sage_fwd,           ab_cuda_math_bwd_workspace, ab_cuda_flash_bwd_workspace,
     ab_cuda_math_bwd,           ab_cuda_flash_bwd, ab_cuda_dropout_mask,
     ab_cuda_kvcache_workspace,  ab_cuda_kvcache_fwd,
+    device_smem_optin,
 };
 
 }  // namespace

@@ -19,9 +19,22 @@
 #include <stdint.h>
 
 #include "ab_cuda_internal.h"
+#include "ab_cuda_limits.h"
 #include "flash_bwd.cuh"
 
 namespace {
+
+// ab_cuda_limits.h states this tile table (flash_bwd.cuh) for the planner: the build fails when the two
+// differ.
+constexpr ab_cuda_config kBwdConfigs[] = {AB_CUDA_FLASH_BWD_CONFIGS};
+template <int I> constexpr bool bwd_config_matches() {
+  return kBwdConfigs[I].head_dim == ab_flash::kBwdHeadDims[I] &&
+         kBwdConfigs[I].smem == (int)ab_flash::bwd_smem_bytes(ab_flash::kBwdHeadDims[I]);
+}
+static_assert(sizeof kBwdConfigs / sizeof kBwdConfigs[0] == sizeof ab_flash::kBwdHeadDims / sizeof(int) &&
+                  bwd_config_matches<0>() && bwd_config_matches<1>() && bwd_config_matches<2>() &&
+                  bwd_config_matches<3>(),
+              "ab_cuda_limits.h: AB_CUDA_FLASH_BWD_CONFIGS differs from flash_bwd.cuh's tile table");
 
 using ab_flash::BwdParams;
 using ab_flash::FwdParams;

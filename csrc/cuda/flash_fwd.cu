@@ -19,8 +19,26 @@
 #include <stdint.h>
 
 #include "ab_cuda_internal.h"
+#include "ab_cuda_limits.h"
 #include "flash_fwd.cuh"
 #include "../ab_philox.h"
+
+// ab_cuda_limits.h states this tile table (flash_fwd.cuh) for the planner: the build fails when the two
+// differ.  Its shared memory is the config without dropout, the larger one (kBMDropout <= kBM).
+namespace {
+constexpr ab_cuda_config kFwdConfigs[] = {AB_CUDA_FLASH_FWD_CONFIGS};
+template <int I> constexpr bool fwd_config_matches() {
+  constexpr int kD = ab_flash::kFwdHeadDims[I];
+  using Tile = ab_flash::FwdTile<kD>;
+  return kFwdConfigs[I].head_dim == kD && Tile::kBMDropout <= Tile::kBM &&
+         kFwdConfigs[I].smem == (int)ab_flash::fwd_smem_bytes(kD, Tile::kBM, Tile::kBN);
+}
+static_assert(sizeof kFwdConfigs / sizeof kFwdConfigs[0] == sizeof ab_flash::kFwdHeadDims / sizeof(int) &&
+                  fwd_config_matches<0>() && fwd_config_matches<1>() && fwd_config_matches<2>() &&
+                  fwd_config_matches<3>() && fwd_config_matches<4>() && fwd_config_matches<5>() &&
+                  fwd_config_matches<6>() && fwd_config_matches<7>(),
+              "ab_cuda_limits.h: AB_CUDA_FLASH_FWD_CONFIGS differs from flash_fwd.cuh's tile table");
+}  // namespace
 
 namespace ab_flash {
 
@@ -77,11 +95,14 @@ ab_status prepare(const ab_attn_params* p, const Serves& serves, const int32_t* 
   const bool packed = p->cu_seqlens_q != nullptr;
   if (packed && (cu_q_dev == nullptr || cu_k_dev == nullptr))
     return ab_error_set(err, AB_ERR_INVALID, "%s on CUDA: packed call without device cu_seqlens", who);
-  const int64_t dmax = p->D > p->Dv ? p->D : p->Dv;
-  if (p->D % 8 != 0 || p->Dv % 8 != 0 || p->Dv == 0 || dmax > serves.max_head_dim)
-    return ab_error_set(err, AB_ERR_UNSUPPORTED,
-                        "%s on CUDA takes head dims that are multiples of 8 up to %d, got D=%lld Dv=%lld", who,
-                        serves.max_head_dim, (long long)p->D, (long long)p->Dv);
+  // the head-dim rule the planner applies too (ab_cuda_limits.h); the shared memory is checked at
+  // launch, against the device (prepare_smem)
+  const ab_cuda_family family = serves.backward ? AB_CUDA_FLASH_BWD : serves.dropout ? AB_CUDA_FLASH_FWD
+                                                                                     : AB_CUDA_SAGE_FWD;
+  char why[192];
+  if (ab_cuda_kernel_why_not(family, p->D, p->Dv, 0, why, sizeof why) || p->D > serves.max_head_dim ||
+      p->Dv > serves.max_head_dim)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s", why[0] ? why : "head dim beyond this kernel's table");
   if (p->Sq > kMaxSeqLen || p->Sk > kMaxSeqLen)
     return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s on CUDA takes sequences up to 2^30 rows", who);
   if (p->B == 0 || p->Hq == 0 || (p->Sq == 0 && !serves.backward)) {

@@ -24,9 +24,22 @@
 #include <stdint.h>
 
 #include "ab_cuda_internal.h"
+#include "ab_cuda_limits.h"
 #include "sage_fwd.cuh"
 
 namespace {
+
+// ab_cuda_limits.h states this tile table (sage_fwd.cuh) for the planner: the build fails when the two
+// differ.
+constexpr ab_cuda_config kSageConfigs[] = {AB_CUDA_SAGE_FWD_CONFIGS};
+template <int I> constexpr bool sage_config_matches() {
+  constexpr int kD = ab_sage::kSageHeadDims[I];
+  using Tile = ab_sage::SageTile<kD>;
+  return kSageConfigs[I].head_dim == kD && kSageConfigs[I].smem == (int)ab_sage::sage_smem_bytes(kD, Tile::kBM, Tile::kBN);
+}
+static_assert(sizeof kSageConfigs / sizeof kSageConfigs[0] == sizeof ab_sage::kSageHeadDims / sizeof(int) &&
+                  sage_config_matches<0>() && sage_config_matches<1>() && sage_config_matches<2>(),
+              "ab_cuda_limits.h: AB_CUDA_SAGE_FWD_CONFIGS differs from sage_fwd.cuh's tile table");
 
 using ab_sage::SageParams;
 

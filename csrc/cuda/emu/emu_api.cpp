@@ -178,6 +178,12 @@ ab_status emu_device_capability(int device, int* cc, ab_error* err) {
 
 int emu_supports_cc(int cc) { return cc >= 80; }
 
+// The emulated device's opt-in shared memory (its compute capability decides it, emu_device.cpp).
+ab_status emu_device_smem_optin(int device, int* bytes, ab_error* err) {
+  if (device != 0) return ab_error_set(err, AB_ERR_INVALID, "the CUDA emulator has one device, 0");
+  return real().device_smem_optin(0, bytes, err);
+}
+
 ab_status emu_math_fwd(const ab_attn_params* p, void* stream, ab_error* err) {
   Call call(stream);
   ab_attn_params d = *p;
@@ -281,6 +287,7 @@ const ab_cuda_api kEmuApi = {
     emu_math_fwd,            emu_flash_fwd,        emu_sage_fwd,           emu_math_bwd_workspace,
     emu_flash_bwd_workspace, emu_math_bwd,         emu_flash_bwd,          emu_dropout_mask,
     emu_kvcache_workspace,   emu_kvcache_fwd,
+    emu_device_smem_optin,
 };
 
 std::string g_log;  // the last launch_log() answer, kept alive for the caller
