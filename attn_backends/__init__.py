@@ -57,6 +57,9 @@ from ._merge import merge_attention_states
 from ._names import resolve as _resolve
 from ._planner import Plan
 
+_fast_attention = _dispatch.fast_attention
+_is_compiling = torch.compiler.is_compiling
+
 __version__ = _C.__version__
 
 __all__ = [
@@ -128,6 +131,13 @@ def attention(
         out (B, Hq, Sq, Dv) in q's dtype, or (out, lse) with return_lse=True.  A query row with no
         visible key outputs exactly 0 and gets zero gradient.
     """
+    if (attn_mask is None and window is None and sinks is None and alibi_slopes is None and not dropout_p
+            and not softcap and not deterministic and not _is_compiling()):
+        # the fast path (csrc/ab_direct.c): a plain eager CPU forward whose plan is known, all in C; None
+        # hands the call to the Python path
+        res = _fast_attention(q, k, v, backend, causal, scale, return_lse)
+        if res is not None:
+            return res
     return _dispatch.attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap,
                                return_lse, strict, deterministic, sinks, alibi_slopes)
 

@@ -1,8 +1,11 @@
 """From a call to a kernel: validate, describe the call for the planner, run the chosen backend.
 
-Per-call cost matters (benchmarks/bench_overhead.py): the common path validates with one
-expression, builds the planner signature from metadata already read, finds the plan in a dict,
-and calls the op below the autograd layer when no gradient is needed.
+Per-call cost matters (benchmarks/bench_overhead.py).  A plain eager CPU forward takes the fast path,
+all in C (_C.attention, csrc/ab_direct.c): the checks, the call descriptor and the plan lookup, then the
+kernel, with no Python in between; it serves only calls whose plan the Python path below has made
+once (``remember``), and hands anything else back.  The Python path validates with one expression,
+builds the call descriptor from metadata already read, finds the plan in a dict, and calls the op
+below the autograd layer when no gradient is needed.
 """
 
 from __future__ import annotations
@@ -11,9 +14,9 @@ import os
 
 import torch
 
-from . import _planner, _validate
+from . import _C, _planner, _validate
 from ._names import ID, resolve
-from ._providers import RUNNERS, VARLEN_RUNNERS
+from ._providers import RUNNERS, VARLEN_RUNNERS, direct_guards
 
 _cuda_lib = os.path.join(os.path.dirname(__file__), "libattn_backends_cuda.so")
 _cuda_devices: dict = {}
@@ -34,8 +37,6 @@ def cuda_device_info(index) -> tuple:
             major, minor = torch.cuda.get_device_capability(index)
             info = (major * 10 + minor, False, "the CUDA library was not built (no nvcc at install time)", 0)
         else:
-            from . import _C
-
             cc, ok, why, smem = _C.cuda_device(index)
             info = (cc, bool(ok), why, smem)
         _cuda_devices[index] = info
@@ -114,25 +115,35 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
         D, Dv = _static_int(D), _static_int(Dv)
         gqa = True if gqa else False  # noqa: SIM210 (a branch, not bool(): see _static_int)
         square = True if square else False  # noqa: SIM210
-    sig = (dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, gqa, square, mask_kind, mask_grad, causal_i,
-           wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
-           bool(return_lse), 0, _SETTINGS["mps_fix"], ID[requested], _cpu_isa(), _CPU_UNITS, smem)
     args = (q, k, v, attn_mask, causal_i, scale_f, wl, wr, softcap_f, p, need_grad, bool(return_lse))
+    has_sinks = has_alibi = False
     if sinks is not None or alibi_slopes is not None:
-        # sinks and ALiBi: two more planner fields and two more runner arguments (None when absent)
-        sinks, alibi_slopes, flags = _sinks_alibi(q, B, Hq, sinks, alibi_slopes)
+        # sinks and ALiBi: two more runner arguments (None when absent) after deterministic
+        sinks, alibi_slopes, (has_sinks, has_alibi) = _sinks_alibi(q, B, Hq, sinks, alibi_slopes)
         if sinks is not None and sinks.requires_grad and torch.is_grad_enabled() and not need_grad:
             need_grad = True
-            sig = sig[:14] + (True,) + sig[15:]
             args = args[:10] + (True,) + args[11:]
-        return args + (bool(deterministic), sinks, alibi_slopes), sig + flags
-    return (args + (True,) if deterministic else args), sig
+        args += (bool(deterministic), sinks, alibi_slopes)
+    elif deterministic:
+        args += (True,)
+    sig = _new_call(dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, gqa, square, mask_kind, mask_grad, causal_i,
+                    wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
+                    bool(return_lse), 0, _SETTINGS["mps_fix"], ID[requested], _cpu_isa(), _CPU_UNITS, smem,
+                    has_sinks, has_alibi)
+    return args, sig
 
 
 _SETTINGS = _planner.settings
 _cpu_isa = _planner.cpu_isa
 _CPU_UNITS = _planner.CPU_UNITS
-_chosen = ({}, {})  # signature -> backend, for strict False and True: the hot path's one lookup
+_new_call = _planner.new_call
+_chosen = ({}, {})  # Call -> backend, for strict False and True: the Python path's one lookup
+_FLASH = ID["flash"]
+# what the fast path reads (csrc/ab_direct.c): the same facts prepare() reads below
+_C.set_fast_api(torch.Tensor, direct_guards, torch.is_grad_enabled, _deterministic, _planner._context_backend.get,
+                _planner._process_default, _SETTINGS)
+fast_attention = _C.attention
+_PLAIN = (ID["auto"], _FLASH)  # requests under which flash serving a call is not a fallback
 
 
 def reset_caches() -> None:
@@ -141,6 +152,7 @@ def reset_caches() -> None:
 
     for d in (*_chosen, *_kvcache._chosen):
         d.clear()
+    _C.forget()
     _planner._plans.clear()
     _planner._warned.clear()
 
@@ -155,6 +167,8 @@ def attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, sof
         chosen = _planner.choose(sig, strict)
         if len(_chosen[strict]) < 65536 and not _is_compiling():
             _chosen[strict][sig] = chosen
+            if chosen == "flash" and sig.requested in _PLAIN:
+                _C.remember(sig, _FLASH)  # ab.attention's fast path may serve such calls now (ab_direct.c)
     out, lse = RUNNERS[chosen](*args)
     return (out, lse) if return_lse else out
 
@@ -189,13 +203,13 @@ def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p
     device = q.device
     dev = _DEVICE_IDS.get(device.type, 3)
     cc, lib_ok, _, smem = cuda_device_info(device.index) if dev == 1 else (0, 0, "", 0)
-    sig = (dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, Hq != Hkv, max_q == max_k, 0, 0, causal_i,
-           wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
-           bool(return_lse), 1, _planner.settings["mps_fix"], ID[requested], _planner.cpu_isa(), _CPU_UNITS, smem)
+    sig = _new_call(dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, Hq != Hkv, max_q == max_k, 0, 0, causal_i,
+                    wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
+                    bool(return_lse), 1, _SETTINGS["mps_fix"], ID[requested], _cpu_isa(), _CPU_UNITS, smem, *flags)
     args = (q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal_i, scale_f, wl, wr, softcap_f, p,
             need_grad, bool(return_lse), bool(deterministic))
     if flags != (False, False):
-        return args + (sinks, alibi_slopes), sig + flags
+        return args + (sinks, alibi_slopes), sig
     return args, sig
 
 

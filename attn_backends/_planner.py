@@ -1,8 +1,9 @@
 """The Python side of the planner: describes a call for the C planner (csrc/ab_planner.c), caches
 plans by call signature, logs fallbacks once, raises in strict mode, renders explanations.
 
-A call signature is a tuple of small ints (device, dtype, head dims, mask kind, flags, requested
-backend, ...): the C planner's ab_call.  Plans are cached per signature, so planning costs one
+A call is described by a Call (attn_backends._C.Call, the mirror of the C planner's ab_call: device,
+dtype, head dims, mask kind, flags, requested backend, ...; fields by name, csrc/ab_planner.h
+AB_CALL_FIELDS defines them), built by new_call.  Plans are cached per Call, so planning costs one
 dict lookup after the first call of a kind.  Under torch.compile, ``choose`` runs at trace time
 (``assume_constant_result``) and the chosen backend is baked into the graph.
 """
@@ -22,20 +23,20 @@ from ._names import CANONICAL, ID, TABLE, resolve
 
 logger = logging.getLogger("attn_backends")
 
-DEVICE_IDS = {"cpu": 0, "cuda": 1, "mps": 2}
-DEVICE_NAMES = ("cpu", "cuda", "mps", "other")
-DTYPE_IDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
-DTYPE_NAMES = ("float32", "float16", "bfloat16", "float64")
-CAUSAL_NAMES = ("none", "top_left", "bottom_right")
-MASK_NAMES = ("none", "bool", "float")
-ISA_NAMES = ("generic", "avx2", "avx512", "amx", "amx_emu")  # ab_cpu_isa (csrc/ab_core.h)
+# the call descriptor's enums, names indexed by value, from the C core (csrc/ab_core.h, ab_planner.h)
+_ENUMS = _C.enum_names()
+DEVICE_NAMES = _ENUMS["device"]  # ab_device_type: cpu, cuda, mps, other
+DEVICE_IDS = {name: i for i, name in enumerate(DEVICE_NAMES) if name != "other"}
+DTYPE_NAMES = _ENUMS["dtype"]  # the floating ab_dtype values: float32, float16, bfloat16, float64
+DTYPE_IDS = {getattr(torch, name): i for i, name in enumerate(DTYPE_NAMES)}
+CAUSAL_NAMES = _ENUMS["causal"]  # ab_causal
+MASK_NAMES = _ENUMS["mask"]  # ab_call.mask
+ISA_NAMES = _ENUMS["cpu_isa"]  # ab_cpu_isa
+UNIT_NAMES = _ENUMS["cpu_units"]  # bit i of cpu_units (AB_UNIT_*)
 
-UNIT_NAMES = ("AMX-BF16", "AMX-FP16", "AMX-INT8")  # bit i of cpu_units (csrc/ab_planner.h AB_UNIT_*)
-
-# signature fields, in the order of the C planner's ab_call
-FIELDS = ("device", "cuda_cc", "cuda_lib_ok", "dtype", "D", "Dv", "gqa", "square", "mask", "mask_grad",
-          "causal", "window", "softcap", "dropout", "need_grad", "deterministic", "want_lse", "varlen",
-          "mps_fix", "requested", "cpu_isa", "cpu_units", "cuda_smem", "sinks", "alibi")
+# the call descriptor: its type and fields come from the C core (csrc/ab_planner.h, AB_CALL_FIELDS)
+Call = _C.Call
+FIELDS = _C.call_fields()
 
 
 def _env_flag(name: str) -> bool:
@@ -82,8 +83,26 @@ def cpu_isa() -> int:
 
 
 _cpu_isa_index = _C.cpu_isa_index
+_is_compiling = torch.compiler.is_compiling
 # the matrix units this CPU may use are fixed for the process
 CPU_UNITS = _C.cpu_units()
+
+
+def new_call(device=0, cuda_cc=0, cuda_lib_ok=0, dtype=0, D=64, Dv=64, gqa=False, square=True, mask=0,
+             mask_grad=False, causal=0, window=False, softcap=False, dropout=False, need_grad=False,
+             deterministic=False, want_lse=False, varlen=0, mps_fix=None, requested=0, cpu_isa=None,
+             cpu_units=None, cuda_smem=0, sinks=False, alibi=False) -> Call:
+    """The one constructor of the call descriptor (fields: csrc/ab_planner.h, AB_CALL_FIELDS).  Ids, not
+    names: device (DEVICE_IDS), dtype (DTYPE_IDS), causal (CAUSAL_NAMES), requested (_names.ID).  Left as
+    None, mps_fix, cpu_isa and cpu_units are this process's; the rest default to a plain dense CPU
+    float32 call of D=64.  _dispatch passes every field by position (the per-call path).  While
+    torch.compile traces, the fields as a plain tuple (dynamo cannot rebuild a struct sequence as a
+    constant); build() turns it into a Call, and tuples and Calls of the same fields are equal keys."""
+    return (tuple if _is_compiling() else Call)((device, cuda_cc, cuda_lib_ok, dtype, D, Dv, gqa, square, mask, mask_grad, causal, window,
+                 softcap, dropout, need_grad, deterministic, want_lse, varlen,
+                 settings["mps_fix"] if mps_fix is None else mps_fix, requested,
+                 _cpu_isa_index() if cpu_isa is None else cpu_isa, CPU_UNITS if cpu_units is None else cpu_units,
+                 cuda_smem, sinks, alibi))
 
 
 def _detect_providers() -> None:
@@ -187,10 +206,9 @@ _plans: dict = {}
 _warned: set = set()
 
 
-def describe(sig: tuple) -> dict:
-    d = dict(zip(FIELDS, sig))
-    d.setdefault("sinks", 0)  # signatures of calls without sinks and ALiBi may end before these fields
-    d.setdefault("alibi", 0)
+def describe(call: Call) -> dict:
+    """The call's fields by name, with names in place of ids."""
+    d = dict(zip(FIELDS, call))
     d["device"] = DEVICE_NAMES[d["device"]]
     d["dtype"] = DTYPE_NAMES[d["dtype"]] if d["dtype"] < len(DTYPE_NAMES) else "other"
     d["causal"] = CAUSAL_NAMES[d["causal"]]
@@ -201,13 +219,14 @@ def describe(sig: tuple) -> dict:
     return d
 
 
-def build(sig: tuple) -> Plan:
-    """The plan for a call signature (FIELDS order), cached."""
+def build(sig: Call) -> Plan:
+    """The plan for a call, cached."""
     plan = _plans.get(sig)
     if plan is None:
+        sig = sig if sig.__class__ is Call else Call(sig)
         chosen, order, reasons, path, note = _C.plan(sig)
         plan = Plan(
-            requested=CANONICAL[sig[19]],
+            requested=CANONICAL[sig.requested],
             chosen=CANONICAL[chosen] if chosen >= 0 else None,
             path=path,
             order=tuple(CANONICAL[i] for i in order),
@@ -230,7 +249,7 @@ def strict_message(plan: Plan) -> str:
 
 
 @torch.compiler.assume_constant_result
-def choose(sig: tuple, strict: bool) -> str:
+def choose(sig: Call, strict: bool) -> str:
     """The backend that serves a call of this signature; logs a fallback once per (requested,
     chosen, reason) and the backend used once per signature; raises when strict and the named
     backend cannot serve, or when nothing can."""

@@ -92,6 +92,10 @@ _tracing_state = torch._C._get_tracing_state
 _functorch_layer = torch._C._functorch.peek_interpreter_stack
 
 
+# each returns something false when no mode, transform or trace is active (direct_ok, and the fast path)
+direct_guards = (_dispatch_modes, _function_mode, _inference_mode, _tracing_state, _functorch_layer)
+
+
 def direct_ok(q, k, v, mask) -> bool:
     """Whether a CPU call that needs no gradient may skip the dispatcher: not while torch.compile
     traces (first, so that dynamo folds the rest away) or a jit trace records; q, k, v and the mask

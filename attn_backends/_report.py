@@ -81,9 +81,9 @@ def backend_rows() -> list:
             layout = call_layout(feats)
             # float16 on an emulated CUDA device (the CPU under ATTN_BACKENDS_CUDA_EMULATE), else float32
             dtype = 1 if dev == "cpu" and _C.cuda_emulation() else 0
-            sig = (DEVICES.index(dev), cc, int(lib_ok), dtype, 64, 64, 0, 1, 0, 0, 0, 0, 0, 0,
-                   0, 0, 0, layout, 0, i, _planner.cpu_isa(), _planner.CPU_UNITS, smem)
-            reason = _C.plan(sig)[2][i]
+            call = _planner.new_call(DEVICES.index(dev), cc, int(lib_ok), dtype, varlen=layout, mps_fix=0, requested=i,
+                                     cuda_smem=smem)
+            reason = _C.plan(call)[2][i]
             if not reason:
                 available = True
                 break
@@ -97,9 +97,7 @@ def backend_rows() -> list:
 
 def auto_cpu_note(dtype) -> str:
     """Why auto's order differs on this CPU for a plain call of this dtype ("" when it does not)."""
-    sig = (0, 0, 0, _planner.DTYPE_IDS[dtype], 64, 64, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-           _planner.cpu_isa(), _planner.CPU_UNITS, 0)
-    return _C.plan(sig)[4]
+    return _C.plan(_planner.new_call(dtype=_planner.DTYPE_IDS[dtype], mps_fix=0))[4]
 
 
 def support_matrix_markdown() -> str:

@@ -3,9 +3,11 @@
 At B=1 H=1 S=16 D=64 the arithmetic is a few thousand multiply-adds, so the time is mostly what a
 call costs: argument checks, planning, the dispatcher, allocation, autograd bookkeeping.  Both are
 timed side by side, interleaved round by round, and the table shows medians and the ratio
-(target: ours <= 1.5x torch's, forward and forward+backward).  "forward, op path" is the same
-forward call with the direct path switched off (what it cost before that path, and what calls that
-must keep the op still pay).  "op alone" times our flash op with none of our Python around it,
+(target: ours <= 1.5x torch's, forward and forward+backward).  "forward" takes ab.attention's fast
+path (all in C, csrc/ab_direct.c); "forward, Python path" is the same call with the fast path switched
+off (validation, the call descriptor and the plan lookup in Python, then the direct kernel call: what
+calls the fast path hands back pay); "forward, op path" switches the direct call off too (what calls
+that must keep the op still pay).  "op alone" times our flash op with none of our Python around it,
 called below autograd as the op path calls it; "direct alone" the direct call of the same kernel
 (_C.flash_fwd_cpu, docs/architecture.md): the floors that validation, planning and dispatch add to.
 
@@ -63,13 +65,26 @@ def make_calls(B, H, S, D, dtype, backend):
 
     direct_ok = _providers.direct_ok
 
-    def ours_fwd_op_path():
-        # the same call with the direct path switched off: what every such call paid before it existed
-        _providers.direct_ok = _never
+    fast = ab._fast_attention
+
+    def _no_fast(*args):
+        return None
+
+    def ours_fwd_python_path():
+        # the same call with the fast path switched off: the Python path, then the direct kernel call
+        ab._fast_attention = _no_fast
         try:
             ab.attention(q, k, v, backend=backend)
         finally:
-            _providers.direct_ok = direct_ok
+            ab._fast_attention = fast
+
+    def ours_fwd_op_path():
+        # the same call with the fast path and the direct call switched off: the op below autograd
+        ab._fast_attention, _providers.direct_ok = _no_fast, _never
+        try:
+            ab.attention(q, k, v, backend=backend)
+        finally:
+            ab._fast_attention, _providers.direct_ok = fast, direct_ok
 
     def direct_alone():
         # the floor under ours_fwd on the direct path: the kernel called from _C, outputs allocated there
@@ -80,6 +95,7 @@ def make_calls(B, H, S, D, dtype, backend):
         "forward+backward": (ours_fwd_bwd, torch_fwd_bwd),
     }
     if backend in ("auto", "flash"):
+        calls["forward, Python path"] = (ours_fwd_python_path, torch_fwd)
         calls["forward, op path"] = (ours_fwd_op_path, torch_fwd)
         calls["forward, op alone"] = (op_alone, torch_fwd)
         calls["forward, direct alone"] = (direct_alone, torch_fwd)

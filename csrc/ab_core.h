@@ -96,6 +96,11 @@ typedef enum ab_causal {
   AB_CAUSAL_BOTTOM_RIGHT = 2  /* query i sees keys j <= i + Sk - Sq (KV-cache convention) */
 } ab_causal;
 
+/* Names of the enums above ("cpu", "cuda", "mps", "other"; "none", "top_left", "bottom_right"): the
+ * Python side takes its names and ids from these (attn_backends._C.enum_names). */
+const char* ab_device_name(ab_device_type device);
+const char* ab_causal_name(ab_causal causal);
+
 /* Everything a kernel needs for one attention call, filled in one place (the shim).
  * Forward reads q, k, v, mask and writes out, lse.  Backward also reads dout, dlse (optional), out,
  * lse and writes dq, dk, dv and dmask (optional: the gradient of a float mask, (B, Hq, Sq, Sk)).

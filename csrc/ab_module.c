@@ -1,5 +1,5 @@
-/* ab_module.c -- the CPython module attn_backends._C (limited API, abi3): the only file that
- * includes Python.h.
+/* ab_module.c -- the CPython module attn_backends._C (limited API, abi3); with ab_direct.c (the calls
+ * that skip the dispatcher) the only files that include Python.h (ab_module.h).
  *
  * Loading this shared object also runs torch_shim.cpp's static registration of the
  * attn_backends::* ops, which is why attn_backends/__init__.py imports torch first.  The functions
@@ -8,14 +8,11 @@
  * (flash_fwd_cpu).  Multi-phase initialisation, state in the module (no global Python state), so it
  * is safe in subinterpreters.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "ab_core.h"
-#include "ab_planner.h"
+#include "ab_module.h"
 #include "ab_shim.h"
 #include "cuda/ab_cuda.h"
 
@@ -23,23 +20,9 @@
 #define AB_CUDA_ARCHS ""
 #endif
 
-/* Module state: what the direct call of the CPU flash forward (flash_fwd_cpu below) needs from torch,
- * handed over once by attn_backends/_providers.py (set_tensor_api), and the attribute names it reads
- * tensors' metadata through. */
-typedef struct ab_state {
-  PyObject* s_shape;    /* "shape" */
-  PyObject* s_stride;   /* "stride" */
-  PyObject* s_data_ptr; /* "data_ptr" */
-  PyObject* s_dtype;    /* "dtype" */
-  PyObject* s_is_cpu;   /* "is_cpu" */
-  PyObject* s_new_empty_strided; /* "new_empty_strided" */
-  PyObject* empty_strided; /* torch.empty_strided; NULL until set_tensor_api */
-  PyObject* dtypes[AB_DTYPE_OTHER]; /* torch.float32, float16, bfloat16, float64, bool, int32, int64, uint8:
-                                       indexed by ab_dtype */
-  PyObject* alloc_kw[4];   /* {"dtype": torch.<float dtype>, "device": cpu} per floating ab_dtype */
-} ab_state;
-
 static ab_state* state_of(PyObject* module) { return (ab_state*)PyModule_GetState(module); }
+
+ab_state* ab_module_state(PyObject* module) { return state_of(module); }
 
 static int dict_set_str(PyObject* d, const char* key, const char* value) {
   PyObject* v = PyUnicode_FromString(value);
@@ -199,7 +182,6 @@ fail:
 
 /* set_provider(id, available, why_not) */
 static PyObject* ab_py_set_provider(PyObject* self, PyObject* args) {
-  (void)self;
   int id, available;
   const char* why;
   if (!PyArg_ParseTuple(args, "ips", &id, &available, &why)) return NULL;
@@ -208,33 +190,34 @@ static PyObject* ab_py_set_provider(PyObject* self, PyObject* args) {
     return NULL;
   }
   ab_provider_set(id, available, why);
+  ab_direct_forget(state_of(self));
   Py_RETURN_NONE;
 }
 
 /* enable_cuda_flash(on): see ab_registry_enable_cuda_flash. */
 static PyObject* ab_py_enable_cuda_flash(PyObject* self, PyObject* arg) {
-  (void)self;
   const int on = PyObject_IsTrue(arg);
   if (on < 0) return NULL;
   ab_registry_enable_cuda_flash(on);
+  ab_direct_forget(state_of(self));
   Py_RETURN_NONE;
 }
 
 /* enable_cuda_sage(on): see ab_registry_enable_cuda_sage. */
 static PyObject* ab_py_enable_cuda_sage(PyObject* self, PyObject* arg) {
-  (void)self;
   const int on = PyObject_IsTrue(arg);
   if (on < 0) return NULL;
   ab_registry_enable_cuda_sage(on);
+  ab_direct_forget(state_of(self));
   Py_RETURN_NONE;
 }
 
 /* enable_cuda_decode(on): see ab_registry_enable_cuda_decode. */
 static PyObject* ab_py_enable_cuda_decode(PyObject* self, PyObject* arg) {
-  (void)self;
   const int on = PyObject_IsTrue(arg);
   if (on < 0) return NULL;
   ab_registry_enable_cuda_decode(on);
+  ab_direct_forget(state_of(self));
   Py_RETURN_NONE;
 }
 
@@ -242,7 +225,6 @@ static PyObject* ab_py_enable_cuda_decode(PyObject* self, PyObject* arg) {
  * CUDA kernels on the emulator (docs/cuda.md); loads its library (RuntimeError when it is missing)
  * and tells the planner, which then plans those backends on the CPU with their CUDA capabilities. */
 static PyObject* ab_py_set_cuda_emulation(PyObject* self, PyObject* arg) {
-  (void)self;
   const int on = PyObject_IsTrue(arg);
   if (on < 0) return NULL;
   ab_error err;
@@ -252,6 +234,7 @@ static PyObject* ab_py_set_cuda_emulation(PyObject* self, PyObject* arg) {
     return NULL;
   }
   ab_registry_set_cuda_emulation(on);
+  ab_direct_forget(state_of(self));
   Py_RETURN_NONE;
 }
 
@@ -262,34 +245,93 @@ static PyObject* ab_py_cuda_emulation(PyObject* self, PyObject* unused) {
   return PyBool_FromLong(ab_cuda_emulation() != NULL);
 }
 
-/* plan(call) -> (chosen id or -1, (order...), (reason per id...), path, note).  call is the tuple
- * (device, cuda_cc, cuda_lib_ok, dtype, D, Dv, gqa, square, mask, mask_grad, causal, window,
- *  softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix, requested, cpu_isa,
- *  cpu_units, cuda_smem[, sinks, alibi]). */
+/* ---- the call descriptor: ab_call and its Python mirror, Call ---------------------------------- */
+
+#define CALL_FIELD_DESC(type, name, doc) {#name, doc},
+static PyStructSequence_Field k_call_fields[] = {AB_CALL_FIELDS(CALL_FIELD_DESC){NULL, NULL}};
+#undef CALL_FIELD_DESC
+
+static PyStructSequence_Desc k_call_desc = {
+    "attn_backends._C.Call",
+    "A call described without tensors, as the planner sees it (csrc/ab_planner.h, ab_call): built by\n"
+    "attn_backends._planner.new_call, read by field name by the planner, the report and explain.",
+    k_call_fields,
+    AB_CALL_NFIELDS,
+};
+
+int ab_call_from_py(PyObject* obj, ab_call* c) {
+  if (!PyTuple_Check(obj) || PyTuple_Size(obj) != AB_CALL_NFIELDS) {
+    PyErr_Format(PyExc_TypeError, "a call descriptor is a Call (or a tuple of %d ints)", (int)AB_CALL_NFIELDS);
+    return -1;
+  }
+  memset(c, 0, sizeof *c);
+  Py_ssize_t i = 0;
+  long long v;
+#define CALL_FIELD_FROM(type, name, doc)                         \
+  v = PyLong_AsLongLong(PyTuple_GetItem(obj, i++));              \
+  if (v == -1 && PyErr_Occurred()) return -1;                    \
+  c->name = (type)v;
+  AB_CALL_FIELDS(CALL_FIELD_FROM)
+#undef CALL_FIELD_FROM
+  if ((int)c->device < 0 || c->device >= AB_DEV_COUNT || (int)c->dtype < 0 || c->dtype > AB_DTYPE_OTHER ||
+      (int)c->causal < 0 || c->causal > 2 || c->requested < 0 || c->requested >= AB_BK_COUNT ||
+      c->cpu_isa < 0 || c->cpu_isa >= AB_ISA_COUNT) {
+    PyErr_SetString(PyExc_ValueError, "plan: a field of the call is out of range");
+    return -1;
+  }
+  return 0;
+}
+
+/* enum_names() -> {"device": (...), "dtype": (the four floating dtypes), "causal": (...), "mask": (...),
+ * "cpu_isa": (...), "cpu_units": (name of bit i, ...)}: each tuple indexed by the C enum's value. */
+static PyObject* ab_py_enum_names(PyObject* self, PyObject* unused) {
+  (void)self;
+  (void)unused;
+  const char* names[AB_ISA_COUNT > AB_DEV_COUNT ? AB_ISA_COUNT + 4 : AB_DEV_COUNT + 4];
+  PyObject* d = PyDict_New();
+  if (!d) return NULL;
+  PyObject* t;
+#define ENUM_ENTRY(key, count, expr)                        \
+  for (int i = 0; i < (count); ++i) names[i] = (expr);      \
+  t = str_tuple(names, (count));                            \
+  if (!t || PyDict_SetItemString(d, key, t) < 0) goto fail; \
+  Py_DECREF(t);
+  ENUM_ENTRY("device", AB_DEV_COUNT, ab_device_name((ab_device_type)i))
+  ENUM_ENTRY("dtype", AB_DTYPE_F64 + 1, ab_dtype_name((ab_dtype)i))
+  ENUM_ENTRY("causal", 3, ab_causal_name((ab_causal)i))
+  ENUM_ENTRY("mask", 3, ab_mask_kind_name(i))
+  ENUM_ENTRY("cpu_isa", AB_ISA_COUNT, ab_cpu_isa_name((ab_cpu_isa)i))
+  ENUM_ENTRY("cpu_units", AB_UNIT_COUNT, ab_unit_name(i))
+#undef ENUM_ENTRY
+  return d;
+fail:
+  Py_XDECREF(t);
+  Py_DECREF(d);
+  return NULL;
+}
+
+/* call_fields() -> the names of Call's fields, in order (the planner's signature). */
+static PyObject* ab_py_call_fields(PyObject* self, PyObject* unused) {
+  (void)self;
+  (void)unused;
+  PyObject* t = PyTuple_New(AB_CALL_NFIELDS);
+  if (!t) return NULL;
+  for (int i = 0; i < AB_CALL_NFIELDS; ++i) {
+    PyObject* s = PyUnicode_FromString(k_call_fields[i].name);
+    if (!s) {
+      Py_DECREF(t);
+      return NULL;
+    }
+    PyTuple_SetItem(t, i, s);
+  }
+  return t;
+}
+
+/* plan(call) -> (chosen id or -1, (order...), (reason per id...), path, note) for a Call. */
 static PyObject* ab_py_plan(PyObject* self, PyObject* arg) {
   (void)self;
   ab_call c;
-  int device, dtype, causal;
-  long long D, Dv;
-  memset(&c, 0, sizeof c);
-  unsigned int units = 0;
-  if (!PyArg_ParseTuple(arg, "iiiiLLiiiiiiiiiiiiiiiIi|ii", &device, &c.cuda_cc, &c.cuda_lib_ok, &dtype,
-                        &D, &Dv, &c.gqa, &c.square, &c.mask, &c.mask_grad, &causal, &c.window,
-                        &c.softcap, &c.dropout, &c.need_grad, &c.deterministic, &c.want_lse,
-                        &c.varlen, &c.mps_fix, &c.requested, &c.cpu_isa, &units, &c.cuda_smem, &c.sinks,
-                        &c.alibi))
-    return NULL;
-  c.cpu_units = units;
-  if (device < 0 || device >= AB_DEV_COUNT || dtype < 0 || dtype > AB_DTYPE_OTHER || causal < 0 ||
-      causal > 2 || c.requested < 0 || c.requested >= AB_BK_COUNT) {
-    PyErr_SetString(PyExc_ValueError, "plan: a field of the call is out of range");
-    return NULL;
-  }
-  c.device = (ab_device_type)device;
-  c.dtype = (ab_dtype)dtype;
-  c.causal = (ab_causal)causal;
-  c.D = D;
-  c.Dv = Dv;
+  if (ab_call_from_py(arg, &c) < 0) return NULL;
   ab_plan p;
   ab_plan_build(&c, &p);
   PyObject* order = PyTuple_New(p.norder);
@@ -465,314 +507,7 @@ static PyObject* ab_py_amx_emu_dot(PyObject* self, PyObject* args) {
   return r;
 }
 
-/* ---- the CPU flash forward, called directly -----------------------------------------------------
- *
- * A call that needs no autograd and is not being traced (attn_backends/_providers.py decides: CPU
- * tensors of the plain torch.Tensor type, no gradient, no dropout, no torch.compile, tracing,
- * dispatch or function mode, functorch transform or inference mode) skips the dispatcher: the
- * metadata is read here, the outputs are allocated through torch (q.new_empty_strided, and
- * torch.empty_strided for lse) in the layout the op gives them, and ab_flash_cpu_fwd runs on torch's
- * thread pool (ab_shim_cpu_pool), with the GIL released unless the call is tiny.  Same kernel, same checks (ab_attn_params_check), same pool: the same bits as the
- * flash_fwd op (tests/test_direct.py).  What it saves is the op call's fixed cost (the dispatcher,
- * the boxed stable-ABI call), which dominates small calls (docs/benchmarks.md, "Per-call cost"). */
-
-/* A RuntimeError worded as the shim's (torch_shim.cpp: fail). */
-static PyObject* direct_error(const char* msg) {
-  PyErr_Format(PyExc_RuntimeError, "attn_backends: %s", msg);
-  return NULL;
-}
-
-/* The ab_dtype of a torch dtype object (identity with the ones set_tensor_api gave). */
-static ab_dtype dtype_of(const ab_state* st, PyObject* dt) {
-  for (int i = 0; i < AB_DTYPE_OTHER; ++i)
-    if (dt == st->dtypes[i]) return (ab_dtype)i;
-  return AB_DTYPE_OTHER;
-}
-
-/* 1 when t is a CPU tensor, 0 when not, -1 with an exception set. */
-static int is_cpu(const ab_state* st, PyObject* t) {
-  PyObject* r = PyObject_GetAttr(t, st->s_is_cpu);
-  if (!r) return -1;
-  const int yes = PyObject_IsTrue(r);
-  Py_DECREF(r);
-  return yes;
-}
-
-/* Fills v from a CPU tensor's shape, strides, dtype and data pointer; -1 with an exception set.  A
- * rank other than 1..4 is an error naming the tensor, unless any_rank: then only v->ndim is set (the
- * caller words the error, as the shim does for q, k and v). */
-static int read_view(const ab_state* st, PyObject* t, ab_tensor* v, const char* name, int any_rank) {
-  memset(v, 0, sizeof *v);
-  PyObject* shape = PyObject_GetAttr(t, st->s_shape);
-  if (!shape) return -1;
-  PyObject* stride = PyObject_CallMethodObjArgs(t, st->s_stride, NULL);
-  PyObject* dt = stride ? PyObject_GetAttr(t, st->s_dtype) : NULL;
-  int rc = -1;
-  if (!dt) goto done;
-  const Py_ssize_t nd = PyTuple_Size(shape);
-  if (nd < 0 || PyTuple_Size(stride) != nd) {
-    if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s: shape and stride() disagree", name);
-    goto done;
-  }
-  if (nd < 1 || nd > AB_MAX_DIMS) {
-    if (any_rank) {
-      v->ndim = (int32_t)nd;
-      rc = 0;
-    } else {
-      PyErr_Format(PyExc_RuntimeError, "attn_backends: %s must have 1 to 4 dims, got %zd", name, nd);
-    }
-    goto done;
-  }
-  int64_t numel = 1;
-  for (Py_ssize_t d = 0; d < nd; ++d) {
-    v->sizes[d] = PyLong_AsLongLong(PyTuple_GetItem(shape, d));
-    v->strides[d] = PyLong_AsLongLong(PyTuple_GetItem(stride, d));
-    numel *= v->sizes[d];
-  }
-  if (PyErr_Occurred()) goto done;
-  v->ndim = (int32_t)nd;
-  v->dtype = dtype_of(st, dt);
-  v->device = AB_DEVICE_CPU;
-  v->device_index = -1;
-  if (numel) {
-    PyObject* ptr = PyObject_CallMethodObjArgs(t, st->s_data_ptr, NULL);
-    if (!ptr) goto done;
-    v->data = PyLong_AsVoidPtr(ptr);
-    Py_DECREF(ptr);
-    if (PyErr_Occurred()) goto done;
-  }
-  rc = 0;
-done:
-  Py_DECREF(shape);
-  Py_XDECREF(stride);
-  Py_XDECREF(dt);
-  return rc;
-}
-
-/* Contiguous strides of sizes (a dim of size 0 or 1 counts as 1), as the shim computes them. */
-static void contiguous_strides(const int64_t* sizes, int n, int64_t* strides) {
-  int64_t s = 1;
-  for (int d = n - 1; d >= 0; --d) {
-    strides[d] = s;
-    s *= sizes[d] > 1 ? sizes[d] : 1;
-  }
-}
-
-/* like.new_empty_strided(sizes, strides) when like is given (its dtype and device, and no keyword
- * arguments to parse: the cheaper call), else torch.empty_strided(sizes, strides, dtype=..., device="cpu") */
-static PyObject* empty_strided(const ab_state* st, PyObject* like, const int64_t* sizes, const int64_t* strides,
-                               int n, ab_dtype dtype) {
-  PyObject* sz = PyTuple_New(n);
-  PyObject* sd = sz ? PyTuple_New(n) : NULL;
-  if (!sd) {
-    Py_XDECREF(sz);
-    return NULL;
-  }
-  for (int d = 0; d < n; ++d) {
-    PyTuple_SetItem(sz, d, PyLong_FromLongLong(sizes[d]));
-    PyTuple_SetItem(sd, d, PyLong_FromLongLong(strides[d]));
-  }
-  if (like && !PyErr_Occurred()) {
-    PyObject* t = PyObject_CallMethodObjArgs(like, st->s_new_empty_strided, sz, sd, NULL);
-    Py_DECREF(sz);
-    Py_DECREF(sd);
-    return t;
-  }
-  PyObject* args = PyErr_Occurred() ? NULL : PyTuple_Pack(2, sz, sd);
-  Py_DECREF(sz);
-  Py_DECREF(sd);
-  if (!args) return NULL;
-  PyObject* t = PyObject_Call(st->empty_strided, args, st->alloc_kw[dtype]);
-  Py_DECREF(args);
-  return t;
-}
-
-/* The out and lse views of a tensor torch.empty_strided just made (their data pointer only). */
-static int set_data(const ab_state* st, PyObject* t, ab_tensor* v) {
-  v->data = NULL;
-  for (int d = 0; d < v->ndim; ++d)
-    if (v->sizes[d] == 0) return 0;
-  PyObject* ptr = PyObject_CallMethodObjArgs(t, st->s_data_ptr, NULL);
-  if (!ptr) return -1;
-  v->data = PyLong_AsVoidPtr(ptr);
-  Py_DECREF(ptr);
-  return PyErr_Occurred() ? -1 : 0;
-}
-
-/* The mask as a (B, Hq, Sq, Sk) view: trailing dims aligned, size-1 dims broadcast with stride 0 (the
- * shim's mask_view). */
-static int broadcast_mask(ab_tensor* m, int64_t B, int64_t Hq, int64_t Sq, int64_t Sk) {
-  const ab_tensor src = *m;
-  const int64_t want[4] = {B, Hq, Sq, Sk};
-  const int shift = 4 - src.ndim;
-  for (int d = 0; d < 4; ++d) {
-    const int sd = d - shift;
-    const int64_t size = sd >= 0 ? src.sizes[sd] : 1, stride = sd >= 0 ? src.strides[sd] : 0;
-    if (size != want[d] && size != 1) {
-      char shape[160];
-      size_t used = 0;
-      for (int s = 0; s < src.ndim && used < sizeof shape; ++s)
-        used += (size_t)snprintf(shape + used, sizeof shape - used, "%s%lld", s ? ", " : "",
-                                 (long long)src.sizes[s]);
-      PyErr_Format(PyExc_RuntimeError,
-                   "attn_backends: attn_mask of shape (%s) is not broadcastable to (B, Hq, Sq, Sk) = "
-                   "(%lld, %lld, %lld, %lld)",
-                   shape, (long long)B, (long long)Hq, (long long)Sq, (long long)Sk);
-      return -1;
-    }
-    m->sizes[d] = want[d];
-    m->strides[d] = size == 1 ? 0 : stride;
-  }
-  m->ndim = 4;
-  return 0;
-}
-
-/* flash_fwd_cpu(q, k, v, attn_mask, causal, scale, window_left, window_right, softcap, want_lse)
- *   -> (out, lse or None), or None when this call must take the op (a tensor is not on the CPU, the
- *   CUDA emulation is on, or set_tensor_api was never called).  q (B, Hq, Sq, D), k (B, Hkv, Sk, D),
- *   v (B, Hkv, Sk, Dv) and the mask are plain tensors (the caller checked); out (B, Hq, Sq, Dv) is stored (B, Sq, Hq, Dv) and
- *   lse (B, Hq, Sq) is float32, as the flash_fwd op returns them.  Without want_lse the kernel writes
- *   lse to a buffer of its own. */
-static PyObject* ab_py_flash_fwd_cpu(PyObject* self, PyObject* args) {
-  ab_state* st = state_of(self);
-  PyObject *q, *k, *v, *mask;
-  int causal, want_lse;
-  double scale, softcap;
-  long long wl, wr;
-  if (!PyArg_ParseTuple(args, "OOOOidLLdp", &q, &k, &v, &mask, &causal, &scale, &wl, &wr, &softcap, &want_lse))
-    return NULL;
-  if (!st->empty_strided || ab_cuda_emulation()) Py_RETURN_NONE;
-  PyObject* const tensors[4] = {q, k, v, mask};
-  for (int i = 0; i < 4; ++i) {
-    if (tensors[i] == Py_None) continue;
-    const int cpu = is_cpu(st, tensors[i]);
-    if (cpu < 0) return NULL;
-    if (!cpu) Py_RETURN_NONE; /* another device: the op says what is wrong */
-  }
-  ab_attn_params p;
-  memset(&p, 0, sizeof p);
-  if (read_view(st, q, &p.q, "q", 1) < 0 || read_view(st, k, &p.k, "k", 1) < 0 ||
-      read_view(st, v, &p.v, "v", 1) < 0)
-    return NULL;
-  if (p.q.ndim != 4 || p.k.ndim != 4 || p.v.ndim != 4)
-    return direct_error("q, k and v must be 4-D: (B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv)");
-  p.B = p.q.sizes[0];
-  p.Hq = p.q.sizes[1];
-  p.Sq = p.q.sizes[2];
-  p.D = p.q.sizes[3];
-  p.Hkv = p.k.sizes[1];
-  p.Sk = p.k.sizes[2];
-  p.Dv = p.v.sizes[3];
-  if (mask != Py_None &&
-      (read_view(st, mask, &p.mask, "attn_mask", 0) < 0 || broadcast_mask(&p.mask, p.B, p.Hq, p.Sq, p.Sk) < 0))
-    return NULL;
-  p.causal = (ab_causal)causal;
-  p.scale = scale;
-  p.window_left = wl;
-  p.window_right = wr;
-  p.softcap = softcap;
-  const ab_dtype dt = p.q.dtype < AB_DTYPE_BOOL ? p.q.dtype : AB_DTYPE_F32;
-  const ab_dtype lse_dt = dt == AB_DTYPE_F64 ? AB_DTYPE_F64 : AB_DTYPE_F32;
-  /* out (B, Hq, Sq, Dv) laid out (B, Sq, Hq, Dv); lse (B, Hq, Sq) contiguous */
-  const int64_t phys_sizes[4] = {p.B, p.Sq, p.Hq, p.Dv};
-  int64_t phys[4];
-  contiguous_strides(phys_sizes, 4, phys);
-  p.out.ndim = 4;
-  p.out.dtype = p.q.dtype;
-  p.out.device = AB_DEVICE_CPU;
-  p.out.device_index = -1;
-  const int64_t out_sizes[4] = {p.B, p.Hq, p.Sq, p.Dv}, out_strides[4] = {phys[0], phys[2], phys[1], phys[3]};
-  memcpy(p.out.sizes, out_sizes, sizeof out_sizes);
-  memcpy(p.out.strides, out_strides, sizeof out_strides);
-  p.lse = p.out;
-  p.lse.ndim = 3;
-  p.lse.dtype = lse_dt;
-  const int64_t lse_sizes[3] = {p.B, p.Hq, p.Sq};
-  memcpy(p.lse.sizes, lse_sizes, sizeof lse_sizes);
-  contiguous_strides(lse_sizes, 3, p.lse.strides);
-  /* out in q's dtype (a dtype the kernel rejects still gets an out: the kernel's check then fails) */
-  PyObject* out = empty_strided(st, p.q.dtype < AB_DTYPE_BOOL ? q : NULL, p.out.sizes, p.out.strides, 4, dt);
-  if (!out || set_data(st, out, &p.out) < 0) {
-    Py_XDECREF(out);
-    return NULL;
-  }
-  PyObject* lse = NULL;
-  void* own_lse = NULL;
-  if (want_lse) {
-    lse = empty_strided(st, NULL, p.lse.sizes, p.lse.strides, 3, lse_dt);
-    if (!lse || set_data(st, lse, &p.lse) < 0) {
-      Py_DECREF(out);
-      Py_XDECREF(lse);
-      return NULL;
-    }
-  } else {
-    const int64_t n = p.B * p.Hq * p.Sq;
-    own_lse = n > 0 ? malloc((size_t)n * ab_dtype_size(lse_dt)) : NULL;
-    if (n > 0 && !own_lse) {
-      Py_DECREF(out);
-      return PyErr_NoMemory();
-    }
-    p.lse.data = own_lse;
-  }
-  ab_error err;
-  err.msg[0] = 0;
-  ab_status status;
-  const ab_cpu_pool pool = ab_shim_cpu_pool();
-  /* other Python threads run while the kernel does, except in calls too small to pay for the switch
-   * (the size below which the kernels stay on the calling thread, ab_cpu.h) */
-  if ((double)p.B * p.Hq * p.Sq * p.Sk * (p.D + p.Dv) >= (double)(1 << 18)) {
-    Py_BEGIN_ALLOW_THREADS
-    status = ab_flash_cpu_fwd(&p, &pool, &err);
-    Py_END_ALLOW_THREADS
-  } else {
-    status = ab_flash_cpu_fwd(&p, &pool, &err);
-  }
-  free(own_lse);
-  if (status != AB_OK) {
-    Py_DECREF(out);
-    Py_XDECREF(lse);
-    return direct_error(err.msg);
-  }
-  return Py_BuildValue("(NN)", out, lse ? lse : Py_NewRef(Py_None));
-}
-
-/* *slot = value (a new reference), dropping the old one (Py_XSETREF is not in the limited API). */
-static void replace_ref(PyObject** slot, PyObject* value) {
-  PyObject* old = *slot;
-  *slot = value;
-  Py_XDECREF(old);
-}
-
-/* set_tensor_api(empty_strided, cpu_device, (float32, float16, bfloat16, float64, bool, int32, int64,
- * uint8)): what flash_fwd_cpu allocates with and the dtypes it recognises (ab_dtype's order). */
-static PyObject* ab_py_set_tensor_api(PyObject* self, PyObject* args) {
-  ab_state* st = state_of(self);
-  PyObject *fn, *device, *dtypes;
-  if (!PyArg_ParseTuple(args, "OOO", &fn, &device, &dtypes)) return NULL;
-  if (!PyTuple_Check(dtypes) || PyTuple_Size(dtypes) != AB_DTYPE_OTHER) {
-    PyErr_SetString(PyExc_TypeError, "set_tensor_api: dtypes must be a tuple of 8 torch dtypes (ab_dtype's order)");
-    return NULL;
-  }
-  PyObject* kw[4] = {NULL, NULL, NULL, NULL};
-  for (int i = 0; i < 4; ++i) {
-    kw[i] = Py_BuildValue("{sOsO}", "dtype", PyTuple_GetItem(dtypes, i), "device", device);
-    if (!kw[i]) {
-      for (int j = 0; j < i; ++j) Py_DECREF(kw[j]);
-      return NULL;
-    }
-  }
-  replace_ref(&st->empty_strided, Py_NewRef(fn));
-  for (int i = 0; i < AB_DTYPE_OTHER; ++i) replace_ref(&st->dtypes[i], Py_NewRef(PyTuple_GetItem(dtypes, i)));
-  for (int i = 0; i < 4; ++i) replace_ref(&st->alloc_kw[i], kw[i]);
-  Py_RETURN_NONE;
-}
-
 static PyMethodDef ab_methods[] = {
-    {"flash_fwd_cpu", ab_py_flash_fwd_cpu, METH_VARARGS,
-     "flash_fwd_cpu(q, k, v, attn_mask, causal, scale, window_left, window_right, softcap, want_lse) -> "
-     "(out, lse or None), or None: the CPU flash forward without the dispatcher (checked CPU tensors, no autograd)."},
-    {"set_tensor_api", ab_py_set_tensor_api, METH_VARARGS,
-     "set_tensor_api(empty_strided, cpu_device, dtypes): what flash_fwd_cpu allocates outputs with."},
     {"_amx_emu_dot", ab_py_amx_emu_dot, METH_VARARGS,
      "_amx_emu_dot(op, a, b, c, shape) -> C after one emulated tile product (tests of the emulation)."},
     {"fma_peak", ab_py_fma_peak, METH_VARARGS,
@@ -806,7 +541,10 @@ static PyMethodDef ab_methods[] = {
     {"set_provider", ab_py_set_provider, METH_VARARGS,
      "set_provider(id, available, why_not): record whether a torch feature or package exists."},
     {"plan", ab_py_plan, METH_O,
-     "plan(call) -> (chosen, order, reasons, path) for a described call (see ab_planner.h)."},
+     "plan(call) -> (chosen, order, reasons, path, note) for a Call (see ab_planner.h)."},
+    {"call_fields", ab_py_call_fields, METH_NOARGS, "call_fields() -> the names of Call's fields, in order."},
+    {"enum_names", ab_py_enum_names, METH_NOARGS,
+     "enum_names() -> {enum: names indexed by value} for the call descriptor's enum fields."},
     {"set_cuda_emulation", ab_py_set_cuda_emulation, METH_O,
      "set_cuda_emulation(on): CPU tensors of flash, flash_varlen, sage and math run the CUDA kernels on the emulator."},
     {"cuda_emulation", ab_py_cuda_emulation, METH_NOARGS, "cuda_emulation() -> whether the CUDA emulation is on."},
@@ -819,35 +557,24 @@ static PyMethodDef ab_methods[] = {
 
 static int ab_exec(PyObject* module) {
   ab_state* st = state_of(module);
-  if (!(st->s_shape = PyUnicode_InternFromString("shape")) || !(st->s_stride = PyUnicode_InternFromString("stride")) ||
-      !(st->s_data_ptr = PyUnicode_InternFromString("data_ptr")) ||
-      !(st->s_dtype = PyUnicode_InternFromString("dtype")) || !(st->s_is_cpu = PyUnicode_InternFromString("is_cpu")) ||
-      !(st->s_new_empty_strided = PyUnicode_InternFromString("new_empty_strided")))
-    return -1;
+  if (ab_direct_init(st) < 0 || PyModule_AddFunctions(module, ab_direct_methods) < 0) return -1;
+  st->call_type = (PyObject*)PyStructSequence_NewType(&k_call_desc);
+  if (!st->call_type || PyModule_AddObjectRef(module, "Call", st->call_type) < 0) return -1;
   return PyModule_AddStringConstant(module, "__version__", AB_VERSION);
 }
 
 static int ab_traverse(PyObject* module, visitproc visit, void* arg) {
   ab_state* st = state_of(module);
   if (!st) return 0;
-  Py_VISIT(st->empty_strided);
-  for (int i = 0; i < AB_DTYPE_OTHER; ++i) Py_VISIT(st->dtypes[i]);
-  for (int i = 0; i < 4; ++i) Py_VISIT(st->alloc_kw[i]);
-  return 0;
+  Py_VISIT(st->call_type);
+  return ab_direct_traverse(st, visit, arg);
 }
 
 static int ab_clear(PyObject* module) {
   ab_state* st = state_of(module);
   if (!st) return 0;
-  Py_CLEAR(st->s_shape);
-  Py_CLEAR(st->s_stride);
-  Py_CLEAR(st->s_data_ptr);
-  Py_CLEAR(st->s_dtype);
-  Py_CLEAR(st->s_is_cpu);
-  Py_CLEAR(st->s_new_empty_strided);
-  Py_CLEAR(st->empty_strided);
-  for (int i = 0; i < AB_DTYPE_OTHER; ++i) Py_CLEAR(st->dtypes[i]);
-  for (int i = 0; i < 4; ++i) Py_CLEAR(st->alloc_kw[i]);
+  Py_CLEAR(st->call_type);
+  ab_direct_clear(st);
   return 0;
 }
 

@@ -21,6 +21,24 @@ ab_status ab_error_set(ab_error* err, ab_status code, const char* fmt, ...) {
   return code;
 }
 
+const char* ab_device_name(ab_device_type device) {
+  switch (device) {
+    case AB_DEVICE_CPU: return "cpu";
+    case AB_DEVICE_CUDA: return "cuda";
+    case AB_DEVICE_MPS: return "mps";
+    default: return "other";
+  }
+}
+
+const char* ab_causal_name(ab_causal causal) {
+  switch (causal) {
+    case AB_CAUSAL_NONE: return "none";
+    case AB_CAUSAL_TOP_LEFT: return "top_left";
+    case AB_CAUSAL_BOTTOM_RIGHT: return "bottom_right";
+    default: return "unknown";
+  }
+}
+
 const char* ab_dtype_name(ab_dtype dtype) {
   switch (dtype) {
     case AB_DTYPE_F32: return "float32";

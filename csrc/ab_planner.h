@@ -118,6 +118,11 @@ enum {
   AB_UNIT_AMX_FP16 = 1u << 1, /* AMX tiles, float16 dot products (TDPFP16PS) */
   AB_UNIT_AMX_INT8 = 1u << 2  /* AMX tiles, int8 dot products (TDPBSSD and friends) */
 };
+#define AB_UNIT_COUNT 3
+/* "AMX-BF16", "AMX-FP16", "AMX-INT8": the name of unit bit i */
+const char* ab_unit_name(int bit);
+/* "none", "bool", "float": ab_call.mask */
+const char* ab_mask_kind_name(int kind);
 /* The units this CPU has and this process may use (CPUID, XCR0 and the OS's permission). */
 uint32_t ab_cpu_units_detect(void);
 /* The units torch's own CPU SDPA computes `dtype` on where the CPU has them (oneDNN brgemm), and
@@ -147,30 +152,47 @@ void ab_provider_set(int id, int available, const char* why_not);
 /* 1 if backend id is present in this process (always, for non-providers); else 0 and *why_not. */
 int ab_provider_available(int id, const char** why_not);
 
-/* A call, described without tensors. */
+/* A call, described without tensors: the call descriptor.  AB_CALL_FIELDS is its one definition,
+ * X(type, name, doc) per field in order: the struct below, its Python mirror (attn_backends._C.Call,
+ * a struct sequence with these names and docs, which the planner, the report and explain read by
+ * name) and the conversions between them (ab_module.c) all expand it.  The direct path
+ * (ab_direct.c) fills the same struct from the tensors. */
+#define AB_CALL_FIELDS(X)                                                                              \
+  X(ab_device_type, device, "0 cpu, 1 cuda, 2 mps, 3 other (ab_device_type)")                         \
+  X(int32_t, cuda_cc, "CUDA compute capability x10, 0 when not CUDA")                                 \
+  X(int32_t, cuda_lib_ok, "our CUDA library is present and holds code for cuda_cc")                  \
+  X(ab_dtype, dtype, "0 float32, 1 float16, 2 bfloat16, 3 float64 (ab_dtype)")                         \
+  X(int64_t, D, "head dim of q and k")                                                                 \
+  X(int64_t, Dv, "head dim of v")                                                                      \
+  X(int32_t, gqa, "Hq != Hkv")                                                                         \
+  X(int32_t, square, "Sq == Sk")                                                                       \
+  X(int32_t, mask, "attn_mask: 0 none, 1 bool, 2 float")                                               \
+  X(int32_t, mask_grad, "the float mask needs a gradient")                                             \
+  X(ab_causal, causal, "0 none, 1 top-left, 2 bottom-right (ab_causal)")                               \
+  X(int32_t, window, "a sliding window is given")                                                      \
+  X(int32_t, softcap, "softcap > 0")                                                                   \
+  X(int32_t, dropout, "dropout_p > 0")                                                                 \
+  X(int32_t, need_grad, "a gradient will be asked for")                                                \
+  X(int32_t, deterministic, "the backward must be bitwise reproducible")                               \
+  X(int32_t, want_lse, "lse is returned")                                                              \
+  X(int32_t, varlen, "layout: 0 dense, 1 packed (cu_seqlens), 2 a KV-cache call")                      \
+  X(int32_t, mps_fix, "MPS: avoid torch SDPA with a mask in evaluation (it gives NaN)")                \
+  X(int32_t, requested, "the backend asked for (ab_backend_id; 0 = auto)")                             \
+  X(int32_t, cpu_isa, "ab_cpu_isa the CPU kernels run with")                                           \
+  X(uint32_t, cpu_units, "AB_UNIT_* matrix units this CPU has and the process may use")                \
+  X(int32_t, cuda_smem, "CUDA: shared memory a block may opt in to, bytes; 0 = not known")             \
+  X(int32_t, sinks, "attention sinks are given")                                                       \
+  X(int32_t, alibi, "ALiBi slopes are given")
+
 typedef struct ab_call {
-  ab_device_type device;
-  int32_t cuda_cc;       /* x10, 0 when not CUDA */
-  int32_t cuda_lib_ok;   /* our CUDA library is present and holds code for cuda_cc */
-  ab_dtype dtype;
-  int64_t D, Dv;
-  int32_t gqa;           /* Hq != Hkv */
-  int32_t square;        /* Sq == Sk */
-  int32_t mask;          /* 0 none, 1 bool, 2 float */
-  int32_t mask_grad;
-  ab_causal causal;
-  int32_t window, softcap, dropout;
-  int32_t need_grad, deterministic, want_lse;
-  int32_t varlen;        /* layout: 0 dense, 1 packed (cu_seqlens), 2 a KV-cache call (attention_with_kvcache) */
-  int32_t mps_fix;       /* MPS: torch SDPA with a mask in evaluation gives NaN; avoid it */
-  int32_t requested;     /* ab_backend_id */
-  int32_t cpu_isa;       /* ab_cpu_isa the CPU kernels run with */
-  uint32_t cpu_units;    /* AB_UNIT_* this CPU has and the process may use (ab_cpu_units_detect) */
-  int32_t cuda_smem;     /* CUDA: bytes of shared memory a block may opt in to, as the device reports
-                            it (ab_cuda_api.device_smem_optin); 0 = not known (then not weighed) */
-  int32_t sinks;         /* attention sinks (one softmax logit per query head) */
-  int32_t alibi;         /* ALiBi slopes */
+#define AB_CALL_MEMBER(type, name, doc) type name;
+  AB_CALL_FIELDS(AB_CALL_MEMBER)
+#undef AB_CALL_MEMBER
 } ab_call;
+
+/* Number of fields of ab_call. */
+#define AB_CALL_NFIELDS_ONE(type, name, doc) +1
+enum { AB_CALL_NFIELDS = 0 AB_CALL_FIELDS(AB_CALL_NFIELDS_ONE) };
 
 /* The kernel families' answers (ab_why_not_fn). */
 void ab_flash_cpu_why_not(const ab_call* c, char* out, size_t n);

@@ -287,6 +287,16 @@ const ab_caps* ab_registry_emulated_caps(int id) {
 
 /* ---- CPU matrix units: what torch computes each dtype on, and what our CPU paths do ------------- */
 
+const char* ab_unit_name(int bit) {
+  static const char* const names[AB_UNIT_COUNT] = {"AMX-BF16", "AMX-FP16", "AMX-INT8"};
+  return bit >= 0 && bit < AB_UNIT_COUNT ? names[bit] : "unknown";
+}
+
+const char* ab_mask_kind_name(int kind) {
+  static const char* const names[3] = {"none", "bool", "float"};
+  return kind >= 0 && kind < 3 ? names[kind] : "unknown";
+}
+
 uint32_t ab_cpu_units_detect(void) {
   const ab_cpu_features* f = ab_cpu_features_get();
   return (f->amx_bf16 ? AB_UNIT_AMX_BF16 : 0u) | (f->amx_fp16 ? AB_UNIT_AMX_FP16 : 0u) |

@@ -58,8 +58,16 @@ def calls(monkeypatch):
         seen["op"] += 1
         return op(*args)
 
+    fast = ab._fast_attention
+
+    def fast_attention(*args):  # ab.attention's fast path (csrc/ab_direct.c): a direct call when it serves
+        res = fast(*args)
+        seen["direct"] += res is not None
+        return res
+
     monkeypatch.setattr(_providers, "_C", Module())
     monkeypatch.setattr(_providers, "_run_flash", run_op)
+    monkeypatch.setattr(ab, "_fast_attention", fast_attention)
     return seen
 
 
@@ -68,6 +76,7 @@ def both_paths(monkeypatch, fn):
     direct = fn()
     with monkeypatch.context() as m:
         m.setattr(_providers, "direct_ok", lambda *args: False)
+        m.setattr(ab, "_fast_attention", lambda *args: None)
         op = fn()
     return direct, op
 
@@ -238,3 +247,130 @@ def test_the_bitwise_grid_covers_what_the_direct_path_must_match():
     assert any(c.window for c in grid) and any(c.softcap for c in grid) and any(c.Hq != c.Hkv for c in grid)
     assert any(c.Dv is not None for c in grid)
     assert {c.dtype for c in grid} == {torch.float32, torch.float16, torch.bfloat16}
+
+
+# ---- ab.attention's fast path (csrc/ab_direct.c: attention) -------------------------------------------
+# A plain eager CPU forward whose plan the Python path has made once runs all in C: checks, call
+# descriptor, plan lookup, kernel.  It must give the Python path's bits, serve only what that path
+# would have sent to flash without a fallback, and hand everything else back.
+
+
+def _served(fn):
+    """(result, whether the fast path served the call)."""
+    before = _C.fast_calls()
+    res = fn()
+    return res, _C.fast_calls() - before == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("spec", ["plain", "gqa_causal_lse", "strided_scale", "alias"])
+def test_fast_path_gives_the_python_paths_bits(dtype, spec, monkeypatch):
+    g = torch.Generator().manual_seed(11)
+    B, Hq, Hkv, Sq, Sk, D = (2, 4, 2, 7, 9, 32) if spec == "gqa_causal_lse" else (1, 3, 3, 5, 5, 24)
+    q, k, v = (torch.randn(B, h, s, D, generator=g).to(dtype) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
+    if spec == "strided_scale":  # non-contiguous views, a given scale
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+        assert not q.is_contiguous()
+    kw = {"plain": {}, "gqa_causal_lse": dict(causal=True, return_lse=True), "strided_scale": dict(scale=0.3),
+          "alias": dict(backend="flash_attention_2")}[spec]
+    ab.attention(q, k, v, **kw)  # the Python path plans it once and remembers the plan
+    fast, served = _served(lambda: ab.attention(q, k, v, **kw))
+    assert served
+    with monkeypatch.context() as m:
+        m.setattr(ab, "_fast_attention", lambda *args: None)
+        slow, served = _served(lambda: ab.attention(q, k, v, **kw))
+    assert not served
+    for a, b in zip(*(r if isinstance(r, tuple) else (r,) for r in (fast, slow))):
+        assert_same(a, b)
+
+
+def test_fast_path_serves_only_remembered_plans_and_forgets_them():
+    q = torch.randn(1, 2, 6, 16)
+    ab._dispatch.reset_caches()
+    _, served = _served(lambda: ab.attention(q, q, q))
+    assert not served  # planned by the Python path first
+    _, served = _served(lambda: ab.attention(q, q, q))
+    assert served
+    ab._dispatch.reset_caches()
+    _, served = _served(lambda: ab.attention(q, q, q))
+    assert not served
+    _C.set_provider(ab._names.ID["flex"], True, "")  # any change to the registry drops the plans too
+    _, served = _served(lambda: ab.attention(q, q, q))
+    assert not served
+
+
+@pytest.mark.parametrize("how", ["use_math", "process_default", "named_math", "float64", "torch_faster",
+                                 "requires_grad", "mask", "bottom_right", "int_scale", "other_backend"])
+def test_fast_path_hands_back_what_is_not_flashs_plain_forward(how):
+    q = torch.randn(1, 2, 6, 16)
+    for _ in range(2):  # the second call would be served if the plan allowed it
+        if how == "use_math":
+            with ab.use("math"):
+                res, served = _served(lambda: ab.attention(q, q, q))
+            ref = ab.attention(q, q, q, backend="math")
+        elif how == "process_default":
+            old = ab._planner._process_default[0]
+            ab._planner.set_process_default("eager")
+            try:
+                res, served = _served(lambda: ab.attention(q, q, q))
+            finally:
+                ab._planner._process_default[0] = old
+            ref = ab.attention(q, q, q, backend="eager")
+        elif how == "named_math":
+            res, served = _served(lambda: ab.attention(q, q, q, backend="math"))
+            ref = res
+        elif how == "float64":
+            q64 = q.double()
+            res, served = _served(lambda: ab.attention(q64, q64, q64))
+            ref = res
+        elif how == "torch_faster":  # float32 D=128 non-causal: auto plans torch SDPA (ab_torch_cpu_faster)
+            q128 = torch.randn(1, 2, 6, 128)
+            res, served = _served(lambda: ab.attention(q128, q128, q128))
+            ref = torch.nn.functional.scaled_dot_product_attention(q128, q128, q128)
+        elif how == "requires_grad":
+            qg = q.clone().requires_grad_()
+            res, served = _served(lambda: ab.attention(qg, q, q))
+            assert res.requires_grad
+            ref = res
+        elif how == "mask":
+            m = torch.ones(6, 6, dtype=torch.bool).tril()
+            res, served = _served(lambda: ab.attention(q, q, q, attn_mask=m))
+            ref = ab.attention(q, q, q, causal=True)
+        elif how == "bottom_right":
+            res, served = _served(lambda: ab.attention(q, q, q, causal="bottom_right"))
+            ref = ab.attention(q, q, q, causal=True)
+        elif how == "int_scale":
+            res, served = _served(lambda: ab.attention(q, q, q, scale=1))
+            ref = ab.attention(q, q, q, scale=1.0)
+        else:  # another backend named: sage serves it (lossy, so compared loosely)
+            res, served = _served(lambda: ab.attention(q, q, q, backend="sage"))
+            ref = ab.attention(q, q, q)
+        assert not served, how
+        tol = dict(rtol=0.05, atol=0.05) if how == "other_backend" else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(res.detach(), ref.detach(), **tol)
+
+
+@pytest.mark.parametrize("bad", ["head_dim", "batch", "dtype", "heads", "rank", "backend"])
+def test_fast_path_leaves_bad_input_to_the_python_checks(bad):
+    q = torch.randn(1, 4, 6, 16)
+    ab.attention(q, q, q)  # remembered: the fast path is armed
+    k = {"head_dim": torch.randn(1, 4, 6, 8), "batch": torch.randn(2, 4, 6, 16),
+         "dtype": torch.randn(1, 4, 6, 16, dtype=torch.float16), "heads": torch.randn(1, 3, 6, 16),
+         "rank": torch.randn(4, 6, 16), "backend": q}[bad]
+    backend = "no_such_backend" if bad == "backend" else "auto"
+    before = _C.fast_calls()
+    with pytest.raises((ValueError, TypeError), match="backend|dim|dtype|batch|head|4-D|multiple|same"):
+        ab.attention(q, k, k, backend=backend)
+    assert _C.fast_calls() == before
+
+
+def test_fast_path_logs_the_choice_once_through_the_python_path(caplog):
+    import logging
+
+    q = torch.randn(1, 1, 3, 40)
+    ab._dispatch.reset_caches()
+    with caplog.at_level(logging.INFO, logger="attn_backends"):
+        for _ in range(3):
+            ab.attention(q, q, q)
+    served = [r for r in caplog.records if "flash serves" in r.getMessage()]
+    assert len(served) == 1 and _C.fast_calls() > 0

@@ -23,15 +23,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts calls that reach our dispatcher."""
+    """Counts calls that reach our dispatcher (the Python path, or the fast path when it serves)."""
     calls = []
-    real = ab._dispatch.attention
+    real, fast = ab._dispatch.attention, ab._fast_attention
 
     def counting(*args, **kwargs):
         calls.append(args[3])  # the requested backend
         return real(*args, **kwargs)
 
+    def counting_fast(*args):
+        res = fast(*args)
+        if res is not None:
+            calls.append(args[3])
+        return res
+
     monkeypatch.setattr(ab._dispatch, "attention", counting)
+    monkeypatch.setattr(ab, "_fast_attention", counting_fast)
     return calls
 
 

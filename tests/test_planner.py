@@ -23,10 +23,10 @@ DT = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 def plan(device=CPU, cc=0, lib=1, dtype="float32", D=64, Dv=None, gqa=0, square=1, mask=0, mask_grad=0,
          causal=0, window=0, softcap=0, dropout=0, need_grad=0, deterministic=0, want_lse=0, varlen=0,
          mps_fix=1, requested="auto", isa=2, units=0, smem=0):
-    sig = (device, cc, lib, DT[dtype], D, D if Dv is None else Dv, gqa, square, mask, mask_grad, causal, window,
-           softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix, _names.ID[ab.resolve(requested)],
-           isa, units, smem)
-    return _planner.build(sig)
+    call = _planner.new_call(device, cc, lib, DT[dtype], D, D if Dv is None else Dv, gqa, square, mask, mask_grad,
+                             causal, window, softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix,
+                             _names.ID[ab.resolve(requested)], isa, units, smem)
+    return _planner.build(call)
 
 
 AMX_BF16, AMX_FP16, AMX_INT8 = 1, 2, 4

@@ -1,0 +1,625 @@
+/* ab_direct.c -- the calls of attn_backends._C that skip the dispatcher (limited API, abi3).
+ *
+ * flash_fwd_cpu: the CPU flash forward for a call that needs no autograd and is not being traced
+ * (attn_backends/_providers.py decides: CPU tensors of the plain torch.Tensor type, no gradient, no
+ * dropout, no torch.compile, tracing, dispatch or function mode, functorch transform or inference
+ * mode): the metadata is read here, the outputs are allocated through torch (q.new_empty_strided, and
+ * torch.empty_strided for lse) in the layout the op gives them, and ab_flash_cpu_fwd runs on torch's
+ * thread pool (ab_shim_cpu_pool), with the GIL released unless the call is tiny.  Same kernel, same
+ * checks (ab_attn_params_check), same pool: the same bits as the flash_fwd op (tests/test_direct.py).
+ * What it saves is the op call's fixed cost (the dispatcher, the boxed stable-ABI call), which
+ * dominates small calls (docs/benchmarks.md, "Per-call cost").
+ *
+ * attention: ab.attention's fast path, the same call with the validation, the call descriptor and the
+ * plan lookup done here too (below).
+ */
+#include <float.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ab_module.h"
+#include "ab_shim.h"
+#include "cuda/ab_cuda.h"
+
+/* A RuntimeError worded as the shim's (torch_shim.cpp: fail). */
+static PyObject* direct_error(const char* msg) {
+  PyErr_Format(PyExc_RuntimeError, "attn_backends: %s", msg);
+  return NULL;
+}
+
+/* The ab_dtype of a torch dtype object (identity with the ones set_tensor_api gave). */
+static ab_dtype dtype_of(const ab_state* st, PyObject* dt) {
+  for (int i = 0; i < AB_DTYPE_OTHER; ++i)
+    if (dt == st->dtypes[i]) return (ab_dtype)i;
+  return AB_DTYPE_OTHER;
+}
+
+/* 1 when t is a CPU tensor, 0 when not, -1 with an exception set. */
+static int is_cpu(const ab_state* st, PyObject* t) {
+  PyObject* r = PyObject_GetAttr(t, st->s_is_cpu);
+  if (!r) return -1;
+  const int yes = PyObject_IsTrue(r);
+  Py_DECREF(r);
+  return yes;
+}
+
+/* Fills v from a CPU tensor's shape, strides, dtype and data pointer; -1 with an exception set.  A
+ * rank other than 1..4 is an error naming the tensor, unless any_rank: then only v->ndim is set (the
+ * caller words the error, as the shim does for q, k and v). */
+static int read_view(const ab_state* st, PyObject* t, ab_tensor* v, const char* name, int any_rank) {
+  memset(v, 0, sizeof *v);
+  PyObject* shape = PyObject_GetAttr(t, st->s_shape);
+  if (!shape) return -1;
+  PyObject* stride = PyObject_CallMethodObjArgs(t, st->s_stride, NULL);
+  PyObject* dt = stride ? PyObject_GetAttr(t, st->s_dtype) : NULL;
+  int rc = -1;
+  if (!dt) goto done;
+  const Py_ssize_t nd = PyTuple_Size(shape);
+  if (nd < 0 || PyTuple_Size(stride) != nd) {
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s: shape and stride() disagree", name);
+    goto done;
+  }
+  if (nd < 1 || nd > AB_MAX_DIMS) {
+    if (any_rank) {
+      v->ndim = (int32_t)nd;
+      rc = 0;
+    } else {
+      PyErr_Format(PyExc_RuntimeError, "attn_backends: %s must have 1 to 4 dims, got %zd", name, nd);
+    }
+    goto done;
+  }
+  int64_t numel = 1;
+  for (Py_ssize_t d = 0; d < nd; ++d) {
+    v->sizes[d] = PyLong_AsLongLong(PyTuple_GetItem(shape, d));
+    v->strides[d] = PyLong_AsLongLong(PyTuple_GetItem(stride, d));
+    numel *= v->sizes[d];
+  }
+  if (PyErr_Occurred()) goto done;
+  v->ndim = (int32_t)nd;
+  v->dtype = dtype_of(st, dt);
+  v->device = AB_DEVICE_CPU;
+  v->device_index = -1;
+  if (numel) {
+    PyObject* ptr = PyObject_CallMethodObjArgs(t, st->s_data_ptr, NULL);
+    if (!ptr) goto done;
+    v->data = PyLong_AsVoidPtr(ptr);
+    Py_DECREF(ptr);
+    if (PyErr_Occurred()) goto done;
+  }
+  rc = 0;
+done:
+  Py_DECREF(shape);
+  Py_XDECREF(stride);
+  Py_XDECREF(dt);
+  return rc;
+}
+
+/* Contiguous strides of sizes (a dim of size 0 or 1 counts as 1), as the shim computes them. */
+static void contiguous_strides(const int64_t* sizes, int n, int64_t* strides) {
+  int64_t s = 1;
+  for (int d = n - 1; d >= 0; --d) {
+    strides[d] = s;
+    s *= sizes[d] > 1 ? sizes[d] : 1;
+  }
+}
+
+/* like.new_empty_strided(sizes, strides) when like is given (its dtype and device, and no keyword
+ * arguments to parse: the cheaper call), else torch.empty_strided(sizes, strides, dtype=..., device="cpu") */
+static PyObject* empty_strided(const ab_state* st, PyObject* like, const int64_t* sizes, const int64_t* strides,
+                               int n, ab_dtype dtype) {
+  PyObject* sz = PyTuple_New(n);
+  PyObject* sd = sz ? PyTuple_New(n) : NULL;
+  if (!sd) {
+    Py_XDECREF(sz);
+    return NULL;
+  }
+  for (int d = 0; d < n; ++d) {
+    PyTuple_SetItem(sz, d, PyLong_FromLongLong(sizes[d]));
+    PyTuple_SetItem(sd, d, PyLong_FromLongLong(strides[d]));
+  }
+  if (like && !PyErr_Occurred()) {
+    PyObject* t = PyObject_CallMethodObjArgs(like, st->s_new_empty_strided, sz, sd, NULL);
+    Py_DECREF(sz);
+    Py_DECREF(sd);
+    return t;
+  }
+  PyObject* args = PyErr_Occurred() ? NULL : PyTuple_Pack(2, sz, sd);
+  Py_DECREF(sz);
+  Py_DECREF(sd);
+  if (!args) return NULL;
+  PyObject* t = PyObject_Call(st->empty_strided, args, st->alloc_kw[dtype]);
+  Py_DECREF(args);
+  return t;
+}
+
+/* The out and lse views of a tensor torch.empty_strided just made (their data pointer only). */
+static int set_data(const ab_state* st, PyObject* t, ab_tensor* v) {
+  v->data = NULL;
+  for (int d = 0; d < v->ndim; ++d)
+    if (v->sizes[d] == 0) return 0;
+  PyObject* ptr = PyObject_CallMethodObjArgs(t, st->s_data_ptr, NULL);
+  if (!ptr) return -1;
+  v->data = PyLong_AsVoidPtr(ptr);
+  Py_DECREF(ptr);
+  return PyErr_Occurred() ? -1 : 0;
+}
+
+/* The mask as a (B, Hq, Sq, Sk) view: trailing dims aligned, size-1 dims broadcast with stride 0 (the
+ * shim's mask_view). */
+static int broadcast_mask(ab_tensor* m, int64_t B, int64_t Hq, int64_t Sq, int64_t Sk) {
+  const ab_tensor src = *m;
+  const int64_t want[4] = {B, Hq, Sq, Sk};
+  const int shift = 4 - src.ndim;
+  for (int d = 0; d < 4; ++d) {
+    const int sd = d - shift;
+    const int64_t size = sd >= 0 ? src.sizes[sd] : 1, stride = sd >= 0 ? src.strides[sd] : 0;
+    if (size != want[d] && size != 1) {
+      char shape[160];
+      size_t used = 0;
+      for (int s = 0; s < src.ndim && used < sizeof shape; ++s)
+        used += (size_t)snprintf(shape + used, sizeof shape - used, "%s%lld", s ? ", " : "",
+                                 (long long)src.sizes[s]);
+      PyErr_Format(PyExc_RuntimeError,
+                   "attn_backends: attn_mask of shape (%s) is not broadcastable to (B, Hq, Sq, Sk) = "
+                   "(%lld, %lld, %lld, %lld)",
+                   shape, (long long)B, (long long)Hq, (long long)Sq, (long long)Sk);
+      return -1;
+    }
+    m->sizes[d] = want[d];
+    m->strides[d] = size == 1 ? 0 : stride;
+  }
+  m->ndim = 4;
+  return 0;
+}
+
+/* Allocates out (B, Hq, Sq, Dv), stored (B, Sq, Hq, Dv), in q's dtype and, with want_lse, lse (B, Hq, Sq)
+ * float32 (float64 for float64), as the flash_fwd op returns them, and runs the CPU flash forward on p
+ * (its q, k, v, mask and scalars filled).  -> (out, lse or None), or NULL with an exception.  Without
+ * want_lse the kernel writes lse to a buffer of its own. */
+static PyObject* run_direct(ab_state* st, PyObject* q, ab_attn_params* pp, int want_lse) {
+  ab_attn_params p = *pp;
+  const ab_dtype dt = p.q.dtype < AB_DTYPE_BOOL ? p.q.dtype : AB_DTYPE_F32;
+  const ab_dtype lse_dt = dt == AB_DTYPE_F64 ? AB_DTYPE_F64 : AB_DTYPE_F32;
+  /* out (B, Hq, Sq, Dv) laid out (B, Sq, Hq, Dv); lse (B, Hq, Sq) contiguous */
+  const int64_t phys_sizes[4] = {p.B, p.Sq, p.Hq, p.Dv};
+  int64_t phys[4];
+  contiguous_strides(phys_sizes, 4, phys);
+  p.out.ndim = 4;
+  p.out.dtype = p.q.dtype;
+  p.out.device = AB_DEVICE_CPU;
+  p.out.device_index = -1;
+  const int64_t out_sizes[4] = {p.B, p.Hq, p.Sq, p.Dv}, out_strides[4] = {phys[0], phys[2], phys[1], phys[3]};
+  memcpy(p.out.sizes, out_sizes, sizeof out_sizes);
+  memcpy(p.out.strides, out_strides, sizeof out_strides);
+  p.lse = p.out;
+  p.lse.ndim = 3;
+  p.lse.dtype = lse_dt;
+  const int64_t lse_sizes[3] = {p.B, p.Hq, p.Sq};
+  memcpy(p.lse.sizes, lse_sizes, sizeof lse_sizes);
+  contiguous_strides(lse_sizes, 3, p.lse.strides);
+  /* out in q's dtype (a dtype the kernel rejects still gets an out: the kernel's check then fails) */
+  PyObject* out = empty_strided(st, p.q.dtype < AB_DTYPE_BOOL ? q : NULL, p.out.sizes, p.out.strides, 4, dt);
+  if (!out || set_data(st, out, &p.out) < 0) {
+    Py_XDECREF(out);
+    return NULL;
+  }
+  PyObject* lse = NULL;
+  void* own_lse = NULL;
+  if (want_lse) {
+    lse = empty_strided(st, NULL, p.lse.sizes, p.lse.strides, 3, lse_dt);
+    if (!lse || set_data(st, lse, &p.lse) < 0) {
+      Py_DECREF(out);
+      Py_XDECREF(lse);
+      return NULL;
+    }
+  } else {
+    const int64_t n = p.B * p.Hq * p.Sq;
+    own_lse = n > 0 ? malloc((size_t)n * ab_dtype_size(lse_dt)) : NULL;
+    if (n > 0 && !own_lse) {
+      Py_DECREF(out);
+      return PyErr_NoMemory();
+    }
+    p.lse.data = own_lse;
+  }
+  ab_error err;
+  err.msg[0] = 0;
+  ab_status status;
+  const ab_cpu_pool pool = ab_shim_cpu_pool();
+  /* other Python threads run while the kernel does, except in calls too small to pay for the switch
+   * (the size below which the kernels stay on the calling thread, ab_cpu.h) */
+  if ((double)p.B * p.Hq * p.Sq * p.Sk * (p.D + p.Dv) >= (double)(1 << 18)) {
+    Py_BEGIN_ALLOW_THREADS
+    status = ab_flash_cpu_fwd(&p, &pool, &err);
+    Py_END_ALLOW_THREADS
+  } else {
+    status = ab_flash_cpu_fwd(&p, &pool, &err);
+  }
+  free(own_lse);
+  if (status != AB_OK) {
+    Py_DECREF(out);
+    Py_XDECREF(lse);
+    return direct_error(err.msg);
+  }
+  return Py_BuildValue("(NN)", out, lse ? lse : Py_NewRef(Py_None));
+}
+
+
+/* flash_fwd_cpu(q, k, v, attn_mask, causal, scale, window_left, window_right, softcap, want_lse)
+ *   -> (out, lse or None), or None when this call must take the op (a tensor is not on the CPU, the
+ *   CUDA emulation is on, or set_tensor_api was never called).  q (B, Hq, Sq, D), k (B, Hkv, Sk, D),
+ *   v (B, Hkv, Sk, Dv) and the mask are plain tensors (the caller checked); out (B, Hq, Sq, Dv) is stored (B, Sq, Hq, Dv) and
+ *   lse (B, Hq, Sq) is float32, as the flash_fwd op returns them.  Without want_lse the kernel writes
+ *   lse to a buffer of its own. */
+static PyObject* ab_py_flash_fwd_cpu(PyObject* self, PyObject* args) {
+  ab_state* st = ab_module_state(self);
+  PyObject *q, *k, *v, *mask;
+  int causal, want_lse;
+  double scale, softcap;
+  long long wl, wr;
+  if (!PyArg_ParseTuple(args, "OOOOidLLdp", &q, &k, &v, &mask, &causal, &scale, &wl, &wr, &softcap, &want_lse))
+    return NULL;
+  if (!st->empty_strided || ab_cuda_emulation()) Py_RETURN_NONE;
+  PyObject* const tensors[4] = {q, k, v, mask};
+  for (int i = 0; i < 4; ++i) {
+    if (tensors[i] == Py_None) continue;
+    const int cpu = is_cpu(st, tensors[i]);
+    if (cpu < 0) return NULL;
+    if (!cpu) Py_RETURN_NONE; /* another device: the op says what is wrong */
+  }
+  ab_attn_params p;
+  memset(&p, 0, sizeof p);
+  if (read_view(st, q, &p.q, "q", 1) < 0 || read_view(st, k, &p.k, "k", 1) < 0 ||
+      read_view(st, v, &p.v, "v", 1) < 0)
+    return NULL;
+  if (p.q.ndim != 4 || p.k.ndim != 4 || p.v.ndim != 4)
+    return direct_error("q, k and v must be 4-D: (B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv)");
+  p.B = p.q.sizes[0];
+  p.Hq = p.q.sizes[1];
+  p.Sq = p.q.sizes[2];
+  p.D = p.q.sizes[3];
+  p.Hkv = p.k.sizes[1];
+  p.Sk = p.k.sizes[2];
+  p.Dv = p.v.sizes[3];
+  if (mask != Py_None &&
+      (read_view(st, mask, &p.mask, "attn_mask", 0) < 0 || broadcast_mask(&p.mask, p.B, p.Hq, p.Sq, p.Sk) < 0))
+    return NULL;
+  p.causal = (ab_causal)causal;
+  p.scale = scale;
+  p.window_left = wl;
+  p.window_right = wr;
+  p.softcap = softcap;
+  return run_direct(st, q, &p, want_lse);
+}
+
+/* *slot = value (a new reference), dropping the old one (Py_XSETREF is not in the limited API). */
+static void replace_ref(PyObject** slot, PyObject* value) {
+  PyObject* old = *slot;
+  *slot = value;
+  Py_XDECREF(old);
+}
+
+/* set_tensor_api(empty_strided, cpu_device, (float32, float16, bfloat16, float64, bool, int32, int64,
+ * uint8)): what flash_fwd_cpu allocates with and the dtypes it recognises (ab_dtype's order). */
+static PyObject* ab_py_set_tensor_api(PyObject* self, PyObject* args) {
+  ab_state* st = ab_module_state(self);
+  PyObject *fn, *device, *dtypes;
+  if (!PyArg_ParseTuple(args, "OOO", &fn, &device, &dtypes)) return NULL;
+  if (!PyTuple_Check(dtypes) || PyTuple_Size(dtypes) != AB_DTYPE_OTHER) {
+    PyErr_SetString(PyExc_TypeError, "set_tensor_api: dtypes must be a tuple of 8 torch dtypes (ab_dtype's order)");
+    return NULL;
+  }
+  PyObject* kw[4] = {NULL, NULL, NULL, NULL};
+  for (int i = 0; i < 4; ++i) {
+    kw[i] = Py_BuildValue("{sOsO}", "dtype", PyTuple_GetItem(dtypes, i), "device", device);
+    if (!kw[i]) {
+      for (int j = 0; j < i; ++j) Py_DECREF(kw[j]);
+      return NULL;
+    }
+  }
+  replace_ref(&st->empty_strided, Py_NewRef(fn));
+  for (int i = 0; i < AB_DTYPE_OTHER; ++i) replace_ref(&st->dtypes[i], Py_NewRef(PyTuple_GetItem(dtypes, i)));
+  for (int i = 0; i < 4; ++i) replace_ref(&st->alloc_kw[i], kw[i]);
+  Py_RETURN_NONE;
+}
+
+/* ---- the fast path of ab.attention ------------------------------------------------------------------
+ *
+ * attention(q, k, v, backend, causal, scale, want_lse): the whole of a plain eager CPU call in C.  It
+ * serves a call only when everything below holds, and otherwise returns None, and the Python path
+ * (attn_backends/_dispatch.py) serves the call as before, with its checks and its errors:
+ *   - the arguments the caller left at their defaults are the ones attn_backends/__init__.py checks
+ *     before calling here (no mask, window, softcap, dropout, sinks, ALiBi or deterministic; not
+ *     while torch.compile traces);
+ *   - q, k, v plain torch.Tensors on the CPU, of one floating dtype, 4-D, shapes that agree (the
+ *     rules of _validate.check_qkv); causal False or True; scale None or a finite float (within
+ *     float32's range below float64); want_lse a bool;
+ *   - none of the guards set_fast_api gave (dispatch and function modes, inference mode, jit
+ *     tracing, functorch transforms) is active, and no gradient is needed;
+ *   - the call's descriptor (the same ab_call the Python path builds: the requested backend as
+ *     ab.use() / the process default / the argument make it, the CPU path, the deterministic flag)
+ *     is remembered: the Python path planned it once, logged it, did not fall back, and chose flash.
+ * Then it runs the same kernel as flash_fwd_cpu.  Same bits as the op (tests/test_direct.py). */
+
+/* The ab_backend_id of a backend name as the caller spelt it (any accepted spelling), -1 when
+ * unknown (the Python path then raises the error that lists the names). */
+static int backend_id(ab_state* st, PyObject* name) {
+  if (name == Py_None) return AB_BK_AUTO;
+  PyObject* id = PyDict_GetItemWithError(st->backend_ids, name);
+  if (id) return (int)PyLong_AsLong(id);
+  if (PyErr_Occurred() || !PyUnicode_Check(name)) {
+    PyErr_Clear();
+    return -1;
+  }
+  const char* s = PyUnicode_AsUTF8AndSize(name, NULL);
+  const int found = s ? ab_backend_lookup(s) : -1;
+  if (found < 0) {
+    PyErr_Clear();
+    return -1;
+  }
+  PyObject* v = PyLong_FromLong(found);
+  if (v && PyDict_Size(st->backend_ids) < 256) PyDict_SetItem(st->backend_ids, name, v);
+  Py_XDECREF(v);
+  PyErr_Clear();
+  return found;
+}
+
+/* 1 when callable() returns something true, 0 when false, -1 with an exception. */
+static int call_truth(PyObject* callable) {
+  PyObject* r = PyObject_CallNoArgs(callable);
+  if (!r) return -1;
+  const int t = PyObject_IsTrue(r);
+  Py_DECREF(r);
+  return t;
+}
+
+/* The chosen backend remembered for *c, or -1. */
+static int remembered(const ab_state* st, const ab_call* c) {
+  for (int i = 0; i < st->n_remembered; ++i)
+    if (memcmp(&st->remembered[i].call, c, sizeof *c) == 0) return st->remembered[i].chosen;
+  return -1;
+}
+
+static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  ab_state* st = ab_module_state(self);
+  if (nargs != 7) {
+    PyErr_SetString(PyExc_TypeError, "attention(q, k, v, backend, causal, scale, want_lse) takes 7 arguments");
+    return NULL;
+  }
+  PyObject *q = args[0], *k = args[1], *v = args[2], *scale_o = args[5];
+  if (!st->tensor_type || !st->empty_strided || st->n_remembered == 0 || ab_cuda_emulation()) Py_RETURN_NONE;
+  if ((PyObject*)Py_TYPE(q) != st->tensor_type || (PyObject*)Py_TYPE(k) != st->tensor_type ||
+      (PyObject*)Py_TYPE(v) != st->tensor_type)
+    Py_RETURN_NONE;
+  const int causal = args[4] == Py_False ? 0 : args[4] == Py_True ? 1 : -1;
+  const int want_lse = args[6] == Py_False ? 0 : args[6] == Py_True ? 1 : -1;
+  if (causal < 0 || want_lse < 0 || (scale_o != Py_None && !PyFloat_CheckExact(scale_o))) Py_RETURN_NONE;
+  int requested = backend_id(st, args[3]);
+  if (requested < 0) Py_RETURN_NONE;
+  if (requested == AB_BK_AUTO) { /* _planner.default_backend(): the innermost use(), else the process default */
+    PyObject* name = PyObject_CallNoArgs(st->context_get);
+    if (!name) return NULL;
+    if (name == Py_None) {
+      Py_DECREF(name);
+      name = Py_NewRef(PyList_GetItem(st->process_default, 0));
+      if (!name || name == Py_None) {
+        Py_XDECREF(name);
+        PyErr_Clear();
+        Py_RETURN_NONE;
+      }
+    }
+    requested = backend_id(st, name);
+    Py_DECREF(name);
+    if (requested < 0) Py_RETURN_NONE;
+  }
+  const Py_ssize_t n_guards = PyTuple_Size(st->guards);
+  for (Py_ssize_t i = 0; i < n_guards; ++i) {
+    const int active = call_truth(PyTuple_GetItem(st->guards, i));
+    if (active < 0) return NULL;
+    if (active) Py_RETURN_NONE;
+  }
+  const int grad = call_truth(st->grad_enabled);
+  if (grad < 0) return NULL;
+  PyObject* const qkv[3] = {q, k, v};
+  for (int i = 0; i < 3; ++i) {
+    if (grad) {
+      PyObject* rg = PyObject_GetAttr(qkv[i], st->s_requires_grad);
+      if (!rg) return NULL;
+      Py_DECREF(rg);
+      if (rg != Py_False) Py_RETURN_NONE; /* a gradient: the autograd Function */
+    }
+    const int cpu = is_cpu(st, qkv[i]);
+    if (cpu < 0) return NULL;
+    if (!cpu) Py_RETURN_NONE;
+  }
+  ab_attn_params p;
+  memset(&p, 0, sizeof p);
+  if (read_view(st, q, &p.q, "q", 1) < 0 || read_view(st, k, &p.k, "k", 1) < 0 ||
+      read_view(st, v, &p.v, "v", 1) < 0)
+    return NULL;
+  if (p.q.ndim != 4 || p.k.ndim != 4 || p.v.ndim != 4) Py_RETURN_NONE;
+  const ab_dtype dt = p.q.dtype;
+  /* _validate.check_qkv's rule; anything else is the Python path's to word */
+  if (dt > AB_DTYPE_F64 || p.k.dtype != dt || p.v.dtype != dt || p.k.sizes[0] != p.q.sizes[0] ||
+      p.v.sizes[0] != p.q.sizes[0] || p.v.sizes[1] != p.k.sizes[1] || p.v.sizes[2] != p.k.sizes[2] ||
+      p.k.sizes[3] != p.q.sizes[3] || p.q.sizes[3] <= 0 || p.k.sizes[1] <= 0 || p.q.sizes[1] % p.k.sizes[1] != 0)
+    Py_RETURN_NONE;
+  p.B = p.q.sizes[0];
+  p.Hq = p.q.sizes[1];
+  p.Sq = p.q.sizes[2];
+  p.D = p.q.sizes[3];
+  p.Hkv = p.k.sizes[1];
+  p.Sk = p.k.sizes[2];
+  p.Dv = p.v.sizes[3];
+  double scale = pow((double)p.D, -0.5); /* D ** -0.5, as _dispatch.prepare computes it */
+  if (scale_o != Py_None) {
+    scale = PyFloat_AsDouble(scale_o);
+    if (!isfinite(scale) || (dt != AB_DTYPE_F64 && fabs(scale) > FLT_MAX)) Py_RETURN_NONE;
+  }
+  const int det = call_truth(st->deterministic);
+  if (det < 0) return NULL;
+  PyObject* mps_fix_o = PyDict_GetItemWithError(st->settings, st->s_mps_fix);
+  if (!mps_fix_o) {
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+  }
+  const int mps_fix = PyObject_IsTrue(mps_fix_o);
+  if (mps_fix < 0) return NULL;
+  ab_call c; /* as _dispatch.prepare describes this call */
+  memset(&c, 0, sizeof c);
+  c.device = AB_DEVICE_CPU;
+  c.dtype = dt;
+  c.D = p.D;
+  c.Dv = p.Dv;
+  c.gqa = p.Hq != p.Hkv;
+  c.square = p.Sq == p.Sk;
+  c.causal = (ab_causal)causal;
+  c.deterministic = det;
+  c.want_lse = want_lse;
+  c.mps_fix = mps_fix;
+  c.requested = requested;
+  c.cpu_isa = (int32_t)ab_cpu_isa_get();
+  c.cpu_units = ab_cpu_units_detect();
+  if (remembered(st, &c) != AB_BK_FLASH) Py_RETURN_NONE;
+  p.causal = (ab_causal)causal;
+  p.scale = scale;
+  p.window_left = p.window_right = -1;
+  PyObject* res = run_direct(st, q, &p, want_lse);
+  if (!res || want_lse) {
+    if (res) ++st->fast_calls;
+    return res;
+  }
+  PyObject* out = Py_NewRef(PyTuple_GetItem(res, 0));
+  Py_DECREF(res);
+  ++st->fast_calls;
+  return out;
+}
+
+/* set_fast_api(tensor_type, guards, is_grad_enabled, are_deterministic_algorithms_enabled,
+ *              context_get, process_default, settings): what the fast path reads (see above). */
+static PyObject* ab_py_set_fast_api(PyObject* self, PyObject* args) {
+  ab_state* st = ab_module_state(self);
+  PyObject *tensor_type, *guards, *grad, *det, *ctx_get, *process_default, *settings;
+  if (!PyArg_ParseTuple(args, "OO!OOOO!O!", &tensor_type, &PyTuple_Type, &guards, &grad, &det, &ctx_get,
+                        &PyList_Type, &process_default, &PyDict_Type, &settings))
+    return NULL;
+  if (PyList_Size(process_default) != 1) {
+    PyErr_SetString(PyExc_ValueError, "set_fast_api: process_default must be a list of one name");
+    return NULL;
+  }
+  replace_ref(&st->tensor_type, Py_NewRef(tensor_type));
+  replace_ref(&st->guards, Py_NewRef(guards));
+  replace_ref(&st->grad_enabled, Py_NewRef(grad));
+  replace_ref(&st->deterministic, Py_NewRef(det));
+  replace_ref(&st->context_get, Py_NewRef(ctx_get));
+  replace_ref(&st->process_default, Py_NewRef(process_default));
+  replace_ref(&st->settings, Py_NewRef(settings));
+  Py_RETURN_NONE;
+}
+
+/* remember(call, chosen): the Python path planned call (a Call) and chose backend id chosen without
+ * falling back; the fast path may serve such calls from now on (only dense, plain CPU forwards are
+ * kept: the only ones it builds). */
+static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
+  ab_state* st = ab_module_state(self);
+  PyObject* call;
+  int chosen;
+  if (!PyArg_ParseTuple(args, "Oi", &call, &chosen)) return NULL;
+  ab_call c;
+  if (ab_call_from_py(call, &c) < 0) return NULL;
+  const int plain = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !c.mask && !c.mask_grad &&
+                    c.causal != AB_CAUSAL_BOTTOM_RIGHT && !c.window && !c.softcap && !c.dropout && !c.need_grad &&
+                    !c.varlen && !c.cuda_smem && !c.sinks && !c.alibi;
+  if (plain && remembered(st, &c) < 0 && st->n_remembered < AB_REMEMBERED_MAX) {
+    st->remembered[st->n_remembered].call = c;
+    st->remembered[st->n_remembered].chosen = chosen;
+    ++st->n_remembered;
+  }
+  Py_RETURN_NONE;
+}
+
+void ab_direct_forget(ab_state* st) { st->n_remembered = 0; }
+
+/* forget(): drops the remembered plans (attn_backends._dispatch.reset_caches). */
+static PyObject* ab_py_forget(PyObject* self, PyObject* unused) {
+  (void)unused;
+  ab_direct_forget(ab_module_state(self));
+  Py_RETURN_NONE;
+}
+
+/* fast_calls() -> how many calls the fast path has served (tests). */
+static PyObject* ab_py_fast_calls(PyObject* self, PyObject* unused) {
+  (void)unused;
+  return PyLong_FromLongLong(ab_module_state(self)->fast_calls);
+}
+
+PyMethodDef ab_direct_methods[] = {
+    {"flash_fwd_cpu", ab_py_flash_fwd_cpu, METH_VARARGS,
+     "flash_fwd_cpu(q, k, v, attn_mask, causal, scale, window_left, window_right, softcap, want_lse) -> "
+     "(out, lse or None), or None: the CPU flash forward without the dispatcher (checked CPU tensors, no autograd)."},
+    {"attention", (PyCFunction)(void (*)(void))ab_py_attention, METH_FASTCALL,
+     "attention(q, k, v, backend, causal, scale, want_lse) -> out, (out, lse), or None: ab.attention's fast "
+     "path for plain eager CPU calls whose plan is remembered (None: take the Python path)."},
+    {"set_tensor_api", ab_py_set_tensor_api, METH_VARARGS,
+     "set_tensor_api(empty_strided, cpu_device, dtypes): what the direct calls allocate outputs with."},
+    {"set_fast_api", ab_py_set_fast_api, METH_VARARGS,
+     "set_fast_api(tensor_type, guards, is_grad_enabled, are_deterministic_algorithms_enabled, context_get, "
+     "process_default, settings): what attention's fast path reads."},
+    {"remember", ab_py_remember, METH_VARARGS,
+     "remember(call, chosen): a plan the fast path may reuse (a plain CPU forward that did not fall back)."},
+    {"forget", ab_py_forget, METH_NOARGS, "forget(): drop the plans the fast path remembered."},
+    {"fast_calls", ab_py_fast_calls, METH_NOARGS, "fast_calls() -> calls the fast path has served."},
+    {NULL, NULL, 0, NULL},
+};
+
+int ab_direct_init(ab_state* st) {
+  if (!(st->s_shape = PyUnicode_InternFromString("shape")) || !(st->s_stride = PyUnicode_InternFromString("stride")) ||
+      !(st->s_data_ptr = PyUnicode_InternFromString("data_ptr")) ||
+      !(st->s_dtype = PyUnicode_InternFromString("dtype")) || !(st->s_is_cpu = PyUnicode_InternFromString("is_cpu")) ||
+      !(st->s_requires_grad = PyUnicode_InternFromString("requires_grad")) ||
+      !(st->s_mps_fix = PyUnicode_InternFromString("mps_fix")) ||
+      !(st->s_new_empty_strided = PyUnicode_InternFromString("new_empty_strided")) ||
+      !(st->backend_ids = PyDict_New()))
+    return -1;
+  st->n_remembered = 0;
+  st->fast_calls = 0;
+  return 0;
+}
+
+int ab_direct_traverse(ab_state* st, visitproc visit, void* arg) {
+  Py_VISIT(st->empty_strided);
+  for (int i = 0; i < AB_DTYPE_OTHER; ++i) Py_VISIT(st->dtypes[i]);
+  for (int i = 0; i < 4; ++i) Py_VISIT(st->alloc_kw[i]);
+  Py_VISIT(st->tensor_type);
+  Py_VISIT(st->guards);
+  Py_VISIT(st->grad_enabled);
+  Py_VISIT(st->deterministic);
+  Py_VISIT(st->context_get);
+  Py_VISIT(st->process_default);
+  Py_VISIT(st->settings);
+  Py_VISIT(st->backend_ids);
+  return 0;
+}
+
+void ab_direct_clear(ab_state* st) {
+  Py_CLEAR(st->s_shape);
+  Py_CLEAR(st->s_stride);
+  Py_CLEAR(st->s_data_ptr);
+  Py_CLEAR(st->s_dtype);
+  Py_CLEAR(st->s_is_cpu);
+  Py_CLEAR(st->s_requires_grad);
+  Py_CLEAR(st->s_mps_fix);
+  Py_CLEAR(st->s_new_empty_strided);
+  Py_CLEAR(st->empty_strided);
+  for (int i = 0; i < AB_DTYPE_OTHER; ++i) Py_CLEAR(st->dtypes[i]);
+  for (int i = 0; i < 4; ++i) Py_CLEAR(st->alloc_kw[i]);
+  Py_CLEAR(st->tensor_type);
+  Py_CLEAR(st->guards);
+  Py_CLEAR(st->grad_enabled);
+  Py_CLEAR(st->deterministic);
+  Py_CLEAR(st->context_get);
+  Py_CLEAR(st->process_default);
+  Py_CLEAR(st->settings);
+  Py_CLEAR(st->backend_ids);
+  st->n_remembered = 0;
+}
