@@ -109,6 +109,15 @@ def record_runner(monkeypatch):
             _last.name = _name
             return _fn(*args)
         monkeypatch.setitem(_dispatch.RUNNERS, name, wrapped)
+    fast = ab._fast_attention
+
+    def fast_wrapped(*args):  # ab.attention's fast path (csrc/ab_direct.c) serves flash only
+        res = fast(*args)
+        if res is not None:
+            _last.name = "flash"
+        return res
+
+    monkeypatch.setattr(ab, "_fast_attention", fast_wrapped)
     _dispatch.reset_caches()
     yield
     _dispatch.reset_caches()
