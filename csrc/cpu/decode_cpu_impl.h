@@ -8,8 +8,9 @@
  * hg KV heads, split of the key range) and streams its keys once for every query row that reads
  * them: the Sq tokens x hg * G query heads of the group (G = Hq / Hkv; rows r = t * hg * G +
  * h * G + g).  hg is as large as keeps those rows within DC_ROWS, so one key's rows for the group
- * are one contiguous read.  Keys go by chunks of at most DC_CHUNK, never across a page of a paged
- * cache (one block_table lookup per chunk):
+ * are one contiguous read.  Keys go by chunks of DC_CHUNK, which may span pages of a paged cache
+ * (one block_table lookup per page, the chunk's row offsets computed once, DC(chunk_at)), so a
+ * paged cache is read in the same chunks, with the same sums, as a dense one:
  *   1. scores, key by key in the cache's order: each key row is loaded once (converted to float32
  *      in registers) and dotted with four query rows at a time (q is float32, already rotated and
  *      scaled, in L1); the key row two keys ahead and the chunk's value rows are prefetched;
@@ -194,11 +195,11 @@ static inline __attribute__((always_inline)) void DC(key_scores)(const float* q,
 }
 
 /* acc_r += sum_j P[r][j] v_j for M rows (acc row stride dpad, P row stride DC_CHUNK) and the nk
- * value rows at vb + vo + j * vs, NB vectors of D at a time: M * NB accumulators stay in
+ * value rows at vb + vo[j] + ho, NB vectors of D at a time: M * NB accumulators stay in
  * registers while the chunk's value rows stream past (M and NB are constants at each call site). */
 static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const int NB, float* acc,
                                                              int64_t dpad, const float* P, const void* vb,
-                                                             int64_t vo, int64_t vs, int64_t nk, int64_t D,
+                                                             const int64_t* vo, int64_t ho, int64_t nk, int64_t D,
                                                              const int dt) {
   const int64_t full = D / VLEN * VLEN;
   int64_t d = 0;
@@ -208,7 +209,7 @@ static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const
       for (int n = 0; n < NB; ++n) o[i][n] = vload(acc + i * dpad + d + n * VLEN);
     for (int64_t j = 0; j < nk; ++j) {
       vf v[8];
-      for (int n = 0; n < NB; ++n) v[n] = DC(ld)(vb, vo + j * vs + d + n * VLEN, dt);
+      for (int n = 0; n < NB; ++n) v[n] = DC(ld)(vb, vo[j] + ho + d + n * VLEN, dt);
       for (int i = 0; i < M; ++i) {
         const vf pj = vset1(P[i * DC_CHUNK + j]);
         for (int n = 0; n < NB; ++n) o[i][n] += pj * v[n];
@@ -222,7 +223,7 @@ static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const
     vf o[4];
     for (int i = 0; i < M; ++i) o[i] = vload(acc + i * dpad + d);
     for (int64_t j = 0; j < nk; ++j) {
-      const vf v = D - d < VLEN ? DC(ld_tail)(vb, vo + j * vs + d, D - d, dt) : DC(ld)(vb, vo + j * vs + d, dt);
+      const vf v = D - d < VLEN ? DC(ld_tail)(vb, vo[j] + ho + d, D - d, dt) : DC(ld)(vb, vo[j] + ho + d, dt);
       for (int i = 0; i < M; ++i) o[i] += vset1(P[i * DC_CHUNK + j]) * v;
     }
     for (int i = 0; i < M; ++i) vstore(acc + i * dpad + d, o[i]);
@@ -232,37 +233,48 @@ static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const
 /* O += P V for n rows that read the same value rows: four at a time (two vectors of D each), then
  * the rest with more vectors per row, so a lone row (MHA) still has eight chains in flight. */
 static inline __attribute__((always_inline)) void DC(pv)(float* acc, int64_t n, int64_t dpad, const float* P,
-                                                        const void* vb, int64_t vo, int64_t vs, int64_t nk,
+                                                        const void* vb, const int64_t* vo, int64_t ho, int64_t nk,
                                                         int64_t D, const int dt) {
   int64_t r = 0;
-  for (; r + 4 <= n; r += 4) DC(pv_rows)(4, 2, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, vs, nk, D, dt);
+  for (; r + 4 <= n; r += 4) DC(pv_rows)(4, 2, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, ho, nk, D, dt);
   switch (n - r) {
-    case 3: DC(pv_rows)(3, 2, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, vs, nk, D, dt); break;
-    case 2: DC(pv_rows)(2, 4, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, vs, nk, D, dt); break;
-    case 1: DC(pv_rows)(1, 8, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, vs, nk, D, dt); break;
+    case 3: DC(pv_rows)(3, 2, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, ho, nk, D, dt); break;
+    case 2: DC(pv_rows)(2, 4, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, ho, nk, D, dt); break;
+    case 1: DC(pv_rows)(1, 8, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, ho, nk, D, dt); break;
     default: break;
   }
 }
 
-/* The chunk of keys that starts at j: it ends at *je (at most DC_CHUNK keys, within khi and within
- * one page of a paged cache), its first K and V rows (head h0) at *ko and *vo. */
+/* The chunk of keys that starts at j: it ends at *je (at most DC_CHUNK keys, within khi), the K
+ * and V rows of its keys (head h0) at ko[i] and vo[i], i < *je - j.  A chunk may span pages of a
+ * paged cache: one block_table lookup per page it touches, then the rows of the page by stride,
+ * so small pages (16 keys) still give whole chunks to the softmax and to P V. */
 static inline void DC(chunk_at)(const ab_decode_run* run, int64_t b, int64_t h0, int64_t j, int64_t khi,
                                 int64_t* je, int64_t* ko, int64_t* vo) {
   const ab_kvcache_params* p = run->p;
   const ab_tensor *kc = &p->k_cache, *vc = &p->v_cache;
-  const int64_t bs = run->block_size;
-  int64_t e = j + DC_CHUNK < khi ? j + DC_CHUNK : khi;
+  const int64_t bs = run->block_size, ks1 = kc->strides[1], vs1 = vc->strides[1];
+  const int64_t e = j + DC_CHUNK < khi ? j + DC_CHUNK : khi;
   if (bs) {
     const ab_tensor* bt = &p->block_table;
-    const int64_t i = b * bt->strides[0] + (j / bs) * bt->strides[1];
-    const int64_t blk = bt->dtype == AB_DTYPE_I64 ? ((const int64_t*)bt->data)[i] : ((const int32_t*)bt->data)[i];
-    const int64_t page_end = (j / bs + 1) * bs;
-    e = e < page_end ? e : page_end;
-    *ko = blk * kc->strides[0] + (j % bs) * kc->strides[1] + h0 * kc->strides[2];
-    *vo = blk * vc->strides[0] + (j % bs) * vc->strides[1] + h0 * vc->strides[2];
+    for (int64_t x = j; x < e;) {
+      const int64_t i = b * bt->strides[0] + (x / bs) * bt->strides[1];
+      const int64_t blk = bt->dtype == AB_DTYPE_I64 ? ((const int64_t*)bt->data)[i] : ((const int32_t*)bt->data)[i];
+      const int64_t pe = (x / bs + 1) * bs < e ? (x / bs + 1) * bs : e;
+      const int64_t k0 = blk * kc->strides[0] + (x % bs - x) * ks1 + h0 * kc->strides[2];
+      const int64_t v0 = blk * vc->strides[0] + (x % bs - x) * vs1 + h0 * vc->strides[2];
+      for (; x < pe; ++x) {
+        ko[x - j] = k0 + x * ks1;
+        vo[x - j] = v0 + x * vs1;
+      }
+    }
   } else {
-    *ko = run->row[b] * kc->strides[0] + j * kc->strides[1] + h0 * kc->strides[2];
-    *vo = run->row[b] * vc->strides[0] + j * vc->strides[1] + h0 * vc->strides[2];
+    const int64_t k0 = run->row[b] * kc->strides[0] + h0 * kc->strides[2];
+    const int64_t v0 = run->row[b] * vc->strides[0] + h0 * vc->strides[2];
+    for (int64_t x = j; x < e; ++x) {
+      ko[x - j] = k0 + x * ks1;
+      vo[x - j] = v0 + x * vs1;
+    }
   }
   *je = e;
 }
@@ -355,7 +367,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
   const int64_t kv_lo = run->lo[b], kv_end = run->end[b];
   const ab_tensor *kc = &p->k_cache, *vc = &p->v_cache;
   const void *kb = kc->data, *vb = vc->data;
-  const int64_t ks1 = kc->strides[1], ks2 = kc->strides[2], vs1 = vc->strides[1], vs2 = vc->strides[2];
+  const int64_t ks2 = kc->strides[2], vs2 = vc->strides[2];
   const size_t es = dt == AB_DTYPE_F32 ? 4 : 2;
   const float cap = (float)p->softcap;
   const int alibi = p->alibi_slopes.ndim > 0;
@@ -405,17 +417,20 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       }
     }
 
-    int64_t je = klo, ko = 0, vo = 0;
-    if (klo < khi) DC(chunk_at)(run, b, h0, klo, khi, &je, &ko, &vo);
+    /* the K and V row offsets of this chunk's keys and of the next chunk's */
+    int64_t offs[4][DC_CHUNK];
+    int64_t *ko = offs[0], *vo = offs[1], *nko = offs[2], *nvo = offs[3];
+    int64_t je = klo;
+    if (klo < khi) DC(chunk_at)(run, b, h0, klo, khi, &je, ko, vo);
     for (int64_t j = klo; j < khi;) {
       /* the keys a few rows ahead and this chunk's values are asked for while the scores are
        * computed: one core's demand misses alone leave most of the memory bandwidth unused, and
        * a row of hg heads (hg * D elements every Hkv * D) is a pattern the hardware prefetchers
        * follow poorly when hg < Hkv */
       const int64_t nk = je - j;
-      int64_t jn = je, nje = je, nko = 0, nvo = 0;
+      int64_t jn = je, nje = je;
       const size_t row_bytes = (size_t)(hg * D) * es;
-      if (jn < khi) DC(chunk_at)(run, b, h0, jn, khi, &nje, &nko, &nvo);
+      if (jn < khi) DC(chunk_at)(run, b, h0, jn, khi, &nje, nko, nvo);
 
       /* 1. scores, key by key so the cache is read in its own order; rows of a token that sees no
        * key of the chunk get P = 0 */
@@ -434,13 +449,13 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         /* one row at a time, between the dot products, so the loads overlap the arithmetic */
         const int64_t ahead = jj + DC_KEYS_AHEAD;
         if (ahead < je)
-          DC(prefetch)(kb, ko + (ahead - j) * ks1, row_bytes, es, 3);
+          DC(prefetch)(kb, ko[ahead - j], row_bytes, es, 3);
         else if (ahead - je < nje - jn)
-          DC(prefetch)(kb, nko + (ahead - je) * ks1, row_bytes, es, 3);
-        DC(prefetch)(vb, vo + (jj - j) * vs1, row_bytes, es, 2);
+          DC(prefetch)(kb, nko[ahead - je], row_bytes, es, 3);
+        DC(prefetch)(vb, vo[jj - j], row_bytes, es, 2);
         for (int64_t t = ta; t < tb; ++t) {
           if (jj < w->tlo[t - t0] || jj >= w->thi[t - t0]) continue;
-          DC(key_scores)(run->qf + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, kb, ko + (jj - j) * ks1,
+          DC(key_scores)(run->qf + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, kb, ko[jj - j],
                          ks2, D, dt, w->S + (t - t0) * HG * DC_CHUNK + (jj - j));
         }
       }
@@ -459,12 +474,16 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       for (int64_t h = 0; h < hg; ++h)
         for (int64_t t = ta; t < tb; ++t) {
           const int64_t r = (t - t0) * HG + h * G;
-          DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK, vb, vo + h * vs2, vs1, nk, D, dt);
+          DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK, vb, vo, h * vs2, nk, D, dt);
         }
       j = jn;
       je = nje;
+      int64_t* x = ko;
       ko = nko;
+      nko = x;
+      x = vo;
       vo = nvo;
+      nvo = x;
     }
 
     /* this tile's rows: normalized output and lse, to the output or to this split's partials */
