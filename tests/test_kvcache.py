@@ -284,6 +284,50 @@ def test_split_and_unsplit_agree(case, gen):
         assert torch.allclose(outs[splits][1], outs[1][1], atol=1e-5, rtol=0)
 
 
+BF16_CASES = [c for c in CASES if c.dtype == torch.bfloat16] + [
+    # column tails (D = 40: one masked block; 96: a pair of blocks and one), 3 query heads per KV head,
+    # an odd number of keys in the last chunk, softcap, rotary (q rounded after its rotation)
+    KV(B=2, Sq=3, Hq=6, Hkv=2, D=40, S=77, snew=2, causal=True, rotary="interleaved", softcap=3.0,
+       dtype=torch.bfloat16),
+    KV(B=2, Sq=1, Hq=12, Hkv=4, D=96, S=131, block=16, snew=1, causal=True, rotary="neox", alibi="h",
+       dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("products", ["bf16_dot", "float32"])
+@pytest.mark.parametrize("case", BF16_CASES, ids=str)
+def test_bfloat16_caches_with_and_without_the_bf16_products(case, products, monkeypatch, gen):
+    # AVX512_BF16 CPUs run a bfloat16 cache's products in bfloat16 (decode_cpu_impl.h), the others
+    # (and ATTN_BACKENDS_DECODE_BF16_DOT=0) in float32: both paths under the same rule
+    if products == "bf16_dot" and not _C.cpu_features().get("avx512_bf16"):
+        pytest.skip("this CPU has no AVX512_BF16")
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "1" if products == "bf16_dot" else "0")
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa("avx512" if _C.cpu_isa_supported("avx512") else before)
+    try:
+        call = Call(case, gen)
+        call.check(*call.run("paged_attention"))
+    finally:
+        _C.set_cpu_isa(before)
+
+
+def test_the_bf16_products_switch_takes_effect(monkeypatch, gen):
+    # the two paths round differently (P in bfloat16 for P V), so the switch shows in the bits
+    if not (_C.cpu_features().get("avx512_bf16") and _C.cpu_isa_supported("avx512")):
+        pytest.skip("this CPU has no AVX512_BF16")
+    call = Call(KV(B=2, Hq=8, Hkv=2, D=128, S=300, seqlens=None, dtype=torch.bfloat16), gen)
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa("avx512")
+    try:
+        outs = []
+        for on in ("1", "0"):
+            monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", on)
+            outs.append(call.run("paged_attention")[0])
+    finally:
+        _C.set_cpu_isa(before)
+    assert not torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block", [16, 48])
 def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, isa, gen):
