@@ -213,14 +213,17 @@ _chosen = ({}, {})
 
 def signature(c: KVCall, backend) -> tuple:
     """The planner's call signature (csrc/ab_planner.h ab_call): layout 2 = a KV-cache call."""
-    from ._dispatch import cuda_device_info
-
     requested = "auto" if backend == "auto" else (resolve(backend) if backend is not None else "auto")
     if requested == "auto":
         requested = _planner.default_backend()
     q = c.q
     dev = _planner.DEVICE_IDS.get(q.device.type, 3)
-    cc, lib_ok, _, smem = cuda_device_info(q.device.index) if dev == 1 else (0, 0, "", 0)
+    if dev == 1:  # imported here, only for CUDA tensors: _dispatch imports this module
+        from ._dispatch import cuda_device_info
+
+        cc, lib_ok, _, smem = cuda_device_info(q.device.index)
+    else:
+        cc, lib_ok, smem = 0, 0, 0
     D = q.shape[3]
     return (dev, cc, lib_ok, _planner.DTYPE_IDS[q.dtype], D, D, q.shape[2] != c.k_cache.shape[2], False, 0, 0,
             2 if c.causal else 0, c.wl >= 0 or c.wr >= 0, c.softcap > 0, False, False, False, True, 2,
