@@ -19,6 +19,8 @@
  *      chunk's keys;
  *   3. O += P V, head by head: the value rows stream past the accumulators of four rows x two
  *      vectors of D (one row x eight for MHA) held in registers.
+ * With a bfloat16 cache on a CPU with AVX512_BF16 (run->bf16_dot), steps 1 and 3 multiply in
+ * bfloat16 with vdpbf16ps ("bfloat16 products" below).
  * The state of a row (m, l and its D accumulators) lives in the thread's scratch, in L1 for the
  * decode shapes.  Query rows go by tiles of whole tokens (DC_ROWS rows, at least one token), so
  * scratch stays bounded for long chunked-prefill queries, which re-stream their keys per tile.
