@@ -213,19 +213,23 @@ _chosen = ({}, {})
 
 def signature(c: KVCall, backend) -> _planner.Call:
     """The call descriptor (csrc/ab_planner.h ab_call): layout 2 = a KV-cache call."""
-    from ._dispatch import cuda_device_info
-
     requested = "auto" if backend == "auto" else (resolve(backend) if backend is not None else "auto")
     if requested == "auto":
         requested = _planner.default_backend()
     q = c.q
     dev = _planner.DEVICE_IDS.get(q.device.type, 3)
-    cc, lib_ok, _, smem = cuda_device_info(q.device.index) if dev == 1 else (0, 0, "", 0)
+    if dev == 1:  # imported here, only for CUDA tensors: _dispatch imports this module
+        from ._dispatch import cuda_device_info
+
+        cc, lib_ok, _, smem = cuda_device_info(q.device.index)
+    else:
+        cc, lib_ok, smem = 0, 0, 0
     D = q.shape[3]
+    # every field by position (new_call's order): keywords cost a decode call microseconds
     return _planner.new_call(dev, cc, lib_ok, _planner.DTYPE_IDS[q.dtype], D, D, q.shape[2] != c.k_cache.shape[2],
-                             False, causal=2 if c.causal else 0, window=c.wl >= 0 or c.wr >= 0, softcap=c.softcap > 0,
-                             want_lse=True, varlen=2, requested=ID[requested], cuda_smem=smem,
-                             sinks=c.sinks is not None, alibi=c.alibi is not None)
+                             False, 0, False, 2 if c.causal else 0, c.wl >= 0 or c.wr >= 0, c.softcap > 0, False,
+                             False, False, True, 2, None, ID[requested], None, None, smem, c.sinks is not None,
+                             c.alibi is not None)
 
 
 def choose(c: KVCall, backend, strict) -> str:

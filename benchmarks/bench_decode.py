@@ -143,6 +143,14 @@ class Case:
             assert err < tol, f"decode result differs from the reference by {err}"
 
 
+def bf16_products() -> str:
+    """Whether the CPU decode kernel multiplies a bfloat16 cache with AVX512_BF16 (docs/decode.md):
+    the CPU has it, the AVX-512 (or AMX) path runs, ATTN_BACKENDS_DECODE_BF16_DOT is not 0."""
+    on = (ab._C.cpu_features().get("avx512_bf16") and ab._C.cpu_isa() in ("avx512", "amx")
+          and os.environ.get("ATTN_BACKENDS_DECODE_BF16_DOT", "1") != "0")
+    return "on" if on else "off"
+
+
 def timed(fn, reps):
     """Seconds per call: wall clock on the CPU, CUDA events around the calls on a GPU."""
     if DEVICE == "cuda":
@@ -256,7 +264,7 @@ def main(argv=None):
     probe = read_bandwidth_probe()
     where = (torch.cuda.get_device_name() if DEVICE == "cuda"
              else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-                  f"CPU path {ab._C.cpu_isa()}")
+                  f"CPU path {ab._C.cpu_isa()}, bfloat16 products {bf16_products()}")
     print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {where}")
     print("per candidate: ms per call, GB/s of K and V, % of the read bandwidth; ratio = sdpa / ours; "
           "paged = paged / dense time")
@@ -287,6 +295,7 @@ def main(argv=None):
             json.dump(dict(machine=platform.platform(), processor=platform.processor(), device=DEVICE,
                            gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else None,
                            threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
+                           bf16_products=bf16_products() if DEVICE == "cpu" else None,
                            date=time.strftime("%Y-%m-%d"), rounds=rounds, results=results, sweeps=sweeps), f, indent=1)
         print(f"wrote {args.json}")
 

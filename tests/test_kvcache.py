@@ -284,6 +284,77 @@ def test_split_and_unsplit_agree(case, gen):
         assert torch.allclose(outs[splits][1], outs[1][1], atol=1e-5, rtol=0)
 
 
+BF16_CASES = [c for c in CASES if c.dtype == torch.bfloat16] + [
+    # column tails (D = 40: one masked block; 96: a pair of blocks and one), 3 query heads per KV head,
+    # an odd number of keys in the last chunk, softcap, rotary (q rounded after its rotation)
+    KV(B=2, Sq=3, Hq=6, Hkv=2, D=40, S=77, snew=2, causal=True, rotary="interleaved", softcap=3.0,
+       dtype=torch.bfloat16),
+    KV(B=2, Sq=1, Hq=12, Hkv=4, D=96, S=131, block=16, snew=1, causal=True, rotary="neox", alibi="h",
+       dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("products", ["bf16_dot", "float32"])
+@pytest.mark.parametrize("case", BF16_CASES, ids=str)
+def test_bfloat16_caches_with_and_without_the_bf16_products(case, products, monkeypatch, gen):
+    # AVX512_BF16 CPUs run a bfloat16 cache's products in bfloat16 (decode_cpu_impl.h), the others
+    # (and ATTN_BACKENDS_DECODE_BF16_DOT=0) in float32: both paths under the same rule
+    if products == "bf16_dot" and not _C.cpu_features().get("avx512_bf16"):
+        pytest.skip("this CPU has no AVX512_BF16")
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "1" if products == "bf16_dot" else "0")
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa("avx512" if _C.cpu_isa_supported("avx512") else before)
+    try:
+        call = Call(case, gen)
+        call.check(*call.run("paged_attention"))
+    finally:
+        _C.set_cpu_isa(before)
+
+
+def test_the_bf16_products_switch_takes_effect(monkeypatch, gen):
+    # the two paths round differently (P in bfloat16 for P V), so the switch shows in the bits
+    if not (_C.cpu_features().get("avx512_bf16") and _C.cpu_isa_supported("avx512")):
+        pytest.skip("this CPU has no AVX512_BF16")
+    call = Call(KV(B=2, Hq=8, Hkv=2, D=128, S=300, seqlens=None, dtype=torch.bfloat16), gen)
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa("avx512")
+    try:
+        outs = []
+        for on in ("1", "0"):
+            monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", on)
+            outs.append(call.run("paged_attention")[0])
+    finally:
+        _C.set_cpu_isa(before)
+    assert not torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block", [16, 48])
+def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, isa, gen):
+    # the kernel's chunks of keys span pages, so a paged cache is read in the same chunks as the
+    # dense one: the same sums in the same order, whatever the page size and the pages' order
+    B, Sq, Hq, Hkv, D, nb = 3, 2, 8, 2, 72, 9
+    S = nb * block
+    q = torch.randn(B, Sq, Hq, D, generator=gen).to(dtype)
+    k = torch.randn(B, S, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(B, S, Hkv, D, generator=gen).to(dtype)
+    perm = torch.randperm(B * nb, generator=gen)
+    table = perm.view(B, nb).to(torch.int32)
+    pk = torch.empty(B * nb, block, Hkv, D, dtype=dtype)
+    pv = torch.empty_like(pk)
+    pk[perm] = k.reshape(B * nb, block, Hkv, D)
+    pv[perm] = v.reshape(B * nb, block, Hkv, D)
+    seqlens = torch.tensor([S, 37, 5 * block + 3], dtype=torch.int32)
+    leftpad = torch.tensor([0, 9, 17], dtype=torch.int32)
+    for splits in (1, 3):
+        kw = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, causal=True, num_splits=splits,
+                  return_softmax_lse=True, backend="paged_attention", strict=True)
+        with torch.inference_mode():
+            dense = ab.attention_with_kvcache(q, k, v, **kw)
+            paged = ab.attention_with_kvcache(q, pk, pv, block_table=table, **kw)
+        assert torch.equal(dense[0], paged[0]) and torch.equal(dense[1], paged[1])
+
+
 def test_a_fixed_split_count_is_bitwise_reproducible_across_thread_counts(gen):
     call = Call(KV(B=1, Hq=8, Hkv=2, D=64, S=1200, block=16), gen)
     before = torch.get_num_threads()

@@ -6,6 +6,7 @@
  */
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ab_cpu.h"
@@ -28,6 +29,17 @@ static const ab_decode_cpu_table* decode_table(void) {
     case AB_ISA_AVX2: return &ab_decode_cpu_avx2;
     default: return &ab_decode_cpu_generic;
   }
+}
+
+/* Whether the bfloat16 products of decode_cpu_impl.h run: a bfloat16 cache, the AVX-512 path (or
+ * AMX, which runs it) and a CPU with AVX512_BF16.  ATTN_BACKENDS_DECODE_BF16_DOT=0 turns them off
+ * (the float32 products then run, as on CPUs without the instructions); read at every call. */
+static int bf16_dot(const ab_kvcache_params* p) {
+  if (p->k_cache.dtype != AB_DTYPE_BF16 || !ab_cpu_features_get()->avx512_bf16) return 0;
+  const ab_cpu_isa isa = ab_cpu_isa_get();
+  if (isa != AB_ISA_AVX512 && isa != AB_ISA_AMX) return 0;
+  const char* env = getenv("ATTN_BACKENDS_DECODE_BF16_DOT");
+  return !(env && strcmp(env, "0") == 0);
 }
 
 static int is_index(const ab_tensor* t) { return t->dtype == AB_DTYPE_I32 || t->dtype == AB_DTYPE_I64; }
@@ -313,8 +325,9 @@ static void append(const ab_kvcache_params* p, float* row) {
   }
 }
 
-/* q as float32 (B, Sq, Hq, dpad): rotated at its positions, times scale, pad lanes 0. */
-static void prepare_q(const ab_kvcache_params* p, float* qf, int64_t dpad) {
+/* q as float32 (B, Sq, Hq, dpad): rotated at its positions, times scale, pad lanes 0; with qb, also
+ * as bfloat16 rotated but not scaled (rounded to nearest even once: the bfloat16 products). */
+static void prepare_q(const ab_kvcache_params* p, float* qf, uint16_t* qb, int64_t dpad) {
   const int per_token = q_rotates_per_token(p);
   for (int64_t b = 0; b < p->B; ++b)
     for (int64_t t = 0; t < p->Sq; ++t)
@@ -323,6 +336,10 @@ static void prepare_q(const ab_kvcache_params* p, float* qf, int64_t dpad) {
         memset(row, 0, (size_t)dpad * sizeof(float));
         ab_vec_load_row(p->q.data, p->q.dtype, ab_off4(&p->q, b, t, h, 0), p->D, p->q.strides[3], row);
         if (p->rotary_cos.ndim) rotate(p, seqlen_of(p, b) + (per_token ? t : 0), row);
+        if (qb) {
+          uint16_t* rb = qb + ((b * p->Sq + t) * p->Hq + h) * dpad;
+          for (int64_t d = 0; d < dpad; ++d) rb[d] = d < p->D ? ab_f32_to_bf16(row[d]) : 0;
+        }
         for (int64_t d = 0; d < p->D; ++d) row[d] *= (float)p->scale;
       }
 }
@@ -349,15 +366,17 @@ int64_t ab_kvcache_cpu_splits(const ab_kvcache_params* p, int num_threads) {
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
-static int64_t dpad_of(const ab_kvcache_params* p) {
-  return (p->D + AB_DECODE_DPAD - 1) / AB_DECODE_DPAD * AB_DECODE_DPAD;
+static int64_t dpad_of(const ab_kvcache_params* p, int bf) {
+  const int64_t m = bf ? 2 * AB_DECODE_DPAD : AB_DECODE_DPAD;
+  return (p->D + m - 1) / m * m;
 }
 
-/* Workspace: q (B, Sq, Hq, dpad) float32, the split partials, per-row key ranges and cache rows, a
- * row of scratch, each head's sink. */
-static size_t workspace_layout(const ab_kvcache_params* p, int64_t nsplit, size_t* part_at, size_t* idx_at) {
-  const int64_t dpad = dpad_of(p);
+/* Workspace: q (B, Sq, Hq, dpad) float32 (and bfloat16 with bf), the split partials, per-row key
+ * ranges and cache rows, a row of scratch, each head's sink. */
+static size_t workspace_layout(const ab_kvcache_params* p, int64_t nsplit, int bf, size_t* part_at, size_t* idx_at) {
+  const int64_t dpad = dpad_of(p, bf);
   size_t n = align64((size_t)(p->B * p->Sq * p->Hq * dpad) * sizeof(float));
+  if (bf) n += align64((size_t)(p->B * p->Sq * p->Hq * dpad) * sizeof(uint16_t));
   *part_at = n;
   if (nsplit > 1) n += align64((size_t)(p->B * p->Sq * p->Hq * nsplit * (dpad + 16)) * sizeof(float));
   *idx_at = n;
@@ -368,7 +387,7 @@ size_t ab_kvcache_cpu_workspace_size(const ab_kvcache_params* p, int num_threads
   ab_error ignored;
   if (check_call(p, &ignored) != AB_OK) return 0;
   size_t part_at, idx_at;
-  return workspace_layout(p, ab_kvcache_cpu_splits(p, num_threads), &part_at, &idx_at);
+  return workspace_layout(p, ab_kvcache_cpu_splits(p, num_threads), bf16_dot(p), &part_at, &idx_at);
 }
 
 /* The splits of each output row merged as ab.merge_attention_states does: weights exp(lse_s - max),
@@ -420,12 +439,14 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t
   const int threads = pool ? pool->num_threads : 1;
   const int64_t nsplit = ab_kvcache_cpu_splits(p, threads);
   size_t part_at, idx_at;
-  const size_t need = workspace_layout(p, nsplit, &part_at, &idx_at);
+  const int bf = bf16_dot(p);
+  const size_t need = workspace_layout(p, nsplit, bf, &part_at, &idx_at);
   if (!workspace || workspace_bytes < need)
     return ab_error_set(err, AB_ERR_INVALID, "the decode kernel needs %zu bytes of workspace, got %zu", need,
                         workspace_bytes);
   char* ws = (char*)workspace;
-  const int64_t dpad = dpad_of(p);
+  const int64_t dpad = dpad_of(p, bf);
+  uint16_t* qb = bf ? (uint16_t*)(ws + align64((size_t)(p->B * p->Sq * p->Hq * dpad) * sizeof(float))) : NULL;
   int64_t* lo = (int64_t*)(ws + idx_at);
   int64_t *end = lo + p->B, *row = end + p->B;
   float* scratch_row = (float*)(ws + idx_at + align64((size_t)(3 * p->B) * sizeof(int64_t)));
@@ -437,7 +458,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t
   /* checks passed: from here on the cache changes */
   append(p, scratch_row);
   if (p->B == 0 || p->Sq == 0 || p->Hq == 0) return AB_OK;
-  prepare_q(p, (float*)ws, dpad);
+  prepare_q(p, (float*)ws, qb, dpad);
   int64_t keys = 0;
   for (int64_t b = 0; b < p->B; ++b) {
     lo[b] = p->cache_leftpad.ndim ? index_at(&p->cache_leftpad, b, 0) : 0;
@@ -447,9 +468,9 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t
   }
   ab_par_status st = {AB_OK, err};
   const int64_t hg = heads_per_item(p);
-  ab_decode_run run = {p, (const float*)ws, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
+  ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
-                       sink, &st};
+                       bf, sink, &st};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));

@@ -64,17 +64,20 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t
 
 /* A work item is (batch row, group of hg KV heads, split of the key range); its query rows are the
  * Sq tokens x hg * G heads of the group (G = Hq / Hkv). */
-#define AB_DECODE_DPAD 16 /* q and accumulator rows are padded to a multiple of 16 floats */
+#define AB_DECODE_DPAD 16 /* q and accumulator rows are padded to a multiple of 16 floats (32 with bf16_dot) */
 
 typedef struct ab_decode_run {
   const ab_kvcache_params* p;
   const float* qf;        /* (B, Sq, Hq, dpad) float32: q rotated and multiplied by scale; pad = 0 */
+  const uint16_t* qb;     /* bf16_dot only: (B, Sq, Hq, dpad) bfloat16, q rotated (not scaled); pad = 0 */
   float* part;            /* (B, nsplit, Sq, Hq, dpad + 16): each split's out, lse at [dpad]; NULL if nsplit 1 */
   const int64_t* lo;      /* (B,) first key position of the row (cache_leftpad) */
   const int64_t* end;     /* (B,) one past the last key (cache_seqlens + Snew) */
   const int64_t* row;     /* (B,) dense cache row; unused when paged */
   int64_t dpad, G, hg, nsplit, block_size; /* block_size 0: dense cache */
   int32_t kv_dtype;       /* ab_dtype of the cache */
+  int32_t bf16_dot;       /* bfloat16 cache on an AVX512_BF16 CPU: products in bfloat16 (decode_cpu_impl.h);
+                             dpad is then a multiple of 32 */
   const float* sink;      /* (Hq,) each query head's sink logit, -inf without sinks */
   struct ab_par_status* st;
 } ab_decode_run;

@@ -8,8 +8,9 @@
  * hg KV heads, split of the key range) and streams its keys once for every query row that reads
  * them: the Sq tokens x hg * G query heads of the group (G = Hq / Hkv; rows r = t * hg * G +
  * h * G + g).  hg is as large as keeps those rows within DC_ROWS, so one key's rows for the group
- * are one contiguous read.  Keys go by chunks of at most DC_CHUNK, never across a page of a paged
- * cache (one block_table lookup per chunk):
+ * are one contiguous read.  Keys go by chunks of DC_CHUNK, which may span pages of a paged cache
+ * (one block_table lookup per page, the chunk's row offsets computed once, DC(chunk_at)), so a
+ * paged cache is read in the same chunks, with the same sums, as a dense one:
  *   1. scores, key by key in the cache's order: each key row is loaded once (converted to float32
  *      in registers) and dotted with four query rows at a time (q is float32, already rotated and
  *      scaled, in L1); the key row two keys ahead and the chunk's value rows are prefetched;
@@ -18,6 +19,8 @@
  *      chunk's keys;
  *   3. O += P V, head by head: the value rows stream past the accumulators of four rows x two
  *      vectors of D (one row x eight for MHA) held in registers.
+ * With a bfloat16 cache on a CPU with AVX512_BF16 (run->bf16_dot), steps 1 and 3 multiply in
+ * bfloat16 with vdpbf16ps ("bfloat16 products" below).
  * The state of a row (m, l and its D accumulators) lives in the thread's scratch, in L1 for the
  * decode shapes.  Query rows go by tiles of whole tokens (DC_ROWS rows, at least one token), so
  * scratch stays bounded for long chunked-prefill queries, which re-stream their keys per tile.
@@ -194,11 +197,11 @@ static inline __attribute__((always_inline)) void DC(key_scores)(const float* q,
 }
 
 /* acc_r += sum_j P[r][j] v_j for M rows (acc row stride dpad, P row stride DC_CHUNK) and the nk
- * value rows at vb + vo + j * vs, NB vectors of D at a time: M * NB accumulators stay in
+ * value rows at vb + vo[j] + ho, NB vectors of D at a time: M * NB accumulators stay in
  * registers while the chunk's value rows stream past (M and NB are constants at each call site). */
 static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const int NB, float* acc,
                                                              int64_t dpad, const float* P, const void* vb,
-                                                             int64_t vo, int64_t vs, int64_t nk, int64_t D,
+                                                             const int64_t* vo, int64_t ho, int64_t nk, int64_t D,
                                                              const int dt) {
   const int64_t full = D / VLEN * VLEN;
   int64_t d = 0;
@@ -208,7 +211,7 @@ static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const
       for (int n = 0; n < NB; ++n) o[i][n] = vload(acc + i * dpad + d + n * VLEN);
     for (int64_t j = 0; j < nk; ++j) {
       vf v[8];
-      for (int n = 0; n < NB; ++n) v[n] = DC(ld)(vb, vo + j * vs + d + n * VLEN, dt);
+      for (int n = 0; n < NB; ++n) v[n] = DC(ld)(vb, vo[j] + ho + d + n * VLEN, dt);
       for (int i = 0; i < M; ++i) {
         const vf pj = vset1(P[i * DC_CHUNK + j]);
         for (int n = 0; n < NB; ++n) o[i][n] += pj * v[n];
@@ -222,7 +225,7 @@ static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const
     vf o[4];
     for (int i = 0; i < M; ++i) o[i] = vload(acc + i * dpad + d);
     for (int64_t j = 0; j < nk; ++j) {
-      const vf v = D - d < VLEN ? DC(ld_tail)(vb, vo + j * vs + d, D - d, dt) : DC(ld)(vb, vo + j * vs + d, dt);
+      const vf v = D - d < VLEN ? DC(ld_tail)(vb, vo[j] + ho + d, D - d, dt) : DC(ld)(vb, vo[j] + ho + d, dt);
       for (int i = 0; i < M; ++i) o[i] += vset1(P[i * DC_CHUNK + j]) * v;
     }
     for (int i = 0; i < M; ++i) vstore(acc + i * dpad + d, o[i]);
@@ -232,37 +235,226 @@ static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const
 /* O += P V for n rows that read the same value rows: four at a time (two vectors of D each), then
  * the rest with more vectors per row, so a lone row (MHA) still has eight chains in flight. */
 static inline __attribute__((always_inline)) void DC(pv)(float* acc, int64_t n, int64_t dpad, const float* P,
-                                                        const void* vb, int64_t vo, int64_t vs, int64_t nk,
+                                                        const void* vb, const int64_t* vo, int64_t ho, int64_t nk,
                                                         int64_t D, const int dt) {
   int64_t r = 0;
-  for (; r + 4 <= n; r += 4) DC(pv_rows)(4, 2, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, vs, nk, D, dt);
+  for (; r + 4 <= n; r += 4) DC(pv_rows)(4, 2, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, ho, nk, D, dt);
   switch (n - r) {
-    case 3: DC(pv_rows)(3, 2, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, vs, nk, D, dt); break;
-    case 2: DC(pv_rows)(2, 4, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, vs, nk, D, dt); break;
-    case 1: DC(pv_rows)(1, 8, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, vs, nk, D, dt); break;
+    case 3: DC(pv_rows)(3, 2, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, ho, nk, D, dt); break;
+    case 2: DC(pv_rows)(2, 4, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, ho, nk, D, dt); break;
+    case 1: DC(pv_rows)(1, 8, acc + r * dpad, dpad, P + r * DC_CHUNK, vb, vo, ho, nk, D, dt); break;
     default: break;
   }
 }
 
-/* The chunk of keys that starts at j: it ends at *je (at most DC_CHUNK keys, within khi and within
- * one page of a paged cache), its first K and V rows (head h0) at *ko and *vo. */
+/* ---- bfloat16 products (AVX512_BF16), for bfloat16 caches on CPUs that have it ----------------
+ *
+ * vdpbf16ps multiplies pairs of bfloat16 and adds both products to a float32 lane: per 32 elements
+ * of a key row, one load and one instruction per query row instead of two conversions and two FMAs.
+ * Its operands must both be bfloat16, so on this path:
+ *   - q is rounded to bfloat16 once per call (decode_cpu.c: rotated in float32 first, not scaled,
+ *     as flash-attn rounds it to q's dtype; a bfloat16 q without rotary is exact) and the scale
+ *     multiplies the float32 score;
+ *   - P is rounded to bfloat16 per chunk for O += P V (as the same-dtype reference and flash-attn
+ *     round it), the accumulation stays float32.  A pair of keys (j, j + 1) is one instruction: the
+ *     two value rows interleaved by unpacklo/hi_epi16 against the broadcast pair (P_j, P_j+1).  The
+ *     unpacks work inside 128-bit lanes, so each 32-column block of an accumulator row holds its
+ *     columns permuted (lane i of the lo half: column (i / 4) * 8 + i % 4, of the hi half: that + 4)
+ *     until DC(bf_unpermute) puts them back at the end of a tile.
+ * The instructions are emitted by inline assembly, so this ISA file needs no -mavx512bf16 and the
+ * code only runs when decode_cpu.c has seen the feature at run time (ab_cpu_features). */
+#if VLEN == 16
+#define DC_BF16 1
+static inline __attribute__((always_inline)) __m512 DC(dpbf16)(__m512 acc, __m512i a, __m512i b) {
+  __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+/* 32 float32 as 32 bfloat16, round to nearest even: lo's 16 in the low half, hi's in the high. */
+static inline __attribute__((always_inline)) __m512i DC(cvt2bf16)(__m512 lo, __m512 hi) {
+  __m512i r;
+  __asm__("vcvtne2ps2bf16 %1, %2, %0" : "=v"(r) : "v"(lo), "v"(hi));
+  return r;
+}
+
+static inline __attribute__((always_inline)) __m512i DC(ldbf)(const uint16_t* s, __mmask32 m) {
+  return m == (__mmask32)~0u ? _mm512_loadu_si512((const void*)s) : _mm512_maskz_loadu_epi16(m, s);
+}
+
+/* Four bfloat16 dot products of length D, times scale: q rows at q + i * qs (bfloat16, zero past
+ * D), cache rows at kb + ko + i * kst (kst 0: one key row for four query rows). */
+static inline __attribute__((always_inline)) void DC(dot4bf)(const uint16_t* q, int64_t qs, const uint16_t* kb,
+                                                            int64_t ko, int64_t kst, int64_t D, float scale,
+                                                            float* s) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t d = 0; d < D; d += 32) {
+    const __mmask32 m = D - d >= 32 ? (__mmask32)~0u : (__mmask32)((1u << (D - d)) - 1);
+    const __m512i k0 = DC(ldbf)(kb + ko + d, m);
+    const __m512i k1 = kst ? DC(ldbf)(kb + ko + kst + d, m) : k0;
+    const __m512i k2 = kst ? DC(ldbf)(kb + ko + 2 * kst + d, m) : k0;
+    const __m512i k3 = kst ? DC(ldbf)(kb + ko + 3 * kst + d, m) : k0;
+    a0 = DC(dpbf16)(a0, _mm512_loadu_si512((const void*)(q + d)), k0);
+    a1 = DC(dpbf16)(a1, _mm512_loadu_si512((const void*)(q + qs + d)), k1);
+    a2 = DC(dpbf16)(a2, _mm512_loadu_si512((const void*)(q + 2 * qs + d)), k2);
+    a3 = DC(dpbf16)(a3, _mm512_loadu_si512((const void*)(q + 3 * qs + d)), k3);
+  }
+  const vf sc = vset1(scale);
+  DC(hsum4)((vf)a0 * sc, (vf)a1 * sc, (vf)a2 * sc, (vf)a3 * sc, s, DC_CHUNK);
+}
+
+static inline __attribute__((always_inline)) void DC(dot1bf)(const uint16_t* q, const uint16_t* kb, int64_t ko,
+                                                            int64_t D, float scale, float* s) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) {
+    a0 = DC(dpbf16)(a0, _mm512_loadu_si512((const void*)(q + d)), _mm512_loadu_si512((const void*)(kb + ko + d)));
+    a1 = DC(dpbf16)(a1, _mm512_loadu_si512((const void*)(q + d + 32)),
+                    _mm512_loadu_si512((const void*)(kb + ko + d + 32)));
+  }
+  for (; d < D; d += 32) {
+    const __mmask32 m = D - d >= 32 ? (__mmask32)~0u : (__mmask32)((1u << (D - d)) - 1);
+    a0 = DC(dpbf16)(a0, _mm512_loadu_si512((const void*)(q + d)), DC(ldbf)(kb + ko + d, m));
+  }
+  *s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
+}
+
+/* DC(key_scores) for bfloat16 q rows (row stride dq) against a bfloat16 cache. */
+static inline __attribute__((always_inline)) void DC(key_scores_bf)(const uint16_t* q, int64_t dq, int64_t hg,
+                                                                   int64_t G, const uint16_t* kb, int64_t ko,
+                                                                   int64_t ks2, int64_t D, float scale, float* s) {
+  if (G == 1) {
+    int64_t h = 0;
+    for (; h + 4 <= hg; h += 4) DC(dot4bf)(q + h * dq, dq, kb, ko + h * ks2, ks2, D, scale, s + h * DC_CHUNK);
+    for (; h < hg; ++h) DC(dot1bf)(q + h * dq, kb, ko + h * ks2, D, scale, s + h * DC_CHUNK);
+    return;
+  }
+  for (int64_t h = 0; h < hg; ++h) {
+    const uint16_t* qh = q + h * G * dq;
+    float* sh = s + h * G * DC_CHUNK;
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) DC(dot4bf)(qh + g * dq, dq, kb, ko + h * ks2, 0, D, scale, sh + g * DC_CHUNK);
+    for (; g < G; ++g) DC(dot1bf)(qh + g * dq, kb, ko + h * ks2, D, scale, sh + g * DC_CHUNK);
+  }
+}
+
+/* The P rows of n query rows (row stride DC_CHUNK floats) as bfloat16 pairs (P_2i, P_2i+1), written
+ * over the first half of each row: word i of row r is then the pair for keys 2i and 2i + 1. */
+static inline void DC(p_to_bf16)(float* P, int64_t n) {
+  for (int64_t r = 0; r < n; ++r) {
+    float* row = P + r * DC_CHUNK;
+    const __m512i x = DC(cvt2bf16)(_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16));
+    _mm512_storeu_si512((void*)row, x);
+  }
+}
+
+/* acc_r += sum_j P[r][j] v_j for M rows over NB blocks of 32 columns from column d0 (the last block
+ * loaded under mask m), two keys per instruction; accumulators in the permuted column order. */
+static inline __attribute__((always_inline)) void DC(pvbf_rows)(const int M, const int NB, float* acc, int64_t dpad,
+                                                               const uint32_t* Pw, const uint16_t* vb,
+                                                               const int64_t* vo, int64_t ho, int64_t nk,
+                                                               int64_t d0, __mmask32 m) {
+  __m512 o[4][4][2];
+  for (int i = 0; i < M; ++i)
+    for (int n = 0; n < NB; ++n) {
+      o[i][n][0] = _mm512_loadu_ps(acc + i * dpad + d0 + n * 32);
+      o[i][n][1] = _mm512_loadu_ps(acc + i * dpad + d0 + n * 32 + 16);
+    }
+  for (int64_t j = 0; j < nk; j += 2) {
+    __m512i lo[4], hi[4];
+    for (int n = 0; n < NB; ++n) {
+      const __mmask32 mn = n == NB - 1 ? m : (__mmask32)~0u;
+      const __m512i a = DC(ldbf)(vb + vo[j] + ho + d0 + n * 32, mn);
+      const __m512i b = j + 1 < nk ? DC(ldbf)(vb + vo[j + 1] + ho + d0 + n * 32, mn) : _mm512_setzero_si512();
+      lo[n] = _mm512_unpacklo_epi16(a, b);
+      hi[n] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int i = 0; i < M; ++i) {
+      const __m512i pw = _mm512_set1_epi32((int)Pw[i * DC_CHUNK + j / 2]);
+      for (int n = 0; n < NB; ++n) {
+        o[i][n][0] = DC(dpbf16)(o[i][n][0], lo[n], pw);
+        o[i][n][1] = DC(dpbf16)(o[i][n][1], hi[n], pw);
+      }
+    }
+  }
+  for (int i = 0; i < M; ++i)
+    for (int n = 0; n < NB; ++n) {
+      _mm512_storeu_ps(acc + i * dpad + d0 + n * 32, o[i][n][0]);
+      _mm512_storeu_ps(acc + i * dpad + d0 + n * 32 + 16, o[i][n][1]);
+    }
+}
+
+/* M rows over all of D: NB blocks at a time, then one block at a time, the last one masked. */
+static inline __attribute__((always_inline)) void DC(pvbf_m)(const int M, const int NB, float* acc, int64_t dpad,
+                                                            const uint32_t* Pw, const uint16_t* vb,
+                                                            const int64_t* vo, int64_t ho, int64_t nk, int64_t D) {
+  int64_t d = 0;
+  for (; d + NB * 32 <= D; d += NB * 32) DC(pvbf_rows)(M, NB, acc, dpad, Pw, vb, vo, ho, nk, d, (__mmask32)~0u);
+  for (; d < D; d += 32) {
+    const __mmask32 m = D - d >= 32 ? (__mmask32)~0u : (__mmask32)((1u << (D - d)) - 1);
+    DC(pvbf_rows)(M, 1, acc, dpad, Pw, vb, vo, ho, nk, d, m);
+  }
+}
+
+/* DC(pv) on the bfloat16 path: P already converted by DC(p_to_bf16). */
+static inline __attribute__((always_inline)) void DC(pv_bf)(float* acc, int64_t n, int64_t dpad, const float* P,
+                                                           const uint16_t* vb, const int64_t* vo, int64_t ho,
+                                                           int64_t nk, int64_t D) {
+  const uint32_t* Pw = (const uint32_t*)P;
+  int64_t r = 0;
+  for (; r + 4 <= n; r += 4) DC(pvbf_m)(4, 2, acc + r * dpad, dpad, Pw + r * DC_CHUNK, vb, vo, ho, nk, D);
+  switch (n - r) {
+    case 3: DC(pvbf_m)(3, 2, acc + r * dpad, dpad, Pw + r * DC_CHUNK, vb, vo, ho, nk, D); break;
+    case 2: DC(pvbf_m)(2, 4, acc + r * dpad, dpad, Pw + r * DC_CHUNK, vb, vo, ho, nk, D); break;
+    case 1: DC(pvbf_m)(1, 4, acc + r * dpad, dpad, Pw + r * DC_CHUNK, vb, vo, ho, nk, D); break;
+    default: break;
+  }
+}
+
+/* An accumulator row back in column order (see above), in place, dpad a multiple of 32. */
+static inline void DC(bf_unpermute)(float* acc, int64_t dpad) {
+  for (int64_t d = 0; d < dpad; d += 32) {
+    float t[32];
+    for (int i = 0; i < 16; ++i) {
+      t[(i / 4) * 8 + i % 4] = acc[d + i];
+      t[(i / 4) * 8 + 4 + i % 4] = acc[d + 16 + i];
+    }
+    memcpy(acc + d, t, sizeof t);
+  }
+}
+#else
+#define DC_BF16 0
+#endif
+
+/* The chunk of keys that starts at j: it ends at *je (at most DC_CHUNK keys, within khi), the K
+ * and V rows of its keys (head h0) at ko[i] and vo[i], i < *je - j.  A chunk may span pages of a
+ * paged cache: one block_table lookup per page it touches, then the rows of the page by stride,
+ * so small pages (16 keys) still give whole chunks to the softmax and to P V. */
 static inline void DC(chunk_at)(const ab_decode_run* run, int64_t b, int64_t h0, int64_t j, int64_t khi,
                                 int64_t* je, int64_t* ko, int64_t* vo) {
   const ab_kvcache_params* p = run->p;
   const ab_tensor *kc = &p->k_cache, *vc = &p->v_cache;
-  const int64_t bs = run->block_size;
-  int64_t e = j + DC_CHUNK < khi ? j + DC_CHUNK : khi;
+  const int64_t bs = run->block_size, ks1 = kc->strides[1], vs1 = vc->strides[1];
+  const int64_t e = j + DC_CHUNK < khi ? j + DC_CHUNK : khi;
   if (bs) {
     const ab_tensor* bt = &p->block_table;
-    const int64_t i = b * bt->strides[0] + (j / bs) * bt->strides[1];
-    const int64_t blk = bt->dtype == AB_DTYPE_I64 ? ((const int64_t*)bt->data)[i] : ((const int32_t*)bt->data)[i];
-    const int64_t page_end = (j / bs + 1) * bs;
-    e = e < page_end ? e : page_end;
-    *ko = blk * kc->strides[0] + (j % bs) * kc->strides[1] + h0 * kc->strides[2];
-    *vo = blk * vc->strides[0] + (j % bs) * vc->strides[1] + h0 * vc->strides[2];
+    for (int64_t x = j; x < e;) {
+      const int64_t i = b * bt->strides[0] + (x / bs) * bt->strides[1];
+      const int64_t blk = bt->dtype == AB_DTYPE_I64 ? ((const int64_t*)bt->data)[i] : ((const int32_t*)bt->data)[i];
+      const int64_t pe = (x / bs + 1) * bs < e ? (x / bs + 1) * bs : e;
+      const int64_t k0 = blk * kc->strides[0] + (x % bs - x) * ks1 + h0 * kc->strides[2];
+      const int64_t v0 = blk * vc->strides[0] + (x % bs - x) * vs1 + h0 * vc->strides[2];
+      for (; x < pe; ++x) {
+        ko[x - j] = k0 + x * ks1;
+        vo[x - j] = v0 + x * vs1;
+      }
+    }
   } else {
-    *ko = run->row[b] * kc->strides[0] + j * kc->strides[1] + h0 * kc->strides[2];
-    *vo = run->row[b] * vc->strides[0] + j * vc->strides[1] + h0 * vc->strides[2];
+    const int64_t k0 = run->row[b] * kc->strides[0] + h0 * kc->strides[2];
+    const int64_t v0 = run->row[b] * vc->strides[0] + h0 * vc->strides[2];
+    for (int64_t x = j; x < e; ++x) {
+      ko[x - j] = k0 + x * ks1;
+      vo[x - j] = v0 + x * vs1;
+    }
   }
   *je = e;
 }
@@ -345,17 +537,18 @@ static inline void DC(softmax)(const DC(tile) * w, int64_t r0, int64_t nrows, fl
   }
 }
 
-/* One work item: batch row b, KV heads [h0, h0 + hg), split s; dt is the cache dtype (a constant
- * at each call site, so the loads are specialized).  Rows of a tile: r = (t - t0) * hg * G +
- * (h - h0) * G + g. */
+/* One work item: batch row b, KV heads [h0, h0 + hg), split s; dt is the cache dtype and bf whether
+ * the bfloat16 products run (constants at each call site, so the loads are specialized).  Rows of a
+ * tile: r = (t - t0) * hg * G + (h - h0) * G + g. */
 static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* run, int64_t b, int64_t h0,
-                                                          int64_t s, const DC(tile) * w, const int dt) {
+                                                          int64_t s, const DC(tile) * w, const int dt,
+                                                          const int bf) {
   const ab_kvcache_params* p = run->p;
   const int64_t Sq = p->Sq, D = p->D, G = run->G, hg = run->hg, dpad = run->dpad, HG = hg * G;
   const int64_t kv_lo = run->lo[b], kv_end = run->end[b];
   const ab_tensor *kc = &p->k_cache, *vc = &p->v_cache;
   const void *kb = kc->data, *vb = vc->data;
-  const int64_t ks1 = kc->strides[1], ks2 = kc->strides[2], vs1 = vc->strides[1], vs2 = vc->strides[2];
+  const int64_t ks2 = kc->strides[2], vs2 = vc->strides[2];
   const size_t es = dt == AB_DTYPE_F32 ? 4 : 2;
   const float cap = (float)p->softcap;
   const int alibi = p->alibi_slopes.ndim > 0;
@@ -405,17 +598,20 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       }
     }
 
-    int64_t je = klo, ko = 0, vo = 0;
-    if (klo < khi) DC(chunk_at)(run, b, h0, klo, khi, &je, &ko, &vo);
+    /* the K and V row offsets of this chunk's keys and of the next chunk's */
+    int64_t offs[4][DC_CHUNK];
+    int64_t *ko = offs[0], *vo = offs[1], *nko = offs[2], *nvo = offs[3];
+    int64_t je = klo;
+    if (klo < khi) DC(chunk_at)(run, b, h0, klo, khi, &je, ko, vo);
     for (int64_t j = klo; j < khi;) {
       /* the keys a few rows ahead and this chunk's values are asked for while the scores are
        * computed: one core's demand misses alone leave most of the memory bandwidth unused, and
        * a row of hg heads (hg * D elements every Hkv * D) is a pattern the hardware prefetchers
        * follow poorly when hg < Hkv */
       const int64_t nk = je - j;
-      int64_t jn = je, nje = je, nko = 0, nvo = 0;
+      int64_t jn = je, nje = je;
       const size_t row_bytes = (size_t)(hg * D) * es;
-      if (jn < khi) DC(chunk_at)(run, b, h0, jn, khi, &nje, &nko, &nvo);
+      if (jn < khi) DC(chunk_at)(run, b, h0, jn, khi, &nje, nko, nvo);
 
       /* 1. scores, key by key so the cache is read in its own order; rows of a token that sees no
        * key of the chunk get P = 0 */
@@ -434,13 +630,20 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         /* one row at a time, between the dot products, so the loads overlap the arithmetic */
         const int64_t ahead = jj + DC_KEYS_AHEAD;
         if (ahead < je)
-          DC(prefetch)(kb, ko + (ahead - j) * ks1, row_bytes, es, 3);
+          DC(prefetch)(kb, ko[ahead - j], row_bytes, es, 3);
         else if (ahead - je < nje - jn)
-          DC(prefetch)(kb, nko + (ahead - je) * ks1, row_bytes, es, 3);
-        DC(prefetch)(vb, vo + (jj - j) * vs1, row_bytes, es, 2);
+          DC(prefetch)(kb, nko[ahead - je], row_bytes, es, 3);
+        DC(prefetch)(vb, vo[jj - j], row_bytes, es, 2);
         for (int64_t t = ta; t < tb; ++t) {
           if (jj < w->tlo[t - t0] || jj >= w->thi[t - t0]) continue;
-          DC(key_scores)(run->qf + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, kb, ko + (jj - j) * ks1,
+#if DC_BF16
+          if (bf) {
+            DC(key_scores_bf)(run->qb + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, (const uint16_t*)kb,
+                              ko[jj - j], ks2, D, (float)p->scale, w->S + (t - t0) * HG * DC_CHUNK + (jj - j));
+            continue;
+          }
+#endif
+          DC(key_scores)(run->qf + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, kb, ko[jj - j],
                          ks2, D, dt, w->S + (t - t0) * HG * DC_CHUNK + (jj - j));
         }
       }
@@ -456,15 +659,29 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       }
 
       /* 3. O += P V, head by head, for the tokens that saw a key */
-      for (int64_t h = 0; h < hg; ++h)
+#if DC_BF16
+      if (bf) {
+        if (tb > ta) DC(p_to_bf16)(w->S + (ta - t0) * HG * DC_CHUNK, (tb - ta) * HG);
+        for (int64_t h = 0; h < hg; ++h)
+          for (int64_t t = ta; t < tb; ++t) {
+            const int64_t r = (t - t0) * HG + h * G;
+            DC(pv_bf)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK, (const uint16_t*)vb, vo, h * vs2, nk, D);
+          }
+      }
+#endif
+      for (int64_t h = 0; h < hg && !bf; ++h)
         for (int64_t t = ta; t < tb; ++t) {
           const int64_t r = (t - t0) * HG + h * G;
-          DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK, vb, vo + h * vs2, vs1, nk, D, dt);
+          DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK, vb, vo, h * vs2, nk, D, dt);
         }
       j = jn;
       je = nje;
+      int64_t* x = ko;
       ko = nko;
+      nko = x;
+      x = vo;
       vo = nvo;
+      nvo = x;
     }
 
     /* this tile's rows: normalized output and lse, to the output or to this split's partials */
@@ -474,6 +691,9 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       const float l = w->l[r];
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
       for (int64_t d = 0; d < dpad; d += VLEN) vstore(acc + d, vload(acc + d) * vset1(inv));
+#if DC_BF16
+      if (bf) DC(bf_unpermute)(acc, dpad);
+#endif
       float lse = l > 0.0f ? w->m[r] + logf(l) : -INFINITY;
       if (run->nsplit == 1) {
         float factor; /* the sink joins once the row is complete: here, or after the merge of the splits */
@@ -516,9 +736,17 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
     const int64_t s = it % run->nsplit, bg = it / run->nsplit;
     const int64_t b = bg / groups, h0 = bg % groups * run->hg;
     switch (run->kv_dtype) {
-      case AB_DTYPE_F32: DC(item)(run, b, h0, s, &w, AB_DTYPE_F32); break;
-      case AB_DTYPE_BF16: DC(item)(run, b, h0, s, &w, AB_DTYPE_BF16); break;
-      default: DC(item)(run, b, h0, s, &w, AB_DTYPE_F16); break;
+      case AB_DTYPE_F32: DC(item)(run, b, h0, s, &w, AB_DTYPE_F32, 0); break;
+      case AB_DTYPE_BF16:
+#if DC_BF16
+        if (run->bf16_dot) {
+          DC(item)(run, b, h0, s, &w, AB_DTYPE_BF16, 1);
+          break;
+        }
+#endif
+        DC(item)(run, b, h0, s, &w, AB_DTYPE_BF16, 0);
+        break;
+      default: DC(item)(run, b, h0, s, &w, AB_DTYPE_F16, 0); break;
     }
   }
   ab_scratch_free(buf);
