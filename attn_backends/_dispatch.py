@@ -16,7 +16,7 @@ import torch
 
 from . import _C, _planner, _validate
 from ._names import ID, resolve
-from ._providers import RUNNERS, VARLEN_RUNNERS, direct_guards
+from ._providers import RUNNERS, Attn, direct_guards, new_attn
 
 _cuda_lib = os.path.join(os.path.dirname(__file__), "libattn_backends_cuda.so")
 _cuda_devices: dict = {}
@@ -83,7 +83,7 @@ def _sinks_alibi(q, B, Hq, sinks, alibi_slopes):
 
 def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse, deterministic=False,
             sinks=None, alibi_slopes=None):
-    """Validates a dense call; returns (run arguments, planner signature).
+    """Validates a dense call; returns (the runner's Attn, the call descriptor).
 
     The common case (no mask, no window, no softcap, no dropout, default scale) touches only what
     it needs; anything unusual goes through the full checks in _validate."""
@@ -115,17 +115,13 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
         D, Dv = _static_int(D), _static_int(Dv)
         gqa = True if gqa else False  # noqa: SIM210 (a branch, not bool(): see _static_int)
         square = True if square else False  # noqa: SIM210
-    args = (q, k, v, attn_mask, causal_i, scale_f, wl, wr, softcap_f, p, need_grad, bool(return_lse))
     has_sinks = has_alibi = False
     if sinks is not None or alibi_slopes is not None:
-        # sinks and ALiBi: two more runner arguments (None when absent) after deterministic
         sinks, alibi_slopes, (has_sinks, has_alibi) = _sinks_alibi(q, B, Hq, sinks, alibi_slopes)
-        if sinks is not None and sinks.requires_grad and torch.is_grad_enabled() and not need_grad:
+        if sinks is not None and sinks.requires_grad and torch.is_grad_enabled():
             need_grad = True
-            args = args[:10] + (True,) + args[11:]
-        args += (bool(deterministic), sinks, alibi_slopes)
-    elif deterministic:
-        args += (True,)
+    args = new_attn(Attn, (q, k, v, attn_mask, causal_i, scale_f, wl, wr, softcap_f, p, need_grad, bool(return_lse),
+                           bool(deterministic), sinks, alibi_slopes, None, None, None, None, None, None, 0, 0))
     sig = _new_call(dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, gqa, square, mask_kind, mask_grad, causal_i,
                     wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
                     bool(return_lse), 0, _SETTINGS["mps_fix"], ID[requested], _cpu_isa(), _CPU_UNITS, smem,
@@ -137,7 +133,7 @@ _SETTINGS = _planner.settings
 _cpu_isa = _planner.cpu_isa
 _CPU_UNITS = _planner.CPU_UNITS
 _new_call = _planner.new_call
-_chosen = ({}, {})  # Call -> backend, for strict False and True: the Python path's one lookup
+_chosen = ({}, {})  # Call -> backend id, for strict False and True: the Python path's one lookup
 _FLASH = ID["flash"]
 # what the fast path reads (csrc/ab_direct.c): the same facts prepare() reads below
 _C.set_fast_api(torch.Tensor, direct_guards, torch.is_grad_enabled, _deterministic, _planner._context_backend.get,
@@ -157,19 +153,24 @@ def reset_caches() -> None:
     _planner._warned.clear()
 
 
+def _runner(sig, strict):
+    """The runner for a call descriptor: the plan cache (one dict lookup), else the planner."""
+    strict = strict or _planner.STRICT
+    chosen = None if _is_compiling() else _chosen[strict].get(sig)
+    if chosen is None:
+        chosen = ID[_planner.choose(sig, strict)]
+        if len(_chosen[strict]) < 65536 and not _is_compiling():
+            _chosen[strict][sig] = chosen
+            if chosen == _FLASH and sig.requested in _PLAIN:
+                _C.remember(sig, _FLASH)  # ab.attention's fast path may serve such calls now (ab_direct.c)
+    return RUNNERS[chosen]
+
+
 def attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse, strict,
               deterministic=False, sinks=None, alibi_slopes=None):
     args, sig = prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse,
                         deterministic, sinks, alibi_slopes)
-    strict = strict or _planner.STRICT
-    chosen = None if _is_compiling() else _chosen[strict].get(sig)
-    if chosen is None:
-        chosen = _planner.choose(sig, strict)
-        if len(_chosen[strict]) < 65536 and not _is_compiling():
-            _chosen[strict][sig] = chosen
-            if chosen == "flash" and sig.requested in _PLAIN:
-                _C.remember(sig, _FLASH)  # ab.attention's fast path may serve such calls now (ab_direct.c)
-    out, lse = RUNNERS[chosen](*args)
+    out, lse = _runner(sig, strict)(args)
     return (out, lse) if return_lse else out
 
 
@@ -206,10 +207,8 @@ def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p
     sig = _new_call(dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, Hq != Hkv, max_q == max_k, 0, 0, causal_i,
                     wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
                     bool(return_lse), 1, _SETTINGS["mps_fix"], ID[requested], _cpu_isa(), _CPU_UNITS, smem, *flags)
-    args = (q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k, causal_i, scale_f, wl, wr, softcap_f, p,
-            need_grad, bool(return_lse), bool(deterministic))
-    if flags != (False, False):
-        return args + (sinks, alibi_slopes), sig
+    args = new_attn(Attn, (q, k, v, None, causal_i, scale_f, wl, wr, softcap_f, p, need_grad, bool(return_lse),
+                           bool(deterministic), sinks, alibi_slopes, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k))
     return args, sig
 
 
@@ -217,6 +216,5 @@ def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout
                      return_lse, strict, deterministic=False, sinks=None, alibi_slopes=None):
     args, sig = prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window,
                                softcap, return_lse, deterministic, sinks, alibi_slopes)
-    chosen = _planner.choose(sig, strict or _planner.STRICT)
-    out, lse = VARLEN_RUNNERS[chosen](*args)
+    out, lse = _runner(sig, strict)(args)
     return (out, lse) if return_lse else out

@@ -1,5 +1,5 @@
-"""The CPU flash forward without the dispatcher (attn_backends/_providers.py: direct_ok, run_flash;
-csrc/ab_module.c: flash_fwd_cpu).
+"""The CPU flash forward without the dispatcher (attn_backends/_providers/ours.py: direct_ok, run_flash;
+csrc/ab_direct.c: flash_fwd_cpu, and attention, ab.attention's fast path).
 
 A plain eager call that needs no gradient skips the op's fixed cost; it must give exactly what the op
 gives (same bits, same output layout, same errors), and everything that has to see the op (autograd,
@@ -17,7 +17,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import attn_backends as ab
-from attn_backends import _C, _providers
+from attn_backends import _C
+from attn_backends._providers import ours as _providers  # the runners of our kernels
 from attn_backends._testing import Case, cases, make_inputs
 
 ops = torch.ops.attn_backends
@@ -222,12 +223,12 @@ def test_direct_call_errors_are_the_ops(bad):
 
 def test_an_isa_the_cpu_cannot_run_fails_the_same_way_on_both_paths():
     code = ("import attn_backends as ab, torch\n"
-            "from attn_backends import _providers\n"
+            "from attn_backends._providers import ours as _providers\n"
             "q = torch.randn(1, 1, 4, 8)\n"
             "msgs = []\n"
             "for direct in (True, False):\n"
             "    if not direct:\n"
-            "        _providers.direct_ok = lambda *a: False\n"
+            "        _providers.direct_ok = ab._fast_attention = lambda *a: None\n"
             "    try:\n        ab.attention(q, q, q, backend='flash')\n"
             "    except RuntimeError as e:\n        msgs.append(str(e))\n"
             "print(len(msgs), msgs[0] in msgs[1], msgs[0])\n")

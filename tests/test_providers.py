@@ -95,7 +95,7 @@ def test_flash_attn_package_wrapper(fake_flash_attn, gen):
     q = torch.randn(2, 4, 10, 16, generator=gen)
     k = torch.randn(2, 2, 14, 16, generator=gen)
     v = torch.randn(2, 2, 14, 16, generator=gen)
-    out, lse = _providers.run_flash_attn_pkg(q, k, v, None, 2, 0.25, 5, 0, 3.0, 0.0, False, True)
+    out, lse = _providers.packages.run_flash_attn_pkg(_providers.Attn(q, k, v, None, 2, 0.25, 5, 0, 3.0, 0.0, False, True))
     ref, ref_lse = reference_attention(q, k, v, causal="bottom_right", window=(5, 0), scale=0.25, softcap=3.0)
     assert out.shape == (2, 4, 10, 16) and lse.shape == (2, 4, 10)
     assert (out.double() - ref).abs().max() < 1e-5
@@ -156,7 +156,7 @@ def test_xformers_wrapper(fake_xformers, causal, with_mask, gqa, gen):
     if with_mask:
         mask = torch.rand(2, 1, 9, 13, generator=gen) > 0.3
         mask[..., -1] = True
-    out, _ = _providers.run_xformers(q, k, v, mask, causal, 0.3, -1, -1, 0.0, 0.0, False, False)
+    out, _ = _providers.packages.run_xformers(_providers.Attn(q, k, v, mask, causal, 0.3))
     ref, _ = reference_attention(q, k, v, causal={0: False, 1: True, 2: "bottom_right"}[causal], attn_mask=mask,
                                  scale=0.3)
     assert (out.double() - ref).abs().max() < 1e-5
@@ -177,6 +177,6 @@ def test_sageattention_wrapper(monkeypatch):
     mod.sageattn = sageattn
     monkeypatch.setitem(sys.modules, "sageattention", mod)
     q = torch.randn(1, 2, 8, 64)
-    out, lse = _providers.run_sage_pkg(q, q, q, None, 1, 0.125, -1, -1, 0.0, 0.0, False, False)
+    out, lse = _providers.packages.run_sage_pkg(_providers.Attn(q, q, q, None, 1, 0.125))
     assert lse is None and seen == dict(layout="HND", causal=True, scale=0.125)
     assert (out.double() - reference_attention(q, q, q, causal=True, scale=0.125)[0]).abs().max() < 1e-5

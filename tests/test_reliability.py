@@ -16,6 +16,7 @@ import torch
 
 import attn_backends as ab
 from attn_backends import _dispatch
+from attn_backends._names import CANONICAL
 from attn_backends._testing import (check_2x, leak_check, leak_workloads, make_packed, reference_attention,
                                     varlen_reference)
 
@@ -104,11 +105,14 @@ _last = threading.local()
 @pytest.fixture
 def record_runner(monkeypatch):
     # which runner served each call, per thread
-    for name, fn in list(_dispatch.RUNNERS.items()):
-        def wrapped(*args, _fn=fn, _name=name):
-            _last.name = _name
-            return _fn(*args)
-        monkeypatch.setitem(_dispatch.RUNNERS, name, wrapped)
+    def wrap(fn, name):
+        def wrapped(a):
+            _last.name = name
+            return fn(a)
+        return wrapped
+
+    monkeypatch.setattr(_dispatch, "RUNNERS", tuple(None if fn is None else wrap(fn, name)
+                                                    for fn, name in zip(_dispatch.RUNNERS, CANONICAL)))
     fast = ab._fast_attention
 
     def fast_wrapped(*args):  # ab.attention's fast path (csrc/ab_direct.c) serves flash only

@@ -1,0 +1,174 @@
+"""Our kernels as runners: flash (dense and packed; the direct CPU call for calls that need no
+autograd), sage, math, eager.  Each takes an Attn (attn_backends/_providers/__init__.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _C, _eager, _ops
+from . import packed
+
+_below_autograd = torch._C._AutoDispatchBelowAutograd
+_is_compiling = torch.compiler.is_compiling
+
+
+def draw_rng_state(q: torch.Tensor | None = None) -> torch.Tensor:
+    """(seed, offset) for the kernels' Philox stream.
+
+    Eagerly it is drawn from torch's default CPU generator whatever the device, so torch.manual_seed
+    gives the same dropout mask on CPU and CUDA.  While a CUDA graph is being captured (or
+    torch.compile traces a CUDA call), a host draw would be frozen into the graph and every replay
+    would drop the same elements: there it is drawn on the GPU from the device's generator, whose
+    draws advance on each replay; the kernels read the pair from device memory."""
+    if q is not None and q.is_cuda and (_is_compiling() or torch.cuda.is_current_stream_capturing()):
+        return torch.randint(0, 2**62, (2,), dtype=torch.int64, device=q.device)
+    return torch.randint(0, 2**62, (2,), dtype=torch.int64)
+
+
+def _no_grad_call(fwd_op, *args):
+    """A forward op for a call that needs no gradient: below the autograd key (saving the Python
+    autograd wrapper), except while torch.compile traces, which must see the op itself."""
+    if _is_compiling():
+        return fwd_op(*args)
+    with _below_autograd():
+        return fwd_op(*args)
+
+
+def _run_kernel(fwd_op, function, a, q, k, v, sinks):
+    """One of our dense kernels: the autograd Function when a gradient is needed, else the op."""
+    rng = draw_rng_state(q) if a.p > 0 else None
+    args = (q, k, v, a.mask, rng, a.causal, a.scale, a.wl, a.wr, a.softcap, a.p)
+    if sinks is not None or a.alibi is not None:
+        args += (sinks, a.alibi)
+    res = function.apply(*args, a.det) if a.need_grad else _no_grad_call(fwd_op, *args)
+    return res[0], res[1]  # flash's third output, its stats, is for its backward only
+
+
+def _cuda_qkv(q, k, v):
+    """q, k, v as the CUDA flash and sage kernels can read them (_ops.cuda_layout copies the ones they
+    cannot); CPU tensors as they are (the CPU kernels take any strides)."""
+    if not q.is_cuda:
+        return q, k, v
+    return _ops.cuda_layout(q), _ops.cuda_layout(k), _ops.cuda_layout(v)
+
+
+def _kernel_sinks(a):
+    """The sinks as the kernels read them: the CUDA flash forward reads float32 (any dtype on CPU)."""
+    sinks = a.sinks
+    if sinks is not None and not a.need_grad:
+        sinks = sinks.float().contiguous()
+    return sinks
+
+
+# ---- the CPU flash forward without the dispatcher -------------------------------------------------
+# A call that needs no autograd gains nothing from the op but pays its fixed cost (the dispatcher and
+# the boxed stable-ABI call, most of a small call's time: docs/benchmarks.md, "Per-call cost").  Such
+# calls run the same kernel through _C.flash_fwd_cpu (csrc/ab_direct.c), which allocates the outputs
+# in the op's layout: the same bits (tests/test_direct.py).  Whatever must see the op keeps it.
+
+_C.set_tensor_api(torch.empty_strided, torch.device("cpu"),  # the dtypes in ab_dtype's order (csrc/ab_core.h)
+                  (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.bool, torch.int32,
+                   torch.int64, torch.uint8))
+_Tensor = torch.Tensor
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode = torch._C._is_torch_function_mode_enabled
+_inference_mode = torch.is_inference_mode_enabled
+_tracing_state = torch._C._get_tracing_state
+_functorch_layer = torch._C._functorch.peek_interpreter_stack
+# each returns something false when no mode, transform or trace is active (direct_ok, and the fast path)
+direct_guards = (_dispatch_modes, _function_mode, _inference_mode, _tracing_state, _functorch_layer)
+
+
+def direct_ok(q, k, v, mask) -> bool:
+    """Whether a CPU call that needs no gradient may skip the dispatcher: not while torch.compile
+    traces (first, so that dynamo folds the rest away) or a jit trace records; q, k, v and the mask
+    plain torch.Tensors (a FakeTensor or any other subclass has its own dispatch); no
+    TorchDispatchMode or TorchFunctionMode active (they must see the op), no functorch transform
+    (vmap, grad), not in inference mode (left to the op: the direct path is kept to the plainest
+    eager calls)."""
+    return (not _is_compiling() and q.__class__ is _Tensor and k.__class__ is _Tensor and v.__class__ is _Tensor
+            and (mask is None or mask.__class__ is _Tensor) and not _dispatch_modes() and not _function_mode()
+            and not _inference_mode() and _tracing_state() is None and _functorch_layer() is None)
+
+
+_FLASH_OP, _MATH_OP = _ops.ops.flash_fwd.default, _ops.ops.math_fwd.default
+
+
+def _run_flash(a, q, k, v, sinks):
+    """The flash op (the autograd Function with a gradient)."""
+    return _run_kernel(_FLASH_OP, _ops.FlashFunction, a, q, k, v, sinks)
+
+
+def run_flash(a):
+    """flash (dense) and flash_varlen (packed)."""
+    if a.cu_q is not None:
+        return _run_flash_varlen(a)
+    q, k, v = a.q, a.k, a.v
+    if q.is_cpu:
+        if not (a.need_grad or a.p) and a.sinks is None and a.alibi is None and direct_ok(q, k, v, a.mask):
+            res = _C.flash_fwd_cpu(q, k, v, a.mask, a.causal, a.scale, a.wl, a.wr, a.softcap, a.want_lse)
+            if res is not None:  # None: the CUDA emulation serves CPU tensors, through the op
+                return res
+    elif q.is_cuda:
+        q, k, v = _ops.cuda_layout(q), _ops.cuda_layout(k), _ops.cuda_layout(v)
+    return _run_flash(a, q, k, v, _kernel_sinks(a))
+
+
+def _run_flash_varlen(a):
+    rng = draw_rng_state(a.q) if a.p > 0 else None
+    q, k, v = _cuda_qkv(a.q, a.k, a.v)
+    sinks = _kernel_sinks(a)
+    args = (q, k, v, a.hcu_q, a.hcu_k, a.max_q, a.max_k, rng, a.causal, a.scale, a.wl, a.wr, a.softcap, a.p)
+    if sinks is not None or a.alibi is not None:
+        args += (sinks, a.alibi)
+    if a.need_grad:
+        res = _ops.FlashVarlenFunction.apply(*args, a.det)
+    else:
+        res = _no_grad_call(_ops.ops.flash_varlen_fwd.default, *args)
+    return res[0], res[1]
+
+
+def run_sage(a):
+    """Our INT8 Q.K^T kernel (SageAttention recipe, docs/sage.md), dense or packed: forward only (the
+    planner routes no call that needs a gradient here), no dropout."""
+    q, k, v = _cuda_qkv(a.q, a.k, a.v)
+    if a.cu_q is not None:
+        return _no_grad_call(_ops.ops.sage_varlen_fwd.default, q, k, v, a.hcu_q, a.hcu_k, a.max_q, a.max_k, None,
+                             a.causal, a.scale, a.wl, a.wr, a.softcap, 0.0)
+    return _no_grad_call(_ops.ops.sage_fwd.default, q, k, v, a.mask, None, a.causal, a.scale, a.wl, a.wr,
+                         a.softcap, 0.0)
+
+
+def _run_math_dense(a):
+    return _run_kernel(_MATH_OP, _ops.MathFunction, a, a.q, a.k, a.v, a.sinks)
+
+
+_run_math_packed = packed.padded(_run_math_dense)
+
+
+def run_math(a):
+    """Our exact reference kernel; a packed call padded to a dense one."""
+    return _run_math_dense(a) if a.cu_q is None else _run_math_packed(a)
+
+
+def _run_eager_dense(a):
+    """HF's eager, our way: the math kernel where this device has one, else the aten composite."""
+    q = a.q
+    if q.is_cpu:
+        return _run_math_dense(a)
+    if a.sinks is not None or a.alibi is not None:  # the CUDA math kernel takes neither
+        return _eager.attention(q, a.k, a.v, a.mask, a.causal, a.scale, a.wl, a.wr, a.softcap, a.p,
+                                sinks=a.sinks, alibi=a.alibi)
+    if q.is_cuda and not a.need_grad:
+        from .._dispatch import cuda_math_ready
+
+        if not cuda_math_ready(q.device.index):
+            return _run_math_dense(a)
+    return _eager.attention(q, a.k, a.v, a.mask, a.causal, a.scale, a.wl, a.wr, a.softcap, a.p)
+
+
+_run_eager_packed = packed.padded(_run_eager_dense)
+
+
+def run_eager(a):
+    return _run_eager_dense(a) if a.cu_q is None else _run_eager_packed(a)

@@ -1,0 +1,54 @@
+"""torch's SDPA as runners: F.scaled_dot_product_attention as torch chooses (sdpa), or with one of its
+kernels forced (_native_flash, _native_efficient, _native_cudnn, _native_math)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _eager
+
+# torch's own function, captured before anyone (ab.patch_sdpa included) can replace it: the sdpa
+# backends call this, so a patched F.scaled_dot_product_attention never calls itself
+ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def sdpa_mask(q, k, mask, causal, wl, wr):
+    """(attn_mask, is_causal) for F.sdpa: its is_causal is top-left only, so bottom-right causal and
+    windows become an explicit bool mask, combined with the caller's mask."""
+    Sq, Sk = q.shape[2], k.shape[2]
+    if mask is not None and mask.dim() < 4:  # ours broadcasts any trailing shape; F.sdpa wants 2-D+
+        mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+    if causal == 1 and mask is None and wl < 0 and wr < 0:
+        return None, True
+    vis = _eager.visible_keys(Sq, Sk, causal, wl, wr, q.device)
+    if vis is None:
+        combined = mask
+    elif mask is None:
+        combined = vis
+    elif mask.dtype == torch.bool:
+        combined = mask & vis
+    else:
+        combined = mask.masked_fill(~vis, -math.inf)
+    if combined is not None and combined.dtype != torch.bool and combined.dtype != q.dtype:
+        combined = combined.to(q.dtype)  # F.sdpa wants a float mask in q's dtype
+    return combined, False
+
+
+def runner(forced=None):
+    """The runner of torch SDPA, with SDPBackend.<forced> when given."""
+
+    def run(a):
+        q, k = a.q, a.k
+        attn_mask, is_causal = sdpa_mask(q, k, a.mask, a.causal, a.wl, a.wr)
+        kwargs = dict(attn_mask=attn_mask, dropout_p=a.p, is_causal=is_causal, scale=a.scale,
+                      enable_gqa=q.shape[1] != k.shape[1])
+        if forced is None:
+            return ORIGINAL_SDPA(q, k, a.v, **kwargs), None
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(getattr(SDPBackend, forced)):
+            return ORIGINAL_SDPA(q, k, a.v, **kwargs), None
+
+    return run
