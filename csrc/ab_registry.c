@@ -79,8 +79,8 @@
 #define CUDA_DECODE_OFF                                                                                 \
   "the CUDA decode kernel is not verified on a GPU yet (set ATTN_BACKENDS_CUDA_DECODE=1 to use it; "  \
   "eager serves KV-cache calls on CUDA meanwhile)"
-/* the CUDA decode kernel (csrc/cuda/decode.cu) takes ALiBi but not sinks yet */
-#define CUDA_DECODE CAPS_D(NO_F64, (KVCACHE_F & ~SINKS_ALIBI) | AB_F_ALIBI, 8, 256, 8, 80, 1)
+/* the CUDA decode kernel (csrc/cuda/decode.cu): every KV-cache feature, sinks and ALiBi included */
+#define CUDA_DECODE CAPS_D(NO_F64, KVCACHE_F, 8, 256, 8, 80, 1)
 /* math on CUDA: the forward by default; the backward (csrc/cuda/math_bwd.cu) when opted in */
 #define CUDA_MATH_FWD CAPS_D(ALL_DT, (FULL | AB_F_VARLEN) & ~(AB_F_BACKWARD | AB_F_MASK_GRAD), 0, 0, 0, 80, 1)
 #define CUDA_MATH_ALL CAPS_D(ALL_DT, FULL | AB_F_VARLEN, 0, 0, 0, 80, 1)
