@@ -104,6 +104,15 @@ def direct_ok(q, k, v, mask) -> bool:
             and not _inference_mode() and _tracing_state() is None and _functorch_layer() is None)
 
 
+def _flash_sinks(q, sinks, need_grad):
+    """sinks as the flash kernels take them: float32 and contiguous for the CUDA kernels (and on the CPU
+    under the CUDA emulation, which runs them), forward and backward; the CPU kernels read any dtype.
+    With a gradient the cast is part of the graph, so the sinks' gradient comes back in their dtype."""
+    if need_grad and not (q.is_cuda or _C.cuda_emulation()):
+        return sinks
+    return sinks.float().contiguous()
+
+
 def run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det=False, sinks=None,
               alibi=None):
     if q.is_cpu:
@@ -113,8 +122,8 @@ def run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_
                 return res
     elif q.is_cuda:
         q, k, v = _ops.cuda_layout(q), _ops.cuda_layout(k), _ops.cuda_layout(v)
-    if sinks is not None and not need_grad:  # the CUDA flash forward reads float32 sinks (any dtype on CPU)
-        sinks = sinks.float().contiguous()
+    if sinks is not None:
+        sinks = _flash_sinks(q, sinks, need_grad)
     return _run_flash(q, k, v, mask, causal, scale, wl, wr, softcap, p, need_grad, want_lse, det, sinks, alibi)
 
 
@@ -305,8 +314,8 @@ def run_flash_varlen(q, k, v, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max
                      softcap, p, need_grad, want_lse, det=False, sinks=None, alibi=None):
     rng = draw_rng_state(q) if p > 0 else None
     q, k, v = _cuda_qkv(q, k, v)
-    if sinks is not None and not need_grad:  # the CUDA flash forward reads float32 sinks (any dtype on CPU)
-        sinks = sinks.float().contiguous()
+    if sinks is not None:
+        sinks = _flash_sinks(q, sinks, need_grad)
     args = (q, k, v, hcu_q, hcu_k, max_q, max_k, rng, causal, scale, wl, wr, softcap, p)
     if sinks is not None or alibi is not None:
         args += (sinks, alibi)

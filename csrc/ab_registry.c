@@ -29,9 +29,10 @@
   (MASKS | AB_F_MASK_GRAD | CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_DROPOUT | AB_F_BACKWARD | \
    AB_F_DETERMINISTIC | AB_F_LSE | AB_F_GQA | AB_F_DV | AB_F_DENSE)
 /* attention sinks and ALiBi, forward and backward: the CPU kernels (math, flash, decode) and the eager
- * composite; the CUDA flash forward takes them without a backward (CUDA_SINKS_ALIBI) */
+ * composite; the CUDA flash forward and backward (CUDA_SINKS_ALIBI: the sinks' gradient included;
+ * run on the CUDA emulator only so far, docs/cuda.md) and the CUDA decode kernel */
 #define SINKS_ALIBI (AB_F_SINKS | AB_F_ALIBI | AB_F_SINKS_ALIBI_GRAD)
-#define CUDA_SINKS_ALIBI (AB_F_SINKS | AB_F_ALIBI)
+#define CUDA_SINKS_ALIBI (AB_F_SINKS | AB_F_ALIBI | AB_F_SINKS_ALIBI_GRAD)
 /* packed sequences (flash-attn's varlen functions): no attn_mask */
 #define VARLEN_F                                                                              \
   (CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_DROPOUT | AB_F_BACKWARD | AB_F_DETERMINISTIC |  \

@@ -152,7 +152,8 @@ class Call {
            tensor(p.dout, "grad_out", Role::kIn, rows, err) && tensor(p.dlse, "grad_lse", Role::kIn, false, err) &&
            tensor(p.dq, "dq", Role::kOut, rows, err) && tensor(p.dk, "dk", Role::kOut, rows, err) &&
            tensor(p.dv, "dv", Role::kOut, rows, err) && tensor(p.dmask, "grad_mask", Role::kOut, false, err) &&
-           tensor(p.sinks, "sinks", Role::kIn, false, err) && tensor(p.alibi, "alibi_slopes", Role::kIn, false, err);
+           tensor(p.sinks, "sinks", Role::kIn, false, err) && tensor(p.alibi, "alibi_slopes", Role::kIn, false, err) &&
+           tensor(p.dsinks, "grad_sinks", Role::kOut, false, err);
   }
 
   // cu_seqlens of a packed call, as the kernels read them (B + 1 int32 each).
