@@ -360,6 +360,8 @@ def test_cuda_flash_backward_matches_reference(dev, entry, cuda_flash_on, gen):
     plan = ab.explain(probe_q.requires_grad_(), probe_k, probe_v, causal=case.causal, window=case.window,
                       softcap=case.softcap, sinks=torch.zeros(case.Hq, device=dev.type) if sinks_on else None,
                       alibi_slopes=dev(slopes) if slopes is not None else None)
+    if not dev.emulated and "shared memory" in plan.reasons.get("flash", ""):
+        pytest.skip(f"this GPU's shared memory: {plan.reasons['flash']}")  # D > 128 on a 99 KiB device
     assert plan.chosen == "flash" and plan.path.startswith("cuda"), (plan.chosen, plan.path, plan.reasons)
     lib = cuda_devices.emulator() if dev.emulated else None
     if lib is not None:
