@@ -29,9 +29,10 @@
   (MASKS | AB_F_MASK_GRAD | CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_DROPOUT | AB_F_BACKWARD | \
    AB_F_DETERMINISTIC | AB_F_LSE | AB_F_GQA | AB_F_DV | AB_F_DENSE)
 /* attention sinks and ALiBi, forward and backward: the CPU kernels (math, flash, decode) and the eager
- * composite; the CUDA flash forward takes them without a backward (CUDA_SINKS_ALIBI) */
+ * composite; the CUDA flash forward and backward (CUDA_SINKS_ALIBI: the sinks' gradient included;
+ * run on the CUDA emulator only so far, docs/cuda.md) and the CUDA decode kernel */
 #define SINKS_ALIBI (AB_F_SINKS | AB_F_ALIBI | AB_F_SINKS_ALIBI_GRAD)
-#define CUDA_SINKS_ALIBI (AB_F_SINKS | AB_F_ALIBI)
+#define CUDA_SINKS_ALIBI (AB_F_SINKS | AB_F_ALIBI | AB_F_SINKS_ALIBI_GRAD)
 /* packed sequences (flash-attn's varlen functions): no attn_mask */
 #define VARLEN_F                                                                              \
   (CAUSAL | AB_F_WINDOW | AB_F_SOFTCAP | AB_F_DROPOUT | AB_F_BACKWARD | AB_F_DETERMINISTIC |  \
@@ -79,8 +80,8 @@
 #define CUDA_DECODE_OFF                                                                                 \
   "the CUDA decode kernel is not verified on a GPU yet (set ATTN_BACKENDS_CUDA_DECODE=1 to use it; "  \
   "eager serves KV-cache calls on CUDA meanwhile)"
-/* the CUDA decode kernel (csrc/cuda/decode.cu) takes ALiBi but not sinks yet */
-#define CUDA_DECODE CAPS_D(NO_F64, (KVCACHE_F & ~SINKS_ALIBI) | AB_F_ALIBI, 8, 256, 8, 80, 1)
+/* the CUDA decode kernel (csrc/cuda/decode.cu): every KV-cache feature, sinks and ALiBi included */
+#define CUDA_DECODE CAPS_D(NO_F64, KVCACHE_F, 8, 256, 8, 80, 1)
 /* math on CUDA: the forward by default; the backward (csrc/cuda/math_bwd.cu) when opted in */
 #define CUDA_MATH_FWD CAPS_D(ALL_DT, (FULL | AB_F_VARLEN) & ~(AB_F_BACKWARD | AB_F_MASK_GRAD), 0, 0, 0, 80, 1)
 #define CUDA_MATH_ALL CAPS_D(ALL_DT, FULL | AB_F_VARLEN, 0, 0, 0, 80, 1)

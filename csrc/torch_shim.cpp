@@ -15,8 +15,8 @@
 //                                (dq, dk, dv, dsinks)
 //   Every forward and backward above takes `sinks` (Hq,) and `alibi_slopes` (Hq,) or (B, Hq) last,
 //   optional (ab_attn_params); dsinks is (Hq,) like lse's dtype with sinks, else empty.  The CPU
-//   kernels (math, flash) serve them, and the CUDA flash forward; sage and the other CUDA kernels
-//   refuse them.
+//   kernels (math, flash) serve them, and the CUDA flash forward and backward (dsinks included); sage
+//   and the other CUDA kernels refuse them.
 //   sage_fwd, sage_varlen_fwd    forward only (INT8 Q.K^T); the same outputs as flash's forwards;
 //                                CPU and CUDA
 //   dropout_mask                 the keep-mask the kernels draw, for tests (on rng_state's device)
@@ -152,14 +152,14 @@ void* current_cuda_stream(int32_t device_index) {
 
 // The emulator's launcher table when the CUDA emulation is on and the call is on the CPU, else NULL.
 // Calls with sinks or ALiBi run the CPU kernels unless the CUDA kernel takes them (sinks_ok: the
-// flash forward).
+// flash forward and backward).
 const ab_cuda_api* emulated(const ab_attn_params& p, bool sinks_ok = false) {
   if ((p.sinks.ndim || p.alibi.ndim) && !sinks_ok) return nullptr;
   return p.q.device == AB_DEVICE_CPU ? ab_cuda_emulation() : nullptr;
 }
 
-// The CUDA kernels other than the flash forward take no sinks and no ALiBi (the planner never routes
-// such a call to them).
+// The CUDA kernels other than flash (forward and backward) take no sinks and no ALiBi (the planner
+// never routes such a call to them).
 void refuse_on_cuda(const ab_attn_params& p, const char* kernel) {
   if (p.q.device == AB_DEVICE_CUDA && (p.sinks.ndim || p.alibi.ndim))
     fail(std::string(kernel) + " on CUDA takes no " + (p.sinks.ndim ? "sinks" : "alibi_slopes") +
@@ -392,8 +392,8 @@ void run_fwd(Kernel kernel, ab_attn_params& p, const int32_t* cu_q_dev = nullptr
 void run_bwd(Kernel kernel, const Tensor& q, ab_attn_params& p, const int32_t* cu_q_dev = nullptr,
              const int32_t* cu_k_dev = nullptr) {
   ab_error err{};
-  refuse_on_cuda(p, kernel_name(kernel));
-  if (const ab_cuda_api* emu = emulated(p); emu != nullptr && kernel != Kernel::kSage) {
+  if (kernel != Kernel::kFlash) refuse_on_cuda(p, kernel_name(kernel));
+  if (const ab_cuda_api* emu = emulated(p, kernel == Kernel::kFlash); emu != nullptr && kernel != Kernel::kSage) {
     ab_cpu_pool pool = torch_pool();
     const size_t bytes = kernel == Kernel::kMath ? emu->math_bwd_workspace(&p) : emu->flash_bwd_workspace(&p);
     Tensor ws = empty_strided(q, {static_cast<int64_t>(bytes)}, {1}, aoti_torch_dtype_uint8());

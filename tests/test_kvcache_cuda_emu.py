@@ -37,10 +37,14 @@ CASES = [
     KV(B=2, Sq=4, Hq=4, Hkv=1, D=32, S=33, seqlens=20, snew=2, causal=True, window=(3, -1), softcap=2.0),
     KV(B=2, Sq=1, Hq=2, Hkv=2, D=256, S=48, block=16, leftpad=True, alibi="h"),  # D=256 float32: 2 loads a lane
     KV(B=2, Sq=1, Hq=2, Hkv=1, D=8, S=70, block=32, snew=1, rotary="neox", dtype=F16),  # D=8: 32 keys a warp
+    # attention sinks (GPT-OSS): paged decode, and a dense chunked prefill whose rows see nothing (lse = sink)
+    KV(B=2, Sq=1, Hq=8, Hkv=2, D=64, S=60, block=16, snew=1, causal=True, sinks=True, dtype=BF16),
+    KV(B=1, Sq=4, Hq=4, Hkv=2, D=40, S=30, seqlens=0, snew=3, causal=True, sinks=True, alibi="h"),
 ]
 SPLIT_CASES = [
     KV(B=1, Hq=8, Hkv=2, D=64, S=700, block=16, snew=1, causal=True, dtype=BF16),
     KV(B=2, Sq=3, Hq=4, Hkv=4, D=128, S=300, leftpad=True, window=(100, -1), dtype=F16),
+    KV(B=1, Sq=2, Hq=4, Hkv=2, D=64, S=600, snew=1, causal=True, sinks=True, alibi="bh", dtype=F16),  # sink once
 ]
 
 
@@ -173,20 +177,18 @@ def test_the_emulation_routes_paged_attention_and_says_so(decode, gen, caplog):
 
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
-def test_sinks_are_not_claimed_by_the_cuda_kernel(decode, gen):
-    # the CUDA decode kernel takes ALiBi but no sinks (csrc/ab_registry.c CUDA_DECODE): strict names
-    # why, and without strict the call falls back and is still right
-    call = Call(KV(B=1, D=16, S=20, snew=1, sinks=True), gen)
-    with pytest.raises(RuntimeError, match="no attention sinks"):
-        call.run("paged_attention")
+@pytest.mark.parametrize("block", [None, 16])
+def test_sinks_run_in_the_cuda_kernel_split_or_not(decode, block, gen):
+    # the CUDA decode kernel takes sinks (csrc/ab_registry.c CUDA_DECODE): the sink joins each row once, where
+    # the unsplit attention writes it or after the split-KV merge; a strict call runs the kernel
     lib = emulator()
-    lib.ab_cuda_emu_reset_launch_log()
-    call.reset()
-    kw = call.kwargs()
-    out, lse = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, **kw,
-                                         return_softmax_lse=True, backend="paged_attention")
-    call.check(out, lse)
-    assert not any("attend_kernel" in label for label in launched(lib))
+    call = Call(KV(B=2, Sq=2, Hq=4, Hkv=2, D=16, S=40, block=block, snew=1, causal=True, sinks=True), gen)
+    for splits in (1, 3):
+        lib.ab_cuda_emu_reset_launch_log()
+        call.check(*run(decode, call.reset(), num_splits=splits))
+        ran = launched(lib)
+        assert any("attend_kernel" in label for label in ran), ran
+        assert any("merge_kernel" in label for label in ran) == (splits > 1), ran
 
 
 @pytest.mark.cuda_emu

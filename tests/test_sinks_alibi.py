@@ -2,10 +2,13 @@
 against the float64 reference (DESIGN.md section 5: 2x the same-dtype error for out and lse, 3x for
 dq, dk, dv and d sinks): odd shapes, GQA, both causal alignments, windows, masks with fully masked
 rows, softcap, non-contiguous views, dropout; gradcheck in float64 on math; the planner's "why not"
-for the backends that take neither; fake kernels (opcheck); errors that name the argument."""
+for the backends that take neither; fake kernels (opcheck); errors that name the argument.  The CUDA
+flash kernels (forward and backward, the sinks' gradient included) on the CUDA emulator (marked
+`cuda_emu`) and on a GPU (marked `cuda`, skipped without one)."""
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -29,20 +32,24 @@ def _slopes(kind, B, Hq, gen):
     return torch.rand((Hq,) if kind == "h" else (B, Hq), generator=gen) * 0.5
 
 
-def _check(case, backend, sinks_on, alibi, gen, dropout_p=0.0):
-    """One call with sinks and/or ALiBi: out, lse, dq, dk, dv (and d sinks) against the reference."""
-    q, k, v, mask = make_inputs(case, requires_grad=True, generator=gen)
+def _check(case, backend, sinks_on, alibi, gen, dropout_p=0.0, device="cpu", deterministic=False):
+    """One call with sinks and/or ALiBi: out, lse, dq, dk, dv (and d sinks) against the reference.
+    Returns (out, lse, sinks, the gradients of q, k, v (and sinks))."""
+    q, k, v, mask = make_inputs(case, device=device, requires_grad=True, generator=gen)
     sinks = _sinks(case.Hq, gen) if sinks_on else None
     if sinks_on and case.dtype == torch.float64:  # float64 calls keep float64 sinks (their gradient too)
         sinks = sinks.detach().double().requires_grad_()
+    if sinks_on:
+        sinks = sinks.detach().to(device).requires_grad_()
     slopes = _slopes(alibi, case.B, case.Hq, gen)
+    slopes = slopes.to(device) if slopes is not None else None
     keep = None
     if dropout_p:
         keep = keep_mask_for_next_call(1234, case.B, case.Hq, case.Sq, case.Sk, dropout_p)
         torch.manual_seed(1234)
     out, lse = ab.attention(q, k, v, backend=backend, causal=case.causal, attn_mask=mask, window=case.window,
                             softcap=case.softcap, dropout_p=dropout_p, return_lse=True, strict=True, sinks=sinks,
-                            alibi_slopes=slopes)
+                            alibi_slopes=slopes, deterministic=deterministic)
     opts = dict(causal=case.causal, attn_mask=mask, window=case.window, softcap=case.softcap, alibi_slopes=slopes,
                 keep=keep, dropout_p=dropout_p)
     inputs = [q, k, v] + ([sinks] if sinks_on else [])
@@ -56,11 +63,11 @@ def _check(case, backend, sinks_on, alibi, gen, dropout_p=0.0):
     ld, d_out, d_lse = ref(case.dtype)
     check_2x("out", out, r_out, d_out, 2, case.dtype)
     check_2x("lse", lse, r_lse, d_lse, 2, case.dtype)
-    g = torch.randn(out.shape, generator=gen).to(out.dtype)
+    g = torch.randn(out.shape, generator=gen).to(out)
     outs, grads_out = [out], [g]
     refs, same = [r_out], [d_out]
     if sinks_on:  # lse is finite everywhere with a sink: its gradient (dlse) is checked too
-        gl = torch.randn(lse.shape, generator=gen).to(lse.dtype)
+        gl = torch.randn(lse.shape, generator=gen).to(lse)
         outs, grads_out = [out, lse], [g, gl]
         refs, same = [r_out, r_lse], [d_out, d_lse]
     ours = torch.autograd.grad(outs, inputs, grads_out)
@@ -68,7 +75,7 @@ def _check(case, backend, sinks_on, alibi, gen, dropout_p=0.0):
     s = torch.autograd.grad(same, ld, [t.to(case.dtype) for t in grads_out])
     for name, a, b, c in zip(("dq", "dk", "dv", "dsinks"), ours, r, s):
         check_2x(name, a, b, c, 3, case.dtype)
-    return out, lse, sinks
+    return out, lse, sinks, ours
 
 
 # shapes and options of the shared grid (odd sizes, GQA, Dv != D, both alignments, windows, masks with fully
@@ -304,31 +311,125 @@ def test_cuda_flash_varlen_forward_on_the_emulator(gen):
     check_2x("lse", lse, r_lse, s_lse, 2, torch.float16)
 
 
-@pytest.mark.cuda_emu
-def test_under_the_cuda_emulation_training_with_sinks_runs_the_cpu_kernels(gen):
-    # the CUDA backward takes neither: a call that needs a gradient moves to eager (the math kernel on the
-    # CPU), never ignoring them
-    q = torch.randn(1, 2, 9, 32, generator=gen, dtype=torch.float16, requires_grad=True)
-    k, v = (torch.randn(1, 2, 9, 32, generator=gen, dtype=torch.float16) for _ in range(2))
-    sinks, slopes = _sinks(2, gen), torch.rand(2, generator=gen)
-    cuda_devices.set_emulation(True)
-    try:
-        plan = ab.explain(q, k, v, causal=True, sinks=sinks, alibi_slopes=slopes)
-        assert plan.chosen == "eager" and "its backward takes no attention sinks" in plan.reasons["flash"]
-        out = ab.attention(q, k, v, causal=True, sinks=sinks, alibi_slopes=slopes)
-        dq, ds = torch.autograd.grad(out, [q, sinks], torch.ones_like(out))
-    finally:
-        cuda_devices.set_emulation(cuda_devices.emulation_default())
-    leaves = [t.detach().double().requires_grad_() for t in (q, sinks)]
-    ref, _ = reference_attention(leaves[0], k, v, causal=True, sinks=leaves[1], alibi_slopes=slopes)
-    r_dq, r_ds = torch.autograd.grad(ref, leaves, torch.ones_like(ref))
-    same_l = [t.detach().to(d).requires_grad_() for t, d in ((q, torch.float16), (sinks, torch.float16))]
-    same, _ = reference_attention(same_l[0], k, v, causal=True, sinks=same_l[1], alibi_slopes=slopes,
-                                  dtype=torch.float16)
-    s_dq, s_ds = torch.autograd.grad(same, same_l, torch.ones_like(same))
-    check_2x("out", out, ref, same, 2, torch.float16)
-    check_2x("dq", dq, r_dq, s_dq, 3, torch.float16)
-    check_2x("dsinks", ds, r_ds, s_ds, 3, torch.float16)
+# ---- the CUDA flash backward: sinks' gradient and ALiBi (csrc/cuda/flash_bwd*.cu) ------------------------
+# On the emulator (marked cuda_emu: CPU tensors run the CUDA kernels, docs/cuda.md) on small shapes, since it runs
+# every GPU thread on the CPU; on a GPU (marked cuda, skipped without one) the same checks on longer sequences.
+# Each entry: (case, sinks, ALiBi, deterministic backward).  The kernel takes float16 and bfloat16 only.
+F16, BF16 = torch.float16, torch.bfloat16
+BWD_EMU = [
+    # GQA, D = 40 (padded to 64), odd lengths, bottom-right causal, slopes per (batch, head)
+    (Case(B=2, Hq=4, Hkv=2, Sq=37, Sk=45, D=40, dtype=F16, causal="bottom_right"), True, "bh", False),
+    # a window that leaves the first rows no key: their weight is all on the sink (out 0, lse = sink)
+    (Case(B=1, Hq=2, Hkv=1, Sq=33, Sk=17, D=64, dtype=BF16, causal="bottom_right", window=(5, 0)), True, None, True),
+    # not causal (ALiBi penalises both sides), softcap, a transposed (B, S, H, D) view
+    (Case(B=2, Hq=2, Hkv=2, Sq=19, Sk=70, D=32, dtype=F16, softcap=5.0, layout="bshd"), True, "h", False),
+    # top-left causal with Sq != Sk (ALiBi still bottom-right), ALiBi alone, two query tiles
+    (Case(B=1, Hq=2, Hkv=1, Sq=67, Sk=50, D=64, dtype=BF16, causal=True), False, "h", True),
+]
+BWD_GPU = [
+    (Case(B=2, Hq=8, Hkv=2, Sq=257, Sk=300, D=40, dtype=F16, causal="bottom_right"), True, "bh", False),
+    (Case(B=2, Hq=4, Hkv=1, Sq=300, Sk=129, D=128, dtype=BF16, causal="bottom_right", window=(17, 0)), True, None,
+     True),
+    (Case(B=2, Hq=4, Hkv=4, Sq=129, Sk=513, D=96, dtype=F16, softcap=5.0, layout="bshd"), True, "h", False),
+    (Case(B=1, Hq=4, Hkv=2, Sq=400, Sk=257, D=256, dtype=BF16, causal=True), False, "h", True),
+    (Case(B=3, Hq=6, Hkv=3, Sq=200, Sk=200, D=64, dtype=BF16, window=(33, 7)), True, "bh", True),
+]
+
+
+def _bwd_id(entry):
+    case, sinks_on, alibi, det = entry
+    return "-".join([str(case), _ids(sinks_on), _ids(alibi)] + (["deterministic"] if det else []))
+
+
+@pytest.fixture
+def cuda_flash_on():
+    # our CUDA flash kernels are opt-in on a GPU until verified (ATTN_BACKENDS_CUDA_FLASH=1); the emulated
+    # device always offers them
+    ab._C.enable_cuda_flash(True)
+    ab._dispatch.reset_caches()
+    yield
+    ab._C.enable_cuda_flash(os.environ.get("ATTN_BACKENDS_CUDA_FLASH", "0") == "1")
+    ab._dispatch.reset_caches()
+
+
+@pytest.mark.parametrize("dev, entry", cuda_devices.both(BWD_GPU, BWD_EMU, name=_bwd_id), indirect=["dev"])
+def test_cuda_flash_backward_matches_reference(dev, entry, cuda_flash_on, gen):
+    case, sinks_on, alibi, det = entry
+    probe_q, probe_k, probe_v, _ = make_inputs(case, device=dev.type)
+    slopes = _slopes(alibi, case.B, case.Hq, gen)
+    plan = ab.explain(probe_q.requires_grad_(), probe_k, probe_v, causal=case.causal, window=case.window,
+                      softcap=case.softcap, sinks=torch.zeros(case.Hq, device=dev.type) if sinks_on else None,
+                      alibi_slopes=dev(slopes) if slopes is not None else None)
+    if not dev.emulated and "shared memory" in plan.reasons.get("flash", ""):
+        pytest.skip(f"this GPU's shared memory: {plan.reasons['flash']}")  # D > 128 on a 99 KiB device
+    assert plan.chosen == "flash" and plan.path.startswith("cuda"), (plan.chosen, plan.path, plan.reasons)
+    lib = cuda_devices.emulator() if dev.emulated else None
+    if lib is not None:
+        lib.ab_cuda_emu_reset_launch_log()
+    _check(case, "flash", sinks_on, alibi, gen, device=dev.type, deterministic=det)
+    if lib is not None:  # the CUDA backward ran (not a CPU fallback), with the sinks' reduction when asked
+        ran = cuda_devices.launched(lib)
+        assert any(label.endswith(": dkv") for label in ran), ran
+        assert any(label.endswith(": dq") for label in ran) == det, ran  # deterministic: the dQ kernel, no atomics
+        assert any("sinks_grad_kernel" in label for label in ran) == sinks_on, ran
+
+
+VARLEN_BWD_EMU = [([5, 20, 1], [9, 13, 0], 4, 2, 40, "bottom_right", True, "bh", False),  # a sequence with no keys
+                  ([17, 3], [30, 3], 2, 1, 64, True, True, "h", True)]
+VARLEN_BWD_GPU = [([100, 3, 257, 1], [120, 0, 300, 64], 8, 2, 128, "bottom_right", True, "bh", False),
+                  ([70, 130], [130, 70], 4, 4, 64, True, True, "h", True)]
+
+
+@pytest.mark.parametrize("dev, entry", cuda_devices.both(VARLEN_BWD_GPU, VARLEN_BWD_EMU, name=lambda e: str(e[:2])),
+                         indirect=["dev"])
+def test_cuda_flash_varlen_backward_matches_reference(dev, entry, cuda_flash_on, gen):
+    lens_q, lens_k, Hq, Hkv, D, causal, sinks_on, alibi, det = entry
+    dtype = torch.float16
+    q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, Hq, Hkv, D, D, dtype, generator=gen)
+    inputs = [dev(t).requires_grad_() for t in (q, k, v)]
+    sinks = _sinks(Hq, gen) if sinks_on else None
+    if sinks_on:
+        sinks = dev(sinks.detach()).requires_grad_()
+        inputs.append(sinks)
+    slopes = _slopes(alibi, len(lens_q), Hq, gen)
+    slopes = dev(slopes) if slopes is not None else None
+    opts = dict(causal=causal, window=(6, -1), alibi_slopes=slopes)
+    out, lse = ab.attention_varlen(*inputs[:3], cu_q, cu_k, max(lens_q), max(lens_k), backend="flash_varlen",
+                                   strict=True, return_lse=True, sinks=sinks, deterministic=det, **opts)
+
+    def ref(dtype_):
+        leaves = [t.detach().to(dtype_).requires_grad_() for t in inputs]
+        o, l_ = varlen_reference(*leaves[:3], cu_q, cu_k, dtype=dtype_, sinks=leaves[3] if sinks_on else None,
+                                 **opts)
+        return leaves, o, l_
+
+    l64, r_out, r_lse = ref(torch.float64)
+    ld, d_out, d_lse = ref(dtype)
+    check_2x("out", out, r_out, d_out, 2, dtype)
+    check_2x("lse", lse, r_lse, d_lse, 2, dtype)
+    g, gl = torch.randn(out.shape, generator=gen).to(out), torch.randn(lse.shape, generator=gen).to(lse)
+    for name, a, b, c in zip(("dq", "dk", "dv", "dsinks"), torch.autograd.grad([out, lse], inputs, [g, gl]),
+                             torch.autograd.grad([r_out, r_lse], l64, [g.double(), gl.double()]),
+                             torch.autograd.grad([d_out, d_lse], ld, [g, gl.to(dtype)])):
+        check_2x(name, a, b, c, 3, dtype)
+
+
+@pytest.mark.parametrize("dev", cuda_devices.DEVICES, indirect=True)
+def test_cuda_flash_backward_with_sinks_and_alibi_is_bitwise_deterministic(dev, cuda_flash_on, gen):
+    # deterministic=True: the dQ kernel without atomics, and the sinks' fixed-order reduction (used on both paths)
+    S = 70 if dev.emulated else 700
+    q = dev(torch.randn(2, 4, S, 64, generator=gen)).to(torch.bfloat16).requires_grad_()
+    k, v = (dev(torch.randn(2, 2, S + 9, 64, generator=gen)).to(torch.bfloat16).requires_grad_() for _ in range(2))
+    sinks = dev(_sinks(4, gen, requires_grad=False)).to(torch.bfloat16).requires_grad_()
+    slopes = dev(_slopes("bh", 2, 4, gen))
+    g = dev(torch.randn(2, 4, S, 64, generator=gen)).to(torch.bfloat16)
+    got = []
+    for _ in range(2):
+        out = ab.attention(q, k, v, backend="flash", strict=True, causal="bottom_right", sinks=sinks,
+                           alibi_slopes=slopes, deterministic=True)
+        got.append(torch.autograd.grad(out, [q, k, v, sinks], g))
+    assert got[0][3].dtype == torch.bfloat16  # the sinks' gradient in the caller's dtype
+    assert all(torch.equal(a, b) for a, b in zip(*got))
 
 
 # ---- the ops ---------------------------------------------------------------------------------------------

@@ -53,11 +53,13 @@ def _cuda_qkv(q, k, v):
 
 
 def _kernel_sinks(a):
-    """The sinks as the kernels read them: the CUDA flash forward reads float32 (any dtype on CPU)."""
+    """The sinks as the flash kernels take them: float32 and contiguous for the CUDA kernels (and on the
+    CPU under the CUDA emulation, which runs them), forward and backward; the CPU kernels read any dtype.
+    With a gradient the cast is part of the graph, so the sinks' gradient comes back in their dtype."""
     sinks = a.sinks
-    if sinks is not None and not a.need_grad:
-        sinks = sinks.float().contiguous()
-    return sinks
+    if sinks is None or (a.need_grad and not (a.q.is_cuda or _C.cuda_emulation())):
+        return sinks
+    return sinks.float().contiguous()
 
 
 # ---- the CPU flash forward without the dispatcher -------------------------------------------------

@@ -143,10 +143,12 @@ ab_status check_call(const ab_kvcache_params* p, ab_error* err) {
   }
   if (p->alibi_slopes.ndim && p->alibi_slopes.dtype != AB_DTYPE_F32)
     return ab_error_set(err, AB_ERR_INVALID, "alibi_slopes must be float32");
+  if (p->sinks.ndim && (p->sinks.ndim != 1 || p->sinks.sizes[0] != p->Hq || !ab_dtype_is_floating(p->sinks.dtype)))
+    return ab_error_set(err, AB_ERR_INVALID, "sinks must be (Hq,) floating");
   TRY(want(p->lse.ndim == 3 && p->lse.dtype == AB_DTYPE_F32, err, "lse must be (B, Hq, Sq) float32"));
   const ab_tensor* all[] = {&p->q, &p->k_cache, &p->v_cache, &p->k_new, &p->v_new, &p->rotary_cos,
                             &p->rotary_sin, &p->cache_seqlens, &p->cache_batch_idx, &p->cache_leftpad,
-                            &p->block_table, &p->alibi_slopes, &p->out, &p->lse};
+                            &p->block_table, &p->alibi_slopes, &p->sinks, &p->out, &p->lse};
   for (const ab_tensor* t : all)
     if (t->ndim && t->device != AB_DEVICE_CUDA)
       return ab_error_set(err, AB_ERR_INVALID, "every tensor of a CUDA decode call must be on the GPU");
@@ -220,6 +222,11 @@ DecodeParams fill_params(const ab_kvcache_params* p, int64_t nsplit, void* works
     d.alibi = static_cast<const float*>(p->alibi_slopes.data);
     d.alibi_sb = p->alibi_slopes.ndim == 2 ? p->alibi_slopes.strides[0] : 0;
     d.alibi_sh = p->alibi_slopes.strides[p->alibi_slopes.ndim - 1];
+  }
+  if (p->sinks.ndim) {
+    d.sinks = p->sinks.data;
+    d.sinks_s = p->sinks.strides[0];
+    d.sinks_dtype = p->sinks.dtype;
   }
   d.out = p->out.data;
   for (int i = 0; i < 4; ++i) d.os[i] = p->out.strides[i];

@@ -10,6 +10,8 @@
 //                   for all the query heads that use it (GQA);
 //   merge_kernel    with split-KV, the splits' (out, lse) merged in float32 (ab.merge_attention_states'
 //                   rule).
+// Attention sinks join each row once, where its final (out, lse) is written: by attend_kernel
+// when the key range is not split, else by merge_kernel after the merge (add_sink).
 //
 // Lanes split a key row into chunks of 8 elements (one 16-byte load in 16-bit types, two in
 // float32); a warp holds 32 / L keys at once, L = the chunks of a row rounded up to a power of two,
@@ -65,6 +67,9 @@ struct DecodeParams {
   int64_t seqlen;                       // every row's length when seqlens is absent (-1: cap)
   const float* alibi;                   // (Hq,) or (B, Hq); alibi_sb 0 for (Hq,)
   int64_t alibi_sb, alibi_sh;
+  const void* sinks;                    // (Hq,) any float dtype, or NULL: one logit per query head
+  int64_t sinks_s;
+  int32_t sinks_dtype;
   void* out;                            // (B, Sq, Hq, D), q's dtype
   int64_t os[4];
   float* lse;                           // (B, Hq, Sq)
@@ -114,6 +119,21 @@ __device__ __forceinline__ float rotated(const DecodeParams& p, int64_t pos, int
   const float s = table_at(p.sin, p.cos_dtype, pos * p.ss[0] + i * p.ss[1]);
   const float x0 = x(d0), x1 = x(d1);
   return d == d0 ? __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s)) : __fadd_rn(__fmul_rn(x0, s), __fmul_rn(x1, c));
+}
+
+// A row's (out, lse) over its keys joined by its head's sink (docs/decode.md): returns the lse with
+// the sink and sets factor, what out is multiplied by (exp(old lse - new lse)).  A row that saw no
+// key gets out 0 and lse = the sink; a sink of -inf changes nothing.  The CPU kernel's
+// ab_decode_add_sink, in the same float32 steps.
+__device__ __forceinline__ float add_sink(const DecodeParams& p, int64_t hq, float lse, float& factor) {
+  factor = 1.0f;
+  if (p.sinks == nullptr) return lse;
+  const float s = table_at(p.sinks, p.sinks_dtype, hq * p.sinks_s);
+  if (s == -INFINITY) return lse;
+  const float m = lse > s ? lse : s;
+  const float wo = lse == -INFINITY ? 0.0f : expf(lse - m), total = wo + expf(s - m);
+  factor = wo / total;
+  return m + logf(total);
 }
 
 // A batch row's values.  The host checked them (attn_backends/_kvcache.py host_rows) before the
@@ -368,11 +388,14 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DecodeParams p) 
         sum += red_ml[(w * kRows + rr) * 2 + 1] * a;
         o += red[(w * kRows + rr) * p.D + d] * a;
       }
-    // a row that saw no key: out exactly 0, lse -inf
+    // a row that saw no key: out exactly 0, lse -inf (the sink's logit with a sink)
     o = sum > 0.0f ? o / sum : 0.0f;
-    const float lse = sum > 0.0f ? mx + logf(sum) : -INFINITY;
+    float lse = sum > 0.0f ? mx + logf(sum) : -INFINITY;
     const int64_t t = (r0 + rr) / p.G, hq = hkv * p.G + (r0 + rr) % p.G;
     if (p.nsplit == 1) {
+      float factor;
+      lse = add_sink(p, hq, lse, factor);
+      o *= factor;
       static_cast<T*>(p.out)[b * p.os[0] + t * p.os[1] + hq * p.os[2] + d * p.os[3]] = from_f<T>(o);
       if (d == 0) p.lse[b * p.ls[0] + hq * p.ls[1] + t * p.ls[2]] = lse;
     } else {
@@ -386,7 +409,8 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DecodeParams p) 
 // ---- split-KV: the merge -----------------------------------------------------------------------
 
 // One block per output row (b, t, hq), grid-stride: out = sum_s w_s out_s, w_s = exp(lse_s - max) /
-// sum exp(lse_s - max), lse = max + log(sum); a row no split saw stays 0 / -inf.
+// sum exp(lse_s - max), lse = max + log(sum); a row no split saw stays 0 / -inf; then the sink joins
+// (add_sink).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) merge_kernel(const DecodeParams p) {
   const int64_t n = p.B * p.Sq * p.Hq;
@@ -402,6 +426,8 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const DecodeParams p) {
         const float ls = p.part_lse[first + s * stride];
         if (ls != -INFINITY) total += expf(ls - mx);
       }
+    float factor;
+    const float lse = add_sink(p, hq, total > 0.0f ? mx + logf(total) : -INFINITY, factor);
     for (int64_t d = threadIdx.x; d < p.D; d += kThreads) {
       float o = 0.0f;
       if (total > 0.0f)
@@ -409,10 +435,9 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const DecodeParams p) {
           const float ls = p.part_lse[first + s * stride];
           if (ls != -INFINITY) o += expf(ls - mx) / total * p.part[(first + s * stride) * p.D + d];
         }
-      static_cast<T*>(p.out)[b * p.os[0] + t * p.os[1] + hq * p.os[2] + d * p.os[3]] = from_f<T>(o);
+      static_cast<T*>(p.out)[b * p.os[0] + t * p.os[1] + hq * p.os[2] + d * p.os[3]] = from_f<T>(o * factor);
     }
-    if (threadIdx.x == 0)
-      p.lse[b * p.ls[0] + hq * p.ls[1] + t * p.ls[2]] = total > 0.0f ? mx + logf(total) : -INFINITY;
+    if (threadIdx.x == 0) p.lse[b * p.ls[0] + hq * p.ls[1] + t * p.ls[2]] = lse;
   }
 }
 

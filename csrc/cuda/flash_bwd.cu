@@ -11,9 +11,12 @@
 //   3. bwd_dkv_kernel (flash_bwd_kernel.cuh): dK, dV, and on the fast path dQ by float32 atomics.
 //   4. fast path: convert_kernel writes dq = scale * accumulator in q's dtype;
 //      deterministic path (p->deterministic): bwd_dq_kernel computes dQ with no atomics instead.
-// Served: what the forward serves (flash_fwd.cu), dropout included, with dout, dq, dk and dv under
-// the same layout rule as q, k, v (the Python layer copies a gradient that breaks it).  Head dims
-// are padded to 64, 128, 192 or 256 (flash_bwd.cuh).
+//   5. with attention sinks and a gradient for them: sinks_grad_kernel, one block per query head,
+//      d sinks[h] = -sum over the head's rows of exp(sinks[h] - lse_i) delta_i.  Its sum runs in a
+//      fixed order (no atomics) on both dQ paths, so it is bitwise reproducible either way.
+// Served: what the forward serves (flash_fwd.cu), dropout, attention sinks and ALiBi included, with
+// dout, dq, dk and dv under the same layout rule as q, k, v (the Python layer copies a gradient that
+// breaks it) and dsinks (Hq,) float32.  Head dims are padded to 64, 128, 192 or 256 (flash_bwd.cuh).
 #include <cuda_runtime.h>
 #include <math.h>
 #include <stdint.h>
@@ -103,6 +106,47 @@ template <typename T> __global__ void convert_kernel(const ConvArgs<T> a) {
   }
 }
 
+// The sinks' gradient (docs/semantics.md, "Attention sinks and ALiBi"): the sink's weight in row i
+// is exp(s_h - lse_i) (the forward's lse holds the sink), and d s_h = -sum_i exp(s_h - lse_i) delta_i
+// with delta_i = dout_i . out_i - dlse_i, the preprocessing kernel's.  Rows are addressed as
+// RowArgs (packed: rows [first, first + S) of the (Hq, Tq) lse, the ones some sequence holds).
+struct SinkArgs {
+  const float* sinks;  // (Hq,) contiguous
+  const float* lse;
+  const float* delta;
+  float* dsinks;       // (Hq,), element h at h * ds_s
+  int64_t l_bs, l_hs, l_rs, de_bs, de_hs, de_rs, ds_s;
+  RowArgs rows;
+  int64_t first;
+};
+
+constexpr int kSinkThreads = 256;
+
+// One block per query head: thread t sums rows t, t + 256, ... in order, then the block adds the
+// 256 partial sums in a fixed tree, so the result does not depend on timing.  A sink of -inf has
+// weight 0 in every row (and lse may then be -inf: never exp(-inf + inf)).
+__global__ void __launch_bounds__(kSinkThreads) sinks_grad_kernel(const SinkArgs a) {
+  __shared__ float part[kSinkThreads];
+  const int h = blockIdx.x, tid = threadIdx.x;
+  const float s = a.sinks[h];
+  float acc = 0.0f;
+  if (s != -INFINITY) {
+    const int64_t n = a.rows.nb * a.rows.S;
+    for (int64_t r = tid; r < n; r += kSinkThreads) {
+      const int64_t b = r / a.rows.S, i = a.first + r % a.rows.S;
+      const float lse = a.lse[b * a.l_bs + h * a.l_hs + i * a.l_rs];
+      acc += expf(s - lse) * a.delta[b * a.de_bs + h * a.de_hs + i * a.de_rs];
+    }
+  }
+  part[tid] = acc;
+  __syncthreads();
+  for (int w = kSinkThreads / 2; w > 0; w >>= 1) {
+    if (tid < w) part[tid] += part[tid + w];
+    __syncthreads();
+  }
+  if (tid == 0) a.dsinks[h * a.ds_s] = -part[0];
+}
+
 unsigned grid_for(int64_t work, int per_block) {
   const int64_t blocks = (work + per_block - 1) / per_block;
   return (unsigned)(blocks < (1 << 20) ? (blocks > 0 ? blocks : 1) : (1 << 20));
@@ -165,7 +209,29 @@ ab_status run(int kD, BwdParams& bp, const ab_attn_params* p, const RowArgs& row
     case 256: st = ab_flash::bwd_launch<T, 256>(bp, dkv_blocks, dq_blocks, stream, err); break;
     default: return ab_error_set(err, AB_ERR_UNSUPPORTED, "flash backward on CUDA: no kernel for head dim %d", kD);
   }
-  if (st != AB_OK || p->deterministic) return st;
+  if (st != AB_OK) return st;
+
+  // 5. the sinks' gradient (delta is ready; nothing else is read)
+  if (p->dsinks.ndim && p->Hq > 0) {
+    SinkArgs sa;
+    sa.sinks = f.sinks;
+    sa.lse = f.lse;
+    sa.delta = bp.delta;
+    sa.dsinks = static_cast<float*>(p->dsinks.data);
+    sa.l_bs = f.l_bs, sa.l_hs = f.l_hs, sa.l_rs = f.l_rs;
+    sa.de_bs = bp.de_bs, sa.de_hs = bp.de_hs, sa.de_rs = bp.de_rs;
+    sa.ds_s = ab_flash::eff_stride(p->dsinks, 0);
+    if (p->cu_seqlens_q) {  // the rows of the sequences: [cu_q[0], cu_q[B])
+      sa.first = p->cu_seqlens_q[0];
+      sa.rows = RowArgs{1, p->Hq, p->cu_seqlens_q[p->B] - p->cu_seqlens_q[0]};
+    } else {
+      sa.first = 0;
+      sa.rows = rows;
+    }
+    AB_LAUNCH((unsigned)p->Hq, kSinkThreads, 0, stream, sinks_grad_kernel)(sa);
+    if ((st = ab_cuda_check(cudaGetLastError(), "flash_bwd sinks launch", err)) != AB_OK) return st;
+  }
+  if (p->deterministic) return AB_OK;
 
   // 4. fast path: dq from the accumulator
   ConvArgs<T> ca;
@@ -191,13 +257,21 @@ extern "C" ab_status ab_cuda_flash_bwd(const ab_attn_params* p, const int32_t* c
                                        void* stream, ab_error* err) {
   FwdParams fp;
   bool empty = false;
-  const ab_flash::Serves serves = {"flash backward", 256, true, 1};
+  const ab_flash::Serves serves = {"flash backward", 256, true, 1, true};
   ab_status st = ab_flash::prepare(p, serves, cu_seqlens_q_dev, cu_seqlens_k_dev, fp, &empty, err);
   if (st != AB_OK) return st;
   if (p->dlse.ndim && p->dlse.dtype != AB_DTYPE_F32)
     return ab_error_set(err, AB_ERR_INVALID, "flash backward on CUDA: grad_lse must be float32");
   if (p->dmask.ndim) return ab_error_set(err, AB_ERR_UNSUPPORTED, "flash backward on CUDA takes no attn_mask");
-  if (empty) return AB_OK;
+  if (p->dsinks.ndim && (p->dsinks.dtype != AB_DTYPE_F32 || (p->dsinks.sizes[0] > 1 && p->dsinks.strides[0] != 1)))
+    return ab_error_set(err, AB_ERR_INVALID, "flash backward on CUDA: grad_sinks must be contiguous float32");
+  if (empty) {  // B or Hq is 0: no row, so the sinks' gradient is 0
+    if (p->dsinks.ndim && p->Hq > 0)
+      return ab_cuda_check(cudaMemsetAsync(p->dsinks.data, 0, (size_t)p->Hq * sizeof(float),
+                                           static_cast<cudaStream_t>(stream)),
+                           "flash_bwd: cudaMemsetAsync", err);
+    return AB_OK;
+  }
   if ((st = ab_flash::check_layout(p->dout, serves.who, "grad_out", err)) != AB_OK) return st;
   if ((st = ab_flash::check_layout(p->dq, serves.who, "dq", err)) != AB_OK) return st;
   if ((st = ab_flash::check_layout(p->dk, serves.who, "dk", err)) != AB_OK) return st;

@@ -8,6 +8,10 @@
 // flash_bwd.cu) forms
 //   dP = dO V^T,   dS = P (keep dP / (1 - p) - delta) (1 - tanh^2 with softcap),   P' = keep P / (1 - p)
 //   dV += P'^T dO,  dK += scale dS^T Q,  dQ += scale dS K.
+// With attention sinks the forward's lse already holds the sink's term, so P needs nothing more;
+// ALiBi's -slope |i + Sk - Sq - j| joins the base-2 scores after softcap, as in the forward, and
+// changes nothing else (its gradient is not taken).  The sinks' own gradient is computed beside
+// these kernels (flash_bwd.cu, sinks_grad_kernel).
 // Every product is an mma.sync m16n8k16 with ldmatrix operands (fragment layouts: flash_common.cuh).
 //
 // Two kernels, 8 warps each:
@@ -64,6 +68,11 @@ template <typename T, int kD> struct BwdSmem {
   }
 };
 
+// ALiBi's slope of (batch b, query head h) in base-2 units, as the forward reads it; 0 without ALiBi.
+__device__ __forceinline__ float alibi_slope_log2(const FwdParams& p, int64_t b, int h) {
+  return p.alibi != nullptr ? p.alibi[b * p.alibi_bs + h * p.alibi_hs] * kLog2e : 0.0f;
+}
+
 // Issues the loads of a query tile of head h (Q and dO by cp.async, one group committed) and fills
 // lse and delta of its rows (plain loads; rows past the end get lse = +inf, so P = 0 there).  The
 // caller waits and synchronises.
@@ -95,10 +104,14 @@ __device__ __forceinline__ void load_query_tile(const BwdParams& bp, const BwdSm
 // Phase 1 for the tile (query rows row0.., keys n0..) in shared memory: S = Q K^T and dP = dO V^T,
 // then P' (if kWriteP) and dS, in 16 bits, to sm.p and sm.ds as (query, key) row-major tiles.
 // need_mask: some row of the tile sees only part of its keys (causal, window, sequence end).
-template <typename T, int kD, bool kWriteP>
+// kAlibi: slope_log2 is ALiBi's slope of this (batch, head) times log2(e); the bias is a constant of
+// the scores, so it enters P (as in the forward, after softcap) and nothing else.  A template flag,
+// so that calls without ALiBi keep the kernels' registers as they were (the D = 256 dK/dV kernel is
+// at the 255 limit: its ALiBi variant spills 20 bytes, docs/cuda.md).
+template <typename T, int kD, bool kWriteP, bool kAlibi>
 __device__ __forceinline__ void tile_ds(const FwdParams& p, const BwdSmem<T, kD>& sm, int row0, int n0, int q_len,
-                                        int k_len, bool need_mask, uint64_t drop_row0, uint64_t seed,
-                                        uint64_t offset) {
+                                        int k_len, bool need_mask, float slope_log2, uint64_t drop_row0,
+                                        uint64_t seed, uint64_t offset) {
   using Ops = MmaOps<T>;
   using L = BwdLayout<kD>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -151,6 +164,7 @@ __device__ __forceinline__ void tile_ds(const FwdParams& p, const BwdSmem<T, kD>
     const float lse2 = sm.lse[row], delta = sm.delta[row];
     int lo = 0, hi = k_len;
     if (need_mask) row_range(p, row0 + row, q_len, k_len, lo, hi);
+    const int ii = row0 + row + k_len - q_len;  // ALiBi's bottom-right alignment, per sequence
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
       const int col = 32 * wn + 8 * nt + 2 * t;
@@ -165,6 +179,10 @@ __device__ __forceinline__ void tile_ds(const FwdParams& p, const BwdSmem<T, kD>
           sl = th * p.softcap_log2;
         } else {
           sl = x * p.scale_log2;
+        }
+        if (kAlibi) {  // the forward's alibi_tile: the same float operations
+          const int d = ii - (n0 + col + e);
+          sl -= slope_log2 * (float)(d < 0 ? -d : d);
         }
         float pr = fast_exp2(sl - lse2);
         if (need_mask) {
@@ -264,7 +282,7 @@ __device__ __forceinline__ void store_acc_tile(T* base, int64_t row_stride, cons
   }
 }
 
-template <typename T, int kD>
+template <typename T, int kD, bool kAlibi>
 __global__ void __launch_bounds__(kBwdThreads) bwd_dkv_kernel(const BwdParams bp) {
   const FwdParams& p = bp.f;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -312,7 +330,8 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_dkv_kernel(const BwdParams bp
       cp_async_wait<0>();
       __syncthreads();
       const uint64_t drop_row0 = ((uint64_t)b * p.Hq + h) * (uint64_t)p.Sq + (uint64_t)row0;
-      tile_ds<T, kD, true>(p, sm, row0, n0, sq.q_len, sq.k_len, need_mask, drop_row0, seed, offset);
+      tile_ds<T, kD, true, kAlibi>(p, sm, row0, n0, sq.q_len, sq.k_len, need_mask,
+                                   kAlibi ? alibi_slope_log2(p, b, h) : 0.0f, drop_row0, seed, offset);
       __syncthreads();
       tile_dkv<T, kD>(dk, dv, sm);
       if (bp.dq_accum != nullptr) {
@@ -353,7 +372,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_dkv_kernel(const BwdParams bp
                              1.0f, 0, sq.k_len - n0, wn * (kD / 2), p.Dv);
 }
 
-template <typename T, int kD>
+template <typename T, int kD, bool kAlibi>
 __global__ void __launch_bounds__(kBwdThreads) bwd_dq_kernel(const BwdParams bp) {
   const FwdParams& p = bp.f;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -380,6 +399,7 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_dq_kernel(const BwdParams bp)
   uint64_t seed = 0, offset = 0;
   if (p.dropout) ab_cuda_rng(p, seed, offset);
   const uint64_t drop_row0 = ((uint64_t)b * p.Hq + h) * (uint64_t)p.Sq + (uint64_t)row0;
+  const float slope_log2 = kAlibi ? alibi_slope_log2(p, b, h) : 0.0f;
   load_query_tile<T, kD>(bp, sm, b, h, sq, row0, tid);
 
   float acc[kD / 16][4];
@@ -398,7 +418,8 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_dq_kernel(const BwdParams bp)
     cp_async_wait<0>();
     __syncthreads();
     const bool need_mask = n0 < lo_last || n0 + kBwdBN > hi_first;
-    tile_ds<T, kD, false>(p, sm, row0, n0, sq.q_len, sq.k_len, need_mask, drop_row0, seed, offset);
+    tile_ds<T, kD, false, kAlibi>(p, sm, row0, n0, sq.q_len, sq.k_len, need_mask, slope_log2, drop_row0, seed,
+                                  offset);
     __syncthreads();
     tile_dq<T, kD, kD / 16>(acc, sm, wn * (kD / 2));
     __syncthreads();
@@ -412,8 +433,9 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_dq_kernel(const BwdParams bp)
 template <typename T, int kD>
 ab_status bwd_launch(const BwdParams& p, int64_t dkv_blocks, int64_t dq_blocks, cudaStream_t stream, ab_error* err) {
   constexpr size_t kSmem = bwd_smem_bytes(kD);
-  auto dkv = bwd_dkv_kernel<T, kD>;
-  auto dq = bwd_dq_kernel<T, kD>;
+  const bool alibi = p.f.alibi != nullptr;
+  auto dkv = alibi ? bwd_dkv_kernel<T, kD, true> : bwd_dkv_kernel<T, kD, false>;
+  auto dq = alibi ? bwd_dq_kernel<T, kD, true> : bwd_dq_kernel<T, kD, false>;
   ab_status st = prepare_smem(dkv, kSmem, "flash backward", kD, err);
   if (st != AB_OK) return st;
   if ((st = prepare_smem(dq, kSmem, "flash backward", kD, err)) != AB_OK) return st;

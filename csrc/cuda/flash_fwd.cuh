@@ -54,7 +54,7 @@ struct FwdParams {
   float rdrop;                // 1 / (1 - dropout_p)
   uint64_t seed, offset;      // the stream's key and offset, unless rng_dev is set
   const int64_t* rng_dev;     // [seed, offset] in device memory (drawn on the GPU), or NULL
-  // attention sinks and ALiBi (forward only, docs/semantics.md): NULL when absent
+  // attention sinks and ALiBi (docs/semantics.md; the backward reads them too): NULL when absent
   const float* sinks;         // (Hq,) float32, contiguous: one logit per query head in each row's denominator
   const float* alibi;         // slopes (Hq,) or (B, Hq) float32: slope of (b, h) at b * alibi_bs + h * alibi_hs
   int64_t alibi_bs, alibi_hs;
@@ -115,7 +115,7 @@ struct Serves {
   bool dropout;      // dropout_p > 0 is served (flash); else AB_ERR_UNSUPPORTED (sage)
   int backward;      // 1: a backward call (ab_attn_params_check's flag; the caller then checks dout
                      // and the gradients' layout itself)
-  bool sinks_alibi;  // attention sinks and ALiBi are served (the flash forward); else AB_ERR_UNSUPPORTED
+  bool sinks_alibi;  // attention sinks and ALiBi are served (flash forward and backward); else AB_ERR_UNSUPPORTED
 };
 
 // The one parameter-preparation path of the flash forward, the flash backward and the sage

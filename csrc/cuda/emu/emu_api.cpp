@@ -152,7 +152,8 @@ class Call {
            tensor(p.dout, "grad_out", Role::kIn, rows, err) && tensor(p.dlse, "grad_lse", Role::kIn, false, err) &&
            tensor(p.dq, "dq", Role::kOut, rows, err) && tensor(p.dk, "dk", Role::kOut, rows, err) &&
            tensor(p.dv, "dv", Role::kOut, rows, err) && tensor(p.dmask, "grad_mask", Role::kOut, false, err) &&
-           tensor(p.sinks, "sinks", Role::kIn, false, err) && tensor(p.alibi, "alibi_slopes", Role::kIn, false, err);
+           tensor(p.sinks, "sinks", Role::kIn, false, err) && tensor(p.alibi, "alibi_slopes", Role::kIn, false, err) &&
+           tensor(p.dsinks, "grad_sinks", Role::kOut, false, err);
   }
 
   // cu_seqlens of a packed call, as the kernels read them (B + 1 int32 each).
@@ -256,7 +257,7 @@ size_t emu_kvcache_workspace(const ab_kvcache_params* p) {
   ab_kvcache_params d = *p;  // the launcher reads no data here, only shapes, layouts and devices
   for (ab_tensor* t : {&d.q, &d.k_cache, &d.v_cache, &d.k_new, &d.v_new, &d.rotary_cos, &d.rotary_sin,
                        &d.cache_seqlens, &d.cache_batch_idx, &d.cache_leftpad, &d.block_table, &d.alibi_slopes,
-                       &d.out, &d.lse})
+                       &d.sinks, &d.out, &d.lse})
     if (t->ndim) t->device = AB_DEVICE_CUDA;
   return real().kvcache_workspace(&d);
 }
@@ -274,7 +275,7 @@ ab_status emu_kvcache_fwd(const ab_kvcache_params* p, void* workspace, size_t wo
                   {&d.rotary_sin, "rotary_sin", Role::kIn}, {&d.cache_seqlens, "cache_seqlens", Role::kIn},
                   {&d.cache_batch_idx, "cache_batch_idx", Role::kIn}, {&d.cache_leftpad, "cache_leftpad", Role::kIn},
                   {&d.block_table, "block_table", Role::kIn}, {&d.alibi_slopes, "alibi_slopes", Role::kIn},
-                  {&d.out, "out", Role::kOut}, {&d.lse, "lse", Role::kOut}};
+                  {&d.sinks, "sinks", Role::kIn}, {&d.out, "out", Role::kOut}, {&d.lse, "lse", Role::kOut}};
   for (const auto& o : operands)
     if (!call.tensor(*o.t, o.name, o.role, false, err)) return AB_ERR_NOMEM;
   void* ws = workspace ? call.raw("workspace", nullptr, workspace_bytes, 256, err) : nullptr;
