@@ -299,7 +299,7 @@ def extensions():
     torch_include, torch_lib = torch_paths()
     sources = sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("*.c"))
     sources += sorted(str(p.relative_to(ROOT)) for p in (CSRC / "cpu").glob("*.c"))
-    sources += ["csrc/torch_shim.cpp"]
+    sources += sorted(str(p.relative_to(ROOT)) for p in CSRC.glob("torch_shim*.cpp"))  # common, CPU, CUDA
     return [
         Extension(
             "attn_backends._C",
