@@ -1,5 +1,5 @@
-"""The AMX tile kernels (csrc/cpu/flash_amx_impl.h, sage_amx_impl.h; docs/amx.md) on every CPU,
-through the emulation of the tile instructions (csrc/cpu/ab_amx.h, the "amx_emu" path), and on
+"""The AMX tile kernels (csrc/cpu/flash_amx_{fwd,bwd}_impl.h, sage_amx_impl.h; docs/amx.md) on every
+CPU, through the emulation of the tile instructions (csrc/cpu/ab_amx.h, the "amx_emu" path), and on
 real tiles where the CPU has them (the "amx" path runs the same tests):
 
 - the emulation itself against a model of the instruction reference written here independently

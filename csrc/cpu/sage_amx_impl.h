@@ -1,7 +1,7 @@
 /* sage_amx_impl.h -- the CPU sage kernel on AMX tiles: INT8 Q.K^T (tdpbssd), P.V in bfloat16
  * tiles; forward only, every dtype; one source for the real and the emulated build.
  *
- * Included after flash_amx_impl.h, whose forward driver it runs (chunks of 32 rows, key panels,
+ * Included by cpu_isa_impl.h after flash_amx_fwd_impl.h, whose forward driver it runs (chunks of 32 rows, key panels,
  * the masking, the base-2 online softmax and O^T += V^T P^T on tiles); sage_cpu_impl.h gives the
  * recipe and its smoothing (sg_k_stats): K minus its mean over the sequence, divided by the
  * channel factors c, quantized to int8 per key; Q times c quantized per row, with the softmax
@@ -238,6 +238,3 @@ static ab_status AMXS(sage_fwd)(const ab_attn_params* p, void* workspace, size_t
   const double work = (double)p->B * p->Hq * ab_rows_q(p) * ab_rows_k(p) * (double)(p->D / 4 + p->Dv / 2);
   return AMXS(fwd_run)(&ctx, pool, work);
 }
-
-const ab_sage_cpu_table AB_CAT(ab_sage_cpu, AB_AMX_SFX) = {AB_AMX_SAGE_NAME, AMXS(sage_workspace_size),
-                                                          AMXS(sage_fwd)};

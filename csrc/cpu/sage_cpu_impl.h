@@ -1,10 +1,10 @@
 /* sage_cpu_impl.h -- the CPU sage kernel (SageAttention recipe: smoothed K, INT8 Q.K^T), forward
  * only, one source for every ISA.
  *
- * Included by flash_cpu_{generic,avx2,avx512}.c right after flash_cpu_impl.h, whose tiles it
- * reuses: the transposed score layout St[j][r] (key j, query row r of a chunk of rc rows along the
- * vector lanes), the per-sequence geometry (dense and packed alike), the causal/window/mask/softcap
- * masking and the online softmax.  The two products differ.  docs/sage.md has the recipe and the
+ * Included by cpu_isa_impl.h (one ISA's build) after flash_fwd_impl.h, whose tiles it reuses
+ * (cpu_tiles_impl.h and the forward's chunk pieces): the transposed score layout St[j][r] (key j,
+ * query row r of a chunk of rc rows along the vector lanes), the per-sequence geometry (dense and
+ * packed alike), the causal/window/mask/softcap masking and the online softmax.  The two products differ.  docs/sage.md has the recipe and the
  * accuracy figures.
  *
  * Per call:
@@ -45,18 +45,19 @@
  * 64 * 4096 * 8191 = 2147221504 < 2^31.
  */
 
-#include "sage_cpu.h"
-
 #if VLEN == 16
 #define SG_G 4
+#define SG_ISA_NAME "avx512_vnni"
 #define SG_TARGET __attribute__((target("avx512vnni")))
 typedef int8_t sg_t;
 #elif VLEN == 8
 #define SG_G 2
+#define SG_ISA_NAME AB_ISA_NAME
 #define SG_TARGET
 typedef int16_t sg_t;
 #else
 #define SG_G 1
+#define SG_ISA_NAME AB_ISA_NAME
 #define SG_TARGET
 typedef int32_t sg_t;
 #endif
@@ -547,13 +548,15 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
   ab_scratch_free(on);
 }
 
-static size_t SYM(sage_workspace_size)(const ab_attn_params* p) {
+/* The entry points (cpu_isa_impl.h puts them in the table; the AMX builds, which run sage on tiles,
+ * compile them unused). */
+static __attribute__((unused)) size_t SYM(sage_workspace_size)(const ab_attn_params* p) {
   SYM(sg_ws) w;
   return SYM(sg_layout)(p, NULL, &w);
 }
 
-static ab_status SYM(sage_fwd)(const ab_attn_params* p, void* workspace, size_t bytes, const ab_cpu_pool* pool,
-                               ab_error* err) {
+static __attribute__((unused)) ab_status SYM(sage_fwd)(const ab_attn_params* p, void* workspace, size_t bytes,
+                                                       const ab_cpu_pool* pool, ab_error* err) {
   SYM(sg_ctx) ctx;
   ctx.p = p;
   ctx.st.err = err;
@@ -570,11 +573,3 @@ static ab_status SYM(sage_fwd)(const ab_attn_params* p, void* workspace, size_t 
   const double work = (double)p->B * p->Hq * Sq * Sk * (double)(p->D / 4 + p->Dv / 2);
   return ab_par_run(pool, p->B * p->Hq * ctx.nchunk, 1, work, SYM(sg_fwd_range), &ctx, &ctx.st);
 }
-
-const ab_sage_cpu_table AB_CAT(ab_sage_cpu, AB_ISA_SFX) = {
-#if SG_G == 4
-    "avx512_vnni",
-#else
-    AB_ISA_NAME,
-#endif
-    SYM(sage_workspace_size), SYM(sage_fwd)};
