@@ -2,7 +2,8 @@
  *
  * Included by cpu_isa_impl.h after flash_amx_fwd_impl.h.  Per (batch, KV head) as the vector
  * backward (flash_bwd_impl.h), in key blocks of AMX_BKB:
- *   S^T = K Q^T, dP^T = V dO^T on tiles, then (vectors) P, dS; then on tiles
+ *   S^T = K Q^T, dP^T = V dO^T on tiles, then (vectors) P, dS with the vector backward's per-row
+ *   set-up (bwd_rows: the forward's row statistics, delta) and dS block (bwd_ds); then on tiles
  *   dV += P^T dO (A = P^T rounded, pairs of rows; B = dO packed with pairs of rows),
  *   dK += dS^T Q (likewise), dQ^T += K^T dS^T (A = K^T with pairs of keys; B = dS^T pairs of keys).
  * Each item owns its dK, dV and dQ rows: no atomics, bitwise the same result on every run.
@@ -31,7 +32,7 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   const ab_attn_params* p = ctx->p;
   const int64_t D = p->D, Dv = p->Dv, group = p->Hq / p->Hkv;
   const int64_t Dp = AMXS(up)(D, 32), Dvp = AMXS(up)(Dv, 32), Dmax = Dp > Dvp ? Dp : Dvp;
-  const int want_dmask = p->dmask.ndim > 0, softcap = p->softcap > 0;
+  const int softcap = p->softcap > 0;
   const int64_t Skr = AMXS(up)(ab_rows_k(p), 32), Sqp = AMXS(up)(ab_rows_q(p), AMX_RC), nch = Sqp / AMX_RC;
   const int64_t G = AB_STAGGER; /* floats after every buffer: no two start at the same address mod 4 KiB */
   /* buffers in floats (16-bit and word buffers counted in 4-byte units) */
@@ -40,8 +41,8 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   const int64_t n_dot = nch * Dvp / 2 * AMX_RC, n_dov = nch * AMX_RC / 2 * Dvp;
   const int64_t n_blk = AMX_BKB * AMX_RC;
   const size_t nfl = (size_t)(n_kp + n_vp + n_kt + Skr * Dp + Skr * Dvp + n_qt + n_qv + n_dot + n_dov
-                              + nch * Dp * AMX_RC + 2 * Sqp + 4 * n_blk + 2 * n_blk / 2 + n_blk / 2
-                              + AMX_RC * Dmax / 2 + AMX_RC * Dmax / 2 + 2 * Dmax + 20 * G);
+                              + nch * Dp * AMX_RC + 3 * Sqp + 4 * n_blk + 2 * n_blk / 2 + n_blk / 2
+                              + AMX_RC * Dmax / 2 + AMX_RC * Dmax / 2 + 2 * Dmax + 21 * G);
   float* base = (float*)ab_scratch_alloc(sizeof(float) * nfl + sizeof(int32_t) * 2 * AMX_RC);
   if (!base) {
     ab_par_fail(&ctx->st, AB_ERR_NOMEM, "flash (amx): out of memory for the backward scratch");
@@ -57,8 +58,9 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   uint32_t* dot = qv + n_qv + G;                     /* per chunk: dO^T, pairs of dims (Dvp / 2 x RC) */
   uint32_t* dov = dot + n_dot + G;                   /* per chunk: dO, pairs of rows (RC / 2 x Dvp) */
   float* dqt = (float*)(dov + n_dov + G);            /* per chunk: dQ^T (Dp x RC) */
-  float* lse = dqt + nch * Dp * AMX_RC + G;          /* per row; +inf for padding and dead rows: P = 0 */
-  float* delta = lse + Sqp + G;
+  float* mx = dqt + nch * Dp * AMX_RC + G;           /* per row: the max score; +inf for padding and dead rows */
+  float* lsum = mx + Sqp + G;                        /* per row: log of the sum of exp(x - max) */
+  float* delta = lsum + Sqp + G;
   float* st = delta + Sqp + G;                       /* S^T, then P^T (BKB x RC) */
   float* dpt = st + n_blk + G;                       /* dP^T, then dS^T */
   float* pd = dpt + n_blk + G;                       /* dropout factors, then P^T after dropout */
@@ -91,9 +93,8 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
     for (int64_t h = hk * group; h < (hk + 1) * group; ++h) {
       SYM(seq) s;
       SYM(seq_get)(p, b, h, hk, &s);
-      const int64_t dos = p->cu_seqlens_q ? p->dout.strides[0] : p->dout.strides[2];
-      const int64_t do_base = p->cu_seqlens_q ? p->cu_seqlens_q[b] * p->dout.strides[0] + h * p->dout.strides[1]
-                                              : b * p->dout.strides[0] + h * p->dout.strides[1];
+      int64_t do_base, dos;
+      SYM(bwd_dout_rows)(p, b, h, &do_base, &dos);
       /* this head's Q and dO, per chunk, in the two B layouts each product needs */
       for (int64_t c = 0; c * AMX_RC < Sq; ++c) {
         const int64_t i0 = c * AMX_RC, n = Sq - i0 < AMX_RC ? Sq - i0 : AMX_RC;
@@ -104,44 +105,13 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
         AMXS(words_t)(rows, Dvp, dot + c * (Dvp / 2) * AMX_RC);
         AMXS(words_rowpairs)(rows, Dvp, dov + c * (AMX_RC / 2) * Dvp);
       }
-      /* lse and delta = rowsum(dO * O) - dlse, as the vector backward */
-      for (int64_t i = 0; i < sqp; ++i) {
-        float l = __builtin_inff();
-        double dl = 0.0; /* a float64 sum: Dv terms of either sign, where float32 would lose digits */
-        if (i < Sq) {
-          l = ((const float*)p->lse.data)[s.lse + i * s.lse_rs];
-          if (l == -__builtin_inff()) l = __builtin_inff(); /* dead row: P = 2^(x - inf) = 0 */
-          ab_vec_load_row(p->out.data, p->out.dtype, s.o + i * s.o_rs, Dv, p->out.strides[p->out.ndim - 1], tmp);
-          ab_vec_load_row(p->dout.data, p->dout.dtype, do_base + i * dos, Dv, p->dout.strides[p->dout.ndim - 1], tmp2);
-          for (int64_t d = 0; d < Dv; ++d) dl += (double)tmp[d] * (double)tmp2[d];
-          if (p->dlse.ndim) {
-            const int64_t off = p->cu_seqlens_q
-                                    ? h * p->dlse.strides[0] + (p->cu_seqlens_q[b] + i) * p->dlse.strides[1]
-                                    : b * p->dlse.strides[0] + h * p->dlse.strides[1] + i * p->dlse.strides[2];
-            dl -= ((const float*)p->dlse.data)[off];
-          }
-        }
-        lse[i] = l;
-        delta[i] = (float)dl;
-      }
+      /* each row's statistics (the forward's, else lse) and delta, as the vector backward */
+      SYM(bwd_rows)(p, &s, b, h, Sq, sqp, NULL, Dvp, mx, lsum, delta, tmp, tmp2);
       memset(dqt, 0, sizeof(float) * (size_t)(sqp / AMX_RC * Dp * AMX_RC));
       for (int64_t i0 = 0; i0 < Sq; i0 += AMX_RC) {
         const int64_t c = i0 / AMX_RC, nrows = Sq - i0 < AMX_RC ? Sq - i0 : AMX_RC;
-        int64_t jlo = Sk, jhi = 0, all_lo = 0, all_hi = Sk;
-        for (int64_t r = 0; r < AMX_RC; ++r) {
-          int64_t l = 0, hh = 0;
-          if (r < nrows) {
-            SYM(row_range)(p, &s, i0 + r, &l, &hh);
-            if (hh > l) {
-              if (l < jlo) jlo = l;
-              if (hh > jhi) jhi = hh;
-            }
-            if (l > all_lo) all_lo = l;
-            if (hh < all_hi) all_hi = hh;
-          }
-          lo[r] = (int32_t)l;
-          hi[r] = (int32_t)hh;
-        }
+        int64_t jlo, jhi, all_lo, all_hi;
+        SYM(bwd_chunk_keys)(p, &s, i0, nrows, AMX_RC, lo, hi, &jlo, &jhi, &all_lo, &all_hi);
         /* key blocks start on a multiple of 32 (pairs of keys and whole tiles of K^T); the keys
          * before jlo in the first one are masked like any other invisible key */
         for (int64_t j0 = jlo < jhi ? jlo - jlo % 32 : jhi; j0 < jhi; j0 += AMX_BKB) {
@@ -154,11 +124,11 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
           AMXS(vscale)(st, nb * AMX_RC, scale);
           const int structural = nrows < AMX_RC || j0 < all_lo || j0 + nb > all_hi;
           SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, softcap ? th : NULL, AMX_RC, 1.0);
-          /* P^T = exp(S^T - lse) */
+          /* P^T = exp((S^T - max) - log sum) */
           for (int64_t v = 0; v < AMX_RC; v += VLEN) {
-            const vf lv = vload(lse + i0 + v);
+            const vf mv = vload(mx + i0 + v), lv = vload(lsum + i0 + v);
             for (int64_t j = 0; j < nb; ++j)
-              vstore(st + j * AMX_RC + v, AMXS(vexp2)((vload(st + j * AMX_RC + v) - lv) * vset1(log2e)));
+              vstore(st + j * AMX_RC + v, AMXS(vexp2)(((vload(st + j * AMX_RC + v) - mv) - lv) * vset1(log2e)));
           }
           const float* pw = st; /* the weights dV sees: P, or P after dropout */
           if (p->dropout_p > 0) {
@@ -169,29 +139,7 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
             pw = pd;
           }
           /* dS = P (dP - delta); the float mask's gradient; softcap chain rule; scale */
-          for (int64_t v = 0; v < AMX_RC; v += VLEN) {
-            const vf dl = vload(delta + i0 + v);
-            for (int64_t j = 0; j < nb; ++j) {
-              const int64_t x = j * AMX_RC + v;
-              vstore(dpt + x, vload(st + x) * (vload(dpt + x) - dl));
-            }
-          }
-          if (want_dmask) {
-            for (int64_t j = 0; j < nb; ++j)
-              for (int64_t r = 0; r < nrows; ++r) {
-                const int64_t off = b * p->dmask.strides[0] + h * p->dmask.strides[1] +
-                                    (i0 + r) * p->dmask.strides[2] + (j0 + j) * p->dmask.strides[3];
-                ((float*)p->dmask.data)[off] = dpt[j * AMX_RC + r];
-              }
-          }
-          for (int64_t x = 0; x < nb * AMX_RC; x += VLEN) {
-            vf ds = vload(dpt + x) * vset1(scale);
-            if (softcap) {
-              const vf t = vload(th + x);
-              ds = ds * (vset1(1.0f) - t * t);
-            }
-            vstore(dpt + x, ds);
-          }
+          SYM(bwd_ds)(p, b, h, i0, nrows, j0, nb, AMX_RC, st, dpt, th, delta, 0, NULL);
           /* dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T on tiles */
           AMXS(pack_rows16)(pw, nb, nbp, AMX_BF16, pa);
           AMXS(pack_rows16)(dpt, nb, nbp, AMX_BF16, sa);
@@ -203,34 +151,15 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
           AMXS(gemm_bf16)(Dp, AMX_RC, nbp / 2, kt + j0 / 2, (Skr / 2) * 4, sb, AMX_RC * 4, dqt + c * Dp * AMX_RC,
                           AMX_RC * 4, 1);
         }
-        if (want_dmask) { /* keys no row of the chunk sees get gradient 0 */
-          for (int64_t r = 0; r < nrows; ++r) {
-            const int64_t bo = b * p->dmask.strides[0] + h * p->dmask.strides[1] + (i0 + r) * p->dmask.strides[2];
-            for (int64_t j = 0; j < Sk; ++j)
-              if (j < jlo || j >= jhi) ((float*)p->dmask.data)[bo + j * p->dmask.strides[3]] = 0.0f;
-          }
-        }
+        if (p->dmask.ndim) SYM(bwd_dmask_unseen)(p, b, h, i0, nrows, Sk, jlo, jhi);
       }
-      const int64_t dqs = p->cu_seqlens_q ? p->dq.strides[0] : p->dq.strides[2];
-      const int64_t dq_base = p->cu_seqlens_q ? p->cu_seqlens_q[b] * p->dq.strides[0] + h * p->dq.strides[1]
-                                              : b * p->dq.strides[0] + h * p->dq.strides[1];
       for (int64_t i = 0; i < Sq; ++i) {
         const float* col = dqt + (i / AMX_RC) * Dp * AMX_RC + i % AMX_RC;
         for (int64_t d = 0; d < D; ++d) tmp[d] = col[d * AMX_RC];
-        ab_vec_store_row(p->dq.data, p->dq.dtype, dq_base + i * dqs, D, p->dq.strides[p->dq.ndim - 1], tmp);
+        SYM(bwd_store_dq)(p, b, h, i, tmp);
       }
     }
-    const int64_t dks = p->cu_seqlens_k ? p->dk.strides[0] : p->dk.strides[2];
-    const int64_t dvs = p->cu_seqlens_k ? p->dv.strides[0] : p->dv.strides[2];
-    const int64_t k0 = p->cu_seqlens_k ? p->cu_seqlens_k[b] : 0;
-    const int64_t dk_base = p->cu_seqlens_k ? k0 * p->dk.strides[0] + hk * p->dk.strides[1]
-                                            : b * p->dk.strides[0] + hk * p->dk.strides[1];
-    const int64_t dv_base = p->cu_seqlens_k ? k0 * p->dv.strides[0] + hk * p->dv.strides[1]
-                                            : b * p->dv.strides[0] + hk * p->dv.strides[1];
-    for (int64_t j = 0; j < Sk; ++j) {
-      ab_vec_store_row(p->dk.data, p->dk.dtype, dk_base + j * dks, D, p->dk.strides[p->dk.ndim - 1], dk + j * Dp);
-      ab_vec_store_row(p->dv.data, p->dv.dtype, dv_base + j * dvs, Dv, p->dv.strides[p->dv.ndim - 1], dv + j * Dvp);
-    }
+    SYM(bwd_store_dkdv)(p, b, hk, Sk, dk, Dp, dv, Dvp);
   }
   AMX_RELEASE();
   ab_scratch_free(base);
