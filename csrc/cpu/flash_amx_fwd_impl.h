@@ -271,42 +271,72 @@ static void AMXS(flash_score_finish)(const AMXS(fwd_ctx) * ctx, const SYM(chunk)
 
 static const AMXS(fwd_ops) AMXS(flash_ops) = {AMXS(flash_chunk_q), AMXS(flash_score_tiles), AMXS(flash_score_finish)};
 
-typedef struct AMXS(pack_ctx) {
+/* The packing pass before the forward's chunks (flash and sage), one item per (batch, KV head):
+ * the K rows of the sequence into rows [r0, r0 + nr) of the packed layout (kv_offsets: rows past
+ * the sequence's end, up to a multiple of 32, are zero), by the family's pack_k; then the V^T
+ * panels in `kind`.  Scratch per worker: nk floats for pack_k (fs), then Dmax floats (ftmp) and two
+ * 16-bit rows of Dvp (r16) for the panels and pack_k. */
+typedef struct AMXS(pack_ctx) AMXS(pack_ctx);
+struct AMXS(pack_ctx) {
   const ab_attn_params* p;
-  AMXS(fwd_ctx) * f;
-  uint32_t* kp;
+  void (*pack_k)(const AMXS(pack_ctx) * ctx, const SYM(seq) * s, int64_t b, int64_t hk, int64_t r0, int64_t nr,
+                 float* fs, float* ftmp);
+  const void* fam;        /* the family's state: its fwd_ctx (flash), its workspace (sage) */
+  uint32_t* kp;           /* flash: where the K rows go (fam's kp) */
+  const char* nomem;      /* the error when the scratch cannot be had */
+  int kind;               /* 16-bit type of the V^T panels */
+  int64_t Dvp, nk, Dmax;
+  const int64_t* krow0;   /* (B + 1) */
+  const int64_t* panel0;  /* (B + 1) */
+  int64_t krows, npanels; /* per KV head */
   uint32_t* vt;
   ab_par_status st;
-} AMXS(pack_ctx);
+};
 
-/* Items (batch, KV head): K rows as 16-bit rows of Dp, V^T panels. */
-static void AMXS(flash_pack_range)(int64_t begin, int64_t end, void* vctx) {
+static void AMXS(pack_range)(int64_t begin, int64_t end, void* vctx) {
   AMXS(pack_ctx)* ctx = (AMXS(pack_ctx)*)vctx;
   const ab_attn_params* p = ctx->p;
-  const AMXS(fwd_ctx)* f = ctx->f;
-  const int64_t Dp = f->Dp, Dvp = f->Dvp, group = p->Hq / p->Hkv;
-  const int64_t Dmax = p->D > p->Dv ? p->D : p->Dv;
-  uint16_t* r16 = (uint16_t*)ab_scratch_alloc(sizeof(uint16_t) * (size_t)(2 * Dvp) + sizeof(float) * (size_t)Dmax);
-  if (!r16) {
-    ab_par_fail(&ctx->st, AB_ERR_NOMEM, "flash (amx): out of memory for packing K and V");
+  const int64_t Dvp = ctx->Dvp, group = p->Hq / p->Hkv;
+  float* fs = (float*)ab_scratch_alloc(sizeof(float) * (size_t)(ctx->nk + ctx->Dmax) + sizeof(uint16_t) * 2 * (size_t)Dvp);
+  if (!fs) {
+    ab_par_fail(&ctx->st, AB_ERR_NOMEM, ctx->nomem);
     return;
   }
-  float* ftmp = (float*)(r16 + 2 * Dvp);
+  float* ftmp = fs + ctx->nk;
+  uint16_t* r16 = (uint16_t*)(ftmp + ctx->Dmax);
   for (int64_t item = begin; item < end; ++item) {
     const int64_t b = item / p->Hkv, hk = item % p->Hkv;
     SYM(seq) s;
     SYM(seq_get)(p, b, hk * group, hk, &s);
-    const int64_t r0 = hk * f->krows + f->krow0[b], nr = f->krow0[b + 1] - f->krow0[b];
-    for (int64_t j = 0; j < nr; ++j) {
-      uint16_t* dst = (uint16_t*)(ctx->kp + (r0 + j) * f->kw);
-      if (j < s.Sk)
-        AMXS(row16)(&p->k, s.k + j * s.k_rs, p->D, Dp, f->kind, dst, ftmp);
-      else
-        memset(dst, 0, sizeof(uint16_t) * (size_t)Dp);
-    }
-    AMXS(pack_vt)(p, &s, f->kind, Dvp, ctx->vt + (hk * f->npanels + f->panel0[b]) * Dvp * (AMX_NP / 2), r16, ftmp);
+    ctx->pack_k(ctx, &s, b, hk, hk * ctx->krows + ctx->krow0[b], ctx->krow0[b + 1] - ctx->krow0[b], fs, ftmp);
+    AMXS(pack_vt)(p, &s, ctx->kind, Dvp, ctx->vt + (hk * ctx->npanels + ctx->panel0[b]) * Dvp * (AMX_NP / 2), r16,
+                  ftmp);
   }
-  ab_scratch_free(r16);
+  ab_scratch_free(fs);
+}
+
+/* Runs the packing pass (work: its multiply-adds' worth, for the pool's threshold). */
+static ab_status AMXS(pack_run)(AMXS(pack_ctx) * ctx, const ab_cpu_pool* pool, double work, ab_error* err) {
+  ctx->st.err = err;
+  atomic_init(&ctx->st.status, AB_OK);
+  return ab_par_run(pool, ctx->p->B * ctx->p->Hkv, 1, work, AMXS(pack_range), ctx, &ctx->st);
+}
+
+/* flash: K rows as 16-bit rows of Dp. */
+static void AMXS(flash_pack_k)(const AMXS(pack_ctx) * ctx, const SYM(seq) * s, int64_t b, int64_t hk, int64_t r0,
+                               int64_t nr, float* fs, float* ftmp) {
+  const AMXS(fwd_ctx)* f = (const AMXS(fwd_ctx)*)ctx->fam;
+  const ab_attn_params* p = ctx->p;
+  (void)b;
+  (void)hk;
+  (void)fs;
+  for (int64_t j = 0; j < nr; ++j) {
+    uint16_t* dst = (uint16_t*)(ctx->kp + (r0 + j) * f->kw);
+    if (j < s->Sk)
+      AMXS(row16)(&p->k, s->k + j * s->k_rs, p->D, f->Dp, f->kind, dst, ftmp);
+    else
+      memset(dst, 0, sizeof(uint16_t) * (size_t)f->Dp);
+  }
 }
 
 /* The scale and the softmax factor: fold scale into the exponential's factor when the masking
@@ -350,11 +380,23 @@ static ab_status AMXS(flash_fwd_tiles)(const ab_attn_params* p, int kind, const 
   ctx.panel0 = panel0;
   ctx.kp = kp;
   ctx.vt = vt;
-  AMXS(pack_ctx) pc = {p, &ctx, kp, vt, {0}};
-  pc.st.err = err;
-  atomic_init(&pc.st.status, AB_OK);
+  AMXS(pack_ctx) pc;
+  memset(&pc, 0, sizeof pc);
+  pc.p = p;
+  pc.pack_k = AMXS(flash_pack_k);
+  pc.fam = &ctx;
+  pc.kp = kp;
+  pc.nomem = "flash (amx): out of memory for packing K and V";
+  pc.kind = kind;
+  pc.Dvp = ctx.Dvp;
+  pc.Dmax = p->D > p->Dv ? p->D : p->Dv;
+  pc.krow0 = krow0;
+  pc.panel0 = panel0;
+  pc.krows = krows;
+  pc.npanels = npanels;
+  pc.vt = vt;
   const double pack = (double)p->B * p->Hkv * p->Sk * (double)(p->D + p->Dv) * 4;
-  ab_status st = ab_par_run(pool, p->B * p->Hkv, 1, pack, AMXS(flash_pack_range), &pc, &pc.st);
+  ab_status st = AMXS(pack_run)(&pc, pool, pack, err);
   if (st == AB_OK) {
     const double work = (double)p->B * p->Hq * ab_rows_q(p) * ab_rows_k(p) * (double)(p->D + p->Dv);
     st = AMXS(fwd_run)(&ctx, pool, work);

@@ -93,51 +93,32 @@ static float AMXS(sg_quant)(const float* x, int64_t n, int8_t* dst) {
   return a / 127.0f;
 }
 
-typedef struct AMXS(sg_prep) {
-  const ab_attn_params* p;
-  const AMXS(sg_ws) * w;
-  ab_par_status st;
-} AMXS(sg_prep);
-
-/* Items (batch, KV head): K's smoothing, every row of (K - mean) / c in int8, V^T panels in bfloat16. */
-static void AMXS(sg_prep_range)(int64_t begin, int64_t end, void* vctx) {
-  AMXS(sg_prep)* ctx = (AMXS(sg_prep)*)vctx;
+/* The packing pass's K rows for sage: K's smoothing, every row of (K - mean) / c in int8 with its
+ * scale.  fs: 4 Dq floats. */
+static void AMXS(sg_pack_k)(const AMXS(pack_ctx) * ctx, const SYM(seq) * s, int64_t b, int64_t hk, int64_t r0,
+                            int64_t nr, float* fs, float* ftmp) {
   const ab_attn_params* p = ctx->p;
-  const AMXS(sg_ws)* w = ctx->w;
-  const int64_t Dq = w->Dq, Dvp = w->Dvp, group = p->Hq / p->Hkv;
-  const int64_t Dmax = Dq > Dvp ? Dq : Dvp;
-  float* row = (float*)ab_scratch_alloc(sizeof(float) * (size_t)(4 * Dq + Dmax) + sizeof(uint16_t) * 2 * (size_t)Dvp);
-  if (!row) {
-    ab_par_fail(&ctx->st, AB_ERR_NOMEM, "sage (amx): out of memory for the K and V prepass");
-    return;
-  }
+  const AMXS(sg_ws)* w = (const AMXS(sg_ws)*)ctx->fam;
+  const int64_t Dq = w->Dq;
+  float* row = fs;
   float* lo = row + Dq;
   float* hi = lo + Dq;
   float* icf = hi + Dq;
-  float* ftmp = icf + Dq;
-  uint16_t* r16 = (uint16_t*)(ftmp + Dmax);
-  for (int64_t item = begin; item < end; ++item) {
-    const int64_t b = item / p->Hkv, hk = item % p->Hkv;
-    SYM(seq) s;
-    SYM(seq_get)(p, b, hk * group, hk, &s);
-    float* mean = w->mean + (b * p->Hkv + hk) * Dq;
-    float* cf = w->cf + (b * p->Hkv + hk) * Dq;
-    SYM(sg_k_stats)(p, &s, Dq, mean, cf, icf, lo, hi, row);
-    const int64_t r0 = hk * w->krows + w->krow0[b], nr = w->krow0[b + 1] - w->krow0[b];
-    const int64_t ls = p->k.strides[p->k.ndim - 1];
-    for (int64_t j = 0; j < nr; ++j) {
-      if (j < s.Sk) {
-        ab_vec_load_row(p->k.data, p->k.dtype, s.k + j * s.k_rs, p->D, ls, row);
-        for (int64_t d = 0; d < Dq; d += VLEN) vstore(row + d, (vload(row + d) - vload(mean + d)) * vload(icf + d));
-        w->sk[r0 + j] = AMXS(sg_quant)(row, Dq, w->kq + (r0 + j) * Dq);
-      } else {
-        memset(w->kq + (r0 + j) * Dq, 0, (size_t)Dq);
-        w->sk[r0 + j] = 0.0f;
-      }
+  (void)ftmp;
+  float* mean = w->mean + (b * p->Hkv + hk) * Dq;
+  float* cf = w->cf + (b * p->Hkv + hk) * Dq;
+  SYM(sg_k_stats)(p, s, Dq, mean, cf, icf, lo, hi, row);
+  const int64_t ls = p->k.strides[p->k.ndim - 1];
+  for (int64_t j = 0; j < nr; ++j) {
+    if (j < s->Sk) {
+      ab_vec_load_row(p->k.data, p->k.dtype, s->k + j * s->k_rs, p->D, ls, row);
+      for (int64_t d = 0; d < Dq; d += VLEN) vstore(row + d, (vload(row + d) - vload(mean + d)) * vload(icf + d));
+      w->sk[r0 + j] = AMXS(sg_quant)(row, Dq, w->kq + (r0 + j) * Dq);
+    } else {
+      memset(w->kq + (r0 + j) * Dq, 0, (size_t)Dq);
+      w->sk[r0 + j] = 0.0f;
     }
-    AMXS(pack_vt)(p, &s, AMX_BF16, Dvp, w->vt + (hk * w->npanels + w->panel0[b]) * Dvp * (AMX_NP / 2), r16, ftmp);
   }
-  ab_scratch_free(row);
 }
 
 /* A chunk's Q rows times c, in int8 with scale sq (softmax scale folded in) and bias = scale q . mean;
@@ -208,11 +189,23 @@ static ab_status AMXS(sage_fwd)(const ab_attn_params* p, void* workspace, size_t
   if (bytes < need || (need && !workspace))
     return ab_error_set(err, AB_ERR_INVALID, "sage: workspace of %zu bytes, %zu needed", bytes, need);
   AMXS(kv_offsets)(p, w.krow0, w.panel0, &w.krows, &w.npanels);
-  AMXS(sg_prep) prep = {p, &w, {0}};
-  prep.st.err = err;
-  atomic_init(&prep.st.status, AB_OK);
+  AMXS(pack_ctx) pc;
+  memset(&pc, 0, sizeof pc);
+  pc.p = p;
+  pc.pack_k = AMXS(sg_pack_k);
+  pc.fam = &w;
+  pc.nomem = "sage (amx): out of memory for the K and V prepass";
+  pc.kind = AMX_BF16;
+  pc.Dvp = w.Dvp;
+  pc.nk = 4 * w.Dq;
+  pc.Dmax = w.Dq > w.Dvp ? w.Dq : w.Dvp;
+  pc.krow0 = w.krow0;
+  pc.panel0 = w.panel0;
+  pc.krows = w.krows;
+  pc.npanels = w.npanels;
+  pc.vt = w.vt;
   const double pw = (double)p->B * p->Hkv * p->Sk * (double)(p->D * 8 + p->Dv * 4);
-  ab_status st = ab_par_run(pool, p->B * p->Hkv, 1, pw, AMXS(sg_prep_range), &prep, &prep.st);
+  ab_status st = AMXS(pack_run)(&pc, pool, pw, err);
   if (st != AB_OK) return st;
   AMXS(fwd_ctx) ctx;
   memset(&ctx, 0, sizeof ctx);
