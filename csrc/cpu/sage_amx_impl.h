@@ -34,29 +34,22 @@ typedef struct AMXS(sg_ws) {
   int64_t Dq, Dvp, krows, npanels;
 } AMXS(sg_ws);
 
-static size_t AMXS(sg_al)(size_t n) { return (n + 63) & ~(size_t)63; }
-
 /* Fills w's pointers into base (when not NULL); returns the bytes needed. */
 static size_t AMXS(sg_layout)(const ab_attn_params* p, void* base, AMXS(sg_ws) * w) {
   w->Dq = AMXS(up)(p->D, 64);
   w->Dvp = AMXS(up)(p->Dv, 32);
   AMXS(kv_offsets)(p, NULL, NULL, &w->krows, &w->npanels);
   const size_t sizes[7] = {
-      AMXS(sg_al)(sizeof(int64_t) * (size_t)(p->B + 1)),
-      AMXS(sg_al)(sizeof(int64_t) * (size_t)(p->B + 1)),
-      AMXS(sg_al)(sizeof(float) * (size_t)(p->B * p->Hkv * w->Dq)),
-      AMXS(sg_al)(sizeof(float) * (size_t)(p->B * p->Hkv * w->Dq)),
-      AMXS(sg_al)((size_t)(p->Hkv * w->krows * w->Dq)),
-      AMXS(sg_al)(sizeof(float) * (size_t)(p->Hkv * w->krows)),
-      AMXS(sg_al)(sizeof(uint32_t) * (size_t)(p->Hkv * w->npanels * w->Dvp * (AMX_NP / 2))),
+      sizeof(int64_t) * (size_t)(p->B + 1),
+      sizeof(int64_t) * (size_t)(p->B + 1),
+      sizeof(float) * (size_t)(p->B * p->Hkv * w->Dq),
+      sizeof(float) * (size_t)(p->B * p->Hkv * w->Dq),
+      (size_t)(p->Hkv * w->krows * w->Dq),
+      sizeof(float) * (size_t)(p->Hkv * w->krows),
+      sizeof(uint32_t) * (size_t)(p->Hkv * w->npanels * w->Dvp * (AMX_NP / 2)),
   };
-  char* c = (char*)base;
   void* at[7];
-  size_t total = 0;
-  for (int i = 0; i < 7; ++i) {
-    at[i] = c ? c + total : NULL;
-    total += sizes[i];
-  }
+  const size_t total = SYM(sg_carve)(base, sizes, 7, at);
   w->krow0 = (int64_t*)at[0];
   w->panel0 = (int64_t*)at[1];
   w->mean = (float*)at[2];
@@ -126,24 +119,15 @@ static void AMXS(sg_pack_k)(const AMXS(pack_ctx) * ctx, const SYM(seq) * s, int6
 static void AMXS(sg_chunk_q)(const AMXS(fwd_ctx) * ctx, const SYM(chunk) * ch, uint32_t* qb, float* sq, float* bias,
                              uint16_t* r16, float* tmp) {
   const ab_attn_params* p = ctx->p;
-  const int64_t Dq = ctx->Dq, D = p->D;
+  const int64_t Dq = ctx->Dq;
   const float scale = (float)p->scale;
   const float* mean = ctx->mean + (ch->b * p->Hkv + ch->hk) * Dq;
   const float* cf = ctx->cf + (ch->b * p->Hkv + ch->hk) * Dq;
-  const int64_t qls = p->q.strides[p->q.ndim - 1];
   int8_t* qrow = (int8_t*)r16;
   memset(tmp, 0, sizeof(float) * (size_t)Dq);
   for (int64_t r = 0; r < AMX_RC; ++r) {
     if (r < ch->nrows) {
-      ab_vec_load_row(p->q.data, p->q.dtype, ch->s.q + (ch->i0 + r) * ch->s.q_rs, D, qls, tmp);
-      vf dot = vset1(0.0f);
-      for (int64_t d = 0; d < Dq; d += VLEN) {
-        dot += vload(tmp + d) * vload(mean + d);
-        vstore(tmp + d, vload(tmp + d) * vload(cf + d));
-      }
-      float t = 0.0f;
-      for (int u = 0; u < VLEN; ++u) t += dot[u];
-      bias[r] = t * scale;
+      bias[r] = SYM(sg_q_row)(p, ch->s.q + (ch->i0 + r) * ch->s.q_rs, Dq, mean, cf, scale, tmp);
       sq[r] = AMXS(sg_quant)(tmp, Dq, qrow) * scale;
     } else {
       memset(qrow, 0, (size_t)Dq);

@@ -165,6 +165,17 @@ typedef struct SYM(sg_ws) {
 
 static size_t SYM(sg_align)(size_t n) { return (n + 63) & ~(size_t)63; }
 
+/* n buffers of sizes[i] bytes, each starting on 64 bytes, one after another from base: at[i] (NULL
+ * when base is); returns the bytes they take.  The CPU and the AMX workspace layouts. */
+static size_t SYM(sg_carve)(void* base, const size_t* sizes, int n, void** at) {
+  size_t total = 0;
+  for (int i = 0; i < n; ++i) {
+    at[i] = base ? (char*)base + total : NULL;
+    total += SYM(sg_align)(sizes[i]);
+  }
+  return total;
+}
+
 /* Fills w's pointers into base (when not NULL); returns the bytes needed.  Sequence b's V blocks
  * start at row vrow0(b) = krow0(b) + BK * b, which leaves each sequence room for whole blocks; a
  * block starting at row R keeps its scales in slot R / BK (distinct: block starts are >= BK apart). */
@@ -176,20 +187,15 @@ static size_t SYM(sg_layout)(const ab_attn_params* p, void* base, SYM(sg_ws) * w
   w->Vrows = w->Ktot + BK * p->B;
   w->Vslots = w->Vrows / BK + 1;
   const size_t sizes[6] = {
-      SYM(sg_align)(sizeof(uint32_t) * (size_t)(p->Hkv * w->Ktot * w->Dg)),
-      SYM(sg_align)(sizeof(float) * (size_t)(p->Hkv * w->Ktot)),
-      SYM(sg_align)(sizeof(float) * (size_t)(p->B * p->Hkv * w->Dp)),
-      SYM(sg_align)(sizeof(float) * (size_t)(p->B * p->Hkv * w->Dp)),
-      SYM(sg_align)(sizeof(int16_t) * (size_t)(p->Hkv * w->Vrows * w->Dvp)),
-      SYM(sg_align)(sizeof(float) * (size_t)(p->Hkv * w->Vslots * w->Dvp)),
+      sizeof(uint32_t) * (size_t)(p->Hkv * w->Ktot * w->Dg),
+      sizeof(float) * (size_t)(p->Hkv * w->Ktot),
+      sizeof(float) * (size_t)(p->B * p->Hkv * w->Dp),
+      sizeof(float) * (size_t)(p->B * p->Hkv * w->Dp),
+      sizeof(int16_t) * (size_t)(p->Hkv * w->Vrows * w->Dvp),
+      sizeof(float) * (size_t)(p->Hkv * w->Vslots * w->Dvp),
   };
-  char* c = (char*)base;
   void* at[6];
-  size_t total = 0;
-  for (int i = 0; i < 6; ++i) {
-    at[i] = c ? c + total : NULL;
-    total += sizes[i];
-  }
+  const size_t total = SYM(sg_carve)(base, sizes, 6, at);
   w->kw = (uint32_t*)at[0];
   w->sk = (float*)at[1];
   w->mean = (float*)at[2];
@@ -250,6 +256,22 @@ static void SYM(sg_prep_v)(const ab_attn_params* p, const SYM(sg_ws) * w, const 
   }
 }
 
+
+/* Query row q (D values at element offset off of p->q) smoothed for sage: tmp[0, n) = q * c (tmp
+ * must be zero past D), and the row's bias, scale * q . mean: what the smoothing of K took off its
+ * scores.  The CPU and the AMX kernels' chunk set-up. */
+static float SYM(sg_q_row)(const ab_attn_params* p, int64_t off, int64_t n, const float* mean, const float* cf,
+                           float scale, float* tmp) {
+  ab_vec_load_row(p->q.data, p->q.dtype, off, p->D, p->q.strides[p->q.ndim - 1], tmp);
+  vf dot = vset1(0.0f);
+  for (int64_t d = 0; d < n; d += VLEN) {
+    dot += vload(tmp + d) * vload(mean + d);
+    vstore(tmp + d, vload(tmp + d) * vload(cf + d));
+  }
+  float t = 0.0f;
+  for (int u = 0; u < VLEN; ++u) t += dot[u];
+  return t * scale;
+}
 /* K's smoothing of one sequence s (Dp floats each, zero past D): mean over the keys, channel
  * factors cf = sqrt(max_j |K_jd - mean_d|) (1 for an all-zero or non-finite channel) and icf = 1 / cf.
  * lo, hi, row: Dp floats of scratch.  Shared with the AMX sage kernel (sage_amx_impl.h). */
@@ -465,7 +487,7 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
   SYM(sg_ctx)* ctx = (SYM(sg_ctx)*)vctx;
   const ab_attn_params* p = ctx->p;
   const SYM(sg_ws)* w = &ctx->w;
-  const int64_t D = p->D, Dp = w->Dp, Dg = w->Dg, Dvp = w->Dvp;
+  const int64_t Dp = w->Dp, Dg = w->Dg, Dvp = w->Dvp;
   const int nv = ctx->nv;
   const int64_t rc = (int64_t)nv * VLEN;
   const int64_t Tmax = Dp > Dvp ? Dp : Dvp;
@@ -491,7 +513,6 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
   int32_t* lo = c0 + rc;
   int32_t* hi = lo + rc;
   const float scale = (float)p->scale;
-  const int64_t qls = p->q.strides[p->q.ndim - 1];
   for (int64_t item = begin; item < end; ++item) {
     SYM(chunk) ch;
     if (!SYM(chunk_begin)(p, item, ctx->nchunk, rc, lo, hi, mrow, lrow, &ch)) continue;
@@ -505,15 +526,7 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
     for (int64_t r = 0; r < rc; ++r) {
       int32_t sum = 0;
       if (r < nrows) {
-        ab_vec_load_row(p->q.data, p->q.dtype, s.q + (i0 + r) * s.q_rs, D, qls, tmp);
-        vf dot = vset1(0.0f);
-        for (int64_t d = 0; d < Dp; d += VLEN) {
-          dot += vload(tmp + d) * vload(mean + d);
-          vstore(tmp + d, vload(tmp + d) * vload(cf + d));
-        }
-        float t = 0.0f;
-        for (int u = 0; u < VLEN; ++u) t += dot[u];
-        bias[r] = t * scale;
+        bias[r] = SYM(sg_q_row)(p, s.q + (i0 + r) * s.q_rs, Dp, mean, cf, scale, tmp);
         sq[r] = SYM(sg_quant_row)(tmp, Dp, qrow + r * Dp, 0, &sum) * scale;
       } else {
         memset(qrow + r * Dp, 0, sizeof(sg_t) * (size_t)Dp);
