@@ -129,6 +129,24 @@ static inline vf vexp(vf x) {
   return vselect(nan, x, y);
 }
 
+#if VLEN == 16
+/* 2^t in the lanes of keep, 0 in the others: 2^n * 2^f with n = round(t) by roundscale, 2^f by a
+ * degree-6 polynomial on [-1/2, 1/2] (relative error < 1e-7), the 2^n scaling and the zeroing in one
+ * masked scalef.  The AVX-512 body of vexp_nonpos and of the AMX kernels' base-2 exp. */
+static inline __m512 ab_exp2_512(__m512 t, __mmask16 keep) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(keep, p, n);
+}
+#endif
+
 /* exp(x) for x <= 0 (scores minus their running max): the softmax's inner loop, so it is cheaper
  * than vexp (no overflow lanes).  Below -87.3 (and at -inf) the result is exactly 0: a tiny value
  * would turn subnormal in the P.V products, and subnormal arithmetic costs ~100x on x86.  NaN
@@ -140,16 +158,7 @@ static inline vf vexp_nonpos(vf x) {
   const __m512 t = _mm512_max_ps(_mm512_set1_ps(-126.0f), _mm512_mul_ps((__m512)x, _mm512_set1_ps(1.44269504088896341f)));
   const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.9f), _CMP_GT_OQ) |
                          _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return (vf)_mm512_maskz_scalef_ps(keep, p, n);
+  return (vf)ab_exp2_512(t, keep);
 #else
   const vf lo = vset1(-87.3365447505531f);
   const vi under = x < lo;

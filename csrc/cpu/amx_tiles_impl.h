@@ -97,16 +97,7 @@ static inline vf AMXS(vexp2)(vf x) {
   const __m512 t = _mm512_max_ps(_mm512_set1_ps(-125.0f), (__m512)x);
   const __mmask16 keep = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-125.0f), _CMP_GE_OQ) |
                          _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return (vf)_mm512_maskz_scalef_ps(keep, p, n);
+  return (vf)ab_exp2_512(t, keep);
 #else
   const vi under = x < vset1(-125.0f);
   const vi nan = x != x;
