@@ -103,17 +103,12 @@ static inline vf vround(vf x) {
   return (x + magic) - magic;
 }
 
-/* exp(x) for float32, ~1 ulp: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial
- * (Cephes coefficients), 2^n built in the exponent bits.  exp(-inf) and anything below -87.3
- * give exactly 0 (masked scores must contribute nothing); +inf gives +inf; NaN gives NaN. */
-static inline vf vexp(vf x) {
-  const vf hi = vset1(88.3762626647949f), lo = vset1(-87.3365447505531f);
-  const vi under = x < lo;
-  const vi over = x > hi;
-  const vi nan = x != x;
-  vf xc = vselect(over, hi, vselect(under, lo, x));
-  vf n = vround(xc * vset1(1.44269504088896341f)); /* n = round(x / ln2) */
-  vf r = xc - n * vset1(0.693359375f);
+/* exp(x) for x in [-87.34, 88.38], ~1 ulp: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6
+ * polynomial (Cephes coefficients), 2^n built in the exponent bits.  The body of vexp and of
+ * vexp_nonpos below AVX-512. */
+static inline vf vexp_clamped(vf x) {
+  const vf n = vround(x * vset1(1.44269504088896341f)); /* n = round(x / ln2) */
+  vf r = x - n * vset1(0.693359375f);
   r = r - n * vset1(-2.12194440e-4f);
   vf p = vset1(1.9875691500e-4f);
   p = p * r + vset1(1.3981999507e-3f);
@@ -122,8 +117,17 @@ static inline vf vexp(vf x) {
   p = p * r + vset1(1.6666665459e-1f);
   p = p * r + vset1(5.0000001201e-1f);
   p = p * (r * r) + r + vset1(1.0f);
-  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf y = p * (vf)e;
+  return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+}
+
+/* exp(x) for float32, ~1 ulp (vexp_clamped).  exp(-inf) and anything below -87.3 give exactly 0
+ * (masked scores must contribute nothing); +inf gives +inf; NaN gives NaN. */
+static inline vf vexp(vf x) {
+  const vf hi = vset1(88.3762626647949f), lo = vset1(-87.3365447505531f);
+  const vi under = x < lo;
+  const vi over = x > hi;
+  const vi nan = x != x;
+  vf y = vexp_clamped(vselect(over, hi, vselect(under, lo, x)));
   y = vselect(under, vset1(0.0f), y);
   y = vselect(over, vset1(__builtin_inff()), y);
   return vselect(nan, x, y);
@@ -162,18 +166,7 @@ static inline vf vexp_nonpos(vf x) {
 #else
   const vf lo = vset1(-87.3365447505531f);
   const vi under = x < lo;
-  x = vmax(lo, x);
-  vf n = vround(x * vset1(1.44269504088896341f));
-  vf r = x - n * vset1(0.693359375f);
-  r = r - n * vset1(-2.12194440e-4f);
-  vf p = vset1(1.9875691500e-4f);
-  p = p * r + vset1(1.3981999507e-3f);
-  p = p * r + vset1(8.3334519073e-3f);
-  p = p * r + vset1(4.1665795894e-2f);
-  p = p * r + vset1(1.6666665459e-1f);
-  p = p * r + vset1(5.0000001201e-1f);
-  p = p * (r * r) + r + vset1(1.0f);
-  return vselect(under, vset1(0.0f), p * (vf)((__builtin_convertvector(n, vi) + 127) << 23));
+  return vselect(under, vset1(0.0f), vexp_clamped(vmax(lo, x)));
 #endif
 }
 
