@@ -130,14 +130,7 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
             for (int64_t j = 0; j < nb; ++j)
               vstore(st + j * AMX_RC + v, AMXS(vexp2)(((vload(st + j * AMX_RC + v) - mv) - lv) * vset1(log2e)));
           }
-          const float* pw = st; /* the weights dV sees: P, or P after dropout */
-          if (p->dropout_p > 0) {
-            /* the forward's decisions again: dV sees P * f, and dP (of the dropped weights) * f */
-            SYM(drop_factors)(p, &s, i0, nrows, j0, nb, pd, AMX_RC);
-            SYM(vmul)(dpt, pd, nb * AMX_RC);
-            SYM(vmul)(pd, st, nb * AMX_RC);
-            pw = pd;
-          }
+          const float* pw = SYM(bwd_dropout)(p, &s, i0, nrows, j0, nb, AMX_RC, st, dpt, pd); /* the weights dV sees */
           /* dS = P (dP - delta); the float mask's gradient; softcap chain rule; scale */
           SYM(bwd_ds)(p, b, h, i0, nrows, j0, nb, AMX_RC, st, dpt, th, delta, 0, NULL);
           /* dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T on tiles */

@@ -133,6 +133,18 @@ static void SYM(bwd_ds)(const ab_attn_params* p, int64_t b, int64_t h, int64_t i
   }
 }
 
+/* Dropout in the backward: the forward's decisions again (drop factors f in pd), dP of the dropped
+ * weights scaled by f in place (dpt), and the weights dV sees, P * f, in pd; returns them (P itself,
+ * st, without dropout). */
+static const float* SYM(bwd_dropout)(const ab_attn_params* p, const SYM(seq) * s, int64_t i0, int64_t nrows, int64_t j0,
+                                     int64_t nb, int64_t rc, const float* st, float* dpt, float* pd) {
+  if (!(p->dropout_p > 0)) return st;
+  SYM(drop_factors)(p, s, i0, nrows, j0, nb, pd, rc);
+  SYM(vmul)(dpt, pd, nb * rc);
+  SYM(vmul)(pd, st, nb * rc);
+  return pd;
+}
+
 /* The float mask's gradient at the keys no row of the chunk sees (outside [jlo, jhi)): 0. */
 static void SYM(bwd_dmask_unseen)(const ab_attn_params* p, int64_t b, int64_t h, int64_t i0, int64_t nrows, int64_t Sk,
                                   int64_t jlo, int64_t jhi) {
@@ -295,14 +307,7 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
               }
           /* dP^T = V dO^T */
           SYM(gemm_nv)(nb, nv, Dv, vp + j0 * Dvp, Dvp, 1, dot + i0 * Dvp, rc, dpt, rc, 0);
-          const float* pw = st; /* the weights dV sees: P, or P after dropout */
-          if (p->dropout_p > 0) {
-            /* the forward's decisions again: dV sees P * f, and dP (of the dropped weights) * f */
-            SYM(drop_factors)(p, &s, i0, nrows, j0, nb, pd, rc);
-            SYM(vmul)(dpt, pd, nb * rc);
-            SYM(vmul)(pd, st, nb * rc);
-            pw = pd;
-          }
+          const float* pw = SYM(bwd_dropout)(p, &s, i0, nrows, j0, nb, rc, st, dpt, pd); /* the weights dV sees */
           /* dS = P (dP - delta); the float mask's gradient; softcap chain rule; scale */
           SYM(bwd_ds)(p, b, h, i0, nrows, j0, nb, rc, st, dpt, th, delta, heavy, dsum);
           /* dV += P^T dO, dK += dS^T Q, dQ += dS K */
