@@ -349,15 +349,22 @@ static void AMXS(fwd_scale)(const ab_attn_params* p, AMXS(fwd_ctx) * ctx, int sc
   ctx->msc = folded ? (float)p->scale : 1.0f;
 }
 
+/* A forward's context before its layout is filled in: the call, the family's ops, the 16-bit type of
+ * P V, the scale (scores_scaled: the family's scores already carry it). */
+static void AMXS(fwd_init)(AMXS(fwd_ctx) * ctx, const ab_attn_params* p, const AMXS(fwd_ops) * ops, int kind,
+                           int scores_scaled, ab_error* err) {
+  memset(ctx, 0, sizeof *ctx);
+  ctx->p = p;
+  ctx->ops = ops;
+  ctx->kind = kind;
+  ctx->st.err = err;
+  atomic_init(&ctx->st.status, AB_OK);
+  AMXS(fwd_scale)(p, ctx, scores_scaled);
+}
+
 static ab_status AMXS(flash_fwd_tiles)(const ab_attn_params* p, int kind, const ab_cpu_pool* pool, ab_error* err) {
   AMXS(fwd_ctx) ctx;
-  memset(&ctx, 0, sizeof ctx);
-  ctx.p = p;
-  ctx.ops = &AMXS(flash_ops);
-  ctx.kind = kind;
-  ctx.st.err = err;
-  atomic_init(&ctx.st.status, AB_OK);
-  AMXS(fwd_scale)(p, &ctx, 0);
+  AMXS(fwd_init)(&ctx, p, &AMXS(flash_ops), kind, 0, err);
   ctx.Dp = AMXS(up)(p->D, 32);
   ctx.Dvp = AMXS(up)(p->Dv, 32);
   ctx.kw = ctx.Dp / 2;
@@ -380,21 +387,9 @@ static ab_status AMXS(flash_fwd_tiles)(const ab_attn_params* p, int kind, const 
   ctx.panel0 = panel0;
   ctx.kp = kp;
   ctx.vt = vt;
-  AMXS(pack_ctx) pc;
-  memset(&pc, 0, sizeof pc);
-  pc.p = p;
-  pc.pack_k = AMXS(flash_pack_k);
-  pc.fam = &ctx;
-  pc.kp = kp;
-  pc.nomem = "flash (amx): out of memory for packing K and V";
-  pc.kind = kind;
-  pc.Dvp = ctx.Dvp;
-  pc.Dmax = p->D > p->Dv ? p->D : p->Dv;
-  pc.krow0 = krow0;
-  pc.panel0 = panel0;
-  pc.krows = krows;
-  pc.npanels = npanels;
-  pc.vt = vt;
+  AMXS(pack_ctx) pc = {.p = p, .pack_k = AMXS(flash_pack_k), .fam = &ctx, .kp = kp, .kind = kind, .Dvp = ctx.Dvp,
+                       .nomem = "flash (amx): out of memory for packing K and V", .Dmax = p->D > p->Dv ? p->D : p->Dv,
+                       .krow0 = krow0, .panel0 = panel0, .krows = krows, .npanels = npanels, .vt = vt};
   const double pack = (double)p->B * p->Hkv * p->Sk * (double)(p->D + p->Dv) * 4;
   ab_status st = AMXS(pack_run)(&pc, pool, pack, err);
   if (st == AB_OK) {

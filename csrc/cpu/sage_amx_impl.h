@@ -64,15 +64,8 @@ static size_t AMXS(sg_layout)(const ab_attn_params* p, void* base, AMXS(sg_ws) *
  * s = amax / 127 (returned): the vector kernel's sg_quant_row, with int8 out on every build.  An
  * inf or NaN gives s = NaN (NaN in, NaN out) and zero values; an all-zero row s = 0. */
 static float AMXS(sg_quant)(const float* x, int64_t n, int8_t* dst) {
-  vf amax = vset1(0.0f), bad = vset1(0.0f);
-  for (int64_t d = 0; d < n; d += VLEN) {
-    const vf v = vload(x + d);
-    amax = vmax(amax, (vf)((vi)v & 0x7fffffff));
-    bad += v - v; /* 0 for finite values, NaN for inf and NaN */
-  }
-  const float a = vhmax(amax);
-  float nan_seen = 0.0f;
-  for (int u = 0; u < VLEN; ++u) nan_seen += bad[u];
+  float nan_seen;
+  const float a = SYM(sg_amax)(x, n, &nan_seen);
   if (a == 0.0f || nan_seen != 0.0f || a != a) {
     memset(dst, 0, (size_t)n);
     return a == 0.0f && nan_seen == 0.0f ? 0.0f : __builtin_nanf("");
@@ -173,32 +166,14 @@ static ab_status AMXS(sage_fwd)(const ab_attn_params* p, void* workspace, size_t
   if (bytes < need || (need && !workspace))
     return ab_error_set(err, AB_ERR_INVALID, "sage: workspace of %zu bytes, %zu needed", bytes, need);
   AMXS(kv_offsets)(p, w.krow0, w.panel0, &w.krows, &w.npanels);
-  AMXS(pack_ctx) pc;
-  memset(&pc, 0, sizeof pc);
-  pc.p = p;
-  pc.pack_k = AMXS(sg_pack_k);
-  pc.fam = &w;
-  pc.nomem = "sage (amx): out of memory for the K and V prepass";
-  pc.kind = AMX_BF16;
-  pc.Dvp = w.Dvp;
-  pc.nk = 4 * w.Dq;
-  pc.Dmax = w.Dq > w.Dvp ? w.Dq : w.Dvp;
-  pc.krow0 = w.krow0;
-  pc.panel0 = w.panel0;
-  pc.krows = w.krows;
-  pc.npanels = w.npanels;
-  pc.vt = w.vt;
+  AMXS(pack_ctx) pc = {.p = p, .pack_k = AMXS(sg_pack_k), .fam = &w, .kind = AMX_BF16, .Dvp = w.Dvp, .nk = 4 * w.Dq,
+                       .nomem = "sage (amx): out of memory for the K and V prepass", .Dmax = w.Dq > w.Dvp ? w.Dq : w.Dvp,
+                       .krow0 = w.krow0, .panel0 = w.panel0, .krows = w.krows, .npanels = w.npanels, .vt = w.vt};
   const double pw = (double)p->B * p->Hkv * p->Sk * (double)(p->D * 8 + p->Dv * 4);
   ab_status st = AMXS(pack_run)(&pc, pool, pw, err);
   if (st != AB_OK) return st;
   AMXS(fwd_ctx) ctx;
-  memset(&ctx, 0, sizeof ctx);
-  ctx.p = p;
-  ctx.ops = &AMXS(sg_ops);
-  ctx.kind = AMX_BF16;
-  ctx.st.err = err;
-  atomic_init(&ctx.st.status, AB_OK);
-  AMXS(fwd_scale)(p, &ctx, 1);
+  AMXS(fwd_init)(&ctx, p, &AMXS(sg_ops), AMX_BF16, 1, err);
   ctx.Dp = w.Dq;
   ctx.Dq = w.Dq;
   ctx.Dvp = w.Dvp;

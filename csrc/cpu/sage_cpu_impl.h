@@ -111,20 +111,28 @@ static inline vi SYM(sg_pair)(vf r0, vf r1) {
  * garbage.  x * 2^64 <= 1 there, and 2^64 * 2^-149 (the smallest denormal) keeps the quotient finite. */
 static inline float SYM(sg_pre)(float amax) { return amax < 0x1p-64f ? 0x1p64f : 1.0f; }
 
+/* The largest |x| of x (n floats, n a multiple of VLEN); *bad is nonzero when x holds an inf or a
+ * NaN.  The quantization step of a row (sg_quant_row, the AMX kernel's sg_quant). */
+static inline float SYM(sg_amax)(const float* x, int64_t n, float* bad) {
+  vf amax = vset1(0.0f), b = vset1(0.0f);
+  for (int64_t d = 0; d < n; d += VLEN) {
+    const vf v = vload(x + d);
+    amax = vmax(amax, (vf)((vi)v & 0x7fffffff));
+    b += v - v; /* 0 for finite values, NaN for inf and NaN */
+  }
+  float nan_seen = 0.0f;
+  for (int u = 0; u < VLEN; ++u) nan_seen += b[u];
+  *bad = nan_seen;
+  return vhmax(amax);
+}
+
 /* Quantizes x (Dp floats, zero past the real dims) to q = round(x / s) in [-127, 127] with
  * s = amax / 127, stored as sg_t (with the sign bit flipped when flip: K's u8 form for vpdpbusd).
  * Returns s and writes sum_d q to *sum.  An inf or NaN in x gives s = NaN, so every score of that
  * row or key is NaN (NaN in, NaN out) and the int8 values, then meaningless, are zero. */
 static float SYM(sg_quant_row)(const float* x, int64_t Dp, sg_t* dst, int flip, int32_t* sum) {
-  vf amax = vset1(0.0f), bad = vset1(0.0f);
-  for (int64_t d = 0; d < Dp; d += VLEN) {
-    const vf v = vload(x + d);
-    amax = vmax(amax, (vf)((vi)v & 0x7fffffff));
-    bad += v - v; /* 0 for finite values, NaN for inf and NaN */
-  }
-  const float a = vhmax(amax);
-  float nan_seen = 0.0f;
-  for (int u = 0; u < VLEN; ++u) nan_seen += bad[u];
+  float nan_seen;
+  const float a = SYM(sg_amax)(x, Dp, &nan_seen);
   *sum = 0;
   if (a == 0.0f || nan_seen != 0.0f || a != a) {
     const vsg zero = {0};
