@@ -47,15 +47,16 @@ EMU_LIB = "libattn_backends_cuda_emu.so"
 
 C_FLAGS = ["-std=c11", "-D_POSIX_C_SOURCE=200809L", "-O3", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-# per-ISA kernel builds: csrc/cpu/*_<isa>.c get that ISA's flags (and FMA contraction)
+# the per-ISA builds of every CPU kernel family: csrc/cpu/cpu_<isa>.c get that ISA's flags (and FMA
+# contraction); each exports one table (csrc/cpu/cpu_kernels.h)
 AVX512_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"]
 ISA_FLAGS = {
-    "_generic.c": ["-ffp-contract=fast"],
-    "_avx2.c": ["-ffp-contract=fast"] + (["-mavx2", "-mfma", "-mf16c"] if X86 else []),
-    "_avx512.c": ["-ffp-contract=fast"] + (AVX512_FLAGS if X86 else []),
+    "cpu_generic.c": ["-ffp-contract=fast"],
+    "cpu_avx2.c": ["-ffp-contract=fast"] + (["-mavx2", "-mfma", "-mf16c"] if X86 else []),
+    "cpu_avx512.c": ["-ffp-contract=fast"] + (AVX512_FLAGS if X86 else []),
     # the AMX tile kernel: real tiles (flags from amx_flags(), probed) and emulated ones (generic flags)
-    "_amx.c": ["-ffp-contract=fast"] + (AVX512_FLAGS if X86 else []),
-    "_amx_emu.c": ["-ffp-contract=fast"],
+    "cpu_amx.c": ["-ffp-contract=fast"] + (AVX512_FLAGS if X86 else []),
+    "cpu_amx_emu.c": ["-ffp-contract=fast"],
 }
 CXX_FLAGS = ["-std=c++17", "-O3", "-fvisibility=hidden", "-Wall", "-Wno-unused-parameter"]
 AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-mamx-int8"]
@@ -76,7 +77,7 @@ def compiles(cc, flags, code):
 
 
 def amx_flags(cc):
-    """Flags for csrc/cpu/flash_cpu_amx.c: AMX where the toolchain has it (else the file builds an
+    """Flags for csrc/cpu/cpu_amx.c: AMX where the toolchain has it (else the file builds an
     empty table and the amx path reports that it was not built), AMX-FP16 by flag or by assembler."""
     if not X86 or not compiles(cc, AMX_FLAGS, "int x;\n"):
         return []
@@ -165,7 +166,7 @@ class BuildExt(build_ext):
         compiler = self.compiler
         original = compiler._compile
         isa_flags = dict(ISA_FLAGS)
-        isa_flags["_amx.c"] = isa_flags["_amx.c"] + amx_flags(compiler.compiler_so[0])
+        isa_flags["cpu_amx.c"] = isa_flags["cpu_amx.c"] + amx_flags(compiler.compiler_so[0])
 
         def _compile(obj, src, ext, cc_args, extra_postargs, pp_opts):
             flags = CXX_FLAGS if src.endswith(".cpp") else C_FLAGS

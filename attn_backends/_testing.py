@@ -222,6 +222,27 @@ def check_out_and_grads_2x(out: torch.Tensor, grads, inputs, g: torch.Tensor, dt
         check_2x(name, a, r, s, 3, dtype)
 
 
+def out_and_grads_three_ways(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gout: torch.Tensor,
+                              return_lse: bool = False, **opts):
+    """One call and its gradients (dq, dk, dv) under the output gradient gout, three ways, each on
+    fresh leaves: ours (``ab.attention(..., backend=backend, strict=True)``), reference_attention in
+    float64 and reference_attention in q's dtype (torch's error).  Returns three (out, lse, grads);
+    ours has lse None unless return_lse (the call is then made with return_lse=True)."""
+    from . import attention
+
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    res = attention(*leaves, backend=backend, strict=True, return_lse=return_lse, **opts)
+    out, lse = res if return_lse else (res, None)
+    ours = (out, lse, torch.autograd.grad(out, leaves, gout))
+    r = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    r_out, r_lse = reference_attention(*r, **opts)
+    ref = (r_out, r_lse, torch.autograd.grad(r_out, r, gout.double()))
+    d = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    d_out, d_lse = reference_attention(*d, dtype=q.dtype, **opts)
+    same = (d_out, d_lse, torch.autograd.grad(d_out, d, gout))
+    return ours, ref, same
+
+
 def keep_mask_for_next_call(seed: int, B: int, H: int, Sq: int, Sk: int, p: float) -> torch.Tensor:
     """The dropout keep-mask (on the CPU) the next attention call draws after torch.manual_seed(seed)."""
     from . import _providers

@@ -13,11 +13,11 @@
  *       -mavx512dq -mavx2 -mfma -mf16c -Icsrc/cpu -Icsrc benchmarks/cpu_tiles.c -o /tmp/cpu_tiles -lm
  *   /tmp/cpu_tiles
  *
- * (x86-64 with AVX-512 only; it includes the kernel source, so the four stubs below stand in for
- * the library functions the rest of that file refers to.) */
+ * (x86-64 with AVX-512 only; it includes the kernels' tiles, cpu_tiles_impl.h, so the four stubs
+ * below stand in for the library functions the rest of that file refers to.) */
 #define AB_ISA_SFX _avx512
 #define AB_ISA_NAME "avx512"
-#include "flash_cpu_impl.h"
+#include "cpu_tiles_impl.h"
 
 #include <stdio.h>
 

@@ -1,5 +1,5 @@
-"""The AMX tile kernels (csrc/cpu/flash_amx_impl.h, sage_amx_impl.h; docs/amx.md) on every CPU,
-through the emulation of the tile instructions (csrc/cpu/ab_amx.h, the "amx_emu" path), and on
+"""The AMX tile kernels (csrc/cpu/flash_amx_{fwd,bwd}_impl.h, sage_amx_impl.h; docs/amx.md) on every
+CPU, through the emulation of the tile instructions (csrc/cpu/ab_amx.h, the "amx_emu" path), and on
 real tiles where the CPU has them (the "amx" path runs the same tests):
 
 - the emulation itself against a model of the instruction reference written here independently
@@ -271,3 +271,28 @@ def test_amx_is_refused_where_absent():
                          env=dict(os.environ, ATTN_BACKENDS_CPU_ISA="amx"))
     assert res.returncode == 0, res.stderr
     assert "raised: attn_backends: ATTN_BACKENDS_CPU_ISA=amx: " in res.stdout
+
+
+def test_backward_on_tiles_reads_the_forward_row_statistics(tiles, gen):
+    # the tile backward takes P from the forward's two-part row statistics (max, log sum) when it
+    # has them, as the vector backward does (lse's float32 rounding grows with |lse|), and from lse
+    # alone otherwise (the ring's calls): an lse that disagrees with the stats shows which one it read
+    from attn_backends._ops import ops
+
+    q = torch.randn(2, 4, 45, 72, generator=gen).to(torch.bfloat16)
+    k = torch.randn(2, 2, 70, 72, generator=gen).to(torch.bfloat16)
+    v = torch.randn(2, 2, 70, 40, generator=gen).to(torch.bfloat16)
+    out, lse, stats = ops.flash_fwd(q, k, v, None, None, 1, 0.3, -1, -1, 0.0, 0.0)
+    g = torch.randn(out.shape, generator=gen).to(torch.bfloat16)
+
+    def bwd(lse_, stats_):
+        return ops.flash_bwd(g, q, k, v, out, lse_, None, None, None, 1, 0.3, -1, -1, 0.0, 0.0, False, False, stats_)[:3]
+
+    with_stats = bwd(lse, stats)
+    for a, b in zip(with_stats, bwd(lse + 3.0, stats)):
+        assert torch.equal(a, b)  # the stats were read, not lse
+    lse_only, shifted = bwd(lse, None), bwd(lse + 3.0, None)
+    assert not torch.equal(lse_only[2], shifted[2])  # without stats, lse is read
+    # both within the rule of the float64 reference (the two differ by lse's rounding alone)
+    for grads in (with_stats, lse_only):
+        check_out_and_grads_2x(out, grads, (q, k, v), g, torch.bfloat16, causal=True, scale=0.3)

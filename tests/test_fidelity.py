@@ -374,7 +374,7 @@ def _alibi(Hq, Sq, Sk, offset, g):
 
 
 def _check_large(backend, dtype, Sq, Sk, D, kind, g, Hq=2, Hkv=1, layout="bhsd", grad_grow=True):
-    from attn_backends._testing import FLOORS, check_2x, reference_attention
+    from attn_backends._testing import FLOORS, check_2x, out_and_grads_three_ways
 
     q = _layout(layout, 1, Hq, Sq, D, dtype, g)
     k = _layout(layout, 1, Hkv, Sk, D, dtype, g)
@@ -391,15 +391,8 @@ def _check_large(backend, dtype, Sq, Sk, D, kind, g, Hq=2, Hkv=1, layout="bhsd",
     if "attn_mask" in opts:
         opts["attn_mask"] = opts["attn_mask"].to(dtype)
     gout = torch.randn(1, Hq, Sq, D, generator=g).to(dtype)
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out, lse = ab.attention(*leaves, backend=backend, strict=True, return_lse=True, **opts)
-    grads = torch.autograd.grad(out, leaves, gout)
-    r = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    r_out, r_lse = reference_attention(*r, **opts)
-    r_grads = torch.autograd.grad(r_out, r, gout.double())
-    d = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    d_out, d_lse = reference_attention(*d, dtype=dtype, **opts)
-    d_grads = torch.autograd.grad(d_out, d, gout)
+    (out, lse, grads), (r_out, r_lse, r_grads), (d_out, d_lse, d_grads) = out_and_grads_three_ways(
+        backend, q, k, v, gout, return_lse=True, **opts)
     # the floors of test_properties.py: a score's float32 rounding (q.k summed in float32, here and in
     # torch) grows with the logits' spread scale * sqrt(D), which the outputs show first; the
     # gradients' floor grows too unless grad_grow=False (saturated rows: there torch's own error is

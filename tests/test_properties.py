@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import attn_backends as ab
 from attn_backends._testing import (FLOORS, check_2x, flat_softmax_floor, keep_mask_for_next_call, make_packed, max_err,
-                                    reference_attention, varlen_reference, visible)
+                                    out_and_grads_three_ways, reference_attention, varlen_reference, visible)
 
 pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"), pytest.mark.fuzz]
 
@@ -390,15 +390,7 @@ def test_large_logits_and_saturated_rows_keep_the_rule(group, Sq, Sk, D, dtype, 
     opts["causal"] = causal
     note(f"opts={opts}")
     gout = torch.randn(1, Hq, Sq, D, generator=g).to(dtype)
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    out = ab.attention(*leaves, backend=backend, strict=True, **opts)
-    ours = torch.autograd.grad(out, leaves, gout)
-    ref = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    r_out, _ = reference_attention(*ref, **opts)
-    refg = torch.autograd.grad(r_out, ref, gout.double())
-    same = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    d_out, _ = reference_attention(*same, dtype=dtype, **opts)
-    sameg = torch.autograd.grad(d_out, same, gout)
+    (out, _, ours), (r_out, _, refg), (d_out, _, sameg) = out_and_grads_three_ways(backend, q, k, v, gout, **opts)
     # the floors of the first property: q.k summed in float32 (ours and torch's, each its own way) is
     # rounded in proportion to scale * sqrt(D); the half-precision gradients keep the plain floor,
     # since their saturated rows were the failure (delta read from O rounded to the input dtype)

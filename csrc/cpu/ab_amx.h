@@ -3,11 +3,11 @@
  * What it is: one spelling of the tile instructions the AMX kernels need (ldtilecfg and
  * tilerelease, tileloadd, tilestored, tilezero, tdpbf16ps, tdpfp16ps, tdpbssd, tdpbusd), in two
  * builds chosen by AB_AMX_EMULATE:
- *   - real (flash_cpu_amx.c, built with -mamx-tile -mamx-bf16 -mamx-int8): the <immintrin.h>
+ *   - real (cpu_amx.c, built with -mamx-tile -mamx-bf16 -mamx-int8): the <immintrin.h>
  *     intrinsics.  tdpfp16ps uses _tile_dpfp16ps where the compiler has -mamx-fp16 (gcc >= 13) and
  *     otherwise the instruction itself through inline assembly (AB_AMX_FP16_ASM: setup.py checks
  *     that the assembler knows it; GNU as 2.40 does, gcc 12 has no flag for it).
- *   - emulated (flash_cpu_amx_emu.c, plain C with the generic flags): the same operations on
+ *   - emulated (cpu_amx_emu.c, plain C with the generic flags): the same operations on
  *     eight 1 KiB tiles held per thread, with the instructions' documented semantics, so the
  *     kernels' tiling, packing and indexing run (and are tested) on any CPU.
  *

@@ -103,17 +103,12 @@ static inline vf vround(vf x) {
   return (x + magic) - magic;
 }
 
-/* exp(x) for float32, ~1 ulp: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial
- * (Cephes coefficients), 2^n built in the exponent bits.  exp(-inf) and anything below -87.3
- * give exactly 0 (masked scores must contribute nothing); +inf gives +inf; NaN gives NaN. */
-static inline vf vexp(vf x) {
-  const vf hi = vset1(88.3762626647949f), lo = vset1(-87.3365447505531f);
-  const vi under = x < lo;
-  const vi over = x > hi;
-  const vi nan = x != x;
-  vf xc = vselect(over, hi, vselect(under, lo, x));
-  vf n = vround(xc * vset1(1.44269504088896341f)); /* n = round(x / ln2) */
-  vf r = xc - n * vset1(0.693359375f);
+/* exp(x) for x in [-87.34, 88.38], ~1 ulp: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6
+ * polynomial (Cephes coefficients), 2^n built in the exponent bits.  The body of vexp and of
+ * vexp_nonpos below AVX-512. */
+static inline vf vexp_clamped(vf x) {
+  const vf n = vround(x * vset1(1.44269504088896341f)); /* n = round(x / ln2) */
+  vf r = x - n * vset1(0.693359375f);
   r = r - n * vset1(-2.12194440e-4f);
   vf p = vset1(1.9875691500e-4f);
   p = p * r + vset1(1.3981999507e-3f);
@@ -122,12 +117,39 @@ static inline vf vexp(vf x) {
   p = p * r + vset1(1.6666665459e-1f);
   p = p * r + vset1(5.0000001201e-1f);
   p = p * (r * r) + r + vset1(1.0f);
-  vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf y = p * (vf)e;
+  return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
+}
+
+/* exp(x) for float32, ~1 ulp (vexp_clamped).  exp(-inf) and anything below -87.3 give exactly 0
+ * (masked scores must contribute nothing); +inf gives +inf; NaN gives NaN. */
+static inline vf vexp(vf x) {
+  const vf hi = vset1(88.3762626647949f), lo = vset1(-87.3365447505531f);
+  const vi under = x < lo;
+  const vi over = x > hi;
+  const vi nan = x != x;
+  vf y = vexp_clamped(vselect(over, hi, vselect(under, lo, x)));
   y = vselect(under, vset1(0.0f), y);
   y = vselect(over, vset1(__builtin_inff()), y);
   return vselect(nan, x, y);
 }
+
+#if VLEN == 16
+/* 2^t in the lanes of keep, 0 in the others: 2^n * 2^f with n = round(t) by roundscale, 2^f by a
+ * degree-6 polynomial on [-1/2, 1/2] (relative error < 1e-7), the 2^n scaling and the zeroing in one
+ * masked scalef.  The AVX-512 body of vexp_nonpos and of the AMX kernels' base-2 exp. */
+static inline __m512 ab_exp2_512(__m512 t, __mmask16 keep) {
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_maskz_scalef_ps(keep, p, n);
+}
+#endif
 
 /* exp(x) for x <= 0 (scores minus their running max): the softmax's inner loop, so it is cheaper
  * than vexp (no overflow lanes).  Below -87.3 (and at -inf) the result is exactly 0: a tiny value
@@ -140,31 +162,11 @@ static inline vf vexp_nonpos(vf x) {
   const __m512 t = _mm512_max_ps(_mm512_set1_ps(-126.0f), _mm512_mul_ps((__m512)x, _mm512_set1_ps(1.44269504088896341f)));
   const __mmask16 keep = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-125.9f), _CMP_GT_OQ) |
                          _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q);
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381609e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return (vf)_mm512_maskz_scalef_ps(keep, p, n);
+  return (vf)ab_exp2_512(t, keep);
 #else
   const vf lo = vset1(-87.3365447505531f);
   const vi under = x < lo;
-  x = vmax(lo, x);
-  vf n = vround(x * vset1(1.44269504088896341f));
-  vf r = x - n * vset1(0.693359375f);
-  r = r - n * vset1(-2.12194440e-4f);
-  vf p = vset1(1.9875691500e-4f);
-  p = p * r + vset1(1.3981999507e-3f);
-  p = p * r + vset1(8.3334519073e-3f);
-  p = p * r + vset1(4.1665795894e-2f);
-  p = p * r + vset1(1.6666665459e-1f);
-  p = p * r + vset1(5.0000001201e-1f);
-  p = p * (r * r) + r + vset1(1.0f);
-  return vselect(under, vset1(0.0f), p * (vf)((__builtin_convertvector(n, vi) + 127) << 23));
+  return vselect(under, vset1(0.0f), vexp_clamped(vmax(lo, x)));
 #endif
 }
 

@@ -1,7 +1,7 @@
 /* sage_amx_impl.h -- the CPU sage kernel on AMX tiles: INT8 Q.K^T (tdpbssd), P.V in bfloat16
  * tiles; forward only, every dtype; one source for the real and the emulated build.
  *
- * Included after flash_amx_impl.h, whose forward driver it runs (chunks of 32 rows, key panels,
+ * Included by cpu_isa_impl.h after flash_amx_fwd_impl.h, whose forward driver it runs (chunks of 32 rows, key panels,
  * the masking, the base-2 online softmax and O^T += V^T P^T on tiles); sage_cpu_impl.h gives the
  * recipe and its smoothing (sg_k_stats): K minus its mean over the sequence, divided by the
  * channel factors c, quantized to int8 per key; Q times c quantized per row, with the softmax
@@ -34,29 +34,22 @@ typedef struct AMXS(sg_ws) {
   int64_t Dq, Dvp, krows, npanels;
 } AMXS(sg_ws);
 
-static size_t AMXS(sg_al)(size_t n) { return (n + 63) & ~(size_t)63; }
-
 /* Fills w's pointers into base (when not NULL); returns the bytes needed. */
 static size_t AMXS(sg_layout)(const ab_attn_params* p, void* base, AMXS(sg_ws) * w) {
   w->Dq = AMXS(up)(p->D, 64);
   w->Dvp = AMXS(up)(p->Dv, 32);
   AMXS(kv_offsets)(p, NULL, NULL, &w->krows, &w->npanels);
   const size_t sizes[7] = {
-      AMXS(sg_al)(sizeof(int64_t) * (size_t)(p->B + 1)),
-      AMXS(sg_al)(sizeof(int64_t) * (size_t)(p->B + 1)),
-      AMXS(sg_al)(sizeof(float) * (size_t)(p->B * p->Hkv * w->Dq)),
-      AMXS(sg_al)(sizeof(float) * (size_t)(p->B * p->Hkv * w->Dq)),
-      AMXS(sg_al)((size_t)(p->Hkv * w->krows * w->Dq)),
-      AMXS(sg_al)(sizeof(float) * (size_t)(p->Hkv * w->krows)),
-      AMXS(sg_al)(sizeof(uint32_t) * (size_t)(p->Hkv * w->npanels * w->Dvp * (AMX_NP / 2))),
+      sizeof(int64_t) * (size_t)(p->B + 1),
+      sizeof(int64_t) * (size_t)(p->B + 1),
+      sizeof(float) * (size_t)(p->B * p->Hkv * w->Dq),
+      sizeof(float) * (size_t)(p->B * p->Hkv * w->Dq),
+      (size_t)(p->Hkv * w->krows * w->Dq),
+      sizeof(float) * (size_t)(p->Hkv * w->krows),
+      sizeof(uint32_t) * (size_t)(p->Hkv * w->npanels * w->Dvp * (AMX_NP / 2)),
   };
-  char* c = (char*)base;
   void* at[7];
-  size_t total = 0;
-  for (int i = 0; i < 7; ++i) {
-    at[i] = c ? c + total : NULL;
-    total += sizes[i];
-  }
+  const size_t total = SYM(sg_carve)(base, sizes, 7, at);
   w->krow0 = (int64_t*)at[0];
   w->panel0 = (int64_t*)at[1];
   w->mean = (float*)at[2];
@@ -71,15 +64,8 @@ static size_t AMXS(sg_layout)(const ab_attn_params* p, void* base, AMXS(sg_ws) *
  * s = amax / 127 (returned): the vector kernel's sg_quant_row, with int8 out on every build.  An
  * inf or NaN gives s = NaN (NaN in, NaN out) and zero values; an all-zero row s = 0. */
 static float AMXS(sg_quant)(const float* x, int64_t n, int8_t* dst) {
-  vf amax = vset1(0.0f), bad = vset1(0.0f);
-  for (int64_t d = 0; d < n; d += VLEN) {
-    const vf v = vload(x + d);
-    amax = vmax(amax, (vf)((vi)v & 0x7fffffff));
-    bad += v - v; /* 0 for finite values, NaN for inf and NaN */
-  }
-  const float a = vhmax(amax);
-  float nan_seen = 0.0f;
-  for (int u = 0; u < VLEN; ++u) nan_seen += bad[u];
+  float nan_seen;
+  const float a = SYM(sg_amax)(x, n, &nan_seen);
   if (a == 0.0f || nan_seen != 0.0f || a != a) {
     memset(dst, 0, (size_t)n);
     return a == 0.0f && nan_seen == 0.0f ? 0.0f : __builtin_nanf("");
@@ -93,51 +79,32 @@ static float AMXS(sg_quant)(const float* x, int64_t n, int8_t* dst) {
   return a / 127.0f;
 }
 
-typedef struct AMXS(sg_prep) {
-  const ab_attn_params* p;
-  const AMXS(sg_ws) * w;
-  ab_par_status st;
-} AMXS(sg_prep);
-
-/* Items (batch, KV head): K's smoothing, every row of (K - mean) / c in int8, V^T panels in bfloat16. */
-static void AMXS(sg_prep_range)(int64_t begin, int64_t end, void* vctx) {
-  AMXS(sg_prep)* ctx = (AMXS(sg_prep)*)vctx;
+/* The packing pass's K rows for sage: K's smoothing, every row of (K - mean) / c in int8 with its
+ * scale.  fs: 4 Dq floats. */
+static void AMXS(sg_pack_k)(const AMXS(pack_ctx) * ctx, const SYM(seq) * s, int64_t b, int64_t hk, int64_t r0,
+                            int64_t nr, float* fs, float* ftmp) {
   const ab_attn_params* p = ctx->p;
-  const AMXS(sg_ws)* w = ctx->w;
-  const int64_t Dq = w->Dq, Dvp = w->Dvp, group = p->Hq / p->Hkv;
-  const int64_t Dmax = Dq > Dvp ? Dq : Dvp;
-  float* row = (float*)ab_scratch_alloc(sizeof(float) * (size_t)(4 * Dq + Dmax) + sizeof(uint16_t) * 2 * (size_t)Dvp);
-  if (!row) {
-    ab_par_fail(&ctx->st, AB_ERR_NOMEM, "sage (amx): out of memory for the K and V prepass");
-    return;
-  }
+  const AMXS(sg_ws)* w = (const AMXS(sg_ws)*)ctx->fam;
+  const int64_t Dq = w->Dq;
+  float* row = fs;
   float* lo = row + Dq;
   float* hi = lo + Dq;
   float* icf = hi + Dq;
-  float* ftmp = icf + Dq;
-  uint16_t* r16 = (uint16_t*)(ftmp + Dmax);
-  for (int64_t item = begin; item < end; ++item) {
-    const int64_t b = item / p->Hkv, hk = item % p->Hkv;
-    SYM(seq) s;
-    SYM(seq_get)(p, b, hk * group, hk, &s);
-    float* mean = w->mean + (b * p->Hkv + hk) * Dq;
-    float* cf = w->cf + (b * p->Hkv + hk) * Dq;
-    SYM(sg_k_stats)(p, &s, Dq, mean, cf, icf, lo, hi, row);
-    const int64_t r0 = hk * w->krows + w->krow0[b], nr = w->krow0[b + 1] - w->krow0[b];
-    const int64_t ls = p->k.strides[p->k.ndim - 1];
-    for (int64_t j = 0; j < nr; ++j) {
-      if (j < s.Sk) {
-        ab_vec_load_row(p->k.data, p->k.dtype, s.k + j * s.k_rs, p->D, ls, row);
-        for (int64_t d = 0; d < Dq; d += VLEN) vstore(row + d, (vload(row + d) - vload(mean + d)) * vload(icf + d));
-        w->sk[r0 + j] = AMXS(sg_quant)(row, Dq, w->kq + (r0 + j) * Dq);
-      } else {
-        memset(w->kq + (r0 + j) * Dq, 0, (size_t)Dq);
-        w->sk[r0 + j] = 0.0f;
-      }
+  (void)ftmp;
+  float* mean = w->mean + (b * p->Hkv + hk) * Dq;
+  float* cf = w->cf + (b * p->Hkv + hk) * Dq;
+  SYM(sg_k_stats)(p, s, Dq, mean, cf, icf, lo, hi, row);
+  const int64_t ls = p->k.strides[p->k.ndim - 1];
+  for (int64_t j = 0; j < nr; ++j) {
+    if (j < s->Sk) {
+      ab_vec_load_row(p->k.data, p->k.dtype, s->k + j * s->k_rs, p->D, ls, row);
+      for (int64_t d = 0; d < Dq; d += VLEN) vstore(row + d, (vload(row + d) - vload(mean + d)) * vload(icf + d));
+      w->sk[r0 + j] = AMXS(sg_quant)(row, Dq, w->kq + (r0 + j) * Dq);
+    } else {
+      memset(w->kq + (r0 + j) * Dq, 0, (size_t)Dq);
+      w->sk[r0 + j] = 0.0f;
     }
-    AMXS(pack_vt)(p, &s, AMX_BF16, Dvp, w->vt + (hk * w->npanels + w->panel0[b]) * Dvp * (AMX_NP / 2), r16, ftmp);
   }
-  ab_scratch_free(row);
 }
 
 /* A chunk's Q rows times c, in int8 with scale sq (softmax scale folded in) and bias = scale q . mean;
@@ -145,24 +112,15 @@ static void AMXS(sg_prep_range)(int64_t begin, int64_t end, void* vctx) {
 static void AMXS(sg_chunk_q)(const AMXS(fwd_ctx) * ctx, const SYM(chunk) * ch, uint32_t* qb, float* sq, float* bias,
                              uint16_t* r16, float* tmp) {
   const ab_attn_params* p = ctx->p;
-  const int64_t Dq = ctx->Dq, D = p->D;
+  const int64_t Dq = ctx->Dq;
   const float scale = (float)p->scale;
   const float* mean = ctx->mean + (ch->b * p->Hkv + ch->hk) * Dq;
   const float* cf = ctx->cf + (ch->b * p->Hkv + ch->hk) * Dq;
-  const int64_t qls = p->q.strides[p->q.ndim - 1];
   int8_t* qrow = (int8_t*)r16;
   memset(tmp, 0, sizeof(float) * (size_t)Dq);
   for (int64_t r = 0; r < AMX_RC; ++r) {
     if (r < ch->nrows) {
-      ab_vec_load_row(p->q.data, p->q.dtype, ch->s.q + (ch->i0 + r) * ch->s.q_rs, D, qls, tmp);
-      vf dot = vset1(0.0f);
-      for (int64_t d = 0; d < Dq; d += VLEN) {
-        dot += vload(tmp + d) * vload(mean + d);
-        vstore(tmp + d, vload(tmp + d) * vload(cf + d));
-      }
-      float t = 0.0f;
-      for (int u = 0; u < VLEN; ++u) t += dot[u];
-      bias[r] = t * scale;
+      bias[r] = SYM(sg_q_row)(p, ch->s.q + (ch->i0 + r) * ch->s.q_rs, Dq, mean, cf, scale, tmp);
       sq[r] = AMXS(sg_quant)(tmp, Dq, qrow) * scale;
     } else {
       memset(qrow, 0, (size_t)Dq);
@@ -208,20 +166,14 @@ static ab_status AMXS(sage_fwd)(const ab_attn_params* p, void* workspace, size_t
   if (bytes < need || (need && !workspace))
     return ab_error_set(err, AB_ERR_INVALID, "sage: workspace of %zu bytes, %zu needed", bytes, need);
   AMXS(kv_offsets)(p, w.krow0, w.panel0, &w.krows, &w.npanels);
-  AMXS(sg_prep) prep = {p, &w, {0}};
-  prep.st.err = err;
-  atomic_init(&prep.st.status, AB_OK);
+  AMXS(pack_ctx) pc = {.p = p, .pack_k = AMXS(sg_pack_k), .fam = &w, .kind = AMX_BF16, .Dvp = w.Dvp, .nk = 4 * w.Dq,
+                       .nomem = "sage (amx): out of memory for the K and V prepass", .Dmax = w.Dq > w.Dvp ? w.Dq : w.Dvp,
+                       .krow0 = w.krow0, .panel0 = w.panel0, .krows = w.krows, .npanels = w.npanels, .vt = w.vt};
   const double pw = (double)p->B * p->Hkv * p->Sk * (double)(p->D * 8 + p->Dv * 4);
-  ab_status st = ab_par_run(pool, p->B * p->Hkv, 1, pw, AMXS(sg_prep_range), &prep, &prep.st);
+  ab_status st = AMXS(pack_run)(&pc, pool, pw, err);
   if (st != AB_OK) return st;
   AMXS(fwd_ctx) ctx;
-  memset(&ctx, 0, sizeof ctx);
-  ctx.p = p;
-  ctx.ops = &AMXS(sg_ops);
-  ctx.kind = AMX_BF16;
-  ctx.st.err = err;
-  atomic_init(&ctx.st.status, AB_OK);
-  AMXS(fwd_scale)(p, &ctx, 1);
+  AMXS(fwd_init)(&ctx, p, &AMXS(sg_ops), AMX_BF16, 1, err);
   ctx.Dp = w.Dq;
   ctx.Dq = w.Dq;
   ctx.Dvp = w.Dvp;
@@ -238,6 +190,3 @@ static ab_status AMXS(sage_fwd)(const ab_attn_params* p, void* workspace, size_t
   const double work = (double)p->B * p->Hq * ab_rows_q(p) * ab_rows_k(p) * (double)(p->D / 4 + p->Dv / 2);
   return AMXS(fwd_run)(&ctx, pool, work);
 }
-
-const ab_sage_cpu_table AB_CAT(ab_sage_cpu, AB_AMX_SFX) = {AB_AMX_SAGE_NAME, AMXS(sage_workspace_size),
-                                                          AMXS(sage_fwd)};

@@ -1,10 +1,10 @@
 /* sage_cpu_impl.h -- the CPU sage kernel (SageAttention recipe: smoothed K, INT8 Q.K^T), forward
  * only, one source for every ISA.
  *
- * Included by flash_cpu_{generic,avx2,avx512}.c right after flash_cpu_impl.h, whose tiles it
- * reuses: the transposed score layout St[j][r] (key j, query row r of a chunk of rc rows along the
- * vector lanes), the per-sequence geometry (dense and packed alike), the causal/window/mask/softcap
- * masking and the online softmax.  The two products differ.  docs/sage.md has the recipe and the
+ * Included by cpu_isa_impl.h (one ISA's build) after flash_fwd_impl.h, whose tiles it reuses
+ * (cpu_tiles_impl.h and the forward's chunk pieces): the transposed score layout St[j][r] (key j,
+ * query row r of a chunk of rc rows along the vector lanes), the per-sequence geometry (dense and
+ * packed alike), the causal/window/mask/softcap masking and the online softmax.  The two products differ.  docs/sage.md has the recipe and the
  * accuracy figures.
  *
  * Per call:
@@ -45,18 +45,19 @@
  * 64 * 4096 * 8191 = 2147221504 < 2^31.
  */
 
-#include "sage_cpu.h"
-
 #if VLEN == 16
 #define SG_G 4
+#define SG_ISA_NAME "avx512_vnni"
 #define SG_TARGET __attribute__((target("avx512vnni")))
 typedef int8_t sg_t;
 #elif VLEN == 8
 #define SG_G 2
+#define SG_ISA_NAME AB_ISA_NAME
 #define SG_TARGET
 typedef int16_t sg_t;
 #else
 #define SG_G 1
+#define SG_ISA_NAME AB_ISA_NAME
 #define SG_TARGET
 typedef int32_t sg_t;
 #endif
@@ -110,20 +111,28 @@ static inline vi SYM(sg_pair)(vf r0, vf r1) {
  * garbage.  x * 2^64 <= 1 there, and 2^64 * 2^-149 (the smallest denormal) keeps the quotient finite. */
 static inline float SYM(sg_pre)(float amax) { return amax < 0x1p-64f ? 0x1p64f : 1.0f; }
 
+/* The largest |x| of x (n floats, n a multiple of VLEN); *bad is nonzero when x holds an inf or a
+ * NaN.  The quantization step of a row (sg_quant_row, the AMX kernel's sg_quant). */
+static inline float SYM(sg_amax)(const float* x, int64_t n, float* bad) {
+  vf amax = vset1(0.0f), b = vset1(0.0f);
+  for (int64_t d = 0; d < n; d += VLEN) {
+    const vf v = vload(x + d);
+    amax = vmax(amax, (vf)((vi)v & 0x7fffffff));
+    b += v - v; /* 0 for finite values, NaN for inf and NaN */
+  }
+  float nan_seen = 0.0f;
+  for (int u = 0; u < VLEN; ++u) nan_seen += b[u];
+  *bad = nan_seen;
+  return vhmax(amax);
+}
+
 /* Quantizes x (Dp floats, zero past the real dims) to q = round(x / s) in [-127, 127] with
  * s = amax / 127, stored as sg_t (with the sign bit flipped when flip: K's u8 form for vpdpbusd).
  * Returns s and writes sum_d q to *sum.  An inf or NaN in x gives s = NaN, so every score of that
  * row or key is NaN (NaN in, NaN out) and the int8 values, then meaningless, are zero. */
 static float SYM(sg_quant_row)(const float* x, int64_t Dp, sg_t* dst, int flip, int32_t* sum) {
-  vf amax = vset1(0.0f), bad = vset1(0.0f);
-  for (int64_t d = 0; d < Dp; d += VLEN) {
-    const vf v = vload(x + d);
-    amax = vmax(amax, (vf)((vi)v & 0x7fffffff));
-    bad += v - v; /* 0 for finite values, NaN for inf and NaN */
-  }
-  const float a = vhmax(amax);
-  float nan_seen = 0.0f;
-  for (int u = 0; u < VLEN; ++u) nan_seen += bad[u];
+  float nan_seen;
+  const float a = SYM(sg_amax)(x, Dp, &nan_seen);
   *sum = 0;
   if (a == 0.0f || nan_seen != 0.0f || a != a) {
     const vsg zero = {0};
@@ -164,6 +173,17 @@ typedef struct SYM(sg_ws) {
 
 static size_t SYM(sg_align)(size_t n) { return (n + 63) & ~(size_t)63; }
 
+/* n buffers of sizes[i] bytes, each starting on 64 bytes, one after another from base: at[i] (NULL
+ * when base is); returns the bytes they take.  The CPU and the AMX workspace layouts. */
+static size_t SYM(sg_carve)(void* base, const size_t* sizes, int n, void** at) {
+  size_t total = 0;
+  for (int i = 0; i < n; ++i) {
+    at[i] = base ? (char*)base + total : NULL;
+    total += SYM(sg_align)(sizes[i]);
+  }
+  return total;
+}
+
 /* Fills w's pointers into base (when not NULL); returns the bytes needed.  Sequence b's V blocks
  * start at row vrow0(b) = krow0(b) + BK * b, which leaves each sequence room for whole blocks; a
  * block starting at row R keeps its scales in slot R / BK (distinct: block starts are >= BK apart). */
@@ -175,20 +195,15 @@ static size_t SYM(sg_layout)(const ab_attn_params* p, void* base, SYM(sg_ws) * w
   w->Vrows = w->Ktot + BK * p->B;
   w->Vslots = w->Vrows / BK + 1;
   const size_t sizes[6] = {
-      SYM(sg_align)(sizeof(uint32_t) * (size_t)(p->Hkv * w->Ktot * w->Dg)),
-      SYM(sg_align)(sizeof(float) * (size_t)(p->Hkv * w->Ktot)),
-      SYM(sg_align)(sizeof(float) * (size_t)(p->B * p->Hkv * w->Dp)),
-      SYM(sg_align)(sizeof(float) * (size_t)(p->B * p->Hkv * w->Dp)),
-      SYM(sg_align)(sizeof(int16_t) * (size_t)(p->Hkv * w->Vrows * w->Dvp)),
-      SYM(sg_align)(sizeof(float) * (size_t)(p->Hkv * w->Vslots * w->Dvp)),
+      sizeof(uint32_t) * (size_t)(p->Hkv * w->Ktot * w->Dg),
+      sizeof(float) * (size_t)(p->Hkv * w->Ktot),
+      sizeof(float) * (size_t)(p->B * p->Hkv * w->Dp),
+      sizeof(float) * (size_t)(p->B * p->Hkv * w->Dp),
+      sizeof(int16_t) * (size_t)(p->Hkv * w->Vrows * w->Dvp),
+      sizeof(float) * (size_t)(p->Hkv * w->Vslots * w->Dvp),
   };
-  char* c = (char*)base;
   void* at[6];
-  size_t total = 0;
-  for (int i = 0; i < 6; ++i) {
-    at[i] = c ? c + total : NULL;
-    total += sizes[i];
-  }
+  const size_t total = SYM(sg_carve)(base, sizes, 6, at);
   w->kw = (uint32_t*)at[0];
   w->sk = (float*)at[1];
   w->mean = (float*)at[2];
@@ -249,6 +264,22 @@ static void SYM(sg_prep_v)(const ab_attn_params* p, const SYM(sg_ws) * w, const 
   }
 }
 
+
+/* Query row q (D values at element offset off of p->q) smoothed for sage: tmp[0, n) = q * c (tmp
+ * must be zero past D), and the row's bias, scale * q . mean: what the smoothing of K took off its
+ * scores.  The CPU and the AMX kernels' chunk set-up. */
+static float SYM(sg_q_row)(const ab_attn_params* p, int64_t off, int64_t n, const float* mean, const float* cf,
+                           float scale, float* tmp) {
+  ab_vec_load_row(p->q.data, p->q.dtype, off, p->D, p->q.strides[p->q.ndim - 1], tmp);
+  vf dot = vset1(0.0f);
+  for (int64_t d = 0; d < n; d += VLEN) {
+    dot += vload(tmp + d) * vload(mean + d);
+    vstore(tmp + d, vload(tmp + d) * vload(cf + d));
+  }
+  float t = 0.0f;
+  for (int u = 0; u < VLEN; ++u) t += dot[u];
+  return t * scale;
+}
 /* K's smoothing of one sequence s (Dp floats each, zero past D): mean over the keys, channel
  * factors cf = sqrt(max_j |K_jd - mean_d|) (1 for an all-zero or non-finite channel) and icf = 1 / cf.
  * lo, hi, row: Dp floats of scratch.  Shared with the AMX sage kernel (sage_amx_impl.h). */
@@ -464,7 +495,7 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
   SYM(sg_ctx)* ctx = (SYM(sg_ctx)*)vctx;
   const ab_attn_params* p = ctx->p;
   const SYM(sg_ws)* w = &ctx->w;
-  const int64_t D = p->D, Dp = w->Dp, Dg = w->Dg, Dvp = w->Dvp;
+  const int64_t Dp = w->Dp, Dg = w->Dg, Dvp = w->Dvp;
   const int nv = ctx->nv;
   const int64_t rc = (int64_t)nv * VLEN;
   const int64_t Tmax = Dp > Dvp ? Dp : Dvp;
@@ -490,7 +521,6 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
   int32_t* lo = c0 + rc;
   int32_t* hi = lo + rc;
   const float scale = (float)p->scale;
-  const int64_t qls = p->q.strides[p->q.ndim - 1];
   for (int64_t item = begin; item < end; ++item) {
     SYM(chunk) ch;
     if (!SYM(chunk_begin)(p, item, ctx->nchunk, rc, lo, hi, mrow, lrow, &ch)) continue;
@@ -504,15 +534,7 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
     for (int64_t r = 0; r < rc; ++r) {
       int32_t sum = 0;
       if (r < nrows) {
-        ab_vec_load_row(p->q.data, p->q.dtype, s.q + (i0 + r) * s.q_rs, D, qls, tmp);
-        vf dot = vset1(0.0f);
-        for (int64_t d = 0; d < Dp; d += VLEN) {
-          dot += vload(tmp + d) * vload(mean + d);
-          vstore(tmp + d, vload(tmp + d) * vload(cf + d));
-        }
-        float t = 0.0f;
-        for (int u = 0; u < VLEN; ++u) t += dot[u];
-        bias[r] = t * scale;
+        bias[r] = SYM(sg_q_row)(p, s.q + (i0 + r) * s.q_rs, Dp, mean, cf, scale, tmp);
         sq[r] = SYM(sg_quant_row)(tmp, Dp, qrow + r * Dp, 0, &sum) * scale;
       } else {
         memset(qrow + r * Dp, 0, sizeof(sg_t) * (size_t)Dp);
@@ -547,13 +569,15 @@ static void SYM(sg_fwd_range)(int64_t begin, int64_t end, void* vctx) {
   ab_scratch_free(on);
 }
 
-static size_t SYM(sage_workspace_size)(const ab_attn_params* p) {
+/* The entry points (cpu_isa_impl.h puts them in the table; the AMX builds, which run sage on tiles,
+ * compile them unused). */
+static __attribute__((unused)) size_t SYM(sage_workspace_size)(const ab_attn_params* p) {
   SYM(sg_ws) w;
   return SYM(sg_layout)(p, NULL, &w);
 }
 
-static ab_status SYM(sage_fwd)(const ab_attn_params* p, void* workspace, size_t bytes, const ab_cpu_pool* pool,
-                               ab_error* err) {
+static __attribute__((unused)) ab_status SYM(sage_fwd)(const ab_attn_params* p, void* workspace, size_t bytes,
+                                                       const ab_cpu_pool* pool, ab_error* err) {
   SYM(sg_ctx) ctx;
   ctx.p = p;
   ctx.st.err = err;
@@ -570,11 +594,3 @@ static ab_status SYM(sage_fwd)(const ab_attn_params* p, void* workspace, size_t 
   const double work = (double)p->B * p->Hq * Sq * Sk * (double)(p->D / 4 + p->Dv / 2);
   return ab_par_run(pool, p->B * p->Hq * ctx.nchunk, 1, work, SYM(sg_fwd_range), &ctx, &ctx.st);
 }
-
-const ab_sage_cpu_table AB_CAT(ab_sage_cpu, AB_ISA_SFX) = {
-#if SG_G == 4
-    "avx512_vnni",
-#else
-    AB_ISA_NAME,
-#endif
-    SYM(sage_workspace_size), SYM(sage_fwd)};

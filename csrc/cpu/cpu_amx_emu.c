@@ -1,19 +1,19 @@
-/* flash_cpu_amx_emu.c -- the AMX flash and sage kernels against an emulation of the tile
+/* cpu_amx_emu.c -- the AMX flash and sage kernels against an emulation of the tile
  * instructions (ab_amx.h), built with the generic flags, so their tiling, packing and indexing run
  * and are tested on any CPU.  Selected only by ATTN_BACKENDS_CPU_ISA=amx_emu or
  * _C.set_cpu_isa("amx_emu") (the tests): it computes what the real path computes, slowly.
- * Calls the tiles do not serve (float32 flash, float16 backward) run the generic vector kernel.
+ * Calls the tiles do not serve (float32 flash, float16 backward) run the generic vector kernels,
+ * decode the generic one of cpu_generic.c.  Exports ab_cpu_amx_emu (cpu_kernels.h).
  */
 #define AB_AMX_EMULATE 1
 #define AB_ISA_SFX _amx_emu_vec
 #define AB_ISA_NAME "generic"
-#include "flash_cpu_impl.h"
-#include "sage_cpu_impl.h"
 #define AB_AMX_SFX _amx_emu
 #define AB_AMX_NAME "amx_emu"
 #define AB_AMX_SAGE_NAME "amx_emu"
-#include "flash_amx_impl.h"
-#include "sage_amx_impl.h"
+#define AB_DECODE_TABLE ab_decode_cpu_generic
+#define AB_TABLE ab_cpu_amx_emu
+#include "cpu_isa_impl.h"
 
 /* One emulated tile product, for the tests of the emulation itself (tests/test_amx.py): tile 0 = C,
  * 1 = A, 2 = B, configured with the given shapes (which may be wrong on purpose: the emulation

@@ -1,0 +1,305 @@
+/* cpu_tiles_impl.h -- the vector tiles every CPU kernel family is built from, one source for every
+ * ISA: the register-blocked micro-kernel and its matrix products, the per-sequence geometry (dense
+ * and packed calls alike), row packing, the masking of a block of scores (causal, window, masks,
+ * softcap, ALiBi) and the dropout stream's factors.
+ *
+ * Included first by cpu_isa_impl.h (one ISA's build of every family), with AB_ISA_SFX set to the
+ * suffix of that build's symbols (SYM).  Vector width and tile sizes follow from the ISA through
+ * ab_vec.h (VLEN) and the NV_MAX / MR choice below.
+ *
+ * Layout idea: scores are computed transposed, St[j][r] for key j and query row r of a chunk of
+ * rc = nv * VLEN rows (nv <= NV_MAX vectors; fewer for short queries), with the query rows along
+ * the vector lanes.  Then
+ *   - S = Q K^T is C += A * B with A = K rows (broadcast scalars) and B = Q^T (vectors of rows);
+ *   - the row max and row sum of the softmax are element-wise max/add over j (no shuffles);
+ *   - O += P V is the same micro-kernel with A = P^T (broadcast, by row) and B = V rows;
+ * so K and V are read in their natural (row) layout, straight from the caller's float32 tensors
+ * when their last dim is contiguous, and one register-blocked micro-kernel (MR broadcast rows x
+ * NV_MAX vectors) does every matrix product of the flash forward and backward (flash_fwd_impl.h,
+ * flash_bwd_impl.h); sage (sage_cpu_impl.h) and the AMX kernels reuse the geometry and masking.
+ */
+
+#include <math.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "../ab_philox.h"
+#include "ab_cpu.h"
+#include "ab_vec.h"
+#include "cpu_kernels.h"
+
+#if VLEN == 16
+#define NV_MAX 4 /* 64-row chunks: 6 x 4 = 24 accumulators of 32 zmm */
+#else
+#define NV_MAX 2 /* 16 vector registers: 6 x 2 = 12 accumulators */
+#endif
+#define MR 6
+#define RC_MAX (NV_MAX * VLEN)
+#ifndef BK
+#define BK 64 /* keys per block: St (BK x rc floats) stays in L1 */
+#endif
+#define KC 64 /* head dims per pass of S = K Q^T */
+#define NDOM 16 /* the backward corrects delta's rounding on keys with P > 1 / NDOM (at most NDOM - 1) */
+#define LOG_NDOM 2.7725887f
+
+#define AB_CAT2(a, b) a##b
+#define AB_CAT(a, b) AB_CAT2(a, b)
+#define SYM(name) AB_CAT(name, AB_ISA_SFX)
+
+/* ---- the micro-kernel ------------------------------------------------------------------------ */
+
+/* C[m][v] (+)= sum_k A[m * am + k * ak] * B[k * ldb + v * VLEN] for m < M, v < NV; M and NV are
+ * compile-time constants at every call site, so acc[][] lives in registers. */
+static inline __attribute__((always_inline)) void SYM(mk)(const int M, const int NV, int64_t K,
+                                                         const float* A, int64_t am, int64_t ak,
+                                                         const float* B, int64_t ldb, float* C,
+                                                         int64_t ldc, int accumulate) {
+  vf acc[MR][NV_MAX];
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < NV; ++v)
+      acc[m][v] = accumulate ? vload(C + m * ldc + v * VLEN) : vset1(0.0f);
+  for (int64_t k = 0; k < K; ++k) {
+    vf b[NV_MAX];
+    for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * VLEN);
+    const float* a = A + k * ak;
+    for (int m = 0; m < M; ++m) {
+      const vf av = vset1(a[m * am]);
+      for (int v = 0; v < NV; ++v) acc[m][v] += av * b[v];
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int v = 0; v < NV; ++v) vstore(C + m * ldc + v * VLEN, acc[m][v]);
+}
+
+#define MK_CASE(M_, NV_, AM_) SYM(mk)(M_, NV_, K, A, AM_, ak, B, ldb, C, ldc, accumulate)
+#define MK_NV(M_, AM_)                                       \
+  switch (nv) {                                              \
+    case 1: MK_CASE(M_, 1, AM_); break;                      \
+    case 2: MK_CASE(M_, 2, AM_); break;                      \
+    case 3: MK_CASE(M_, 3 > NV_MAX ? NV_MAX : 3, AM_); break; \
+    default: MK_CASE(M_, NV_MAX, AM_); break;                \
+  }
+#define MK_TAIL(AM_)                   \
+  switch (Mtot - m) {                  \
+    case 5: MK_NV(5, AM_); break;      \
+    case 4: MK_NV(4, AM_); break;      \
+    case 3: MK_NV(3, AM_); break;      \
+    case 2: MK_NV(2, AM_); break;      \
+    case 1: MK_NV(1, AM_); break;      \
+    default: break;                    \
+  }
+
+/* C (Mtot x nv vectors) (+)= A (Mtot x K, strides am/ak) * B (K x nv vectors, row stride ldb).
+ * am == 1 (A's rows are consecutive scalars: P^T and dS^T read by row) gets its own code, where
+ * the six broadcasts are fixed offsets from one pointer: a runtime am costs the micro-kernel five
+ * general registers, and with them it spills. */
+static void SYM(gemm_nv)(int64_t Mtot, int nv, int64_t K, const float* A, int64_t am, int64_t ak,
+                         const float* B, int64_t ldb, float* C, int64_t ldc, int accumulate) {
+  int64_t m = 0;
+  if (am == 1) {
+    for (; m + MR <= Mtot; m += MR, A += MR, C += MR * ldc) MK_NV(MR, 1);
+    MK_TAIL(1);
+  } else {
+    for (; m + MR <= Mtot; m += MR, A += MR * am, C += MR * ldc) MK_NV(MR, am);
+    MK_TAIL(am);
+  }
+}
+
+/* The same for any number of vectors along N, NV_MAX at a time. */
+static void SYM(gemm)(int64_t Mtot, int64_t nvec, int64_t K, const float* A, int64_t am, int64_t ak,
+                      const float* B, int64_t ldb, float* C, int64_t ldc, int accumulate) {
+  for (int64_t v0 = 0; v0 < nvec; v0 += NV_MAX) {
+    const int nv = (int)(nvec - v0 < NV_MAX ? nvec - v0 : NV_MAX);
+    SYM(gemm_nv)(Mtot, nv, K, A, am, ak, B + v0 * VLEN, ldb, C + v0 * VLEN, ldc, accumulate);
+  }
+}
+
+/* ---- per-sequence geometry (dense and packed calls alike) ------------------------------------- */
+
+typedef struct SYM(seq) {
+  int64_t Sq, Sk;           /* this sequence's lengths */
+  int64_t q, k, v, o, lse;  /* element offsets of row 0 of this (batch, head) */
+  int64_t q_rs, k_rs, v_rs, o_rs, lse_rs; /* row strides */
+  uint64_t drop_row0;       /* dropout row index of query row 0 */
+  int64_t mask;             /* offset of (b, h, 0, 0) in the mask view */
+  int64_t st, st_rs;        /* stats: offset of row 0's max (its log sum is one plane further), row stride */
+  float sink;               /* this head's sink logit, -inf without sinks */
+  float slope;              /* this (batch, head)'s ALiBi slope, 0 without ALiBi */
+} SYM(seq);
+
+static void SYM(seq_get)(const ab_attn_params* p, int64_t b, int64_t h, int64_t hk, SYM(seq) * s) {
+  if (p->cu_seqlens_q) {
+    const int64_t q0 = p->cu_seqlens_q[b], k0 = p->cu_seqlens_k[b];
+    s->Sq = p->cu_seqlens_q[b + 1] - q0;
+    s->Sk = p->cu_seqlens_k[b + 1] - k0;
+    s->q = q0 * p->q.strides[0] + h * p->q.strides[1];
+    s->k = k0 * p->k.strides[0] + hk * p->k.strides[1];
+    s->v = k0 * p->v.strides[0] + hk * p->v.strides[1];
+    s->o = q0 * p->out.strides[0] + h * p->out.strides[1];
+    s->lse = h * p->lse.strides[0] + q0 * p->lse.strides[1];
+    s->q_rs = p->q.strides[0];
+    s->k_rs = p->k.strides[0];
+    s->v_rs = p->v.strides[0];
+    s->o_rs = p->out.strides[0];
+    s->lse_rs = p->lse.strides[1];
+    s->mask = 0;
+    s->st = p->stats.ndim ? h * p->stats.strides[1] + q0 * p->stats.strides[2] : 0;
+    s->st_rs = p->stats.ndim ? p->stats.strides[2] : 0;
+  } else {
+    s->Sq = p->Sq;
+    s->Sk = p->Sk;
+    s->q = b * p->q.strides[0] + h * p->q.strides[1];
+    s->k = b * p->k.strides[0] + hk * p->k.strides[1];
+    s->v = b * p->v.strides[0] + hk * p->v.strides[1];
+    s->o = b * p->out.strides[0] + h * p->out.strides[1];
+    s->lse = b * p->lse.strides[0] + h * p->lse.strides[1];
+    s->q_rs = p->q.strides[2];
+    s->k_rs = p->k.strides[2];
+    s->v_rs = p->v.strides[2];
+    s->o_rs = p->out.strides[2];
+    s->lse_rs = p->lse.strides[2];
+    s->mask = p->mask.ndim ? b * p->mask.strides[0] + h * p->mask.strides[1] : 0;
+    s->st = p->stats.ndim ? b * p->stats.strides[1] + h * p->stats.strides[2] : 0;
+    s->st_rs = p->stats.ndim ? p->stats.strides[3] : 0;
+  }
+  /* dense: (b * Hq + h) * Sq + i; packed: the same with Sq = max_seqlen_q, so a packed call and
+   * the padded dense call draw the same dropout mask */
+  s->drop_row0 = (uint64_t)((b * p->Hq + h) * p->Sq);
+  s->sink = (float)ab_attn_sink(p, h);
+  s->slope = (float)ab_attn_alibi_slope(p, b, h);
+}
+
+/* Visible keys of query row i of a sequence: [lo, hi) from causal and window (docs/semantics.md). */
+static inline void SYM(row_range)(const ab_attn_params* p, const SYM(seq) * s, int64_t i, int64_t* lo,
+                                  int64_t* hi) {
+  ab_key_range(p, s->Sq, s->Sk, i, lo, hi);
+  if (*hi < *lo) *hi = *lo;
+}
+
+/* Loads row chunk [i0, i0 + n) of a (rows x cols) operand transposed and scaled into
+ * dst (cols x rc); rows n..rc-1 of the chunk are zero.  The rows are converted into `rows`
+ * (rc x cols, zero rows past n) first, then gathered a vector of rows at a time. */
+static void SYM(pack_t)(const ab_tensor* t, int64_t base, int64_t rs, int64_t i0, int64_t n,
+                        int64_t cols, float scale, float* dst, float* rows, int64_t rc) {
+  for (int64_t r = 0; r < n; ++r)
+    ab_vec_load_row(t->data, t->dtype, base + (i0 + r) * rs, cols, t->strides[t->ndim - 1], rows + r * cols);
+  memset(rows + n * cols, 0, sizeof(float) * (size_t)((rc - n) * cols));
+  const vf sc = vset1(scale);
+  for (int64_t c = 0; c < cols; ++c)
+    for (int64_t r = 0; r < rc; r += VLEN) vstore(dst + c * rc + r, vgather(rows + r * cols + c, (int32_t)cols) * sc);
+}
+
+/* Rows [j0, j0 + n) of a (rows x cols) operand as float32 rows of width ld (zero-padded). */
+static void SYM(pack_rows)(const ab_tensor* t, int64_t base, int64_t rs, int64_t j0, int64_t n,
+                           int64_t cols, int64_t ld, float* dst) {
+  for (int64_t j = 0; j < n; ++j) {
+    ab_vec_load_row(t->data, t->dtype, base + (j0 + j) * rs, cols, t->strides[t->ndim - 1], dst + j * ld);
+    for (int64_t c = cols; c < ld; ++c) dst[j * ld + c] = 0.0f;
+  }
+}
+
+/* Where the softmax scale goes.  Folded into Q^T when |scale| <= 1 (the usual 1/sqrt(D)): q * scale
+ * cannot overflow and S = K Q^T is then free of extra work.  A larger scale multiplies S after the
+ * product instead (`post`), so q * scale never overflows where scale * q.k does not (torch scales q
+ * and k by sqrt(scale); either way a score overflows only when it is beyond float32). */
+static inline float SYM(q_scale)(const ab_attn_params* p) {
+  return fabs(p->scale) <= 1.0 ? (float)p->scale : 1.0f;
+}
+
+static inline double SYM(post_scale)(const ab_attn_params* p) { return fabs(p->scale) <= 1.0 ? 1.0 : p->scale; }
+
+/* Applies causal/window and a bool/float mask to St (nb x rc, keys j0..) of row chunk i0 with
+ * visible ranges lo/hi (int32 per row, padded rows have lo = hi = 0); before them, the scale left
+ * after the product (post, 1 for none), softcap and ALiBi. */
+static void SYM(mask_scores)(const ab_attn_params* p, const SYM(seq) * s, int64_t i0, int64_t nrows,
+                             int64_t j0, int64_t nb, const int32_t* lo, const int32_t* hi, int structural,
+                             float* St, float* Th, int64_t rc, double post) {
+  const vf ninf = vset1(-__builtin_inff());
+  if (p->softcap > 0) {
+    /* softcap * tanh(post * S / softcap): the factor post / softcap is one multiply when it is a
+     * normal float32, else two (a power of two, then the rest), so a softcap near float32's limits
+     * neither overflows it nor turns it subnormal */
+    const double f = post / p->softcap;
+    int e = 0;
+    frexp(f, &e);
+    const int split = fabs(f) < 0x1p-120 || fabs(f) > 0x1p120;
+    const vf c1 = vset1(split ? (float)ldexp(1.0, e / 2) : 1.0f);
+    const vf c2 = vset1(split ? (float)(f / ldexp(1.0, e / 2)) : (float)f);
+    const vf cap = vset1((float)p->softcap);
+    for (int64_t x = 0; x < nb * rc; x += VLEN) {
+      const vf t = split ? vtanh((vload(St + x) * c1) * c2) : vtanh(vload(St + x) * c2);
+      if (Th) vstore(Th + x, t);
+      vstore(St + x, cap * t);
+    }
+  } else if (post != 1.0) {
+    const vf f = vset1((float)post);
+    for (int64_t x = 0; x < nb * rc; x += VLEN) vstore(St + x, vload(St + x) * f);
+  }
+  if (s->slope != 0.0f) {
+    /* ALiBi, -slope * |i' - j| with i' = i + Sk - Sq: the distance of lane r to key j0 is an exact
+     * integer, rounded to float32 once (exact below 2^24), then stepped down key by key */
+    const vf sl = vset1(s->slope);
+    for (int64_t v = 0; v < rc; v += VLEN) {
+      vf d0 = vset1(0.0f);
+      for (int u = 0; u < VLEN; ++u) d0[u] = (float)(i0 + v + u + s->Sk - s->Sq - j0);
+      for (int64_t j = 0; j < nb; ++j) {
+        const vf d = d0 - vset1((float)j);
+        vstore(St + j * rc + v, vload(St + j * rc + v) - sl * vselect(d < vset1(0.0f), -d, d));
+      }
+    }
+  }
+  if (p->mask.ndim) {
+    const int64_t ms_i = p->mask.strides[2], ms_j = p->mask.strides[3];
+    if (p->mask.dtype == AB_DTYPE_BOOL) {
+      const uint8_t* m = (const uint8_t*)p->mask.data + s->mask;
+      for (int64_t j = 0; j < nb; ++j)
+        for (int64_t r = 0; r < nrows; ++r)
+          if (!m[(i0 + r) * ms_i + (j0 + j) * ms_j]) St[j * rc + r] = -__builtin_inff();
+    } else {
+      for (int64_t j = 0; j < nb; ++j)
+        for (int64_t r = 0; r < nrows; ++r)
+          St[j * rc + r] += (float)ab_load_scalar(p->mask.data, p->mask.dtype,
+                                                  s->mask + (i0 + r) * ms_i + (j0 + j) * ms_j);
+    }
+  }
+  if (structural) {
+    for (int64_t v = 0; v < rc; v += VLEN) {
+      vi lov, hiv;
+      memcpy(&lov, lo + v, sizeof lov);
+      memcpy(&hiv, hi + v, sizeof hiv);
+      for (int64_t j = 0; j < nb; ++j) {
+        const vi jv = (vi){0} + (int32_t)(j0 + j);
+        const vi hide = (jv < lov) | (jv >= hiv);
+        vstore(St + j * rc + v, vselect(hide, ninf, vload(St + j * rc + v)));
+      }
+    }
+  }
+}
+
+/* f[j][r] = 1 / (1 - p) where element (row i0 + r, key j0 + j) is kept, else 0 (rows past nrows: 0).
+ * The decisions are the shared Philox stream (ab_philox.h), four keys per draw. */
+static void SYM(drop_factors)(const ab_attn_params* p, const SYM(seq) * s, int64_t i0, int64_t nrows,
+                              int64_t j0, int64_t nb, float* f, int64_t rc) {
+  const uint32_t thr = ab_dropout_threshold(p->dropout_p);
+  const float rdrop = (float)(1.0 / (1.0 - p->dropout_p));
+  memset(f, 0, sizeof(float) * (size_t)(nb * rc));
+  for (int64_t r = 0; r < nrows; ++r) {
+    const uint64_t row = s->drop_row0 + (uint64_t)(i0 + r);
+    uint32_t w[4];
+    int64_t blk = -1;
+    for (int64_t j = 0; j < nb; ++j) {
+      const int64_t jj = j0 + j;
+      if ((jj >> 2) != blk) {
+        blk = jj >> 2;
+        ab_dropout_words(p->seed, p->offset, row, (uint64_t)blk, w);
+      }
+      f[j * rc + r] = w[jj & 3] >= thr ? rdrop : 0.0f;
+    }
+  }
+}
+
+static void SYM(vmul)(float* x, const float* f, int64_t n) {
+  for (int64_t i = 0; i < n; i += VLEN) vstore(x + i, vload(x + i) * vload(f + i));
+}
