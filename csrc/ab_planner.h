@@ -81,7 +81,7 @@ enum {
 struct ab_call;
 /* A kernel family's own answer for a call, from its launcher's constants (and, on CUDA, the device's
  * shared memory): why it cannot serve it, written into out ("" when it can).  It lives beside the
- * family's launcher (ab_flash_cpu_why_not in csrc/cpu/cpu_dispatch.c; ab_cuda_flash_why_not and
+ * family's launcher (ab_flash_cpu_why_not in csrc/cpu/flash_cpu.c; ab_cuda_flash_why_not and
  * ab_cuda_sage_why_not in csrc/ab_cuda_loader.c, from csrc/cuda/ab_cuda_limits.h); the planner asks
  * it after the registry's own checks. */
 typedef void (*ab_why_not_fn)(const struct ab_call* c, char* out, size_t n);

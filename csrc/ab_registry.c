@@ -321,7 +321,7 @@ uint32_t ab_torch_cpu_units(int dtype, uint32_t* unless_features) {
 
 /* Which units our ISA paths compute each dtype on, for the planner to weigh against torch's.  The
  * generic, AVX2 and AVX-512 paths convert every dtype to float32 and use FMA.  The "amx" path
- * (csrc/cpu/flash_cpu_amx.c) computes bfloat16 (and float16 on AMX-FP16) on tiles, and "amx_emu"
+ * (csrc/cpu/cpu_amx.c) computes bfloat16 (and float16 on AMX-FP16) on tiles, and "amx_emu"
  * runs the same kernel on an emulation, but neither counts here yet: the real path has not run on
  * AMX hardware.  What must be measured before AB_UNIT_AMX_BF16 (resp. AMX_FP16) is returned for
  * isa == AB_ISA_AMX and that dtype: on an AMX CPU, `python benchmarks/bench_cpu.py --isa amx`,

@@ -689,3 +689,34 @@ def test_cuda_sage_stays_forward_only_beside_the_cuda_flash_backward(cuda_flash_
     p = plan(device=CUDA, cc=90, dtype="bfloat16", dropout=1, requested="sage")
     assert p.chosen == "flash" and "dropout" in p.reasons["sage"]
     assert plan(device=CUDA, cc=90, dtype="bfloat16", requested="sage").chosen == "sage"
+
+
+# ---- the call descriptor -------------------------------------------------------------------------
+
+def test_the_call_descriptor_is_read_by_field_name():
+    q = torch.randn(2, 4, 5, 16)
+    k = torch.randn(2, 2, 7, 16)
+    _, call = ab._dispatch.prepare(q, k, k, "math", "bottom_right", None, 0.0, None, (3, 0), 0.0, True)
+    assert isinstance(call, _C.Call)
+    assert _planner.FIELDS == _C.call_fields() and len(call) == len(_planner.FIELDS)
+    assert (call.device, call.dtype, call.D, call.gqa, call.square, call.causal, call.window, call.want_lse,
+            call.requested) == (_planner.DEVICE_IDS["cpu"], _planner.DTYPE_IDS[torch.float32], 16, 1, 0, 2, 1, 1,
+                                _names.ID["math"])
+    d = _planner.describe(call)
+    assert d["device"] == "cpu" and d["dtype"] == "float32" and d["causal"] == "bottom_right"
+    assert ab.explain(q, k, k, backend="math", causal="bottom_right", window=(3, 0), return_lse=True).call == d
+
+
+def test_the_enums_come_from_the_c_core():
+    names = _C.enum_names()
+    assert _planner.DEVICE_NAMES == names["device"] == ("cpu", "cuda", "mps", "other")
+    assert _planner.DTYPE_NAMES == names["dtype"] == ("float32", "float16", "bfloat16", "float64")
+    assert _planner.CAUSAL_NAMES == names["causal"] and _planner.ISA_NAMES == names["cpu_isa"]
+    assert _C.cpu_isa() == _planner.ISA_NAMES[_C.cpu_isa_index()]
+
+
+def test_a_malformed_call_descriptor_is_refused():
+    with pytest.raises(TypeError, match="Call"):
+        _C.plan((0,) * (len(_planner.FIELDS) - 2))  # a signature of the old, shorter layout
+    with pytest.raises(ValueError, match="out of range"):
+        _C.plan(_planner.new_call(device=9))

@@ -10,8 +10,8 @@
  *
  * Every value is checked before anything is written: a call that fails leaves the cache as it was.
  *
- * The attention itself is decode_cpu_impl.h, compiled once per ISA (decode_cpu_generic.c, _avx2.c,
- * _avx512.c): work items are (batch row, group of KV heads, split of the key range), each
+ * The attention itself is decode_cpu_impl.h, compiled once per ISA (in cpu_generic.c, cpu_avx2.c,
+ * cpu_avx512.c, with the other kernel families): work items are (batch row, group of KV heads, split of the key range), each
  * streaming its keys once for every query row that reads them (Sq tokens x the query heads of its
  * KV heads); split results are merged with the lse rule of ab.merge_attention_states.
  */

@@ -1,6 +1,6 @@
 /* decode_cpu_impl.h -- the KV-cache attention kernel (decode_cpu.h), one source for every ISA.
  *
- * Included by decode_cpu_generic.c / _avx2.c / _avx512.c with AB_ISA_SFX set; VLEN follows from
+ * Included by cpu_generic.c / cpu_avx2.c / cpu_avx512.c (cpu_isa_impl.h) with AB_ISA_SFX set; VLEN follows from
  * the ISA's flags (ab_vec.h).
  *
  * Decode is memory-bound: per key, the arithmetic is a few dot products of length D while the

@@ -197,7 +197,7 @@ __device__ __forceinline__ Seq seq_of(const FwdParams& p, int64_t b) {
 }
 
 // Visible keys [lo, hi) of query row i of a sequence of q_len queries and k_len keys, as
-// row_range in flash_cpu_impl.h: i' = i + k_len - q_len for bottom-right causal, else i;
+// row_range in csrc/cpu/cpu_tiles_impl.h: i' = i + k_len - q_len for bottom-right causal, else i;
 // causal keeps j <= i', the window keeps i' - left <= j <= i' + right.  Clamped to [0, k_len]
 // with hi >= lo, so lo and hi are non-decreasing in i (the block-level ranges rely on that).
 __device__ __forceinline__ void row_range(const FwdParams& p, int i, int q_len, int k_len, int& lo,

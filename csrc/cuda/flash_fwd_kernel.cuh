@@ -14,7 +14,7 @@
 //
 // Included only by flash_fwd_hdim*.cu, which instantiate fwd_launch<T, kD>.  Semantics (causal
 // alignment, window, softcap, attention sinks, ALiBi, lse, fully masked rows) follow docs/semantics.md
-// and the CPU twin csrc/cpu/flash_cpu_impl.h.  The per-tile steps after the scores (masking, online softmax, P V)
+// and the CPU twin csrc/cpu/flash_fwd_impl.h.  The per-tile steps after the scores (masking, online softmax, P V)
 // and the epilogue are in fwd_common.cuh, shared with the sage kernel; the PTX wrappers, tile loader
 // and dropout bits in flash_common.cuh, shared with the backward too.
 #ifndef AB_FLASH_FWD_KERNEL_CUH
