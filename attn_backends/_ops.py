@@ -80,7 +80,8 @@ for _kernel in ("math", "flash"):
 
 
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, rng_state, causal,
-                     scale, window_left, window_right, softcap, dropout_p, sinks=None, alibi_slopes=None):
+                     scale, window_left, window_right, softcap, dropout_p, sinks=None, alibi_slopes=None,
+                     cu_seqlens_q_device=None, cu_seqlens_k_device=None):
     Tq, Hq, _ = q.shape
     out = q.new_empty((Tq, Hq, v.shape[-1]))
     lse = q.new_empty((Hq, Tq), dtype=lse_dtype(q.dtype))
@@ -102,7 +103,8 @@ torch.library.register_fake("attn_backends::sage_varlen_fwd")(_varlen_fwd_fake)
 @torch.library.register_fake("attn_backends::flash_varlen_bwd")
 def _varlen_bwd_fake(grad_out, q, k, v, out, lse, grad_lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                      max_seqlen_k, rng_state, causal, scale, window_left, window_right, softcap, dropout_p,
-                     deterministic=False, stats=None, sinks=None, alibi_slopes=None):
+                     deterministic=False, stats=None, sinks=None, alibi_slopes=None, cu_seqlens_q_device=None,
+                     cu_seqlens_k_device=None):
     return _empty_grad(q), _empty_grad(k), _empty_grad(v), _dsinks_fake(q, sinks, q.shape[1])
 
 
@@ -271,6 +273,7 @@ def _make_varlen_autograd(bwd_op, flash=True):
     def setup_context(ctx, inputs, output):
         q, k, v, cu_q, cu_k, max_q, max_k, rng_state, causal, scale, wl, wr, softcap, dropout_p, *extra = inputs
         sinks, alibi = _sinks_alibi(extra)
+        ctx.cu_device = tuple(extra[2:4])  # the caller's cu_seqlens on the device, for the CUDA kernels
         out, lse, stats = output
         ctx.set_materialize_grads(False)
         ctx.mark_non_differentiable(stats)
@@ -289,7 +292,7 @@ def _make_varlen_autograd(bwd_op, flash=True):
                 rest[11] = dsinks
             return (dq, dk, dv, *rest)
         dq, dk, dv, dsinks = bwd_op(grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, *ctx.args, rng_state,
-                                    *ctx.opts, deterministic_backward(ctx), stats, sinks, alibi)
+                                    *ctx.opts, deterministic_backward(ctx), stats, sinks, alibi, *ctx.cu_device)
         if sinks is not None:
             rest[11] = _dsinks(ctx, dsinks, sinks, 14)
         return (dq, dk, dv, *rest)

@@ -13,7 +13,11 @@
 //   flash_fwd                    -> (out, lse, stats (2, B, Hq, Sq): each row's max and log sum)
 //   math_bwd, flash_bwd          -> (dq, dk, dv, dmask, dsinks); flash_bwd takes the forward's stats
 //   flash_varlen_fwd / _bwd      packed sequences: out (Tq, Hq, Dv), lse (Hq, Tq), stats (2, Hq, Tq);
-//                                (dq, dk, dv, dsinks)
+//                                (dq, dk, dv, dsinks).  cu_seqlens_q/_k are the host copies (the
+//                                checks and the grid read them); on CUDA the optional
+//                                cu_seqlens_q_device/_k_device (the caller's tensors, int32 on q's
+//                                device) are what the kernels read, else the shim copies the host ones
+//                                over; the CPU kernels ignore them
 //   Every forward and backward above takes `sinks` (Hq,) and `alibi_slopes` (Hq,) or (B, Hq) last,
 //   optional (ab_attn_params); dsinks is (Hq,) like lse's dtype with sinks, else empty.  The CPU
 //   kernels (math, flash) serve them, and the CUDA flash forward and backward (dsinks included); sage
@@ -367,19 +371,22 @@ STABLE_TORCH_LIBRARY(attn_backends, m) {
       "flash_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, Tensor? rng_state, int causal, float scale, "
       "int window_left, int window_right, float softcap, float dropout_p, Tensor? sinks=None, "
-      "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse, Tensor stats)");
+      "Tensor? alibi_slopes=None, Tensor? cu_seqlens_q_device=None, Tensor? cu_seqlens_k_device=None) "
+      "-> (Tensor out, Tensor lse, Tensor stats)");
   m.def(
       "flash_varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? grad_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
       "int max_seqlen_k, Tensor? rng_state, int causal, float scale, int window_left, "
       "int window_right, float softcap, float dropout_p, bool deterministic=False, Tensor? stats=None, "
-      "Tensor? sinks=None, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
+      "Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? cu_seqlens_q_device=None, "
+      "Tensor? cu_seqlens_k_device=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
   m.def("sage_fwd" AB_DENSE_FWD_ARGS);
   m.def(
       "sage_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, Tensor? rng_state, int causal, float scale, "
       "int window_left, int window_right, float softcap, float dropout_p, Tensor? sinks=None, "
-      "Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
+      "Tensor? alibi_slopes=None, Tensor? cu_seqlens_q_device=None, Tensor? cu_seqlens_k_device=None) "
+      "-> (Tensor out, Tensor lse)");
   m.def("dropout_mask(Tensor rng_state, int B, int H, int Sq, int Sk, float dropout_p) -> Tensor");
   m.def(
       "kvcache_fwd(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "

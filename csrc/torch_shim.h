@@ -58,10 +58,14 @@ int32_t aoti_dtype(ScalarType t);
 int32_t lse_dtype(const Tensor& q);
 Tensor alloc_dsinks(const Tensor& q, ab_attn_params& p);
 
-// The call's packed layout, when it has one: cu_seqlens (B + 1,) int32 on the CPU, as the op took them.
+// The call's packed layout, when it has one: cu_seqlens (B + 1,) int32 on the CPU, as the op took them,
+// and the caller's own copies on the device when given (cu_seqlens_q_device, _k_device: on CUDA the
+// kernels read those, and nothing is copied per call).
 struct Packed {
   const Tensor& cu_q;
   const Tensor& cu_k;
+  const std::optional<Tensor>& dev_q;
+  const std::optional<Tensor>& dev_k;
 };
 
 // The one parameter fill of every dense and packed forward and backward: shapes, the q/k/v/mask
@@ -171,8 +175,9 @@ std::tuple<Tensor, Tensor> sage_varlen_fwd(const Tensor& q, const Tensor& k, con
                                            const Tensor& cu_k, int64_t max_q, int64_t max_k,
                                            std::optional<Tensor> rng, int64_t causal, double scale, int64_t wl,
                                            int64_t wr, double softcap, double dropout_p,
-                                           std::optional<Tensor> sinks, std::optional<Tensor> alibi) {
-  const Packed packed{cu_q, cu_k};
+                                           std::optional<Tensor> sinks, std::optional<Tensor> alibi,
+                                           std::optional<Tensor> cu_q_dev, std::optional<Tensor> cu_k_dev) {
+  const Packed packed{cu_q, cu_k, cu_q_dev, cu_k_dev};
   auto res = fwd_impl<Device, Kernel::kSage>(q, k, v, std::nullopt, &packed, max_q, max_k, rng, causal, scale, wl,
                                              wr, softcap, dropout_p, sinks, alibi);
   return std::make_tuple(std::get<0>(res), std::get<1>(res));
@@ -184,8 +189,9 @@ std::tuple<Tensor, Tensor, Tensor> flash_varlen_fwd(const Tensor& q, const Tenso
                                                     int64_t max_k, std::optional<Tensor> rng, int64_t causal,
                                                     double scale, int64_t wl, int64_t wr, double softcap,
                                                     double dropout_p, std::optional<Tensor> sinks,
-                                                    std::optional<Tensor> alibi) {
-  const Packed packed{cu_q, cu_k};
+                                                    std::optional<Tensor> alibi, std::optional<Tensor> cu_q_dev,
+                                                    std::optional<Tensor> cu_k_dev) {
+  const Packed packed{cu_q, cu_k, cu_q_dev, cu_k_dev};
   auto res = fwd_impl<Device, Kernel::kFlash>(q, k, v, std::nullopt, &packed, max_q, max_k, rng, causal, scale, wl,
                                               wr, softcap, dropout_p, sinks, alibi);
   return std::make_tuple(std::get<0>(res), std::get<1>(res), *std::get<2>(res));
@@ -244,8 +250,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> flash_varlen_bwd(
     const Tensor& lse, std::optional<Tensor> grad_lse, const Tensor& cu_q, const Tensor& cu_k, int64_t max_q,
     int64_t max_k, std::optional<Tensor> rng, int64_t causal, double scale, int64_t wl, int64_t wr, double softcap,
     double dropout_p, bool deterministic, std::optional<Tensor> stats, std::optional<Tensor> sinks,
-    std::optional<Tensor> alibi) {
-  const Packed packed{cu_q, cu_k};
+    std::optional<Tensor> alibi, std::optional<Tensor> cu_q_dev, std::optional<Tensor> cu_k_dev) {
+  const Packed packed{cu_q, cu_k, cu_q_dev, cu_k_dev};
   ab_attn_params p;
   auto grads = bwd_impl<Device, Kernel::kFlash>(grad_out, q, k, v, out, lse, grad_lse, std::nullopt, &packed, max_q,
                                                 max_k, rng, causal, scale, wl, wr, softcap, dropout_p,

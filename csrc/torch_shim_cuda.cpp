@@ -47,8 +47,9 @@ void refuse_sinks_alibi(const ab_attn_params& p, Kernel kernel) {
          " (the CPU kernels do)");
 }
 
-// A packed call's cu_seqlens_q and _k copied to q's device as one (2, B + 1) int32 tensor: the CUDA
-// kernels read them there (the host copies stay in the params for the checks and the grid).
+// A packed call's cu_seqlens on q's device, as the CUDA kernels read them: the caller's own device
+// tensors when the op was given them (cu_seqlens_q_device, _k_device), else the host copies copied
+// over as one (2, B + 1) int32 tensor (the host copies stay in the params for the checks and the grid).
 struct DeviceCuSeqlens {
   std::optional<Tensor> both;
   const int32_t* q = nullptr;
@@ -57,12 +58,27 @@ struct DeviceCuSeqlens {
   DeviceCuSeqlens(const Tensor& like, const Packed* packed) {
     if (!packed) return;
     const int64_t n = packed->cu_q.size(0);
+    if (packed->dev_q.has_value() || packed->dev_k.has_value()) {
+      q = given(like, packed->dev_q, n, "cu_seqlens_q_device");
+      k = given(like, packed->dev_k, n, "cu_seqlens_k_device");
+      return;
+    }
     both = empty_strided(like, {2, n}, {n, 1}, aoti_torch_dtype_int32());
     Tensor row_q = torch::stable::select(*both, 0, 0), row_k = torch::stable::select(*both, 0, 1);
     torch::stable::copy_(row_q, packed->cu_q);
     torch::stable::copy_(row_k, packed->cu_k);
     q = static_cast<const int32_t*>(both->data_ptr());
     k = q + n;
+  }
+
+  // The caller's device copy: int32, contiguous, (B + 1,) like the host copy, on q's device.  Its
+  // values are the host copy's (the Python layer made that copy from it); they are not read back here.
+  static const int32_t* given(const Tensor& like, const std::optional<Tensor>& t, int64_t n, const char* name) {
+    if (!t.has_value() || t->is_cpu() || t->get_device_index() != like.get_device_index() ||
+        t->scalar_type() != ScalarType::Int || t->dim() != 1 || t->size(0) != n || t->stride(0) != 1)
+      fail(std::string(name) + " must be given with its pair, as a contiguous int32 tensor of shape (B + 1,) on "
+           "q's device");
+    return static_cast<const int32_t*>(t->data_ptr());
   }
 };
 

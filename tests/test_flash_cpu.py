@@ -253,3 +253,19 @@ def test_opcheck_flash_ops():
     cu_k = torch.tensor([0, 9, 15], dtype=torch.int32)
     torch.library.opcheck(torch.ops.attn_backends.flash_varlen_fwd.default,
                           (qv, kv, vv, cu_q, cu_k, 7, 9, rng, 2, 0.25, -1, -1, 0.0, 0.1))
+
+
+def test_varlen_ops_take_device_cu_seqlens_and_the_cpu_kernels_ignore_them(gen):
+    # cu_seqlens_q_device / _k_device are what the CUDA kernels read (no copy per call); on the CPU key
+    # the kernels read the host copies, so passing them changes nothing
+    q, k, v, cu_q, cu_k = make_packed([4, 7, 1], [6, 7, 3], 4, 2, 16, 16, torch.float32, gen)
+    ops = torch.ops.attn_backends
+    base = ops.flash_varlen_fwd(q, k, v, cu_q, cu_k, 7, 7, None, 1, 0.25, -1, -1, 0.0, 0.0)
+    given = ops.flash_varlen_fwd(q, k, v, cu_q, cu_k, 7, 7, None, 1, 0.25, -1, -1, 0.0, 0.0, None, None,
+                                 cu_q.clone(), cu_k.clone())
+    assert all(torch.equal(a, b) for a, b in zip(base, given))
+    sage = ops.sage_varlen_fwd(q, k, v, cu_q, cu_k, 7, 7, None, 1, 0.25, -1, -1, 0.0, 0.0, None, None, cu_q, cu_k)
+    assert torch.equal(sage[0], ops.sage_varlen_fwd(q, k, v, cu_q, cu_k, 7, 7, None, 1, 0.25, -1, -1, 0.0, 0.0)[0])
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    torch.library.opcheck(ops.flash_varlen_fwd.default,
+                          (qg, kg, vg, cu_q, cu_k, 7, 7, None, 1, 0.25, -1, -1, 0.0, 0.0, None, None, cu_q, cu_k))

@@ -116,13 +116,24 @@ def run_flash(a):
     return _run_flash(a, q, k, v, _kernel_sinks(a))
 
 
+def _device_cu_seqlens(a, q):
+    """On CUDA, the caller's cu_seqlens as the kernels read them (int32, contiguous, on q's device: no
+    copy per call), else ().  The ops take them after sinks and alibi_slopes."""
+    cu_q, cu_k = a.cu_q, a.cu_k
+    if (q.is_cuda and cu_q.device == q.device and cu_k.device == q.device and cu_q.dtype == torch.int32
+            and cu_k.dtype == torch.int32 and cu_q.is_contiguous() and cu_k.is_contiguous()):
+        return (cu_q, cu_k)
+    return ()
+
+
 def _run_flash_varlen(a):
     rng = draw_rng_state(a.q) if a.p > 0 else None
     q, k, v = _cuda_qkv(a.q, a.k, a.v)
     sinks = _kernel_sinks(a)
     args = (q, k, v, a.hcu_q, a.hcu_k, a.max_q, a.max_k, rng, a.causal, a.scale, a.wl, a.wr, a.softcap, a.p)
-    if sinks is not None or a.alibi is not None:
-        args += (sinks, a.alibi)
+    device_cu = _device_cu_seqlens(a, q)
+    if sinks is not None or a.alibi is not None or device_cu:
+        args += (sinks, a.alibi, *device_cu)
     if a.need_grad:
         res = _ops.FlashVarlenFunction.apply(*args, a.det)
     else:
@@ -135,8 +146,10 @@ def run_sage(a):
     planner routes no call that needs a gradient here), no dropout."""
     q, k, v = _cuda_qkv(a.q, a.k, a.v)
     if a.cu_q is not None:
+        device_cu = _device_cu_seqlens(a, q)
         return _no_grad_call(_ops.ops.sage_varlen_fwd.default, q, k, v, a.hcu_q, a.hcu_k, a.max_q, a.max_k, None,
-                             a.causal, a.scale, a.wl, a.wr, a.softcap, 0.0)
+                             a.causal, a.scale, a.wl, a.wr, a.softcap, 0.0, *((None, None, *device_cu) if device_cu
+                                                                             else ()))
     return _no_grad_call(_ops.ops.sage_fwd.default, q, k, v, a.mask, None, a.causal, a.scale, a.wl, a.wr,
                          a.softcap, 0.0)
 
