@@ -10,45 +10,18 @@ below the autograd layer when no gradient is needed.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from . import _C, _planner, _validate
+from . import _C, _kvcache, _planner, _validate
 from ._names import ID, resolve
 from ._providers import RUNNERS, Attn, direct_guards, new_attn
 
-_cuda_lib = os.path.join(os.path.dirname(__file__), "libattn_backends_cuda.so")
-_cuda_devices: dict = {}
 _DTYPE_IDS = _planner.DTYPE_IDS
 _DEVICE_IDS = _planner.DEVICE_IDS
 _deterministic = torch.are_deterministic_algorithms_enabled
 _is_compiling = torch.compiler.is_compiling
-
-
-def cuda_device_info(index) -> tuple:
-    """(compute capability x10, our CUDA library holds code for it, why not, bytes of shared memory a
-    block may opt in to (0 when not known)) for cuda:index.  Asked once per device, the first time a
-    tensor of that device arrives."""
-    index = index or 0
-    info = _cuda_devices.get(index)
-    if info is None:
-        if not os.path.exists(_cuda_lib):
-            major, minor = torch.cuda.get_device_capability(index)
-            info = (major * 10 + minor, False, "the CUDA library was not built (no nvcc at install time)", 0)
-        else:
-            cc, ok, why, smem = _C.cuda_device(index)
-            info = (cc, bool(ok), why, smem)
-        _cuda_devices[index] = info
-    return info
-
-
-def cuda_math_ready(index) -> str:
-    """'' when our CUDA kernels can run on cuda:index, else why not."""
-    cc, ok, why = cuda_device_info(index)[:3]
-    if ok and cc < 80:
-        return f"compute capability {cc // 10}.{cc % 10} < 8.0"
-    return "" if ok else why
+cuda_device_info = _planner.cuda_device_info
+cuda_math_ready = _planner.cuda_math_ready
 
 
 def _static_int(x) -> int:
@@ -144,8 +117,6 @@ _PLAIN = (ID["auto"], _FLASH)  # requests under which flash serving a call is no
 
 def reset_caches() -> None:
     """Forgets every plan and every fallback already reported (tests; after changing providers)."""
-    from . import _kvcache  # imported here: it imports this module
-
     for d in (*_chosen, *_kvcache._chosen):
         d.clear()
     _C.forget()

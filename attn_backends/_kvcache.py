@@ -218,10 +218,8 @@ def signature(c: KVCall, backend) -> _planner.Call:
         requested = _planner.default_backend()
     q = c.q
     dev = _planner.DEVICE_IDS.get(q.device.type, 3)
-    if dev == 1:  # imported here, only for CUDA tensors: _dispatch imports this module
-        from ._dispatch import cuda_device_info
-
-        cc, lib_ok, _, smem = cuda_device_info(q.device.index)
+    if dev == 1:
+        cc, lib_ok, _, smem = _planner.cuda_device_info(q.device.index)
     else:
         cc, lib_ok, smem = 0, 0, 0
     D = q.shape[3]

@@ -88,6 +88,37 @@ _is_compiling = torch.compiler.is_compiling
 CPU_UNITS = _C.cpu_units()
 
 
+# ---- the device facts a call descriptor holds ----------------------------------------------------
+
+_cuda_lib = os.path.join(os.path.dirname(__file__), "libattn_backends_cuda.so")
+_cuda_devices: dict = {}
+
+
+def cuda_device_info(index) -> tuple:
+    """(compute capability x10, our CUDA library holds code for it, why not, bytes of shared memory a
+    block may opt in to (0 when not known)) for cuda:index.  Asked once per device, the first time a
+    tensor of that device arrives."""
+    index = index or 0
+    info = _cuda_devices.get(index)
+    if info is None:
+        if not os.path.exists(_cuda_lib):
+            major, minor = torch.cuda.get_device_capability(index)
+            info = (major * 10 + minor, False, "the CUDA library was not built (no nvcc at install time)", 0)
+        else:
+            cc, ok, why, smem = _C.cuda_device(index)
+            info = (cc, bool(ok), why, smem)
+        _cuda_devices[index] = info
+    return info
+
+
+def cuda_math_ready(index) -> str:
+    """'' when our CUDA kernels can run on cuda:index, else why not."""
+    cc, ok, why = cuda_device_info(index)[:3]
+    if ok and cc < 80:
+        return f"compute capability {cc // 10}.{cc % 10} < 8.0"
+    return "" if ok else why
+
+
 def new_call(device=0, cuda_cc=0, cuda_lib_ok=0, dtype=0, D=64, Dv=64, gqa=False, square=True, mask=0,
              mask_grad=False, causal=0, window=False, softcap=False, dropout=False, need_grad=False,
              deterministic=False, want_lse=False, varlen=0, mps_fix=None, requested=0, cpu_isa=None,

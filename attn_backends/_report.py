@@ -36,9 +36,7 @@ def _present_devices() -> dict:
 
 
 def _cuda_facts() -> tuple:
-    from ._dispatch import cuda_device_info
-
-    return cuda_device_info(torch.cuda.current_device())
+    return _planner.cuda_device_info(torch.cuda.current_device())
 
 
 # the kinds of call a backend may serve, as the planner's layout field numbers them (ab_call.varlen)

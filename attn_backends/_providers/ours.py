@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _C, _eager, _ops
+from .. import _C, _eager, _ops, _planner
 from . import packed
 
 _below_autograd = torch._C._AutoDispatchBelowAutograd
@@ -175,9 +175,7 @@ def _run_eager_dense(a):
         return _eager.attention(q, a.k, a.v, a.mask, a.causal, a.scale, a.wl, a.wr, a.softcap, a.p,
                                 sinks=a.sinks, alibi=a.alibi)
     if q.is_cuda and not a.need_grad:
-        from .._dispatch import cuda_math_ready
-
-        if not cuda_math_ready(q.device.index):
+        if not _planner.cuda_math_ready(q.device.index):
             return _run_math_dense(a)
     return _eager.attention(q, a.k, a.v, a.mask, a.causal, a.scale, a.wl, a.wr, a.softcap, a.p)
 
