@@ -5,9 +5,9 @@ not remove it).  The package's __init__ (the public API) sits on top and may imp
 import ast
 import pathlib
 
-import attn_backends
-
-ROOT = pathlib.Path(attn_backends.__file__).parent
+# the source tree beside this tests folder (not the imported package: the sanitizer run of .ci/sanitize
+# imports a copy of the top-level modules only)
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "attn_backends"
 
 
 def _module_name(path: pathlib.Path) -> str:
