@@ -11,6 +11,7 @@
 
 #include "ab_cpu.h"
 #include "ab_vec.h"
+#include "cpu_kernels.h"
 #include "decode_cpu.h"
 
 #define MAX_SPLITS 256
@@ -21,15 +22,10 @@
  * rows' softmax state and accumulators per tile. */
 #define MAX_ITEM_ROWS 64
 
-/* The AMX paths have no decode kernel of their own (decode streams K and V once: no tile reuse to
- * gain); they run the vector code they are built on: AVX-512 for amx, generic for amx_emu. */
-static const ab_decode_cpu_table* decode_table(void) {
-  switch (ab_cpu_isa_get()) {
-    case AB_ISA_AVX512: case AB_ISA_AMX: return &ab_decode_cpu_avx512;
-    case AB_ISA_AVX2: return &ab_decode_cpu_avx2;
-    default: return &ab_decode_cpu_generic;
-  }
-}
+/* The decode kernel of the running path, from its table (cpu_<isa>.c): the AMX paths have none of
+ * their own (decode streams K and V once: no tile reuse to gain) and list the vector one they are
+ * built on, AVX-512 for amx and generic for amx_emu. */
+static const ab_decode_cpu_table* decode_table(void) { return ab_cpu_kernels_get()->decode; }
 
 /* Whether the bfloat16 products of decode_cpu_impl.h run: a bfloat16 cache, the AVX-512 path (or
  * AMX, which runs it) and a CPU with AVX512_BF16.  ATTN_BACKENDS_DECODE_BF16_DOT=0 turns them off
