@@ -566,15 +566,13 @@ static int ab_exec(PyObject* module) {
 static int ab_traverse(PyObject* module, visitproc visit, void* arg) {
   ab_state* st = state_of(module);
   if (!st) return 0;
-  Py_VISIT(st->call_type);
-  return ab_direct_traverse(st, visit, arg);
+  return ab_state_traverse(st, visit, arg);
 }
 
 static int ab_clear(PyObject* module) {
   ab_state* st = state_of(module);
   if (!st) return 0;
-  Py_CLEAR(st->call_type);
-  ab_direct_clear(st);
+  ab_state_clear(st);
   return 0;
 }
 
