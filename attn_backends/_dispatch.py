@@ -84,7 +84,8 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
         dev = _DEVICE_IDS.get(device.type, 3)
         cc, lib_ok, _, smem = cuda_device_info(device.index) if dev == 1 else (0, 0, "", 0)
     gqa, square = Hq != Hkv, Sq == Sk
-    if _is_compiling():
+    compiling = _is_compiling()
+    if compiling:
         D, Dv = _static_int(D), _static_int(Dv)
         gqa = True if gqa else False  # noqa: SIM210 (a branch, not bool(): see _static_int)
         square = True if square else False  # noqa: SIM210
@@ -98,7 +99,7 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
     sig = _new_call(dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, gqa, square, mask_kind, mask_grad, causal_i,
                     wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
                     bool(return_lse), 0, _SETTINGS["mps_fix"], ID[requested], _cpu_isa(), _CPU_UNITS, smem,
-                    has_sinks, has_alibi)
+                    has_sinks, has_alibi, compiling)
     return args, sig
 
 

@@ -122,14 +122,17 @@ def cuda_math_ready(index) -> str:
 def new_call(device=0, cuda_cc=0, cuda_lib_ok=0, dtype=0, D=64, Dv=64, gqa=False, square=True, mask=0,
              mask_grad=False, causal=0, window=False, softcap=False, dropout=False, need_grad=False,
              deterministic=False, want_lse=False, varlen=0, mps_fix=None, requested=0, cpu_isa=None,
-             cpu_units=None, cuda_smem=0, sinks=False, alibi=False) -> Call:
+             cpu_units=None, cuda_smem=0, sinks=False, alibi=False, compiling=None) -> Call:
     """The one constructor of the call descriptor (fields: csrc/ab_planner.h, AB_CALL_FIELDS).  Ids, not
     names: device (DEVICE_IDS), dtype (DTYPE_IDS), causal (CAUSAL_NAMES), requested (_names.ID).  Left as
     None, mps_fix, cpu_isa and cpu_units are this process's; the rest default to a plain dense CPU
     float32 call of D=64.  _dispatch passes every field by position (the per-call path).  While
     torch.compile traces, the fields as a plain tuple (dynamo cannot rebuild a struct sequence as a
-    constant); build() turns it into a Call, and tuples and Calls of the same fields are equal keys."""
-    return (tuple if _is_compiling() else Call)((device, cuda_cc, cuda_lib_ok, dtype, D, Dv, gqa, square, mask, mask_grad, causal, window,
+    constant); build() turns it into a Call, and tuples and Calls of the same fields are equal keys.
+    compiling: whether torch.compile traces, when the caller already knows (None: asked here)."""
+    if compiling is None:
+        compiling = _is_compiling()
+    return (tuple if compiling else Call)((device, cuda_cc, cuda_lib_ok, dtype, D, Dv, gqa, square, mask, mask_grad, causal, window,
                  softcap, dropout, need_grad, deterministic, want_lse, varlen,
                  settings["mps_fix"] if mps_fix is None else mps_fix, requested,
                  _cpu_isa_index() if cpu_isa is None else cpu_isa, CPU_UNITS if cpu_units is None else cpu_units,
