@@ -36,6 +36,11 @@ _below_autograd = torch._C._AutoDispatchBelowAutograd
 _is_compiling = torch.compiler.is_compiling
 # query rows per KV head the decode kernel serves in one tile (csrc/cpu/decode_cpu_impl.h DC_ROWS)
 _KERNEL_ROWS = 64
+_Tensor = torch.Tensor
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode = torch._C._is_torch_function_mode_enabled
+_tracing_state = torch._C._get_tracing_state
+_functorch_layer = torch._C._functorch.peek_interpreter_stack
 _INVALID = "attn_backends: invalid argument: "
 
 
@@ -289,10 +294,32 @@ def run_cuda_kernel(c: KVCall):
     return _kernel_op(c)
 
 
+def _direct_ok(c: KVCall) -> bool:
+    """Whether the call may skip the dispatcher (_C.kvcache_fwd_cpu, csrc/ab_direct.c): it writes nothing
+    into the cache (no k, v: the op's in-place contract, version counters included, stays with the op),
+    it is not traced (torch.compile, jit) and no TorchDispatchMode, TorchFunctionMode or functorch
+    transform must see it, and every tensor is a plain torch.Tensor on the CPU (the direct call hands
+    anything else back).  Inference mode may stay on: a call that only reads has nothing for it to track.
+    The same kernel and checks as the op: the same bits (tests/test_kvcache.py)."""
+    if c.k is not None or _is_compiling() or _dispatch_modes() or _function_mode():
+        return False
+    if _tracing_state() is not None or _functorch_layer() is not None:
+        return False
+    return all(t is None or t.__class__ is _Tensor for t in (c.q, c.k_cache, c.v_cache, c.cos, c.sin, c.seqlens,
+                                                            c.batch_idx, c.leftpad, c.block_table, c.alibi, c.sinks))
+
+
 def _kernel_op(c: KVCall):
-    args = (c.q, c.k_cache, c.v_cache, c.k, c.v, c.cos, c.sin, c.seqlens, c.seqlen, c.batch_idx, c.leftpad,
-            c.block_table, c.alibi, c.scale, c.causal, c.wl, c.wr, c.softcap, c.interleaved, c.num_splits, c.sinks)
     try:
+        if c.q.is_cpu and _direct_ok(c):
+            res = _C.kvcache_fwd_cpu(c.q, c.k_cache, c.v_cache, c.cos, c.sin, c.seqlens, c.seqlen, c.batch_idx,
+                                     c.leftpad, c.block_table, c.alibi, c.scale, c.causal, c.wl, c.wr, c.softcap,
+                                     c.interleaved, c.num_splits, c.sinks)
+            if res is not None:  # None: the CUDA emulation serves CPU tensors, through the op
+                return res
+        args = (c.q, c.k_cache, c.v_cache, c.k, c.v, c.cos, c.sin, c.seqlens, c.seqlen, c.batch_idx, c.leftpad,
+                c.block_table, c.alibi, c.scale, c.causal, c.wl, c.wr, c.softcap, c.interleaved, c.num_splits,
+                c.sinks)
         if _is_compiling():
             return ops.kvcache_fwd(*args)
         with _below_autograd():

@@ -12,6 +12,11 @@
  *
  * attention: ab.attention's fast path, the same call with the validation, the call descriptor and the
  * plan lookup done here too (below).
+ *
+ * kvcache_fwd_cpu: the CPU decode kernel (decode_cpu.h) for an attention_with_kvcache call that writes
+ * nothing into the cache (no k, v), on the same terms as flash_fwd_cpu except that inference mode is
+ * allowed (a call that only reads has nothing for it to track); the outputs and the workspace as the
+ * kvcache_fwd op makes them.  A decode call is small, so the op's fixed cost is a third of it.
  */
 #include <float.h>
 #include <math.h>
@@ -20,6 +25,7 @@
 
 #include "ab_module.h"
 #include "ab_shim.h"
+#include "cpu/decode_cpu.h"
 #include "cuda/ab_cuda.h"
 
 /* A RuntimeError worded as the shim's (torch_shim.cpp: fail). */
@@ -292,6 +298,114 @@ static PyObject* ab_py_flash_fwd_cpu(PyObject* self, PyObject* args) {
   return run_direct(st, q, &p, want_lse);
 }
 
+/* kvcache_fwd_cpu(q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx,
+ *                 cache_leftpad, block_table, alibi_slopes, scale, causal, window_left, window_right,
+ *                 softcap, rotary_interleaved, num_splits, sinks)
+ *   -> (out, lse), or None when this call must take the op (a tensor is not on the CPU, the CUDA
+ *   emulation is on, or set_tensor_api was never called).  The kvcache_fwd op's arguments without k
+ *   and v (nothing is written); the caller (attn_backends/_kvcache.py) checked them, the kernel checks
+ *   the index values.  out (B, Sq, Hq, D) contiguous in q's dtype, lse (B, Hq, Sq) float32. */
+static PyObject* ab_py_kvcache_fwd_cpu(PyObject* self, PyObject* args) {
+  ab_state* st = ab_module_state(self);
+  PyObject *q, *kc, *vc, *cos, *sin, *seqlens, *batch_idx, *leftpad, *block_table, *alibi, *sinks;
+  long long seqlen, wl, wr, num_splits;
+  double scale, softcap;
+  int causal, interleaved;
+  if (!PyArg_ParseTuple(args, "OOOOOOLOOOOdpLLdpLO", &q, &kc, &vc, &cos, &sin, &seqlens, &seqlen, &batch_idx,
+                        &leftpad, &block_table, &alibi, &scale, &causal, &wl, &wr, &softcap, &interleaved,
+                        &num_splits, &sinks))
+    return NULL;
+  if (!st->empty_strided || ab_cuda_emulation()) Py_RETURN_NONE;
+  PyObject* const tensors[] = {q, kc, vc, cos, sin, seqlens, batch_idx, leftpad, block_table, alibi, sinks};
+  enum { N = sizeof tensors / sizeof tensors[0] };
+  for (int i = 0; i < N; ++i) {
+    if (tensors[i] == Py_None) continue;
+    const int cpu = is_cpu(st, tensors[i]);
+    if (cpu < 0) return NULL;
+    if (!cpu) Py_RETURN_NONE; /* another device: the op says what is wrong */
+  }
+  ab_kvcache_params p;
+  memset(&p, 0, sizeof p);
+  ab_tensor* const views[] = {&p.q, &p.k_cache, &p.v_cache, &p.rotary_cos, &p.rotary_sin, &p.cache_seqlens,
+                              &p.cache_batch_idx, &p.cache_leftpad, &p.block_table, &p.alibi_slopes, &p.sinks};
+  const char* const names[] = {"q", "k_cache", "v_cache", "rotary_cos", "rotary_sin", "cache_seqlens",
+                               "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "sinks"};
+  for (int i = 0; i < N; ++i)
+    if (tensors[i] != Py_None && read_view(st, tensors[i], views[i], names[i], 0) < 0) return NULL;
+  if (p.q.ndim != 4 || p.k_cache.ndim != 4)
+    return direct_error("q must be (B, Sq, Hq, D) and k_cache (B_cache, S_cache, Hkv, D) or "
+                        "(num_blocks, block_size, Hkv, D)");
+  p.B = p.q.sizes[0];
+  p.Sq = p.q.sizes[1];
+  p.Hq = p.q.sizes[2];
+  p.D = p.q.sizes[3];
+  p.Hkv = p.k_cache.sizes[2];
+  p.cache_seqlen = seqlen;
+  p.scale = scale;
+  p.softcap = softcap;
+  p.causal = causal;
+  p.window_left = wl;
+  p.window_right = wr;
+  p.rotary_interleaved = interleaved;
+  p.num_splits = (int32_t)(num_splits < 0 ? -1 : num_splits > 1 << 20 ? 1 << 20 : num_splits);
+  if (p.q.dtype >= AB_DTYPE_BOOL) return direct_error("q must be a floating tensor");
+  /* out (B, Sq, Hq, D) and lse (B, Hq, Sq), contiguous */
+  p.out.ndim = 4;
+  p.out.dtype = p.q.dtype;
+  p.out.device = AB_DEVICE_CPU;
+  p.out.device_index = -1;
+  memcpy(p.out.sizes, p.q.sizes, sizeof p.out.sizes);
+  contiguous_strides(p.out.sizes, 4, p.out.strides);
+  p.lse = p.out;
+  p.lse.ndim = 3;
+  p.lse.dtype = AB_DTYPE_F32;
+  const int64_t lse_sizes[3] = {p.B, p.Hq, p.Sq};
+  memcpy(p.lse.sizes, lse_sizes, sizeof lse_sizes);
+  contiguous_strides(lse_sizes, 3, p.lse.strides);
+  PyObject* out = empty_strided(st, q, p.out.sizes, p.out.strides, 4, p.q.dtype);
+  if (!out || set_data(st, out, &p.out) < 0) {
+    Py_XDECREF(out);
+    return NULL;
+  }
+  PyObject* lse = empty_strided(st, NULL, p.lse.sizes, p.lse.strides, 3, AB_DTYPE_F32);
+  if (!lse || set_data(st, lse, &p.lse) < 0) {
+    Py_DECREF(out);
+    Py_XDECREF(lse);
+    return NULL;
+  }
+  const ab_cpu_pool pool = ab_shim_cpu_pool();
+  const size_t bytes = ab_kvcache_cpu_workspace_size(&p, pool.num_threads);
+  void* ws = NULL;
+  if (bytes && posix_memalign(&ws, 64, bytes) != 0) {
+    Py_DECREF(out);
+    Py_DECREF(lse);
+    return PyErr_NoMemory();
+  }
+  ab_error err;
+  err.msg[0] = 0;
+  ab_status status;
+  /* other Python threads run while the kernel does, except in calls too small to pay for the switch */
+  if ((double)p.B * p.Sq * p.Hq * p.D * (double)p.k_cache.sizes[1] >= (double)(1 << 18)) {
+    Py_BEGIN_ALLOW_THREADS
+    status = ab_kvcache_cpu_fwd(&p, ws, bytes, &pool, &err);
+    Py_END_ALLOW_THREADS
+  } else {
+    status = ab_kvcache_cpu_fwd(&p, ws, bytes, &pool, &err);
+  }
+  free(ws);
+  if (status != AB_OK) {
+    Py_DECREF(out);
+    Py_DECREF(lse);
+    /* worded as the op words it, so that _kvcache.py raises a bad index value as a ValueError */
+    if (status == AB_ERR_INVALID) {
+      PyErr_Format(PyExc_RuntimeError, "attn_backends: invalid argument: %s", err.msg);
+      return NULL;
+    }
+    return direct_error(err.msg);
+  }
+  return Py_BuildValue("(NN)", out, lse);
+}
+
 /* *slot = value (a new reference), dropping the old one (Py_XSETREF is not in the limited API). */
 static void replace_ref(PyObject** slot, PyObject* value) {
   PyObject* old = *slot;
@@ -557,6 +671,11 @@ PyMethodDef ab_direct_methods[] = {
     {"flash_fwd_cpu", ab_py_flash_fwd_cpu, METH_VARARGS,
      "flash_fwd_cpu(q, k, v, attn_mask, causal, scale, window_left, window_right, softcap, want_lse) -> "
      "(out, lse or None), or None: the CPU flash forward without the dispatcher (checked CPU tensors, no autograd)."},
+    {"kvcache_fwd_cpu", ab_py_kvcache_fwd_cpu, METH_VARARGS,
+     "kvcache_fwd_cpu(q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx, "
+     "cache_leftpad, block_table, alibi_slopes, scale, causal, window_left, window_right, softcap, "
+     "rotary_interleaved, num_splits, sinks) -> (out, lse), or None: the CPU decode kernel without the "
+     "dispatcher (checked CPU tensors, nothing written into the cache)."},
     {"attention", (PyCFunction)(void (*)(void))ab_py_attention, METH_FASTCALL,
      "attention(q, k, v, backend, causal, scale, want_lse) -> out, (out, lse), or None: ab.attention's fast "
      "path for plain eager CPU calls whose plan is remembered (None: take the Python path)."},

@@ -390,6 +390,71 @@ def test_opcheck(gen):
     torch.library.opcheck(torch.ops.attn_backends.kvcache_fwd.default, args)
 
 
+DIRECT_CASES = [c for c in CASES if not c.snew] + [
+    KV(B=3, Sq=1, Hq=8, Hkv=2, D=64, S=120, block=16, dtype=torch.float16),
+    KV(B=2, Sq=2, Hq=4, Hkv=2, D=48, S=64, batch_idx=True, causal=True, softcap=3.0),
+    KV(B=2, Sq=1, Hq=4, Hkv=4, D=64, S=80, block=48, sinks=True, dtype=torch.bfloat16),
+]
+
+
+@pytest.fixture
+def direct_calls(monkeypatch):
+    """The calls that tried _C.kvcache_fwd_cpu: True when it answered, False when it handed the call
+    back to the op, None when it raised."""
+    seen = []
+    real = _C.kvcache_fwd_cpu
+
+    def counting(*args):
+        seen.append(None)
+        res = real(*args)
+        seen[-1] = res is not None
+        return res
+
+    monkeypatch.setattr(_C, "kvcache_fwd_cpu", counting)
+    return seen
+
+
+@pytest.mark.parametrize("case", DIRECT_CASES, ids=str)
+def test_a_call_that_writes_nothing_skips_the_dispatcher_with_the_ops_bits(case, direct_calls, gen):
+    call = Call(case, gen)
+    out, lse = call.run("paged_attention")
+    assert direct_calls == [True]
+    op_out, op_lse = torch.ops.attn_backends.kvcache_fwd(
+        call.q, call.k_cache, call.v_cache, None, None, None, None, call.cache_seqlens if isinstance(
+            call.cache_seqlens, torch.Tensor) else None, -1 if call.cache_seqlens is None or isinstance(
+            call.cache_seqlens, torch.Tensor) else call.cache_seqlens, call.batch_idx, call.cache_leftpad,
+        call.block_table, call.alibi, case.D ** -0.5, case.causal, case.window[0], case.window[1], case.softcap,
+        True, 0, call.sinks)
+    assert torch.equal(out, op_out) and torch.equal(lse, op_lse)
+    call.check(out, lse)
+
+
+def test_the_direct_decode_call_is_kept_to_plain_eager_reads(direct_calls, gen):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    reads = Call(KV(), gen)
+    reads.run("paged_attention")
+    with torch.inference_mode():  # a read: inference mode has nothing to track
+        reads.run("paged_attention")
+    assert direct_calls == [True, True]
+    with Passthrough():  # a mode must see the op
+        out, lse = reads.run("paged_attention")
+    Call(KV(snew=1), gen).run("paged_attention")  # a call that writes the cache keeps the op
+    assert direct_calls == [True, True]
+    reads.check(out, lse)
+    # a bad index value is still a ValueError naming it, and nothing is written
+    bad = Call(KV(seqlens=None), gen)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        ab.attention_with_kvcache(bad.q, bad.k_cache, bad.v_cache, cache_seqlens=torch.tensor([5, 98],
+                                  dtype=torch.int32), backend="paged_attention", strict=True)
+    assert direct_calls == [True, True, None]
+    assert torch.equal(bad.k_cache, bad.before[0]) and torch.equal(bad.v_cache, bad.before[1])
+
+
 # ---- planning ----------------------------------------------------------------------------------
 
 @pytest.fixture
