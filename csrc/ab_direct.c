@@ -50,6 +50,17 @@ static int is_cpu(const ab_state* st, PyObject* t) {
   return yes;
 }
 
+/* 1 when every one of the n objects that is not None is a CPU tensor, 0 when one is not (the op then
+ * says what is wrong), -1 with an exception set. */
+static int all_cpu(const ab_state* st, PyObject* const* tensors, int n) {
+  for (int i = 0; i < n; ++i) {
+    if (tensors[i] == Py_None) continue;
+    const int cpu = is_cpu(st, tensors[i]);
+    if (cpu <= 0) return cpu;
+  }
+  return 1;
+}
+
 /* Fills v from a CPU tensor's shape, strides, dtype and data pointer; -1 with an exception set.  A
  * rank other than 1..4 is an error naming the tensor, unless any_rank: then only v->ndim is set (the
  * caller words the error, as the shim does for q, k and v). */
@@ -267,12 +278,9 @@ static PyObject* ab_py_flash_fwd_cpu(PyObject* self, PyObject* args) {
     return NULL;
   if (!st->empty_strided || ab_cuda_emulation()) Py_RETURN_NONE;
   PyObject* const tensors[4] = {q, k, v, mask};
-  for (int i = 0; i < 4; ++i) {
-    if (tensors[i] == Py_None) continue;
-    const int cpu = is_cpu(st, tensors[i]);
-    if (cpu < 0) return NULL;
-    if (!cpu) Py_RETURN_NONE; /* another device: the op says what is wrong */
-  }
+  const int cpu = all_cpu(st, tensors, 4);
+  if (cpu < 0) return NULL;
+  if (!cpu) Py_RETURN_NONE;
   ab_attn_params p;
   memset(&p, 0, sizeof p);
   if (read_view(st, q, &p.q, "q", 1) < 0 || read_view(st, k, &p.k, "k", 1) < 0 ||
@@ -318,12 +326,9 @@ static PyObject* ab_py_kvcache_fwd_cpu(PyObject* self, PyObject* args) {
   if (!st->empty_strided || ab_cuda_emulation()) Py_RETURN_NONE;
   PyObject* const tensors[] = {q, kc, vc, cos, sin, seqlens, batch_idx, leftpad, block_table, alibi, sinks};
   enum { N = sizeof tensors / sizeof tensors[0] };
-  for (int i = 0; i < N; ++i) {
-    if (tensors[i] == Py_None) continue;
-    const int cpu = is_cpu(st, tensors[i]);
-    if (cpu < 0) return NULL;
-    if (!cpu) Py_RETURN_NONE; /* another device: the op says what is wrong */
-  }
+  const int cpu = all_cpu(st, tensors, N);
+  if (cpu < 0) return NULL;
+  if (!cpu) Py_RETURN_NONE;
   ab_kvcache_params p;
   memset(&p, 0, sizeof p);
   ab_tensor* const views[] = {&p.q, &p.k_cache, &p.v_cache, &p.rotary_cos, &p.rotary_sin, &p.cache_seqlens,
