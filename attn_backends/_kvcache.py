@@ -41,6 +41,10 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode = torch._C._is_torch_function_mode_enabled
 _tracing_state = torch._C._get_tracing_state
 _functorch_layer = torch._C._functorch.peek_interpreter_stack
+# each returns something false when no mode, trace or transform is active (_direct_ok, and the fast path
+# of attention_with_kvcache, csrc/ab_direct.c kvcache(); inference mode may be on: a read has nothing
+# for it to track)
+_C.set_kvcache_guards((_dispatch_modes, _function_mode, _tracing_state, _functorch_layer))
 _INVALID = "attn_backends: invalid argument: "
 
 
@@ -214,6 +218,8 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
 # ---- planning ----------------------------------------------------------------------------------
 
 _chosen = ({}, {})
+_PAGED = ID["paged_attention"]
+_PLAIN = (ID["auto"], _PAGED)  # requests under which paged_attention serving a call is not a fallback
 
 
 def signature(c: KVCall, backend) -> _planner.Call:
@@ -243,6 +249,8 @@ def choose(c: KVCall, backend, strict) -> str:
         chosen = _planner.choose(sig, strict)
         if len(_chosen[strict]) < 4096:
             _chosen[strict][sig] = chosen
+            if chosen == "paged_attention" and sig.requested in _PLAIN and not _is_compiling():
+                _C.remember(sig, _PAGED)  # attention_with_kvcache's fast path may serve such calls now
     return chosen
 
 

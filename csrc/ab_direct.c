@@ -306,53 +306,13 @@ static PyObject* ab_py_flash_fwd_cpu(PyObject* self, PyObject* args) {
   return run_direct(st, q, &p, want_lse);
 }
 
-/* kvcache_fwd_cpu(q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx,
- *                 cache_leftpad, block_table, alibi_slopes, scale, causal, window_left, window_right,
- *                 softcap, rotary_interleaved, num_splits, sinks)
- *   -> (out, lse), or None when this call must take the op (a tensor is not on the CPU, the CUDA
- *   emulation is on, or set_tensor_api was never called).  The kvcache_fwd op's arguments without k
- *   and v (nothing is written); the caller (attn_backends/_kvcache.py) checked them, the kernel checks
- *   the index values.  out (B, Sq, Hq, D) contiguous in q's dtype, lse (B, Hq, Sq) float32. */
-static PyObject* ab_py_kvcache_fwd_cpu(PyObject* self, PyObject* args) {
-  ab_state* st = ab_module_state(self);
-  PyObject *q, *kc, *vc, *cos, *sin, *seqlens, *batch_idx, *leftpad, *block_table, *alibi, *sinks;
-  long long seqlen, wl, wr, num_splits;
-  double scale, softcap;
-  int causal, interleaved;
-  if (!PyArg_ParseTuple(args, "OOOOOOLOOOOdpLLdpLO", &q, &kc, &vc, &cos, &sin, &seqlens, &seqlen, &batch_idx,
-                        &leftpad, &block_table, &alibi, &scale, &causal, &wl, &wr, &softcap, &interleaved,
-                        &num_splits, &sinks))
-    return NULL;
-  if (!st->empty_strided || ab_cuda_emulation()) Py_RETURN_NONE;
-  PyObject* const tensors[] = {q, kc, vc, cos, sin, seqlens, batch_idx, leftpad, block_table, alibi, sinks};
-  enum { N = sizeof tensors / sizeof tensors[0] };
-  const int cpu = all_cpu(st, tensors, N);
-  if (cpu < 0) return NULL;
-  if (!cpu) Py_RETURN_NONE;
-  ab_kvcache_params p;
-  memset(&p, 0, sizeof p);
-  ab_tensor* const views[] = {&p.q, &p.k_cache, &p.v_cache, &p.rotary_cos, &p.rotary_sin, &p.cache_seqlens,
-                              &p.cache_batch_idx, &p.cache_leftpad, &p.block_table, &p.alibi_slopes, &p.sinks};
-  const char* const names[] = {"q", "k_cache", "v_cache", "rotary_cos", "rotary_sin", "cache_seqlens",
-                               "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "sinks"};
-  for (int i = 0; i < N; ++i)
-    if (tensors[i] != Py_None && read_view(st, tensors[i], views[i], names[i], 0) < 0) return NULL;
-  if (p.q.ndim != 4 || p.k_cache.ndim != 4)
-    return direct_error("q must be (B, Sq, Hq, D) and k_cache (B_cache, S_cache, Hkv, D) or "
-                        "(num_blocks, block_size, Hkv, D)");
-  p.B = p.q.sizes[0];
-  p.Sq = p.q.sizes[1];
-  p.Hq = p.q.sizes[2];
-  p.D = p.q.sizes[3];
-  p.Hkv = p.k_cache.sizes[2];
-  p.cache_seqlen = seqlen;
-  p.scale = scale;
-  p.softcap = softcap;
-  p.causal = causal;
-  p.window_left = wl;
-  p.window_right = wr;
-  p.rotary_interleaved = interleaved;
-  p.num_splits = (int32_t)(num_splits < 0 ? -1 : num_splits > 1 << 20 ? 1 << 20 : num_splits);
+/* Allocates out (B, Sq, Hq, D) contiguous in q's dtype and lse (B, Hq, Sq) float32, as the kvcache_fwd
+ * op returns them, and runs the CPU decode kernel on p (every input view and option filled), its
+ * workspace from malloc.  -> (out, lse), or NULL with an exception.  A bad index value is a ValueError
+ * with the kernel's message when value_error (what _kvcache.py makes of it), else worded as the op
+ * words it (a RuntimeError that _kvcache.py turns into that ValueError). */
+static PyObject* run_kvcache(ab_state* st, PyObject* q, ab_kvcache_params* pp, int value_error) {
+  ab_kvcache_params p = *pp;
   if (p.q.dtype >= AB_DTYPE_BOOL) return direct_error("q must be a floating tensor");
   /* out (B, Sq, Hq, D) and lse (B, Hq, Sq), contiguous */
   p.out.ndim = 4;
@@ -403,12 +363,67 @@ static PyObject* ab_py_kvcache_fwd_cpu(PyObject* self, PyObject* args) {
     Py_DECREF(lse);
     /* worded as the op words it, so that _kvcache.py raises a bad index value as a ValueError */
     if (status == AB_ERR_INVALID) {
-      PyErr_Format(PyExc_RuntimeError, "attn_backends: invalid argument: %s", err.msg);
+      if (value_error) {
+        err.msg[strcspn(err.msg, "\n")] = 0; /* its first line, as _kvcache._kernel_op keeps */
+        PyErr_SetString(PyExc_ValueError, err.msg);
+      } else {
+        PyErr_Format(PyExc_RuntimeError, "attn_backends: invalid argument: %s", err.msg);
+      }
       return NULL;
     }
     return direct_error(err.msg);
   }
   return Py_BuildValue("(NN)", out, lse);
+}
+
+/* kvcache_fwd_cpu(q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx,
+ *                 cache_leftpad, block_table, alibi_slopes, scale, causal, window_left, window_right,
+ *                 softcap, rotary_interleaved, num_splits, sinks)
+ *   -> (out, lse), or None when this call must take the op (a tensor is not on the CPU, the CUDA
+ *   emulation is on, or set_tensor_api was never called).  The kvcache_fwd op's arguments without k
+ *   and v (nothing is written); the caller (attn_backends/_kvcache.py) checked them, the kernel checks
+ *   the index values.  out (B, Sq, Hq, D) contiguous in q's dtype, lse (B, Hq, Sq) float32. */
+static PyObject* ab_py_kvcache_fwd_cpu(PyObject* self, PyObject* args) {
+  ab_state* st = ab_module_state(self);
+  PyObject *q, *kc, *vc, *cos, *sin, *seqlens, *batch_idx, *leftpad, *block_table, *alibi, *sinks;
+  long long seqlen, wl, wr, num_splits;
+  double scale, softcap;
+  int causal, interleaved;
+  if (!PyArg_ParseTuple(args, "OOOOOOLOOOOdpLLdpLO", &q, &kc, &vc, &cos, &sin, &seqlens, &seqlen, &batch_idx,
+                        &leftpad, &block_table, &alibi, &scale, &causal, &wl, &wr, &softcap, &interleaved,
+                        &num_splits, &sinks))
+    return NULL;
+  if (!st->empty_strided || ab_cuda_emulation()) Py_RETURN_NONE;
+  PyObject* const tensors[] = {q, kc, vc, cos, sin, seqlens, batch_idx, leftpad, block_table, alibi, sinks};
+  enum { N = sizeof tensors / sizeof tensors[0] };
+  const int cpu = all_cpu(st, tensors, N);
+  if (cpu < 0) return NULL;
+  if (!cpu) Py_RETURN_NONE;
+  ab_kvcache_params p;
+  memset(&p, 0, sizeof p);
+  ab_tensor* const views[] = {&p.q, &p.k_cache, &p.v_cache, &p.rotary_cos, &p.rotary_sin, &p.cache_seqlens,
+                              &p.cache_batch_idx, &p.cache_leftpad, &p.block_table, &p.alibi_slopes, &p.sinks};
+  const char* const names[] = {"q", "k_cache", "v_cache", "rotary_cos", "rotary_sin", "cache_seqlens",
+                               "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "sinks"};
+  for (int i = 0; i < N; ++i)
+    if (tensors[i] != Py_None && read_view(st, tensors[i], views[i], names[i], 0) < 0) return NULL;
+  if (p.q.ndim != 4 || p.k_cache.ndim != 4)
+    return direct_error("q must be (B, Sq, Hq, D) and k_cache (B_cache, S_cache, Hkv, D) or "
+                        "(num_blocks, block_size, Hkv, D)");
+  p.B = p.q.sizes[0];
+  p.Sq = p.q.sizes[1];
+  p.Hq = p.q.sizes[2];
+  p.D = p.q.sizes[3];
+  p.Hkv = p.k_cache.sizes[2];
+  p.cache_seqlen = seqlen;
+  p.scale = scale;
+  p.softcap = softcap;
+  p.causal = causal;
+  p.window_left = wl;
+  p.window_right = wr;
+  p.rotary_interleaved = interleaved;
+  p.num_splits = (int32_t)(num_splits < 0 ? -1 : num_splits > 1 << 20 ? 1 << 20 : num_splits);
+  return run_kvcache(st, q, &p, 0);
 }
 
 /* *slot = value (a new reference), dropping the old one (Py_XSETREF is not in the limited API). */
@@ -492,6 +507,43 @@ static int call_truth(PyObject* callable) {
   return t;
 }
 
+/* The backend a call asks for: the argument, and for "auto" _planner.default_backend() (the innermost
+ * use(), else the process default).  -1 when the fast path cannot tell (the Python path decides), -2
+ * with an exception. */
+static int requested_backend(ab_state* st, PyObject* backend) {
+  int requested = backend_id(st, backend);
+  if (requested != AB_BK_AUTO) return requested;
+  PyObject* name = PyObject_CallNoArgs(st->context_get);
+  if (!name) return -2;
+  if (name == Py_None) {
+    Py_DECREF(name);
+    name = Py_NewRef(PyList_GetItem(st->process_default, 0));
+    if (!name || name == Py_None) {
+      Py_XDECREF(name);
+      PyErr_Clear();
+      return -1;
+    }
+  }
+  requested = backend_id(st, name);
+  Py_DECREF(name);
+  return requested;
+}
+
+/* 1 when none of the guards (callables that return something true while a mode, trace or transform
+ * is active) is, 0 when one is, -1 with an exception. */
+static int no_guard_active(PyObject* guards) {
+  const Py_ssize_t n = PyTuple_Size(guards);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const int active = call_truth(PyTuple_GetItem(guards, i));
+    if (active <= 0) {
+      if (active < 0) return -1;
+      continue;
+    }
+    return 0;
+  }
+  return 1;
+}
+
 /* The chosen backend remembered for *c, or -1. */
 static int remembered(const ab_state* st, const ab_call* c) {
   for (int i = 0; i < st->n_remembered; ++i)
@@ -513,30 +565,12 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
   const int causal = args[4] == Py_False ? 0 : args[4] == Py_True ? 1 : -1;
   const int want_lse = args[6] == Py_False ? 0 : args[6] == Py_True ? 1 : -1;
   if (causal < 0 || want_lse < 0 || (scale_o != Py_None && !PyFloat_CheckExact(scale_o))) Py_RETURN_NONE;
-  int requested = backend_id(st, args[3]);
+  const int requested = requested_backend(st, args[3]);
+  if (requested == -2) return NULL;
   if (requested < 0) Py_RETURN_NONE;
-  if (requested == AB_BK_AUTO) { /* _planner.default_backend(): the innermost use(), else the process default */
-    PyObject* name = PyObject_CallNoArgs(st->context_get);
-    if (!name) return NULL;
-    if (name == Py_None) {
-      Py_DECREF(name);
-      name = Py_NewRef(PyList_GetItem(st->process_default, 0));
-      if (!name || name == Py_None) {
-        Py_XDECREF(name);
-        PyErr_Clear();
-        Py_RETURN_NONE;
-      }
-    }
-    requested = backend_id(st, name);
-    Py_DECREF(name);
-    if (requested < 0) Py_RETURN_NONE;
-  }
-  const Py_ssize_t n_guards = PyTuple_Size(st->guards);
-  for (Py_ssize_t i = 0; i < n_guards; ++i) {
-    const int active = call_truth(PyTuple_GetItem(st->guards, i));
-    if (active < 0) return NULL;
-    if (active) Py_RETURN_NONE;
-  }
+  const int quiet = no_guard_active(st->guards);
+  if (quiet < 0) return NULL;
+  if (!quiet) Py_RETURN_NONE;
   const int grad = call_truth(st->grad_enabled);
   if (grad < 0) return NULL;
   PyObject* const qkv[3] = {q, k, v};
@@ -614,6 +648,146 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
   return out;
 }
 
+/* ---- the fast path of ab.attention_with_kvcache -----------------------------------------------------
+ *
+ * kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, want_lse, backend): a
+ * plain eager CPU decode call in C, on the terms of attention()'s fast path above (None: the Python
+ * path, attn_backends/_kvcache.py, serves the call with its checks and its errors):
+ *   - attn_backends/__init__.py calls here only when the other arguments are at their defaults (no
+ *     k, v, rotary, cache_batch_idx, cache_leftpad, ALiBi, sinks, window, softcap or num_splits; not
+ *     while torch.compile traces);
+ *   - q, k_cache, v_cache (and cache_seqlens, block_table when tensors) plain torch.Tensors on the
+ *     CPU that pass _kvcache.check's rules; cache_seqlens None, an int >= 0 or a (B,) int32/int64
+ *     tensor; softmax_scale None or a finite float; causal and want_lse bools;
+ *   - none of set_kvcache_guards' guards is active (inference mode may be on) and no gradient is
+ *     needed; the query rows of a KV head fit the kernel (Sq * Hq / Hkv <= 64, _kvcache.run_kernel);
+ *   - the descriptor _kvcache.signature builds is remembered with paged_attention chosen.
+ * Then the kernel runs as kvcache_fwd_cpu runs it: the same bits. */
+static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  ab_state* st = ab_module_state(self);
+  if (nargs != 9) {
+    PyErr_SetString(PyExc_TypeError, "kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, "
+                                     "causal, want_lse, backend) takes 9 arguments");
+    return NULL;
+  }
+  PyObject *q = args[0], *kc = args[1], *vc = args[2], *seq_o = args[3], *bt = args[4], *scale_o = args[5];
+  if (!st->tensor_type || !st->kv_guards || !st->empty_strided || st->n_remembered == 0 || ab_cuda_emulation())
+    Py_RETURN_NONE;
+  PyObject* const tt = st->tensor_type;
+  if ((PyObject*)Py_TYPE(q) != tt || (PyObject*)Py_TYPE(kc) != tt || (PyObject*)Py_TYPE(vc) != tt ||
+      (bt != Py_None && (PyObject*)Py_TYPE(bt) != tt) ||
+      (seq_o != Py_None && (PyObject*)Py_TYPE(seq_o) != tt && !PyLong_CheckExact(seq_o)))
+    Py_RETURN_NONE;
+  const int causal = args[6] == Py_False ? 0 : args[6] == Py_True ? 1 : -1;
+  const int want_lse = args[7] == Py_False ? 0 : args[7] == Py_True ? 1 : -1;
+  if (causal < 0 || want_lse < 0 || (scale_o != Py_None && !PyFloat_CheckExact(scale_o))) Py_RETURN_NONE;
+  const int requested = requested_backend(st, args[8]);
+  if (requested == -2) return NULL;
+  if (requested < 0) Py_RETURN_NONE;
+  const int quiet = no_guard_active(st->kv_guards);
+  if (quiet < 0) return NULL;
+  if (!quiet) Py_RETURN_NONE;
+  const int grad = call_truth(st->grad_enabled);
+  if (grad < 0) return NULL;
+  PyObject* const qkv[3] = {q, kc, vc};
+  for (int i = 0; grad && i < 3; ++i) {
+    PyObject* rg = PyObject_GetAttr(qkv[i], st->s_requires_grad);
+    if (!rg) return NULL;
+    Py_DECREF(rg);
+    if (rg != Py_False) Py_RETURN_NONE; /* the Python path says no backward */
+  }
+  const int seq_tensor = seq_o != Py_None && !PyLong_CheckExact(seq_o);
+  PyObject* const tensors[5] = {q, kc, vc, seq_tensor ? seq_o : Py_None, bt};
+  const int cpu = all_cpu(st, tensors, 5);
+  if (cpu < 0) return NULL;
+  if (!cpu) Py_RETURN_NONE;
+  ab_kvcache_params p;
+  memset(&p, 0, sizeof p);
+  if (read_view(st, q, &p.q, "q", 1) < 0 || read_view(st, kc, &p.k_cache, "k_cache", 1) < 0 ||
+      read_view(st, vc, &p.v_cache, "v_cache", 1) < 0 ||
+      (seq_tensor && read_view(st, seq_o, &p.cache_seqlens, "cache_seqlens", 1) < 0) ||
+      (bt != Py_None && read_view(st, bt, &p.block_table, "block_table", 1) < 0))
+    return NULL;
+  const ab_tensor *tq = &p.q, *tk = &p.k_cache, *tv = &p.v_cache;
+  if (tq->ndim != 4 || tk->ndim != 4 || tv->ndim != 4) Py_RETURN_NONE;
+  const ab_dtype dt = tq->dtype;
+  const int64_t B = tq->sizes[0], Hq = tq->sizes[2], D = tq->sizes[3], Hkv = tk->sizes[2];
+  /* _kvcache.check's rules for these arguments; anything else is the Python path's to word */
+  if (dt > AB_DTYPE_F64 || tk->dtype != dt || tv->dtype != dt || tk->strides[3] != 1 || tv->strides[3] != 1 ||
+      memcmp(tk->sizes, tv->sizes, sizeof tk->sizes) != 0 || tk->sizes[3] != D || Hkv < 1 || Hq % Hkv != 0)
+    Py_RETURN_NONE;
+  for (int d = 0; d < 4; ++d)
+    if (tk->sizes[d] == 0) Py_RETURN_NONE; /* an empty cache: the Python path */
+  const ab_tensor* ix[2] = {seq_tensor ? &p.cache_seqlens : NULL, bt != Py_None ? &p.block_table : NULL};
+  for (int i = 0; i < 2; ++i)
+    if (ix[i] && (ix[i]->ndim != i + 1 || (ix[i]->dtype != AB_DTYPE_I32 && ix[i]->dtype != AB_DTYPE_I64) ||
+                  ix[i]->sizes[0] != B))
+      Py_RETURN_NONE;
+  if (bt == Py_None && tk->sizes[0] < B) Py_RETURN_NONE;
+  if (tq->sizes[1] * (Hq / Hkv) > 64) Py_RETURN_NONE; /* long queries: run_kernel gathers for flash */
+  long long seqlen = -1;
+  if (seq_o != Py_None && !seq_tensor) {
+    seqlen = PyLong_AsLongLong(seq_o);
+    if (seqlen < 0) {
+      PyErr_Clear();
+      Py_RETURN_NONE;
+    }
+  }
+  double scale = pow((double)D, -0.5); /* D ** -0.5, as _kvcache.check computes it */
+  if (scale_o != Py_None) {
+    scale = PyFloat_AsDouble(scale_o);
+    if (!isfinite(scale)) Py_RETURN_NONE;
+  }
+  PyObject* mps_fix_o = PyDict_GetItemWithError(st->settings, st->s_mps_fix);
+  if (!mps_fix_o) {
+    if (PyErr_Occurred()) return NULL;
+    Py_RETURN_NONE;
+  }
+  const int mps_fix = PyObject_IsTrue(mps_fix_o);
+  if (mps_fix < 0) return NULL;
+  ab_call c; /* as _kvcache.signature describes this call */
+  memset(&c, 0, sizeof c);
+  c.device = AB_DEVICE_CPU;
+  c.dtype = dt;
+  c.D = D;
+  c.Dv = D;
+  c.gqa = Hq != Hkv;
+  c.causal = causal ? AB_CAUSAL_BOTTOM_RIGHT : AB_CAUSAL_NONE;
+  c.want_lse = 1;
+  c.varlen = 2;
+  c.mps_fix = mps_fix;
+  c.requested = requested;
+  c.cpu_isa = (int32_t)ab_cpu_isa_get();
+  c.cpu_units = ab_cpu_units_detect();
+  if (remembered(st, &c) != AB_BK_PAGED) Py_RETURN_NONE;
+  p.B = B;
+  p.Sq = tq->sizes[1];
+  p.Hq = Hq;
+  p.D = D;
+  p.Hkv = Hkv;
+  p.cache_seqlen = seqlen;
+  p.scale = scale;
+  p.causal = causal;
+  p.window_left = p.window_right = -1;
+  p.rotary_interleaved = 1;
+  PyObject* res = run_kvcache(st, q, &p, 1);
+  if (!res) return NULL;
+  ++st->fast_calls;
+  if (want_lse) return res;
+  PyObject* out = Py_NewRef(PyTuple_GetItem(res, 0));
+  Py_DECREF(res);
+  return out;
+}
+
+/* set_kvcache_guards(guards): kvcache()'s guards (set_fast_api's, less inference mode). */
+static PyObject* ab_py_set_kvcache_guards(PyObject* self, PyObject* args) {
+  ab_state* st = ab_module_state(self);
+  PyObject* guards;
+  if (!PyArg_ParseTuple(args, "O!", &PyTuple_Type, &guards)) return NULL;
+  replace_ref(&st->kv_guards, Py_NewRef(guards));
+  Py_RETURN_NONE;
+}
+
 /* set_fast_api(tensor_type, guards, is_grad_enabled, are_deterministic_algorithms_enabled,
  *              context_get, process_default, settings): what the fast path reads (see above). */
 static PyObject* ab_py_set_fast_api(PyObject* self, PyObject* args) {
@@ -637,8 +811,8 @@ static PyObject* ab_py_set_fast_api(PyObject* self, PyObject* args) {
 }
 
 /* remember(call, chosen): the Python path planned call (a Call) and chose backend id chosen without
- * falling back; the fast path may serve such calls from now on (only dense, plain CPU forwards are
- * kept: the only ones it builds). */
+ * falling back; the fast paths may serve such calls from now on (only the plain CPU dense forwards and
+ * KV-cache calls are kept: the only ones they build). */
 static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   ab_state* st = ab_module_state(self);
   PyObject* call;
@@ -646,9 +820,10 @@ static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   if (!PyArg_ParseTuple(args, "Oi", &call, &chosen)) return NULL;
   ab_call c;
   if (ab_call_from_py(call, &c) < 0) return NULL;
-  const int plain = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !c.mask && !c.mask_grad &&
-                    c.causal != AB_CAUSAL_BOTTOM_RIGHT && !c.window && !c.softcap && !c.dropout && !c.need_grad &&
-                    !c.varlen && !c.cuda_smem && !c.sinks && !c.alibi;
+  const int cpu_plain = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !c.mask && !c.mask_grad &&
+                        !c.window && !c.softcap && !c.dropout && !c.need_grad && !c.cuda_smem && !c.sinks && !c.alibi;
+  /* a dense forward (attention()) or a KV-cache call (kvcache()) */
+  const int plain = cpu_plain && ((!c.varlen && c.causal != AB_CAUSAL_BOTTOM_RIGHT) || c.varlen == 2);
   if (plain && remembered(st, &c) < 0 && st->n_remembered < AB_REMEMBERED_MAX) {
     st->remembered[st->n_remembered].call = c;
     st->remembered[st->n_remembered].chosen = chosen;
@@ -684,6 +859,12 @@ PyMethodDef ab_direct_methods[] = {
     {"attention", (PyCFunction)(void (*)(void))ab_py_attention, METH_FASTCALL,
      "attention(q, k, v, backend, causal, scale, want_lse) -> out, (out, lse), or None: ab.attention's fast "
      "path for plain eager CPU calls whose plan is remembered (None: take the Python path)."},
+    {"kvcache", (PyCFunction)(void (*)(void))ab_py_kvcache, METH_FASTCALL,
+     "kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, want_lse, backend) -> out, "
+     "(out, lse), or None: ab.attention_with_kvcache's fast path for plain eager CPU decode calls whose plan is "
+     "remembered (None: take the Python path)."},
+    {"set_kvcache_guards", ab_py_set_kvcache_guards, METH_VARARGS,
+     "set_kvcache_guards(guards): the guards of kvcache()'s fast path."},
     {"set_tensor_api", ab_py_set_tensor_api, METH_VARARGS,
      "set_tensor_api(empty_strided, cpu_device, dtypes): what the direct calls allocate outputs with."},
     {"set_fast_api", ab_py_set_fast_api, METH_VARARGS,

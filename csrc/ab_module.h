@@ -42,6 +42,7 @@ typedef struct ab_remembered {
   /* the fast path (set_fast_api); NULL until set */                                                     \
   X(tensor_type)            /* torch.Tensor: only tensors of exactly this type take the fast path */     \
   X(guards)                 /* tuple of callables; each returns something false when it may run */       \
+  X(kv_guards)              /* the same for attention_with_kvcache's (inference mode allowed) */         \
   X(grad_enabled)           /* torch.is_grad_enabled */                                                  \
   X(deterministic)          /* torch.are_deterministic_algorithms_enabled */                             \
   X(context_get)            /* the bound get() of ab.use()'s ContextVar (None outside any use()) */     \

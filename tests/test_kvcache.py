@@ -400,7 +400,9 @@ DIRECT_CASES = [c for c in CASES if not c.snew] + [
 @pytest.fixture
 def direct_calls(monkeypatch):
     """The calls that tried _C.kvcache_fwd_cpu: True when it answered, False when it handed the call
-    back to the op, None when it raised."""
+    back to the op, None when it raised.  The fast path of attention_with_kvcache is off meanwhile, so
+    that every call takes the Python path to _kvcache._kernel_op."""
+    monkeypatch.setattr(ab, "_fast_kvcache", lambda *args: None)
     seen = []
     real = _C.kvcache_fwd_cpu
 
@@ -453,6 +455,91 @@ def test_the_direct_decode_call_is_kept_to_plain_eager_reads(direct_calls, gen):
                                   dtype=torch.int32), backend="paged_attention", strict=True)
     assert direct_calls == [True, True, None]
     assert torch.equal(bad.k_cache, bad.before[0]) and torch.equal(bad.v_cache, bad.before[1])
+
+
+def _fast(fn):
+    """fn()'s result, and whether attention_with_kvcache's fast path (csrc/ab_direct.c) served it."""
+    before = _C.fast_calls()
+    res = fn()
+    return res, _C.fast_calls() - before == 1
+
+
+FAST_CASES = [KV(seqlens=40), KV(block=16, causal=True), KV(Hq=8, Hkv=1, dtype=torch.bfloat16),
+              KV(B=3, Sq=3, Hq=4, Hkv=4, D=80, S=50, block=48, causal=True, dtype=torch.float16)]
+
+
+@pytest.mark.parametrize("case", FAST_CASES, ids=str)
+def test_the_fast_path_serves_plain_calls_with_the_python_paths_bits(case, gen):
+    from attn_backends import _kvcache
+
+    ab._dispatch.reset_caches()
+    call = Call(case, gen)
+    args = (call.q, call.k_cache, call.v_cache)
+    kw = dict(cache_seqlens=call.cache_seqlens, block_table=call.block_table, causal=case.causal)
+    first, served = _fast(lambda: ab.attention_with_kvcache(*args, **kw, return_softmax_lse=True))
+    assert not served  # the first call plans (and logs) through the Python path
+    (out, lse), served = _fast(lambda: ab.attention_with_kvcache(*args, **kw, return_softmax_lse=True))
+    assert served
+    python_path = dict(k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=call.cache_seqlens,
+                       cache_batch_idx=None, cache_leftpad=None, block_table=call.block_table, causal=case.causal,
+                       window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+                       num_splits=0, backend="auto", strict=False)
+    py = _kvcache.attention_with_kvcache(*args, **python_path, softmax_scale=None, return_softmax_lse=True)
+    assert torch.equal(out, py[0]) and torch.equal(lse, py[1]) and torch.equal(out, first[0])
+    call.check(out, lse)
+    scaled, served = _fast(lambda: ab.attention_with_kvcache(*args, **kw, softmax_scale=0.3))
+    assert served and torch.equal(scaled, _kvcache.attention_with_kvcache(
+        *args, **python_path, softmax_scale=0.3, return_softmax_lse=False))
+    with torch.inference_mode():
+        assert _fast(lambda: ab.attention_with_kvcache(*args, **kw))[1]
+
+
+def test_the_kvcache_fast_path_hands_back_what_is_not_plain(gen):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    ab._dispatch.reset_caches()
+    call = Call(KV(B=2, Hq=8, Hkv=2), gen)
+    args, kw = (call.q, call.k_cache, call.v_cache), dict(cache_seqlens=call.cache_seqlens)
+    run = lambda **over: ab.attention_with_kvcache(*args, **{**kw, **over})  # noqa: E731
+    run()
+    assert _fast(run)[1]
+    assert not _fast(lambda: run(softcap=2.0))[1]
+    assert not _fast(lambda: run(window_size=(3, 0)))[1]
+    assert not _fast(lambda: run(backend="math"))[1]  # another backend's plan is not remembered
+    with ab.use("flash"):
+        assert not _fast(run)[1]
+    with Passthrough():
+        assert not _fast(run)[1]
+    long_q = torch.randn(2, 17, 8, 64)  # 17 tokens x 4 query heads per KV head > 64 rows: gathered for flash
+    ab.attention_with_kvcache(long_q, *args[1:], **kw)
+    assert not _fast(lambda: ab.attention_with_kvcache(long_q, *args[1:], **kw))[1]
+    q = call.q.detach().requires_grad_()
+    with pytest.raises(RuntimeError, match="no backward"):
+        ab.attention_with_kvcache(q, *args[1:], **kw)
+    # what the Python checks refuse is refused as before, and the fast path does not serve it
+    bad = [dict(num_splits=False), dict(softcap=False), dict(window_size=(-1.0, -1)), dict(rotary_interleaved=1),
+           dict(cache_seqlens=True), dict(cache_seqlens=-1), dict(softmax_scale=True),
+           dict(softmax_scale=float("inf")), dict(causal=1)]
+    for over in bad:
+        before = _C.fast_calls()
+        with pytest.raises((TypeError, ValueError)):
+            run(**over)
+        assert _C.fast_calls() == before, over
+    for q2, kc in ((call.q.double(), call.k_cache), (call.q, call.k_cache[..., :32]),
+                   (call.q, call.k_cache.transpose(1, 2))):
+        before = _C.fast_calls()
+        with pytest.raises((TypeError, ValueError, RuntimeError)):
+            ab.attention_with_kvcache(q2, kc, call.v_cache, **kw, backend="paged_attention", strict=True)
+        assert _C.fast_calls() == before
+    # a bad index value: the kernel's check, a ValueError naming it, as on the Python path
+    before = _C.fast_calls()
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        run(cache_seqlens=torch.tensor([5, 98], dtype=torch.int32))
+    assert _C.fast_calls() == before
 
 
 # ---- planning ----------------------------------------------------------------------------------
