@@ -544,6 +544,44 @@ static int no_guard_active(PyObject* guards) {
   return 1;
 }
 
+/* What both fast paths check first: causal and want_lse bools, the scale None or a float, the backend
+ * asked for, none of the guards active, no gradient needed for any of the n tensors.  -> 1 to go on
+ * (*causal, *want_lse, *requested set), 0 to hand the call back, -1 with an exception. */
+static int fast_opening(ab_state* st, PyObject* guards, PyObject* causal_o, PyObject* lse_o, PyObject* scale_o,
+                        PyObject* backend, PyObject* const* tensors, int n, int* causal, int* want_lse,
+                        int* requested) {
+  *causal = causal_o == Py_False ? 0 : causal_o == Py_True ? 1 : -1;
+  *want_lse = lse_o == Py_False ? 0 : lse_o == Py_True ? 1 : -1;
+  if (*causal < 0 || *want_lse < 0 || (scale_o != Py_None && !PyFloat_CheckExact(scale_o))) return 0;
+  *requested = requested_backend(st, backend);
+  if (*requested == -2) return -1;
+  if (*requested < 0) return 0;
+  const int quiet = no_guard_active(guards);
+  if (quiet <= 0) return quiet;
+  const int grad = call_truth(st->grad_enabled);
+  if (grad < 0) return -1;
+  for (int i = 0; grad && i < n; ++i) {
+    PyObject* rg = PyObject_GetAttr(tensors[i], st->s_requires_grad);
+    if (!rg) return -1;
+    Py_DECREF(rg);
+    if (rg != Py_False) return 0; /* a gradient: the autograd Function, or the Python path's error */
+  }
+  return 1;
+}
+
+/* The fields of a call descriptor that come from the process (settings["mps_fix"], the CPU path and
+ * units), as _planner.new_call fills them.  1, 0 to hand the call back, -1 with an exception. */
+static int process_fields(ab_state* st, ab_call* c) {
+  PyObject* mps_fix_o = PyDict_GetItemWithError(st->settings, st->s_mps_fix);
+  if (!mps_fix_o) return PyErr_Occurred() ? -1 : 0;
+  const int mps_fix = PyObject_IsTrue(mps_fix_o);
+  if (mps_fix < 0) return -1;
+  c->mps_fix = mps_fix;
+  c->cpu_isa = (int32_t)ab_cpu_isa_get();
+  c->cpu_units = ab_cpu_units_detect();
+  return 1;
+}
+
 /* The chosen backend remembered for *c, or -1. */
 static int remembered(const ab_state* st, const ab_call* c) {
   for (int i = 0; i < st->n_remembered; ++i)
@@ -562,29 +600,14 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
   if ((PyObject*)Py_TYPE(q) != st->tensor_type || (PyObject*)Py_TYPE(k) != st->tensor_type ||
       (PyObject*)Py_TYPE(v) != st->tensor_type)
     Py_RETURN_NONE;
-  const int causal = args[4] == Py_False ? 0 : args[4] == Py_True ? 1 : -1;
-  const int want_lse = args[6] == Py_False ? 0 : args[6] == Py_True ? 1 : -1;
-  if (causal < 0 || want_lse < 0 || (scale_o != Py_None && !PyFloat_CheckExact(scale_o))) Py_RETURN_NONE;
-  const int requested = requested_backend(st, args[3]);
-  if (requested == -2) return NULL;
-  if (requested < 0) Py_RETURN_NONE;
-  const int quiet = no_guard_active(st->guards);
-  if (quiet < 0) return NULL;
-  if (!quiet) Py_RETURN_NONE;
-  const int grad = call_truth(st->grad_enabled);
-  if (grad < 0) return NULL;
   PyObject* const qkv[3] = {q, k, v};
-  for (int i = 0; i < 3; ++i) {
-    if (grad) {
-      PyObject* rg = PyObject_GetAttr(qkv[i], st->s_requires_grad);
-      if (!rg) return NULL;
-      Py_DECREF(rg);
-      if (rg != Py_False) Py_RETURN_NONE; /* a gradient: the autograd Function */
-    }
-    const int cpu = is_cpu(st, qkv[i]);
-    if (cpu < 0) return NULL;
-    if (!cpu) Py_RETURN_NONE;
-  }
+  int causal, want_lse, requested;
+  const int go = fast_opening(st, st->guards, args[4], args[6], scale_o, args[3], qkv, 3, &causal, &want_lse,
+                              &requested);
+  if (go <= 0) return go < 0 ? NULL : Py_NewRef(Py_None);
+  const int cpu = all_cpu(st, qkv, 3);
+  if (cpu < 0) return NULL;
+  if (!cpu) Py_RETURN_NONE;
   ab_attn_params p;
   memset(&p, 0, sizeof p);
   if (read_view(st, q, &p.q, "q", 1) < 0 || read_view(st, k, &p.k, "k", 1) < 0 ||
@@ -611,15 +634,10 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
   }
   const int det = call_truth(st->deterministic);
   if (det < 0) return NULL;
-  PyObject* mps_fix_o = PyDict_GetItemWithError(st->settings, st->s_mps_fix);
-  if (!mps_fix_o) {
-    if (PyErr_Occurred()) return NULL;
-    Py_RETURN_NONE;
-  }
-  const int mps_fix = PyObject_IsTrue(mps_fix_o);
-  if (mps_fix < 0) return NULL;
   ab_call c; /* as _dispatch.prepare describes this call */
   memset(&c, 0, sizeof c);
+  const int known = process_fields(st, &c);
+  if (known <= 0) return known < 0 ? NULL : Py_NewRef(Py_None);
   c.device = AB_DEVICE_CPU;
   c.dtype = dt;
   c.D = p.D;
@@ -629,10 +647,7 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
   c.causal = (ab_causal)causal;
   c.deterministic = det;
   c.want_lse = want_lse;
-  c.mps_fix = mps_fix;
   c.requested = requested;
-  c.cpu_isa = (int32_t)ab_cpu_isa_get();
-  c.cpu_units = ab_cpu_units_detect();
   if (remembered(st, &c) != AB_BK_FLASH) Py_RETURN_NONE;
   p.causal = (ab_causal)causal;
   p.scale = scale;
@@ -678,24 +693,11 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
       (bt != Py_None && (PyObject*)Py_TYPE(bt) != tt) ||
       (seq_o != Py_None && (PyObject*)Py_TYPE(seq_o) != tt && !PyLong_CheckExact(seq_o)))
     Py_RETURN_NONE;
-  const int causal = args[6] == Py_False ? 0 : args[6] == Py_True ? 1 : -1;
-  const int want_lse = args[7] == Py_False ? 0 : args[7] == Py_True ? 1 : -1;
-  if (causal < 0 || want_lse < 0 || (scale_o != Py_None && !PyFloat_CheckExact(scale_o))) Py_RETURN_NONE;
-  const int requested = requested_backend(st, args[8]);
-  if (requested == -2) return NULL;
-  if (requested < 0) Py_RETURN_NONE;
-  const int quiet = no_guard_active(st->kv_guards);
-  if (quiet < 0) return NULL;
-  if (!quiet) Py_RETURN_NONE;
-  const int grad = call_truth(st->grad_enabled);
-  if (grad < 0) return NULL;
   PyObject* const qkv[3] = {q, kc, vc};
-  for (int i = 0; grad && i < 3; ++i) {
-    PyObject* rg = PyObject_GetAttr(qkv[i], st->s_requires_grad);
-    if (!rg) return NULL;
-    Py_DECREF(rg);
-    if (rg != Py_False) Py_RETURN_NONE; /* the Python path says no backward */
-  }
+  int causal, want_lse, requested;
+  const int go = fast_opening(st, st->kv_guards, args[6], args[7], scale_o, args[8], qkv, 3, &causal, &want_lse,
+                              &requested);
+  if (go <= 0) return go < 0 ? NULL : Py_NewRef(Py_None);
   const int seq_tensor = seq_o != Py_None && !PyLong_CheckExact(seq_o);
   PyObject* const tensors[5] = {q, kc, vc, seq_tensor ? seq_o : Py_None, bt};
   const int cpu = all_cpu(st, tensors, 5);
@@ -738,15 +740,10 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
     scale = PyFloat_AsDouble(scale_o);
     if (!isfinite(scale)) Py_RETURN_NONE;
   }
-  PyObject* mps_fix_o = PyDict_GetItemWithError(st->settings, st->s_mps_fix);
-  if (!mps_fix_o) {
-    if (PyErr_Occurred()) return NULL;
-    Py_RETURN_NONE;
-  }
-  const int mps_fix = PyObject_IsTrue(mps_fix_o);
-  if (mps_fix < 0) return NULL;
   ab_call c; /* as _kvcache.signature describes this call */
   memset(&c, 0, sizeof c);
+  const int known = process_fields(st, &c);
+  if (known <= 0) return known < 0 ? NULL : Py_NewRef(Py_None);
   c.device = AB_DEVICE_CPU;
   c.dtype = dt;
   c.D = D;
@@ -755,10 +752,7 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   c.causal = causal ? AB_CAUSAL_BOTTOM_RIGHT : AB_CAUSAL_NONE;
   c.want_lse = 1;
   c.varlen = 2;
-  c.mps_fix = mps_fix;
   c.requested = requested;
-  c.cpu_isa = (int32_t)ab_cpu_isa_get();
-  c.cpu_units = ab_cpu_units_detect();
   if (remembered(st, &c) != AB_BK_PAGED) Py_RETURN_NONE;
   p.B = B;
   p.Sq = tq->sizes[1];
