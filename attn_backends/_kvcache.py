@@ -29,6 +29,7 @@ import torch
 from . import _C, _planner
 from ._names import ID, resolve
 from ._ops import ops
+from ._providers.ours import read_guards
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX = (torch.int32, torch.int64)
@@ -37,14 +38,9 @@ _is_compiling = torch.compiler.is_compiling
 # query rows per KV head the decode kernel serves in one tile (csrc/cpu/decode_cpu_impl.h DC_ROWS)
 _KERNEL_ROWS = 64
 _Tensor = torch.Tensor
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_function_mode = torch._C._is_torch_function_mode_enabled
-_tracing_state = torch._C._get_tracing_state
-_functorch_layer = torch._C._functorch.peek_interpreter_stack
-# each returns something false when no mode, trace or transform is active (_direct_ok, and the fast path
-# of attention_with_kvcache, csrc/ab_direct.c kvcache(); inference mode may be on: a read has nothing
-# for it to track)
-_C.set_kvcache_guards((_dispatch_modes, _function_mode, _tracing_state, _functorch_layer))
+# the guards of _direct_ok and of attention_with_kvcache's fast path (csrc/ab_direct.c kvcache()): each
+# returns something false when no mode, trace or transform is active; inference mode may be on
+_C.set_kvcache_guards(read_guards)
 _INVALID = "attn_backends: invalid argument: "
 
 
@@ -309,9 +305,7 @@ def _direct_ok(c: KVCall) -> bool:
     transform must see it, and every tensor is a plain torch.Tensor on the CPU (the direct call hands
     anything else back).  Inference mode may stay on: a call that only reads has nothing for it to track.
     The same kernel and checks as the op: the same bits (tests/test_kvcache.py)."""
-    if c.k is not None or _is_compiling() or _dispatch_modes() or _function_mode():
-        return False
-    if _tracing_state() is not None or _functorch_layer() is not None:
+    if c.k is not None or _is_compiling() or any(g() for g in read_guards):
         return False
     return all(t is None or t.__class__ is _Tensor for t in (c.q, c.k_cache, c.v_cache, c.cos, c.sin, c.seqlens,
                                                             c.batch_idx, c.leftpad, c.block_table, c.alibi, c.sinks))

@@ -77,8 +77,11 @@ _function_mode = torch._C._is_torch_function_mode_enabled
 _inference_mode = torch.is_inference_mode_enabled
 _tracing_state = torch._C._get_tracing_state
 _functorch_layer = torch._C._functorch.peek_interpreter_stack
-# each returns something false when no mode, transform or trace is active (direct_ok, and the fast path)
-direct_guards = (_dispatch_modes, _function_mode, _inference_mode, _tracing_state, _functorch_layer)
+# each returns something false when no mode, transform or trace is active.  read_guards: the calls that
+# may run in inference mode (attention_with_kvcache's direct call and fast path, _kvcache.py);
+# direct_guards: direct_ok's and ab.attention's fast path, which leave inference mode to the op
+read_guards = (_dispatch_modes, _function_mode, _tracing_state, _functorch_layer)
+direct_guards = read_guards + (_inference_mode,)
 
 
 def direct_ok(q, k, v, mask) -> bool:
