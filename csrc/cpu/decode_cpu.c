@@ -293,6 +293,16 @@ static int64_t cache_off(const ab_kvcache_params* p, const ab_tensor* c, int64_t
   return row * c->strides[0] + pos * c->strides[1] + h * c->strides[2];
 }
 
+/* n elements of es bytes from src (element stride st) to the contiguous dst, bit for bit: one memcpy
+ * for a contiguous row (the usual case: a per-element memcpy call cost a decode step microseconds). */
+static void copy_row(char* dst, const char* src, int64_t n, int64_t st, size_t es) {
+  if (st == 1 || n <= 1) {
+    memmove(dst, src, (size_t)n * es); /* a new row may be a view of the cache itself */
+    return;
+  }
+  for (int64_t d = 0; d < n; ++d) memcpy(dst + (size_t)d * es, src + (size_t)(d * st) * es, es);
+}
+
 /* The new keys (rotated) and values into the cache, at cache_seqlens[b] + t.  Values and unrotated
  * keys are copied bit for bit. */
 static void append(const ab_kvcache_params* p, float* row) {
@@ -310,13 +320,11 @@ static void append(const ab_kvcache_params* p, float* row) {
           rotate(p, len + t, row);
           ab_vec_store_row(p->k_cache.data, p->k_cache.dtype, ko, p->D, 1, row);
         } else {
-          for (int64_t d = 0; d < p->D; ++d)
-            memcpy((char*)p->k_cache.data + (size_t)(ko + d) * es,
-                   (const char*)kn->data + (size_t)(ks + d * kn->strides[3]) * es, es);
+          copy_row((char*)p->k_cache.data + (size_t)ko * es, (const char*)kn->data + (size_t)ks * es, p->D,
+                   kn->strides[3], es);
         }
-        for (int64_t d = 0; d < p->D; ++d)
-          memcpy((char*)p->v_cache.data + (size_t)(vo + d) * es,
-                 (const char*)vn->data + (size_t)(vs + d * vn->strides[3]) * es, es);
+        copy_row((char*)p->v_cache.data + (size_t)vo * es, (const char*)vn->data + (size_t)vs * es, p->D,
+                 vn->strides[3], es);
       }
   }
 }
