@@ -40,7 +40,8 @@ _KERNEL_ROWS = 64
 _Tensor = torch.Tensor
 # the guards of _direct_ok and of attention_with_kvcache's fast path (csrc/ab_direct.c kvcache()): each
 # returns something false when no mode, trace or transform is active; inference mode may be on
-_C.set_kvcache_guards(read_guards)
+_increment_version = torch._C._increment_version  # what torch.autograd.graph.increment_version calls
+_C.set_kvcache_guards(read_guards, _increment_version)
 _INVALID = "attn_backends: invalid argument: "
 
 
@@ -299,33 +300,40 @@ def run_cuda_kernel(c: KVCall):
 
 
 def _direct_ok(c: KVCall) -> bool:
-    """Whether the call may skip the dispatcher (_C.kvcache_fwd_cpu, csrc/ab_direct.c): it writes nothing
-    into the cache (no k, v: the op's in-place contract, version counters included, stays with the op),
-    it is not traced (torch.compile, jit) and no TorchDispatchMode, TorchFunctionMode or functorch
-    transform must see it, and every tensor is a plain torch.Tensor on the CPU (the direct call hands
-    anything else back).  Inference mode may stay on: a call that only reads has nothing for it to track.
-    The same kernel and checks as the op: the same bits (tests/test_kvcache.py)."""
-    if c.k is not None or _is_compiling() or any(g() for g in read_guards):
+    """Whether the call may skip the dispatcher (_C.kvcache_fwd_cpu, csrc/ab_direct.c): it is not traced
+    (torch.compile, jit) and no TorchDispatchMode, TorchFunctionMode or functorch transform must see it,
+    and every tensor is a plain torch.Tensor on the CPU (the direct call hands anything else back).
+    Inference mode may stay on.  A call that writes k and v into the cache gets the op's version bumps
+    of k_cache and v_cache (torch._C._increment_version), so autograd still sees the write.  The same
+    kernel and checks as the op: the same bits (tests/test_kvcache.py)."""
+    if _is_compiling() or any(g() for g in read_guards):
         return False
-    return all(t is None or t.__class__ is _Tensor for t in (c.q, c.k_cache, c.v_cache, c.cos, c.sin, c.seqlens,
-                                                            c.batch_idx, c.leftpad, c.block_table, c.alibi, c.sinks))
+    return all(t is None or t.__class__ is _Tensor for t in (c.q, c.k_cache, c.v_cache, c.k, c.v, c.cos, c.sin,
+                                                            c.seqlens, c.batch_idx, c.leftpad, c.block_table,
+                                                            c.alibi, c.sinks))
 
 
 def _kernel_op(c: KVCall):
     try:
         if c.q.is_cpu and _direct_ok(c):
-            res = _C.kvcache_fwd_cpu(c.q, c.k_cache, c.v_cache, c.cos, c.sin, c.seqlens, c.seqlen, c.batch_idx,
-                                     c.leftpad, c.block_table, c.alibi, c.scale, c.causal, c.wl, c.wr, c.softcap,
-                                     c.interleaved, c.num_splits, c.sinks)
+            res = _C.kvcache_fwd_cpu(c.q, c.k_cache, c.v_cache, c.k, c.v, c.cos, c.sin, c.seqlens, c.seqlen,
+                                     c.batch_idx, c.leftpad, c.block_table, c.alibi, c.scale, c.causal, c.wl, c.wr,
+                                     c.softcap, c.interleaved, c.num_splits, c.sinks)
             if res is not None:  # None: the CUDA emulation serves CPU tensors, through the op
                 return res
         args = (c.q, c.k_cache, c.v_cache, c.k, c.v, c.cos, c.sin, c.seqlens, c.seqlen, c.batch_idx, c.leftpad,
                 c.block_table, c.alibi, c.scale, c.causal, c.wl, c.wr, c.softcap, c.interleaved, c.num_splits,
                 c.sinks)
-        if _is_compiling():
+        if _is_compiling():  # the schema's Tensor(a!) tells the compiler about the write
             return ops.kvcache_fwd(*args)
         with _below_autograd():
-            return ops.kvcache_fwd(*args)
+            res = ops.kvcache_fwd(*args)
+        if c.k is not None:
+            # the dispatcher bumps no version counter for a stable-ABI op's Tensor(a!) arguments (it has
+            # no ADInplaceOrView kernel): bumped here, as the direct call bumps them, so that autograd
+            # sees the write (inference tensors, which have no counter, are skipped)
+            _increment_version((c.k_cache, c.v_cache))
+        return res
     except RuntimeError as e:
         msg = str(e)
         at = msg.find(_INVALID)

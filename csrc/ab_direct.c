@@ -13,10 +13,14 @@
  * attention: ab.attention's fast path, the same call with the validation, the call descriptor and the
  * plan lookup done here too (below).
  *
- * kvcache_fwd_cpu: the CPU decode kernel (decode_cpu.h) for an attention_with_kvcache call that writes
- * nothing into the cache (no k, v), on the same terms as flash_fwd_cpu except that inference mode is
- * allowed (a call that only reads has nothing for it to track); the outputs and the workspace as the
- * kvcache_fwd op makes them.  A decode call is small, so the op's fixed cost is a third of it.
+ * kvcache_fwd_cpu: the CPU decode kernel (decode_cpu.h) for an attention_with_kvcache call, on the same
+ * terms as flash_fwd_cpu except that inference mode is allowed; the outputs and the workspace as the
+ * kvcache_fwd op makes them.  A decode call is small, so the op's fixed cost is a third of it.  A call
+ * that writes new keys and values into the cache then bumps the caches' version counters
+ * (torch._C._increment_version, what torch.autograd.graph.increment_version calls), as the op's
+ * Tensor(a!) arguments have the dispatcher do: autograd still sees the write (a cache saved for a
+ * backward and then written raises there), and inference tensors, which have no counter, are skipped
+ * as the op skips them.
  */
 #include <float.h>
 #include <math.h>
@@ -306,12 +310,28 @@ static PyObject* ab_py_flash_fwd_cpu(PyObject* self, PyObject* args) {
   return run_direct(st, q, &p, want_lse);
 }
 
+/* The version bump of the two caches a call wrote into, as the op's Tensor(a!) arguments get it. */
+static int bump_versions(ab_state* st, PyObject* kc, PyObject* vc) {
+  if (!st->increment_version) {
+    PyErr_SetString(PyExc_RuntimeError, "attn_backends: set_kvcache_guards was never called");
+    return -1;
+  }
+  PyObject* pair = PyTuple_Pack(2, kc, vc);
+  if (!pair) return -1;
+  PyObject* r = PyObject_CallFunctionObjArgs(st->increment_version, pair, NULL);
+  Py_DECREF(pair);
+  Py_XDECREF(r);
+  return r ? 0 : -1;
+}
+
 /* Allocates out (B, Sq, Hq, D) contiguous in q's dtype and lse (B, Hq, Sq) float32, as the kvcache_fwd
  * op returns them, and runs the CPU decode kernel on p (every input view and option filled), its
- * workspace from malloc.  -> (out, lse), or NULL with an exception.  A bad index value is a ValueError
+ * workspace from malloc; with new keys and values (p->k_new) the caches kc and vc then get their
+ * version bumps.  -> (out, lse), or NULL with an exception.  A bad index value is a ValueError
  * with the kernel's message when value_error (what _kvcache.py makes of it), else worded as the op
  * words it (a RuntimeError that _kvcache.py turns into that ValueError). */
-static PyObject* run_kvcache(ab_state* st, PyObject* q, ab_kvcache_params* pp, int value_error) {
+static PyObject* run_kvcache(ab_state* st, PyObject* q, PyObject* kc, PyObject* vc, ab_kvcache_params* pp,
+                             int value_error) {
   ab_kvcache_params p = *pp;
   if (p.q.dtype >= AB_DTYPE_BOOL) return direct_error("q must be a floating tensor");
   /* out (B, Sq, Hq, D) and lse (B, Hq, Sq), contiguous */
@@ -373,38 +393,46 @@ static PyObject* run_kvcache(ab_state* st, PyObject* q, ab_kvcache_params* pp, i
     }
     return direct_error(err.msg);
   }
+  if (p.k_new.ndim && bump_versions(st, kc, vc) < 0) {
+    Py_DECREF(out);
+    Py_DECREF(lse);
+    return NULL;
+  }
   return Py_BuildValue("(NN)", out, lse);
 }
 
-/* kvcache_fwd_cpu(q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx,
- *                 cache_leftpad, block_table, alibi_slopes, scale, causal, window_left, window_right,
- *                 softcap, rotary_interleaved, num_splits, sinks)
+/* kvcache_fwd_cpu(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
+ *                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, scale, causal, window_left,
+ *                 window_right, softcap, rotary_interleaved, num_splits, sinks)
  *   -> (out, lse), or None when this call must take the op (a tensor is not on the CPU, the CUDA
- *   emulation is on, or set_tensor_api was never called).  The kvcache_fwd op's arguments without k
- *   and v (nothing is written); the caller (attn_backends/_kvcache.py) checked them, the kernel checks
- *   the index values.  out (B, Sq, Hq, D) contiguous in q's dtype, lse (B, Hq, Sq) float32. */
+ *   emulation is on, or set_tensor_api was never called).  The kvcache_fwd op's arguments; the caller
+ *   (attn_backends/_kvcache.py) checked them, the kernel checks the index values before it writes
+ *   anything.  out (B, Sq, Hq, D) contiguous in q's dtype, lse (B, Hq, Sq) float32. */
 static PyObject* ab_py_kvcache_fwd_cpu(PyObject* self, PyObject* args) {
   ab_state* st = ab_module_state(self);
-  PyObject *q, *kc, *vc, *cos, *sin, *seqlens, *batch_idx, *leftpad, *block_table, *alibi, *sinks;
+  PyObject *q, *kc, *vc, *kn, *vn, *cos, *sin, *seqlens, *batch_idx, *leftpad, *block_table, *alibi, *sinks;
   long long seqlen, wl, wr, num_splits;
   double scale, softcap;
   int causal, interleaved;
-  if (!PyArg_ParseTuple(args, "OOOOOOLOOOOdpLLdpLO", &q, &kc, &vc, &cos, &sin, &seqlens, &seqlen, &batch_idx,
-                        &leftpad, &block_table, &alibi, &scale, &causal, &wl, &wr, &softcap, &interleaved,
-                        &num_splits, &sinks))
+  if (!PyArg_ParseTuple(args, "OOOOOOOOLOOOOdpLLdpLO", &q, &kc, &vc, &kn, &vn, &cos, &sin, &seqlens, &seqlen,
+                        &batch_idx, &leftpad, &block_table, &alibi, &scale, &causal, &wl, &wr, &softcap,
+                        &interleaved, &num_splits, &sinks))
     return NULL;
   if (!st->empty_strided || ab_cuda_emulation()) Py_RETURN_NONE;
-  PyObject* const tensors[] = {q, kc, vc, cos, sin, seqlens, batch_idx, leftpad, block_table, alibi, sinks};
+  PyObject* const tensors[] = {q, kc, vc, kn, vn, cos, sin, seqlens, batch_idx, leftpad, block_table, alibi, sinks};
   enum { N = sizeof tensors / sizeof tensors[0] };
   const int cpu = all_cpu(st, tensors, N);
   if (cpu < 0) return NULL;
   if (!cpu) Py_RETURN_NONE;
   ab_kvcache_params p;
   memset(&p, 0, sizeof p);
-  ab_tensor* const views[] = {&p.q, &p.k_cache, &p.v_cache, &p.rotary_cos, &p.rotary_sin, &p.cache_seqlens,
-                              &p.cache_batch_idx, &p.cache_leftpad, &p.block_table, &p.alibi_slopes, &p.sinks};
-  const char* const names[] = {"q", "k_cache", "v_cache", "rotary_cos", "rotary_sin", "cache_seqlens",
-                               "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "sinks"};
+  ab_tensor* const views[] = {&p.q,          &p.k_cache,       &p.v_cache,       &p.k_new,
+                              &p.v_new,      &p.rotary_cos,    &p.rotary_sin,    &p.cache_seqlens,
+                              &p.cache_batch_idx, &p.cache_leftpad, &p.block_table, &p.alibi_slopes,
+                              &p.sinks};
+  const char* const names[] = {"q",         "k_cache",         "v_cache",       "k",           "v",
+                               "rotary_cos", "rotary_sin",     "cache_seqlens", "cache_batch_idx",
+                               "cache_leftpad", "block_table", "alibi_slopes",  "sinks"};
   for (int i = 0; i < N; ++i)
     if (tensors[i] != Py_None && read_view(st, tensors[i], views[i], names[i], 0) < 0) return NULL;
   if (p.q.ndim != 4 || p.k_cache.ndim != 4)
@@ -423,7 +451,7 @@ static PyObject* ab_py_kvcache_fwd_cpu(PyObject* self, PyObject* args) {
   p.window_right = wr;
   p.rotary_interleaved = interleaved;
   p.num_splits = (int32_t)(num_splits < 0 ? -1 : num_splits > 1 << 20 ? 1 << 20 : num_splits);
-  return run_kvcache(st, q, &p, 0);
+  return run_kvcache(st, q, kc, vc, &p, 0);
 }
 
 /* *slot = value (a new reference), dropping the old one (Py_XSETREF is not in the limited API). */
@@ -665,51 +693,78 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
 
 /* ---- the fast path of ab.attention_with_kvcache -----------------------------------------------------
  *
- * kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, want_lse, backend): a
- * plain eager CPU decode call in C, on the terms of attention()'s fast path above (None: the Python
- * path, attn_backends/_kvcache.py, serves the call with its checks and its errors):
+ * kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, softmax_scale,
+ *         causal, rotary_interleaved, want_lse, backend): a plain eager CPU decode call in C, on the terms
+ * of attention()'s fast path above (None: the Python path, attn_backends/_kvcache.py, serves the call
+ * with its checks and its errors):
  *   - attn_backends/__init__.py calls here only when the other arguments are at their defaults (no
- *     k, v, rotary, cache_batch_idx, cache_leftpad, ALiBi, sinks, window, softcap or num_splits; not
- *     while torch.compile traces);
- *   - q, k_cache, v_cache (and cache_seqlens, block_table when tensors) plain torch.Tensors on the
- *     CPU that pass _kvcache.check's rules; cache_seqlens None, an int >= 0 or a (B,) int32/int64
- *     tensor; softmax_scale None or a finite float; causal and want_lse bools;
+ *     cache_batch_idx, cache_leftpad, ALiBi, sinks, window, softcap or num_splits; not while
+ *     torch.compile traces);
+ *   - q, k_cache, v_cache (and k, v, rotary_cos, rotary_sin, cache_seqlens, block_table when given)
+ *     plain torch.Tensors on the CPU that pass _kvcache.check's rules; cache_seqlens None, an int >= 0
+ *     or a (B,) int32/int64 tensor (not None with k and v); softmax_scale None or a finite float;
+ *     causal, rotary_interleaved and want_lse bools;
  *   - none of set_kvcache_guards' guards is active (inference mode may be on) and no gradient is
  *     needed; the query rows of a KV head fit the kernel (Sq * Hq / Hkv <= 64, _kvcache.run_kernel);
  *   - the descriptor _kvcache.signature builds is remembered with paged_attention chosen.
- * Then the kernel runs as kvcache_fwd_cpu runs it: the same bits. */
+ * Then the kernel runs as kvcache_fwd_cpu runs it: the same bits, the same writes into the cache and
+ * the same version bumps. */
+
+/* The rank, dtype and shape rules of _kvcache.check for k and v (both given; dtype dt, shape (B, Snew,
+ * Hkv, D), v's shape k's) and for rotary_cos and rotary_sin (NULL when absent: 2-D, floating, one
+ * shape, 1 <= rotary_dim / 2 <= D / 2).  1 when they hold, 0 when the Python path must word it. */
+static int new_rows_ok(const ab_tensor* k, const ab_tensor* v, const ab_tensor* cos, const ab_tensor* sin,
+                       ab_dtype dt, int64_t B, int64_t Hkv, int64_t D) {
+  if (k->ndim != 4 || k->dtype != dt || v->dtype != dt || v->ndim != 4 || k->sizes[0] != B ||
+      k->sizes[2] != Hkv || k->sizes[3] != D || memcmp(k->sizes, v->sizes, sizeof k->sizes) != 0)
+    return 0;
+  if (!cos) return 1;
+  return cos->ndim == 2 && sin->ndim == 2 && cos->dtype <= AB_DTYPE_F64 && sin->dtype <= AB_DTYPE_F64 &&
+         cos->sizes[0] == sin->sizes[0] && cos->sizes[1] == sin->sizes[1] && cos->sizes[1] >= 1 &&
+         cos->sizes[1] <= D / 2;
+}
+
 static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   ab_state* st = ab_module_state(self);
-  if (nargs != 9) {
-    PyErr_SetString(PyExc_TypeError, "kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, "
-                                     "causal, want_lse, backend) takes 9 arguments");
+  if (nargs != 14) {
+    PyErr_SetString(PyExc_TypeError, "kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, "
+                                     "block_table, softmax_scale, causal, rotary_interleaved, want_lse, backend) "
+                                     "takes 14 arguments");
     return NULL;
   }
-  PyObject *q = args[0], *kc = args[1], *vc = args[2], *seq_o = args[3], *bt = args[4], *scale_o = args[5];
+  PyObject *q = args[0], *kc = args[1], *vc = args[2], *kn = args[3], *vn = args[4], *cos = args[5],
+           *sin = args[6], *seq_o = args[7], *bt = args[8], *scale_o = args[9], *inter_o = args[11];
   if (!st->tensor_type || !st->kv_guards || !st->empty_strided || st->n_remembered == 0 || ab_cuda_emulation())
     Py_RETURN_NONE;
   PyObject* const tt = st->tensor_type;
+  const int has_new = kn != Py_None, has_rot = cos != Py_None;
   if ((PyObject*)Py_TYPE(q) != tt || (PyObject*)Py_TYPE(kc) != tt || (PyObject*)Py_TYPE(vc) != tt ||
+      (has_new && ((PyObject*)Py_TYPE(kn) != tt || (PyObject*)Py_TYPE(vn) != tt || seq_o == Py_None)) ||
+      (!has_new && (vn != Py_None || has_rot)) ||
+      (has_rot && ((PyObject*)Py_TYPE(cos) != tt || (PyObject*)Py_TYPE(sin) != tt)) ||
+      (!has_rot && sin != Py_None) || (inter_o != Py_True && inter_o != Py_False) ||
       (bt != Py_None && (PyObject*)Py_TYPE(bt) != tt) ||
       (seq_o != Py_None && (PyObject*)Py_TYPE(seq_o) != tt && !PyLong_CheckExact(seq_o)))
     Py_RETURN_NONE;
-  PyObject* const qkv[3] = {q, kc, vc};
+  PyObject* const grad_checked[5] = {q, kc, vc, kn, vn}; /* _kvcache.check's: no gradient for these */
   int causal, want_lse, requested;
-  const int go = fast_opening(st, st->kv_guards, args[6], args[7], scale_o, args[8], qkv, 3, &causal, &want_lse,
-                              &requested);
+  const int go = fast_opening(st, st->kv_guards, args[10], args[12], scale_o, args[13], grad_checked,
+                              has_new ? 5 : 3, &causal, &want_lse, &requested);
   if (go <= 0) return go < 0 ? NULL : Py_NewRef(Py_None);
   const int seq_tensor = seq_o != Py_None && !PyLong_CheckExact(seq_o);
-  PyObject* const tensors[5] = {q, kc, vc, seq_tensor ? seq_o : Py_None, bt};
-  const int cpu = all_cpu(st, tensors, 5);
+  PyObject* const tensors[] = {q, kc, vc, kn, vn, cos, sin, seq_tensor ? seq_o : Py_None, bt};
+  enum { N = sizeof tensors / sizeof tensors[0] };
+  const int cpu = all_cpu(st, tensors, N);
   if (cpu < 0) return NULL;
   if (!cpu) Py_RETURN_NONE;
   ab_kvcache_params p;
   memset(&p, 0, sizeof p);
-  if (read_view(st, q, &p.q, "q", 1) < 0 || read_view(st, kc, &p.k_cache, "k_cache", 1) < 0 ||
-      read_view(st, vc, &p.v_cache, "v_cache", 1) < 0 ||
-      (seq_tensor && read_view(st, seq_o, &p.cache_seqlens, "cache_seqlens", 1) < 0) ||
-      (bt != Py_None && read_view(st, bt, &p.block_table, "block_table", 1) < 0))
-    return NULL;
+  ab_tensor* const views[N] = {&p.q,          &p.k_cache,    &p.v_cache,       &p.k_new,      &p.v_new,
+                               &p.rotary_cos, &p.rotary_sin, &p.cache_seqlens, &p.block_table};
+  static const char* const names[N] = {"q",          "k_cache",    "v_cache",       "k",          "v",
+                                       "rotary_cos", "rotary_sin", "cache_seqlens", "block_table"};
+  for (int i = 0; i < N; ++i)
+    if (tensors[i] != Py_None && read_view(st, tensors[i], views[i], names[i], 1) < 0) return NULL;
   const ab_tensor *tq = &p.q, *tk = &p.k_cache, *tv = &p.v_cache;
   if (tq->ndim != 4 || tk->ndim != 4 || tv->ndim != 4) Py_RETURN_NONE;
   const ab_dtype dt = tq->dtype;
@@ -717,6 +772,10 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   /* _kvcache.check's rules for these arguments; anything else is the Python path's to word */
   if (dt > AB_DTYPE_F64 || tk->dtype != dt || tv->dtype != dt || tk->strides[3] != 1 || tv->strides[3] != 1 ||
       memcmp(tk->sizes, tv->sizes, sizeof tk->sizes) != 0 || tk->sizes[3] != D || Hkv < 1 || Hq % Hkv != 0)
+    Py_RETURN_NONE;
+  if (has_new &&
+      !new_rows_ok(&p.k_new, &p.v_new, has_rot ? &p.rotary_cos : NULL, has_rot ? &p.rotary_sin : NULL, dt, B,
+                   Hkv, D))
     Py_RETURN_NONE;
   for (int d = 0; d < 4; ++d)
     if (tk->sizes[d] == 0) Py_RETURN_NONE; /* an empty cache: the Python path */
@@ -763,8 +822,8 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   p.scale = scale;
   p.causal = causal;
   p.window_left = p.window_right = -1;
-  p.rotary_interleaved = 1;
-  PyObject* res = run_kvcache(st, q, &p, 1);
+  p.rotary_interleaved = inter_o == Py_True;
+  PyObject* res = run_kvcache(st, q, kc, vc, &p, 1);
   if (!res) return NULL;
   ++st->fast_calls;
   if (want_lse) return res;
@@ -773,12 +832,14 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   return out;
 }
 
-/* set_kvcache_guards(guards): kvcache()'s guards (set_fast_api's, less inference mode). */
+/* set_kvcache_guards(guards, increment_version): kvcache()'s guards (set_fast_api's, less inference
+ * mode), and torch._C._increment_version for the direct calls that write into a cache. */
 static PyObject* ab_py_set_kvcache_guards(PyObject* self, PyObject* args) {
   ab_state* st = ab_module_state(self);
-  PyObject* guards;
-  if (!PyArg_ParseTuple(args, "O!", &PyTuple_Type, &guards)) return NULL;
+  PyObject *guards, *bump;
+  if (!PyArg_ParseTuple(args, "O!O", &PyTuple_Type, &guards, &bump)) return NULL;
   replace_ref(&st->kv_guards, Py_NewRef(guards));
+  replace_ref(&st->increment_version, Py_NewRef(bump));
   Py_RETURN_NONE;
 }
 
@@ -846,19 +907,21 @@ PyMethodDef ab_direct_methods[] = {
      "flash_fwd_cpu(q, k, v, attn_mask, causal, scale, window_left, window_right, softcap, want_lse) -> "
      "(out, lse or None), or None: the CPU flash forward without the dispatcher (checked CPU tensors, no autograd)."},
     {"kvcache_fwd_cpu", ab_py_kvcache_fwd_cpu, METH_VARARGS,
-     "kvcache_fwd_cpu(q, k_cache, v_cache, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, cache_batch_idx, "
-     "cache_leftpad, block_table, alibi_slopes, scale, causal, window_left, window_right, softcap, "
+     "kvcache_fwd_cpu(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, "
+     "cache_batch_idx, cache_leftpad, block_table, alibi_slopes, scale, causal, window_left, window_right, softcap, "
      "rotary_interleaved, num_splits, sinks) -> (out, lse), or None: the CPU decode kernel without the "
-     "dispatcher (checked CPU tensors, nothing written into the cache)."},
+     "dispatcher (checked CPU tensors; k and v written into the caches, whose versions are then bumped)."},
     {"attention", (PyCFunction)(void (*)(void))ab_py_attention, METH_FASTCALL,
      "attention(q, k, v, backend, causal, scale, want_lse) -> out, (out, lse), or None: ab.attention's fast "
      "path for plain eager CPU calls whose plan is remembered (None: take the Python path)."},
     {"kvcache", (PyCFunction)(void (*)(void))ab_py_kvcache, METH_FASTCALL,
-     "kvcache(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal, want_lse, backend) -> out, "
+     "kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, softmax_scale, "
+     "causal, rotary_interleaved, want_lse, backend) -> out, "
      "(out, lse), or None: ab.attention_with_kvcache's fast path for plain eager CPU decode calls whose plan is "
      "remembered (None: take the Python path)."},
     {"set_kvcache_guards", ab_py_set_kvcache_guards, METH_VARARGS,
-     "set_kvcache_guards(guards): the guards of kvcache()'s fast path."},
+     "set_kvcache_guards(guards, increment_version): the guards of kvcache()'s fast path, and the version "
+     "bump of a cache the direct calls write into."},
     {"set_tensor_api", ab_py_set_tensor_api, METH_VARARGS,
      "set_tensor_api(empty_strided, cpu_device, dtypes): what the direct calls allocate outputs with."},
     {"set_fast_api", ab_py_set_fast_api, METH_VARARGS,

@@ -43,6 +43,7 @@ typedef struct ab_remembered {
   X(tensor_type)            /* torch.Tensor: only tensors of exactly this type take the fast path */     \
   X(guards)                 /* tuple of callables; each returns something false when it may run */       \
   X(kv_guards)              /* the same for attention_with_kvcache's (inference mode allowed) */         \
+  X(increment_version)      /* torch._C._increment_version: after a direct call wrote into a cache */   \
   X(grad_enabled)           /* torch.is_grad_enabled */                                                  \
   X(deterministic)          /* torch.are_deterministic_algorithms_enabled */                             \
   X(context_get)            /* the bound get() of ab.use()'s ContextVar (None outside any use()) */     \

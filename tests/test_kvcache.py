@@ -390,7 +390,7 @@ def test_opcheck(gen):
     torch.library.opcheck(torch.ops.attn_backends.kvcache_fwd.default, args)
 
 
-DIRECT_CASES = [c for c in CASES if not c.snew] + [
+DIRECT_CASES = CASES + [
     KV(B=3, Sq=1, Hq=8, Hkv=2, D=64, S=120, block=16, dtype=torch.float16),
     KV(B=2, Sq=2, Hq=4, Hkv=2, D=48, S=64, batch_idx=True, causal=True, softcap=3.0),
     KV(B=2, Sq=1, Hq=4, Hkv=4, D=64, S=80, block=48, sinks=True, dtype=torch.bfloat16),
@@ -417,21 +417,64 @@ def direct_calls(monkeypatch):
 
 
 @pytest.mark.parametrize("case", DIRECT_CASES, ids=str)
-def test_a_call_that_writes_nothing_skips_the_dispatcher_with_the_ops_bits(case, direct_calls, gen):
+def test_a_kernel_call_skips_the_dispatcher_with_the_ops_bits_writes_and_version_bumps(case, direct_calls, gen):
     call = Call(case, gen)
+    versions = (call.k_cache._version, call.v_cache._version)
     out, lse = call.run("paged_attention")
-    assert direct_calls == [True]
+    assert direct_calls == ([True] if case.Sq * case.Hq // case.Hkv <= 64 else [])
+    written = (call.k_cache.clone(), call.v_cache.clone())
+    bumps = (call.k_cache._version - versions[0], call.v_cache._version - versions[1])
+    assert min(bumps) > 0 if case.snew else bumps == (0, 0)
+    # the op on the caches as they were: the same outputs, the same cache contents
+    call.reset()
+    seqlens = call.cache_seqlens if isinstance(call.cache_seqlens, torch.Tensor) else None
+    seqlen = -1 if call.cache_seqlens is None or seqlens is not None else call.cache_seqlens
     op_out, op_lse = torch.ops.attn_backends.kvcache_fwd(
-        call.q, call.k_cache, call.v_cache, None, None, None, None, call.cache_seqlens if isinstance(
-            call.cache_seqlens, torch.Tensor) else None, -1 if call.cache_seqlens is None or isinstance(
-            call.cache_seqlens, torch.Tensor) else call.cache_seqlens, call.batch_idx, call.cache_leftpad,
-        call.block_table, call.alibi, case.D ** -0.5, case.causal, case.window[0], case.window[1], case.softcap,
-        True, 0, call.sinks)
+        call.q, call.k_cache, call.v_cache, call.k, call.v, call.cos, call.sin, seqlens, seqlen, call.batch_idx,
+        call.cache_leftpad, call.block_table, call.alibi, case.D ** -0.5, case.causal, case.window[0],
+        case.window[1], case.softcap, case.rotary != "neox", 0, call.sinks)
     assert torch.equal(out, op_out) and torch.equal(lse, op_lse)
+    assert torch.equal(call.k_cache, written[0]) and torch.equal(call.v_cache, written[1])
     call.check(out, lse)
 
 
-def test_the_direct_decode_call_is_kept_to_plain_eager_reads(direct_calls, gen):
+@pytest.mark.parametrize("rotary", [None, "neox"])
+def test_new_rows_with_any_strides_are_written_bit_for_bit(rotary, gen):
+    call = Call(KV(B=2, Sq=2, Hq=4, Hkv=2, D=48, S=40, snew=2, causal=True, rotary=rotary,
+                   dtype=torch.bfloat16), gen)
+    for name in ("k", "v"):  # every other element of a wider buffer, heads and tokens swapped in memory
+        t = getattr(call, name)
+        wide = torch.zeros(t.shape[0], t.shape[2], t.shape[1], 2 * t.shape[3], dtype=t.dtype).transpose(1, 2)
+        view = wide[..., ::2]
+        view.copy_(t)
+        assert view.stride(-1) == 2 and torch.equal(view, t)
+        setattr(call, name, view)
+    out, lse = call.run("paged_attention")
+    call.check(out, lse)
+
+
+@pytest.mark.parametrize("path", ["fast", "direct", "op"])
+def test_a_write_into_a_cache_saved_for_backward_is_seen_by_autograd(path, monkeypatch, gen):
+    if path != "fast":
+        monkeypatch.setattr(ab, "_fast_kvcache", lambda *args: None)
+    if path == "op":
+        monkeypatch.setattr(_C, "kvcache_fwd_cpu", lambda *args: None)
+    call = Call(KV(snew=1, seqlens=4), gen)
+    step = lambda: ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v,  # noqa: E731
+                                             cache_seqlens=4)
+    step()  # planned: the fast path may serve the next one
+    call.reset()
+    w = torch.ones(call.k_cache.shape[-1], requires_grad=True)
+    y = (call.k_cache * w).sum()  # saves k_cache for its backward
+    before = _C.fast_calls()
+    with torch.no_grad():
+        step()
+    assert (_C.fast_calls() - before == 1) == (path == "fast")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_the_direct_decode_call_is_kept_to_plain_eager_calls(direct_calls, gen):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Passthrough(TorchDispatchMode):
@@ -440,20 +483,20 @@ def test_the_direct_decode_call_is_kept_to_plain_eager_reads(direct_calls, gen):
 
     reads = Call(KV(), gen)
     reads.run("paged_attention")
-    with torch.inference_mode():  # a read: inference mode has nothing to track
+    with torch.inference_mode():  # inference mode may stay on
         reads.run("paged_attention")
-    assert direct_calls == [True, True]
+        Call(KV(snew=1), gen).run("paged_attention")
+    assert direct_calls == [True, True, True]
     with Passthrough():  # a mode must see the op
         out, lse = reads.run("paged_attention")
-    Call(KV(snew=1), gen).run("paged_attention")  # a call that writes the cache keeps the op
-    assert direct_calls == [True, True]
+    assert direct_calls == [True, True, True]
     reads.check(out, lse)
     # a bad index value is still a ValueError naming it, and nothing is written
     bad = Call(KV(seqlens=None), gen)
     with pytest.raises(ValueError, match="cache_seqlens"):
         ab.attention_with_kvcache(bad.q, bad.k_cache, bad.v_cache, cache_seqlens=torch.tensor([5, 98],
                                   dtype=torch.int32), backend="paged_attention", strict=True)
-    assert direct_calls == [True, True, None]
+    assert direct_calls == [True, True, True, None]
     assert torch.equal(bad.k_cache, bad.before[0]) and torch.equal(bad.v_cache, bad.before[1])
 
 
@@ -492,6 +535,66 @@ def test_the_fast_path_serves_plain_calls_with_the_python_paths_bits(case, gen):
         *args, **python_path, softmax_scale=0.3, return_softmax_lse=False))
     with torch.inference_mode():
         assert _fast(lambda: ab.attention_with_kvcache(*args, **kw))[1]
+
+
+WRITE_CASES = [KV(snew=1, seqlens=40, causal=True),
+               KV(B=3, Hq=8, Hkv=1, D=128, S=300, snew=1, causal=True, dtype=torch.bfloat16),
+               KV(B=2, Sq=2, Hq=6, Hkv=2, S=90, block=16, snew=2, causal=True, rotary="neox"),
+               KV(B=2, Sq=4, Hq=4, Hkv=4, D=40, S=70, snew=4, causal=True, rotary="interleaved",
+                  dtype=torch.float16)]
+
+
+@pytest.mark.parametrize("case", WRITE_CASES, ids=str)
+def test_the_fast_path_serves_decode_steps_that_write_the_cache(case, gen):
+    ab._dispatch.reset_caches()
+    call = Call(case, gen)
+    kw = dict(rotary_cos=call.cos, rotary_sin=call.sin, cache_seqlens=call.cache_seqlens,
+              block_table=call.block_table, causal=case.causal, rotary_interleaved=case.rotary != "neox")
+
+    def step():
+        versions = (call.k_cache._version, call.v_cache._version)
+        res = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, **kw,
+                                        return_softmax_lse=True)
+        assert call.k_cache._version > versions[0] and call.v_cache._version > versions[1]
+        return res
+
+    first, served = _fast(step)
+    assert not served  # the first call plans through the Python path
+    written = (call.k_cache.clone(), call.v_cache.clone())
+    call.reset()
+    (out, lse), served = _fast(step)
+    assert served
+    assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
+    assert torch.equal(call.k_cache, written[0]) and torch.equal(call.v_cache, written[1])
+    call.check(out, lse)
+
+
+def test_the_fast_path_leaves_bad_new_rows_to_the_python_checks(gen):
+    ab._dispatch.reset_caches()
+    call = Call(KV(B=2, Hq=8, Hkv=2, D=64, snew=1, seqlens=10, rotary="neox"), gen)
+    kw = dict(rotary_cos=call.cos, rotary_sin=call.sin, cache_seqlens=10, rotary_interleaved=False)
+    ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, **kw)
+    call.reset()
+    assert _fast(lambda: ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, **kw))[1]
+    call.reset()
+    k, v, cos = call.k, call.v, call.cos
+    bad = [dict(k=k, v=None), dict(k=None, v=v), dict(k=k.double(), v=v.double()), dict(k=k[:1], v=v[:1]),
+           dict(k=k, v=v[:, :, :1]), dict(k=k[..., :32], v=v[..., :32]), dict(k=k[0], v=v[0]),
+           dict(k=k, v=v, cache_seqlens=None), dict(k=None, v=None),  # rotary without new rows
+           dict(k=k, v=v, rotary_sin=None), dict(k=k, v=v, rotary_cos=cos[:, :1].expand(-1, 33)),
+           dict(k=k, v=v, rotary_cos=cos[:5]), dict(k=k, v=v, rotary_cos=cos.int(), rotary_sin=cos.int()),
+           dict(k=k, v=v, rotary_cos=cos[0], rotary_sin=cos[0]),
+           dict(k=k, v=v, cache_seqlens=torch.tensor([10, 97], dtype=torch.int32))]  # past the cache: kernel
+    for over in bad:
+        args = {**dict(k=k, v=v), **kw, **over}
+        before = _C.fast_calls()
+        with pytest.raises((TypeError, ValueError)):
+            ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, **args)
+        assert _C.fast_calls() == before, over
+        assert torch.equal(call.k_cache, call.before[0]) and torch.equal(call.v_cache, call.before[1]), over
+    kg = k.detach().requires_grad_()
+    with pytest.raises(RuntimeError, match="no backward"):
+        ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, kg, v, **kw)
 
 
 def test_the_kvcache_fast_path_hands_back_what_is_not_plain(gen):
