@@ -368,6 +368,23 @@ def test_a_fixed_split_count_is_bitwise_reproducible_across_thread_counts(gen):
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize("case", [KV(B=1, Hq=8, Hkv=8, D=64, S=100, snew=1, causal=True),
+                                  KV(B=1, Sq=2, Hq=12, Hkv=6, D=32, S=60, block=16, causal=True,
+                                     dtype=torch.bfloat16)], ids=str)
+def test_a_short_cache_on_more_threads_spreads_its_heads(case, gen):
+    # too few keys to split: with more threads the kernel gives each work item fewer KV heads
+    # (csrc/cpu/decode_cpu.c heads_per_item; 6 heads step down through their divisors 3, 2, 1)
+    before = torch.get_num_threads()
+    call = Call(case, gen)
+    try:
+        for threads in (1, 2, 3, 8):
+            torch.set_num_threads(threads)
+            out, lse = call.reset().run("paged_attention")
+            call.check(out, lse)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_long_queries_go_to_flash_over_the_gathered_cache(gen):
     # 40 tokens x 4 query heads per KV head: more rows than one tile of the decode kernel
     call = Call(KV(B=2, Sq=40, Hq=8, Hkv=2, D=64, S=120, block=16, snew=40, causal=True, rotary="neox"), gen)
