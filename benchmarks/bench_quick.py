@@ -73,7 +73,7 @@ def machine_header() -> list:
 
 
 def median_us(fn, rounds: int) -> float:
-    t = benchmark.Timer("fn()", globals={"fn": fn})
+    t = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())  # its default is 1
     t.timeit(1)
     return statistics.median(t.timeit(3).median for _ in range(rounds)) * 1e6
 
