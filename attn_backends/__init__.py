@@ -253,15 +253,12 @@ def attention_with_kvcache(
         out (B, Sq, Hq, D) in q's dtype, or (out, lse) with return_softmax_lse=True.  A query that
         sees no key gets out 0 and lse -inf (lse = sinks[h] with sinks).
     """
-    if (cache_batch_idx is None and cache_leftpad is None and alibi_slopes is None and sinks is None
-            and not _is_compiling()
-            and num_splits.__class__ is int and num_splits == 0 and softcap.__class__ in (int, float)
-            and softcap == 0 and rotary_interleaved.__class__ is bool and window_size.__class__ is tuple
-            and window_size == (-1, -1) and window_size[0].__class__ is int and window_size[1].__class__ is int):
-        # the fast path (csrc/ab_direct.c, kvcache): a plain eager CPU decode call whose plan is known, all
-        # in C; None hands the call to the Python path
-        res = _fast_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table,
-                            softmax_scale, causal, rotary_interleaved, return_softmax_lse, backend)
+    if not _is_compiling():
+        # the fast path (csrc/ab_direct.c, kvcache): an eager CPU call within the checks' rules whose plan is
+        # known, all in C; None hands the call to the Python path
+        res = _fast_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                            cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                            rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, backend, sinks)
         if res is not None:
             return res
     return _kvcache.attention_with_kvcache(

@@ -693,17 +693,18 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
 
 /* ---- the fast path of ab.attention_with_kvcache -----------------------------------------------------
  *
- * kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, softmax_scale,
- *         causal, rotary_interleaved, want_lse, backend): a plain eager CPU decode call in C, on the terms
- * of attention()'s fast path above (None: the Python path, attn_backends/_kvcache.py, serves the call
- * with its checks and its errors):
- *   - attn_backends/__init__.py calls here only when the other arguments are at their defaults (no
- *     cache_batch_idx, cache_leftpad, ALiBi, sinks, window, softcap or num_splits; not while
- *     torch.compile traces);
- *   - q, k_cache, v_cache (and k, v, rotary_cos, rotary_sin, cache_seqlens, block_table when given)
- *     plain torch.Tensors on the CPU that pass _kvcache.check's rules; cache_seqlens None, an int >= 0
- *     or a (B,) int32/int64 tensor (not None with k and v); softmax_scale None or a finite float;
- *     causal, rotary_interleaved and want_lse bools;
+ * kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+ *         cache_leftpad, block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved,
+ *         alibi_slopes, num_splits, want_lse, backend, sinks): ab.attention_with_kvcache's arguments in
+ * its order, a plain eager CPU decode call in C, on the terms of attention()'s fast path above (None:
+ * the Python path, attn_backends/_kvcache.py, serves the call with its checks and its errors):
+ *   - attn_backends/__init__.py calls here unless torch.compile traces;
+ *   - every tensor a plain torch.Tensor on the CPU, and every argument within _kvcache.check's rules:
+ *     the dtypes and shapes of q, the caches, k and v, the rotary tables, the index tensors
+ *     (cache_seqlens, cache_batch_idx, cache_leftpad: (B,) int32/int64; block_table (B, n)), the ALiBi
+ *     slopes and the sinks; cache_seqlens None, an int >= 0 or a tensor (not None with k and v);
+ *     softmax_scale None or a finite float; causal, rotary_interleaved and want_lse bools;
+ *     window_size a tuple of two ints >= -1; softcap a finite float or int >= 0; num_splits an int >= 0;
  *   - none of set_kvcache_guards' guards is active (inference mode may be on) and no gradient is
  *     needed; the query rows of a KV head fit the kernel (Sq * Hq / Hkv <= 64, _kvcache.run_kernel);
  *   - the descriptor _kvcache.signature builds is remembered with paged_attention chosen.
@@ -724,51 +725,97 @@ static int new_rows_ok(const ab_tensor* k, const ab_tensor* v, const ab_tensor* 
          cos->sizes[1] <= D / 2;
 }
 
+/* An exact int >= least as *x: 1, 0 when it is not one (the Python path words it). */
+static int small_int(PyObject* o, long long least, long long* x) {
+  if (!PyLong_CheckExact(o)) return 0;
+  *x = PyLong_AsLongLong(o);
+  if (*x == -1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    return 0;
+  }
+  return *x >= least;
+}
+
+enum { KV_Q, KV_KC, KV_VC, KV_K, KV_V, KV_COS, KV_SIN, KV_SEQ, KV_BIDX, KV_LEFT, KV_BT, KV_SCALE, KV_CAUSAL,
+       KV_WINDOW, KV_SOFTCAP, KV_INTER, KV_ALIBI, KV_SPLITS, KV_LSE, KV_BACKEND, KV_SINKS, KV_NARGS };
+
 static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   ab_state* st = ab_module_state(self);
-  if (nargs != 14) {
-    PyErr_SetString(PyExc_TypeError, "kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, "
-                                     "block_table, softmax_scale, causal, rotary_interleaved, want_lse, backend) "
-                                     "takes 14 arguments");
+  if (nargs != KV_NARGS) {
+    PyErr_SetString(PyExc_TypeError, "kvcache() takes attention_with_kvcache's 21 arguments, in its order");
     return NULL;
   }
-  PyObject *q = args[0], *kc = args[1], *vc = args[2], *kn = args[3], *vn = args[4], *cos = args[5],
-           *sin = args[6], *seq_o = args[7], *bt = args[8], *scale_o = args[9], *inter_o = args[11];
   if (!st->tensor_type || !st->kv_guards || !st->empty_strided || st->n_remembered == 0 || ab_cuda_emulation())
     Py_RETURN_NONE;
   PyObject* const tt = st->tensor_type;
+  PyObject *q = args[KV_Q], *kc = args[KV_KC], *vc = args[KV_VC], *kn = args[KV_K], *vn = args[KV_V];
+  PyObject *cos = args[KV_COS], *sin = args[KV_SIN], *seq_o = args[KV_SEQ], *inter_o = args[KV_INTER];
   const int has_new = kn != Py_None, has_rot = cos != Py_None;
-  if ((PyObject*)Py_TYPE(q) != tt || (PyObject*)Py_TYPE(kc) != tt || (PyObject*)Py_TYPE(vc) != tt ||
-      (has_new && ((PyObject*)Py_TYPE(kn) != tt || (PyObject*)Py_TYPE(vn) != tt || seq_o == Py_None)) ||
-      (!has_new && (vn != Py_None || has_rot)) ||
-      (has_rot && ((PyObject*)Py_TYPE(cos) != tt || (PyObject*)Py_TYPE(sin) != tt)) ||
-      (!has_rot && sin != Py_None) || (inter_o != Py_True && inter_o != Py_False) ||
-      (bt != Py_None && (PyObject*)Py_TYPE(bt) != tt) ||
-      (seq_o != Py_None && (PyObject*)Py_TYPE(seq_o) != tt && !PyLong_CheckExact(seq_o)))
-    Py_RETURN_NONE;
-  PyObject* const grad_checked[5] = {q, kc, vc, kn, vn}; /* _kvcache.check's: no gradient for these */
-  int causal, want_lse, requested;
-  const int go = fast_opening(st, st->kv_guards, args[10], args[12], scale_o, args[13], grad_checked,
-                              has_new ? 5 : 3, &causal, &want_lse, &requested);
-  if (go <= 0) return go < 0 ? NULL : Py_NewRef(Py_None);
   const int seq_tensor = seq_o != Py_None && !PyLong_CheckExact(seq_o);
-  PyObject* const tensors[] = {q, kc, vc, kn, vn, cos, sin, seq_tensor ? seq_o : Py_None, bt};
-  enum { N = sizeof tensors / sizeof tensors[0] };
-  const int cpu = all_cpu(st, tensors, N);
+  /* every tensor argument: None or a plain torch.Tensor (cache_seqlens may also be an int) */
+  static const int tensor_args[] = {KV_Q, KV_KC, KV_VC, KV_K, KV_V, KV_COS, KV_SIN, KV_SEQ, KV_BIDX, KV_LEFT,
+                                    KV_BT, KV_ALIBI, KV_SINKS};
+  enum { NT = sizeof tensor_args / sizeof tensor_args[0] };
+  PyObject* tensors[NT];
+  for (int i = 0; i < NT; ++i) {
+    PyObject* a = args[tensor_args[i]];
+    tensors[i] = tensor_args[i] == KV_SEQ && !seq_tensor ? Py_None : a;
+    if (tensors[i] != Py_None && (PyObject*)Py_TYPE(tensors[i]) != tt) Py_RETURN_NONE;
+  }
+  if (q == Py_None || kc == Py_None || vc == Py_None || (vn != Py_None) != has_new || (sin != Py_None) != has_rot ||
+      (has_new && seq_o == Py_None) || (has_rot && !has_new) || (inter_o != Py_True && inter_o != Py_False))
+    Py_RETURN_NONE;
+  /* the scalars: window (-1 unbounded), softcap, num_splits */
+  PyObject* win = args[KV_WINDOW];
+  long long wl, wr, splits;
+  if (!PyTuple_CheckExact(win) || PyTuple_Size(win) != 2 || !small_int(PyTuple_GetItem(win, 0), -1, &wl) ||
+      !small_int(PyTuple_GetItem(win, 1), -1, &wr) || !small_int(args[KV_SPLITS], 0, &splits))
+    Py_RETURN_NONE;
+  PyObject* cap_o = args[KV_SOFTCAP];
+  double softcap;
+  if (PyFloat_CheckExact(cap_o)) {
+    softcap = PyFloat_AsDouble(cap_o);
+  } else if (PyLong_CheckExact(cap_o)) {
+    softcap = PyLong_AsDouble(cap_o);
+    if (softcap == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      Py_RETURN_NONE;
+    }
+  } else {
+    Py_RETURN_NONE;
+  }
+  if (!(softcap >= 0.0 && isfinite(softcap))) Py_RETURN_NONE;
+  PyObject* grad_checked[6] = {q, kc, vc}; /* the tensors _kvcache.check wants no gradient for */
+  int n_grad = 3;
+  if (args[KV_SINKS] != Py_None) grad_checked[n_grad++] = args[KV_SINKS];
+  if (has_new) {
+    grad_checked[n_grad++] = kn;
+    grad_checked[n_grad++] = vn;
+  }
+  int causal, want_lse, requested;
+  const int go = fast_opening(st, st->kv_guards, args[KV_CAUSAL], args[KV_LSE], args[KV_SCALE], args[KV_BACKEND],
+                              grad_checked, n_grad, &causal, &want_lse, &requested);
+  if (go <= 0) return go < 0 ? NULL : Py_NewRef(Py_None);
+  const int cpu = all_cpu(st, tensors, NT);
   if (cpu < 0) return NULL;
   if (!cpu) Py_RETURN_NONE;
   ab_kvcache_params p;
   memset(&p, 0, sizeof p);
-  ab_tensor* const views[N] = {&p.q,          &p.k_cache,    &p.v_cache,       &p.k_new,      &p.v_new,
-                               &p.rotary_cos, &p.rotary_sin, &p.cache_seqlens, &p.block_table};
-  static const char* const names[N] = {"q",          "k_cache",    "v_cache",       "k",          "v",
-                                       "rotary_cos", "rotary_sin", "cache_seqlens", "block_table"};
-  for (int i = 0; i < N; ++i)
+  ab_tensor* const views[NT] = {&p.q,           &p.k_cache,      &p.v_cache,         &p.k_new,
+                                &p.v_new,       &p.rotary_cos,   &p.rotary_sin,      &p.cache_seqlens,
+                                &p.cache_batch_idx, &p.cache_leftpad, &p.block_table, &p.alibi_slopes,
+                                &p.sinks};
+  static const char* const names[NT] = {"q",          "k_cache",       "v_cache",         "k",
+                                        "v",          "rotary_cos",    "rotary_sin",      "cache_seqlens",
+                                        "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
+                                        "sinks"};
+  for (int i = 0; i < NT; ++i)
     if (tensors[i] != Py_None && read_view(st, tensors[i], views[i], names[i], 1) < 0) return NULL;
   const ab_tensor *tq = &p.q, *tk = &p.k_cache, *tv = &p.v_cache;
   if (tq->ndim != 4 || tk->ndim != 4 || tv->ndim != 4) Py_RETURN_NONE;
   const ab_dtype dt = tq->dtype;
   const int64_t B = tq->sizes[0], Hq = tq->sizes[2], D = tq->sizes[3], Hkv = tk->sizes[2];
+  const int paged = args[KV_BT] != Py_None;
   /* _kvcache.check's rules for these arguments; anything else is the Python path's to word */
   if (dt > AB_DTYPE_F64 || tk->dtype != dt || tv->dtype != dt || tk->strides[3] != 1 || tv->strides[3] != 1 ||
       memcmp(tk->sizes, tv->sizes, sizeof tk->sizes) != 0 || tk->sizes[3] != D || Hkv < 1 || Hq % Hkv != 0)
@@ -779,21 +826,26 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
     Py_RETURN_NONE;
   for (int d = 0; d < 4; ++d)
     if (tk->sizes[d] == 0) Py_RETURN_NONE; /* an empty cache: the Python path */
-  const ab_tensor* ix[2] = {seq_tensor ? &p.cache_seqlens : NULL, bt != Py_None ? &p.block_table : NULL};
-  for (int i = 0; i < 2; ++i)
-    if (ix[i] && (ix[i]->ndim != i + 1 || (ix[i]->dtype != AB_DTYPE_I32 && ix[i]->dtype != AB_DTYPE_I64) ||
-                  ix[i]->sizes[0] != B))
+  const ab_tensor* const ix[4] = {seq_tensor ? &p.cache_seqlens : NULL,
+                                  args[KV_BIDX] != Py_None ? &p.cache_batch_idx : NULL,
+                                  args[KV_LEFT] != Py_None ? &p.cache_leftpad : NULL, paged ? &p.block_table : NULL};
+  for (int i = 0; i < 4; ++i)
+    if (ix[i] && (ix[i]->ndim != (i == 3 ? 2 : 1) ||
+                  (ix[i]->dtype != AB_DTYPE_I32 && ix[i]->dtype != AB_DTYPE_I64) || ix[i]->sizes[0] != B))
       Py_RETURN_NONE;
-  if (bt == Py_None && tk->sizes[0] < B) Py_RETURN_NONE;
+  if (paged && ix[1]) Py_RETURN_NONE;                       /* cache_batch_idx with block_table: an error */
+  if (!paged && !ix[1] && tk->sizes[0] < B) Py_RETURN_NONE; /* too few cache rows: an error */
+  const ab_tensor *al = &p.alibi_slopes, *sk = &p.sinks;
+  if (args[KV_ALIBI] != Py_None &&
+      (al->dtype != AB_DTYPE_F32 || !((al->ndim == 1 && al->sizes[0] == Hq) ||
+                                      (al->ndim == 2 && al->sizes[0] == B && al->sizes[1] == Hq))))
+    Py_RETURN_NONE;
+  if (args[KV_SINKS] != Py_None && (sk->ndim != 1 || sk->sizes[0] != Hq || sk->dtype > AB_DTYPE_F64))
+    Py_RETURN_NONE;
   if (tq->sizes[1] * (Hq / Hkv) > 64) Py_RETURN_NONE; /* long queries: run_kernel gathers for flash */
   long long seqlen = -1;
-  if (seq_o != Py_None && !seq_tensor) {
-    seqlen = PyLong_AsLongLong(seq_o);
-    if (seqlen < 0) {
-      PyErr_Clear();
-      Py_RETURN_NONE;
-    }
-  }
+  if (seq_o != Py_None && !seq_tensor && !small_int(seq_o, 0, &seqlen)) Py_RETURN_NONE;
+  PyObject* scale_o = args[KV_SCALE];
   double scale = pow((double)D, -0.5); /* D ** -0.5, as _kvcache.check computes it */
   if (scale_o != Py_None) {
     scale = PyFloat_AsDouble(scale_o);
@@ -809,9 +861,13 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   c.Dv = D;
   c.gqa = Hq != Hkv;
   c.causal = causal ? AB_CAUSAL_BOTTOM_RIGHT : AB_CAUSAL_NONE;
+  c.window = wl >= 0 || wr >= 0;
+  c.softcap = softcap > 0;
   c.want_lse = 1;
   c.varlen = 2;
   c.requested = requested;
+  c.sinks = args[KV_SINKS] != Py_None;
+  c.alibi = args[KV_ALIBI] != Py_None;
   if (remembered(st, &c) != AB_BK_PAGED) Py_RETURN_NONE;
   p.B = B;
   p.Sq = tq->sizes[1];
@@ -820,9 +876,12 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   p.Hkv = Hkv;
   p.cache_seqlen = seqlen;
   p.scale = scale;
+  p.softcap = softcap;
   p.causal = causal;
-  p.window_left = p.window_right = -1;
+  p.window_left = wl;
+  p.window_right = wr;
   p.rotary_interleaved = inter_o == Py_True;
+  p.num_splits = (int32_t)(splits > 1 << 20 ? 1 << 20 : splits);
   PyObject* res = run_kvcache(st, q, kc, vc, &p, 1);
   if (!res) return NULL;
   ++st->fast_calls;
@@ -866,8 +925,9 @@ static PyObject* ab_py_set_fast_api(PyObject* self, PyObject* args) {
 }
 
 /* remember(call, chosen): the Python path planned call (a Call) and chose backend id chosen without
- * falling back; the fast paths may serve such calls from now on (only the plain CPU dense forwards and
- * KV-cache calls are kept: the only ones they build). */
+ * falling back; the fast paths may serve such calls from now on.  Only what they build is kept: plain
+ * CPU dense forwards (attention()) and CPU KV-cache calls (kvcache(), which also takes a window,
+ * softcap, sinks and ALiBi). */
 static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   ab_state* st = ab_module_state(self);
   PyObject* call;
@@ -875,10 +935,10 @@ static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   if (!PyArg_ParseTuple(args, "Oi", &call, &chosen)) return NULL;
   ab_call c;
   if (ab_call_from_py(call, &c) < 0) return NULL;
-  const int cpu_plain = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !c.mask && !c.mask_grad &&
-                        !c.window && !c.softcap && !c.dropout && !c.need_grad && !c.cuda_smem && !c.sinks && !c.alibi;
-  /* a dense forward (attention()) or a KV-cache call (kvcache()) */
-  const int plain = cpu_plain && ((!c.varlen && c.causal != AB_CAUSAL_BOTTOM_RIGHT) || c.varlen == 2);
+  const int cpu = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !c.mask && !c.mask_grad &&
+                  !c.dropout && !c.need_grad && !c.cuda_smem;
+  const int options = c.window || c.softcap || c.sinks || c.alibi;
+  const int plain = cpu && ((!c.varlen && c.causal != AB_CAUSAL_BOTTOM_RIGHT && !options) || c.varlen == 2);
   if (plain && remembered(st, &c) < 0 && st->n_remembered < AB_REMEMBERED_MAX) {
     st->remembered[st->n_remembered].call = c;
     st->remembered[st->n_remembered].chosen = chosen;
@@ -915,8 +975,9 @@ PyMethodDef ab_direct_methods[] = {
      "attention(q, k, v, backend, causal, scale, want_lse) -> out, (out, lse), or None: ab.attention's fast "
      "path for plain eager CPU calls whose plan is remembered (None: take the Python path)."},
     {"kvcache", (PyCFunction)(void (*)(void))ab_py_kvcache, METH_FASTCALL,
-     "kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, block_table, softmax_scale, "
-     "causal, rotary_interleaved, want_lse, backend) -> out, "
+     "kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, "
+     "block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, "
+     "want_lse, backend, sinks) -> out, "
      "(out, lse), or None: ab.attention_with_kvcache's fast path for plain eager CPU decode calls whose plan is "
      "remembered (None: take the Python path)."},
     {"set_kvcache_guards", ab_py_set_kvcache_guards, METH_VARARGS,

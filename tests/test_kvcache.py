@@ -554,6 +554,33 @@ def test_the_fast_path_serves_plain_calls_with_the_python_paths_bits(case, gen):
         assert _fast(lambda: ab.attention_with_kvcache(*args, **kw))[1]
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c.Sq * c.Hq // c.Hkv <= 64], ids=str)
+def test_the_fast_path_serves_every_option_of_the_kernel_after_planning(case, gen):
+    # window, softcap, ALiBi, sinks, cache_batch_idx, cache_leftpad, rotary: the first call of a kind is
+    # planned (and logged) by the Python path, the next ones are served in C with the same bits and writes
+    ab._dispatch.reset_caches()
+    call = Call(case, gen)
+
+    def step():
+        return ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, **call.kwargs(),
+                                         return_softmax_lse=True)
+
+    first, served = _fast(step)
+    assert not served
+    written = (call.k_cache.clone(), call.v_cache.clone())
+    call.reset()
+    (out, lse), served = _fast(step)
+    assert served
+    assert torch.equal(out, first[0]) and torch.equal(lse, first[1])
+    assert torch.equal(call.k_cache, written[0]) and torch.equal(call.v_cache, written[1])
+    call.check(out, lse)
+    call.reset()  # a fixed split count: the same descriptor, so served at once
+    (out, lse), served = _fast(lambda: ab.attention_with_kvcache(
+        call.q, call.k_cache, call.v_cache, call.k, call.v, **call.kwargs(), num_splits=3, return_softmax_lse=True))
+    assert served
+    call.check(out, lse)
+
+
 WRITE_CASES = [KV(snew=1, seqlens=40, causal=True),
                KV(B=3, Hq=8, Hkv=1, D=128, S=300, snew=1, causal=True, dtype=torch.bfloat16),
                KV(B=2, Sq=2, Hq=6, Hkv=2, S=90, block=16, snew=2, causal=True, rotary="neox"),
@@ -627,8 +654,8 @@ def test_the_kvcache_fast_path_hands_back_what_is_not_plain(gen):
     run = lambda **over: ab.attention_with_kvcache(*args, **{**kw, **over})  # noqa: E731
     run()
     assert _fast(run)[1]
-    assert not _fast(lambda: run(softcap=2.0))[1]
-    assert not _fast(lambda: run(window_size=(3, 0)))[1]
+    assert not _fast(lambda: run(softcap=2.0))[1]  # another descriptor: planned by the Python path first
+    assert _fast(lambda: run(softcap=2.0))[1]
     assert not _fast(lambda: run(backend="math"))[1]  # another backend's plan is not remembered
     with ab.use("flash"):
         assert not _fast(run)[1]
@@ -641,9 +668,16 @@ def test_the_kvcache_fast_path_hands_back_what_is_not_plain(gen):
     with pytest.raises(RuntimeError, match="no backward"):
         ab.attention_with_kvcache(q, *args[1:], **kw)
     # what the Python checks refuse is refused as before, and the fast path does not serve it
-    bad = [dict(num_splits=False), dict(softcap=False), dict(window_size=(-1.0, -1)), dict(rotary_interleaved=1),
+    idx = torch.zeros(2, dtype=torch.int32)
+    bad = [dict(num_splits=False), dict(num_splits=-1), dict(softcap=False), dict(softcap=-1.0),
+           dict(softcap=float("nan")), dict(window_size=(-1.0, -1)), dict(window_size=(-2, 0)),
+           dict(window_size=(True, 0)), dict(window_size=(1, 2, 3)), dict(rotary_interleaved=1),
            dict(cache_seqlens=True), dict(cache_seqlens=-1), dict(softmax_scale=True),
-           dict(softmax_scale=float("inf")), dict(causal=1)]
+           dict(softmax_scale=float("inf")), dict(causal=1), dict(cache_batch_idx=idx.float()),
+           dict(cache_batch_idx=idx[:1]), dict(cache_leftpad=idx.view(2, 1)), dict(alibi_slopes=torch.ones(8).double()),
+           dict(alibi_slopes=torch.ones(4)), dict(alibi_slopes=[0.1] * 8), dict(sinks=torch.ones(7)),
+           dict(sinks=torch.ones(8, dtype=torch.int32)),
+           dict(block_table=idx.view(2, 1), cache_batch_idx=idx)]  # batch_idx does not apply to a paged cache
     for over in bad:
         before = _C.fast_calls()
         with pytest.raises((TypeError, ValueError)):
