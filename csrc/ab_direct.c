@@ -978,7 +978,7 @@ PyMethodDef ab_direct_methods[] = {
      "kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, "
      "block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, "
      "want_lse, backend, sinks) -> out, "
-     "(out, lse), or None: ab.attention_with_kvcache's fast path for plain eager CPU decode calls whose plan is "
+     "(out, lse), or None: ab.attention_with_kvcache's fast path for eager CPU calls whose plan is "
      "remembered (None: take the Python path)."},
     {"set_kvcache_guards", ab_py_set_kvcache_guards, METH_VARARGS,
      "set_kvcache_guards(guards, increment_version): the guards of kvcache()'s fast path, and the version "
