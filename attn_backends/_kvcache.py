@@ -38,9 +38,11 @@ _is_compiling = torch.compiler.is_compiling
 # query rows per KV head the decode kernel serves in one tile (csrc/cpu/decode_cpu_impl.h DC_ROWS)
 _KERNEL_ROWS = 64
 _Tensor = torch.Tensor
-# the guards of _direct_ok and of attention_with_kvcache's fast path (csrc/ab_direct.c kvcache()): each
-# returns something false when no mode, trace or transform is active; inference mode may be on
-_increment_version = torch._C._increment_version  # what torch.autograd.graph.increment_version calls
+# what torch.autograd.graph.increment_version calls: the version bump of a cache the kernel wrote into
+_increment_version = torch._C._increment_version
+# the fast path's (csrc/ab_direct.c kvcache()) guards are _direct_ok's, ours.py's read_guards (each returns
+# something false when no mode, trace or transform is active; inference mode may be on), and its writes
+# get the same version bumps
 _C.set_kvcache_guards(read_guards, _increment_version)
 _INVALID = "attn_backends: invalid argument: "
 
