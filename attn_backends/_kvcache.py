@@ -5,7 +5,9 @@ One call validates its arguments, asks the planner which backend serves a KV-cac
 
 - ``paged_attention``: the CPU decode kernel (csrc/cpu/decode_cpu.c) writes the new keys and values
   into the cache and attends in one op; queries longer than one of its tiles (more than 64 query
-  rows per KV head) go to flash over a gathered view instead, where the tiled products pay off.
+  rows per KV head; more than 48 over a long dense cache that flash reads in place,
+  csrc/cpu/decode_cpu.h ab_kvcache_cpu_max_rows) go to flash over a gathered view instead, where the
+  tiled products pay off.
   On CUDA (opt-in, ATTN_BACKENDS_CUDA_DECODE=1), and on the CPU under the CUDA emulation, the same
   op runs the CUDA decode kernel (csrc/cuda/decode.cu) for every query length.
 - ``flash``: the cache is gathered into a dense (B, Hkv, S, D) view and our flash kernel attends with
@@ -35,8 +37,6 @@ _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX = (torch.int32, torch.int64)
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _is_compiling = torch.compiler.is_compiling
-# query rows per KV head the decode kernel serves in one tile (csrc/cpu/decode_cpu_impl.h DC_ROWS)
-_KERNEL_ROWS = 64
 _Tensor = torch.Tensor
 # what torch.autograd.graph.increment_version calls: the version bump of a cache the kernel wrote into
 _increment_version = torch._C._increment_version
@@ -272,7 +272,10 @@ def run_kernel(c: KVCall):
     if c.q.is_cuda or _C.cuda_emulation():
         return run_cuda_kernel(c)
     G = c.q.shape[2] // c.k_cache.shape[2]
-    if c.q.shape[1] * G > _KERNEL_ROWS:
+    # more query rows per KV head than the kernel serves best (at most one of its tiles, fewer over a long
+    # dense cache that flash reads in place: csrc/cpu/decode_cpu.h ab_kvcache_cpu_max_rows)
+    in_place = c.block_table is None and c.batch_idx is None
+    if c.q.shape[1] * G > _C.kvcache_max_rows(_planner.DTYPE_IDS[c.q.dtype], in_place, c.k_cache.shape[1]):
         return run_gathered(c, _attend_flash)
     return _kernel_op(c)
 
@@ -516,6 +519,15 @@ def _attend_flash(c: KVCall, rows: _Rows):
     its own arguments (the keys right-aligned per row first, when ALiBi needs each row's position)."""
     K, V, vis, ii = gather(c, rows)
     q = _rotated_q(c, rows, torch.float32).to(c.q.dtype)
+    if (K.shape[1] and c.alibi is None and c.wl < 0 and c.wr < 0 and not any(rows.lo)
+            and min(rows.end) == K.shape[1]):
+        # every row sees keys [0, S) with its queries at the end: the kernel's own bottom-right causal (or
+        # none), no mask to build or read (chunked prefill against a cache, docs/decode.md)
+        args = (q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), None, None, 2 if c.causal else 0, c.scale,
+                -1, -1, c.softcap, 0.0, c.sinks, None)
+        with _below_autograd():
+            out, lse = ops.flash_fwd(*args)[:2]
+        return out.transpose(1, 2), lse
     if c.alibi is not None and K.shape[1]:
         end = torch.tensor(rows.end, dtype=torch.int64, device=K.device)
         K, V, vis = _right_aligned(K, V, vis, end)

@@ -842,7 +842,8 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
     Py_RETURN_NONE;
   if (args[KV_SINKS] != Py_None && (sk->ndim != 1 || sk->sizes[0] != Hq || sk->dtype > AB_DTYPE_F64))
     Py_RETURN_NONE;
-  if (tq->sizes[1] * (Hq / Hkv) > 64) Py_RETURN_NONE; /* long queries: run_kernel gathers for flash */
+  /* long queries: run_kernel gives them to flash over the cache */
+  if (tq->sizes[1] * (Hq / Hkv) > ab_kvcache_cpu_max_rows(dt, !paged && !ix[1], tk->sizes[1])) Py_RETURN_NONE;
   long long seqlen = -1;
   if (seq_o != Py_None && !seq_tensor && !small_int(seq_o, 0, &seqlen)) Py_RETURN_NONE;
   PyObject* scale_o = args[KV_SCALE];
@@ -889,6 +890,16 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   PyObject* out = Py_NewRef(PyTuple_GetItem(res, 0));
   Py_DECREF(res);
   return out;
+}
+
+/* kvcache_max_rows(dtype, in_place, positions) -> int: ab_kvcache_cpu_max_rows (decode_cpu.h), for
+ * _kvcache.run_kernel; dtype an ab_dtype id. */
+static PyObject* ab_py_kvcache_max_rows(PyObject* self, PyObject* args) {
+  (void)self;
+  int dt, in_place;
+  long long positions;
+  if (!PyArg_ParseTuple(args, "ipL", &dt, &in_place, &positions)) return NULL;
+  return PyLong_FromLongLong(ab_kvcache_cpu_max_rows((ab_dtype)dt, in_place, positions));
 }
 
 /* set_kvcache_guards(guards, increment_version): kvcache()'s guards (set_fast_api's, less inference
@@ -980,6 +991,9 @@ PyMethodDef ab_direct_methods[] = {
      "want_lse, backend, sinks) -> out, "
      "(out, lse), or None: ab.attention_with_kvcache's fast path for eager CPU calls whose plan is "
      "remembered (None: take the Python path)."},
+    {"kvcache_max_rows", ab_py_kvcache_max_rows, METH_VARARGS,
+     "kvcache_max_rows(dtype, in_place, positions) -> int: the query rows per KV head up to which the CPU decode "
+     "kernel serves a call (more go to flash over the cache)."},
     {"set_kvcache_guards", ab_py_set_kvcache_guards, METH_VARARGS,
      "set_kvcache_guards(guards, increment_version): the guards of kvcache()'s fast path, and the version "
      "bump of a cache the direct calls write into."},

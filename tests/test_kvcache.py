@@ -391,6 +391,47 @@ def test_long_queries_go_to_flash_over_the_gathered_cache(gen):
     call.check(*call.run("paged_attention"))
 
 
+@pytest.mark.parametrize("block", [None, 16])
+def test_long_queries_over_a_long_dense_cache_go_to_flash_from_fewer_rows(block, gen, monkeypatch):
+    # 13 tokens x 4 query heads per KV head = 52 rows: the kernel's own below 2048 positions or in a
+    # paged cache, flash over the cache's view from 48 rows in a long dense one (ab_kvcache_cpu_max_rows)
+    case = KV(B=1, Sq=13, Hq=8, Hkv=2, D=32, S=2048, block=block, seqlens=1500, snew=13, causal=True,
+              dtype=torch.bfloat16)
+    assert _C.kvcache_max_rows(2, True, 2048) == 48 and _C.kvcache_max_rows(2, False, 2048) == 64
+    assert _C.kvcache_max_rows(2, True, 2047) == 64 and _C.kvcache_max_rows(1, True, 4096) == 64
+    flash_calls = []
+    real = ab._kvcache.ops.flash_fwd
+    monkeypatch.setattr(ab._kvcache.ops, "flash_fwd", lambda *a: flash_calls.append(1) or real(*a))
+    ab._dispatch.reset_caches()
+    call = Call(case, gen)
+    for _ in range(2):  # planned, then the fast path's turn: it hands the call back when flash serves it
+        out, lse = _fast(lambda: call.reset().run("paged_attention"))[0]
+        call.check(out, lse)
+    assert len(flash_calls) == (0 if block else 2)
+
+
+@pytest.mark.parametrize("case", [
+    KV(B=2, Sq=20, Hq=8, Hkv=2, D=64, S=90, seqlens=50, snew=20, causal=True, rotary="interleaved"),
+    KV(B=2, Sq=20, Hq=8, Hkv=2, D=64, S=90, seqlens=60, causal=False, softcap=5.0, dtype=torch.bfloat16),
+    KV(B=1, Sq=24, Hq=12, Hkv=3, D=32, S=40, block=16, seqlens=0, snew=10, causal=True, sinks=True),
+    KV(B=2, Sq=20, Hq=8, Hkv=2, D=48, S=64, seqlens=None, causal=True, dtype=torch.float16),
+], ids=str)
+def test_long_queries_over_whole_rows_need_no_mask(case, gen, monkeypatch):
+    # every row's keys are [0, S) and its queries sit at the end: flash runs with its own bottom-right
+    # causal and no mask (also when queries outnumber the keys and the first ones see nothing)
+    masks = []
+    real = ab._kvcache.ops.flash_fwd
+
+    def seen(*args):
+        masks.append(args[3])
+        return real(*args)
+
+    monkeypatch.setattr(ab._kvcache.ops, "flash_fwd", seen)
+    call = Call(case, gen)
+    call.check(*call.run("paged_attention"))
+    assert masks == [None]
+
+
 def test_plain_call_without_optional_arguments(gen):
     # flash-attn's simplest form: the whole cache, no lengths
     q, kc, vc = torch.randn(2, 1, 4, 32), torch.randn(2, 10, 2, 32), torch.randn(2, 10, 2, 32)
