@@ -401,6 +401,45 @@ static PyObject* run_kvcache(ab_state* st, PyObject* q, PyObject* kc, PyObject* 
   return Py_BuildValue("(NN)", out, lse);
 }
 
+/* The tensors of a KV-cache call, in the order both direct calls take them (attention_with_kvcache's). */
+enum { KVT_Q, KVT_KC, KVT_VC, KVT_K, KVT_V, KVT_COS, KVT_SIN, KVT_SEQ, KVT_BIDX, KVT_LEFT, KVT_BT, KVT_ALIBI,
+       KVT_SINKS, KVT_N };
+
+/* Zeroes *p and fills its views from the KVT_N tensors (None: left empty); any_rank as read_view's.
+ * 0, or -1 with an exception set. */
+static int read_kv_views(const ab_state* st, PyObject* const* tensors, ab_kvcache_params* p, int any_rank) {
+  memset(p, 0, sizeof *p);
+  ab_tensor* const views[KVT_N] = {&p->q,          &p->k_cache,    &p->v_cache,       &p->k_new,
+                                   &p->v_new,      &p->rotary_cos, &p->rotary_sin,    &p->cache_seqlens,
+                                   &p->cache_batch_idx, &p->cache_leftpad, &p->block_table, &p->alibi_slopes,
+                                   &p->sinks};
+  static const char* const names[KVT_N] = {"q",          "k_cache",       "v_cache",         "k",
+                                           "v",          "rotary_cos",    "rotary_sin",      "cache_seqlens",
+                                           "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
+                                           "sinks"};
+  for (int i = 0; i < KVT_N; ++i)
+    if (tensors[i] != Py_None && read_view(st, tensors[i], views[i], names[i], any_rank) < 0) return -1;
+  return 0;
+}
+
+/* The sizes (from q and k_cache, both 4-D) and the options of *p; num_splits clamped as the op clamps it. */
+static void set_kv_options(ab_kvcache_params* p, long long seqlen, double scale, double softcap, int causal,
+                           long long wl, long long wr, int interleaved, long long num_splits) {
+  p->B = p->q.sizes[0];
+  p->Sq = p->q.sizes[1];
+  p->Hq = p->q.sizes[2];
+  p->D = p->q.sizes[3];
+  p->Hkv = p->k_cache.sizes[2];
+  p->cache_seqlen = seqlen;
+  p->scale = scale;
+  p->softcap = softcap;
+  p->causal = causal;
+  p->window_left = wl;
+  p->window_right = wr;
+  p->rotary_interleaved = interleaved;
+  p->num_splits = (int32_t)(num_splits < 0 ? -1 : num_splits > 1 << 20 ? 1 << 20 : num_splits);
+}
+
 /* kvcache_fwd_cpu(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
  *                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, scale, causal, window_left,
  *                 window_right, softcap, rotary_interleaved, num_splits, sinks)
@@ -419,38 +458,17 @@ static PyObject* ab_py_kvcache_fwd_cpu(PyObject* self, PyObject* args) {
                         &interleaved, &num_splits, &sinks))
     return NULL;
   if (!st->empty_strided || ab_cuda_emulation()) Py_RETURN_NONE;
-  PyObject* const tensors[] = {q, kc, vc, kn, vn, cos, sin, seqlens, batch_idx, leftpad, block_table, alibi, sinks};
-  enum { N = sizeof tensors / sizeof tensors[0] };
-  const int cpu = all_cpu(st, tensors, N);
+  PyObject* const tensors[KVT_N] = {q,       kc,      vc,          kn,    vn,    cos, sin,
+                                    seqlens, batch_idx, leftpad, block_table, alibi, sinks};
+  const int cpu = all_cpu(st, tensors, KVT_N);
   if (cpu < 0) return NULL;
   if (!cpu) Py_RETURN_NONE;
   ab_kvcache_params p;
-  memset(&p, 0, sizeof p);
-  ab_tensor* const views[] = {&p.q,          &p.k_cache,       &p.v_cache,       &p.k_new,
-                              &p.v_new,      &p.rotary_cos,    &p.rotary_sin,    &p.cache_seqlens,
-                              &p.cache_batch_idx, &p.cache_leftpad, &p.block_table, &p.alibi_slopes,
-                              &p.sinks};
-  const char* const names[] = {"q",         "k_cache",         "v_cache",       "k",           "v",
-                               "rotary_cos", "rotary_sin",     "cache_seqlens", "cache_batch_idx",
-                               "cache_leftpad", "block_table", "alibi_slopes",  "sinks"};
-  for (int i = 0; i < N; ++i)
-    if (tensors[i] != Py_None && read_view(st, tensors[i], views[i], names[i], 0) < 0) return NULL;
+  if (read_kv_views(st, tensors, &p, 0) < 0) return NULL;
   if (p.q.ndim != 4 || p.k_cache.ndim != 4)
     return direct_error("q must be (B, Sq, Hq, D) and k_cache (B_cache, S_cache, Hkv, D) or "
                         "(num_blocks, block_size, Hkv, D)");
-  p.B = p.q.sizes[0];
-  p.Sq = p.q.sizes[1];
-  p.Hq = p.q.sizes[2];
-  p.D = p.q.sizes[3];
-  p.Hkv = p.k_cache.sizes[2];
-  p.cache_seqlen = seqlen;
-  p.scale = scale;
-  p.softcap = softcap;
-  p.causal = causal;
-  p.window_left = wl;
-  p.window_right = wr;
-  p.rotary_interleaved = interleaved;
-  p.num_splits = (int32_t)(num_splits < 0 ? -1 : num_splits > 1 << 20 ? 1 << 20 : num_splits);
+  set_kv_options(&p, seqlen, scale, softcap, causal, wl, wr, interleaved, num_splits);
   return run_kvcache(st, q, kc, vc, &p, 0);
 }
 
@@ -597,9 +615,12 @@ static int fast_opening(ab_state* st, PyObject* guards, PyObject* causal_o, PyOb
   return 1;
 }
 
-/* The fields of a call descriptor that come from the process (settings["mps_fix"], the CPU path and
- * units), as _planner.new_call fills them.  1, 0 to hand the call back, -1 with an exception. */
-static int process_fields(ab_state* st, ab_call* c) {
+/* *c zeroed as a CPU call, with the fields of a call descriptor that come from the process
+ * (settings["mps_fix"], the CPU path and units) as _planner.new_call fills them; the caller sets the
+ * call's own.  1, 0 to hand the call back, -1 with an exception. */
+static int cpu_call(ab_state* st, ab_call* c) {
+  memset(c, 0, sizeof *c);
+  c->device = AB_DEVICE_CPU;
   PyObject* mps_fix_o = PyDict_GetItemWithError(st->settings, st->s_mps_fix);
   if (!mps_fix_o) return PyErr_Occurred() ? -1 : 0;
   const int mps_fix = PyObject_IsTrue(mps_fix_o);
@@ -663,10 +684,8 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
   const int det = call_truth(st->deterministic);
   if (det < 0) return NULL;
   ab_call c; /* as _dispatch.prepare describes this call */
-  memset(&c, 0, sizeof c);
-  const int known = process_fields(st, &c);
+  const int known = cpu_call(st, &c);
   if (known <= 0) return known < 0 ? NULL : Py_NewRef(Py_None);
-  c.device = AB_DEVICE_CPU;
   c.dtype = dt;
   c.D = p.D;
   c.Dv = p.Dv;
@@ -753,11 +772,12 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   const int has_new = kn != Py_None, has_rot = cos != Py_None;
   const int seq_tensor = seq_o != Py_None && !PyLong_CheckExact(seq_o);
   /* every tensor argument: None or a plain torch.Tensor (cache_seqlens may also be an int) */
-  static const int tensor_args[] = {KV_Q, KV_KC, KV_VC, KV_K, KV_V, KV_COS, KV_SIN, KV_SEQ, KV_BIDX, KV_LEFT,
-                                    KV_BT, KV_ALIBI, KV_SINKS};
-  enum { NT = sizeof tensor_args / sizeof tensor_args[0] };
-  PyObject* tensors[NT];
-  for (int i = 0; i < NT; ++i) {
+  static const int tensor_args[KVT_N] = {
+      [KVT_Q] = KV_Q,     [KVT_KC] = KV_KC,     [KVT_VC] = KV_VC,     [KVT_K] = KV_K,   [KVT_V] = KV_V,
+      [KVT_COS] = KV_COS, [KVT_SIN] = KV_SIN,   [KVT_SEQ] = KV_SEQ,   [KVT_BIDX] = KV_BIDX,
+      [KVT_LEFT] = KV_LEFT, [KVT_BT] = KV_BT, [KVT_ALIBI] = KV_ALIBI, [KVT_SINKS] = KV_SINKS};
+  PyObject* tensors[KVT_N];
+  for (int i = 0; i < KVT_N; ++i) {
     PyObject* a = args[tensor_args[i]];
     tensors[i] = tensor_args[i] == KV_SEQ && !seq_tensor ? Py_None : a;
     if (tensors[i] != Py_None && (PyObject*)Py_TYPE(tensors[i]) != tt) Py_RETURN_NONE;
@@ -796,21 +816,11 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   const int go = fast_opening(st, st->kv_guards, args[KV_CAUSAL], args[KV_LSE], args[KV_SCALE], args[KV_BACKEND],
                               grad_checked, n_grad, &causal, &want_lse, &requested);
   if (go <= 0) return go < 0 ? NULL : Py_NewRef(Py_None);
-  const int cpu = all_cpu(st, tensors, NT);
+  const int cpu = all_cpu(st, tensors, KVT_N);
   if (cpu < 0) return NULL;
   if (!cpu) Py_RETURN_NONE;
   ab_kvcache_params p;
-  memset(&p, 0, sizeof p);
-  ab_tensor* const views[NT] = {&p.q,           &p.k_cache,      &p.v_cache,         &p.k_new,
-                                &p.v_new,       &p.rotary_cos,   &p.rotary_sin,      &p.cache_seqlens,
-                                &p.cache_batch_idx, &p.cache_leftpad, &p.block_table, &p.alibi_slopes,
-                                &p.sinks};
-  static const char* const names[NT] = {"q",          "k_cache",       "v_cache",         "k",
-                                        "v",          "rotary_cos",    "rotary_sin",      "cache_seqlens",
-                                        "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
-                                        "sinks"};
-  for (int i = 0; i < NT; ++i)
-    if (tensors[i] != Py_None && read_view(st, tensors[i], views[i], names[i], 1) < 0) return NULL;
+  if (read_kv_views(st, tensors, &p, 1) < 0) return NULL;
   const ab_tensor *tq = &p.q, *tk = &p.k_cache, *tv = &p.v_cache;
   if (tq->ndim != 4 || tk->ndim != 4 || tv->ndim != 4) Py_RETURN_NONE;
   const ab_dtype dt = tq->dtype;
@@ -853,10 +863,8 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
     if (!isfinite(scale)) Py_RETURN_NONE;
   }
   ab_call c; /* as _kvcache.signature describes this call */
-  memset(&c, 0, sizeof c);
-  const int known = process_fields(st, &c);
+  const int known = cpu_call(st, &c);
   if (known <= 0) return known < 0 ? NULL : Py_NewRef(Py_None);
-  c.device = AB_DEVICE_CPU;
   c.dtype = dt;
   c.D = D;
   c.Dv = D;
@@ -870,19 +878,7 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   c.sinks = args[KV_SINKS] != Py_None;
   c.alibi = args[KV_ALIBI] != Py_None;
   if (remembered(st, &c) != AB_BK_PAGED) Py_RETURN_NONE;
-  p.B = B;
-  p.Sq = tq->sizes[1];
-  p.Hq = Hq;
-  p.D = D;
-  p.Hkv = Hkv;
-  p.cache_seqlen = seqlen;
-  p.scale = scale;
-  p.softcap = softcap;
-  p.causal = causal;
-  p.window_left = wl;
-  p.window_right = wr;
-  p.rotary_interleaved = inter_o == Py_True;
-  p.num_splits = (int32_t)(splits > 1 << 20 ? 1 << 20 : splits);
+  set_kv_options(&p, seqlen, scale, softcap, causal, wl, wr, inter_o == Py_True, splits);
   PyObject* res = run_kvcache(st, q, kc, vc, &p, 1);
   if (!res) return NULL;
   ++st->fast_calls;
