@@ -348,6 +348,12 @@ static void prepare_q(const ab_kvcache_params* p, float* qf, uint16_t* qb, int64
       }
 }
 
+/* The most splits of each row's key range the cache allows (each keeps MIN_SPLIT_KEYS keys), at least 1. */
+static int64_t splits_allowed(const ab_kvcache_params* p) {
+  const int64_t most = capacity(p) / MIN_SPLIT_KEYS;
+  return most > 1 ? most : 1;
+}
+
 /* KV heads per work item: as many as keep the item's query rows (Sq x heads x G) within a tile of
  * the kernel, so that a key's rows for the group are one contiguous read; fewer where that leaves
  * threads idle and the cache is too short to split (every split keeps MIN_SPLIT_KEYS keys): one
@@ -358,8 +364,7 @@ static int64_t heads_per_item(const ab_kvcache_params* p, int num_threads) {
   for (int64_t h = 1; h <= p->Hkv; ++h)
     if (p->Hkv % h == 0 && h * G * Sq <= MAX_ITEM_ROWS) hg = h;
   if (p->num_splits > 0 || num_threads <= 1) return hg;
-  const int64_t splits = capacity(p) / MIN_SPLIT_KEYS > 1 ? capacity(p) / MIN_SPLIT_KEYS : 1;
-  while (hg > 1 && p->B * (p->Hkv / hg) * splits < num_threads) {
+  while (hg > 1 && p->B * (p->Hkv / hg) * splits_allowed(p) < num_threads) {
     int64_t h = hg - 1;
     while (p->Hkv % h) --h; /* the next divisor of Hkv down (1 at the latest) */
     hg = h;
@@ -372,9 +377,8 @@ int64_t ab_kvcache_cpu_splits(const ab_kvcache_params* p, int num_threads) {
   const int64_t items = p->B * (p->Hkv / heads_per_item(p, num_threads));
   if (items <= 0 || num_threads <= 1 || items >= num_threads) return 1;
   int64_t n = (num_threads + items - 1) / items;
-  const int64_t most = capacity(p) / MIN_SPLIT_KEYS;
-  if (n > most) n = most;
-  return n < 1 ? 1 : n > MAX_SPLITS ? MAX_SPLITS : n;
+  if (n > splits_allowed(p)) n = splits_allowed(p);
+  return n > MAX_SPLITS ? MAX_SPLITS : n;
 }
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
