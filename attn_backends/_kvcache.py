@@ -522,18 +522,15 @@ def _attend_flash(c: KVCall, rows: _Rows):
     if (K.shape[1] and c.alibi is None and c.wl < 0 and c.wr < 0 and not any(rows.lo)
             and min(rows.end) == K.shape[1]):
         # every row sees keys [0, S) with its queries at the end: the kernel's own bottom-right causal (or
-        # none), no mask to build or read (chunked prefill against a cache, docs/decode.md)
-        args = (q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), None, None, 2 if c.causal else 0, c.scale,
-                -1, -1, c.softcap, 0.0, c.sinks, None)
-        with _below_autograd():
-            out, lse = ops.flash_fwd(*args)[:2]
-        return out.transpose(1, 2), lse
-    if c.alibi is not None and K.shape[1]:
-        end = torch.tensor(rows.end, dtype=torch.int64, device=K.device)
-        K, V, vis = _right_aligned(K, V, vis, end)
-    mask = vis.unsqueeze(1)  # (B, 1, Sq, S)
-    args = (q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), mask, None, 0, c.scale, -1, -1, c.softcap, 0.0,
-            c.sinks, c.alibi)
+        # none), no mask to read (chunked prefill against a cache, docs/decode.md)
+        mask, causal = None, 2 if c.causal else 0
+    else:
+        if c.alibi is not None and K.shape[1]:
+            end = torch.tensor(rows.end, dtype=torch.int64, device=K.device)
+            K, V, vis = _right_aligned(K, V, vis, end)
+        mask, causal = vis.unsqueeze(1), 0  # (B, 1, Sq, S)
+    args = (q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), mask, None, causal, c.scale, -1, -1, c.softcap,
+            0.0, c.sinks, c.alibi)
     with _below_autograd():
         out, lse = ops.flash_fwd(*args)[:2]
     return out.transpose(1, 2), lse
