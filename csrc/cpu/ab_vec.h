@@ -208,11 +208,19 @@ static inline void ab_vec_load_row(const void* base, ab_dtype dt, int64_t off, i
     case AB_DTYPE_BF16: {
       const uint16_t* src = (const uint16_t*)base + off;
       int64_t x = 0;
+      /* bfloat16 is the top half of a float32: widen and shift, 16 or 8 at a time (the scalar loop
+       * below is the same conversion; on AVX2 it made K/V packing a quarter of a bfloat16 forward) */
 #if VLEN == 16
       if (s == 1)
         for (; x + 16 <= n; x += 16) {
           __m256i h = _mm256_loadu_si256((const __m256i*)(src + x));
           _mm512_storeu_ps(dst + x, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        }
+#elif defined(__AVX2__)
+      if (s == 1)
+        for (; x + 8 <= n; x += 8) {
+          __m128i h = _mm_loadu_si128((const __m128i*)(src + x));
+          _mm256_storeu_ps(dst + x, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
         }
 #endif
       for (; x < n; ++x) dst[x] = ab_bf16_to_f32(src[x * s]);
