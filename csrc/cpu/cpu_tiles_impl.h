@@ -37,6 +37,16 @@
 #endif
 #define MR 6
 #define RC_MAX (NV_MAX * VLEN)
+/* Vectors of query rows per flash forward chunk: each K/V block (and, for 2-byte inputs, its
+ * conversion to float32) serves NR_MAX * VLEN rows, the micro-kernel taking NV_MAX of them per pass.
+ * With 16 registers (AVX2) a 16-row chunk re-read and re-converted every key block per 16 rows. */
+#ifndef NR_MAX
+#if VLEN == 16
+#define NR_MAX NV_MAX
+#else
+#define NR_MAX (2 * NV_MAX)
+#endif
+#endif
 #ifndef BK
 #define BK 64 /* keys per block: St (BK x rc floats) stays in L1 */
 #endif

@@ -19,7 +19,7 @@
  * running max or sum over j would be latency-bound (4 cycles a step). */
 static int SYM(online_softmax)(float* st, int64_t nb, float* mrow, float* lrow, float* arow, int nv) {
   const int64_t rc = (int64_t)nv * VLEN;
-  vf mx[NV_MAX], mx2[NV_MAX], msafe[NV_MAX], ls[NV_MAX], ls2[NV_MAX];
+  vf mx[NR_MAX], mx2[NR_MAX], msafe[NR_MAX], ls[NR_MAX], ls2[NR_MAX];
   int any = 0;
   for (int v = 0; v < nv; ++v) mx[v] = mx2[v] = vload(mrow + v * VLEN);
   int64_t j = 0;
@@ -66,11 +66,11 @@ static int SYM(online_softmax)(float* st, int64_t nb, float* mrow, float* lrow, 
 
 /* ---- forward pieces shared with the sage kernel (sage_cpu_impl.h), which differs only in S ------ */
 
-/* Row chunks of the forward: nv vectors of query rows per chunk (fewer for short queries, e.g.
- * decode, so fewer padded rows are computed), nchunk = ceil(Sq / (nv * VLEN)) chunks. */
-static void SYM(fwd_chunks)(int64_t Sq, int* nv, int64_t* nchunk) {
+/* Row chunks of the forward: nv <= nv_max vectors of query rows per chunk (fewer for short queries,
+ * e.g. decode, so fewer padded rows are computed), nchunk = ceil(Sq / (nv * VLEN)) chunks. */
+static void SYM(fwd_chunks)(int64_t Sq, int nv_max, int* nv, int64_t* nchunk) {
   const int64_t vecs = (Sq + VLEN - 1) / VLEN;
-  *nv = (int)(vecs < NV_MAX ? (vecs > 0 ? vecs : 1) : NV_MAX);
+  *nv = (int)(vecs < nv_max ? (vecs > 0 ? vecs : 1) : nv_max);
   const int64_t rc = (int64_t)*nv * VLEN;
   *nchunk = (Sq + rc - 1) / rc;
 }
@@ -235,9 +235,9 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
         ka_m = D;
       }
       /* S^T = K Q^T (scale folded into Q^T), KC dims at a time so the slice of Q^T the micro-kernel
-       * streams for every 6 keys (KC x rc floats) stays in L1 */
+       * streams for every 6 keys (KC x NV_MAX vectors) stays in L1 */
       for (int64_t d0 = 0; d0 < D; d0 += KC)
-        SYM(gemm_nv)(nb, nv, D - d0 < KC ? D - d0 : KC, ka + d0, ka_m, 1, qt + d0 * rc, rc, st, rc, d0 > 0);
+        SYM(gemm)(nb, nv, D - d0 < KC ? D - d0 : KC, ka + d0, ka_m, 1, qt + d0 * rc, rc, st, rc, d0 > 0);
       const int structural = partial_rows || j0 < all_lo || j0 + nb > all_hi;
       SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, rc, post);
       if (SYM(online_softmax)(st, nb, mrow, lrow, arow, nv)) SYM(rescale_rows)(on, arow, nrows, Dvp);
@@ -258,7 +258,7 @@ static ab_status SYM(flash_fwd)(const ab_attn_params* p, const ab_cpu_pool* pool
   ctx.st.err = err;
   atomic_init(&ctx.st.status, AB_OK);
   const int64_t Sq = ab_rows_q(p), Sk = ab_rows_k(p);
-  SYM(fwd_chunks)(Sq, &ctx.nv, &ctx.nchunk);
+  SYM(fwd_chunks)(Sq, NR_MAX, &ctx.nv, &ctx.nchunk);
   const double work = (double)p->B * p->Hq * Sq * Sk * (double)(p->D + p->Dv);
   return ab_par_run(pool, p->B * p->Hq * ctx.nchunk, 1, work, SYM(fwd_range), &ctx, &ctx.st);
 }

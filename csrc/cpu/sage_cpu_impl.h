@@ -590,7 +590,7 @@ static __attribute__((unused)) ab_status SYM(sage_fwd)(const ab_attn_params* p, 
   ab_status st = ab_par_run(pool, p->B * p->Hkv, 1, prep, SYM(sg_prep_range), &ctx, &ctx.st);
   if (st != AB_OK) return st;
   const int64_t Sq = ab_rows_q(p), Sk = ab_rows_k(p);
-  SYM(fwd_chunks)(Sq, &ctx.nv, &ctx.nchunk);
+  SYM(fwd_chunks)(Sq, NV_MAX, &ctx.nv, &ctx.nchunk);
   const double work = (double)p->B * p->Hq * Sq * Sk * (double)(p->D / 4 + p->Dv / 2);
   return ab_par_run(pool, p->B * p->Hq * ctx.nchunk, 1, work, SYM(sg_fwd_range), &ctx, &ctx.st);
 }
