@@ -61,7 +61,14 @@
 /* ---- the micro-kernel ------------------------------------------------------------------------ */
 
 /* C[m][v] (+)= sum_k A[m * am + k * ak] * B[k * ldb + v * VLEN] for m < M, v < NV; M and NV are
- * compile-time constants at every call site, so acc[][] lives in registers. */
+ * compile-time constants at every call site, so acc[][] lives in registers.  accumulate: 0 writes
+ * the sum, AB_ACC_RUN continues the running sum from C, AB_ACC_ADD sums the K products from zero and
+ * then adds them to C, so that a product split into passes is a blocked sum whose rounding grows
+ * with the pass length, not the whole length (the forward's S = K Q^T by KC head dims: at D = 256 a
+ * running sum put lse up to 3x torch's float32 error; the backward measured better with the running
+ * sum and keeps it). */
+#define AB_ACC_RUN 1
+#define AB_ACC_ADD 2
 static inline __attribute__((always_inline)) void SYM(mk)(const int M, const int NV, int64_t K,
                                                          const float* A, int64_t am, int64_t ak,
                                                          const float* B, int64_t ldb, float* C,
@@ -69,7 +76,7 @@ static inline __attribute__((always_inline)) void SYM(mk)(const int M, const int
   vf acc[MR][NV_MAX];
   for (int m = 0; m < M; ++m)
     for (int v = 0; v < NV; ++v)
-      acc[m][v] = accumulate ? vload(C + m * ldc + v * VLEN) : vset1(0.0f);
+      acc[m][v] = accumulate == AB_ACC_RUN ? vload(C + m * ldc + v * VLEN) : vset1(0.0f);
   for (int64_t k = 0; k < K; ++k) {
     vf b[NV_MAX];
     for (int v = 0; v < NV; ++v) b[v] = vload(B + k * ldb + v * VLEN);
@@ -80,7 +87,8 @@ static inline __attribute__((always_inline)) void SYM(mk)(const int M, const int
     }
   }
   for (int m = 0; m < M; ++m)
-    for (int v = 0; v < NV; ++v) vstore(C + m * ldc + v * VLEN, acc[m][v]);
+    for (int v = 0; v < NV; ++v)
+      vstore(C + m * ldc + v * VLEN, accumulate == AB_ACC_ADD ? vload(C + m * ldc + v * VLEN) + acc[m][v] : acc[m][v]);
 }
 
 #define MK_CASE(M_, NV_, AM_) SYM(mk)(M_, NV_, K, A, AM_, ak, B, ldb, C, ldc, accumulate)

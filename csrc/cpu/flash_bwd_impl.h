@@ -284,8 +284,11 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
         SYM(bwd_chunk_keys)(p, &s, i0, nrows, rc, lo, hi, &jlo, &jhi, &all_lo, &all_hi);
         for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
           const int64_t nb = jhi - j0 < BK ? jhi - j0 : BK;
-          /* recompute S^T (bitwise as the forward did) and P^T = exp((S^T - max) - log sum) */
-          SYM(gemm_nv)(nb, nv, D, kp + j0 * Dp, Dp, 1, qt + i0 * Dp, rc, st, rc, 0);
+          /* recompute S^T (bitwise as the forward did: the same KC passes, each added to St) and
+           * P^T = exp((S^T - max) - log sum) */
+          for (int64_t d0 = 0; d0 < D; d0 += KC)
+            SYM(gemm_nv)(nb, nv, D - d0 < KC ? D - d0 : KC, kp + j0 * Dp + d0, Dp, 1, qt + i0 * Dp + d0 * rc, rc,
+                         st, rc, d0 > 0 ? AB_ACC_ADD : 0);
           const int structural = nrows < rc || j0 < all_lo || j0 + nb > all_hi;
           SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, softcap ? th : NULL, rc, post);
           for (int64_t v = 0; v < rc; v += VLEN) {
@@ -311,9 +314,9 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
           /* dS = P (dP - delta); the float mask's gradient; softcap chain rule; scale */
           SYM(bwd_ds)(p, b, h, i0, nrows, j0, nb, rc, st, dpt, th, delta, heavy, dsum);
           /* dV += P^T dO, dK += dS^T Q, dQ += dS K */
-          SYM(gemm)(nb, Dvp / VLEN, rc, pw, rc, 1, don + i0 * Dvp, Dvp, dv + j0 * Dvp, Dvp, 1);
-          SYM(gemm)(nb, Dp / VLEN, rc, dpt, rc, 1, qn + i0 * Dp, Dp, dk + j0 * Dp, Dp, 1);
-          SYM(gemm)(nrows, Dp / VLEN, nb, dpt, 1, rc, kp + j0 * Dp, Dp, dq + i0 * Dp, Dp, 1);
+          SYM(gemm)(nb, Dvp / VLEN, rc, pw, rc, 1, don + i0 * Dvp, Dvp, dv + j0 * Dvp, Dvp, AB_ACC_ADD);
+          SYM(gemm)(nb, Dp / VLEN, rc, dpt, rc, 1, qn + i0 * Dp, Dp, dk + j0 * Dp, Dp, AB_ACC_ADD);
+          SYM(gemm)(nrows, Dp / VLEN, nb, dpt, 1, rc, kp + j0 * Dp, Dp, dq + i0 * Dp, Dp, AB_ACC_ADD);
         }
         for (int64_t r = 0; r < nrows && heavy; ++r) {
           if (ndom[r] == 0) continue;

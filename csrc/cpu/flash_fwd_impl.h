@@ -235,9 +235,10 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
         ka_m = D;
       }
       /* S^T = K Q^T (scale folded into Q^T), KC dims at a time so the slice of Q^T the micro-kernel
-       * streams for every 6 keys (KC x NV_MAX vectors) stays in L1 */
+       * streams for every 6 keys (KC x NV_MAX vectors) stays in L1; each pass's sum is added to St */
       for (int64_t d0 = 0; d0 < D; d0 += KC)
-        SYM(gemm)(nb, nv, D - d0 < KC ? D - d0 : KC, ka + d0, ka_m, 1, qt + d0 * rc, rc, st, rc, d0 > 0);
+        SYM(gemm)(nb, nv, D - d0 < KC ? D - d0 : KC, ka + d0, ka_m, 1, qt + d0 * rc, rc, st, rc,
+                  d0 > 0 ? AB_ACC_ADD : 0);
       const int structural = partial_rows || j0 < all_lo || j0 + nb > all_hi;
       SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, rc, post);
       if (SYM(online_softmax)(st, nb, mrow, lrow, arow, nv)) SYM(rescale_rows)(on, arow, nrows, Dvp);
