@@ -168,11 +168,12 @@ static void torch_first(const ab_call* c, ab_plan* plan) {
   uint32_t unless = 0;
   const uint32_t gap = ab_torch_cpu_units(c->dtype, &unless) & c->cpu_units & ~ab_our_cpu_units(c->cpu_isa, c->dtype);
   if (!gap) {
-    if (!ab_torch_cpu_faster(c)) return;
+    const char* what = ab_torch_cpu_faster(c);
+    if (!what) return;
     push(plan, AB_BK_SDPA);
     snprintf(plan->note, sizeof plan->note,
-             "torch SDPA first: for a float32 forward at head dim >= 128 with no causal mask, its kernel "
-             "measured faster than ours on the same FMA units (docs/benchmarks.md)");
+             "torch SDPA first: its kernel measured faster than ours on the same FMA units for %s "
+             "with no causal mask (docs/benchmarks.md)", what);
     return;
   }
   const uint32_t has = (c->dropout ? AB_F_DROPOUT : 0u) | (c->window ? AB_F_WINDOW : 0u);

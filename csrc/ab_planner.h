@@ -212,9 +212,11 @@ typedef struct ab_plan {
 } ab_plan;
 
 void ab_plan_build(const ab_call* call, ab_plan* plan);
-/* 1 for a CPU call torch's own fused kernel was measured to serve faster than ours on the same FMA
- * units (ab_registry.c lists which and the figures). */
-int ab_torch_cpu_faster(const ab_call* call);
+/* For a CPU call torch's own fused kernel was measured to serve faster than ours on the same FMA
+ * units, with the ISA path the call's kernels would run on: what the call is, for the plan's note
+ * ("a float32 forward at D >= 128"); NULL otherwise (ab_registry.c lists the classes and the
+ * figures). */
+const char* ab_torch_cpu_faster(const ab_call* call);
 
 #ifdef __cplusplus
 }

@@ -334,16 +334,44 @@ uint32_t ab_our_cpu_units(int isa, int dtype) {
   return 0;
 }
 
-/* Calls where torch's fused CPU kernel, computing on the same FMA units as ours, measured faster than
- * our flash, side by side (docs/benchmarks.md, "auto against torch, per dtype"): a float32 forward
- * with no gradient wanted, no causal mask, no attn_mask, no GQA, head dim >= 128.  Ours ran at
- * 0.85-0.97x torch there on two AVX-512 CPUs (2026-11-21 and 2026-11-24, B=2..4, S=1024..4096), where
- * torch's kernel reaches 61-73% of the FMA peak.  Causal calls (ours 1.07-1.46x), the backward
- * (forward+backward 0.99-1.34x), bfloat16 (1.37-2.25x), float16 (0.94-1.08x: parity) and head dims
- * <= 96 stay ours.  Features torch's fused kernel lacks (softcap, window, lse, packed) never reach
- * this: the call must be one torch serves as it is. */
-int ab_torch_cpu_faster(const ab_call* c) {
-  return c->device == AB_DEVICE_CPU && c->dtype == AB_DTYPE_F32 && !c->need_grad && c->causal == AB_CAUSAL_NONE &&
-         !c->mask && !c->gqa && !c->window && !c->softcap && !c->dropout && !c->want_lse && c->varlen == 0 &&
-         c->D >= 128;
+/* Classes of CPU calls where torch's fused kernel, computing on the same FMA units as ours, measured
+ * faster than our flash, side by side (docs/benchmarks.md, "auto against torch, per dtype"), per ISA
+ * path of our kernels.  Each holds only for a call torch serves as it is, on its fast path: no causal
+ * mask (ours skips the masked blocks and measured 1.03-1.68x torch in every causal row), no attn_mask,
+ * no GQA, no window, softcap, dropout, lse or packing.  Rows, with their figures (torch / ours):
+ *   - every path, float32 forward, D >= 128: 0.85-0.97 on two AVX-512 CPUs without AMX (2026-11-21 and
+ *     2026-11-24, B=2..4, S=1024..4096), torch's kernel at 61-73% of the FMA peak; 0.79-0.90 on the
+ *     avx2 path (AMD EPYC, Zen 3, 2026-11-26).  D <= 96 and the backward stay ours there (forward +
+ *     backward 0.99-1.34 on AVX-512).
+ *   - avx2 path, bfloat16 forward, D >= 64 (measured at 64 and 128): 0.74-0.89 (AMD EPYC, Zen 3, 2026-11-26), 0.80-1.24 after the
+ *     8-wide bfloat16 conversion and 32-row chunks (a noisy machine: parity, not an advantage).  Its
+ *     backward stays ours (forward+backward 4.9-8.4x).
+ *   - avx2 path, float32 forward+backward, D >= 128: 0.67-0.91 (same run; D=64 1.03-1.24 stays ours).
+ * float16 stays ours everywhere (1.2-1.8x on the avx2 path, parity on AVX-512). */
+typedef struct torch_faster_row {
+  uint32_t isas; /* bit (1 << ab_cpu_isa) per path the row was measured on */
+  ab_dtype dtype;
+  int need_grad; /* 0: forward only, 1: forward+backward */
+  int64_t min_D;
+  const char* what; /* for the plan's note */
+} torch_faster_row;
+
+#define ISA_BIT(i) (1u << (i))
+static const torch_faster_row k_torch_faster[] = {
+    {0xffffffffu, AB_DTYPE_F32, 0, 128, "a float32 forward at D >= 128"},
+    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_BF16, 0, 64, "a bfloat16 forward at D >= 64 on the avx2 path"},
+    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_F32, 1, 128, "a float32 forward+backward at D >= 128 on the avx2 path"},
+};
+#undef ISA_BIT
+
+const char* ab_torch_cpu_faster(const ab_call* c) {
+  if (c->device != AB_DEVICE_CPU || c->causal != AB_CAUSAL_NONE || c->mask || c->gqa || c->window || c->softcap ||
+      c->dropout || c->want_lse || c->varlen != 0 || c->cpu_isa < 0 || c->cpu_isa >= 32)
+    return NULL;
+  for (size_t i = 0; i < sizeof k_torch_faster / sizeof k_torch_faster[0]; ++i) {
+    const torch_faster_row* r = &k_torch_faster[i];
+    if ((r->isas >> c->cpu_isa & 1u) && r->dtype == c->dtype && r->need_grad == !!c->need_grad && c->D >= r->min_D)
+      return r->what;
+  }
+  return NULL;
 }

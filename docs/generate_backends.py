@@ -51,11 +51,14 @@ FMA). When the CPU has a unit torch uses for the call's dtype and our path does 
 calls where torch leaves its fast path keep ours (dropout sends torch's CPU SDPA to its unfused math
 path; a window reaches it as a dense mask). The plan's `note:` line in `ab.explain(...)` says so, and
 `python -m attn_backends` prints it under "cpu features". Measured on a Xeon with AMX: torch's
-bfloat16 forward was 2.0-3.8x our AVX-512 kernel (2 cores, B=2 H=16 S=2048). On the same FMA units, one
-class of calls measured faster in torch's kernel on two AVX-512 CPUs without AMX: a float32 forward with
-no gradient, no causal mask, no attn_mask, no GQA, head dim >= 128 (ours 0.85-0.97x); `auto` sends those
-to `sdpa` too (`ab_torch_cpu_faster`). Elsewhere on those CPUs our kernels measured at par or faster in
-float32, bfloat16 and float16 (docs/benchmarks.md, "auto against torch, per dtype").
+bfloat16 forward was 2.0-3.8x our AVX-512 kernel (2 cores, B=2 H=16 S=2048). On the same FMA units,
+some classes of calls measured faster in torch's kernel, each with no causal mask, no attn_mask, no GQA,
+and none of the features torch's fused kernel lacks; `auto` sends those to `sdpa` too
+(`ab_torch_cpu_faster`, a table per ISA path of our kernels): on every path, a float32 forward at head
+dim >= 128 (ours 0.85-0.97x on two AVX-512 CPUs without AMX, 0.79-0.90x on an AMD EPYC, Zen 3); on the
+avx2 path, also a bfloat16 forward at head dim >= 64 (0.74-0.89x) and a float32 forward+backward at head
+dim >= 128 (0.67-0.91x). Elsewhere our kernels measured at par or faster in float32, bfloat16 and
+float16 (docs/benchmarks.md, "auto against torch, per dtype" and "... on an AVX2 CPU").
 
 ## Accepted names
 

@@ -66,8 +66,8 @@ def test_auto_prefers_torch_where_it_computes_on_amx(isa, dtype, unit):
         assert p.order[:2] == ("sdpa", "flash")
         assert dtype in p.note and ("AMX-BF16" if unit == AMX_BF16 else "AMX-FP16") in p.note
         assert "note:" in str(p)
-        # only the unit for this dtype counts
-        p = plan(device=CPU, isa=isa, dtype=dtype, units=all_units & ~unit, need_grad=need_grad)
+        # only the unit for this dtype counts (causal: no class of ab_torch_cpu_faster's either)
+        p = plan(device=CPU, isa=isa, dtype=dtype, units=all_units & ~unit, need_grad=need_grad, causal=1)
         assert p.chosen == "flash" and not p.note
 
 
@@ -90,13 +90,14 @@ def test_torch_first_only_where_torch_keeps_its_advantage():
 
 def test_torch_first_where_its_fma_kernel_measured_faster():
     # float32 forward, no grad, no causal, no mask, no GQA, D >= 128: torch's fused kernel measured
-    # faster than ours on the same FMA units (csrc/ab_registry.c ab_torch_cpu_faster), on any CPU
-    for units in (0, AMX_BF16 | AMX_FP16 | AMX_INT8):
-        for D in (128, 256):
-            p = plan(dtype="float32", D=D, units=units)
-            assert p.chosen == "sdpa" and p.order[:2] == ("sdpa", "flash")
-            assert "float32 forward at head dim >= 128" in p.note and "note:" in str(p)
-    # everything else keeps our kernel: each condition alone flips it back
+    # faster than ours on the same FMA units (csrc/ab_registry.c ab_torch_cpu_faster), on every path
+    for isa in range(len(ISAS)):
+        for units in (0, AMX_BF16 | AMX_FP16 | AMX_INT8):
+            for D in (128, 256):
+                p = plan(dtype="float32", D=D, units=units, isa=isa)
+                assert p.chosen == "sdpa" and p.order[:2] == ("sdpa", "flash")
+                assert "float32 forward at D >= 128" in p.note and "note:" in str(p)
+    # everything else keeps our kernel on the avx512 path: each condition alone flips it back
     for kw in (dict(D=64), dict(D=96), dict(need_grad=1), dict(causal=1), dict(causal=2), dict(mask=1),
                dict(mask=2), dict(gqa=1), dict(dtype="float16"), dict(dtype="bfloat16"), dict(requested="flash")):
         args = dict(dtype="float32", D=128)
@@ -110,19 +111,52 @@ def test_torch_first_where_its_fma_kernel_measured_faster():
     assert not plan(device=CUDA, cc=90, dtype="float32", D=128).note
 
 
+AVX2 = ISAS.index("avx2")
+
+
+def test_torch_first_on_the_avx2_path_where_it_measured_faster():
+    # the avx2 path (measured on an AMD EPYC, Zen 3): the bfloat16 forward at D >= 64, and the
+    # float32 forward+backward at D >= 128, both with no causal mask, go to torch SDPA as well
+    for D in (64, 128, 256):
+        p = plan(dtype="bfloat16", D=D, isa=AVX2)
+        assert p.chosen == "sdpa" and "bfloat16 forward at D >= 64 on the avx2 path" in p.note, D
+    p = plan(dtype="float32", D=128, need_grad=1, isa=AVX2)
+    assert p.chosen == "sdpa" and "float32 forward+backward at D >= 128 on the avx2 path" in p.note
+    # what measured at par or faster there stays ours: causal calls, the bfloat16 backward, float16,
+    # float32 at D=64 (forward and backward), and every other path
+    keep = (dict(dtype="bfloat16", causal=1), dict(dtype="bfloat16", causal=2), dict(dtype="bfloat16", need_grad=1),
+            dict(dtype="bfloat16", D=32), dict(dtype="float16"), dict(dtype="float16", need_grad=1),
+            dict(dtype="float32", D=64), dict(dtype="float32", D=64, need_grad=1),
+            dict(dtype="float32", D=128, need_grad=1, causal=1), dict(dtype="bfloat16", gqa=1),
+            dict(dtype="bfloat16", mask=1), dict(dtype="bfloat16", requested="flash"))
+    for kw in keep:
+        p = plan(isa=AVX2, **kw)
+        assert p.chosen == "flash" and not p.note, kw
+    for isa in range(len(ISAS)):
+        if isa != AVX2:
+            assert plan(dtype="bfloat16", isa=isa).chosen == "flash", ISAS[isa]
+            assert plan(dtype="float32", D=128, need_grad=1, isa=isa).chosen == "flash", ISAS[isa]
+    # and never what torch SDPA cannot serve
+    for kw in (dict(softcap=1), dict(want_lse=1), dict(window=1)):
+        assert plan(dtype="bfloat16", isa=AVX2, **kw).chosen == "flash", kw
+
+
 def test_torch_first_for_fma_calls_end_to_end():
     q = torch.randn(1, 2, 8, 128)
     p = ab.explain(q, q, q)
     assert p.chosen == "sdpa" and p.note
     assert ab.explain(q, q, q, causal=True).chosen == "flash"
-    assert ab.explain(q.requires_grad_(), q, q).chosen == "flash"
+    # with a gradient: ours, but on the avx2 path, where torch's forward+backward measured faster at D >= 128
+    on_avx2 = _planner.ISA_NAMES[_planner.cpu_isa()] == "avx2"
+    assert ab.explain(q.requires_grad_(), q, q).chosen == ("sdpa" if on_avx2 else "flash")
     qd = q.detach()
+    assert ab.explain(qd[..., :64], qd[..., :64], qd[..., :64]).chosen == "flash"
     torch.testing.assert_close(ab.attention(qd, qd, qd), torch.nn.functional.scaled_dot_product_attention(qd, qd, qd))
 
 
 def test_this_cpu_units_reach_the_plan():
     q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
-    p = ab.explain(q, q, q)
+    p = ab.explain(q, q, q, causal=True)  # causal: no class of ab_torch_cpu_faster's, on any path
     assert p.call["cpu_units"] == tuple(n for i, n in enumerate(_planner.UNIT_NAMES) if _C.cpu_units() >> i & 1)
     assert (p.chosen == "sdpa") == bool(_C.cpu_units() & AMX_BF16)
     assert _C.cpu_features()["amx_state"]
@@ -136,7 +170,9 @@ def test_report_says_when_auto_prefers_torch_on_this_cpu(monkeypatch):
     assert _report.auto_cpu_note(torch.float16) == ""
     assert "auto, bfloat16" in _report.report()
     monkeypatch.setattr(_planner, "CPU_UNITS", 0)
-    assert "auto, bfloat16" not in _report.report()
+    # without AMX only the avx2 path's measured class is left (ab_torch_cpu_faster)
+    on_avx2 = _planner.ISA_NAMES[_planner.cpu_isa()] == "avx2"
+    assert ("auto, bfloat16" in _report.report()) == on_avx2
 
 
 def test_plans_follow_the_cpu_isa_switch():
