@@ -4,10 +4,11 @@ One call validates its arguments, asks the planner which backend serves a KV-cac
 (the call signature's layout field is 2), and runs it:
 
 - ``paged_attention``: the CPU decode kernel (csrc/cpu/decode_cpu.c) writes the new keys and values
-  into the cache and attends in one op; queries longer than one of its tiles (more than 64 query
-  rows per KV head; more than 48 over a long dense cache that flash reads in place,
-  csrc/cpu/decode_cpu.h ab_kvcache_cpu_max_rows) go to flash over a gathered view instead, where the
-  tiled products pay off.
+  into the cache and attends in one op, for every query length: several tokens (16 query rows per
+  KV head or more) run its tiled products.  Only where it multiplies a bfloat16 cache in bfloat16
+  (AVX512_BF16), which the tiled products do not, queries longer than one of its tiles (more than
+  64 query rows per KV head; more than 48 over a long dense cache that flash reads in place,
+  csrc/cpu/decode_cpu.h ab_kvcache_cpu_max_rows) go to flash over a gathered view instead.
   On CUDA (opt-in, ATTN_BACKENDS_CUDA_DECODE=1), and on the CPU under the CUDA emulation, the same
   op runs the CUDA decode kernel (csrc/cuda/decode.cu) for every query length.
 - ``flash``: the cache is gathered into a dense (B, Hkv, S, D) view and our flash kernel attends with
@@ -272,8 +273,9 @@ def run_kernel(c: KVCall):
     if c.q.is_cuda or _C.cuda_emulation():
         return run_cuda_kernel(c)
     G = c.q.shape[2] // c.k_cache.shape[2]
-    # more query rows per KV head than the kernel serves best (at most one of its tiles, fewer over a long
-    # dense cache that flash reads in place: csrc/cpu/decode_cpu.h ab_kvcache_cpu_max_rows)
+    # more query rows per KV head than the kernel serves best (no limit with its tiled products; with
+    # bfloat16 products one of its tiles, fewer over a long dense cache: csrc/cpu/decode_cpu.h
+    # ab_kvcache_cpu_max_rows)
     in_place = c.block_table is None and c.batch_idx is None
     if c.q.shape[1] * G > _C.kvcache_max_rows(_planner.DTYPE_IDS[c.q.dtype], in_place, c.k_cache.shape[1]):
         return run_gathered(c, _attend_flash)

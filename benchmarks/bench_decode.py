@@ -21,6 +21,14 @@ always, a PNG when matplotlib is installed.
     python benchmarks/bench_decode.py --json benchmarks/results/decode.json --sweep
     python benchmarks/bench_decode.py --quick          # one shape per dtype, few rounds: a check only
     python benchmarks/bench_decode.py --threads 1      # one core
+    python benchmarks/bench_decode.py --tokens 1,4,8,12,16 --json benchmarks/results/decode_tokens.json
+
+--tokens times several query tokens per call instead (speculative decoding, chunked prefill):
+B=1 Hq=32 Hkv=8 D=128 against --tokens-cache keys in a dense cache, causal bottom-right, Sq tokens
+(Sq x 4 query rows per KV head).  Candidates: "kernel" (the decode kernel, forced), "flash" (our
+flash over the cache's view, backend="flash"), "auto" (what attention_with_kvcache picks) and torch
+SDPA on contiguous (B, H, S, D) caches with the bottom-right causal mask as a bool attn_mask;
+ratio = torch / auto.
     python benchmarks/bench_decode.py --device cuda --json benchmarks/results/gpu/decode_cuda.json
 
 --device cuda times our CUDA decode kernel (csrc/cuda/decode.cu, switched on here: it is opt-in and
@@ -143,6 +151,89 @@ class Case:
             assert err < tol, f"decode result differs from the reference by {err}"
 
 
+class TokensCase:
+    """Sq query tokens (causal, bottom-right) against a dense cache of Sk keys, B=1 Hq=32 Hkv=8."""
+
+    def __init__(self, Sq, Sk, dtype, B=1, Hq=32, Hkv=8, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        kv_bytes = 2 * B * Sk * Hkv * D * torch.finfo(dtype).bits // 8
+        copies = max(2, -(-LLC_GUESS // kv_bytes))
+        self.q = torch.randn(B, Sq, Hq, D, generator=gen).to(dtype)
+        self.q_sdpa = self.q.transpose(1, 2).contiguous()
+        self.dense = [tuple(torch.randn(B, Sk, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+                      for _ in range(copies)]
+        self.sdpa = [tuple(t.transpose(1, 2).contiguous() for t in kv) for kv in self.dense]
+        # query t sits at position Sk - Sq + t and sees the keys up to it
+        self.mask = torch.ones(Sq, Sk, dtype=torch.bool).tril(Sk - Sq)
+        self.turn = 0
+
+    def _next(self, seq):
+        self.turn += 1
+        return seq[self.turn % len(seq)]
+
+    def call(self, backend):
+        def run():
+            k, v = self._next(self.dense)
+            return ab.attention_with_kvcache(self.q, k, v, causal=True, backend=backend)
+        return run
+
+    def kernel(self):
+        k, v = self._next(self.dense)
+        c = ab._kvcache.check(self.q, k, v, None, None, None, None, None, None, None, None, None, True, (-1, -1),
+                              0.0, True, None, 0)
+        return ab._kvcache._kernel_op(c)
+
+    def torch_sdpa(self):
+        k, v = self._next(self.sdpa)
+        return F.scaled_dot_product_attention(self.q_sdpa, k, v, attn_mask=self.mask, enable_gqa=True)
+
+    def check(self):
+        k, v = self.sdpa[0]
+        want = F.scaled_dot_product_attention(self.q_sdpa.double(), k.double(), v.double(), attn_mask=self.mask,
+                                              enable_gqa=True).transpose(1, 2)
+        tol = 2e-2 if self.q.dtype == torch.bfloat16 else 1e-4
+        self.turn = -1  # every candidate's first call reads copy 0
+        for name, fn in self.candidates().items():
+            if name == "torch":
+                continue
+            self.turn = -1
+            out = fn()
+            out = out[0] if isinstance(out, tuple) else out
+            err = (out.double() - want).abs().max().item()
+            assert err < tol, f"{name}: {err} from the reference"
+
+    def candidates(self):
+        return {"kernel": self.kernel, "flash": self.call("flash"), "auto": self.call("auto"),
+                "torch": self.torch_sdpa}
+
+
+def tokens_table(tokens, Sk, dtypes, rounds):
+    """Medians over interleaved rounds for each token count and dtype; prints the table."""
+    print(f"B=1 Hq=32 Hkv=8 D=128, {Sk} keys (dense, a new copy per call), causal bottom-right; ms per call; "
+          "ratio = torch / auto")
+    print(f"{'Sq (rows/KV head)':<18}  {'dtype':<8}  {'kernel':>8}  {'flash':>8}  {'auto':>8}  {'torch':>8}  ratio")
+    rows = []
+    for dtype in dtypes:
+        for Sq in tokens:
+            case = TokensCase(Sq, Sk, dtype)
+            case.check()
+            cands = case.candidates()
+            for fn in cands.values():
+                fn()
+                fn()
+            reps = max(1, int(0.05 / max(timed(cands["auto"], 1), 1e-6)))
+            times = {n: [] for n in cands}
+            for _ in range(rounds):
+                for name, fn in cands.items():
+                    times[name].append(timed(fn, reps))
+            med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+            print(f"{f'{Sq} ({Sq * 4})':<18}  {str(dtype)[6:]:<8}  {med['kernel']:8.3f}  {med['flash']:8.3f}  "
+                  f"{med['auto']:8.3f}  {med['torch']:8.3f}  {med['torch'] / med['auto']:5.2f}x", flush=True)
+            rows.append(dict(Sq=Sq, Sk=Sk, dtype=str(dtype)[6:], **{f"{n}_ms": t for n, t in med.items()}))
+            del case
+    return rows
+
+
 def bf16_products() -> str:
     """Whether the CPU decode kernel multiplies a bfloat16 cache with AVX512_BF16 (docs/decode.md):
     the CPU has it, the AVX-512 (or AMX) path runs, ATTN_BACKENDS_DECODE_BF16_DOT is not 0."""
@@ -247,6 +338,9 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="also time against cache length (CSV, PNG)")
     ap.add_argument("--sweep-lengths", default="512,1024,2048,4096,8192,16384,32768")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--tokens", default=None, help="query tokens per call, e.g. 1,4,8,12,16: the several-token "
+                    "table instead of the decode shapes")
+    ap.add_argument("--tokens-cache", type=int, default=4096, help="keys in the cache for --tokens")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: our CUDA decode kernel (opt-in, switched on here) against torch SDPA on the GPU")
     args = ap.parse_args(argv)
@@ -261,6 +355,21 @@ def main(argv=None):
     shapes = SHAPES[:1] if args.quick else SHAPES
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     blocks = (16, 256)
+    if args.tokens:
+        if DEVICE != "cpu":
+            ap.error("--tokens times the CPU paths")
+        print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+              f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}, bfloat16 products {bf16_products()}")
+        with torch.inference_mode():
+            rows = tokens_table([int(x) for x in args.tokens.split(",")], args.tokens_cache, dtypes, rounds)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(machine=platform.platform(), processor=platform.processor(), device="cpu",
+                               threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
+                               bf16_products=bf16_products(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               rounds=rounds, tokens=rows), f, indent=1)
+            print(f"wrote {args.json}")
+        return
     probe = read_bandwidth_probe()
     where = (torch.cuda.get_device_name() if DEVICE == "cuda"
              else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "

@@ -852,7 +852,7 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
     Py_RETURN_NONE;
   if (args[KV_SINKS] != Py_None && (sk->ndim != 1 || sk->sizes[0] != Hq || sk->dtype > AB_DTYPE_F64))
     Py_RETURN_NONE;
-  /* long queries: run_kernel gives them to flash over the cache */
+  /* queries run_kernel gives to flash over the cache (long ones, with bfloat16 products only) */
   if (tq->sizes[1] * (Hq / Hkv) > ab_kvcache_cpu_max_rows(dt, !paged && !ix[1], tk->sizes[1])) Py_RETURN_NONE;
   long long seqlen = -1;
   if (seq_o != Py_None && !seq_tensor && !small_int(seq_o, 0, &seqlen)) Py_RETURN_NONE;

@@ -9,6 +9,7 @@ and errors that name the argument."""
 import dataclasses
 import logging
 import math
+import os
 from typing import Optional
 
 import pytest
@@ -391,14 +392,27 @@ def test_long_queries_go_to_flash_over_the_gathered_cache(gen):
     call.check(*call.run("paged_attention"))
 
 
+def _bf16_products(dtype) -> bool:
+    return (dtype == torch.bfloat16 and bool(_C.cpu_features().get("avx512_bf16"))
+            and _C.cpu_isa() in ("avx512", "amx") and os.environ.get("ATTN_BACKENDS_DECODE_BF16_DOT", "1") != "0")
+
+
 @pytest.mark.parametrize("block", [None, 16])
-def test_long_queries_over_a_long_dense_cache_go_to_flash_from_fewer_rows(block, gen, monkeypatch):
-    # 13 tokens x 4 query heads per KV head = 52 rows: the kernel's own below 2048 positions or in a
-    # paged cache, flash over the cache's view from 48 rows in a long dense one (ab_kvcache_cpu_max_rows)
+def test_long_queries_stay_in_the_kernel_unless_it_multiplies_in_bfloat16(block, gen, monkeypatch):
+    # 13 tokens x 4 query heads per KV head = 52 rows.  Tiles of many rows run the tiled products
+    # (decode_cpu_impl.h), which serve every length; with bfloat16 products (AVX512_BF16), which
+    # they do not use, flash over the cache's view takes calls from 48 rows in a long dense cache and
+    # from 64 rows otherwise (ab_kvcache_cpu_max_rows)
     case = KV(B=1, Sq=13, Hq=8, Hkv=2, D=32, S=2048, block=block, seqlens=1500, snew=13, causal=True,
               dtype=torch.bfloat16)
-    assert _C.kvcache_max_rows(2, True, 2048) == 48 and _C.kvcache_max_rows(2, False, 2048) == 64
-    assert _C.kvcache_max_rows(2, True, 2047) == 64 and _C.kvcache_max_rows(1, True, 4096) == 64
+    huge = 2**63 - 1
+    for dt, tid in ((torch.float32, 1), (torch.float16, 3), (torch.bfloat16, 2)):
+        rows = [_C.kvcache_max_rows(tid, True, 2048), _C.kvcache_max_rows(tid, False, 2048),
+                _C.kvcache_max_rows(tid, True, 2047)]
+        assert rows == ([48, 64, 64] if _bf16_products(dt) else [huge] * 3), dt
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "0")
+    assert _C.kvcache_max_rows(2, True, 4096) == huge
+    monkeypatch.delenv("ATTN_BACKENDS_DECODE_BF16_DOT")
     flash_calls = []
     real = ab._kvcache.ops.flash_fwd
     monkeypatch.setattr(ab._kvcache.ops, "flash_fwd", lambda *a: flash_calls.append(1) or real(*a))
@@ -407,7 +421,35 @@ def test_long_queries_over_a_long_dense_cache_go_to_flash_from_fewer_rows(block,
     for _ in range(2):  # planned, then the fast path's turn: it hands the call back when flash serves it
         out, lse = _fast(lambda: call.reset().run("paged_attention"))[0]
         call.check(out, lse)
-    assert len(flash_calls) == (0 if block else 2)
+    assert len(flash_calls) == (2 if _bf16_products(case.dtype) and not block else 0)
+
+
+# tiles of >= 16 query rows per KV head (DC_TILED_ROWS): the tiled products, head-major rows, the
+# transposed softmax; one KV head or several per work item, tiles of one token or of many, pad rows
+TILED_CASES = [
+    KV(B=2, Sq=5, Hq=8, Hkv=2, D=64, S=90, snew=5, causal=True),  # 20 rows per head, one tile
+    KV(B=1, Sq=20, Hq=8, Hkv=2, D=72, S=150, seqlens=100, snew=20, causal=True, rotary="neox"),  # 80: two tiles
+    KV(B=2, Sq=4, Hq=16, Hkv=4, D=40, S=70, block=16, snew=4, causal=True, leftpad=True),  # 16, heads together
+    KV(B=2, Sq=16, Hq=2, Hkv=2, D=96, S=120, seqlens=None, window=(9, 2), softcap=3.0),  # MHA, 16 tokens
+    KV(B=2, Sq=6, Hq=12, Hkv=3, D=64, S=80, causal=True, alibi="bh", sinks=True, batch_idx=True),
+    KV(B=1, Sq=24, Hq=4, Hkv=1, D=32, S=40, block=16, seqlens=0, snew=10, causal=True),  # rows that see nothing
+    KV(B=1, Sq=17, Hq=16, Hkv=2, D=128, S=600, seqlens=500, causal=True, alibi="h"),  # G=8: 136 rows, 3 tiles
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", TILED_CASES, ids=str)
+def test_long_queries_through_the_tiled_products(case, dtype, isa, gen):
+    call = Call(dataclasses.replace(case, dtype=dtype), gen)
+    call.check(*call.run("paged_attention"))
+
+
+def test_the_tiled_products_with_splits_of_the_keys(gen):
+    # a split's partial (out, lse) from tiled rows merges like any other
+    case = KV(B=1, Sq=8, Hq=8, Hkv=2, D=64, S=700, seqlens=650, snew=8, causal=True)
+    for splits in (1, 3):
+        call = Call(case, gen)
+        call.check(*call.run("paged_attention", num_splits=splits))
 
 
 @pytest.mark.parametrize("case", [
@@ -428,7 +470,7 @@ def test_long_queries_over_whole_rows_need_no_mask(case, gen, monkeypatch):
 
     monkeypatch.setattr(ab._kvcache.ops, "flash_fwd", seen)
     call = Call(case, gen)
-    call.check(*call.run("paged_attention"))
+    call.check(*call.run("flash"))
     assert masks == [None]
 
 
@@ -676,9 +718,11 @@ def test_the_kvcache_fast_path_hands_back_what_is_not_plain(gen):
         assert not _fast(run)[1]
     with Passthrough():
         assert not _fast(run)[1]
-    long_q = torch.randn(2, 17, 8, 64)  # 17 tokens x 4 query heads per KV head > 64 rows: gathered for flash
+    # 17 tokens x 4 query heads per KV head = 68 rows: the kernel's tiled products, so the fast path too
+    # (float32: no bfloat16 products, ab_kvcache_cpu_max_rows)
+    long_q = torch.randn(2, 17, 8, 64)
     ab.attention_with_kvcache(long_q, *args[1:], **kw)
-    assert not _fast(lambda: ab.attention_with_kvcache(long_q, *args[1:], **kw))[1]
+    assert _fast(lambda: ab.attention_with_kvcache(long_q, *args[1:], **kw))[1]
     q = call.q.detach().requires_grad_()
     with pytest.raises(RuntimeError, match="no backward"):
         ab.attention_with_kvcache(q, *args[1:], **kw)

@@ -30,12 +30,20 @@ static const ab_decode_cpu_table* decode_table(void) { return ab_cpu_kernels_get
 /* Whether the bfloat16 products of decode_cpu_impl.h run: a bfloat16 cache, the AVX-512 path (or
  * AMX, which runs it) and a CPU with AVX512_BF16.  ATTN_BACKENDS_DECODE_BF16_DOT=0 turns them off
  * (the float32 products then run, as on CPUs without the instructions); read at every call. */
-static int bf16_dot(const ab_kvcache_params* p) {
-  if (p->k_cache.dtype != AB_DTYPE_BF16 || !ab_cpu_features_get()->avx512_bf16) return 0;
+int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype) {
+  if (kv_dtype != AB_DTYPE_BF16 || !ab_cpu_features_get()->avx512_bf16) return 0;
   const ab_cpu_isa isa = ab_cpu_isa_get();
   if (isa != AB_ISA_AVX512 && isa != AB_ISA_AMX) return 0;
   const char* env = getenv("ATTN_BACKENDS_DECODE_BF16_DOT");
   return !(env && strcmp(env, "0") == 0);
+}
+
+static int bf16_dot(const ab_kvcache_params* p) { return ab_kvcache_cpu_bf16_products(p->k_cache.dtype); }
+
+int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
+  if (!ab_kvcache_cpu_bf16_products(dt)) return INT64_MAX; /* the tiled products serve long queries */
+  if (!in_place || positions < 2048) return 64;
+  return 48;
 }
 
 static int is_index(const ab_tensor* t) { return t->dtype == AB_DTYPE_I32 || t->dtype == AB_DTYPE_I64; }

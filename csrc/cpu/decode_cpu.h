@@ -55,18 +55,20 @@ typedef struct ab_kvcache_params {
 /* Bytes of workspace ab_kvcache_cpu_fwd needs for p on a pool of num_threads threads (0 when the
  * call is invalid: fwd then says why). */
 size_t ab_kvcache_cpu_workspace_size(const ab_kvcache_params* p, int num_threads);
+/* Whether the kernel multiplies a cache of kv_dtype in bfloat16 (AVX512_BF16, decode_cpu_impl.h):
+ * a bfloat16 cache on the AVX-512 (or AMX) path of a CPU that has the instructions, unless
+ * ATTN_BACKENDS_DECODE_BF16_DOT=0 (read at every call). */
+int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype);
 /* The query rows per KV head (Sq x Hq / Hkv) up to which this kernel serves a call better than flash
  * over a gathered view of the cache (attn_backends/_kvcache.py run_kernel and the fast path ask
- * here): 64, one tile of the kernel, in general; 48 where flash reads the cache in place (a dense
- * cache without cache_batch_idx: a view, no copy) and the cache is long, since the kernel's products
- * are dot products per row and key while flash's are tiles.  Measured (B=1 Hq=32 Hkv=8 D=128
- * Sk=4096, 2 threads, medians of 7 interleaved rounds, docs/benchmarks.md): 64 rows, bfloat16 15.7 ms
- * in the kernel against 13.1 in flash, float32 18.2 against 16.9; 48 rows 12.1 against 13.4 and
- * 18.6 against 19.2; 32 rows 8.0 against 12.7.  float16 was not measured and keeps 64. */
-static inline int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
-  if (!in_place || positions < 2048 || (dt != AB_DTYPE_BF16 && dt != AB_DTYPE_F32)) return 64;
-  return 48;
-}
+ * here).  Every length (INT64_MAX) where tiles of many rows run the tiled products
+ * (decode_cpu_impl.h): on the avx2 path (AMD EPYC, Zen 3, 2 threads, B=1 Hq=32 Hkv=8 D=128
+ * Sk=4096, docs/benchmarks.md "Several query tokens") the kernel took 0.55-0.85x flash's time from
+ * 64 to 512 rows, bfloat16 and float32.  With bfloat16 products, which the tiled products do not
+ * use, the rows of the measurement before them (AVX-512, same shape): 64 in general, 48 where flash
+ * reads the cache in place (a dense cache without cache_batch_idx: a view, no copy) and the cache
+ * is long (64 rows: 15.7 ms in the kernel against 13.1 in flash; 48 rows: 12.1 against 13.4). */
+int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions);
 
 /* The number of splits of each row's key range fwd uses for p on num_threads threads. */
 int64_t ab_kvcache_cpu_splits(const ab_kvcache_params* p, int num_threads);

@@ -25,6 +25,9 @@
  * The state of a row (m, l and its D accumulators) lives in the thread's scratch, in L1 for the
  * decode shapes.  Query rows go by tiles of whole tokens (DC_ROWS rows, at least one token), so
  * scratch stays bounded for long chunked-prefill queries, which re-stream their keys per tile.
+ * A tile with DC_TILED_ROWS rows per KV head or more (several query tokens) takes the tiled
+ * products instead of steps 1-3: the flash micro-kernel over a chunk's keys converted once
+ * ("tiled products" below).
  *
  * A split writes its normalized output and lse to the run's partial buffer; decode_cpu.c merges the
  * splits.  With one split the item writes the output itself.
@@ -523,11 +526,41 @@ static inline void DC(chunk_at)(const ab_decode_run* run, int64_t b, int64_t h0,
 }
 
 /* Scratch of one thread: per row of a tile, the accumulators (dpad), scores (DC_CHUNK), m, l, the
- * ALiBi slope; per token, its key range. */
+ * ALiBi slope; per token, its key range.  For the tiled products (below): a chunk's K or V rows of
+ * one head as float32 (kv, DC_CHUNK x dpad), the scores of one head's rows transposed (st, keys x
+ * rows), the tile's query rows transposed, head by head (qt), and per row of a head the chunk's
+ * visible keys [vlo, vhi) and key 0's distance from the row's query (d0). */
 typedef struct DC(tile) {
   float *acc, *S, *m, *l, *slope;
+  float *kv, *st, *qt, *vlo, *vhi, *d0;
   int64_t *tlo, *thi;
 } DC(tile);
+
+/* ---- tiled products: tiles with many query rows per KV head --------------------------------
+ *
+ * With several query tokens (speculative decoding, chunked prefill) a tile holds Sq x G rows per
+ * KV head, and the row-by-row dot products above (each a horizontal sum, each key row re-read and
+ * re-converted per token) leave the FMA units mostly idle.  From DC_TILED_ROWS rows per head on, a
+ * tile goes through the flash micro-kernel (cpu_tiles_impl.h) instead, chunk by chunk and head by
+ * head, in flash's own orientation (query rows along the vector lanes):
+ *   - the chunk's K rows are converted to float32 once (kv) and S^T = K Q^T (keys x rows, st) is
+ *     SYM(gemm) against the tile's query rows, transposed once per tile (qt), in KC-wide blocked
+ *     sums as in flash's forward;
+ *   - the online softmax runs on st, VLEN rows per vector (DC(softmax_t)): no horizontal sums;
+ *   - the chunk's V rows are converted once (kv) and O += P V is SYM(gemm) over all the head's
+ *     rows (P^T read by row), the accumulators' running sum as in DC(pv).
+ * The tile's rows are then head-major (row i of head h at h * rhp + i, rhp = the head's rows
+ * padded to VLEN) rather than token-major.  Measured: docs/benchmarks.md, "Several query tokens". */
+#define DC_TILED_ROWS 16 /* avx2, B=1 Hq=32 Hkv=8 D=128 Sk=4096: 12 rows 1.0-1.5x the row path's time, 16 rows
+                           0.7-1.1x (float32 about even), 24 rows 0.6-0.9x */
+
+/* The D elements of a cache row as float32 at dst (zeros from D to the next multiple of VLEN). */
+static inline __attribute__((always_inline)) void DC(row_f32)(const void* base, int64_t off, int64_t D, const int dt,
+                                                             float* dst) {
+  int64_t d = 0;
+  for (; d + VLEN <= D; d += VLEN) vstore(dst + d, DC(ld)(base, off + d, dt));
+  if (d < D) vstore(dst + d, DC(ld_tail)(base, off + d, D - d, dt));
+}
 
 /* The keys token t may see: [*lo, *hi), empty when lo >= hi.  t sits at position t + end - Sq. */
 static inline void DC(token_keys)(const ab_kvcache_params* p, int64_t t, int64_t klo, int64_t end,
@@ -583,6 +616,95 @@ static inline void DC(softmax)(const DC(tile) * w, int64_t r0, int64_t nrows, fl
     for (int u = 0; u < VLEN; ++u) total += sum[u];
     w->l[r] = w->l[r] * alpha + total;
     w->m[r] = m_new;
+  }
+}
+
+/* The online softmax of one head's rows over one chunk, on the transposed scores st (nk keys x rhp
+ * rows, P left in place): softcap, ALiBi (slope and d0 per row) and visibility ([vlo, vhi) per row),
+ * then per row the running max m, sum l and the rescale of its accumulator row (rows < rh). */
+static inline void DC(softmax_t)(float* st, int64_t nk, int64_t rhp, int64_t rh, float* m, float* l,
+                                 const float* slope, const float* vlo, const float* vhi, const float* d0, float cap,
+                                 int alibi, float* acc, int64_t dpad) {
+  const vf ninf = vset1(-INFINITY), zero = vset1(0.0f), one = vset1(1.0f);
+  for (int64_t v = 0; v < rhp; v += VLEN) {
+    const vf lo = vload(vlo + v), hi = vload(vhi + v);
+    vf mx = ninf;
+    for (int64_t i = 0; i < nk; ++i) {
+      vf x = vload(st + i * rhp + v);
+      if (cap > 0) x = vset1(cap) * vtanh(x * vset1(1.0f / cap));
+      const vf ki = vset1((float)i);
+      if (alibi) {
+        vf dist = vload(d0 + v) + ki;
+        dist = vselect(dist < zero, -dist, dist);
+        x -= vload(slope + v) * dist;
+      }
+      x = vselect((ki >= lo) & (ki < hi), x, ninf);
+      vstore(st + i * rhp + v, x);
+      mx = vmax(mx, x);
+    }
+    const vf m_old = vload(m + v), m_new = vmax(m_old, mx);
+    const vf base = vselect(m_new > ninf, m_new, zero); /* rows with nothing visible yet: weights 0 */
+    vf sum = zero;
+    for (int64_t i = 0; i < nk; ++i) {
+      const vf e = vexp_nonpos(vload(st + i * rhp + v) - base);
+      vstore(st + i * rhp + v, e);
+      sum += e;
+    }
+    vf alpha = vselect(m_old > ninf, vexp_nonpos(m_old - base), zero);
+    alpha = vselect(m_old == m_new, one, alpha);
+    vstore(l + v, vload(l + v) * alpha + sum);
+    vstore(m + v, m_new);
+    for (int u = 0; u < VLEN && v + u < rh; ++u) {
+      const float a = alpha[u];
+      if (a == 1.0f) continue;
+      float* ar = acc + (v + u) * dpad;
+      for (int64_t d = 0; d < dpad; d += VLEN) vstore(ar + d, vload(ar + d) * vset1(a));
+    }
+  }
+}
+
+/* Keys [j, je) of a tiled tile (tokens from t0, rh rows per head padded to rhp; K and V rows of head
+ * h0 at ko, vo; the next chunk's nn keys at nko, nvo, asked for into L2 a chunk ahead), head by
+ * head: S^T = K Q^T, the softmax, O += P V (above).  qpos0: the position of the tile's first token. */
+static inline __attribute__((always_inline)) void DC(tiled_chunk)(const ab_decode_run* run, const DC(tile) * w,
+                                                                 int64_t rh, int64_t rhp, int64_t j, int64_t je,
+                                                                 const int64_t* ko, const int64_t* vo,
+                                                                 const int64_t* nko, const int64_t* nvo, int64_t nn,
+                                                                 int64_t qpos0, const int dt) {
+  const ab_kvcache_params* p = run->p;
+  const int64_t D = p->D, G = run->G, dpad = run->dpad, nk = je - j, nvec = (D + VLEN - 1) / VLEN;
+  const void *kb = p->k_cache.data, *vb = p->v_cache.data;
+  const int64_t ks2 = p->k_cache.strides[2], vs2 = p->v_cache.strides[2], es = dt == AB_DTYPE_F32 ? 4 : 2;
+  const int alibi = p->alibi_slopes.ndim > 0;
+  for (int64_t i = 0; i < rhp; ++i) { /* pad rows see nothing */
+    int64_t lo = 0, hi = 0;
+    w->d0[i] = 0.0f;
+    if (i < rh) {
+      const int64_t t = i / G; /* from t0 */
+      lo = w->tlo[t] > j ? w->tlo[t] - j : 0;
+      hi = (w->thi[t] < je ? w->thi[t] : je) - j;
+      w->d0[i] = (float)(j - (qpos0 + t));
+    }
+    w->vlo[i] = (float)lo;
+    w->vhi[i] = (float)(hi > lo ? hi : lo);
+  }
+  for (int64_t h = 0; h < run->hg; ++h) {
+    float* acc = w->acc + h * rhp * dpad;
+    for (int64_t i = 0; i < nk; ++i) {
+      DC(row_f32)(kb, ko[i] + h * ks2, D, dt, w->kv + i * dpad);
+      if (i < nn) {
+        DC(pf_lines)((const char*)kb + (nko[i] + h * ks2) * es, D * es, 2);
+        DC(pf_lines)((const char*)vb + (nvo[i] + h * vs2) * es, D * es, 2);
+      }
+    }
+    const float* qh = w->qt + h * dpad * rhp;
+    for (int64_t d0 = 0; d0 < D; d0 += KC)
+      SYM(gemm)(nk, rhp / VLEN, D - d0 < KC ? D - d0 : KC, w->kv + d0, dpad, 1, qh + d0 * rhp, rhp, w->st, rhp,
+                d0 ? AB_ACC_ADD : 0);
+    DC(softmax_t)(w->st, nk, rhp, rh, w->m + h * rhp, w->l + h * rhp, w->slope + h * rhp, w->vlo, w->vhi, w->d0,
+                  (float)p->softcap, alibi, acc, dpad);
+    for (int64_t i = 0; i < nk; ++i) DC(row_f32)(vb, vo[i] + h * vs2, D, dt, w->kv + i * dpad);
+    SYM(gemm)(rh, nvec, nk, w->st, 1, rhp, w->kv, dpad, acc, dpad, AB_ACC_RUN);
   }
 }
 
@@ -643,13 +765,27 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         khi = hi > khi ? hi : khi;
       }
     }
-    memset(w->acc, 0, (size_t)(nr * dpad) * sizeof(float));
-    for (int64_t r = 0; r < nr; ++r) {
+    /* the tiled products (above): rh rows per head, padded to rhp, head-major (row i of head h at
+     * h * rhp + i); qt holds head h's rows as columns, qt[h * dpad * rhp + d * rhp + i] */
+    const int64_t rh = (t1 - t0) * G, rhp = (rh + VLEN - 1) / VLEN * VLEN;
+    const int tiled = !bf && rh >= DC_TILED_ROWS;
+    const int64_t nrows = tiled ? hg * rhp : nr; /* rows of state, pad rows included */
+    memset(w->acc, 0, (size_t)(nrows * dpad) * sizeof(float));
+    if (tiled) {
+      memset(w->qt, 0, (size_t)(hg * dpad * rhp) * sizeof(float));
+      for (int64_t h = 0; h < hg; ++h)
+        for (int64_t i = 0; i < rh; ++i) {
+          const float* qr = run->qf + ((b * Sq + t0 + i / G) * p->Hq + (h0 + h) * G + i % G) * dpad;
+          float* col = w->qt + h * dpad * rhp + i;
+          for (int64_t d = 0; d < D; ++d) col[d * rhp] = qr[d];
+        }
+    }
+    for (int64_t r = 0; r < nrows; ++r) {
       w->m[r] = -INFINITY;
       w->l[r] = 0.0f;
       if (alibi) {
         const ab_tensor* a = &p->alibi_slopes;
-        const int64_t hq = h0 * G + r % HG;
+        const int64_t hq = h0 * G + (tiled ? r / rhp * G + r % rhp % G : r % HG);
         const float* sl = (const float*)a->data;
         w->slope[r] = a->ndim == 2 ? sl[b * a->strides[0] + hq * a->strides[1]] : sl[hq * a->strides[0]];
       }
@@ -669,74 +805,78 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       int64_t jn = je, nje = je;
       if (jn < khi) DC(chunk_at)(run, b, h0, jn, khi, &nje, nko, nvo);
 
-      /* 1. scores, key by key so the cache is read in its own order; rows of a token that sees no
-       * key of the chunk get P = 0 */
-      int64_t ta = t1, tb = t0; /* tokens that see a key of the chunk */
-      for (int64_t t = t0; t < t1; ++t) {
-        const int64_t a = w->tlo[t - t0] > j ? w->tlo[t - t0] : j;
-        const int64_t e = w->thi[t - t0] < je ? w->thi[t - t0] : je;
-        if (a >= e) {
-          memset(w->S + (t - t0) * HG * DC_CHUNK, 0, (size_t)(HG * DC_CHUNK) * sizeof(float));
-          continue;
-        }
-        ta = t < ta ? t : ta;
-        tb = t + 1;
-      }
-      for (int64_t jj = j; jj < je; ++jj) {
-        /* one row at a time, between the dot products, so the loads overlap the arithmetic */
-        const int64_t ahead = jj + DC_KEYS_AHEAD;
-        DC(pf) f = {NULL, v_ahead ? (const char*)vb + vo[jj - j] * (int64_t)es : NULL, ks2 * (int64_t)es,
-                    vs2 * (int64_t)es, D * (int64_t)es};
-        if (ahead < je)
-          f.k = (const char*)kb + ko[ahead - j] * (int64_t)es;
-        else if (ahead - je < nje - jn)
-          f.k = (const char*)kb + nko[ahead - je] * (int64_t)es;
-        const DC(pf)* fp = &f; /* with the first token that reads the key */
-        for (int64_t t = ta; t < tb; ++t) {
-          if (jj < w->tlo[t - t0] || jj >= w->thi[t - t0]) continue;
-#if DC_BF16
-          if (bf) {
-            DC(key_scores_bf)(run->qb + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, (const uint16_t*)kb,
-                              ko[jj - j], ks2, D, (float)p->scale, w->S + (t - t0) * HG * DC_CHUNK + (jj - j), fp);
-            fp = NULL;
+      if (tiled) {
+        DC(tiled_chunk)(run, w, rh, rhp, j, je, ko, vo, nko, nvo, nje - jn, t0 + kv_end - Sq, dt);
+      } else {
+        /* 1. scores, key by key so the cache is read in its own order; rows of a token that sees no
+         * key of the chunk get P = 0 */
+        int64_t ta = t1, tb = t0; /* tokens that see a key of the chunk */
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t a = w->tlo[t - t0] > j ? w->tlo[t - t0] : j;
+          const int64_t e = w->thi[t - t0] < je ? w->thi[t - t0] : je;
+          if (a >= e) {
+            memset(w->S + (t - t0) * HG * DC_CHUNK, 0, (size_t)(HG * DC_CHUNK) * sizeof(float));
             continue;
           }
-#endif
-          DC(key_scores)(run->qf + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, kb, ko[jj - j],
-                         ks2, D, dt, w->S + (t - t0) * HG * DC_CHUNK + (jj - j), fp);
-          fp = NULL;
+          ta = t < ta ? t : ta;
+          tb = t + 1;
         }
-      }
+        for (int64_t jj = j; jj < je; ++jj) {
+          /* one row at a time, between the dot products, so the loads overlap the arithmetic */
+          const int64_t ahead = jj + DC_KEYS_AHEAD;
+          DC(pf) f = {NULL, v_ahead ? (const char*)vb + vo[jj - j] * (int64_t)es : NULL, ks2 * (int64_t)es,
+                      vs2 * (int64_t)es, D * (int64_t)es};
+          if (ahead < je)
+            f.k = (const char*)kb + ko[ahead - j] * (int64_t)es;
+          else if (ahead - je < nje - jn)
+            f.k = (const char*)kb + nko[ahead - je] * (int64_t)es;
+          const DC(pf)* fp = &f; /* with the first token that reads the key */
+          for (int64_t t = ta; t < tb; ++t) {
+            if (jj < w->tlo[t - t0] || jj >= w->thi[t - t0]) continue;
+  #if DC_BF16
+            if (bf) {
+              DC(key_scores_bf)(run->qb + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, (const uint16_t*)kb,
+                                ko[jj - j], ks2, D, (float)p->scale, w->S + (t - t0) * HG * DC_CHUNK + (jj - j), fp);
+              fp = NULL;
+              continue;
+            }
+  #endif
+            DC(key_scores)(run->qf + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, kb, ko[jj - j],
+                           ks2, D, dt, w->S + (t - t0) * HG * DC_CHUNK + (jj - j), fp);
+            fp = NULL;
+          }
+        }
 
-      /* 2. softcap, ALiBi, visibility and the online softmax, per token */
-      for (int64_t t = ta; t < tb; ++t) {
-        const int64_t a = w->tlo[t - t0] > j ? w->tlo[t - t0] : j;
-        const int64_t e = w->thi[t - t0] < je ? w->thi[t - t0] : je;
-        if (a >= e) continue;
-        const float dist0 = (float)(j - (t + kv_end - Sq)); /* key position - query position, lane 0 */
-        DC(softmax)(w, (t - t0) * HG, HG, w->S + (t - t0) * HG * DC_CHUNK, a - j, e - j, cap, alibi, dist0, lanes,
-                    dpad);
-      }
+        /* 2. softcap, ALiBi, visibility and the online softmax, per token */
+        for (int64_t t = ta; t < tb; ++t) {
+          const int64_t a = w->tlo[t - t0] > j ? w->tlo[t - t0] : j;
+          const int64_t e = w->thi[t - t0] < je ? w->thi[t - t0] : je;
+          if (a >= e) continue;
+          const float dist0 = (float)(j - (t + kv_end - Sq)); /* key position - query position, lane 0 */
+          DC(softmax)(w, (t - t0) * HG, HG, w->S + (t - t0) * HG * DC_CHUNK, a - j, e - j, cap, alibi, dist0, lanes,
+                      dpad);
+        }
 
-      /* 3. O += P V, head by head, for the tokens that saw a key; meanwhile the next chunk's key
-       * rows of each head (DC(kpf)) */
-      DC(kpf) kp = {(const char*)kb, nko, k_next ? nje - jn : 0, D * (int64_t)es, (int64_t)es};
-#if DC_BF16
-      if (bf) {
-        if (tb > ta) DC(p_to_bf16)(w->S + (ta - t0) * HG * DC_CHUNK, (tb - ta) * HG);
-        for (int64_t h = 0; h < hg; ++h, kp.base += ks2 * (int64_t)es)
+        /* 3. O += P V, head by head, for the tokens that saw a key; meanwhile the next chunk's key
+         * rows of each head (DC(kpf)) */
+        DC(kpf) kp = {(const char*)kb, nko, k_next ? nje - jn : 0, D * (int64_t)es, (int64_t)es};
+  #if DC_BF16
+        if (bf) {
+          if (tb > ta) DC(p_to_bf16)(w->S + (ta - t0) * HG * DC_CHUNK, (tb - ta) * HG);
+          for (int64_t h = 0; h < hg; ++h, kp.base += ks2 * (int64_t)es)
+            for (int64_t t = ta; t < tb; ++t) {
+              const int64_t r = (t - t0) * HG + h * G;
+              DC(pv_bf)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK, (const uint16_t*)vb, vo, h * vs2, nk, D,
+                        t == ta ? &kp : NULL);
+            }
+        }
+  #endif
+        for (int64_t h = 0; h < hg && !bf; ++h, kp.base += ks2 * (int64_t)es)
           for (int64_t t = ta; t < tb; ++t) {
             const int64_t r = (t - t0) * HG + h * G;
-            DC(pv_bf)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK, (const uint16_t*)vb, vo, h * vs2, nk, D,
-                      t == ta ? &kp : NULL);
+            DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK, vb, vo, h * vs2, nk, D, dt, t == ta ? &kp : NULL);
           }
       }
-#endif
-      for (int64_t h = 0; h < hg && !bf; ++h, kp.base += ks2 * (int64_t)es)
-        for (int64_t t = ta; t < tb; ++t) {
-          const int64_t r = (t - t0) * HG + h * G;
-          DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK, vb, vo, h * vs2, nk, D, dt, t == ta ? &kp : NULL);
-        }
       j = jn;
       je = nje;
       int64_t* x = ko;
@@ -748,8 +888,10 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
     }
 
     /* this tile's rows: normalized output and lse, to the output or to this split's partials */
-    for (int64_t r = 0; r < nr; ++r) {
-      const int64_t t = t0 + r / HG, hq = h0 * G + r % HG;
+    for (int64_t i = 0; i < nr; ++i) {
+      /* row i of the tile (token-major); r: its state (head-major in a tiled tile) */
+      const int64_t t = t0 + i / HG, hq = h0 * G + i % HG;
+      const int64_t r = tiled ? i % HG / G * rhp + (t - t0) * G + i % G : i;
       float* acc = w->acc + r * dpad;
       const float l = w->l[r];
       const float inv = l > 0.0f ? 1.0f / l : 0.0f;
@@ -780,7 +922,9 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   const ab_kvcache_params* p = run->p;
   const int64_t HG = run->hg * run->G, dpad = run->dpad;
   const int64_t tokens = HG >= DC_ROWS ? 1 : DC_ROWS / HG, rows = tokens * HG;
-  const size_t floats = (size_t)(rows * (dpad + DC_CHUNK + 3));
+  const int64_t prows = rows + run->hg * VLEN; /* rows of state with each head's padded to VLEN (tiled) */
+  const size_t floats = (size_t)(prows * (dpad + 3) + rows * DC_CHUNK + DC_CHUNK * dpad + DC_CHUNK * (rows + VLEN) +
+                                 dpad * prows + 3 * (rows + VLEN));
   char* buf = (char*)ab_scratch_alloc(floats * sizeof(float) + 2 * (size_t)tokens * sizeof(int64_t) + 64);
   if (!buf) {
     ab_par_fail(run->st, AB_ERR_NOMEM, "out of memory for the decode kernel's scratch");
@@ -788,10 +932,16 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   }
   DC(tile) w;
   w.acc = (float*)buf;
-  w.S = w.acc + rows * dpad;
+  w.S = w.acc + prows * dpad;
   w.m = w.S + rows * DC_CHUNK;
-  w.l = w.m + rows;
-  w.slope = w.l + rows;
+  w.l = w.m + prows;
+  w.slope = w.l + prows;
+  w.kv = w.slope + prows;
+  w.st = w.kv + DC_CHUNK * dpad;
+  w.qt = w.st + DC_CHUNK * (rows + VLEN);
+  w.vlo = w.qt + dpad * prows;
+  w.vhi = w.vlo + rows + VLEN;
+  w.d0 = w.vhi + rows + VLEN;
   w.tlo = (int64_t*)(buf + ((floats * sizeof(float) + 63) & ~(size_t)63));
   w.thi = w.tlo + tokens;
   const int64_t groups = p->Hkv / run->hg;
