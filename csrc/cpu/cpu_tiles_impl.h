@@ -64,9 +64,10 @@
  * compile-time constants at every call site, so acc[][] lives in registers.  accumulate: 0 writes
  * the sum, AB_ACC_RUN continues the running sum from C, AB_ACC_ADD sums the K products from zero and
  * then adds them to C, so that a product split into passes is a blocked sum whose rounding grows
- * with the pass length, not the whole length (the forward's S = K Q^T by KC head dims: at D = 256 a
- * running sum put lse up to 3x torch's float32 error; the backward measured better with the running
- * sum and keeps it). */
+ * with the pass length, not the whole length (S = K Q^T by KC head dims, SYM(scores_t): at D = 256
+ * a running sum put lse up to 3x torch's float32 error; the backward's dQ, dK and dV, summed over
+ * row chunks and key blocks, the same way).  AB_ACC_RUN serves P V, whose passes are the keys of
+ * the online softmax. */
 #define AB_ACC_RUN 1
 #define AB_ACC_ADD 2
 static inline __attribute__((always_inline)) void SYM(mk)(const int M, const int NV, int64_t K,
@@ -132,6 +133,19 @@ static void SYM(gemm)(int64_t Mtot, int64_t nvec, int64_t K, const float* A, int
     const int nv = (int)(nvec - v0 < NV_MAX ? nvec - v0 : NV_MAX);
     SYM(gemm_nv)(Mtot, nv, K, A, am, ak, B + v0 * VLEN, ldb, C + v0 * VLEN, ldc, accumulate);
   }
+}
+
+/* S^T = K Q^T: nb key rows at ka (row stride ka_m) against the query rows as nvec vectors of
+ * columns, Q^T at qt (one row of ldq floats per head dim), into st (row stride ldst); KC head dims
+ * per pass, each pass summed from zero and added to st (AB_ACC_ADD), so the slice of Q^T a pass
+ * streams for every MR keys stays in L1 and the rounding grows with KC, not D.  The forward, the
+ * backward's recomputation (which must reproduce the forward's bits) and the decode kernel's tiled
+ * products all compute their scores here. */
+static inline void SYM(scores_t)(int64_t nb, int64_t nvec, int64_t D, const float* ka, int64_t ka_m, const float* qt,
+                                 int64_t ldq, float* st, int64_t ldst) {
+  for (int64_t d0 = 0; d0 < D; d0 += KC)
+    SYM(gemm)(nb, nvec, D - d0 < KC ? D - d0 : KC, ka + d0, ka_m, 1, qt + d0 * ldq, ldq, st, ldst,
+              d0 > 0 ? AB_ACC_ADD : 0);
 }
 
 /* ---- per-sequence geometry (dense and packed calls alike) ------------------------------------- */

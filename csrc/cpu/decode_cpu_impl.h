@@ -544,8 +544,8 @@ typedef struct DC(tile) {
  * tile goes through the flash micro-kernel (cpu_tiles_impl.h) instead, chunk by chunk and head by
  * head, in flash's own orientation (query rows along the vector lanes):
  *   - the chunk's K rows are converted to float32 once (kv) and S^T = K Q^T (keys x rows, st) is
- *     SYM(gemm) against the tile's query rows, transposed once per tile (qt), in KC-wide blocked
- *     sums as in flash's forward;
+ *     SYM(scores_t) against the tile's query rows, transposed once per tile (qt): KC-wide blocked
+ *     sums, as in flash;
  *   - the online softmax runs on st, VLEN rows per vector (DC(softmax_t)): no horizontal sums;
  *   - the chunk's V rows are converted once (kv) and O += P V is SYM(gemm) over all the head's
  *     rows (P^T read by row), the accumulators' running sum as in DC(pv).
@@ -698,9 +698,7 @@ static inline __attribute__((always_inline)) void DC(tiled_chunk)(const ab_decod
       }
     }
     const float* qh = w->qt + h * dpad * rhp;
-    for (int64_t d0 = 0; d0 < D; d0 += KC)
-      SYM(gemm)(nk, rhp / VLEN, D - d0 < KC ? D - d0 : KC, w->kv + d0, dpad, 1, qh + d0 * rhp, rhp, w->st, rhp,
-                d0 ? AB_ACC_ADD : 0);
+    SYM(scores_t)(nk, rhp / VLEN, D, w->kv, dpad, qh, rhp, w->st, rhp);
     DC(softmax_t)(w->st, nk, rhp, rh, w->m + h * rhp, w->l + h * rhp, w->slope + h * rhp, w->vlo, w->vhi, w->d0,
                   (float)p->softcap, alibi, acc, dpad);
     for (int64_t i = 0; i < nk; ++i) DC(row_f32)(vb, vo[i] + h * vs2, D, dt, w->kv + i * dpad);

@@ -284,11 +284,9 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
         SYM(bwd_chunk_keys)(p, &s, i0, nrows, rc, lo, hi, &jlo, &jhi, &all_lo, &all_hi);
         for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
           const int64_t nb = jhi - j0 < BK ? jhi - j0 : BK;
-          /* recompute S^T (bitwise as the forward did: the same KC passes, each added to St) and
+          /* recompute S^T (bitwise as the forward did: the same SYM(scores_t)) and
            * P^T = exp((S^T - max) - log sum) */
-          for (int64_t d0 = 0; d0 < D; d0 += KC)
-            SYM(gemm_nv)(nb, nv, D - d0 < KC ? D - d0 : KC, kp + j0 * Dp + d0, Dp, 1, qt + i0 * Dp + d0 * rc, rc,
-                         st, rc, d0 > 0 ? AB_ACC_ADD : 0);
+          SYM(scores_t)(nb, nv, D, kp + j0 * Dp, Dp, qt + i0 * Dp, rc, st, rc);
           const int structural = nrows < rc || j0 < all_lo || j0 + nb > all_hi;
           SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, softcap ? th : NULL, rc, post);
           for (int64_t v = 0; v < rc; v += VLEN) {

@@ -144,7 +144,7 @@ static void SYM(accum_pv)(const ab_attn_params* p, const SYM(seq) * s, int v_dir
     va = vp;
     va_k = Dvp;
   }
-  SYM(gemm)(nrows, Dvp / VLEN, nb, st, 1, rc, va, va_k, on, Dvp, 1);
+  SYM(gemm)(nrows, Dvp / VLEN, nb, st, 1, rc, va, va_k, on, Dvp, AB_ACC_RUN);
 }
 
 /* Writes a chunk's output rows, O / l (NaN in, NaN out, as the float64 reference does; a row with
@@ -234,11 +234,7 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
         ka = kp;
         ka_m = D;
       }
-      /* S^T = K Q^T (scale folded into Q^T), KC dims at a time so the slice of Q^T the micro-kernel
-       * streams for every 6 keys (KC x NV_MAX vectors) stays in L1; each pass's sum is added to St */
-      for (int64_t d0 = 0; d0 < D; d0 += KC)
-        SYM(gemm)(nb, nv, D - d0 < KC ? D - d0 : KC, ka + d0, ka_m, 1, qt + d0 * rc, rc, st, rc,
-                  d0 > 0 ? AB_ACC_ADD : 0);
+      SYM(scores_t)(nb, nv, D, ka, ka_m, qt, rc, st, rc); /* S^T = K Q^T, the scale folded into Q^T */
       const int structural = partial_rows || j0 < all_lo || j0 + nb > all_hi;
       SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, rc, post);
       if (SYM(online_softmax)(st, nb, mrow, lrow, arow, nv)) SYM(rescale_rows)(on, arow, nrows, Dvp);
