@@ -434,6 +434,7 @@ TILED_CASES = [
     KV(B=2, Sq=6, Hq=12, Hkv=3, D=64, S=80, causal=True, alibi="bh", sinks=True, batch_idx=True),
     KV(B=1, Sq=24, Hq=4, Hkv=1, D=32, S=40, block=16, seqlens=0, snew=10, causal=True),  # rows that see nothing
     KV(B=1, Sq=17, Hq=16, Hkv=2, D=128, S=600, seqlens=500, causal=True, alibi="h"),  # G=8: 136 rows, 3 tiles
+    KV(B=1, Sq=3, Hq=80, Hkv=1, D=40, S=70, snew=3, causal=True),  # G=80 > a tile's 64 rows: one token per tile
 ]
 
 
