@@ -554,12 +554,11 @@ typedef struct DC(tile) {
 #define DC_TILED_ROWS 16 /* avx2, B=1 Hq=32 Hkv=8 D=128 Sk=4096: 12 rows 1.0-1.5x the row path's time, 16 rows
                            0.7-1.1x (float32 about even), 24 rows 0.6-0.9x */
 
-/* The D elements of a cache row as float32 at dst (zeros from D to the next multiple of VLEN). */
-static inline __attribute__((always_inline)) void DC(row_f32)(const void* base, int64_t off, int64_t D, const int dt,
-                                                             float* dst) {
-  int64_t d = 0;
-  for (; d + VLEN <= D; d += VLEN) vstore(dst + d, DC(ld)(base, off + d, dt));
-  if (d < D) vstore(dst + d, DC(ld_tail)(base, off + d, D - d, dt));
+/* The D elements of a cache row as float32 at dst (ab_vec_load_row), zeros from D to the next
+ * multiple of VLEN (O += P V reads whole vectors). */
+static inline void DC(row_f32)(const void* base, int64_t off, int64_t D, const int dt, float* dst) {
+  ab_vec_load_row(base, (ab_dtype)dt, off, D, 1, dst);
+  for (int64_t d = D; d % VLEN; ++d) dst[d] = 0.0f;
 }
 
 /* The keys token t may see: [*lo, *hi), empty when lo >= hi.  t sits at position t + end - Sq. */
@@ -831,14 +830,14 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
           const DC(pf)* fp = &f; /* with the first token that reads the key */
           for (int64_t t = ta; t < tb; ++t) {
             if (jj < w->tlo[t - t0] || jj >= w->thi[t - t0]) continue;
-  #if DC_BF16
+#if DC_BF16
             if (bf) {
               DC(key_scores_bf)(run->qb + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, (const uint16_t*)kb,
                                 ko[jj - j], ks2, D, (float)p->scale, w->S + (t - t0) * HG * DC_CHUNK + (jj - j), fp);
               fp = NULL;
               continue;
             }
-  #endif
+#endif
             DC(key_scores)(run->qf + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, kb, ko[jj - j],
                            ks2, D, dt, w->S + (t - t0) * HG * DC_CHUNK + (jj - j), fp);
             fp = NULL;
@@ -858,7 +857,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         /* 3. O += P V, head by head, for the tokens that saw a key; meanwhile the next chunk's key
          * rows of each head (DC(kpf)) */
         DC(kpf) kp = {(const char*)kb, nko, k_next ? nje - jn : 0, D * (int64_t)es, (int64_t)es};
-  #if DC_BF16
+#if DC_BF16
         if (bf) {
           if (tb > ta) DC(p_to_bf16)(w->S + (ta - t0) * HG * DC_CHUNK, (tb - ta) * HG);
           for (int64_t h = 0; h < hg; ++h, kp.base += ks2 * (int64_t)es)
@@ -868,7 +867,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
                         t == ta ? &kp : NULL);
             }
         }
-  #endif
+#endif
         for (int64_t h = 0; h < hg && !bf; ++h, kp.base += ks2 * (int64_t)es)
           for (int64_t t = ta; t < tb; ++t) {
             const int64_t r = (t - t0) * HG + h * G;
