@@ -232,11 +232,12 @@ def attention_with_kvcache(
         softmax_scale: multiplies q.k; default 1 / sqrt(D).
         causal: bottom-right aligned: query t sits at position t + end - Sq, end = cache_seqlens[b] +
             Sk_new, and sees keys at positions <= its own.
-        window_size: (left, right), query at position i sees keys i - left .. i + right; -1 = unbounded.
+        window_size: (left, right), query at position i sees keys i - left .. i + right; -1 (any
+            negative, as flash-attn) = unbounded.
         softcap: > 0 applies softcap * tanh(score / softcap) before ALiBi and the softmax.
         rotary_interleaved: rotate pairs (2i, 2i + 1); False: GPT-NeoX halves (i, i + rotary_dim / 2).
         alibi_slopes: (Hq,) or (B, Hq) float32: adds -slope * |query position - key position|.
-        num_splits: splits of each row's keys processed in parallel and merged (0: chosen from the
+        num_splits: splits of each row's keys processed in parallel and merged (0 or less: chosen from the
             thread count, or the GPU's SM count; results can then differ in the last bits between
             thread counts).
         return_softmax_lse: also return lse (B, Hq, Sq) float32 (-inf for a query that sees no key).

@@ -25,6 +25,8 @@ written when a check fails.
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 from typing import NamedTuple, Optional
 
 import torch
@@ -94,12 +96,51 @@ def _index(name, t, B, device):
         raise ValueError(f"{name} must have shape (B,) = ({B},), got {tuple(t.shape)}")
 
 
-def _int(name, x, least):
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x < least:
+def _kind(x) -> str:
+    """A value's type for an error message, qualified outside the builtins (numpy.bool, not bool)."""
+    t = type(x)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
+
+
+def _is_bool(x) -> bool:
+    return isinstance(x, bool) or type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool") or (
+        isinstance(x, torch.Tensor) and x.dtype == torch.bool)
+
+
+def _int(name, x, least=None):
+    """An integer argument as flash-attn takes it: a Python or NumPy int, or a 0-d integer tensor
+    (operator.index); bools are refused."""
+    if _is_bool(x):
+        raise TypeError(f"{name} must be an int, got {_kind(x)}")
+    try:
+        x = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {_kind(x)}") from None
+    if least is not None and x < least:
         raise ValueError(f"{name} must be >= {least}, got {x}")
     return x
+
+
+def _real(name, x, what):
+    """A float argument: a Python or NumPy real, or a 0-d real tensor (flash-attn takes them all)."""
+    if _is_bool(x) or not (isinstance(x, numbers.Real) or isinstance(x, torch.Tensor) and x.ndim == 0
+                           and not x.is_complex()):
+        raise TypeError(f"{name} must be {what}, got {_kind(x)}")
+    return float(x)
+
+
+def _flag(name, x, what=""):
+    """A bool argument: True/False, a NumPy bool, or an int 0 or 1 (flash-attn's binding converts
+    them the same way)."""
+    if _is_bool(x):
+        return bool(x)
+    try:
+        v = operator.index(x)
+    except TypeError:
+        raise TypeError(f"{name} must be a bool{what}, got {_kind(x)}") from None
+    if v not in (0, 1):
+        raise ValueError(f"{name} must be a bool{what} (or 0 or 1), got {v}")
+    return bool(v)
 
 
 def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -188,25 +229,20 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
     if softmax_scale is None:
         scale = D ** -0.5
     else:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-        scale = float(softmax_scale)
+        scale = _real("softmax_scale", softmax_scale, "a float or None")
         if not math.isfinite(scale):
             raise ValueError(f"softmax_scale must be finite, got {scale}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool (bottom-right aligned, as flash-attn), got {type(causal).__name__}")
+    causal = _flag("causal", causal, " (bottom-right aligned, as flash-attn)")
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
-    wl = _int("window_size[0]", window_size[0], -1)
-    wr = _int("window_size[1]", window_size[1], -1)
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
-    softcap = float(softcap)
+    # as flash-attn: any negative side is unbounded
+    wl = max(_int("window_size[0]", window_size[0]), -1)
+    wr = max(_int("window_size[1]", window_size[1]), -1)
+    softcap = _real("softcap", softcap, "a float")
     if not (softcap >= 0.0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
-    if not isinstance(rotary_interleaved, bool):
-        raise TypeError(f"rotary_interleaved must be a bool, got {type(rotary_interleaved).__name__}")
-    num_splits = _int("num_splits", num_splits, 0)
+    rotary_interleaved = _flag("rotary_interleaved", rotary_interleaved)
+    num_splits = max(_int("num_splits", num_splits), 0)  # as flash-attn: 0 or less picks the count
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, sinks)):
         raise RuntimeError("attention_with_kvcache has no backward (inference only): call it under "
                            "torch.no_grad() or torch.inference_mode(), or with tensors that do not require grad")

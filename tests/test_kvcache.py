@@ -729,11 +729,11 @@ def test_the_kvcache_fast_path_hands_back_what_is_not_plain(gen):
         ab.attention_with_kvcache(q, *args[1:], **kw)
     # what the Python checks refuse is refused as before, and the fast path does not serve it
     idx = torch.zeros(2, dtype=torch.int32)
-    bad = [dict(num_splits=False), dict(num_splits=-1), dict(softcap=False), dict(softcap=-1.0),
-           dict(softcap=float("nan")), dict(window_size=(-1.0, -1)), dict(window_size=(-2, 0)),
-           dict(window_size=(True, 0)), dict(window_size=(1, 2, 3)), dict(rotary_interleaved=1),
+    bad = [dict(num_splits=False), dict(softcap=False), dict(softcap=-1.0),
+           dict(softcap=float("nan")), dict(window_size=(-1.0, -1)),
+           dict(window_size=(True, 0)), dict(window_size=(1, 2, 3)), dict(rotary_interleaved=2),
            dict(cache_seqlens=True), dict(cache_seqlens=-1), dict(softmax_scale=True),
-           dict(softmax_scale=float("inf")), dict(causal=1), dict(cache_batch_idx=idx.float()),
+           dict(softmax_scale=float("inf")), dict(causal=2), dict(cache_batch_idx=idx.float()),
            dict(cache_batch_idx=idx[:1]), dict(cache_leftpad=idx.view(2, 1)), dict(alibi_slopes=torch.ones(8).double()),
            dict(alibi_slopes=torch.ones(4)), dict(alibi_slopes=[0.1] * 8), dict(sinks=torch.ones(7)),
            dict(sinks=torch.ones(8, dtype=torch.int32)),
@@ -742,6 +742,12 @@ def test_the_kvcache_fast_path_hands_back_what_is_not_plain(gen):
         before = _C.fast_calls()
         with pytest.raises((TypeError, ValueError)):
             run(**over)
+        assert _C.fast_calls() == before, over
+    # flash-attn's looser forms (test_scalars_are_taken_as_flash_attn_takes_them) go to the Python path
+    for over in (dict(num_splits=-1), dict(window_size=(-2, 0)), dict(rotary_interleaved=1), dict(causal=1),
+                 dict(softcap=torch.tensor(0.0))):
+        before = _C.fast_calls()
+        run(**over)
         assert _C.fast_calls() == before, over
     for q2, kc in ((call.q.double(), call.k_cache), (call.q, call.k_cache[..., :32]),
                    (call.q, call.k_cache.transpose(1, 2))):
@@ -852,9 +858,14 @@ BAD = [
     ("alibi dtype", lambda c: dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError,
      r"alibi_slopes must be float32"),
     ("alibi shape", lambda c: dict(alibi_slopes=torch.ones(3)), ValueError, r"alibi_slopes must have shape \(Hq,\)"),
-    ("window", lambda c: dict(window_size=(-2, 0)), ValueError, r"window_size\[0\] must be >= -1"),
+    ("window", lambda c: dict(window_size=(1.5, 0)), TypeError, r"window_size\[0\] must be an int, got float"),
+    ("window pair", lambda c: dict(window_size=4), ValueError, r"window_size must be a pair"),
     ("softcap", lambda c: dict(softcap=-1.0), ValueError, r"softcap must be >= 0"),
-    ("num_splits", lambda c: dict(num_splits=-1), ValueError, r"num_splits must be >= 0"),
+    ("softcap type", lambda c: dict(softcap="1"), TypeError, r"softcap must be a float, got str"),
+    ("scale type", lambda c: dict(softmax_scale=torch.ones(2)), TypeError, r"softmax_scale must be a float or None"),
+    ("num_splits", lambda c: dict(num_splits=True), TypeError, r"num_splits must be an int, got bool"),
+    ("causal", lambda c: dict(causal=2), ValueError, r"causal must be a bool .* \(or 0 or 1\), got 2"),
+    ("causal type", lambda c: dict(causal="yes"), TypeError, r"causal must be a bool .*, got str"),
     ("strided cache", lambda c: dict(k_cache=c.k_cache.transpose(2, 3).contiguous().transpose(2, 3)), ValueError,
      r"k_cache must have a contiguous last dimension"),
 ]
@@ -868,6 +879,30 @@ def test_bad_input_is_named_and_writes_nothing(what, over, exc, msg, backend, ge
     with pytest.raises(exc, match=msg):
         ab.attention_with_kvcache(**args, backend=backend)
     assert torch.equal(call.k_cache, call.before[0]) and torch.equal(call.v_cache, call.before[1])
+
+
+def test_scalars_are_taken_as_flash_attn_takes_them(gen):
+    """NumPy scalars and 0-d tensors for the scalar arguments, ints 0/1 for the flags, and any
+    negative window side or split count (unbounded, heuristic): the same call, the same bits."""
+    np = pytest.importorskip("numpy")
+    call, args = _base(gen, window_size=(5, 0), softcap=2.0, softmax_scale=0.3, num_splits=2)
+    kc, vc = call.k_cache.clone(), call.v_cache.clone()
+    want = ab.attention_with_kvcache(**{**args, "k_cache": kc, "v_cache": vc})
+    variants = [
+        dict(window_size=(np.int64(5), torch.tensor(0)), softcap=np.float32(2.0), softmax_scale=torch.tensor(0.3),
+             num_splits=np.int32(2), causal=np.True_, rotary_interleaved=1),
+        dict(window_size=[5, 0], softcap=2, softmax_scale=np.float64(0.3), num_splits=torch.tensor(2), causal=1),
+    ]
+    for over in variants:
+        kc, vc = call.k_cache.clone(), call.v_cache.clone()
+        got = ab.attention_with_kvcache(**{**args, **over, "k_cache": kc, "v_cache": vc})
+        assert torch.equal(got, want), over
+    outs = []
+    for window, splits in (((-1, -1), 0), ((-2, -7), -3)):
+        kc, vc = call.k_cache.clone(), call.v_cache.clone()
+        outs.append(ab.attention_with_kvcache(**{**args, "window_size": window, "num_splits": splits,
+                                                 "k_cache": kc, "v_cache": vc}))
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_dense_cache_errors_name_the_row(gen):
