@@ -14,6 +14,8 @@ from typing import Optional
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import attn_backends as ab
 from attn_backends import _C
@@ -971,3 +973,43 @@ def test_hf_continuous_batching_runs_on_our_kernels_and_matches_hf_paged_sdpa(ca
         ours = generate()
     assert ours == hf and all(len(t) == 10 for t in ours.values())
     assert any(r.getMessage().startswith("attn_backends: flash serves cpu") for r in caplog.records)
+
+
+# ---- random calls (hypothesis) -----------------------------------------------------------------
+
+@st.composite
+def kv_calls(draw, backend):
+    """Any mix of the options a KV-cache call takes, on small shapes (KV's fields).  flash rounds the
+    rotated q to a 2-byte q's dtype, as flash-attn does, where the reference keeps it in float32: with
+    one or two keys a single rounding decides the 2x rule, so flash draws rotary in float32 only (the
+    fixed CASES cover it in 2-byte dtypes)."""
+    block = draw(st.sampled_from([None, None, 16, 48]))
+    S = draw(st.integers(1, 70))
+    snew = draw(st.integers(0, min(3, S)))
+    Hkv = draw(st.integers(1, 3))
+    w = draw(st.integers(0, 20))
+    # no lengths means the whole cache: dense only (Call's block tables end in a -1 padding block)
+    seqlens = draw(st.sampled_from(["spread", "int"] + ([None] if snew == 0 and block is None else [])))
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+    return KV(
+        B=draw(st.integers(1, 3)), Sq=draw(st.integers(1, 4)), Hkv=Hkv, Hq=Hkv * draw(st.sampled_from([1, 2, 4, 5])),
+        D=draw(st.sampled_from([8, 40, 64, 72])), S=S, block=block, snew=snew,
+        seqlens=draw(st.integers(0, S - snew)) if seqlens == "int" else seqlens,
+        rotary=(draw(st.sampled_from([None, "interleaved", "neox"]))
+                if snew and (backend != "flash" or dtype == torch.float32) else None),
+        leftpad=draw(st.booleans()), batch_idx=block is None and draw(st.booleans()), causal=draw(st.booleans()),
+        window=draw(st.sampled_from([(-1, -1), (w, 0), (w, -1), (-1, w), (w, w // 2)])),
+        softcap=draw(st.sampled_from([0.0, 0.0, 3.0])), alibi=draw(st.sampled_from([None, None, "h", "bh"])),
+        dtype=dtype, sinks=draw(st.booleans()))
+
+
+@pytest.mark.fuzz
+@settings(max_examples=max(5, settings.default.max_examples * 60 // 100))
+@given(st.sampled_from(BACKENDS).flatmap(lambda b: st.tuples(st.just(b), kv_calls(b))), st.integers(0, 2**31 - 1))
+def test_random_calls_match_the_reference_and_write_the_cache_where_flash_attn_does(drawn, seed):
+    """Random mixes of every option (dense and paged caches, appended tokens, rotary, leftpad,
+    batch_idx, causal, windows, softcap, ALiBi, sinks, three dtypes) against the float64 reference
+    and flash-attn's cache writes, as the fixed CASES are (`-m fuzz` runs 20x the examples)."""
+    backend, case = drawn
+    call = Call(case, torch.Generator().manual_seed(seed))
+    call.check(*call.run(backend))
