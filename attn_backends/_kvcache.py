@@ -35,6 +35,7 @@ from . import _C, _planner
 from ._names import ID, resolve
 from ._ops import ops
 from ._providers.ours import read_guards
+from ._validate import as_int, check_sinks
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX = (torch.int32, torch.int64)
@@ -103,19 +104,14 @@ def _kind(x) -> str:
 
 
 def _is_bool(x) -> bool:
-    return isinstance(x, bool) or type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool") or (
-        isinstance(x, torch.Tensor) and x.dtype == torch.bool)
+    return (isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool"))
+            or (isinstance(x, torch.Tensor) and x.dtype == torch.bool))
 
 
 def _int(name, x, least=None):
-    """An integer argument as flash-attn takes it: a Python or NumPy int, or a 0-d integer tensor
-    (operator.index); bools are refused."""
-    if _is_bool(x):
-        raise TypeError(f"{name} must be an int, got {_kind(x)}")
-    try:
-        x = operator.index(x)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {_kind(x)}") from None
+    """An integer argument as flash-attn takes it (_validate.as_int: a Python or NumPy int, or a 0-d
+    integer tensor; bools are refused), at least `least`."""
+    x = as_int(x, name)
     if least is not None and x < least:
         raise ValueError(f"{name} must be >= {least}, got {x}")
     return x
@@ -223,8 +219,6 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
                              f"got {tuple(alibi_slopes.shape)}")
         _tensor("alibi_slopes", alibi_slopes, alibi_slopes.dim(), "", dev, (torch.float32,), "float32")
     if sinks is not None:
-        from ._validate import check_sinks
-
         check_sinks(sinks, q, Hq)
     if softmax_scale is None:
         scale = D ** -0.5
