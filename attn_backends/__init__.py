@@ -379,7 +379,9 @@ def register_transformers() -> dict:
     are ``hf_name(backend)``: ``attn_backends_fa``, ``attn_backends_fa_varlen``, ``attn_backends_torch``
     (torch's SDPA), ``attn_backends_math``, ...  Everything the model passes is honoured (masks,
     position_bias, attention sinks, sliding windows, softcap, packed sequences) or refused with an
-    error naming it.  Returns {canonical name: attn_implementation}."""
+    error naming it.  Also ``"attn_backends_flash_attention_2"``: transformers' own flash-attention
+    path (and its continuous batching) on ``attn_backends.flash_attn``'s flash-attn functions
+    (docs/integrations.md).  Returns {canonical name: attn_implementation}."""
     from . import _transformers
 
     return _transformers.register()

@@ -9,7 +9,8 @@ ATTN_BACKENDS_BACKEND, else the planner); ``attn_backends_<suffix>`` names one b
 reads meaning into substrings of the name: "sdpa" makes it check the model's sdpa support (Gemma2,
 MPT and GPT-OSS refuse), "flash" its flash-attention kernels, "flex_attention" FlexAttention, a
 "paged|" prefix its paged cache and "org/repo" a hub kernel.  So torch's SDPA is ``attn_backends_torch``
-and flash is ``attn_backends_fa``.
+and flash is ``attn_backends_fa``.  One name has "flash" in it on purpose, FLASH_API: transformers' own
+flash-attention path on attn_backends.flash_attn (the one continuous batching needs).
 """
 
 from __future__ import annotations
@@ -339,8 +340,54 @@ def _varlen_mask(**kwargs):
     return sdpa_mask(**kwargs)
 
 
+# ---- transformers' own flash-attention path on attn_backends.flash_attn ----------------------------
+
+# The one registered name with "flash" in it, on purpose: transformers then runs its own flash-attention
+# code (integrations/flash_attention.py) with flash-attn's functions from attn_backends.flash_attn, and
+# its continuous batching treats the model as flash ("...flash...2": its decode fast path through
+# flash_attn_with_kvcache and a block table, which transformers enables on CUDA and XPU only).
+FLASH_API = "attn_backends_flash_attention_2"
+
+
+def _flash_api_functions(fau):
+    from . import flash_attn as fa
+
+    return fa.flash_attn_func, fa.flash_attn_varlen_func, fa.flash_attn_with_kvcache, fau._pad_input, fau._unpad_input
+
+
+def _register_flash_api(AttentionInterface, AttentionMaskInterface) -> bool:
+    """Registers FLASH_API: transformers' flash_attention_forward and flash mask under our name, and
+    its flash loader (modeling_flash_attention_utils._lazy_imports, which knows flash-attn's packages
+    and hub kernels only) answering our functions for that name.  False, with a warning, where this
+    transformers release lacks one of the pieces (the other names do not need them)."""
+    try:
+        import transformers.modeling_flash_attention_utils as fau
+        from transformers.integrations.flash_attention import flash_attention_forward
+        from transformers.masking_utils import flash_attention_mask
+
+        loader = fau._lazy_imports
+        fau._pad_input, fau._unpad_input  # noqa: B018 (present, or this release differs)
+    except (ImportError, AttributeError) as e:
+        logger.warning("attn_backends: %r is not registered: this transformers release differs from the one "
+                       "it was written for (%s)", FLASH_API, e)
+        return False
+    if not getattr(loader, "_attn_backends", False):
+        def _lazy_imports(implementation, *args, **kwargs):
+            if implementation == FLASH_API:
+                return _flash_api_functions(fau)
+            return loader(implementation, *args, **kwargs)
+
+        _lazy_imports._attn_backends = True
+        _lazy_imports.__wrapped__ = loader
+        fau._lazy_imports = _lazy_imports
+    AttentionInterface.register(FLASH_API, flash_attention_forward)
+    AttentionMaskInterface.register(FLASH_API, flash_attention_mask)
+    return True
+
+
 def register() -> dict:
-    """Registers every backend; returns {our canonical name: registered attn_implementation}."""
+    """Registers every backend; returns {our canonical name: registered attn_implementation}.  Also
+    registers FLASH_API (transformers' flash path on attn_backends.flash_attn)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -350,4 +397,5 @@ def register() -> dict:
             raise RuntimeError(f"attn_backends: {hf!r} would not be taken by transformers as a plain name")
         AttentionInterface.register(hf, _make_forward(canonical))
         AttentionMaskInterface.register(hf, masks[canonical == "flash_varlen"])
+    _register_flash_api(AttentionInterface, AttentionMaskInterface)
     return dict(NAMES)

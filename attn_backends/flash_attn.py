@@ -1,0 +1,226 @@
+"""flash-attn's three entry points, served by attn_backends.
+
+Code written against flash-attn 2 can swap its import and keep its calls::
+
+    from attn_backends.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+
+Each function takes flash-attn's arguments, layouts and semantics (bottom-right causal and windows,
+any negative window side unbounded, ALiBi slopes, softcap, lse shapes) and runs on the backend the
+planner picks (``ab.use(...)`` and ATTN_BACKENDS_BACKEND apply; the keyword ``backend=`` names one).
+Two keywords beyond flash-attn 2: ``s_aux``, attention sinks under FA3's / vLLM's name (transformers
+hands a model's sinks over under it), and ``backend``.
+
+transformers' flash-attention path takes these three through ``register_transformers()`` under
+the attn_implementation ``"attn_backends_flash_attention_2"`` (docs/integrations.md): its continuous
+batching then prefills through ``flash_attn_varlen_func`` and, on a GPU, decodes against its paged
+cache through ``flash_attn_with_kvcache``.
+
+Decided here (flash-attn does not say): ``return_attn_probs=True`` returns ``(out, lse, None)``; the
+third item, flash-attn's dropout pattern for its tests, is not computed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from ._kvcache import _flag, _int
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+
+
+def _window(window_size) -> Tuple[int, int]:
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    return max(_int("window_size[0]", window_size[0]), -1), max(_int("window_size[1]", window_size[1]), -1)
+
+
+def _bottom_right_window(Sq: int, Sk: int, wl: int, wr: int, device) -> torch.Tensor:
+    """bool (Sq, Sk): flash-attn's window without causal, aligned bottom-right (query i at i + Sk - Sq)."""
+    i = torch.arange(Sq, device=device).unsqueeze(1) + (Sk - Sq)
+    j = torch.arange(Sk, device=device).unsqueeze(0)
+    ok = torch.ones((Sq, Sk), dtype=torch.bool, device=device)
+    if wl >= 0:
+        ok = ok & (j >= i - wl)
+    if wr >= 0:
+        ok = ok & (j <= i + wr)
+    return ok
+
+
+def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, s_aux, backend):
+    causal = _flag("causal", causal)
+    opts = dict(backend=backend, causal="bottom_right" if causal else False, dropout_p=dropout_p,
+                scale=softmax_scale, softcap=softcap, deterministic=bool(deterministic), sinks=s_aux,
+                alibi_slopes=alibi_slopes)
+    wl, wr = _window(window_size)
+    return opts, (wl, wr), causal
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    s_aux: Optional[torch.Tensor] = None,
+    backend: Optional[str] = "auto",
+):
+    """flash-attn's ``flash_attn_func``: q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv).
+
+    Returns out (B, Sq, Hq, Dv), or (out, lse (B, Hq, Sq) float32, None) with return_attn_probs.
+    Differentiable (q, k, v, and s_aux)."""
+    from . import attention
+
+    opts, (wl, wr), causal = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                      deterministic, s_aux, backend)
+    Sq, Sk = q.shape[1] if q.dim() == 4 else 0, k.shape[1] if k.dim() == 4 else 0
+    mask = None
+    if not causal and (wl >= 0 or wr >= 0) and Sq != Sk:
+        mask = _bottom_right_window(Sq, Sk, wl, wr, q.device)  # ours aligns a window top-left without causal
+    elif wl >= 0 or wr >= 0:
+        opts["window"] = (wl, wr)
+    res = attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                    return_lse=bool(return_attn_probs), **opts)
+    if return_attn_probs:
+        out, lse = res
+        return out.transpose(1, 2).contiguous(), lse, None
+    return res.transpose(1, 2).contiguous()
+
+
+def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """(sum(lens), H, D): the first lens[b] rows of each sequence's pages, one sequence after another."""
+    if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"block_table must be (batch, max_blocks) int32, got {tuple(block_table.shape)} "
+                         f"{block_table.dtype}")
+    if cache.dim() != 4:
+        raise ValueError(f"k and v with block_table must be paged caches (num_blocks, block_size, Hkv, D), "
+                         f"got {cache.dim()} dims")
+    nb, bs = cache.shape[0], cache.shape[1]
+    lens = lens.to(torch.int64).cpu()
+    B = lens.numel()
+    if block_table.shape[0] != B:
+        raise ValueError(f"block_table has {block_table.shape[0]} rows for {B} sequences (cu_seqlens_k)")
+    need = (lens + bs - 1) // bs
+    if B and int(need.max()) > block_table.shape[1]:
+        raise ValueError(f"cu_seqlens_k asks for {int(need.max())} blocks of {bs} keys, block_table has "
+                         f"{block_table.shape[1]} per sequence")
+    rows = []
+    table = block_table.to(torch.int64).cpu()
+    for b in range(B):
+        n = int(lens[b])
+        pos = torch.arange(n)
+        blocks = table[b, pos // bs]
+        if n and (int(blocks.min()) < 0 or int(blocks.max()) >= nb):
+            raise ValueError(f"block_table[{b}] names blocks outside 0..{nb - 1} within its {n} keys")
+        rows.append(blocks * bs + pos % bs)
+    idx = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+    return cache.reshape(nb * bs, *cache.shape[2:])[idx.to(cache.device)]
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+    *,
+    s_aux: Optional[torch.Tensor] = None,
+    backend: Optional[str] = "auto",
+):
+    """flash-attn's ``flash_attn_varlen_func``: q (total_q, Hq, D), k and v (total_k, Hkv, D), or with
+    block_table paged caches (num_blocks, block_size, Hkv, D) whose sequence b is its first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] keys in the blocks block_table[b] names.
+
+    Returns out (total_q, Hq, Dv), or (out, lse (Hq, total_q) float32, None) with return_attn_probs."""
+    from . import attention, attention_varlen
+
+    opts, (wl, wr), causal = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                                      deterministic, s_aux, backend)
+    if block_table is not None:
+        if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1:
+            raise ValueError("cu_seqlens_k must be a 1-D int32 tensor")
+        lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        k, v = _gather_pages(k, block_table, lens_k), _gather_pages(v, block_table, lens_k)
+    want = bool(return_attn_probs)
+    if not causal and (wl >= 0 or wr >= 0):
+        # ours aligns a window top-left without causal, flash-attn bottom-right: sequence by sequence
+        # with the mask where the two differ
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        if any(cq[b + 1] - cq[b] != ck[b + 1] - ck[b] for b in range(len(cq) - 1)):
+            return _varlen_by_sequence(attention, q, k, v, cq, ck, (wl, wr), want, opts)
+    if wl >= 0 or wr >= 0:
+        opts["window"] = (wl, wr)
+    res = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=want, **opts)
+    return (res[0], res[1], None) if want else res
+
+
+def _varlen_by_sequence(attention, q, k, v, cq, ck, window, want, opts):
+    alibi = opts.pop("alibi_slopes")
+    outs, lses = [], []
+    for b in range(len(cq) - 1):
+        qb, kb, vb = (x.transpose(0, 1)[None] for x in (q[cq[b]:cq[b + 1]], k[ck[b]:ck[b + 1]], v[ck[b]:ck[b + 1]]))
+        mask = _bottom_right_window(qb.shape[2], kb.shape[2], *window, q.device)
+        slopes = alibi[b] if alibi is not None and alibi.dim() == 2 else alibi
+        r = attention(qb, kb, vb, attn_mask=mask, return_lse=want, alibi_slopes=slopes, **opts)
+        out, lse = r if want else (r, None)
+        outs.append(out[0].transpose(0, 1))
+        lses.append(lse[0] if want else None)
+    out = torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[-1])
+    if want:
+        return out, torch.cat(lses, dim=1) if lses else torch.zeros(q.shape[1], 0, device=q.device), None
+    return out
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    cache_seqlens=None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
+    s_aux: Optional[torch.Tensor] = None,
+    backend: Optional[str] = "auto",
+):
+    """flash-attn's ``flash_attn_with_kvcache``: ``ab.attention_with_kvcache`` with flash-attn's
+    positional order (docs/decode.md)."""
+    from . import attention_with_kvcache
+
+    return attention_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
+        return_softmax_lse=return_softmax_lse, backend=backend, sinks=s_aux)
