@@ -4,6 +4,9 @@ Code written against flash-attn 2 can swap its import and keep its calls::
 
     from attn_backends.flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 
+(the packed forms too: ``flash_attn_qkvpacked_func``, ``flash_attn_kvpacked_func`` and their varlen
+twins, which split the packed tensor into views).
+
 Each function takes flash-attn's arguments, layouts and semantics (bottom-right causal and windows,
 any negative window side unbounded, ALiBi slopes, softcap, lse shapes) and runs on the backend the
 planner picks (``ab.use(...)`` and ATTN_BACKENDS_BACKEND apply; the keyword ``backend=`` names one).
@@ -27,7 +30,8 @@ import torch
 
 from ._kvcache import _flag, _int
 
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
+           "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"]
 
 
 def _window(window_size) -> Tuple[int, int]:
@@ -224,3 +228,57 @@ def flash_attn_with_kvcache(
         softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
         rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
         return_softmax_lse=return_softmax_lse, backend=backend, sinks=s_aux)
+
+
+# ---- the packed forms: views of the packed tensor, so gradients reach it ----------------------
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              s_aux=None, backend="auto"):
+    """flash-attn's ``flash_attn_qkvpacked_func``: qkv (B, S, 3, H, D)."""
+    _packed("qkv", qkv, 5, 3)
+    q, k, v = qkv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, s_aux=s_aux, backend=backend)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             s_aux=None, backend="auto"):
+    """flash-attn's ``flash_attn_kvpacked_func``: q (B, Sq, Hq, D), kv (B, Sk, 2, Hkv, D)."""
+    _packed("kv", kv, 5, 2)
+    k, v = kv.unbind(2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs, s_aux=s_aux, backend=backend)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False, *, s_aux=None, backend="auto"):
+    """flash-attn's ``flash_attn_varlen_qkvpacked_func``: qkv (total, 3, H, D)."""
+    _packed("qkv", qkv, 4, 3)
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  s_aux=s_aux, backend=backend)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, s_aux=None,
+                                    backend="auto"):
+    """flash-attn's ``flash_attn_varlen_kvpacked_func``: q (total_q, Hq, D), kv (total_k, 2, Hkv, D)."""
+    _packed("kv", kv, 4, 2)
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs, s_aux=s_aux, backend=backend)
+
+
+def _packed(name, t, ndim, n):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    dim = ndim - 3
+    if t.dim() != ndim or t.shape[dim] != n:
+        want = ("(B, S, " if ndim == 5 else "(total, ") + f"{n}, H, D)"
+        raise ValueError(f"{name} must be {want}, got shape {tuple(t.shape)}")

@@ -319,3 +319,34 @@ def test_register_keeps_other_loaders_and_is_idempotent():
     # any other name still reaches transformers' own loader (here: no flash-attn package, no kernels)
     with pytest.raises(Exception):
         fau._lazy_imports("flash_attention_2")
+
+
+# ---- the packed forms -------------------------------------------------------------------------
+
+def test_packed_forms_are_views_of_the_unpacked_calls_with_gradients_to_the_packed_tensor():
+    g = torch.Generator().manual_seed(17)
+    qkv = torch.randn(2, 7, 3, 4, 16, generator=g, requires_grad=True)
+    out = fa.flash_attn_qkvpacked_func(qkv, causal=True, window_size=(3, 0))
+    q, k, v = (t.detach().requires_grad_() for t in qkv.unbind(2))
+    want = fa.flash_attn_func(q, k, v, causal=True, window_size=(3, 0))
+    assert torch.equal(out, want)
+    gout = torch.randn(out.shape, generator=g)
+    (dqkv,) = torch.autograd.grad(out, qkv, gout)
+    assert torch.equal(dqkv, torch.stack(torch.autograd.grad(want, (q, k, v), gout), dim=2))
+
+    qq = torch.randn(2, 3, 4, 16, generator=g)
+    kv = torch.randn(2, 9, 2, 2, 16, generator=g)
+    res = fa.flash_attn_kvpacked_func(qq, kv, causal=True, return_attn_probs=True)
+    ref = fa.flash_attn_func(qq, kv[:, :, 0], kv[:, :, 1], causal=True, return_attn_probs=True)
+    assert torch.equal(res[0], ref[0]) and torch.equal(res[1], ref[1]) and res[2] is None
+
+    q, k, v, cu_q, cu_k = make_packed([3, 5], [3, 5], 4, 4, 16, 16, torch.float32, generator=g)
+    assert torch.equal(fa.flash_attn_varlen_qkvpacked_func(torch.stack([q, k, v], 1), cu_q, 5, causal=True),
+                       fa.flash_attn_varlen_func(q, k, v, cu_q, cu_q, 5, 5, causal=True))
+    q, k, v, cu_q, cu_k = make_packed([2, 1], [6, 4], 4, 2, 16, 16, torch.float32, generator=g)
+    assert torch.equal(fa.flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], 1), cu_q, cu_k, 2, 6),
+                       fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2, 6))
+    with pytest.raises(ValueError, match=r"qkv must be \(B, S, 3, H, D\)"):
+        fa.flash_attn_qkvpacked_func(torch.randn(2, 7, 2, 4, 16))
+    with pytest.raises(ValueError, match=r"kv must be \(total, 2, H, D\)"):
+        fa.flash_attn_varlen_kvpacked_func(q, torch.randn(10, 2, 16), cu_q, cu_k, 2, 6)
