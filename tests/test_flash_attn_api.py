@@ -350,3 +350,18 @@ def test_packed_forms_are_views_of_the_unpacked_calls_with_gradients_to_the_pack
         fa.flash_attn_qkvpacked_func(torch.randn(2, 7, 2, 4, 16))
     with pytest.raises(ValueError, match=r"kv must be \(total, 2, H, D\)"):
         fa.flash_attn_varlen_kvpacked_func(q, torch.randn(10, 2, 16), cu_q, cu_k, 2, 6)
+
+
+def test_a_transformers_release_without_the_loader_gets_a_warning_not_an_error(monkeypatch, caplog):
+    pytest.importorskip("transformers")
+    import transformers.modeling_flash_attention_utils as fau
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from attn_backends import _transformers
+
+    monkeypatch.delattr(fau, "_lazy_imports")
+    caplog.set_level(logging.WARNING, logger="attn_backends")
+    assert _transformers._register_flash_api(AttentionInterface, AttentionMaskInterface) is False
+    assert any("attn_backends_flash_attention_2" in r.getMessage() and "_lazy_imports" in r.getMessage()
+               for r in caplog.records)
