@@ -233,3 +233,53 @@ def test_without_the_switch_eager_serves_cuda(gen, caplog):
         assert any(r.getMessage().startswith("attn_backends: eager serves cuda") for r in caplog.records)
     finally:
         switch_decode(decode_default())
+
+
+# ---- HF transformers' decode fast path on the CUDA kernels --------------------------------------
+
+@pytest.mark.parametrize("dev", [pytest.param("emu", marks=pytest.mark.cuda_emu),
+                                 pytest.param("cuda", marks=pytest.mark.cuda)], indirect=True)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_hf_continuous_batching_fast_path_runs_on_the_cuda_kernels(decode, dtype, monkeypatch):
+    # generate_batch under attn_backends_flash_attention_2 (tests/test_flash_attn_api.py has the CPU
+    # path): the prompts through flash_attn_varlen_func (CUDA flash, or math for float32), each decode
+    # step through flash_attn_with_kvcache (the CUDA append and attend kernels writing and reading HF's
+    # paged cache through its block table); the tokens are HF's own paged sdpa's on the same device.
+    # Emulated, transformers' device gate (CUDA or XPU only) is answered yes; nothing else is changed.
+    transformers = pytest.importorskip("transformers")
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from attn_backends import _transformers
+
+    ab.register_transformers()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = transformers.LlamaForCausalLM(cfg).eval().to(device=decode.type, dtype=dtype)
+    gen_cfg = transformers.GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    prompts = [[1, 5, 9, 3], [7, 8], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]]
+
+    def generate(**kw):
+        cb_cfg = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64,
+                                          auto_switch_to_flash=False, use_cuda_graph=False, **kw)
+        out = model.generate_batch(inputs=prompts, generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+        return {k: r.generated_tokens for k, r in out.items()}
+
+    model.set_attn_implementation("sdpa")
+    with decode.off():
+        hf = generate()
+    if decode.emulated:
+        import transformers.generation.continuous_batching.initialization as cb_init
+
+        monkeypatch.setattr(cb_init, "is_torch_xpu_available", lambda *a, **k: True)
+        lib = emulator()
+        lib.ab_cuda_emu_reset_launch_log()
+    model.set_attn_implementation(_transformers.FLASH_API)
+    assert generate(max_blocks_per_request=8) == hf
+    if decode.emulated:
+        ran = launched(lib)
+        attend = sum(n for label, n in ran.items() if "attend_kernel" in label)
+        append = sum(n for label, n in ran.items() if "append_kernel" in label)
+        assert attend == append == 18, ran  # 9 decode steps x 2 layers
+        prefill = "math_fwd_kernel" if dtype == F32 else "ab_flash::fwd"
+        assert sum(n for label, n in ran.items() if prefill in label) == 2, ran
