@@ -10,16 +10,25 @@ twins, which split the packed tensor into views).
 Each function takes flash-attn's arguments, layouts and semantics (bottom-right causal and windows,
 any negative window side unbounded, ALiBi slopes, softcap, lse shapes) and runs on the backend the
 planner picks (``ab.use(...)`` and ATTN_BACKENDS_BACKEND apply; the keyword ``backend=`` names one).
-Two keywords beyond flash-attn 2: ``s_aux``, attention sinks under FA3's / vLLM's name (transformers
-hands a model's sinks over under it), and ``backend``.
+Two keywords beyond flash-attn 2: ``s_aux``, attention sinks under FA3's / vLLM's name (the name
+transformers' flash path passes them under), and ``backend``.
 
 transformers' flash-attention path takes these three through ``register_transformers()`` under
 the attn_implementation ``"attn_backends_flash_attention_2"`` (docs/integrations.md): its continuous
 batching then prefills through ``flash_attn_varlen_func`` and, on a GPU, decodes against its paged
 cache through ``flash_attn_with_kvcache``.
 
-Decided here (flash-attn does not say): ``return_attn_probs=True`` returns ``(out, lse, None)``; the
-third item, flash-attn's dropout pattern for its tests, is not computed.
+Decided here, where flash-attn does not say or where its kernel departs from its own definition:
+  - ``return_attn_probs=True`` returns ``(out, lse, None)``; the third item, flash-attn's dropout
+    pattern for its tests, is not computed.
+  - A query row that sees no key gets out 0 (as flash-attn) and lse -inf, the log of its empty sum,
+    as everywhere in this library; flash-attn's kernel writes +inf there.
+  - ALiBi's lse is that of the scores flash-attn defines (-slope * |i + Sk - Sq - j|); its causal
+    kernel adds slope * j instead, the same softmax and output but an lse higher by a constant per
+    row (docs/semantics.md).
+  - A window side of -1 is unbounded, as flash-attn documents; its kernel bounds an unbounded right
+    side at seqlen_k when the left side is bounded, which hides keys only from rows that sit before
+    the first key (Sq > Sk, no causal).
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from . import _validate, _varlen
 from ._kvcache import _flag, _int
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
@@ -50,6 +60,16 @@ def _bottom_right_window(Sq: int, Sk: int, wl: int, wr: int, device) -> torch.Te
     if wr >= 0:
         ok = ok & (j <= i + wr)
     return ok
+
+
+def _dense_layout(q, k, v):
+    """flash-attn's (B, S, H, D) layout, checked before the tensors are viewed in ours."""
+    for name, t, want in (("q", q, "(batch, seqlen_q, nheads, headdim)"), ("k", k, "(batch, seqlen_k, nheads_k, headdim)"),
+                          ("v", v, "(batch, seqlen_k, nheads_k, headdim_v)")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D {want}, as in flash-attn, got shape {tuple(t.shape)}")
 
 
 def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, s_aux, backend):
@@ -83,9 +103,10 @@ def flash_attn_func(
     Differentiable (q, k, v, and s_aux)."""
     from . import attention
 
+    _dense_layout(q, k, v)
     opts, (wl, wr), causal = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                       deterministic, s_aux, backend)
-    Sq, Sk = q.shape[1] if q.dim() == 4 else 0, k.shape[1] if k.dim() == 4 else 0
+    Sq, Sk = q.shape[1], k.shape[1]
     mask = None
     if not causal and (wl >= 0 or wr >= 0) and Sq != Sk:
         mask = _bottom_right_window(Sq, Sk, wl, wr, q.device)  # ours aligns a window top-left without causal
@@ -99,14 +120,28 @@ def flash_attn_func(
     return res.transpose(1, 2).contiguous()
 
 
+def _check_pages(k, v, block_table, cu_q, cu_k, max_q, max_k, Tq):
+    """The paged form's arguments checked (the packed ones as the varlen path checks them); returns
+    each sequence's key count."""
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2 or block_table.dtype not in (
+            torch.int32, torch.int64):
+        what = (f"{tuple(block_table.shape)} {block_table.dtype}" if isinstance(block_table, torch.Tensor)
+                else type(block_table).__name__)
+        raise ValueError(f"block_table must be (batch, max_blocks) int32, got {what}")
+    for name, t in (("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} with block_table must be a paged cache (num_blocks, block_size, nheads_k, "
+                             f"headdim), got {got}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v with block_table must have the same (num_blocks, block_size, nheads_k), got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    Tk = int(cu_k[-1]) if isinstance(cu_k, torch.Tensor) and cu_k.dim() == 1 and cu_k.numel() else 0
+    return _varlen.check_cu_seqlens(cu_q, cu_k, max_q, max_k, Tq, Tk, k.device)[4]
+
+
 def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
     """(sum(lens), H, D): the first lens[b] rows of each sequence's pages, one sequence after another."""
-    if block_table.dim() != 2 or block_table.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"block_table must be (batch, max_blocks) int32, got {tuple(block_table.shape)} "
-                         f"{block_table.dtype}")
-    if cache.dim() != 4:
-        raise ValueError(f"k and v with block_table must be paged caches (num_blocks, block_size, Hkv, D), "
-                         f"got {cache.dim()} dims")
     nb, bs = cache.shape[0], cache.shape[1]
     lens = lens.to(torch.int64).cpu()
     B = lens.numel()
@@ -160,17 +195,20 @@ def flash_attn_varlen_func(
     opts, (wl, wr), causal = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                       deterministic, s_aux, backend)
     if block_table is not None:
-        if not isinstance(cu_seqlens_k, torch.Tensor) or cu_seqlens_k.dim() != 1:
-            raise ValueError("cu_seqlens_k must be a 1-D int32 tensor")
-        lens_k = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        lens_k = _check_pages(k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              q.shape[0] if isinstance(q, torch.Tensor) and q.dim() else 0)
         k, v = _gather_pages(k, block_table, lens_k), _gather_pages(v, block_table, lens_k)
     want = bool(return_attn_probs)
     if not causal and (wl >= 0 or wr >= 0):
         # ours aligns a window top-left without causal, flash-attn bottom-right: sequence by sequence
-        # with the mask where the two differ
-        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-        if any(cq[b + 1] - cq[b] != ck[b + 1] - ck[b] for b in range(len(cq) - 1)):
-            return _varlen_by_sequence(attention, q, k, v, cq, ck, (wl, wr), want, opts)
+        # with the mask where the two differ, after the checks the packed path makes
+        Tq, Hq, _, Tk, _, _ = _varlen.check_qkv(q, k, v)
+        hq, hk, B, lq, lk = _varlen.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, Tq, Tk,
+                                                     q.device)
+        if alibi_slopes is not None:
+            opts["alibi_slopes"] = _validate.check_alibi(alibi_slopes, q, B, Hq)
+        if bool((lq != lk).any()):
+            return _varlen_by_sequence(attention, q, k, v, hq.tolist(), hk.tolist(), (wl, wr), want, opts)
     if wl >= 0 or wr >= 0:
         opts["window"] = (wl, wr)
     res = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=want, **opts)

@@ -199,7 +199,7 @@ def test_varlen_reads_a_paged_cache_through_block_table(block):
         fa.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 3, 9, block_table=bad)
     with pytest.raises(ValueError, match="block_table has 2 rows for 3 sequences"):
         fa.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 3, 9, block_table=table_k[:2])
-    with pytest.raises(ValueError, match="paged caches"):
+    with pytest.raises(ValueError, match="k with block_table must be a paged cache"):
         fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 9, block_table=table_k)
 
 
@@ -365,3 +365,31 @@ def test_a_transformers_release_without_the_loader_gets_a_warning_not_an_error(m
     assert _transformers._register_flash_api(AttentionInterface, AttentionMaskInterface) is False
     assert any("attn_backends_flash_attention_2" in r.getMessage() and "_lazy_imports" in r.getMessage()
                for r in caplog.records)
+
+
+def test_every_path_checks_its_arguments_as_the_packed_path_does():
+    g = torch.Generator().manual_seed(23)
+    q, k, v, cu_q, cu_k = make_packed([2, 4], [3, 5], 2, 2, 8, 8, torch.float32, generator=g)
+    # the non-causal window with Sq != Sk goes sequence by sequence: the same checks first
+    for kw in ({"window_size": (1, 1)}, {}):
+        with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 4 must equal the number of packed rows, 6"):
+            fa.flash_attn_varlen_func(q, k, v, torch.tensor([0, 2, 4], dtype=torch.int32), cu_k, 4, 5, **kw)
+        with pytest.raises(ValueError, match="must be non-decreasing"):
+            fa.flash_attn_varlen_func(q, k, v, torch.tensor([0, 5, 4, 6], dtype=torch.int32),
+                                      torch.tensor([0, 3, 5, 8], dtype=torch.int32), 5, 5, **kw)
+        with pytest.raises(ValueError, match="more than max_seqlen_q = 2"):
+            fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2, 5, **kw)
+        with pytest.raises(TypeError, match="cu_seqlens_q must be a torch.Tensor"):
+            fa.flash_attn_varlen_func(q, k, v, [0, 2, 6], cu_k, 4, 5, **kw)
+        with pytest.raises(ValueError, match="alibi_slopes"):
+            fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 5, alibi_slopes=torch.rand(3, 2), **kw)
+    # the paged form: the caches' shapes agree, cu_seqlens_k is checked before it is read
+    kc, table = paged(k, cu_k, 4, torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="must have the same"):
+        fa.flash_attn_varlen_func(q, kc, torch.randn(8, 2, 2, 8), cu_q, cu_k, 4, 5, block_table=table)
+    with pytest.raises(ValueError, match="must be non-decreasing"):
+        fa.flash_attn_varlen_func(q, kc, kc, cu_q, torch.tensor([0, 5, 3], dtype=torch.int32), 4, 5,
+                                  block_table=table)
+    # the dense function names flash-attn's layout
+    with pytest.raises(ValueError, match=r"q must be 4-D \(batch, seqlen_q, nheads, headdim\), as in flash-attn"):
+        fa.flash_attn_func(torch.randn(5, 2, 8), torch.randn(1, 5, 2, 8), torch.randn(1, 5, 2, 8))
