@@ -151,16 +151,15 @@ def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor, lens: torch.Te
     if B and int(need.max()) > block_table.shape[1]:
         raise ValueError(f"cu_seqlens_k asks for {int(need.max())} blocks of {bs} keys, block_table has "
                          f"{block_table.shape[1]} per sequence")
-    rows = []
-    table = block_table.to(torch.int64).cpu()
-    for b in range(B):
-        n = int(lens[b])
-        pos = torch.arange(n)
-        blocks = table[b, pos // bs]
-        if n and (int(blocks.min()) < 0 or int(blocks.max()) >= nb):
-            raise ValueError(f"block_table[{b}] names blocks outside 0..{nb - 1} within its {n} keys")
-        rows.append(blocks * bs + pos % bs)
-    idx = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+    # every key's (sequence, position), then its block and row: one gather, no loop over sequences
+    seq = torch.repeat_interleave(torch.arange(B), lens)
+    pos = torch.arange(seq.numel()) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    blocks = block_table.to(torch.int64).cpu()[seq, pos // bs]
+    bad = (blocks < 0) | (blocks >= nb)
+    if bool(bad.any()):
+        b = int(seq[bad.nonzero()[0, 0]])
+        raise ValueError(f"block_table[{b}] names blocks outside 0..{nb - 1} within its {int(lens[b])} keys")
+    idx = blocks * bs + pos % bs
     return cache.reshape(nb * bs, *cache.shape[2:])[idx.to(cache.device)]
 
 

@@ -197,6 +197,13 @@ def test_varlen_reads_a_paged_cache_through_block_table(block):
     bad[0, 0] = kc.shape[0]
     with pytest.raises(ValueError, match=r"block_table\[0\] names blocks outside"):
         fa.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 3, 9, block_table=bad)
+    bad = table_k.clone()
+    bad[2, 0] = -1  # the third sequence's first block (the second has no keys, so no block of its is read)
+    with pytest.raises(ValueError, match=r"block_table\[2\] names blocks outside .* within its 5 keys"):
+        fa.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 3, 9, block_table=bad)
+    bad = table_k.clone()
+    bad[1, :] = 10**6  # a sequence with no keys reads none of its entries
+    assert torch.equal(fa.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 3, 9, causal=True, block_table=bad), dense)
     with pytest.raises(ValueError, match="block_table has 2 rows for 3 sequences"):
         fa.flash_attn_varlen_func(q, kc, vc, cu_q, cu_k, 3, 9, block_table=table_k[:2])
     with pytest.raises(ValueError, match="k with block_table must be a paged cache"):
