@@ -17,12 +17,14 @@ from __future__ import annotations
 import torch
 
 
-def visible_keys(Sq: int, Sk: int, causal: int, window_left: int, window_right: int, device) -> torch.Tensor | None:
-    """bool (Sq, Sk): which keys causal and window let each query see, or None when all."""
+def visible_keys(Sq: int, Sk: int, causal: int, window_left: int, window_right: int, device,
+                 bottom_right: bool = False) -> torch.Tensor | None:
+    """bool (Sq, Sk): which keys causal and window let each query see, or None when all.  Queries sit
+    bottom-right (i + Sk - Sq) with causal 2, or with bottom_right (flash-attn's window without causal)."""
     if causal == 0 and window_left < 0 and window_right < 0:
         return None
     i = torch.arange(Sq, device=device).unsqueeze(1)
-    if causal == 2:
+    if causal == 2 or bottom_right:
         i = i + (Sk - Sq)  # bottom-right alignment
     j = torch.arange(Sk, device=device).unsqueeze(0)
     ok = torch.ones((Sq, Sk), dtype=torch.bool, device=device)

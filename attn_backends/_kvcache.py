@@ -117,6 +117,13 @@ def _int(name, x, least=None):
     return x
 
 
+def window_pair(window_size) -> tuple:
+    """flash-attn's window_size as (left, right): a pair of ints, any negative side unbounded (-1)."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    return max(_int("window_size[0]", window_size[0]), -1), max(_int("window_size[1]", window_size[1]), -1)
+
+
 def _real(name, x, what):
     """A float argument: a Python or NumPy real, or a 0-d real tensor (flash-attn takes them all)."""
     if _is_bool(x) or not (isinstance(x, numbers.Real) or isinstance(x, torch.Tensor) and x.ndim == 0
@@ -227,11 +234,7 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
         if not math.isfinite(scale):
             raise ValueError(f"softmax_scale must be finite, got {scale}")
     causal = _flag("causal", causal, " (bottom-right aligned, as flash-attn)")
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
-    # as flash-attn: any negative side is unbounded
-    wl = max(_int("window_size[0]", window_size[0]), -1)
-    wr = max(_int("window_size[1]", window_size[1]), -1)
+    wl, wr = window_pair(window_size)
     softcap = _real("softcap", softcap, "a float")
     if not (softcap >= 0.0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")

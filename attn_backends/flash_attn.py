@@ -38,28 +38,16 @@ from typing import Optional, Tuple
 import torch
 
 from . import _validate, _varlen
-from ._kvcache import _flag, _int
+from ._eager import visible_keys
+from ._kvcache import _flag, window_pair
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
            "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"]
 
 
-def _window(window_size) -> Tuple[int, int]:
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
-    return max(_int("window_size[0]", window_size[0]), -1), max(_int("window_size[1]", window_size[1]), -1)
-
-
 def _bottom_right_window(Sq: int, Sk: int, wl: int, wr: int, device) -> torch.Tensor:
     """bool (Sq, Sk): flash-attn's window without causal, aligned bottom-right (query i at i + Sk - Sq)."""
-    i = torch.arange(Sq, device=device).unsqueeze(1) + (Sk - Sq)
-    j = torch.arange(Sk, device=device).unsqueeze(0)
-    ok = torch.ones((Sq, Sk), dtype=torch.bool, device=device)
-    if wl >= 0:
-        ok = ok & (j >= i - wl)
-    if wr >= 0:
-        ok = ok & (j <= i + wr)
-    return ok
+    return visible_keys(Sq, Sk, 0, wl, wr, device, bottom_right=True)
 
 
 def _dense_layout(q, k, v):
@@ -77,7 +65,7 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
     opts = dict(backend=backend, causal="bottom_right" if causal else False, dropout_p=dropout_p,
                 scale=softmax_scale, softcap=softcap, deterministic=bool(deterministic), sinks=s_aux,
                 alibi_slopes=alibi_slopes)
-    wl, wr = _window(window_size)
+    wl, wr = window_pair(window_size)
     return opts, (wl, wr), causal
 
 
