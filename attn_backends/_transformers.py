@@ -382,7 +382,56 @@ def _register_flash_api(AttentionInterface, AttentionMaskInterface) -> bool:
         fau._lazy_imports = _lazy_imports
     AttentionInterface.register(FLASH_API, flash_attention_forward)
     AttentionMaskInterface.register(FLASH_API, flash_attention_mask)
+    _let_models_with_flash_lists_take_flash_api(fau)
     return True
+
+
+def _generic_flash_kernels(fau) -> set:
+    """The flash-attention implementations transformers knows as flash-attn's own interface (its packages
+    and their hub builds): every one is called through flash_attention_forward as FLASH_API is."""
+    names = set(getattr(fau, "FLASH_ATTN_KERNEL_FALLBACK", {}))
+    names |= set(getattr(fau, "FLASH_ATTN_KERNEL_FALLBACK", {}).values())
+    names |= set(getattr(fau, "FLASH_ATTN_KERNEL_VERSIONS", {}))
+    names |= set(getattr(fau, "FLASH_ATTN_KERNEL_DEVICES", {}))
+    return names
+
+
+def _let_models_with_flash_lists_take_flash_api(fau) -> None:
+    """A model that lists the flash kernels it works with (``_compatible_flash_implementations``: GPT-OSS
+    and the other models with attention sinks list flash-attn 3/4 builds, which take ``s_aux``) has any
+    other flash name rewritten by transformers to the first of them, a hub kernel.  FLASH_API takes
+    ``s_aux``, windows and softcap through the same flash_attention_forward, so where the list names one
+    of flash-attn's own kernels, FLASH_API is taken as one of them and kept.  A list of kernels of
+    another kind only (MiniMax-M3's sparse "MiniMaxAI/msa") is left to transformers' rewrite."""
+    try:
+        from transformers.modeling_utils import PreTrainedModel
+    except ImportError:
+        return
+    check = PreTrainedModel._check_and_adjust_attn_implementation
+    if getattr(check, "_attn_backends", False):
+        return
+    generic = _generic_flash_kernels(fau)
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        listed = getattr(self, "_compatible_flash_implementations", None)
+        if (attn_implementation not in (FLASH_API, "paged|" + FLASH_API) or not listed
+                or FLASH_API in listed or not generic.intersection(listed)):
+            return check(self, attn_implementation, *args, **kwargs)
+        had, old = "_compatible_flash_implementations" in self.__dict__, self.__dict__.get(
+            "_compatible_flash_implementations")
+        self.__dict__["_compatible_flash_implementations"] = [*listed, FLASH_API]
+        try:
+            return check(self, attn_implementation, *args, **kwargs)
+        finally:
+            if had:
+                self.__dict__["_compatible_flash_implementations"] = old
+            else:
+                del self.__dict__["_compatible_flash_implementations"]
+
+    _check_and_adjust_attn_implementation._attn_backends = True
+    _check_and_adjust_attn_implementation.__wrapped__ = check
+    _check_and_adjust_attn_implementation.__doc__ = check.__doc__
+    PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
 
 
 def register() -> dict:

@@ -84,3 +84,14 @@ def isa(request):
     assert _C.set_cpu_isa(request.param)
     yield request.param
     _C.set_cpu_isa(before)
+
+
+@pytest.fixture
+def hf_flash_reload():
+    # transformers keeps the flash functions it loaded last (per implementation name) in module
+    # globals; a test that wraps ours starts and ends with that cache empty, so it counts its own
+    # calls and leaves no wrapper behind for the next test
+    fau = pytest.importorskip("transformers.modeling_flash_attention_utils")
+    fau._loaded_implementation = None
+    yield
+    fau._loaded_implementation = None

@@ -255,7 +255,7 @@ def _counting(monkeypatch):
     return calls
 
 
-def test_hf_continuous_batching_runs_on_our_varlen_and_kvcache_pair(monkeypatch):
+def test_hf_continuous_batching_runs_on_our_varlen_and_kvcache_pair(monkeypatch, hf_flash_reload):
     transformers = pytest.importorskip("transformers")
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -288,6 +288,62 @@ def test_hf_continuous_batching_runs_on_our_varlen_and_kvcache_pair(monkeypatch)
     assert generate(max_blocks_per_request=8) == hf
     # prefill (one varlen call per layer), then 9 decode steps x 2 layers against the block table
     assert calls == {"flash_attn_varlen_func": 2, "flash_attn_with_kvcache": 18}
+
+
+@pytest.mark.parametrize("layers", ["sliding_attention", "full_attention"])
+def test_hf_continuous_batching_runs_gpt_oss_with_its_sinks(monkeypatch, hf_flash_reload, layers):
+    # GPT-OSS lists flash-attn 3/4 builds as its flash kernels (they take its sinks, s_aux) and
+    # transformers would rewrite any other flash name to one of them; FLASH_API is kept (one of
+    # flash-attn's interfaces), so continuous batching runs GPT-OSS on our pair, sinks in every call.
+    # Its tokens are eager's, prompt by prompt.  Sliding layers have no block table, so transformers
+    # keeps them off the decode fast path; with full attention only, the fast path runs.
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "GptOssConfig"):
+        pytest.skip("this transformers release has no GPT-OSS")
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    from attn_backends import _transformers
+
+    ab.register_transformers()
+    torch.manual_seed(0)
+    cfg = transformers.GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, sliding_window=4, max_position_embeddings=256,
+                                    layer_types=[layers, "full_attention"])
+    model = transformers.GptOssForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_(0.0, 1.0)
+    gen_cfg = transformers.GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    prompts = [[1, 5, 9, 3], [7, 8], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]]
+    model.set_attn_implementation("eager")
+    want = [model.generate(input_ids=torch.tensor([p]), generation_config=gen_cfg)[0, len(p):].tolist()
+            for p in prompts]
+
+    sinks = []
+    for name in ("flash_attn_varlen_func", "flash_attn_with_kvcache"):
+        real = getattr(fa, name)
+
+        def spy(*a, _real=real, _n=name, **kw):
+            sinks.append((_n, kw.get("s_aux") is not None))
+            return _real(*a, **kw)
+
+        spy.__signature__ = inspect.signature(real)
+        monkeypatch.setattr(fa, name, spy)
+    model.set_attn_implementation(_transformers.FLASH_API)
+    assert model.config._attn_implementation == _transformers.FLASH_API
+    fast = layers == "full_attention"
+    if fast:
+        import transformers.generation.continuous_batching.initialization as cb_init
+
+        monkeypatch.setattr(cb_init, "is_torch_xpu_available", lambda *a, **k: True)
+    cb_cfg = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64, auto_switch_to_flash=False,
+                                      max_blocks_per_request=8)
+    out = model.generate_batch(inputs=prompts, generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+    assert [out[f"req_{i}"].generated_tokens for i in range(3)] == want
+    assert sinks and all(s for _, s in sinks)
+    names = {n for n, _ in sinks}
+    assert names == ({"flash_attn_varlen_func", "flash_attn_with_kvcache"} if fast else {"flash_attn_varlen_func"})
 
 
 def test_hf_generate_on_the_flash_api_name_matches_sdpa():

@@ -6,6 +6,7 @@ equal each sequence run alone; generate matches eager; a keyword the function ca
 raises.  Models are built from configs: nothing is downloaded."""
 
 import copy
+import inspect
 import logging
 
 import pytest
@@ -38,20 +39,30 @@ def _config(arch):
         "mpt": lambda: T.MptConfig(n_layers=2, n_heads=4, d_model=32, vocab_size=V, max_seq_len=16),
         "gpt_oss": lambda: T.GptOssConfig(**{**small, "intermediate_size": 32}, head_dim=8, sliding_window=4,
                                           num_local_experts=2, num_experts_per_tok=1),
+        # sinks through lse (sigmoid(lse - sink)), one sliding layer
+        "granite_swa": lambda: T.GraniteSWAConfig(**small, sliding_window=4, bos_token_id=0, eos_token_id=0),
+        # q.k head dim 12, values 8; sinks on the sliding layer only
+        "mimo_v2_flash": lambda: T.MiMoV2FlashConfig(**small, head_dim=12, v_head_dim=8, sliding_window=4,
+                                                     moe_intermediate_size=16, n_routed_experts=2,
+                                                     num_experts_per_tok=1),
     }[arch]()
+
+
+MOE = ("gpt_oss", "mimo_v2_flash")
 
 
 def _model(arch, impl, like=None):
     T = transformers
     auto = {"bert": T.AutoModel, "t5": T.AutoModelForSeq2SeqLM}.get(arch, T.AutoModelForCausalLM)
-    extra = {"experts_implementation": "eager"} if arch == "gpt_oss" else {}  # grouped_mm has no float64
+    extra = {"experts_implementation": "eager"} if arch in MOE else {}  # grouped_mm has no float64
     model = auto.from_config(_config(arch), attn_implementation=impl, **extra)
     if like is not None:
         model.load_state_dict(like.state_dict())
-    elif arch == "gpt_oss":
+    elif arch in ("gpt_oss", "granite_swa", "mimo_v2_flash"):
         with torch.no_grad():  # sinks large enough that ignoring them shows
             for layer in model.model.layers:
-                layer.self_attn.sinks.normal_(0.0, 2.0)
+                if layer.self_attn.sinks is not None:
+                    layer.self_attn.sinks.normal_(0.0, 2.0)
     return model
 
 
@@ -171,6 +182,54 @@ def test_varlen_name_unpads_a_padded_batch(arch, gen, spy):
     mask[1, -3:] = 0
     _check_model(arch, "attn_backends_fa_varlen", ids, mask)
     assert ("attention" if arch == "t5" else "attention_varlen") in spy
+
+
+@pytest.mark.parametrize("arch", ["gpt_oss", "granite_swa", "mimo_v2_flash"])
+def test_flash_api_name_serves_models_that_list_their_flash_kernels(arch, gen, monkeypatch, hf_flash_reload):
+    # these models list flash-attn 3/4 builds (they take sinks) in _compatible_flash_implementations, and
+    # transformers rewrites any other flash name to the first, a hub kernel; FLASH_API is kept, and
+    # transformers' flash path runs them on attn_backends.flash_attn, sinks, windows and Dv != D included
+    if not hasattr(transformers, {"gpt_oss": "GptOssConfig", "granite_swa": "GraniteSWAConfig",
+                                  "mimo_v2_flash": "MiMoV2FlashConfig"}[arch]):
+        pytest.skip(f"this transformers release has no {arch}")
+    from attn_backends import flash_attn as fa
+
+    ab.register_transformers()
+    sinks = []
+    real = fa.flash_attn_varlen_func
+
+    def spy(*a, **kw):
+        sinks.append(kw.get("s_aux") is not None)
+        return real(*a, **kw)
+
+    spy.__signature__ = inspect.signature(real)
+    monkeypatch.setattr(fa, "flash_attn_varlen_func", spy)
+    model = _model(arch, _transformers.FLASH_API)
+    assert type(model)._compatible_flash_implementations  # the list transformers rewrites by
+    assert model.config._attn_implementation == _transformers.FLASH_API
+    assert "_compatible_flash_implementations" not in model.__dict__  # the model is left as it was
+    ids = torch.randint(1, V, (2, 9), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0
+    _check_model(arch, _transformers.FLASH_API, ids, mask)
+    assert True in sinks  # the sliding layers' sinks reached our function
+
+
+def test_flash_api_name_leaves_other_kernel_lists_to_transformers():
+    # a model that lists only a kernel of another kind (MiniMax-M3's sparse "MiniMaxAI/msa") is
+    # rewritten by transformers as before: here to a hub kernel that cannot load
+    ab.register_transformers()
+
+    class SparseOnly(transformers.LlamaForCausalLM):
+        _compatible_flash_implementations = ["someorg/sparse-kernel"]
+
+    model = SparseOnly(_config("llama"))
+    with pytest.raises(Exception):
+        model.set_attn_implementation(_transformers.FLASH_API)
+    assert model.config._attn_implementation != _transformers.FLASH_API
+    check = transformers.PreTrainedModel._check_and_adjust_attn_implementation
+    ab.register_transformers()
+    assert transformers.PreTrainedModel._check_and_adjust_attn_implementation is check  # wrapped once
 
 
 def test_varlen_name_refuses_position_bias_on_packed_sequences():

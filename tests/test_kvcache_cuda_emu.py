@@ -239,13 +239,15 @@ def test_without_the_switch_eager_serves_cuda(gen, caplog):
 
 @pytest.mark.parametrize("dev", [pytest.param("emu", marks=pytest.mark.cuda_emu),
                                  pytest.param("cuda", marks=pytest.mark.cuda)], indirect=True)
-@pytest.mark.parametrize("dtype", [F32, BF16])
-def test_hf_continuous_batching_fast_path_runs_on_the_cuda_kernels(decode, dtype, monkeypatch):
+@pytest.mark.parametrize("arch, dtype", [("llama", F32), ("llama", BF16), ("gpt_oss", F32)])
+def test_hf_continuous_batching_fast_path_runs_on_the_cuda_kernels(decode, arch, dtype, monkeypatch):
     # generate_batch under attn_backends_flash_attention_2 (tests/test_flash_attn_api.py has the CPU
     # path): the prompts through flash_attn_varlen_func (CUDA flash, or math for float32), each decode
     # step through flash_attn_with_kvcache (the CUDA append and attend kernels writing and reading HF's
     # paged cache through its block table); the tokens are HF's own paged sdpa's on the same device.
     # Emulated, transformers' device gate (CUDA or XPU only) is answered yes; nothing else is changed.
+    # GPT-OSS: its sinks in every call, the tokens eager's prompt by prompt (in float32 only: in
+    # bfloat16 eager's own rounding moves a token of this random model)
     transformers = pytest.importorskip("transformers")
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
@@ -253,9 +255,20 @@ def test_hf_continuous_batching_fast_path_runs_on_the_cuda_kernels(decode, dtype
 
     ab.register_transformers()
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    model = transformers.LlamaForCausalLM(cfg).eval().to(device=decode.type, dtype=dtype)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:  # sinks in every call (GPT-OSS keeps the flash name: tests/test_hf.py); full attention: the fast path
+        cfg = transformers.GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+                                        layer_types=["full_attention", "full_attention"])
+        model = transformers.GptOssForCausalLM(cfg)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 1.0)
+    model = model.eval().to(device=decode.type, dtype=dtype)
     gen_cfg = transformers.GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1, pad_token_id=0)
     prompts = [[1, 5, 9, 3], [7, 8], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]]
 
@@ -265,9 +278,15 @@ def test_hf_continuous_batching_fast_path_runs_on_the_cuda_kernels(decode, dtype
         out = model.generate_batch(inputs=prompts, generation_config=gen_cfg, continuous_batching_config=cb_cfg)
         return {k: r.generated_tokens for k, r in out.items()}
 
-    model.set_attn_implementation("sdpa")
     with decode.off():
-        hf = generate()
+        if arch == "llama":  # HF's own paged sdpa
+            model.set_attn_implementation("sdpa")
+            hf = generate()
+        else:  # GPT-OSS refuses sdpa: eager, prompt by prompt
+            model.set_attn_implementation("eager")
+            hf = {f"req_{i}": model.generate(input_ids=torch.tensor([p], device=decode.type),
+                                             generation_config=gen_cfg)[0, len(p):].tolist()
+                  for i, p in enumerate(prompts)}
     if decode.emulated:
         import transformers.generation.continuous_batching.initialization as cb_init
 
@@ -281,5 +300,8 @@ def test_hf_continuous_batching_fast_path_runs_on_the_cuda_kernels(decode, dtype
         attend = sum(n for label, n in ran.items() if "attend_kernel" in label)
         append = sum(n for label, n in ran.items() if "append_kernel" in label)
         assert attend == append == 18, ran  # 9 decode steps x 2 layers
-        prefill = "math_fwd_kernel" if dtype == F32 else "ab_flash::fwd"
-        assert sum(n for label, n in ran.items() if prefill in label) == 2, ran
+        if arch == "gpt_oss":  # float32 with sinks: no CUDA prefill kernel takes both, eager serves it
+            assert set(ran) == {label for label in ran if "attend_kernel" in label or "append_kernel" in label}, ran
+        else:
+            prefill = "math_fwd_kernel" if dtype == F32 else "ab_flash::fwd"
+            assert sum(n for label, n in ran.items() if prefill in label) == 2, ran
