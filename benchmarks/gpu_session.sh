@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session.sh bwd        # build if needed, the backward benchmark (JSON)
 #   bash benchmarks/gpu_session.sh sage       # build if needed, sage vs our flash (the 1.5x target)
 #   bash benchmarks/gpu_session.sh decode     # build if needed, the CUDA decode kernel vs torch SDPA (JSON)
+#   bash benchmarks/gpu_session.sh hf         # build if needed, HF generate_batch on our functions vs paged sdpa
+#                                             # (needs transformers on the machine; skipped without it)
 #   bash benchmarks/gpu_session.sh sanitize   # build if needed, compute-sanitizer over the CUDA tests
 #
 # The machine starts bare with its own torch and python3 (docs/benchmarks.md, "GPU"), so each call
@@ -86,12 +88,24 @@ case "$what" in
       > "$out/decode.log" 2>&1 || status=1
     tail -30 "$out/decode.log"
     ;;
+  hf)
+    step "HF continuous batching"
+    if "$py" -c "import transformers" 2> /dev/null; then
+      for dt in bfloat16 float16; do
+        timeout 270 "$py" benchmarks/bench_hf_batching.py --device cuda --dtype "$dt" --layers 8 --hidden 1024 \
+          --requests 32 --new 64 --json "$out/hf_batching_$dt.json" > "$out/hf_batching_$dt.log" 2>&1 || status=1
+        tail -7 "$out/hf_batching_$dt.log"
+      done
+    else
+      echo "transformers is not installed here: skipped"
+    fi
+    ;;
   sanitize)
     step "compute-sanitizer"
     OUT="$out" timeout 540 bash benchmarks/gpu_sanitize.sh || status=1
     ;;
   *)
-    echo "gpu_session: unknown step '$what' (check, bench, bwd, sage, decode, sanitize)" >&2
+    echo "gpu_session: unknown step '$what' (check, bench, bwd, sage, decode, hf, sanitize)" >&2
     exit 2
     ;;
 esac
