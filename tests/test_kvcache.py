@@ -1013,3 +1013,42 @@ def test_random_calls_match_the_reference_and_write_the_cache_where_flash_attn_d
     backend, case = drawn
     call = Call(case, torch.Generator().manual_seed(seed))
     call.check(*call.run(backend))
+
+
+# ---- NaN and inf: the rows that see them, and only those ------------------------------------------
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("Sq", [2, 8])  # 8 tokens x 2 query heads per KV head: the tiled products
+@pytest.mark.parametrize("where", ["q", "k_seen", "v_seen", "k_hidden", "k_inf"])
+def test_nan_and_inf_reach_the_rows_that_see_them(where, Sq, splits, gen):
+    # docs/reliability.md: NaN in, NaN out, as the float64 reference does; a key no row may see
+    # changes nothing.  One split and four (the merge of the splits carries it too).
+    B, Hq, Hkv, D, S = 2, 4, 2, 16, 300
+    q = torch.randn(B, Sq, Hq, D, generator=gen)
+    kc, vc = (torch.randn(B, S, Hkv, D, generator=gen) for _ in range(2))
+    seqlens = torch.tensor([200, 300], dtype=torch.int32)
+    if where == "q":
+        q[0, 1, 2, 3] = float("nan")
+    elif where == "k_seen":
+        kc[1, 10, 1, 0] = float("nan")
+    elif where == "v_seen":
+        vc[1, 10, 1, 5] = float("nan")
+    elif where == "k_hidden":
+        kc[0, 250, 0, 0] = float("nan")  # past cache_seqlens[0]
+    else:
+        kc[1, 10, 0, 0] = float("inf")
+    out, lse = ab.attention_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, num_splits=splits,
+                                         return_softmax_lse=True)
+    for b in range(B):
+        L = int(seqlens[b])
+        ref, ref_lse = reference_attention(q[b:b + 1].transpose(1, 2), kc[b:b + 1, :L].transpose(1, 2),
+                                           vc[b:b + 1, :L].transpose(1, 2), causal="bottom_right")
+        ref, ref_lse = ref[0].transpose(0, 1), ref_lse[0]
+        assert torch.equal(torch.isnan(out[b]), torch.isnan(ref)), where
+        assert torch.equal(torch.isnan(lse[b]), torch.isnan(ref_lse)), where
+        fin = ~torch.isnan(ref)
+        assert (out[b][fin].double() - ref[fin]).abs().max() < 1e-5
+    if where == "k_hidden":
+        assert not torch.isnan(out).any()
+    else:
+        assert torch.isnan(out).any()

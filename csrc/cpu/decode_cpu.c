@@ -432,7 +432,18 @@ static void merge(int64_t begin, int64_t end, void* ctx) {
       /* split s of this row */
 #define PART(s) (run->part + (((b * ns + (s)) * p->Sq + t) * p->Hq + hq) * stride)
       float m = -INFINITY;
-      for (int64_t s = 0; s < ns; ++s) m = PART(s)[dpad] > m ? PART(s)[dpad] : m;
+      int nan = 0; /* a split that saw a NaN score makes the row NaN */
+      for (int64_t s = 0; s < ns; ++s) {
+        m = PART(s)[dpad] > m ? PART(s)[dpad] : m;
+        nan |= PART(s)[dpad] != PART(s)[dpad];
+      }
+      if (nan) {
+        for (int64_t d = 0; d < p->D; ++d) acc[d] = __builtin_nanf("");
+        const ab_tensor* out = &p->out;
+        ab_vec_store_row(out->data, out->dtype, ab_off4(out, b, t, hq, 0), p->D, out->strides[3], acc);
+        ((float*)p->lse.data)[ab_off3(&p->lse, b, hq, t)] = __builtin_nanf("");
+        continue;
+      }
       float total = 0.0f;
       for (int64_t s = 0; s < ns; ++s) total += PART(s)[dpad] == -INFINITY ? 0.0f : expf(PART(s)[dpad] - m);
       memset(acc, 0, (size_t)dpad * sizeof(float));

@@ -581,7 +581,12 @@ static inline void DC(softmax)(const DC(tile) * w, int64_t r0, int64_t nrows, fl
   for (int64_t i = 0; i < nrows; ++i) {
     const int64_t r = r0 + i;
     float* Sr = St + i * DC_CHUNK;
+    if (w->l[r] != w->l[r]) { /* a NaN score seen: the row stays NaN (the end writes it so) */
+      memset(Sr, 0, DC_CHUNK * sizeof(float));
+      continue;
+    }
     vf mx = vset1(-INFINITY);
+    vi nan = {0};
     for (int v = 0; v < DC_NV; ++v) {
       vf x = vload(Sr + v * VLEN);
       if (cap > 0) x = vset1(cap) * vtanh(x * vset1(1.0f / cap));
@@ -593,6 +598,14 @@ static inline void DC(softmax)(const DC(tile) * w, int64_t r0, int64_t nrows, fl
       x = vselect((lanes[v] >= lane0) & (lanes[v] < lane1), x, vset1(-INFINITY));
       vstore(Sr + v * VLEN, x);
       mx = vmax(mx, x);
+      nan |= x != x; /* a visible NaN score: the max above may drop it */
+    }
+    int any_nan = 0;
+    for (int u = 0; u < VLEN; ++u) any_nan |= nan[u] != 0;
+    if (any_nan) { /* NaN in, NaN out, as the float64 reference does */
+      w->l[r] = __builtin_nanf("");
+      memset(Sr, 0, DC_CHUNK * sizeof(float));
+      continue;
     }
     const float cm = vhmax(mx), m_old = w->m[r];
     const float m_new = cm > m_old ? cm : m_old;
@@ -891,12 +904,13 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       const int64_t r = tiled ? i % HG / G * rhp + (t - t0) * G + i % G : i;
       float* acc = w->acc + r * dpad;
       const float l = w->l[r];
-      const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+      /* a row that saw a NaN score (l NaN) writes NaN, out and lse; one that saw no key, 0 and -inf */
+      const float inv = l != l ? l : l > 0.0f ? 1.0f / l : 0.0f;
       for (int64_t d = 0; d < dpad; d += VLEN) vstore(acc + d, vload(acc + d) * vset1(inv));
 #if DC_BF16
       if (bf) DC(bf_unpermute)(acc, dpad);
 #endif
-      float lse = l > 0.0f ? w->m[r] + logf(l) : -INFINITY;
+      float lse = l != l ? l : l > 0.0f ? w->m[r] + logf(l) : -INFINITY;
       if (run->nsplit == 1) {
         float factor; /* the sink joins once the row is complete: here, or after the merge of the splits */
         lse = ab_decode_add_sink(lse, run->sink[hq], &factor);
