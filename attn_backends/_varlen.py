@@ -82,6 +82,9 @@ def check_cu_seqlens(cu_q, cu_k, max_q, max_k, Tq, Tk, device=None):
     host_k = cu_k.detach().to("cpu").contiguous()
     lens = []
     for name, cu, total, mx in (("cu_seqlens_q", host_q, Tq, max_q), ("cu_seqlens_k", host_k, Tk, max_k)):
+        if cu.numel() <= _LIST_CHECK:
+            lens.append(_check_cu_list(name, cu.tolist(), total, mx))
+            continue
         if int(cu[0]) != 0:
             raise ValueError(f"{name} must start at 0, got {int(cu[0])}")
         d = cu[1:].long() - cu[:-1].long()
@@ -97,6 +100,27 @@ def check_cu_seqlens(cu_q, cu_k, max_q, max_k, Tq, Tk, device=None):
                              f"max_seqlen_{name[-1]} = {mx}")
         lens.append(d)
     return host_q, host_k, host_q.numel() - 1, lens[0], lens[1]
+
+
+# cu_seqlens up to this length are checked as one list of Python ints (one host read instead of about
+# ten small tensor ops, which cost a short decode call tens of microseconds); longer ones with tensor ops
+_LIST_CHECK = 4096
+
+
+def _check_cu_list(name, cu, total, mx):
+    """check_cu_seqlens's checks of one host cu_seqlens, as a list; the same errors.  -> the lengths."""
+    if cu[0] != 0:
+        raise ValueError(f"{name} must start at 0, got {cu[0]}")
+    d = [b - a for a, b in zip(cu, cu[1:])]
+    if d and min(d) < 0:
+        b = next(i for i, x in enumerate(d) if x < 0)
+        raise ValueError(f"{name} must be non-decreasing, but {name}[{b}] = {cu[b]} > {name}[{b + 1}] = {cu[b + 1]}")
+    if cu[-1] != total:
+        raise ValueError(f"{name}[-1] = {cu[-1]} must equal the number of packed rows, {total}")
+    if d and max(d) > mx:
+        b = d.index(max(d))
+        raise ValueError(f"sequence {b} has {d[b]} rows in {name}, more than max_seqlen_{name[-1]} = {mx}")
+    return torch.tensor(d, dtype=torch.long)
 
 
 def longest(lens: torch.Tensor) -> int:

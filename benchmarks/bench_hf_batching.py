@@ -104,12 +104,7 @@ def main():
             res[key]["attention"].append(att)
             tokens[key] = toks
     same = tokens["sdpa"] == tokens["ours"]
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = ab._C.cpu_features()["brand"].strip() or platform.processor() or platform.machine()
     print(f"{args.device} ({cpu}), {torch.get_num_threads()} threads, torch {torch.__version__}, "
           f"transformers {transformers.__version__}, {args.dtype}")
     print(f"Llama {args.layers} layers, hidden {args.hidden}, {heads}/{max(1, heads // 4)} heads of 64; "

@@ -888,6 +888,16 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   return out;
 }
 
+/* flash_decode_tokens(dtype, G, Sk) -> int: ab_flash_cpu_decode_tokens (ab_core.h), for the flash
+ * provider's packed calls that take the op (attn_backends/_providers/ours.py). */
+static PyObject* ab_py_flash_decode_tokens(PyObject* self, PyObject* args) {
+  (void)self;
+  int dt;
+  long long G, Sk;
+  if (!PyArg_ParseTuple(args, "iLL", &dt, &G, &Sk)) return NULL;
+  return PyLong_FromLongLong(ab_flash_cpu_decode_tokens((ab_dtype)dt, G, Sk));
+}
+
 /* kvcache_max_rows(dtype, in_place, positions) -> int: ab_kvcache_cpu_max_rows (decode_cpu.h), for
  * _kvcache.run_kernel; dtype an ab_dtype id. */
 static PyObject* ab_py_kvcache_max_rows(PyObject* self, PyObject* args) {
@@ -987,6 +997,9 @@ PyMethodDef ab_direct_methods[] = {
      "want_lse, backend, sinks) -> out, "
      "(out, lse), or None: ab.attention_with_kvcache's fast path for eager CPU calls whose plan is "
      "remembered (None: take the Python path)."},
+    {"flash_decode_tokens", ab_py_flash_decode_tokens, METH_VARARGS,
+     "flash_decode_tokens(dtype, G, Sk) -> int: the query tokens per sequence up to which the CPU flash forward "
+     "runs a call on the decode kernel (0: none)"},
     {"kvcache_max_rows", ab_py_kvcache_max_rows, METH_VARARGS,
      "kvcache_max_rows(dtype, in_place, positions) -> int: the query rows per KV head up to which the CPU decode "
      "kernel serves a call (more go to flash over the cache)."},

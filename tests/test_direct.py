@@ -44,7 +44,7 @@ def _cpu_kernels():
 def calls(monkeypatch):
     """Counts the calls that took the direct path and the ones that took the op."""
     seen = {"direct": 0, "op": 0}
-    direct, op = _C.flash_fwd_cpu, _providers._run_flash
+    direct, op, by_decode = _C.flash_fwd_cpu, _providers._run_flash, _providers._run_by_decode
 
     class Module:
         def __getattr__(self, name):
@@ -66,8 +66,14 @@ def calls(monkeypatch):
         seen["direct"] += res is not None
         return res
 
+    def run_by_decode(*args):  # short queries without the direct flash call: the decode kernel's (ours.py)
+        res = by_decode(*args)
+        seen["op"] += res is not None
+        return res
+
     monkeypatch.setattr(_providers, "_C", Module())
     monkeypatch.setattr(_providers, "_run_flash", run_op)
+    monkeypatch.setattr(_providers, "_run_by_decode", run_by_decode)
     monkeypatch.setattr(ab, "_fast_attention", fast_attention)
     return seen
 

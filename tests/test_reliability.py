@@ -53,8 +53,10 @@ def test_the_leak_check_sees_leaks():
     lost = []
 
     def leaks_heap():
-        p = libc.malloc(1024)
-        ctypes.memset(p, 1, 1024)
+        # 4 KiB a call, 12 MiB in all: free chunks that earlier tests left in the heap (a few MiB
+        # after the whole suite) are reused before RSS grows, and must not hide the leak
+        p = libc.malloc(4096)
+        ctypes.memset(p, 1, 4096)
         lost.append(p)
 
     r = leak_check(leaks_heap, LEAK_CALLS, warmup=0)

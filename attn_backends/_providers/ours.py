@@ -114,6 +114,9 @@ def run_flash(a):
             res = _C.flash_fwd_cpu(q, k, v, a.mask, a.causal, a.scale, a.wl, a.wr, a.softcap, a.want_lse)
             if res is not None:  # None: the CUDA emulation serves CPU tensors, through the op
                 return res
+        res = _run_by_decode(a, sq) if (sq := _decode_tokens(a)) else None
+        if res is not None:
+            return res
     elif q.is_cuda:
         q, k, v = _ops.cuda_layout(q), _ops.cuda_layout(k), _ops.cuda_layout(v)
     return _run_flash(a, q, k, v, _kernel_sinks(a))
@@ -129,7 +132,56 @@ def _device_cu_seqlens(a, q):
     return ()
 
 
+def _decode_tokens(a) -> int:
+    """The query tokens of every sequence when a CPU call without a gradient goes to the decode kernel,
+    else 0: the rule of the CPU flash forward's own route for calls without row statistics
+    (csrc/cpu/flash_cpu.c, "short queries"), for the calls that take the op (packed calls, sinks,
+    ALiBi, inference mode), which always keeps the statistics and so cannot take it there."""
+    q, k, v = a.q, a.k, a.v
+    if (a.need_grad or a.p or a.mask is not None or not q.is_cpu or _is_compiling() or _C.cuda_emulation()
+            or v.shape[-1] != q.shape[-1] or k.stride(-1) != 1 or v.stride(-1) != 1):
+        return 0
+    if a.cu_q is None:
+        B, sq, Sk = q.shape[0], q.shape[2], k.shape[2]
+        G, same = q.shape[1] // k.shape[1], sq == Sk
+    else:  # every sequence has sq queries: none has more (max_q) and together they have B * sq
+        B, sq, Sk = a.hcu_q.numel() - 1, a.max_q, a.max_k
+        if q.shape[0] != B * sq:
+            return 0
+        G, same = q.shape[1] // k.shape[1], a.max_k == sq and k.shape[0] == B * sq
+    if Sk < 1 or not 1 <= sq <= _C.flash_decode_tokens(_planner.DTYPE_IDS[q.dtype], G, Sk):
+        return 0
+    if a.causal != 2 and (a.causal == 1 or a.wl >= 0 or a.wr >= 0) and not same:
+        return 0  # top-left alignment (causal 1, or a window without causal) differs from the kernel's
+    return sq
+
+
+def _run_by_decode(a, sq):
+    """The call on the decode kernel's direct call (_C.kvcache_fwd_cpu, the kernel attention_with_kvcache
+    runs), or None where that may not serve (torch.compile, a jit trace, a dispatch or function mode,
+    a functorch transform, a tensor subclass: those keep the flash op).  Dense: the (B, S, H, D)
+    views.  Packed: sequence b's queries are batch row b, its keys cache row 0 from cu_seqlens_k[b]
+    (cache_leftpad) to cu_seqlens_k[b + 1] (cache_seqlens)."""
+    q, k, v = a.q, a.k, a.v
+    if (any(g() for g in read_guards) or q.__class__ is not _Tensor or k.__class__ is not _Tensor
+            or v.__class__ is not _Tensor or any(t is not None and t.__class__ is not _Tensor for t in (a.sinks, a.alibi))):
+        return None
+    if a.cu_q is None:
+        res = _C.kvcache_fwd_cpu(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None,
+                                 -1, None, None, None, a.alibi, a.scale, a.causal != 0, a.wl, a.wr, a.softcap, True, 0,
+                                 a.sinks)
+        return None if res is None else (res[0].transpose(1, 2), res[1])
+    B = a.hcu_q.numel() - 1
+    res = _C.kvcache_fwd_cpu(q.unflatten(0, (B, sq)), k[None], v[None], None, None, None, None, a.hcu_k[1:], -1,
+                             torch.zeros(B, dtype=torch.int32), a.hcu_k[:-1], None, a.alibi, a.scale, a.causal != 0,
+                             a.wl, a.wr, a.softcap, True, 0, a.sinks)
+    return None if res is None else (res[0].flatten(0, 1), res[1].transpose(0, 1).flatten(1))
+
+
 def _run_flash_varlen(a):
+    res = _run_by_decode(a, sq) if (sq := _decode_tokens(a)) else None
+    if res is not None:
+        return res
     rng = draw_rng_state(a.q) if a.p > 0 else None
     q, k, v = _cuda_qkv(a.q, a.k, a.v)
     sinks = _kernel_sinks(a)

@@ -2,10 +2,13 @@
  * (cpu_kernels.h); and the flash family's answer to the planner (ab_flash_cpu_why_not).
  */
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "../ab_planner.h"
 #include "ab_cpu.h"
 #include "cpu_kernels.h"
+#include "decode_cpu.h"
 
 /* The dtypes the flash tables are built for: float32 accumulation of float16, bfloat16, float32. */
 static int flash_dtype_ok(ab_dtype dt) { return dt == AB_DTYPE_F32 || dt == AB_DTYPE_F16 || dt == AB_DTYPE_BF16; }
@@ -29,9 +32,91 @@ static ab_status check_flash(const ab_attn_params* p, int backward, ab_error* er
   return AB_OK;
 }
 
+/* ---- short queries: the decode kernel ---------------------------------------------------------
+ *
+ * A call of a few query tokens per sequence against many keys (decode through ab.attention, a patched
+ * SDPA or flash_attn_varlen_func) leaves the flash kernel's tiles of query rows nearly empty, and it
+ * reads each KV head's keys once per query head.  The decode kernel (decode_cpu.h) streams them once
+ * for the whole GQA group: on the avx2 path (AMD EPYC, Zen 3, 2 threads; docs/benchmarks.md, "Short
+ * queries") it took 0.09-0.41x flash's time at one token and 0.25-0.70x at four (GQA), 0.63-1.06x at
+ * four for MHA, and at eight tokens 0.37-0.63x with groups of 4 or more over 1024 keys or more but
+ * 1.4-1.7x for MHA.  So flash hands it calls of at most AB_FLASH_DECODE_TOKENS tokens per sequence
+ * (AB_FLASH_DECODE_TOKENS_GQA for groups of 4 or more), and no more query rows per KV head than the
+ * decode kernel serves well (ab_kvcache_cpu_max_rows), the calls it can express: no mask or dropout, Dv = D,
+ * keys with a contiguous last dimension, causal and windows aligned bottom-right (or the same either
+ * way: Sq = Sk, for packed calls every sequence's), and a forward whose row statistics no backward will read (stats
+ * absent: the direct calls, which have no autograd; attn_backends/_providers/ours.py sends the
+ * calls without a gradient that take the op to the decode kernel's direct call by the same rule).
+ * ATTN_BACKENDS_FLASH_DECODE=0 turns the route off. */
+#define AB_FLASH_DECODE_TOKENS 4      /* MHA and small groups */
+#define AB_FLASH_DECODE_TOKENS_GQA 8  /* groups of 4 query heads per KV head or more */
+
+int64_t ab_flash_cpu_decode_tokens(ab_dtype dt, int64_t G, int64_t Sk) {
+  const char* off = getenv("ATTN_BACKENDS_FLASH_DECODE"); /* "0": flash keeps them (read at every call) */
+  if (G < 1 || (off && off[0] == '0' && off[1] == 0)) return 0;
+  const int64_t rows = ab_kvcache_cpu_max_rows(dt, 1, Sk) / G;
+  const int64_t tokens = G >= 4 ? AB_FLASH_DECODE_TOKENS_GQA : AB_FLASH_DECODE_TOKENS;
+  return rows < tokens ? rows : tokens;
+}
+
+/* The query tokens of the dense call p when the decode kernel can serve it, else 0.  (Packed calls
+ * reach this file only through the op, which keeps the row statistics: ours.py routes them.) */
+static int64_t decode_tokens(const ab_attn_params* p) {
+  if (p->cu_seqlens_q || p->stats.ndim || p->mask.ndim || p->dropout_p > 0 || p->Dv != p->D || p->Hkv < 1 ||
+      p->Sk < 1 || p->k.strides[3] != 1 || p->v.strides[3] != 1)
+    return 0;
+  if (p->Sq > ab_flash_cpu_decode_tokens(p->q.dtype, p->Hq / p->Hkv, p->Sk)) return 0;
+  const int windowed = p->window_left >= 0 || p->window_right >= 0;
+  if (p->causal != AB_CAUSAL_BOTTOM_RIGHT && p->Sq != p->Sk && (p->causal == AB_CAUSAL_TOP_LEFT || windowed)) return 0;
+  return p->Sq;
+}
+
+static ab_tensor bshd(const ab_tensor* t) { /* (B, H, S, D) seen as (B, S, H, D) */
+  ab_tensor v = *t;
+  v.sizes[1] = t->sizes[2], v.sizes[2] = t->sizes[1];
+  v.strides[1] = t->strides[2], v.strides[2] = t->strides[1];
+  return v;
+}
+
+/* The dense call p through the decode kernel, its (B, H, S, D) tensors seen as (B, S, H, D). */
+static ab_status fwd_by_decode(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {
+  ab_kvcache_params d;
+  memset(&d, 0, sizeof d);
+  d.B = p->B, d.Sq = p->Sq, d.Hq = p->Hq, d.Hkv = p->Hkv, d.D = p->D;
+  d.q = bshd(&p->q), d.out = bshd(&p->out), d.k_cache = bshd(&p->k), d.v_cache = bshd(&p->v);
+  d.cache_seqlen = p->Sk;
+  float* lse_tmp = NULL;
+  d.lse = p->lse;
+  if (!d.lse.ndim) { /* the decode kernel always writes lse */
+    lse_tmp = (float*)malloc(sizeof(float) * (size_t)(p->B * p->Hq * p->Sq));
+    if (!lse_tmp) return ab_error_set(err, AB_ERR_NOMEM, "out of memory for the decode kernel's lse");
+    d.lse.data = lse_tmp, d.lse.dtype = AB_DTYPE_F32, d.lse.device = AB_DEVICE_CPU, d.lse.ndim = 3;
+    d.lse.sizes[0] = p->B, d.lse.sizes[1] = p->Hq, d.lse.sizes[2] = p->Sq;
+    d.lse.strides[0] = p->Hq * p->Sq, d.lse.strides[1] = p->Sq, d.lse.strides[2] = 1;
+  }
+  d.alibi_slopes = p->alibi;
+  d.sinks = p->sinks;
+  d.scale = p->scale, d.softcap = p->softcap;
+  d.causal = p->causal != AB_CAUSAL_NONE;
+  d.window_left = p->window_left, d.window_right = p->window_right;
+  const int threads = pool ? pool->num_threads : 1;
+  const size_t bytes = ab_kvcache_cpu_workspace_size(&d, threads);
+  void* ws = bytes ? malloc(bytes) : NULL;
+  ab_status st;
+  if (bytes && !ws)
+    st = ab_error_set(err, AB_ERR_NOMEM, "out of memory for the decode kernel's %zu bytes of workspace", bytes);
+  else
+    st = bytes ? ab_kvcache_cpu_fwd(&d, ws, bytes, pool, err)
+               : ab_error_set(err, AB_ERR_INVALID, "the decode kernel refused a call flash handed it");
+  free(ws);
+  free(lse_tmp);
+  return st;
+}
+
 ab_status ab_flash_cpu_fwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {
   ab_status st = check_flash(p, 0, err);
   if (st != AB_OK || p->B == 0 || p->Hq == 0 || p->Sq == 0) return st;
+  if (decode_tokens(p)) return fwd_by_decode(p, pool, err);
   return ab_cpu_kernels_get()->flash_fwd(p, pool, err);
 }
 

@@ -1,0 +1,188 @@
+"""The CPU flash forward hands calls of a few query tokens per sequence to the decode kernel
+(csrc/cpu/flash_cpu.c, "short queries"; packed calls without a gradient through
+attn_backends/_providers/ours.py): decode through ab.attention, a patched SDPA or
+flash_attn_varlen_func.  Those calls still follow the design's semantics, checked against the
+float64 reference under the 2x rule (odd shapes, GQA and MHA, Sq > Sk, every causal alignment the
+route takes, windows, softcap, sinks, ALiBi, rows and sequences that see no key, non-contiguous
+views); bit-for-bit equality with attention_with_kvcache on the same tensors shows the decode kernel
+served them.  Calls the route leaves to flash (a top-left alignment that differs, more tokens, a
+mask, a gradient) are checked to be right as well."""
+
+import pytest
+import torch
+
+import attn_backends as ab
+from attn_backends import _C, _planner
+from attn_backends._testing import check_2x, make_packed, reference_attention, varlen_reference
+
+pytestmark = pytest.mark.skipif(_C.cuda_emulation(), reason="CPU tensors take the emulated CUDA kernels")
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def _bshd(B, S, H, D, dtype, gen):
+    # flash-attn's layout seen as (B, H, S, D): a non-contiguous view, as transformers hands them over
+    return torch.randn(B, S, H, D, generator=gen).to(dtype).transpose(1, 2)
+
+
+def _opts(case, gen, Hq, B):
+    opts = {}
+    if "softcap" in case:
+        opts["softcap"] = 4.0
+    if "sinks" in case:
+        opts["sinks"] = torch.randn(Hq, generator=gen)
+    if "alibi" in case:
+        opts["alibi_slopes"] = torch.rand(B, Hq, generator=gen) * 0.3
+    if "window" in case:
+        opts["window"] = (3, 0)
+    return opts
+
+
+def _via_kvcache(q, k, v, causal, opts):
+    # the same call as attention_with_kvcache sees it: (B, S, H, D) views, bottom-right alignment
+    w = opts.get("window")
+    return ab.attention_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                     causal=bool(causal), window_size=w if w else (-1, -1),
+                                     softcap=opts.get("softcap", 0.0), alibi_slopes=opts.get("alibi_slopes"),
+                                     sinks=opts.get("sinks"), return_softmax_lse=True)
+
+
+DENSE = [  # B, Hq, Hkv, Sq, Sk, D
+    (2, 4, 1, 1, 37, 16),   # MQA, one token
+    (1, 8, 2, 3, 50, 40),   # GQA, three tokens, odd D
+    (3, 6, 6, 4, 19, 24),   # MHA, four tokens
+    (2, 4, 2, 4, 3, 16),    # Sq > Sk: bottom-right leaves the first row without a key
+    (1, 4, 2, 2, 2, 8),     # Sq == Sk: top-left is bottom-right
+]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("causal", [False, "bottom_right", True])
+@pytest.mark.parametrize("case", ["plain", "softcap+sinks", "alibi+window"])
+@pytest.mark.parametrize("shape", DENSE)
+def test_dense_short_queries_match_the_reference(shape, case, causal, dtype, gen):
+    B, Hq, Hkv, Sq, Sk, D = shape
+    if "window" in case and causal is not True and causal != "bottom_right":
+        causal = "bottom_right"  # a window alone aligns top-left: the route leaves it to flash (below)
+    q, k, v = (_bshd(B, S, H, D, dtype, gen) for S, H in ((Sq, Hq), (Sk, Hkv), (Sk, Hkv)))
+    opts = _opts(case, gen, Hq, B)
+    with torch.no_grad():
+        out, lse = ab.attention(q, k, v, causal=causal, return_lse=True, **opts)
+    ref_opts = dict(opts)
+    ref64, lse64 = reference_attention(q, k, v, causal=causal, **ref_opts)
+    same, _ = reference_attention(q, k, v, causal=causal, dtype=dtype, **ref_opts)
+    check_2x("out", out, ref64, same, 2, dtype)
+    check_2x("lse", lse, lse64, lse64.float(), 2, F32)
+    routed = causal in (False, "bottom_right") or Sq == Sk
+    if routed:  # the decode kernel served it: the same bits as attention_with_kvcache
+        kv_out, kv_lse = _via_kvcache(q, k, v, causal, opts)
+        assert torch.equal(out, kv_out.transpose(1, 2)) and torch.equal(lse, kv_lse)
+
+
+def test_a_window_without_causal_keeps_its_top_left_alignment(gen):
+    # Sq != Sk: the decode kernel would align the window bottom-right; flash serves it, top-left
+    q, k, v = (_bshd(1, S, 4, 16, F32, gen) for S in (2, 30, 30))
+    with torch.no_grad():
+        out = ab.attention(q, k, v, window=(2, 1))
+    ref64, _ = reference_attention(q, k, v, window=(2, 1))
+    same, _ = reference_attention(q, k, v, window=(2, 1), dtype=F32)
+    check_2x("out", out, ref64, same, 2, F32)
+    assert out[0, :, 0].abs().sum() > 0 and not torch.equal(out, _via_kvcache(q, k, v, False, {"window": (2, 1)})[0]
+                                                            .transpose(1, 2))
+
+
+@pytest.mark.parametrize("Sq", [5, 8])
+def test_longer_queries_masks_and_gradients_stay_on_flash_and_right(Sq, gen):
+    q, k, v = (_bshd(2, S, H, 16, F32, gen) for S, H in ((Sq, 4), (40, 2), (40, 2)))
+    mask = torch.rand(2, 1, Sq, 40, generator=gen) > 0.3
+    ref64, _ = reference_attention(q, k, v, causal="bottom_right")
+    same, _ = reference_attention(q, k, v, causal="bottom_right", dtype=F32)
+    with torch.no_grad():
+        check_2x("out", ab.attention(q, k, v, causal="bottom_right"), ref64, same, 2, F32)
+        m64, _ = reference_attention(q, k, v, attn_mask=mask)
+        m32, _ = reference_attention(q, k, v, attn_mask=mask, dtype=F32)
+        check_2x("masked out", ab.attention(q[:, :, :1], k, v, attn_mask=mask[:, :, :1]), m64[:, :, :1],
+                 m32[:, :, :1], 2, F32)
+    # one token with a gradient: the flash forward and backward (its row statistics kept)
+    leaves = [t.detach().clone().requires_grad_() for t in (q[:, :, :1], k, v)]
+    out = ab.attention(*leaves, causal="bottom_right")
+    g = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad(out, leaves, g)
+    l64 = [t.detach().double().requires_grad_() for t in leaves]
+    r, _ = reference_attention(*l64, causal="bottom_right")
+    r_grads = torch.autograd.grad(r, l64, g.double())
+    l32 = [t.detach().clone().requires_grad_() for t in leaves]
+    s, _ = reference_attention(*l32, causal="bottom_right", dtype=F32)
+    s_grads = torch.autograd.grad(s, l32, g)
+    check_2x("out", out, r, s, 2, F32)
+    for name, a, b, c in zip(("dq", "dk", "dv"), grads, r_grads, s_grads):
+        check_2x(name, a, b, c, 3, F32)
+
+
+def test_the_route_covers_only_a_few_tokens():
+    dt = _planner.DTYPE_IDS[F32]
+    assert _C.flash_decode_tokens(dt, 4, 4096) == 8 and _C.flash_decode_tokens(dt, 1, 64) == 4
+    assert _C.flash_decode_tokens(dt, 0, 64) == 0
+
+
+VARLEN = [  # lens_k per sequence (every sequence has sq queries), Hq, Hkv, D
+    ([5, 0, 17, 1], 4, 2, 16),  # a sequence with no key: its rows output 0 (lse -inf, or the sink)
+    ([33, 8], 6, 6, 24),
+    ([3], 8, 1, 40),
+]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("causal", [False, "bottom_right"])
+@pytest.mark.parametrize("case", ["plain", "sinks+softcap", "alibi+window"])
+@pytest.mark.parametrize("sq", [1, 3])
+@pytest.mark.parametrize("packed", VARLEN)
+def test_packed_short_queries_match_the_reference(packed, sq, case, causal, dtype, gen):
+    lens_k, Hq, Hkv, D = packed
+    if "window" in case:
+        causal = "bottom_right"
+    B = len(lens_k)
+    q, k, v, cu_q, cu_k = make_packed([sq] * B, lens_k, Hq, Hkv, D, D, dtype, generator=gen)
+    opts = _opts(case, gen, Hq, B)
+    with torch.no_grad():
+        out, lse = ab.attention_varlen(q, k, v, cu_q, cu_k, sq, max(lens_k), causal=causal, return_lse=True, **opts)
+    ref64, lse64 = varlen_reference(q, k, v, cu_q, cu_k, causal=causal, **opts)
+    same, _ = varlen_reference(q, k, v, cu_q, cu_k, dtype=dtype, causal=causal, **opts)
+    check_2x("out", out, ref64, same, 2, dtype)
+    check_2x("lse", lse, lse64, lse64.float(), 2, F32)
+    # the decode kernel served it: the same bits as attention_with_kvcache over the packed keys
+    w = opts.get("window")
+    kv_out, kv_lse = ab.attention_with_kvcache(
+        q.unflatten(0, (B, sq)), k[None], v[None], cache_seqlens=cu_k[1:], cache_leftpad=cu_k[:-1],
+        cache_batch_idx=torch.zeros(B, dtype=torch.int32), causal=bool(causal), window_size=w if w else (-1, -1),
+        softcap=opts.get("softcap", 0.0), alibi_slopes=opts.get("alibi_slopes"), sinks=opts.get("sinks"),
+        return_softmax_lse=True)
+    assert torch.equal(out, kv_out.flatten(0, 1)) and torch.equal(lse, kv_lse.transpose(0, 1).flatten(1))
+
+
+def test_packed_calls_the_route_leaves_to_flash_are_right(gen):
+    # sequences of different query lengths, and a top-left causal that differs from bottom-right
+    for lens_q, lens_k, causal in (([1, 2], [9, 4], "bottom_right"), ([2, 2], [9, 4], True)):
+        q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, 4, 2, 16, 16, F32, generator=gen)
+        with torch.no_grad():
+            out = ab.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal)
+        ref64, _ = varlen_reference(q, k, v, cu_q, cu_k, causal=causal)
+        same, _ = varlen_reference(q, k, v, cu_q, cu_k, dtype=F32, causal=causal)
+        check_2x("out", out, ref64, same, 2, F32)
+
+
+def test_packed_short_queries_with_a_gradient_take_flash(gen):
+    q, k, v, cu_q, cu_k = make_packed([1, 1], [9, 4], 4, 2, 16, 16, F32, generator=gen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ab.attention_varlen(*leaves, cu_q, cu_k, 1, 9, causal="bottom_right")
+    g = torch.randn(out.shape, generator=gen)
+    grads = torch.autograd.grad(out, leaves, g)
+    l64 = [t.detach().double().requires_grad_() for t in leaves]
+    r, _ = varlen_reference(*l64, cu_q, cu_k, causal="bottom_right")
+    r_grads = torch.autograd.grad(r, l64, g.double())
+    l32 = [t.detach().clone().requires_grad_() for t in leaves]
+    s, _ = varlen_reference(*l32, cu_q, cu_k, dtype=F32, causal="bottom_right")
+    s_grads = torch.autograd.grad(s, l32, g)
+    check_2x("out", out, r, s, 2, F32)
+    for name, a, b, c in zip(("dq", "dk", "dv"), grads, r_grads, s_grads):
+        check_2x(name, a, b, c, 3, F32)
