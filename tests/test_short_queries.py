@@ -119,10 +119,12 @@ def test_longer_queries_masks_and_gradients_stay_on_flash_and_right(Sq, gen):
         check_2x(name, a, b, c, 3, F32)
 
 
-def test_the_route_covers_only_a_few_tokens():
+def test_the_route_covers_only_a_few_tokens(monkeypatch):
     dt = _planner.DTYPE_IDS[F32]
     assert _C.flash_decode_tokens(dt, 4, 4096) == 8 and _C.flash_decode_tokens(dt, 1, 64) == 4
     assert _C.flash_decode_tokens(dt, 0, 64) == 0
+    monkeypatch.setenv("ATTN_BACKENDS_FLASH_DECODE", "0")  # the switch, read at every call
+    assert _C.flash_decode_tokens(dt, 4, 4096) == 0
 
 
 VARLEN = [  # lens_k per sequence (every sequence has sq queries), Hq, Hkv, D
