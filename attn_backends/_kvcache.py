@@ -34,14 +34,13 @@ import torch
 from . import _C, _planner
 from ._names import ID, resolve
 from ._ops import ops
-from ._providers.ours import read_guards
+from ._providers.ours import read_guards, read_ok
 from ._validate import as_int, check_sinks
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX = (torch.int32, torch.int64)
 _below_autograd = torch._C._AutoDispatchBelowAutograd
 _is_compiling = torch.compiler.is_compiling
-_Tensor = torch.Tensor
 # what torch.autograd.graph.increment_version calls: the version bump of a cache the kernel wrote into
 _increment_version = torch._C._increment_version
 # the fast path's (csrc/ab_direct.c kvcache()) guards are _direct_ok's, ours.py's read_guards (each returns
@@ -346,11 +345,8 @@ def _direct_ok(c: KVCall) -> bool:
     Inference mode may stay on.  A call that writes k and v into the cache gets the op's version bumps
     of k_cache and v_cache (torch._C._increment_version), so autograd still sees the write.  The same
     kernel and checks as the op: the same bits (tests/test_kvcache.py)."""
-    if _is_compiling() or any(g() for g in read_guards):
-        return False
-    return all(t is None or t.__class__ is _Tensor for t in (c.q, c.k_cache, c.v_cache, c.k, c.v, c.cos, c.sin,
-                                                            c.seqlens, c.batch_idx, c.leftpad, c.block_table,
-                                                            c.alibi, c.sinks))
+    return read_ok(c.q, c.k_cache, c.v_cache, c.k, c.v, c.cos, c.sin, c.seqlens, c.batch_idx, c.leftpad,
+                   c.block_table, c.alibi, c.sinks)
 
 
 def _kernel_op(c: KVCall):

@@ -389,8 +389,8 @@ def _register_flash_api(AttentionInterface, AttentionMaskInterface) -> bool:
 def _generic_flash_kernels(fau) -> set:
     """The flash-attention implementations transformers knows as flash-attn's own interface (its packages
     and their hub builds): every one is called through flash_attention_forward as FLASH_API is."""
-    names = set(getattr(fau, "FLASH_ATTN_KERNEL_FALLBACK", {}))
-    names |= set(getattr(fau, "FLASH_ATTN_KERNEL_FALLBACK", {}).values())
+    fallback = getattr(fau, "FLASH_ATTN_KERNEL_FALLBACK", {})
+    names = set(fallback) | set(fallback.values())
     names |= set(getattr(fau, "FLASH_ATTN_KERNEL_VERSIONS", {}))
     names |= set(getattr(fau, "FLASH_ATTN_KERNEL_DEVICES", {}))
     return names

@@ -13,7 +13,8 @@ import torch
 
 import attn_backends as ab
 from attn_backends import _C, _planner
-from attn_backends._testing import check_2x, make_packed, reference_attention, varlen_reference
+from attn_backends._testing import (check_2x, check_out_and_grads_2x, make_packed, reference_attention,
+                                    varlen_reference)
 
 pytestmark = pytest.mark.skipif(_C.cuda_emulation(), reason="CPU tensors take the emulated CUDA kernels")
 
@@ -107,16 +108,7 @@ def test_longer_queries_masks_and_gradients_stay_on_flash_and_right(Sq, gen):
     leaves = [t.detach().clone().requires_grad_() for t in (q[:, :, :1], k, v)]
     out = ab.attention(*leaves, causal="bottom_right")
     g = torch.randn(out.shape, generator=gen)
-    grads = torch.autograd.grad(out, leaves, g)
-    l64 = [t.detach().double().requires_grad_() for t in leaves]
-    r, _ = reference_attention(*l64, causal="bottom_right")
-    r_grads = torch.autograd.grad(r, l64, g.double())
-    l32 = [t.detach().clone().requires_grad_() for t in leaves]
-    s, _ = reference_attention(*l32, causal="bottom_right", dtype=F32)
-    s_grads = torch.autograd.grad(s, l32, g)
-    check_2x("out", out, r, s, 2, F32)
-    for name, a, b, c in zip(("dq", "dk", "dv"), grads, r_grads, s_grads):
-        check_2x(name, a, b, c, 3, F32)
+    check_out_and_grads_2x(out, torch.autograd.grad(out, leaves, g), leaves, g, F32, causal="bottom_right")
 
 
 def test_the_route_covers_only_a_few_tokens(monkeypatch):

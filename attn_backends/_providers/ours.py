@@ -84,6 +84,14 @@ read_guards = (_dispatch_modes, _function_mode, _tracing_state, _functorch_layer
 direct_guards = read_guards + (_inference_mode,)
 
 
+def read_ok(*tensors) -> bool:
+    """Whether a direct call that may run in inference mode can serve (the decode kernel's: here and in
+    _kvcache.py): not while torch.compile traces, no read_guards active, every tensor (None allowed) a
+    plain torch.Tensor."""
+    return (not _is_compiling() and not any(g() for g in read_guards)
+            and all(t is None or t.__class__ is _Tensor for t in tensors))
+
+
 def direct_ok(q, k, v, mask) -> bool:
     """Whether a CPU call that needs no gradient may skip the dispatcher: not while torch.compile
     traces (first, so that dynamo folds the rest away) or a jit trace records; q, k, v and the mask
@@ -141,14 +149,15 @@ def _decode_tokens(a) -> int:
     if (a.need_grad or a.p or a.mask is not None or not q.is_cpu or _is_compiling() or _C.cuda_emulation()
             or v.shape[-1] != q.shape[-1] or k.stride(-1) != 1 or v.stride(-1) != 1):
         return 0
+    G = q.shape[1] // k.shape[1]
     if a.cu_q is None:
-        B, sq, Sk = q.shape[0], q.shape[2], k.shape[2]
-        G, same = q.shape[1] // k.shape[1], sq == Sk
+        sq, Sk = q.shape[2], k.shape[2]
+        same = sq == Sk
     else:  # every sequence has sq queries: none has more (max_q) and together they have B * sq
         B, sq, Sk = a.hcu_q.numel() - 1, a.max_q, a.max_k
         if q.shape[0] != B * sq:
             return 0
-        G, same = q.shape[1] // k.shape[1], a.max_k == sq and k.shape[0] == B * sq
+        same = Sk == sq and k.shape[0] == B * sq
     if Sk < 1 or not 1 <= sq <= _C.flash_decode_tokens(_planner.DTYPE_IDS[q.dtype], G, Sk):
         return 0
     if a.causal != 2 and (a.causal == 1 or a.wl >= 0 or a.wr >= 0) and not same:
@@ -163,8 +172,7 @@ def _run_by_decode(a, sq):
     views.  Packed: sequence b's queries are batch row b, its keys cache row 0 from cu_seqlens_k[b]
     (cache_leftpad) to cu_seqlens_k[b + 1] (cache_seqlens)."""
     q, k, v = a.q, a.k, a.v
-    if (any(g() for g in read_guards) or q.__class__ is not _Tensor or k.__class__ is not _Tensor
-            or v.__class__ is not _Tensor or any(t is not None and t.__class__ is not _Tensor for t in (a.sinks, a.alibi))):
+    if not read_ok(q, k, v, a.sinks, a.alibi):
         return None
     if a.cu_q is None:
         res = _C.kvcache_fwd_cpu(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None,

@@ -85,15 +85,7 @@ static ab_status fwd_by_decode(const ab_attn_params* p, const ab_cpu_pool* pool,
   d.B = p->B, d.Sq = p->Sq, d.Hq = p->Hq, d.Hkv = p->Hkv, d.D = p->D;
   d.q = bshd(&p->q), d.out = bshd(&p->out), d.k_cache = bshd(&p->k), d.v_cache = bshd(&p->v);
   d.cache_seqlen = p->Sk;
-  float* lse_tmp = NULL;
-  d.lse = p->lse;
-  if (!d.lse.ndim) { /* the decode kernel always writes lse */
-    lse_tmp = (float*)malloc(sizeof(float) * (size_t)(p->B * p->Hq * p->Sq));
-    if (!lse_tmp) return ab_error_set(err, AB_ERR_NOMEM, "out of memory for the decode kernel's lse");
-    d.lse.data = lse_tmp, d.lse.dtype = AB_DTYPE_F32, d.lse.device = AB_DEVICE_CPU, d.lse.ndim = 3;
-    d.lse.sizes[0] = p->B, d.lse.sizes[1] = p->Hq, d.lse.sizes[2] = p->Sq;
-    d.lse.strides[0] = p->Hq * p->Sq, d.lse.strides[1] = p->Sq, d.lse.strides[2] = 1;
-  }
+  d.lse = p->lse; /* (B, Hq, Sq) float32: every forward has it (ab_attn_params_check) */
   d.alibi_slopes = p->alibi;
   d.sinks = p->sinks;
   d.scale = p->scale, d.softcap = p->softcap;
@@ -109,7 +101,6 @@ static ab_status fwd_by_decode(const ab_attn_params* p, const ab_cpu_pool* pool,
     st = bytes ? ab_kvcache_cpu_fwd(&d, ws, bytes, pool, err)
                : ab_error_set(err, AB_ERR_INVALID, "the decode kernel refused a call flash handed it");
   free(ws);
-  free(lse_tmp);
   return st;
 }
 
