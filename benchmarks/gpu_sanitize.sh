@@ -19,7 +19,8 @@ export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 status=0
 for tool in "${tools[@]}"; do
   extra=()
-  [ "$tool" = memcheck ] && extra=(--leak-check full)
+  # no --leak-check: the CUDA library allocates no device memory (torch allocates for it), and at exit
+  # the tensors torch or pytest still hold are reported as leaks (seen on an H200, 2026-11-27)
   [ "$tool" = racecheck ] && extra=(--racecheck-report all)
   log="$out/sanitize-$tool.log"
   start=$(date +%s)

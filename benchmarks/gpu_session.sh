@@ -9,6 +9,19 @@
 #   bash benchmarks/gpu_session.sh hf         # build if needed, HF generate_batch on our functions vs paged sdpa
 #                                             # (needs transformers on the machine; skipped without it)
 #   bash benchmarks/gpu_session.sh sanitize   # build if needed, compute-sanitizer over the CUDA tests
+#   bash benchmarks/gpu_session.sh lease      # all of it, shortened, in one call of under 10 minutes:
+#                                             # CUDA tests (pytest-xdist), the decode benchmark (call
+#                                             # by call, in CUDA graphs, against cache length), HF
+#                                             # batching, memcheck and racecheck on the decode tests
+#
+# ATTN_BACKENDS_PREBUILT=DIR takes _C.abi3.so and libattn_backends_cuda.so from DIR instead of
+# building (a device lease is short; the CUDA library takes most of the build):
+#   ATTN_BACKENDS_CUDA=1 ATTN_BACKENDS_CUDA_ARCHS=90a ATTN_BACKENDS_CUDA_EMULATOR=0 \
+#     python setup.py -q build_ext --inplace   # in a clean clone, on a machine with nvcc
+#   mkdir -p .gpubuild && cp attn_backends/_C.abi3.so attn_backends/libattn_backends_cuda.so .gpubuild/
+# and carry .gpubuild to the GPU machine.  Both are built for any Python 3.10+ (abi3) and torch
+# 2.10+ (the stable ABI); if the prebuilt module does not load there, the script builds the module
+# (CPU code only, ATTN_BACKENDS_CUDA=0) and keeps the prebuilt CUDA library.
 #
 # The machine starts bare with its own torch and python3 (docs/benchmarks.md, "GPU"), so each call
 # builds in place for the device's own architecture (sm_90a on Hopper) and leaves everything it
@@ -21,6 +34,8 @@ cd "$(dirname "$0")/.."
 what=${1:-check}
 out=${OUT:-benchmarks/results/gpu}
 mkdir -p "$out"
+# the benchmarks run as scripts: the package is imported from the checkout
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 ATTN_BACKENDS_CUDA_FLASH=1 ATTN_BACKENDS_CUDA_SAGE=1 ATTN_BACKENDS_CUDA_DECODE=1
 py=$(command -v python3 || command -v python)
 if ! command -v python > /dev/null; then # gpu_sanitize.sh calls `python`
@@ -38,7 +53,25 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm 
 nvcc --version | tail -1
 
 step "build"
-if [ "$what" = check ] || ! "$py" -c "import attn_backends._C" 2> /dev/null; then
+prebuilt=${ATTN_BACKENDS_PREBUILT:-}
+if [ -n "$prebuilt" ] && [ -f "$prebuilt/libattn_backends_cuda.so" ]; then
+  cp "$prebuilt/libattn_backends_cuda.so" attn_backends/
+  [ -f "$prebuilt/_C.abi3.so" ] && cp "$prebuilt/_C.abi3.so" attn_backends/
+  if ! "$py" -c "import attn_backends" > "$out/prebuilt.log" 2>&1; then
+    tail -5 "$out/prebuilt.log"
+    echo "prebuilt module does not load here: building the CPU module"
+    rm -f attn_backends/_C.abi3.so
+    start=$(date +%s)
+    if ! ATTN_BACKENDS_CUDA=0 "$py" setup.py -q build_ext --inplace > "$out/build.log" 2>&1; then
+      tail -40 "$out/build.log"
+      echo "gpu_session: build failed (CPU module)"
+      exit 1
+    fi
+    cp "$prebuilt/libattn_backends_cuda.so" attn_backends/  # the CPU-only build removes it
+    echo "built the CPU module in $(($(date +%s) - start)) s"
+  fi
+  echo "prebuilt CUDA library: $(sha256sum attn_backends/libattn_backends_cuda.so | cut -c1-16)"
+elif [ "$what" = check ] || ! "$py" -c "import attn_backends._C" 2> /dev/null; then
   arch=$("$py" -c "import torch; m, n = torch.cuda.get_device_capability(); print(f'{m}{n}a' if m == 9 else f'{m}{n}')")
   start=$(date +%s)
   if ! ATTN_BACKENDS_CUDA_ARCHS="$arch" "$py" setup.py -q build_ext --inplace > "$out/build.log" 2>&1; then
@@ -100,12 +133,41 @@ case "$what" in
       echo "transformers is not installed here: skipped"
     fi
     ;;
+  lease)
+    # everything in one call of under 10 minutes: each step has its own limit, logs go under $out
+    step "CUDA tests (8 workers)"
+    OMP_NUM_THREADS=2 timeout -k 10 180 "$py" -m pytest -q -p no:cacheprovider -n 8 --timeout 120 -m cuda tests \
+      > "$out/tests.log" 2>&1 || status=1
+    grep -E "^(FAILED|ERROR)|passed|failed|error" "$out/tests.log" | tail -25
+    step "decode benchmark, call by call, and against cache length"
+    timeout -k 5 120 "$py" benchmarks/bench_decode.py --device cuda --rounds 5 --sweep --json "$out/decode_cuda.json" \
+      > "$out/decode.log" 2>&1 || status=1
+    grep -v "^  Sk" "$out/decode.log" | tail -12
+    step "decode benchmark, in CUDA graphs"
+    timeout -k 5 80 "$py" benchmarks/bench_decode.py --device cuda --rounds 5 --graph \
+      --json "$out/decode_cuda_graph.json" > "$out/decode_graph.log" 2>&1 || status=1
+    tail -9 "$out/decode_graph.log"
+    step "decode benchmark with the index values checked on the host (ATTN_BACKENDS_KVCACHE_CHECK=1)"
+    ATTN_BACKENDS_KVCACHE_CHECK=1 timeout -k 5 40 "$py" benchmarks/bench_decode.py --device cuda --quick \
+      > "$out/decode_checked.log" 2>&1 || status=1
+    tail -3 "$out/decode_checked.log"
+    step "HF continuous batching"
+    if "$py" -c "import transformers" 2> /dev/null; then
+      timeout -k 5 90 "$py" benchmarks/bench_hf_batching.py --device cuda --dtype bfloat16 --layers 8 --hidden 1024 \
+        --requests 16 --new 32 --rounds 2 --json "$out/hf_batching_bfloat16.json" > "$out/hf_batching.log" 2>&1 || status=1
+      tail -7 "$out/hf_batching.log"
+    fi
+    step "memcheck and racecheck on the decode tests"
+    OUT="$out" timeout -k 5 80 bash benchmarks/gpu_sanitize.sh memcheck -k "kvcache_cuda_emu and not hf" || status=1
+    OUT="$out" timeout -k 5 80 bash benchmarks/gpu_sanitize.sh racecheck \
+      -k "kvcache_cuda_emu and (split_and_unsplit or sinks)" || status=1
+    ;;
   sanitize)
     step "compute-sanitizer"
     OUT="$out" timeout 540 bash benchmarks/gpu_sanitize.sh || status=1
     ;;
   *)
-    echo "gpu_session: unknown step '$what' (check, bench, bwd, sage, decode, hf, sanitize)" >&2
+    echo "gpu_session: unknown step '$what' (check, bench, bwd, sage, decode, hf, sanitize, lease)" >&2
     exit 2
     ;;
 esac
