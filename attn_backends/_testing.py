@@ -554,3 +554,14 @@ def _null():
     import contextlib
 
     return contextlib.nullcontext()
+
+
+def continuous_batching_config(page_size: int, **kw):
+    """transformers' ContinuousBatchingConfig for tests and benchmarks across its versions: the page
+    size is `page_size` (5.2x) or `block_size` (5.1x); options an older version lacks are dropped
+    (`auto_switch_to_flash`: a version without it never switches)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    kw["page_size" if "page_size" in names else "block_size"] = page_size
+    return ContinuousBatchingConfig(**{k: v for k, v in kw.items() if k in names or k != "auto_switch_to_flash"})

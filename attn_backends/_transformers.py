@@ -373,7 +373,7 @@ def _register_flash_api(AttentionInterface, AttentionMaskInterface) -> bool:
         return False
     if not getattr(loader, "_attn_backends", False):
         def _lazy_imports(implementation, *args, **kwargs):
-            if implementation == FLASH_API:
+            if implementation in (FLASH_API, "paged|" + FLASH_API):
                 return _flash_api_functions(fau)
             return loader(implementation, *args, **kwargs)
 
@@ -382,6 +382,11 @@ def _register_flash_api(AttentionInterface, AttentionMaskInterface) -> bool:
         fau._lazy_imports = _lazy_imports
     AttentionInterface.register(FLASH_API, flash_attention_forward)
     AttentionMaskInterface.register(FLASH_API, flash_attention_mask)
+    # releases that still name the paged flash path "paged|<flash name>" (5.17; 5.2x drops the prefix):
+    # continuous batching switches the model to "paged|" + FLASH_API, whose forward is transformers' own
+    # paged flash forward, calling our pair through the loader above
+    if "paged|flash_attention_2" in getattr(AttentionInterface, "_global_mapping", {}):
+        AttentionInterface.register("paged|" + FLASH_API, AttentionInterface._global_mapping["paged|flash_attention_2"])
     _let_models_with_flash_lists_take_flash_api(fau)
     return True
 

@@ -45,7 +45,7 @@ def main():
     args = p.parse_args()
 
     import transformers
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from attn_backends._testing import continuous_batching_config
 
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.CRITICAL)
     transformers.logging.set_verbosity_error()
@@ -86,8 +86,8 @@ def main():
 
     def run(impl):
         model.set_attn_implementation(impl)
-        cb = ContinuousBatchingConfig(page_size=16, num_blocks=1024, max_batch_tokens=1024,
-                                      auto_switch_to_flash=False, use_cuda_graph=False)
+        cb = continuous_batching_config(16, num_blocks=1024, max_batch_tokens=1024,
+                                        auto_switch_to_flash=False, use_cuda_graph=False)
         inside[0] = 0.0
         t = time.perf_counter()
         out = model.generate_batch(inputs=prompts, generation_config=gen_cfg, continuous_batching_config=cb)

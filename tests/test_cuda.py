@@ -212,16 +212,19 @@ def test_cuda_flash_varlen_matches_reference(dev, dtype, causal, window, gen):
 
 @pytest.mark.cuda
 def test_cuda_varlen_reads_the_callers_device_cu_seqlens(gen):
-    # int32 cu_seqlens on the GPU go to the kernels as they are (no host-to-device copy per call); int64
-    # ones take the copy; both give the same bits, and a malformed device pair is refused by name
+    # int32 cu_seqlens on the GPU go to the kernels as they are (no host-to-device copy per call); host
+    # ones take the copy; both give the same bits; int64 ones are refused by name, as in flash-attn
+    # (DESIGN.md: cu_seqlens int32), and so is a malformed device pair
     lens = [5, 33, 1]
     q, k, v, cu_q, cu_k = make_packed(lens, lens, 4, 2, 64, 64, torch.bfloat16, gen)
     q, k, v = (t.cuda().requires_grad_() for t in (q, k, v))
     outs = []
-    for cq, ck in ((cu_q.cuda(), cu_k.cuda()), (cu_q.cuda().long(), cu_k.cuda().long())):
+    for cq, ck in ((cu_q.cuda(), cu_k.cuda()), (cu_q, cu_k)):
         out = ab.attention_varlen(q, k, v, cq, ck, 33, 33, causal=True, backend="flash_varlen", strict=True)
         outs.append((out, *torch.autograd.grad(out.float().sum(), (q, k, v))))
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        ab.attention_varlen(q, k, v, cu_q.cuda().long(), cu_k.cuda().long(), 33, 33, backend="flash_varlen")
     with pytest.raises(RuntimeError, match="cu_seqlens_k_device"):
         ops.flash_varlen_fwd(q.detach(), k.detach(), v.detach(), cu_q, cu_k, 33, 33, None, 1, 0.125, -1, -1, 0.0,
                              0.0, None, None, cu_q.cuda(), cu_k.cuda()[:-1])

@@ -257,7 +257,7 @@ def _counting(monkeypatch):
 
 def test_hf_continuous_batching_runs_on_our_varlen_and_kvcache_pair(monkeypatch, hf_flash_reload):
     transformers = pytest.importorskip("transformers")
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from attn_backends._testing import continuous_batching_config
 
     from attn_backends import _transformers
 
@@ -267,8 +267,8 @@ def test_hf_continuous_batching_runs_on_our_varlen_and_kvcache_pair(monkeypatch,
     prompts = [[1, 5, 9, 3], [7, 8], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]]
 
     def generate(**kw):
-        cb_cfg = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64,
-                                          auto_switch_to_flash=False, **kw)
+        cb_cfg = continuous_batching_config(16, num_blocks=32, max_batch_tokens=64,
+                                            auto_switch_to_flash=False, **kw)
         out = model.generate_batch(inputs=prompts, generation_config=gen_cfg, continuous_batching_config=cb_cfg)
         return {k: r.generated_tokens for k, r in out.items()}
 
@@ -300,7 +300,7 @@ def test_hf_continuous_batching_runs_gpt_oss_with_its_sinks(monkeypatch, hf_flas
     transformers = pytest.importorskip("transformers")
     if not hasattr(transformers, "GptOssConfig"):
         pytest.skip("this transformers release has no GPT-OSS")
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from attn_backends._testing import continuous_batching_config
 
     from attn_backends import _transformers
 
@@ -337,8 +337,8 @@ def test_hf_continuous_batching_runs_gpt_oss_with_its_sinks(monkeypatch, hf_flas
         import transformers.generation.continuous_batching.initialization as cb_init
 
         monkeypatch.setattr(cb_init, "is_torch_xpu_available", lambda *a, **k: True)
-    cb_cfg = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64, auto_switch_to_flash=False,
-                                      max_blocks_per_request=8)
+    cb_cfg = continuous_batching_config(16, num_blocks=32, max_batch_tokens=64, auto_switch_to_flash=False,
+                                        max_blocks_per_request=8)
     out = model.generate_batch(inputs=prompts, generation_config=gen_cfg, continuous_batching_config=cb_cfg)
     assert [out[f"req_{i}"].generated_tokens for i in range(3)] == want
     assert sinks and all(s for _, s in sinks)

@@ -952,7 +952,7 @@ def test_hf_continuous_batching_runs_on_our_kernels_and_matches_hf_paged_sdpa(ca
     # CUDA/XPU and accepts only "sdpa", "paged|eager" or flash names for generate_batch, so on CPU
     # its paged path reaches our kernels through the patched SDPA (docs/decode.md, "HF transformers")
     transformers = pytest.importorskip("transformers")
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from attn_backends._testing import continuous_batching_config
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -960,7 +960,7 @@ def test_hf_continuous_batching_runs_on_our_kernels_and_matches_hf_paged_sdpa(ca
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.set_attn_implementation("sdpa")
     gen_cfg = transformers.GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cb_cfg = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64, auto_switch_to_flash=False)
+    cb_cfg = continuous_batching_config(16, num_blocks=32, max_batch_tokens=64, auto_switch_to_flash=False)
     prompts = [[1, 5, 9, 3], [7, 8], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]]
 
     def generate():
