@@ -9,7 +9,7 @@ One call validates its arguments, asks the planner which backend serves a KV-cac
   (AVX512_BF16), which the tiled products do not, queries longer than one of its tiles (more than
   64 query rows per KV head; more than 48 over a long dense cache that flash reads in place,
   csrc/cpu/decode_cpu.h ab_kvcache_cpu_max_rows) go to flash over a gathered view instead.
-  On CUDA (opt-in, ATTN_BACKENDS_CUDA_DECODE=1), and on the CPU under the CUDA emulation, the same
+  On CUDA (unless ATTN_BACKENDS_CUDA_DECODE=0), and on the CPU under the CUDA emulation, the same
   op runs the CUDA decode kernel (csrc/cuda/decode.cu) for every query length.
 - ``flash``: the cache is gathered into a dense (B, Hkv, S, D) view and our flash kernel attends with
   a bool mask that carries leftpad, sequence ends, causal and window; ALiBi and sinks are the
@@ -323,18 +323,33 @@ def _rows16(t: torch.Tensor) -> bool:
 _warned = set()
 
 
+# Whether calls on a GPU read their index values back to check them on the host first (below).
+CHECK_DEVICE_VALUES = _planner._env_flag("ATTN_BACKENDS_KVCACHE_CHECK")
+
+
 def run_cuda_kernel(c: KVCall):
-    """The CUDA decode kernel (csrc/cuda/decode.cu; on the CPU under the CUDA emulation): the index
-    values live on the device, where the kernel cannot raise, so they are checked here on the host
-    first (host_rows: the CPU kernel's checks and messages; one device-to-host copy per call).
-    Caches whose rows are not 16-byte aligned go to eager."""
+    """The CUDA decode kernel (csrc/cuda/decode.cu; on the CPU under the CUDA emulation).  Caches whose
+    rows are not 16-byte aligned go to eager.
+
+    The index values (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) are checked on the
+    host first (host_rows: the CPU kernel's checks and messages, nothing written on error) where
+    reading them costs no synchronisation: an int cache_seqlens, CPU tensors (as under the
+    emulation).  Tensors on the GPU are not read back by default: a device-to-host copy per call
+    would stall the stream on every layer of every decode step, and cannot be captured in a CUDA
+    graph.  There the kernel bounds the values itself (decode_kernel.cuh): a batch row whose values
+    are out of range (lengths, leftpad, batch index, rotary tables too short) writes nothing and
+    reads no position outside the caches, and its output rows and lse come out NaN, as do the rows
+    that would read a block the block table does not name.  ATTN_BACKENDS_KVCACHE_CHECK=1 (or
+    CHECK_DEVICE_VALUES = True) checks them on the host there too, with the CPU's errors."""
     if not (_rows16(c.k_cache) and _rows16(c.v_cache)):
         if "align" not in _warned:
             _warned.add("align")
             _planner.logger.warning("attn_backends: the CUDA decode kernel reads cache rows with 16-byte loads; "
                                     "these caches are not 16-byte aligned, so eager serves the call")
         return run_float64(c)
-    host_rows(c)
+    if CHECK_DEVICE_VALUES or not any(t is not None and t.is_cuda
+                                      for t in (c.seqlens, c.leftpad, c.batch_idx, c.block_table)):
+        host_rows(c)
     return _kernel_op(c)
 
 

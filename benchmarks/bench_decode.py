@@ -30,6 +30,7 @@ flash over the cache's view, backend="flash"), "auto" (what attention_with_kvcac
 SDPA on contiguous (B, H, S, D) caches with the bottom-right causal mask as a bool attn_mask;
 ratio = torch / auto.
     python benchmarks/bench_decode.py --device cuda --json benchmarks/results/gpu/decode_cuda.json
+    python benchmarks/bench_decode.py --device cuda --graph   # the kernels alone, in CUDA graphs
 
 --device cuda times our CUDA decode kernel (csrc/cuda/decode.cu, switched on here: it is opt-in and
 unverified on a GPU until this has run) against torch SDPA on the GPU, with CUDA events, and the
@@ -63,6 +64,8 @@ PROBE_BYTES = 256 << 20
 GPU_PROBE_BYTES = 1 << 30
 LLC_GUESS = 512 << 20  # copies of a cache add up to at least this, so a call never finds it cached
 DEVICE = "cpu"  # --device
+GRAPH = False  # --graph
+GRAPH_CALLS = 16  # calls captured in one CUDA graph (--graph)
 
 
 def read_bandwidth_probe():
@@ -257,21 +260,45 @@ def timed(fn, reps):
     return (time.perf_counter() - t) / reps
 
 
+def as_graph(fn, calls):
+    """fn called `calls` times (each on its own copy of the cache), captured in one CUDA graph: its
+    replay runs the kernels without the host's per-call work (Python, dispatch, launch), as a decode
+    step captured in a graph does (HF's continuous batching, vLLM)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay
+
+
 def measure(case: Case, rounds: int, probe, blocks):
     """Medians over rounds of seconds per call for each candidate, and of the read bandwidth."""
     cands = {"ours": case.ours, "sdpa": case.torch_sdpa}
     for b in blocks:
         cands[f"paged{b}"] = case.paged_fn(b)
+    per = dict.fromkeys(cands, 1)
+    if GRAPH:
+        for n, fn in cands.items():
+            try:
+                cands[n], per[n] = as_graph(fn, GRAPH_CALLS), GRAPH_CALLS
+            except RuntimeError as e:  # timed outside a graph then, and said so
+                print(f"  {n}: not captured in a CUDA graph ({str(e).splitlines()[0]}); timed call by call")
     for fn in cands.values():  # warm-up: thread pool, allocator, page faults
         fn()
         fn()
-    reps = max(1, int(0.05 / max(timed(case.ours, 1), 1e-6)))  # about 50 ms of calls per sample
+    reps = max(1, int(0.05 / max(timed(cands["ours"], 1), 1e-6)))  # about 50 ms of calls per sample
     times = {n: [] for n in cands}
     bw = []
     for _ in range(rounds):
         bw.append(probe())
         for name, fn in cands.items():
-            times[name].append(timed(fn, reps))
+            times[name].append(timed(fn, reps) / per[name])
     return {n: statistics.median(t) for n, t in times.items()}, statistics.median(bw)
 
 
@@ -342,9 +369,14 @@ def main(argv=None):
     ap.add_argument("--tokens-cache", type=int, default=4096, help="keys in the cache for --tokens")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: our CUDA decode kernel (opt-in, switched on here) against torch SDPA on the GPU")
+    ap.add_argument("--graph", action="store_true",
+                    help=f"cuda: time replays of CUDA graphs of {GRAPH_CALLS} calls each (the kernels alone)")
     args = ap.parse_args(argv)
-    global DEVICE
+    global DEVICE, GRAPH
     DEVICE = args.device
+    GRAPH = args.graph
+    if GRAPH and DEVICE != "cuda":
+        ap.error("--graph needs --device cuda")
     if DEVICE == "cuda":
         ab._C.enable_cuda_decode(True)  # ATTN_BACKENDS_CUDA_DECODE=1: unverified on a GPU until this runs
         ab._dispatch.reset_caches()
@@ -373,7 +405,8 @@ def main(argv=None):
     where = (torch.cuda.get_device_name() if DEVICE == "cuda"
              else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
                   f"CPU path {ab._C.cpu_isa()}, bfloat16 products {bf16_products()}")
-    print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {where}")
+    print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {where}"
+          + (f", CUDA graphs of {GRAPH_CALLS} calls" if GRAPH else ""))
     print("per candidate: ms per call, GB/s of K and V, % of the read bandwidth; ratio = sdpa / ours; "
           "paged = paged / dense time")
     print(f"{'shape':<22}  {'dtype':<8}  {'read':>6}  {'ours':>21}  {'sdpa':>21}  {'paged16':>21}  {'paged256':>21}"
@@ -401,7 +434,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=platform.platform(), processor=platform.processor(), device=DEVICE,
-                           gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else None,
+                           gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else None, graph=GRAPH,
                            threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
                            bf16_products=bf16_products() if DEVICE == "cpu" else None,
                            date=time.strftime("%Y-%m-%d"), rounds=rounds, results=results, sweeps=sweeps), f, indent=1)

@@ -49,13 +49,13 @@ SPLIT_CASES = [
 
 
 def switch_decode(on: bool) -> None:
-    """Our CUDA decode kernel on or off for a GPU (opt-in there: ATTN_BACKENDS_CUDA_DECODE); plans forgotten."""
+    """Our CUDA decode kernel on or off for a GPU (on unless ATTN_BACKENDS_CUDA_DECODE=0); plans forgotten."""
     _C.enable_cuda_decode(on)
     _dispatch.reset_caches()
 
 
 def decode_default() -> bool:
-    return os.environ.get("ATTN_BACKENDS_CUDA_DECODE", "0") == "1"
+    return os.environ.get("ATTN_BACKENDS_CUDA_DECODE", "1").strip() != "0"
 
 
 @pytest.fixture
@@ -142,9 +142,9 @@ def test_every_kernel_variant_runs(decode, gen):
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
 def test_the_launcher_splits_a_long_cache_when_blocks_are_few(decode, gen):
-    # one block (B = Hkv = 1) for the emulated A100's 108 SMs: split, keeping >= 256 positions a split
+    # one block (B = Hkv = 1) for the emulated A100's 108 SMs: split, keeping >= 128 positions a split
     lib = emulator()
-    for S, splits in ((600, True), (300, False)):
+    for S, splits in ((600, True), (300, True), (200, False)):
         lib.ab_cuda_emu_reset_launch_log()
         call = Call(KV(B=1, Hq=2, Hkv=1, D=16, S=S, seqlens=S - 1, snew=1, dtype=BF16), gen)
         call.check(*run(decode, call))
@@ -210,7 +210,10 @@ def test_caches_whose_rows_are_not_16_byte_aligned_go_to_eager(decode, gen, capl
 @pytest.mark.parametrize("dev", [pytest.param("emu", marks=pytest.mark.cuda_emu),
                                  pytest.param("cuda", marks=pytest.mark.cuda)], indirect=True)
 @pytest.mark.parametrize("what,over,exc,msg", BAD, ids=[b[0] for b in BAD])
-def test_bad_input_is_named_and_writes_nothing(decode, what, over, exc, msg, gen):
+def test_bad_input_is_named_and_writes_nothing(decode, what, over, exc, msg, gen, monkeypatch):
+    # on a GPU the index values are checked on the host under ATTN_BACKENDS_KVCACHE_CHECK only (the
+    # next test: without it, their rows come out NaN)
+    monkeypatch.setattr(ab._kvcache, "CHECK_DEVICE_VALUES", True)
     call, args = _base(gen)
     replaced = over(call)
     args.update(replaced)
@@ -220,6 +223,53 @@ def test_bad_input_is_named_and_writes_nothing(decode, what, over, exc, msg, gen
     assert torch.equal(call.k_cache, call.before[0]) and torch.equal(call.v_cache, call.before[1])
     if "k_cache" not in replaced:  # on a GPU: the device copies
         assert torch.equal(args["k_cache"].cpu(), call.before[0]) and torch.equal(args["v_cache"].cpu(), call.before[1])
+
+
+# (what, overrides, the batch rows whose values are out of range): test_kvcache.BAD's value cases
+UNCHECKED = [
+    ("seqlens past the cache", lambda c: dict(cache_seqlens=torch.tensor([3, 48], dtype=torch.int32)), [1]),
+    ("negative seqlens", lambda c: dict(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)), [0]),
+    ("a padding block in use", lambda c: dict(block_table=torch.tensor([[0, -1, -1], [1, 2, -1]], dtype=torch.int32),
+                                              cache_seqlens=torch.tensor([20, 3], dtype=torch.int32)), [0]),
+    ("a block past the cache", lambda c: dict(block_table=torch.tensor([[0, 99, -1], [1, 2, -1]], dtype=torch.int32),
+                                              cache_seqlens=torch.tensor([20, 3], dtype=torch.int32)), [0]),
+    ("leftpad past the length", lambda c: dict(cache_leftpad=torch.tensor([0, 9], dtype=torch.int32),
+                                               cache_seqlens=torch.tensor([4, 5], dtype=torch.int32)), [1]),
+    ("short rotary tables", lambda c: dict(rotary_cos=torch.ones(4, 4), rotary_sin=torch.zeros(4, 4),
+                                           cache_seqlens=torch.tensor([2, 9], dtype=torch.int32)), [1]),
+]
+
+
+@pytest.mark.parametrize("dev", [pytest.param("emu", marks=pytest.mark.cuda_emu),
+                                 pytest.param("cuda", marks=pytest.mark.cuda)], indirect=True)
+@pytest.mark.parametrize("what,over,bad", UNCHECKED, ids=[u[0] for u in UNCHECKED])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_unchecked_index_values_make_their_rows_nan(decode, what, over, bad, splits, gen, monkeypatch):
+    # index values on the GPU are not read back (no synchronisation per call): the kernel bounds them.
+    # A batch row with values out of range writes nothing into the cache, and its out and lse are NaN;
+    # the other rows are what a call of the other rows alone gives, bit for bit, caches included.
+    # Emulated, the host check that CPU tensors get is switched off to reach the kernel's own bounds.
+    monkeypatch.setattr(ab._kvcache, "CHECK_DEVICE_VALUES", False)
+    if decode.emulated:
+        monkeypatch.setattr(ab._kvcache, "host_rows", lambda c: None)
+    call, args = _base(gen)
+    args.update(over(call))
+    good = [b for b in range(2) if b not in bad]
+
+    def run_on(a):
+        a = {k: decode(t.clone() if k in ("k_cache", "v_cache") else t) if isinstance(t, torch.Tensor) else t
+             for k, t in a.items()}
+        out, lse = ab.attention_with_kvcache(**a, num_splits=splits, return_softmax_lse=True,
+                                             backend="paged_attention", strict=True)
+        return out.cpu(), lse.cpu(), a["k_cache"].cpu(), a["v_cache"].cpu()
+
+    out, lse, kc, vc = run_on(args)
+    assert out[bad].isnan().all() and lse[bad].isnan().all()
+    sub = {k: t[good] if isinstance(t, torch.Tensor) and k in ("q", "k", "v", "cache_seqlens", "cache_leftpad",
+                                                                  "block_table") else t for k, t in args.items()}
+    out1, lse1, kc1, vc1 = run_on(sub)
+    assert torch.equal(out[good], out1) and torch.equal(lse[good], lse1)
+    assert torch.equal(kc, kc1) and torch.equal(vc, vc1)
 
 
 @pytest.mark.cuda
@@ -249,7 +299,7 @@ def test_hf_continuous_batching_fast_path_runs_on_the_cuda_kernels(decode, arch,
     # GPT-OSS: its sinks in every call, the tokens eager's prompt by prompt (in float32 only: in
     # bfloat16 eager's own rounding moves a token of this random model)
     transformers = pytest.importorskip("transformers")
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    from attn_backends._testing import continuous_batching_config
 
     from attn_backends import _transformers
 
@@ -273,8 +323,8 @@ def test_hf_continuous_batching_fast_path_runs_on_the_cuda_kernels(decode, arch,
     prompts = [[1, 5, 9, 3], [7, 8], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22]]
 
     def generate(**kw):
-        cb_cfg = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64,
-                                          auto_switch_to_flash=False, use_cuda_graph=False, **kw)
+        cb_cfg = continuous_batching_config(16, num_blocks=32, max_batch_tokens=64,
+                                            auto_switch_to_flash=False, use_cuda_graph=False, **kw)
         out = model.generate_batch(inputs=prompts, generation_config=gen_cfg, continuous_batching_config=cb_cfg)
         return {k: r.generated_tokens for k, r in out.items()}
 

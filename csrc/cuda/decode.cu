@@ -23,8 +23,12 @@ namespace {
 
 constexpr int64_t kMaxSplits = 128;
 // Splits chosen by the heuristic keep at least this many keys each: below it the merge and the
-// per-block setup cost more than the parallelism gains (the CPU kernel's figure; to tune on a GPU).
-constexpr int64_t kMinSplitKeys = 256;
+// per-block setup cost more than the parallelism gains.
+constexpr int64_t kMinSplitKeys = 128;
+// Blocks the heuristic aims for per SM: decode is bound by the bytes in flight, and one block of
+// kThreads threads keeps 2 * kUnroll loads per lane in flight, so an SM wants several (H200, issue
+// 19: one block per SM read the cache at 6% of the bandwidth).
+constexpr int64_t kBlocksPerSM = 4;
 
 bool paged(const ab_kvcache_params* p) { return p->block_table.ndim > 0; }
 
@@ -42,9 +46,9 @@ int64_t row_tiles(const ab_kvcache_params* p) {
   return (p->Sq * (p->Hq / p->Hkv) + kr - 1) / kr;
 }
 
-// Splits of each row's key range: num_splits when given, else enough to give every SM a block when
-// (batch, KV head, row tile) blocks are fewer than the SMs, each split keeping kMinSplitKeys keys
-// of the cache's capacity.
+// Splits of each row's key range: num_splits when given, else enough to give every SM kBlocksPerSM
+// blocks when (batch, KV head, row tile) blocks are fewer, each split keeping kMinSplitKeys keys of
+// the cache's capacity.
 ab_status split_count(const ab_kvcache_params* p, int64_t* nsplit, ab_error* err) {
   if (p->num_splits > 0) {
     *nsplit = p->num_splits < kMaxSplits ? p->num_splits : kMaxSplits;
@@ -58,8 +62,9 @@ ab_status split_count(const ab_kvcache_params* p, int64_t* nsplit, ab_error* err
   if (st != AB_OK) return st;
   const int64_t blocks = p->B * p->Hkv * row_tiles(p);
   int64_t n = 1;
-  if (blocks > 0 && blocks < sms) {
-    n = (sms + blocks - 1) / blocks;
+  const int64_t want = kBlocksPerSM * sms;
+  if (blocks > 0 && blocks < want) {
+    n = (want + blocks - 1) / blocks;
     const int64_t most = capacity(p) / kMinSplitKeys;
     n = n < most ? n : most;
   }
@@ -247,7 +252,7 @@ DecodeParams fill_params(const ab_kvcache_params* p, int64_t nsplit, void* works
 
 template <typename T, int kRows>
 ab_status launch_attend(const DecodeParams& d, cudaStream_t stream, ab_error* err) {
-  const size_t smem = sizeof(float) * (size_t)(kRows * d.D + kWarps * kRows * d.D + kWarps * kRows * 2);
+  const size_t smem = sizeof(float) * (size_t)(kRows * d.D + kWarps * kRows * d.D + kWarps * kRows * 2 + 1);
   const dim3 grid((unsigned)(d.nsplit * d.B), (unsigned)(d.Hkv * d.row_tiles));
   AB_LAUNCH(grid, kThreads, smem, stream, attend_kernel<T, kRows>)(d);
   return ab_cuda_check(cudaGetLastError(), "kvcache_fwd attention launch", err);

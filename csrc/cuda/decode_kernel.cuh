@@ -152,6 +152,10 @@ __device__ __forceinline__ Row row_of(const DecodeParams& p, int64_t b) {
   r.end = r.seq + p.snew;
   r.ok = r.seq >= 0 && r.end <= p.cap && r.lo >= 0 && r.lo <= r.seq &&
          (p.block_size > 0 || (r.row >= 0 && r.row < p.num_blocks));
+  if (p.rot_half > 0) {  // the rotary tables hold every position the row rotates
+    const int64_t qspan = p.q_per_token ? p.Sq : (p.Sq < 1 ? p.Sq : 1);
+    r.ok = r.ok && r.seq + (p.snew > qspan ? p.snew : qspan) <= p.rot_len;
+  }
   return r;
 }
 
@@ -197,35 +201,71 @@ __global__ void __launch_bounds__(kThreads) append_kernel(const DecodeParams p) 
 
 // ---- the attention -----------------------------------------------------------------------------
 
-// kChunk elements at p (16-byte aligned) as float32: one 16-byte load in 16-bit types, two in float32.
-template <typename T> __device__ __forceinline__ void load_chunk(const T* p, float x[kChunk]) {
-  constexpr int kVecs = (int)sizeof(T) * kChunk / 16;
-  uint4 u[kVecs];
+// A chunk of kChunk elements as loaded (16 bytes in 16-bit types, 32 in float32), converted to
+// float32 where it is used, so that the registers that wait on memory hold raw bytes.
+template <typename T> struct Raw {
+  uint4 u[(int)sizeof(T) * kChunk / 16];
+};
+
+template <typename T> __device__ __forceinline__ void load_raw(const T* ptr, Raw<T>& r) {
 #pragma unroll
-  for (int i = 0; i < kVecs; ++i) u[i] = reinterpret_cast<const uint4*>(p)[i];
-  const T* e = reinterpret_cast<const T*>(u);
+  for (int i = 0; i < (int)(sizeof(r.u) / sizeof(uint4)); ++i) r.u[i] = reinterpret_cast<const uint4*>(ptr)[i];
+}
+
+template <typename T> __device__ __forceinline__ void zero_raw(Raw<T>& r) {
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(r.u) / sizeof(uint4)); ++i) r.u[i] = uint4{};
+}
+
+template <typename T> __device__ __forceinline__ void to_floats(const Raw<T>& r, float x[kChunk]) {
+  const T* e = reinterpret_cast<const T*>(r.u);
 #pragma unroll
   for (int i = 0; i < kChunk; ++i) x[i] = to_f(e[i]);
 }
 
-// Key j's chunk cl of K and V (zeros for a lane past the row's chunks); have = whether key j is one
-// of the split's keys [.., ke) and in the cache.
-template <typename T>
-__device__ __forceinline__ void load_key(const DecodeParams& p, const Row& r, int64_t b, int64_t hkv, int64_t j,
-                                         int64_t ke, int cl, bool has_chunk, float kx[kChunk], float vx[kChunk],
-                                         bool& have) {
-  int64_t ko = -1, vo = -1;
-  if (j < ke) {
-    ko = cache_off(p, p.ks, b, r.row, j, hkv);
-    vo = cache_off(p, p.vs, b, r.row, j, hkv);
-  }
-  have = ko >= 0 && vo >= 0;
-  if (have && has_chunk) {
-    load_chunk(static_cast<const T*>(p.kc) + ko + cl * kChunk, kx);
-    load_chunk(static_cast<const T*>(p.vc) + vo + cl * kChunk, vx);
-  } else {
+// exp in the online softmax: the fast exponential (a few ulp) where the output is 16-bit, whose
+// rounding is 2^-8 or 2^-11; the accurate one in float32.
+template <typename T> __device__ __forceinline__ float softmax_exp(float x) { return __expf(x); }
+template <> __device__ __forceinline__ float softmax_exp<float>(float x) { return expf(x); }
+
+// Keys a lane holds at once: each lane loads its chunk of kUnroll keys before it uses any of them,
+// and the next kUnroll while it computes, so that 2 * kUnroll loads of K and of V are in flight per
+// lane (decode reads each byte once: the bytes in flight set the bandwidth).  Fewer in float32 and
+// with 8 query rows, whose registers are twice as many.
+#ifndef AB_DECODE_UNROLL16
+#define AB_DECODE_UNROLL16 4  // kUnroll in 16-bit types below 8 rows (a build-time knob for tuning)
+#endif
+#ifndef AB_DECODE_MIN_BLOCKS
+#define AB_DECODE_MIN_BLOCKS 1  // attend_kernel's blocks per SM for the register allocator (tuning knob)
+#endif
+template <typename T, int kRows> struct Unroll {
+  static constexpr int value = (sizeof(T) == 4 || kRows >= 8) ? 2 : AB_DECODE_UNROLL16;
+};
+
+// The chunks cl of K and V of keys j0 + u * spread, u < U (zeros for a lane past the row's chunks);
+// have[u] = whether the key is one of the split's keys [.., ke) and in the cache; hole is set where
+// a key of the split lies in a block the block table does not name.
+template <typename T, int U>
+__device__ __forceinline__ void load_keys(const DecodeParams& p, const Row& r, int64_t b, int64_t hkv, int64_t j0,
+                                          int64_t spread, int64_t ke, int cl, bool has_chunk, Raw<T> (&kr)[U],
+                                          Raw<T> (&vr)[U], bool (&have)[U], bool& hole) {
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) kx[c] = vx[c] = 0.0f;
+  for (int u = 0; u < U; ++u) {
+    const int64_t j = j0 + u * spread;
+    int64_t ko = -1, vo = -1;
+    if (j < ke) {
+      ko = cache_off(p, p.ks, b, r.row, j, hkv);
+      vo = cache_off(p, p.vs, b, r.row, j, hkv);
+    }
+    have[u] = ko >= 0 && vo >= 0;
+    hole = hole || (j < ke && !have[u]);
+    if (have[u] && has_chunk) {
+      load_raw(static_cast<const T*>(p.kc) + ko + cl * kChunk, kr[u]);
+      load_raw(static_cast<const T*>(p.vc) + vo + cl * kChunk, vr[u]);
+    } else {
+      zero_raw(kr[u]);
+      zero_raw(vr[u]);
+    }
   }
 }
 
@@ -244,21 +284,27 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* acc, floa
 // grid (nsplit * B, Hkv * row_tiles), kThreads threads: split `split` of batch row b's key range,
 // for query rows [tile * kRows, + kRows) of KV head hkv (row = t * G + g: token t, query head
 // hkv * G + g).  Dynamic shared memory: q (kRows, D), the warps' accumulators (kWarps, kRows, D)
-// and their (max, sum) (kWarps, kRows, 2), float32.
+// and their (max, sum) (kWarps, kRows, 2), float32, then one int.  A batch row whose index values
+// are out of range (possible only where the host did not check them: attn_backends/_kvcache.py
+// run_cuda_kernel) reads and writes no position outside the caches, and its rows come out NaN, out
+// and lse; so do the rows of a tile that would read a key in a block the block table does not name.
 template <typename T, int kRows>
-__global__ void __launch_bounds__(kThreads) attend_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(kThreads, AB_DECODE_MIN_BLOCKS) attend_kernel(const DecodeParams p) {
+  constexpr int U = Unroll<T, kRows>::value;
   extern __shared__ unsigned char smem_raw[];
   float* qs = reinterpret_cast<float*>(smem_raw);
   float* red = qs + kRows * p.D;
   float* red_ml = red + kWarps * kRows * p.D;
+  int* holes = reinterpret_cast<int*>(red_ml + kWarps * kRows * 2);
 
   const int64_t split = blockIdx.x % p.nsplit, b = blockIdx.x / p.nsplit;
   const int64_t hkv = blockIdx.y / p.row_tiles, r0 = (blockIdx.y % p.row_tiles) * kRows;
   const int64_t nr = lmin(kRows, p.rows - r0);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   Row r = row_of(p, b);
-  if (!r.ok) r.seq = r.lo = r.end = r.row = 0;  // values the host checks rejected: no keys
-  const int64_t shift = r.end - p.Sq;           // query token t sits at position t + shift
+  const bool bad = !r.ok;
+  if (bad) r.seq = r.lo = r.end = r.row = 0;  // no keys
+  const int64_t shift = r.end - p.Sq;         // query token t sits at position t + shift
 
   // the queries: rotated at their positions, times scale, float32; rows past nr stay zero
   const T* qd = static_cast<const T*>(p.q);
@@ -274,6 +320,7 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DecodeParams p) 
     }
     qs[e] = x;
   }
+  if (tid == 0) *holes = 0;
 
   // the keys any row of the tile sees (causal and window bottom-right), and this split's share
   const int64_t first = r0 / p.G + shift, last = (r0 + nr - 1) / p.G + shift;
@@ -285,16 +332,18 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DecodeParams p) 
   const int64_t per = (khi - klo + p.nsplit - 1) / p.nsplit;
   const int64_t ks = lmin(khi, klo + split * per), ke = lmin(khi, ks + per);
 
-  // lanes: L per key (a power of two), chunk cl of the key's row; 32 / L keys per warp
+  // lanes: L per key (a power of two), chunk cl of the key's row; 32 / L keys per warp, U each
   const int nchunk = (int)(p.D / kChunk);
   int L = 1;
   while (L < nchunk) L <<= 1;
   const int sub = lane / L, cl = lane % L;
   const bool has_chunk = cl < nchunk;
-  const int64_t step = (int64_t)kWarps * (32 / L);
+  const int64_t spread = (int64_t)kWarps * (32 / L), step = spread * U;
 
+  // each row's visible keys [vlo, vhi) (causal and window, bottom-right; empty past nr), as offsets
+  // from the split's first key, and its position (ALiBi) the same way
   float m[kRows], l[kRows], acc[kRows][kChunk], slope[kRows];
-  int64_t ipos[kRows];
+  int vlo[kRows], vhi[kRows], ipos[kRows];
 #pragma unroll
   for (int rr = 0; rr < kRows; ++rr) {
     m[rr] = -INFINITY;
@@ -302,51 +351,96 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DecodeParams p) 
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) acc[rr][c] = 0.0f;
     const int64_t hq = hkv * p.G + (r0 + rr) % p.G;
-    ipos[rr] = (r0 + rr) / p.G + shift;
+    const int64_t i = (r0 + rr) / p.G + shift;
+    int64_t lo = ks, hi = ke;
+    if (p.causal) hi = lmin(hi, i + 1);
+    if (p.wr >= 0) hi = lmin(hi, i + p.wr + 1);
+    if (p.wl >= 0) lo = lmax(lo, i - p.wl);
+    if (rr >= nr || hi < lo) hi = lo;
+    vlo[rr] = (int)(lo - ks);
+    vhi[rr] = (int)(hi - ks);
+    ipos[rr] = (int)(lmin(lmax(i - ks, -(int64_t)1 << 30), (int64_t)1 << 30));
     slope[rr] = p.alibi != nullptr && rr < nr ? p.alibi[b * p.alibi_sb + hq * p.alibi_sh] : 0.0f;
   }
   __syncthreads();  // qs written
 
-  const int64_t mine = warp * (32 / L) + sub;  // this lane's key in each step
-  float kx[kChunk], vx[kChunk];
-  bool have;
-  load_key<T>(p, r, b, hkv, ks + mine, ke, cl, has_chunk, kx, vx, have);
+  const int64_t mine = warp * (32 / L) + sub;  // this lane's first key in each step
+  Raw<T> kr[U], vr[U];
+  bool have[U], hole = false;
+  load_keys<T, U>(p, r, b, hkv, ks + mine, spread, ke, cl, has_chunk, kr, vr, have, hole);
   for (int64_t base = ks; base < ke; base += step) {
-    const int64_t j = base + mine;
-    // the next step's key is requested before this one's arithmetic: its loads overlap it
-    float nk[kChunk], nv[kChunk];
-    bool next_have;
-    load_key<T>(p, r, b, hkv, j + step, ke, cl, has_chunk, nk, nv, next_have);
+    const int64_t j0 = base + mine;
+    // the next step's keys are requested before this one's arithmetic: their loads overlap it
+    Raw<T> nk[U], nv[U];
+    bool next_have[U];
+    load_keys<T, U>(p, r, b, hkv, j0 + step, spread, ke, cl, has_chunk, nk, nv, next_have, hole);
+    float kx[U][kChunk], vx[U][kChunk];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      to_floats(kr[u], kx[u]);
+      to_floats(vr[u], vx[u]);
+    }
+    // the scores of every row and key, then their sums over the L lanes of a key, level by level
+    // over all of them at once (independent shuffles in flight), then the online softmax
+    float s[kRows][U];
 #pragma unroll
     for (int rr = 0; rr < kRows; ++rr) {
-      float s = 0.0f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) s[rr][u] = 0.0f;
       if (has_chunk) {
         const float* q = qs + rr * p.D + cl * kChunk;
 #pragma unroll
-        for (int c = 0; c < kChunk; ++c) s += q[c] * kx[c];
-      }
-      for (int o = 1; o < L; o <<= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      const int64_t i = ipos[rr];
-      const bool seen = have && rr < nr && !(p.causal && j > i) && !(p.wl >= 0 && j < i - p.wl) &&
-                        !(p.wr >= 0 && j > i + p.wr);
-      if (seen) {
-        if (p.softcap > 0.0f) s = p.softcap * tanhf(s / p.softcap);
-        s -= slope[rr] * fabsf((float)(i - j));
-        // the online softmax, one key at a time: rescale by exp(old max - new max)
-        const float mn = fmaxf(m[rr], s);
-        const float a = expf(m[rr] - mn), e = expf(s - mn);
-        l[rr] = l[rr] * a + e;
+        for (int c = 0; c < kChunk; ++c) {
+          const float qc = q[c];
 #pragma unroll
-        for (int c = 0; c < kChunk; ++c) acc[rr][c] = acc[rr][c] * a + e * vx[c];
+          for (int u = 0; u < U; ++u) s[rr][u] += qc * kx[u][c];
+        }
+      }
+    }
+    for (int o = 1; o < L; o <<= 1)
+#pragma unroll
+      for (int rr = 0; rr < kRows; ++rr)
+#pragma unroll
+        for (int u = 0; u < U; ++u) s[rr][u] += __shfl_xor_sync(0xffffffffu, s[rr][u], o);
+    const int jr = (int)(j0 - ks);  // key u at offset jr + u * spread from the split's first key
+#pragma unroll
+    for (int rr = 0; rr < kRows; ++rr) {
+      // the online softmax, U keys at a time: rescale once by exp(old max - new max)
+      bool seen[U], any = false;
+      float mn = m[rr];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int j = jr + u * (int)spread;
+        seen[u] = have[u] && j >= vlo[rr] && j < vhi[rr];
+        if (seen[u]) {
+          if (p.softcap > 0.0f) s[rr][u] = p.softcap * tanhf(s[rr][u] / p.softcap);
+          if (p.alibi != nullptr) s[rr][u] -= slope[rr] * fabsf((float)(ipos[rr] - j));
+          mn = fmaxf(mn, s[rr][u]);
+          any = true;
+        }
+      }
+      if (any) {
+        const float a = softmax_exp<T>(m[rr] - mn);
+        l[rr] *= a;
+#pragma unroll
+        for (int c = 0; c < kChunk; ++c) acc[rr][c] *= a;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (!seen[u]) continue;
+          const float e = softmax_exp<T>(s[rr][u] - mn);
+          l[rr] += e;
+#pragma unroll
+          for (int c = 0; c < kChunk; ++c) acc[rr][c] += e * vx[u][c];
+        }
         m[rr] = mn;
       }
     }
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) {
-      kx[c] = nk[c];
-      vx[c] = nv[c];
+    for (int u = 0; u < U; ++u) {
+      kr[u] = nk[u];
+      vr[u] = nv[u];
+      have[u] = next_have[u];
     }
-    have = next_have;
   }
 
   // the warp's key groups merged (lanes cl, cl + L, ... hold the same elements), then the warps
@@ -373,7 +467,9 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DecodeParams p) 
       red_ml[(warp * kRows + rr) * 2 + 1] = l[rr];
     }
   }
+  if (hole) *holes = 1;
   __syncthreads();
+  const bool nan_rows = bad || *holes;
 
   for (int64_t e = tid; e < nr * p.D; e += kThreads) {
     const int64_t rr = e / p.D, d = e % p.D;
@@ -391,6 +487,8 @@ __global__ void __launch_bounds__(kThreads) attend_kernel(const DecodeParams p) 
     // a row that saw no key: out exactly 0, lse -inf (the sink's logit with a sink)
     o = sum > 0.0f ? o / sum : 0.0f;
     float lse = sum > 0.0f ? mx + logf(sum) : -INFINITY;
+    if (sum != sum) o = lse = sum;  // NaN in, NaN out
+    if (nan_rows) o = lse = NAN;
     const int64_t t = (r0 + rr) / p.G, hq = hkv * p.G + (r0 + rr) % p.G;
     if (p.nsplit == 1) {
       float factor;
@@ -419,7 +517,12 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const DecodeParams p) {
     // split s of this row at first + s * stride
     const int64_t first = (b * p.nsplit * p.Sq + t) * p.Hq + hq, stride = p.Sq * p.Hq;
     float mx = -INFINITY;
-    for (int64_t s = 0; s < p.nsplit; ++s) mx = fmaxf(mx, p.part_lse[first + s * stride]);
+    bool nan = !row_of(p, b).ok;  // index values out of range: the row is NaN (attend_kernel)
+    for (int64_t s = 0; s < p.nsplit; ++s) {
+      const float ls = p.part_lse[first + s * stride];
+      mx = fmaxf(mx, ls);
+      nan = nan || ls != ls;  // a split that saw a NaN score makes the row NaN
+    }
     float total = 0.0f;
     if (mx != -INFINITY)
       for (int64_t s = 0; s < p.nsplit; ++s) {
@@ -427,7 +530,8 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const DecodeParams p) {
         if (ls != -INFINITY) total += expf(ls - mx);
       }
     float factor;
-    const float lse = add_sink(p, hq, total > 0.0f ? mx + logf(total) : -INFINITY, factor);
+    float lse = add_sink(p, hq, total > 0.0f ? mx + logf(total) : -INFINITY, factor);
+    if (nan) lse = factor = NAN;
     for (int64_t d = threadIdx.x; d < p.D; d += kThreads) {
       float o = 0.0f;
       if (total > 0.0f)

@@ -115,6 +115,8 @@ inline int __float2int_rn(float x) {
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
+// the GPU's fast exponential (ex2.approx, a few ulp); emulated exactly
+inline float __expf(float x) { return expf(x); }
 inline float __int_as_float(int i) {
   float f;
   memcpy(&f, &i, sizeof f);
