@@ -214,7 +214,11 @@ def attention_with_kvcache(
     If k and v are given they are written into k_cache and v_cache *in place* at positions
     cache_seqlens[b], cache_seqlens[b] + 1, ... (rotated first when rotary_cos/sin are given), then
     every query attends to its row's keys [cache_leftpad[b], cache_seqlens[b] + Sk_new).  A call that
-    fails a check writes nothing.  Inference only: a call that needs a gradient raises.
+    fails a check writes nothing.  Inference only: a call that needs a gradient raises.  On a GPU, index
+    tensors (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) are not read back to check
+    their values (no synchronisation per call; CUDA graphs capture it): a batch row whose values are out
+    of range writes nothing and comes out NaN (ATTN_BACKENDS_KVCACHE_CHECK=1 checks them on the host,
+    with the same errors as on the CPU; docs/decode.md, "The CUDA kernel").
 
     Args:
         q: (B, Sq, Hq, D), float16 / bfloat16 / float32 (float64 through math).
@@ -241,8 +245,8 @@ def attention_with_kvcache(
             thread count, or the GPU's SM count; results can then differ in the last bits between
             thread counts).
         return_softmax_lse: also return lse (B, Hq, Sq) float32 (-inf for a query that sees no key).
-        backend: ``"auto"`` (the paged_attention kernel on CPU; on CUDA eager, or our CUDA decode
-            kernel with ATTN_BACKENDS_CUDA_DECODE=1: unverified on a GPU), ``"paged_attention"``, ``"flash"``
+        backend: ``"auto"`` (the paged_attention kernel, on CPU and on CUDA; on CUDA eager under
+            ATTN_BACKENDS_CUDA_DECODE=0), ``"paged_attention"``, ``"flash"``
             (our flash kernel over a gathered view of the cache), ``"math"`` / ``"eager"`` (float64
             torch ops over the gathered view, any device) or any accepted name; one that cannot serve
             a KV-cache call falls back with one warning.

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from . import _C
 
-# (name, aliases, kind, summary, lossy, provider, caps per device) rows; the index is the C id
+# (name, aliases, kind, summary, lossy, provider, caps per device) rows; the index is the C id.  The names
+# are fixed; the caps are as they stood at import, before the CUDA switches (_planner): what a backend
+# serves now is _C.backend_table()'s (attn_backends/_report.py reads it)
 TABLE = tuple(_C.backend_table())
 CANONICAL = tuple(row[0] for row in TABLE)
 ALL_NAMES = tuple(n for row in TABLE for n in (row[0], *row[1]))

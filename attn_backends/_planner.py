@@ -163,12 +163,14 @@ def _detect_providers() -> None:
 
 
 _detect_providers()
-# our CUDA flash forward compiles but is not verified on a GPU yet: opt-in (docs/benchmarks.md)
+# our CUDA flash kernels pass their tests on a GPU but run slower than torch's there: opt-in
+# (docs/benchmarks.md, "GPU")
 _C.enable_cuda_flash(os.environ.get("ATTN_BACKENDS_CUDA_FLASH", "0") == "1")
-# the same for our CUDA sage forward (docs/sage.md, "CUDA")
+# the same for our CUDA sage forward, slower than our CUDA flash (docs/sage.md, "CUDA")
 _C.enable_cuda_sage(os.environ.get("ATTN_BACKENDS_CUDA_SAGE", "0") == "1")
-# and for our CUDA decode kernel, paged_attention (docs/decode.md, "The CUDA kernel")
-_C.enable_cuda_decode(os.environ.get("ATTN_BACKENDS_CUDA_DECODE", "0") == "1")
+# our CUDA decode kernel, paged_attention, is on unless ATTN_BACKENDS_CUDA_DECODE=0 (docs/decode.md, "The
+# CUDA kernel"): without it eager serves KV-cache calls on CUDA
+_C.enable_cuda_decode(os.environ.get("ATTN_BACKENDS_CUDA_DECODE", "1").strip() != "0")
 # the CUDA emulator (docs/cuda.md): CPU tensors of flash, flash_varlen, sage, math and paged_attention run
 # the CUDA kernels
 if _env_flag("ATTN_BACKENDS_CUDA_EMULATE"):

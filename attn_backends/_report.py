@@ -11,7 +11,14 @@ import sys
 import torch
 
 from . import _C, _planner
-from ._names import ID, TABLE
+from ._names import ID
+
+
+def _table():
+    """The registry as it stands now: the CUDA switches (_planner, at import, or _C.enable_cuda_* later)
+    change a backend's capabilities after _names took its table of names."""
+    return tuple(_C.backend_table())
+
 
 DEVICES = ("cpu", "cuda", "mps", "other")
 
@@ -63,7 +70,7 @@ def backend_rows() -> list:
     call_layout) on each device this machine has."""
     present = _present_devices()
     rows = []
-    for i, (name, aliases, kind, _summary, lossy, _provider, caps) in enumerate(TABLE):
+    for i, (name, aliases, kind, _summary, lossy, _provider, caps) in enumerate(_table()):
         devices = tuple(d for d, c in zip(DEVICES, caps) if c[0] is None)
         supports_backward = any(c[0] is None and "backward" in c[2] for c in caps)
         if kind == "planner":
@@ -107,7 +114,7 @@ def support_matrix_markdown() -> str:
         head = ["backend", "dtypes", "head dim"] + [t for _, t in FEATURES]
         out.append("| " + " | ".join(head) + " |")
         out.append("|" + "---|" * len(head))
-        for name, _aliases, kind, _s, lossy, _p, caps in TABLE[1:]:
+        for name, _aliases, kind, _s, lossy, _p, caps in _table()[1:]:
             why, dtypes, feats, min_d, max_d, mult, min_cc, lib = caps[d]
             label = f"`{name}`" + (" (lossy)" if lossy else "")
             if why is not None:
@@ -133,7 +140,7 @@ def support_matrix_markdown() -> str:
 
 def names_markdown() -> str:
     lines = ["| canonical | kind | accepted aliases |", "|---|---|---|"]
-    for name, aliases, kind, summary, *_ in TABLE:
+    for name, aliases, kind, summary, *_ in _table():
         lines.append(f"| `{name}` | {kind} | {', '.join(f'`{a}`' for a in aliases) or '-'} |")
     return "\n".join(lines)
 
@@ -204,7 +211,7 @@ def report() -> str:
             extra.append("lossy")
         if kind != "planner" and devices and not bwd:
             extra.append("forward only")
-        note = calls_note(set().union(*(c[2] for c in TABLE[ID[name]][6] if c[0] is None)))
+        note = calls_note(set().union(*(c[2] for c in _table()[ID[name]][6] if c[0] is None)))
         if note:
             extra.append(note)
         add(f"  {name:<{w}}  {kind:<8}  {status}" + (f"  [{'; '.join(extra)}]" if extra else ""))

@@ -68,11 +68,11 @@ MATRIX = """
 
 ## Support matrix (generated from the registry)
 
-The CUDA rows are the defaults: our CUDA flash, sage and decode kernels are opt-in until a GPU has run
-them (docs/cuda.md), so their rows read `-`. Opted in (`ATTN_BACKENDS_CUDA_FLASH=1`,
-`ATTN_BACKENDS_CUDA_DECODE=1`), `flash` and `flash_varlen` on CUDA take sinks and ALiBi forward and
-backward (the sinks' gradient included), and `paged_attention` on CUDA takes sinks and ALiBi: emulated
-only, unverified on a GPU.
+The CUDA rows are the defaults: our CUDA flash and sage kernels are opt-in, slower than torch's on the
+GPU measured (docs/benchmarks.md, "GPU"), so their rows read `-`. Opted in
+(`ATTN_BACKENDS_CUDA_FLASH=1`), `flash` and `flash_varlen` on CUDA take sinks and ALiBi forward and
+backward (the sinks' gradient included). `paged_attention` on CUDA is on by default
+(`ATTN_BACKENDS_CUDA_DECODE=0` switches it off).
 
 """
 

@@ -202,9 +202,9 @@ def test_old_gpus_route_to_torch_sdpa_then_eager(cc):
 
 @pytest.mark.parametrize("cc", [80, 86, 90])
 def test_ampere_and_newer_use_our_kernels_for_what_they_serve(cc):
-    # inference: sdpa first while our CUDA flash is opt-in (unverified); our math serves lse calls exactly
+    # inference: sdpa first while our CUDA flash is opt-in (slower than torch's); our math serves lse calls exactly
     p = plan(device=CUDA, cc=cc, dtype="bfloat16")
-    assert p.chosen == "sdpa" and p.reasons["flash"].startswith("the CUDA flash kernel is not verified on a GPU yet")
+    assert p.chosen == "sdpa" and p.reasons["flash"].startswith("the CUDA flash kernel is slower than torch's flash")
     assert plan(device=CUDA, cc=cc, want_lse=1).chosen == "math"
     assert plan(device=CUDA, cc=cc, softcap=1, requested="math").chosen == "math"
     # math on CUDA is forward only: training falls along its chain to eager
