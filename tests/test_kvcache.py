@@ -806,9 +806,19 @@ def test_paged_attention_named_for_a_dense_call_falls_back_to_flash():
     assert p.chosen == "flash" and "attention_with_kvcache" in p.reasons["paged_attention"]
 
 
-def test_backends_report_paged_attention_available_on_cpu():
-    row = {r.name: r for r in ab.backends()}["paged_attention"]
-    assert row.available and row.devices == ("cpu",) and not row.supports_backward
+def test_backends_report_paged_attention_available_on_cpu_and_cuda():
+    # on CUDA by default; the report follows the switch (it read the registry as it stood before the
+    # CUDA switches at import, and listed the CPU only)
+    on = os.environ.get("ATTN_BACKENDS_CUDA_DECODE", "1").strip() != "0"
+    try:
+        for decode in (True, False):
+            ab._C.enable_cuda_decode(decode)
+            row = {r.name: r for r in ab.backends()}["paged_attention"]
+            assert row.available and not row.supports_backward
+            assert row.devices == (("cpu", "cuda") if decode else ("cpu",))
+    finally:
+        ab._C.enable_cuda_decode(on)
+        ab._dispatch.reset_caches()
 
 
 # ---- errors ------------------------------------------------------------------------------------
