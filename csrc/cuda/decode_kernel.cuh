@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(kThreads, AB_DECODE_MIN_BLOCKS) attend_kernel(
     if (rr >= nr || hi < lo) hi = lo;
     vlo[rr] = (int)(lo - ks);
     vhi[rr] = (int)(hi - ks);
-    ipos[rr] = (int)(lmin(lmax(i - ks, -(int64_t)1 << 30), (int64_t)1 << 30));
+    ipos[rr] = (int)lmin(lmax(i - ks, -((int64_t)1 << 30)), (int64_t)1 << 30);  // ALiBi distances stay exact
     slope[rr] = p.alibi != nullptr && rr < nr ? p.alibi[b * p.alibi_sb + hq * p.alibi_sh] : 0.0f;
   }
   __syncthreads();  // qs written
