@@ -200,7 +200,7 @@ def report() -> str:
            if _C.cuda_emulation() else ""))
     add("")
     add("backends (available on this machine, or why not)")
-    rows = backend_rows()
+    rows, table = backend_rows(), _table()
     w = max(len(r[0]) for r in rows)
     for name, aliases, kind, available, why, devices, lossy, bwd in rows:
         status = "available" if available else f"no: {why}"
@@ -211,7 +211,7 @@ def report() -> str:
             extra.append("lossy")
         if kind != "planner" and devices and not bwd:
             extra.append("forward only")
-        note = calls_note(set().union(*(c[2] for c in _table()[ID[name]][6] if c[0] is None)))
+        note = calls_note(set().union(*(c[2] for c in table[ID[name]][6] if c[0] is None)))
         if note:
             extra.append(note)
         add(f"  {name:<{w}}  {kind:<8}  {status}" + (f"  [{'; '.join(extra)}]" if extra else ""))

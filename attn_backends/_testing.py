@@ -558,7 +558,7 @@ def _null():
 
 def continuous_batching_config(page_size: int, **kw):
     """transformers' ContinuousBatchingConfig for tests and benchmarks across its versions: the page
-    size is `page_size` (5.2x) or `block_size` (5.1x); options an older version lacks are dropped
+    size is `page_size` (5.24) or `block_size` (5.17); options an older version lacks are dropped
     (`auto_switch_to_flash`: a version without it never switches)."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
