@@ -1,6 +1,6 @@
 """Backend names: the C registry's table, resolved case-insensitively ('-' == '_').
 
-The table comes from the C core once at import; resolution is a dict lookup in Python so that
+The names come from the C core once at import; resolution is a dict lookup in Python so that
 torch.compile can trace it (a call into the C module would break the graph).
 """
 
@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from . import _C
 
-# (name, aliases, kind, summary, lossy, provider, caps per device) rows; the index is the C id.  The names
-# are fixed; the caps are as they stood at import, before the CUDA switches (_planner): what a backend
-# serves now is _C.backend_table()'s (attn_backends/_report.py reads it)
-TABLE = tuple(_C.backend_table())
-CANONICAL = tuple(row[0] for row in TABLE)
-ALL_NAMES = tuple(n for row in TABLE for n in (row[0], *row[1]))
+# (name, aliases) per backend; the index is the C id.  Names only: a backend's capabilities change with
+# the CUDA switches (_planner, _C.enable_cuda_*), so whoever needs them reads _C.backend_table() then
+_NAMES = tuple((row[0], tuple(row[1])) for row in _C.backend_table())
+CANONICAL = tuple(name for name, _ in _NAMES)
+ALL_NAMES = tuple(n for name, aliases in _NAMES for n in (name, *aliases))
 ID = {name: i for i, name in enumerate(CANONICAL)}
-_BY_NAME = {n: row[0] for row in TABLE for n in (row[0], *row[1])}
+_BY_NAME = {n: name for name, aliases in _NAMES for n in (name, *aliases)}
 
 
 def resolve(name: str) -> str:

@@ -19,7 +19,7 @@ import os
 import torch
 
 from . import _C
-from ._names import CANONICAL, ID, TABLE, resolve
+from ._names import CANONICAL, ID, resolve
 
 logger = logging.getLogger("attn_backends")
 

@@ -16,7 +16,7 @@ from ._names import ID
 
 def _table():
     """The registry as it stands now: the CUDA switches (_planner, at import, or _C.enable_cuda_* later)
-    change a backend's capabilities after _names took its table of names."""
+    change a backend's capabilities after import."""
     return tuple(_C.backend_table())
 
 

@@ -639,7 +639,7 @@ def test_cuda_head_dims_are_the_launchers_rule(cuda_flash_on):
 def test_cpu_flash_dtype_rule_is_the_kernels():
     # the registry's CPU dtypes for flash and flash_varlen and the kernel family's own answer agree
     for name in ("flash", "flash_varlen"):
-        dtypes = {r[0]: r for r in _names.TABLE}[name][6][CPU][1]
+        dtypes = {r[0]: r for r in _C.backend_table()}[name][6][CPU][1]
         for dt in DT:
             p = plan(device=CPU, dtype=dt, varlen=int(name == "flash_varlen"), requested=name)
             assert (p.reasons[name] == "") == (dt in dtypes), (name, dt, p.reasons[name])

@@ -26,8 +26,10 @@ constexpr int64_t kMaxSplits = 128;
 // per-block setup cost more than the parallelism gains.
 constexpr int64_t kMinSplitKeys = 128;
 // Blocks the heuristic aims for per SM: decode is bound by the bytes in flight, and one block of
-// kThreads threads keeps 2 * kUnroll loads per lane in flight, so an SM wants several (H200, issue
-// 19: one block per SM read the cache at 6% of the bandwidth).
+// kThreads threads keeps 2 * kUnroll loads per lane in flight, so an SM wants several.  The value is
+// not tuned on its own: on the H200 (issue 19) the first kernel read the cache at 6% of the bandwidth
+// with one block per SM, but it also waited on a host copy every call, and the change to 4 came with
+// the other changes of that rewrite, timed together (docs/benchmarks.md, "GPU").
 constexpr int64_t kBlocksPerSM = 4;
 
 bool paged(const ab_kvcache_params* p) { return p->block_table.ndim > 0; }
