@@ -58,6 +58,7 @@ from ._names import resolve as _resolve
 from ._planner import Plan
 
 _fast_attention = _dispatch.fast_attention
+_fast_attention_varlen = _dispatch.fast_attention_varlen
 _is_compiling = torch.compiler.is_compiling
 _fast_kvcache = _C.kvcache
 
@@ -178,6 +179,13 @@ def attention_varlen(
     Returns:
         out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) float32, as flash-attn.
     """
+    if (window is None and sinks is None and alibi_slopes is None and not dropout_p and not softcap
+            and not deterministic and not _is_compiling()):
+        # the packed calls' fast path (csrc/ab_direct.c), as attention's above
+        res = _fast_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend, causal,
+                                     scale, return_lse)
+        if res is not None:
+            return res
     return _dispatch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
                                       causal, dropout_p, scale, window, softcap, return_lse, strict, deterministic,
                                       sinks, alibi_slopes)

@@ -1,7 +1,7 @@
 """From a call to a kernel: validate, describe the call for the planner, run the chosen backend.
 
 Per-call cost matters (benchmarks/bench_overhead.py).  A plain eager CPU forward takes the fast path,
-all in C (_C.attention, csrc/ab_direct.c): the checks, the call descriptor and the plan lookup, then the
+all in C (_C.attention, and _C.attention_varlen for packed calls; csrc/ab_direct.c): the checks, the call descriptor and the plan lookup, then the
 kernel, with no Python in between; it serves only calls whose plan the Python path below has made
 once (``remember``), and hands anything else back.  The Python path validates with one expression,
 builds the call descriptor from metadata already read, finds the plan in a dict, and calls the op
@@ -114,6 +114,9 @@ _C.set_fast_api(torch.Tensor, direct_guards, torch.is_grad_enabled, _determinist
                 _planner._process_default, _SETTINGS)
 fast_attention = _C.attention
 _PLAIN = (ID["auto"], _FLASH)  # requests under which flash serving a call is not a fallback
+_FLASH_VARLEN = ID["flash_varlen"]
+_PLAIN_VARLEN = (ID["auto"], _FLASH_VARLEN)
+fast_attention_varlen = _C.attention_varlen
 
 
 def reset_caches() -> None:
@@ -135,6 +138,8 @@ def _runner(sig, strict):
             _chosen[strict][sig] = chosen
             if chosen == _FLASH and sig.requested in _PLAIN:
                 _C.remember(sig, _FLASH)  # ab.attention's fast path may serve such calls now (ab_direct.c)
+            elif chosen == _FLASH_VARLEN and sig.requested in _PLAIN_VARLEN:
+                _C.remember(sig, _FLASH_VARLEN)  # and attention_varlen's these
     return RUNNERS[chosen]
 
 

@@ -37,9 +37,12 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import _validate, _varlen
+from . import _C, _validate, _varlen
 from ._eager import visible_keys
 from ._kvcache import _flag, window_pair
+
+_fast_varlen = _C.attention_varlen
+_is_compiling = torch.compiler.is_compiling
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
            "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"]
@@ -178,6 +181,15 @@ def flash_attn_varlen_func(
 
     Returns out (total_q, Hq, Dv), or (out, lse (Hq, total_q) float32, None) with return_attn_probs."""
     from . import attention, attention_varlen
+
+    if (block_table is None and s_aux is None and alibi_slopes is None and not dropout_p and not softcap
+            and not deterministic and window_size.__class__ is tuple and window_size == (-1, -1)
+            and (causal is True or causal is False) and not _is_compiling()):
+        # the packed calls' fast path (csrc/ab_direct.c); None: the checks and the planner below
+        res = _fast_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
+                           "bottom_right" if causal else False, softmax_scale, bool(return_attn_probs))
+        if res is not None:
+            return (res[0], res[1], None) if return_attn_probs else res
 
     opts, (wl, wr), causal = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                       deterministic, s_aux, backend)

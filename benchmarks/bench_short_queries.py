@@ -3,8 +3,10 @@ per sequence against a longer key range (decode through HF's "attn_backends" nam
 transformers' flash path), which the CPU flash forward hands to the decode kernel
 (csrc/cpu/flash_cpu.c, "short queries").
 
-Per row, interleaved rounds of: "route" (as shipped), "flash" (ATTN_BACKENDS_FLASH_DECODE=0: the
-flash kernel, as before the route) and torch SDPA on the same dense tensors (enable_gqa; bottom-right
+Per row, interleaved rounds of: "route" (as shipped), "python" (the same with the fast paths in C off:
+_C.attention for ab.attention, _C.attention_varlen for flash_attn_varlen_func; what a call costs on
+the Python path), "flash" (ATTN_BACKENDS_FLASH_DECODE=0: the flash kernel, as before the route) and
+torch SDPA on the same dense tensors (enable_gqa; bottom-right
 causal as a bool mask when Sq > 1).  Packed rows time flash_attn_varlen_func on B sequences of Sq
 queries and Sk keys each, and torch on the dense equivalent.  Medians; "torch / route" above 1 means
 ours is faster.  CPU only.
@@ -34,6 +36,17 @@ SHAPES = [  # B, Hq, Hkv, Sk, D
 ]
 
 
+class python_path:
+    """The fast paths in C switched off (each returns None: the Python path serves the call)."""
+
+    def __enter__(self):
+        self.saved = ab._fast_attention, fa._fast_varlen
+        ab._fast_attention = fa._fast_varlen = lambda *args: None
+
+    def __exit__(self, *exc):
+        ab._fast_attention, fa._fast_varlen = self.saved
+
+
 def timeit(fn):
     t = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
     return t.blocked_autorange(min_run_time=0.2).median * 1e3
@@ -48,8 +61,9 @@ def main():
     args = p.parse_args()
     cpu = ab._C.cpu_features()["brand"].strip() or platform.processor() or platform.machine()
     print(f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}, isa {ab._C.cpu_isa()}")
-    print("| call | dtype | B Hq/Hkv Sk D | Sq | route ms | flash ms | torch ms | flash / route | **torch / route** |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| call | dtype | B Hq/Hkv Sk D | Sq | route ms | python ms | flash ms | torch ms | python / route | "
+          "flash / route | **torch / route** |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     g = torch.Generator().manual_seed(0)
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
@@ -72,10 +86,12 @@ def main():
                 torch_call = lambda: F.scaled_dot_product_attention(qt, kc, vc, attn_mask=mask, enable_gqa=True)
                 for name, fn in calls.items():
                     with torch.no_grad():
-                        res = {"route": [], "flash": [], "torch": []}
+                        res = {"route": [], "python": [], "flash": [], "torch": []}
                         for _ in range(args.rounds):
                             os.environ.pop("ATTN_BACKENDS_FLASH_DECODE", None)
                             res["route"].append(timeit(fn))
+                            with python_path():
+                                res["python"].append(timeit(fn))
                             os.environ["ATTN_BACKENDS_FLASH_DECODE"] = "0"
                             res["flash"].append(timeit(fn))
                             os.environ.pop("ATTN_BACKENDS_FLASH_DECODE", None)
@@ -83,7 +99,8 @@ def main():
                     m = {key: statistics.median(val) for key, val in res.items()}
                     rows.append(dict(call=name, dtype=str(dtype)[6:], B=B, Hq=Hq, Hkv=Hkv, Sk=Sk, D=D, Sq=Sq, **m))
                     print(f"| {name} | {str(dtype)[6:]} | {B} {Hq}/{Hkv} {Sk} {D} | {Sq} | {m['route']:.3f} | "
-                          f"{m['flash']:.3f} | {m['torch']:.3f} | {m['flash'] / m['route']:.2f} | "
+                          f"{m['python']:.3f} | {m['flash']:.3f} | {m['torch']:.3f} | "
+                          f"{m['python'] / m['route']:.2f} | {m['flash'] / m['route']:.2f} | "
                           f"**{m['torch'] / m['route']:.2f}** |", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -32,6 +32,8 @@
 #include "cpu/decode_cpu.h"
 #include "cuda/ab_cuda.h"
 
+static int small_int(PyObject* o, long long least, long long* x);
+
 /* A RuntimeError worded as the shim's (torch_shim.cpp: fail). */
 static PyObject* direct_error(const char* msg) {
   PyErr_Format(PyExc_RuntimeError, "attn_backends: %s", msg);
@@ -194,33 +196,47 @@ static int broadcast_mask(ab_tensor* m, int64_t B, int64_t Hq, int64_t Sq, int64
   return 0;
 }
 
-/* Allocates out (B, Hq, Sq, Dv), stored (B, Sq, Hq, Dv), in q's dtype and, with want_lse, lse (B, Hq, Sq)
- * float32 (float64 for float64), as the flash_fwd op returns them, and runs the CPU flash forward on p
- * (its q, k, v, mask and scalars filled).  -> (out, lse or None), or NULL with an exception.  Without
- * want_lse the kernel writes lse to a buffer of its own. */
+/* Allocates out and, with want_lse, lse as the flash_fwd op returns them (out (B, Hq, Sq, Dv), stored
+ * (B, Sq, Hq, Dv), in q's dtype; lse (B, Hq, Sq) float32, float64 for float64), or for a packed call
+ * (p->cu_seqlens_q set) as flash_varlen_fwd does (out (Tq, Hq, Dv) and lse (Hq, Tq), contiguous), and
+ * runs the CPU flash forward on p (its q, k, v, mask, cu_seqlens and scalars filled).  -> (out, lse or
+ * None), or NULL with an exception.  Without want_lse the kernel writes lse to a buffer of its own. */
 static PyObject* run_direct(ab_state* st, PyObject* q, ab_attn_params* pp, int want_lse) {
   ab_attn_params p = *pp;
   const ab_dtype dt = p.q.dtype < AB_DTYPE_BOOL ? p.q.dtype : AB_DTYPE_F32;
   const ab_dtype lse_dt = dt == AB_DTYPE_F64 ? AB_DTYPE_F64 : AB_DTYPE_F32;
-  /* out (B, Hq, Sq, Dv) laid out (B, Sq, Hq, Dv); lse (B, Hq, Sq) contiguous */
-  const int64_t phys_sizes[4] = {p.B, p.Sq, p.Hq, p.Dv};
-  int64_t phys[4];
-  contiguous_strides(phys_sizes, 4, phys);
-  p.out.ndim = 4;
   p.out.dtype = p.q.dtype;
   p.out.device = AB_DEVICE_CPU;
   p.out.device_index = -1;
-  const int64_t out_sizes[4] = {p.B, p.Hq, p.Sq, p.Dv}, out_strides[4] = {phys[0], phys[2], phys[1], phys[3]};
-  memcpy(p.out.sizes, out_sizes, sizeof out_sizes);
-  memcpy(p.out.strides, out_strides, sizeof out_strides);
-  p.lse = p.out;
-  p.lse.ndim = 3;
+  if (p.cu_seqlens_q) {
+    const int64_t Tq = p.q.sizes[0];
+    p.out.ndim = 3;
+    const int64_t out_sizes[3] = {Tq, p.Hq, p.Dv};
+    memcpy(p.out.sizes, out_sizes, sizeof out_sizes);
+    contiguous_strides(out_sizes, 3, p.out.strides);
+    p.lse = p.out;
+    p.lse.ndim = 2;
+    const int64_t lse_sizes[2] = {p.Hq, Tq};
+    memcpy(p.lse.sizes, lse_sizes, sizeof lse_sizes);
+    contiguous_strides(lse_sizes, 2, p.lse.strides);
+  } else {
+    /* out (B, Hq, Sq, Dv) laid out (B, Sq, Hq, Dv); lse (B, Hq, Sq) contiguous */
+    const int64_t phys_sizes[4] = {p.B, p.Sq, p.Hq, p.Dv};
+    int64_t phys[4];
+    contiguous_strides(phys_sizes, 4, phys);
+    p.out.ndim = 4;
+    const int64_t out_sizes[4] = {p.B, p.Hq, p.Sq, p.Dv}, out_strides[4] = {phys[0], phys[2], phys[1], phys[3]};
+    memcpy(p.out.sizes, out_sizes, sizeof out_sizes);
+    memcpy(p.out.strides, out_strides, sizeof out_strides);
+    p.lse = p.out;
+    p.lse.ndim = 3;
+    const int64_t lse_sizes[3] = {p.B, p.Hq, p.Sq};
+    memcpy(p.lse.sizes, lse_sizes, sizeof lse_sizes);
+    contiguous_strides(lse_sizes, 3, p.lse.strides);
+  }
   p.lse.dtype = lse_dt;
-  const int64_t lse_sizes[3] = {p.B, p.Hq, p.Sq};
-  memcpy(p.lse.sizes, lse_sizes, sizeof lse_sizes);
-  contiguous_strides(lse_sizes, 3, p.lse.strides);
   /* out in q's dtype (a dtype the kernel rejects still gets an out: the kernel's check then fails) */
-  PyObject* out = empty_strided(st, p.q.dtype < AB_DTYPE_BOOL ? q : NULL, p.out.sizes, p.out.strides, 4, dt);
+  PyObject* out = empty_strided(st, p.q.dtype < AB_DTYPE_BOOL ? q : NULL, p.out.sizes, p.out.strides, p.out.ndim, dt);
   if (!out || set_data(st, out, &p.out) < 0) {
     Py_XDECREF(out);
     return NULL;
@@ -228,14 +244,14 @@ static PyObject* run_direct(ab_state* st, PyObject* q, ab_attn_params* pp, int w
   PyObject* lse = NULL;
   void* own_lse = NULL;
   if (want_lse) {
-    lse = empty_strided(st, NULL, p.lse.sizes, p.lse.strides, 3, lse_dt);
+    lse = empty_strided(st, NULL, p.lse.sizes, p.lse.strides, p.lse.ndim, lse_dt);
     if (!lse || set_data(st, lse, &p.lse) < 0) {
       Py_DECREF(out);
       Py_XDECREF(lse);
       return NULL;
     }
   } else {
-    const int64_t n = p.B * p.Hq * p.Sq;
+    const int64_t n = p.lse.ndim == 2 ? p.lse.sizes[0] * p.lse.sizes[1] : p.B * p.Hq * p.Sq;
     own_lse = n > 0 ? malloc((size_t)n * ab_dtype_size(lse_dt)) : NULL;
     if (n > 0 && !own_lse) {
       Py_DECREF(out);
@@ -590,13 +606,25 @@ static int no_guard_active(PyObject* guards) {
   return 1;
 }
 
-/* What both fast paths check first: causal and want_lse bools, the scale None or a float, the backend
- * asked for, none of the guards active, no gradient needed for any of the n tensors.  -> 1 to go on
- * (*causal, *want_lse, *requested set), 0 to hand the call back, -1 with an exception. */
-static int fast_opening(ab_state* st, PyObject* guards, PyObject* causal_o, PyObject* lse_o, PyObject* scale_o,
-                        PyObject* backend, PyObject* const* tensors, int n, int* causal, int* want_lse,
-                        int* requested) {
-  *causal = causal_o == Py_False ? 0 : causal_o == Py_True ? 1 : -1;
+/* The ab_causal of a causal argument as _validate reads it (False, True, "top_left", "bottom_right"),
+ * -1 for anything else (the Python path words it). */
+static int causal_arg(PyObject* o) {
+  if (o == Py_False) return AB_CAUSAL_NONE;
+  if (o == Py_True) return AB_CAUSAL_TOP_LEFT;
+  if (!PyUnicode_CheckExact(o)) return -1;
+  if (PyUnicode_CompareWithASCIIString(o, "bottom_right") == 0) return AB_CAUSAL_BOTTOM_RIGHT;
+  if (PyUnicode_CompareWithASCIIString(o, "top_left") == 0) return AB_CAUSAL_TOP_LEFT;
+  return -1;
+}
+
+/* What the fast paths check first: causal a bool (the KV-cache call's) or, with causal_names, any
+ * spelling causal_arg reads; want_lse a bool; the scale None or a float; the backend asked for; none of
+ * the guards active; no gradient needed for any of the n tensors.  -> 1 to go on (*causal, *want_lse,
+ * *requested set), 0 to hand the call back, -1 with an exception. */
+static int fast_opening(ab_state* st, PyObject* guards, PyObject* causal_o, int causal_names, PyObject* lse_o,
+                        PyObject* scale_o, PyObject* backend, PyObject* const* tensors, int n, int* causal,
+                        int* want_lse, int* requested) {
+  *causal = causal_names ? causal_arg(causal_o) : causal_o == Py_False ? 0 : causal_o == Py_True ? 1 : -1;
   *want_lse = lse_o == Py_False ? 0 : lse_o == Py_True ? 1 : -1;
   if (*causal < 0 || *want_lse < 0 || (scale_o != Py_None && !PyFloat_CheckExact(scale_o))) return 0;
   *requested = requested_backend(st, backend);
@@ -651,7 +679,7 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
     Py_RETURN_NONE;
   PyObject* const qkv[3] = {q, k, v};
   int causal, want_lse, requested;
-  const int go = fast_opening(st, st->guards, args[4], args[6], scale_o, args[3], qkv, 3, &causal, &want_lse,
+  const int go = fast_opening(st, st->guards, args[4], 1, args[6], scale_o, args[3], qkv, 3, &causal, &want_lse,
                               &requested);
   if (go <= 0) return go < 0 ? NULL : Py_NewRef(Py_None);
   const int cpu = all_cpu(st, qkv, 3);
@@ -696,6 +724,123 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
   c.want_lse = want_lse;
   c.requested = requested;
   if (remembered(st, &c) != AB_BK_FLASH) Py_RETURN_NONE;
+  p.causal = (ab_causal)causal;
+  p.scale = scale;
+  p.window_left = p.window_right = -1;
+  PyObject* res = run_direct(st, q, &p, want_lse);
+  if (!res || want_lse) {
+    if (res) ++st->fast_calls;
+    return res;
+  }
+  PyObject* out = Py_NewRef(PyTuple_GetItem(res, 0));
+  Py_DECREF(res);
+  ++st->fast_calls;
+  return out;
+}
+
+/* ---- the fast path of ab.attention_varlen and flash_attn_varlen_func ------------------------------
+ *
+ * attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend, causal,
+ * scale, want_lse): a packed call on the terms of attention()'s fast path: plain CPU tensors q (Tq, Hq,
+ * D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) of one floating dtype, cu_seqlens contiguous CPU int32 (B + 1,)
+ * within _varlen.check_cu_seqlens's rules (from 0, never decreasing, to the totals, no sequence longer
+ * than its max_seqlen, an int), no window, softcap, dropout, sinks or ALiBi (the caller passes only
+ * such calls), and the descriptor _dispatch.prepare_varlen builds remembered with flash_varlen chosen.
+ * Then the kernel runs as the Python path's flash_varlen runner runs it: ab_flash_cpu_fwd on the packed
+ * call, which hands calls of a few queries per sequence to the decode kernel as
+ * _providers/ours.py's _run_by_decode does (csrc/cpu/flash_cpu.c).  HF's continuous batching makes
+ * such a call per layer and step (docs/benchmarks.md, "Short queries"). */
+
+/* The longest sequence of cu (B + 1 values) when cu holds _varlen.check_cu_seqlens's rules for total
+ * rows and the bound max_len, else -1. */
+static int64_t cu_longest(const int32_t* cu, int64_t B, int64_t total, long long max_len) {
+  if (cu[0] != 0 || cu[B] != total) return -1;
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t len = (int64_t)cu[b + 1] - cu[b];
+    if (len < 0 || len > max_len) return -1;
+    if (len > longest) longest = len;
+  }
+  return longest;
+}
+
+enum { VL_Q, VL_K, VL_V, VL_CU_Q, VL_CU_K, VL_MAX_Q, VL_MAX_K, VL_BACKEND, VL_CAUSAL, VL_SCALE, VL_LSE, VL_NARGS };
+
+static PyObject* ab_py_attention_varlen(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  ab_state* st = ab_module_state(self);
+  if (nargs != VL_NARGS) {
+    PyErr_SetString(PyExc_TypeError, "attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, "
+                                     "max_seqlen_k, backend, causal, scale, want_lse) takes 11 arguments");
+    return NULL;
+  }
+  PyObject *q = args[VL_Q], *k = args[VL_K], *v = args[VL_V], *cq = args[VL_CU_Q], *ck = args[VL_CU_K];
+  PyObject* scale_o = args[VL_SCALE];
+  if (!st->tensor_type || !st->empty_strided || st->n_remembered == 0 || ab_cuda_emulation()) Py_RETURN_NONE;
+  PyObject* const tensors[5] = {q, k, v, cq, ck};
+  for (int i = 0; i < 5; ++i)
+    if ((PyObject*)Py_TYPE(tensors[i]) != st->tensor_type) Py_RETURN_NONE;
+  long long max_q, max_k;
+  if (!small_int(args[VL_MAX_Q], 0, &max_q) || !small_int(args[VL_MAX_K], 0, &max_k) || max_q > INT32_MAX ||
+      max_k > INT32_MAX)
+    Py_RETURN_NONE;
+  int causal, want_lse, requested;
+  const int go = fast_opening(st, st->guards, args[VL_CAUSAL], 1, args[VL_LSE], scale_o, args[VL_BACKEND], tensors,
+                              3, &causal, &want_lse, &requested);
+  if (go <= 0) return go < 0 ? NULL : Py_NewRef(Py_None);
+  const int cpu = all_cpu(st, tensors, 5);
+  if (cpu < 0) return NULL;
+  if (!cpu) Py_RETURN_NONE;
+  ab_attn_params p;
+  memset(&p, 0, sizeof p);
+  ab_tensor tcq, tck;
+  if (read_view(st, q, &p.q, "q", 1) < 0 || read_view(st, k, &p.k, "k", 1) < 0 ||
+      read_view(st, v, &p.v, "v", 1) < 0 || read_view(st, cq, &tcq, "cu_seqlens_q", 1) < 0 ||
+      read_view(st, ck, &tck, "cu_seqlens_k", 1) < 0)
+    return NULL;
+  if (p.q.ndim != 3 || p.k.ndim != 3 || p.v.ndim != 3) Py_RETURN_NONE;
+  const ab_dtype dt = p.q.dtype;
+  /* _varlen.check_qkv's rule; anything else is the Python path's to word */
+  if (dt > AB_DTYPE_F64 || p.k.dtype != dt || p.v.dtype != dt || p.v.sizes[0] != p.k.sizes[0] ||
+      p.v.sizes[1] != p.k.sizes[1] || p.k.sizes[2] != p.q.sizes[2] || p.q.sizes[2] <= 0 || p.k.sizes[1] <= 0 ||
+      p.q.sizes[1] % p.k.sizes[1] != 0)
+    Py_RETURN_NONE;
+  /* cu_seqlens: 1-D contiguous int32 of one length; the values as _varlen.check_cu_seqlens wants them */
+  if (tcq.ndim != 1 || tck.ndim != 1 || tcq.dtype != AB_DTYPE_I32 || tck.dtype != AB_DTYPE_I32 ||
+      tcq.sizes[0] < 1 || tcq.sizes[0] != tck.sizes[0] || tcq.strides[0] != 1 || tck.strides[0] != 1)
+    Py_RETURN_NONE;
+  p.B = tcq.sizes[0] - 1;
+  p.cu_seqlens_q = (const int32_t*)tcq.data;
+  p.cu_seqlens_k = (const int32_t*)tck.data;
+  const int64_t longest_q = cu_longest(p.cu_seqlens_q, p.B, p.q.sizes[0], max_q);
+  const int64_t longest_k = cu_longest(p.cu_seqlens_k, p.B, p.k.sizes[0], max_k);
+  if (longest_q < 0 || longest_k < 0) Py_RETURN_NONE;
+  p.Hq = p.q.sizes[1];
+  p.D = p.q.sizes[2];
+  p.Hkv = p.k.sizes[1];
+  p.Dv = p.v.sizes[2];
+  p.Sq = longest_q; /* the kernels get the real longest sequences, as prepare_varlen gives them */
+  p.Sk = longest_k;
+  double scale = pow((double)p.D, -0.5); /* D ** -0.5, as _validate.check_scale computes it */
+  if (scale_o != Py_None) {
+    scale = PyFloat_AsDouble(scale_o);
+    if (!isfinite(scale) || (dt != AB_DTYPE_F64 && fabs(scale) > FLT_MAX)) Py_RETURN_NONE;
+  }
+  const int det = call_truth(st->deterministic);
+  if (det < 0) return NULL;
+  ab_call c; /* as _dispatch.prepare_varlen describes this call */
+  const int known = cpu_call(st, &c);
+  if (known <= 0) return known < 0 ? NULL : Py_NewRef(Py_None);
+  c.dtype = dt;
+  c.D = p.D;
+  c.Dv = p.Dv;
+  c.gqa = p.Hq != p.Hkv;
+  c.square = longest_q == longest_k;
+  c.causal = (ab_causal)causal;
+  c.deterministic = det;
+  c.want_lse = want_lse;
+  c.varlen = 1;
+  c.requested = requested;
+  if (remembered(st, &c) != AB_BK_FLASH_VARLEN) Py_RETURN_NONE;
   p.causal = (ab_causal)causal;
   p.scale = scale;
   p.window_left = p.window_right = -1;
@@ -813,7 +958,7 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
     grad_checked[n_grad++] = vn;
   }
   int causal, want_lse, requested;
-  const int go = fast_opening(st, st->kv_guards, args[KV_CAUSAL], args[KV_LSE], args[KV_SCALE], args[KV_BACKEND],
+  const int go = fast_opening(st, st->kv_guards, args[KV_CAUSAL], 0, args[KV_LSE], args[KV_SCALE], args[KV_BACKEND],
                               grad_checked, n_grad, &causal, &want_lse, &requested);
   if (go <= 0) return go < 0 ? NULL : Py_NewRef(Py_None);
   const int cpu = all_cpu(st, tensors, KVT_N);
@@ -943,8 +1088,8 @@ static PyObject* ab_py_set_fast_api(PyObject* self, PyObject* args) {
 
 /* remember(call, chosen): the Python path planned call (a Call) and chose backend id chosen without
  * falling back; the fast paths may serve such calls from now on.  Only what they build is kept: plain
- * CPU dense forwards (attention()) and CPU KV-cache calls (kvcache(), which also takes a window,
- * softcap, sinks and ALiBi). */
+ * CPU forwards, dense (attention()) and packed (attention_varlen()), and CPU KV-cache calls (kvcache(),
+ * which also takes a window, softcap, sinks and ALiBi). */
 static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   ab_state* st = ab_module_state(self);
   PyObject* call;
@@ -955,7 +1100,7 @@ static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   const int cpu = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !c.mask && !c.mask_grad &&
                   !c.dropout && !c.need_grad && !c.cuda_smem;
   const int options = c.window || c.softcap || c.sinks || c.alibi;
-  const int plain = cpu && ((!c.varlen && c.causal != AB_CAUSAL_BOTTOM_RIGHT && !options) || c.varlen == 2);
+  const int plain = cpu && (c.varlen == 2 || !options);
   if (plain && remembered(st, &c) < 0 && st->n_remembered < AB_REMEMBERED_MAX) {
     st->remembered[st->n_remembered].call = c;
     st->remembered[st->n_remembered].chosen = chosen;
@@ -991,6 +1136,10 @@ PyMethodDef ab_direct_methods[] = {
     {"attention", (PyCFunction)(void (*)(void))ab_py_attention, METH_FASTCALL,
      "attention(q, k, v, backend, causal, scale, want_lse) -> out, (out, lse), or None: ab.attention's fast "
      "path for plain eager CPU calls whose plan is remembered (None: take the Python path)."},
+    {"attention_varlen", (PyCFunction)(void (*)(void))ab_py_attention_varlen, METH_FASTCALL,
+     "attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend, causal, scale, "
+     "want_lse) -> out, (out, lse), or None: the packed calls' fast path for plain eager CPU calls whose plan is "
+     "remembered (None: take the Python path)."},
     {"kvcache", (PyCFunction)(void (*)(void))ab_py_kvcache, METH_FASTCALL,
      "kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, "
      "block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits, "

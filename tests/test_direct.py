@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import attn_backends as ab
 from attn_backends import _C
 from attn_backends._providers import ours as _providers  # the runners of our kernels
-from attn_backends._testing import Case, cases, make_inputs
+from attn_backends._testing import Case, cases, make_inputs, make_packed
 
 ops = torch.ops.attn_backends
 
@@ -270,16 +270,17 @@ def _served(fn):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("spec", ["plain", "gqa_causal_lse", "strided_scale", "alias"])
+@pytest.mark.parametrize("spec", ["plain", "gqa_causal_lse", "strided_scale", "alias", "bottom_right"])
 def test_fast_path_gives_the_python_paths_bits(dtype, spec, monkeypatch):
     g = torch.Generator().manual_seed(11)
-    B, Hq, Hkv, Sq, Sk, D = (2, 4, 2, 7, 9, 32) if spec == "gqa_causal_lse" else (1, 3, 3, 5, 5, 24)
+    B, Hq, Hkv, Sq, Sk, D = {"gqa_causal_lse": (2, 4, 2, 7, 9, 32), "bottom_right": (2, 8, 2, 1, 33, 16)}.get(
+        spec, (1, 3, 3, 5, 5, 24))  # bottom_right: a decode step, which the decode kernel serves
     q, k, v = (torch.randn(B, h, s, D, generator=g).to(dtype) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
     if spec == "strided_scale":  # non-contiguous views, a given scale
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
         assert not q.is_contiguous()
     kw = {"plain": {}, "gqa_causal_lse": dict(causal=True, return_lse=True), "strided_scale": dict(scale=0.3),
-          "alias": dict(backend="flash_attention_2")}[spec]
+          "alias": dict(backend="flash_attention_2"), "bottom_right": dict(causal="bottom_right")}[spec]
     ab.attention(q, k, v, **kw)  # the Python path plans it once and remembers the plan
     fast, served = _served(lambda: ab.attention(q, k, v, **kw))
     assert served
@@ -307,7 +308,7 @@ def test_fast_path_serves_only_remembered_plans_and_forgets_them():
 
 
 @pytest.mark.parametrize("how", ["use_math", "process_default", "named_math", "float64", "torch_faster",
-                                 "requires_grad", "mask", "bottom_right", "int_scale", "other_backend"])
+                                 "requires_grad", "mask", "int_scale", "other_backend"])
 def test_fast_path_hands_back_what_is_not_flashs_plain_forward(how):
     q = torch.randn(1, 2, 6, 16)
     for _ in range(2):  # the second call would be served if the plan allowed it
@@ -342,9 +343,6 @@ def test_fast_path_hands_back_what_is_not_flashs_plain_forward(how):
         elif how == "mask":
             m = torch.ones(6, 6, dtype=torch.bool).tril()
             res, served = _served(lambda: ab.attention(q, q, q, attn_mask=m))
-            ref = ab.attention(q, q, q, causal=True)
-        elif how == "bottom_right":
-            res, served = _served(lambda: ab.attention(q, q, q, causal="bottom_right"))
             ref = ab.attention(q, q, q, causal=True)
         elif how == "int_scale":
             res, served = _served(lambda: ab.attention(q, q, q, scale=1))
@@ -381,3 +379,147 @@ def test_fast_path_logs_the_choice_once_through_the_python_path(caplog):
             ab.attention(q, q, q)
     served = [r for r in caplog.records if "flash serves" in r.getMessage()]
     assert len(served) == 1 and _C.fast_calls() > 0
+
+
+# ---- packed calls: ab.attention_varlen's and flash_attn_varlen_func's fast path (_C.attention_varlen) ----
+
+VARLEN_SPECS = {  # lens_q, lens_k, Hq, Hkv, D, Dv, causal
+    "decode_gqa": ([1, 1, 1], [9, 0, 33], 8, 2, 16, 16, "bottom_right"),  # a sequence without keys
+    "decode_mha_3": ([3, 3], [17, 2], 4, 4, 24, 24, "bottom_right"),     # Sq > Sk in one sequence
+    "decode_noncausal": ([2, 2], [5, 40], 6, 3, 8, 8, False),
+    "square_top_left": ([4, 4], [4, 4], 4, 2, 16, 16, True),              # top-left == bottom-right
+    "mixed_flash": ([1, 5, 3], [7, 5, 12], 4, 2, 16, 16, "bottom_right"),  # unequal queries: flash
+    "top_left_flash": ([2, 2], [9, 4], 4, 2, 16, 16, True),                # top-left differs: flash
+    "dv_flash": ([1, 1], [6, 9], 2, 1, 16, 8, False),                      # Dv != D: flash
+}
+
+
+def _packed_inputs(spec, dtype, strided=False):
+    lens_q, lens_k, Hq, Hkv, D, Dv, causal = VARLEN_SPECS[spec]
+    g = torch.Generator().manual_seed(5)
+    q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, Hq, Hkv, D, Dv, dtype, generator=g)
+    if strided:  # rows of a wider buffer, as a fused QKV projection hands them over
+        q = torch.cat([q, q], dim=-1)[..., :D]
+        assert not q.is_contiguous()
+    return (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)), causal
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", list(VARLEN_SPECS))
+def test_varlen_fast_path_gives_the_python_paths_bits(spec, dtype, monkeypatch):
+    args, causal = _packed_inputs(spec, dtype, strided=spec == "decode_gqa")
+    for lse in (False, True):
+        kw = dict(causal=causal, return_lse=lse)
+        ab.attention_varlen(*args, **kw)  # planned by the Python path once, remembered
+        fast, served = _served(lambda: ab.attention_varlen(*args, **kw))
+        assert served, (spec, lse)
+        with monkeypatch.context() as m:
+            m.setattr(ab, "_fast_attention_varlen", lambda *a: None)
+            slow, served = _served(lambda: ab.attention_varlen(*args, **kw))
+        assert not served
+        for a, b in zip(*(r if isinstance(r, tuple) else (r,) for r in (fast, slow))):
+            assert_same(a, b)
+
+
+@pytest.mark.parametrize("spec", ["decode_gqa", "mixed_flash"])
+def test_varlen_fast_path_matches_the_reference(spec, gen):
+    from attn_backends._testing import check_2x, varlen_reference
+
+    args, causal = _packed_inputs(spec, torch.float32)
+    q, k, v, cu_q, cu_k = args[:5]
+    ab.attention_varlen(*args, causal=causal)
+    (out, lse), served = _served(lambda: ab.attention_varlen(*args, causal=causal, return_lse=True))
+    assert served
+    ref64, lse64 = varlen_reference(q, k, v, cu_q, cu_k, causal=causal)
+    same, _ = varlen_reference(q, k, v, cu_q, cu_k, dtype=torch.float32, causal=causal)
+    check_2x("out", out, ref64, same, 2, torch.float32)
+    check_2x("lse", lse, lse64, lse64.float(), 2, torch.float32)
+
+
+def test_flash_attn_varlen_func_takes_the_fast_path():
+    from attn_backends import flash_attn as fa
+
+    args, _ = _packed_inputs("decode_gqa", torch.float32)
+    for causal in (True, False):
+        for probs in (False, True):
+            fa.flash_attn_varlen_func(*args, causal=causal, return_attn_probs=probs)
+            res, served = _served(lambda: fa.flash_attn_varlen_func(*args, causal=causal, return_attn_probs=probs))
+            assert served
+            ref = ab.attention_varlen(*args, causal="bottom_right" if causal else False, return_lse=probs)
+            if probs:
+                assert res[2] is None
+                assert_same(res[0], ref[0])
+                assert_same(res[1], ref[1])
+            else:
+                assert_same(res, ref)
+
+
+@pytest.mark.parametrize("how", ["window", "softcap", "requires_grad", "named_math", "use_math", "int64_cu",
+                                 "strided_cu", "cu_on_meta", "loose_max_ok", "float64", "odd_causal"])
+def test_varlen_fast_path_hands_back_what_is_not_flash_varlens_plain_forward(how):
+    args, causal = _packed_inputs("decode_gqa", torch.float32)
+    q, k, v, cu_q, cu_k, mq, mk = args
+    kw = dict(causal=causal)
+    call = lambda: ab.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, **kw)  # noqa: E731
+    if how == "window":
+        kw["window"] = (3, 0)
+    elif how == "softcap":
+        kw["softcap"] = 5.0
+    elif how == "requires_grad":
+        q = q.clone().requires_grad_()
+    elif how == "named_math":
+        kw["backend"] = "math"
+    elif how == "int64_cu":  # refused by the Python path, by name
+        cu_q = cu_q.long()
+    elif how == "strided_cu":
+        cu_q = torch.stack([cu_q, cu_q], 1)[:, 0]
+    elif how == "loose_max_ok":  # a looser bound is fine, and served: the kernel gets the real longest
+        mq, mk = mq + 5, mk + 7
+    elif how == "float64":
+        q, k, v = q.double(), k.double(), v.double()
+    elif how == "odd_causal":
+        kw["causal"] = 1  # not a bool or a name: the Python path reads it
+    for _ in range(2):  # the second call would be served if the plan allowed it
+        try:
+            if how == "use_math":
+                with ab.use("math"):
+                    res, served = _served(call)
+            elif how == "cu_on_meta":
+                res, served = _served(lambda: ab.attention_varlen(q, k, v, cu_q.to("meta"), cu_k, mq, mk, **kw))
+            else:
+                res, served = _served(call)
+        except (ValueError, TypeError) as e:
+            assert how in ("int64_cu", "cu_on_meta"), (how, e)
+            assert "cu_seqlens" in str(e)
+            continue
+        assert how not in ("int64_cu", "cu_on_meta")
+    if how in ("int64_cu", "cu_on_meta"):
+        return
+    assert served == (how == "loose_max_ok"), how  # a strided cu_seqlens is copied by the Python path
+    if how == "requires_grad":
+        assert res.requires_grad
+
+
+@pytest.mark.parametrize("bad", ["not_monotone", "wrong_total", "too_long", "batch", "heads", "dtype", "rank"])
+def test_varlen_fast_path_leaves_bad_input_to_the_python_checks(bad):
+    args, causal = _packed_inputs("decode_gqa", torch.float32)
+    q, k, v, cu_q, cu_k, mq, mk = args
+    ab.attention_varlen(*args, causal=causal)  # remembered: the fast path is armed
+    if bad == "not_monotone":
+        cu_k = torch.tensor([0, 9, 5, 42], dtype=torch.int32)
+    elif bad == "wrong_total":
+        cu_k = torch.tensor([0, 9, 9, 41], dtype=torch.int32)
+    elif bad == "too_long":
+        mk = 32
+    elif bad == "batch":
+        cu_q = torch.tensor([0, 1, 3], dtype=torch.int32)
+    elif bad == "heads":
+        k, v = k[:, :1].expand(-1, 3, -1), v[:, :1].expand(-1, 3, -1)
+    elif bad == "dtype":
+        k = k.half()
+    else:
+        q = q[None]
+    before = _C.fast_calls()
+    with pytest.raises((ValueError, TypeError), match="cu_seqlens|max_seqlen|heads|dtype|3-D|sequence"):
+        ab.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=causal)
+    assert _C.fast_calls() == before

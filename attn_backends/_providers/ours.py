@@ -183,7 +183,8 @@ def _run_by_decode(a, sq):
     res = _C.kvcache_fwd_cpu(q.unflatten(0, (B, sq)), k[None], v[None], None, None, None, None, a.hcu_k[1:], -1,
                              torch.zeros(B, dtype=torch.int32), a.hcu_k[:-1], None, a.alibi, a.scale, a.causal != 0,
                              a.wl, a.wr, a.softcap, True, 0, a.sinks)
-    return None if res is None else (res[0].flatten(0, 1), res[1].transpose(0, 1).flatten(1))
+    # lse (Hq, Tq) contiguous, as the flash_varlen op and the packed fast path (csrc/ab_direct.c) give it
+    return None if res is None else (res[0].flatten(0, 1), res[1].transpose(0, 1).flatten(1).contiguous())
 
 
 def _run_flash_varlen(a):

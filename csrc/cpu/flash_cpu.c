@@ -59,15 +59,27 @@ int64_t ab_flash_cpu_decode_tokens(ab_dtype dt, int64_t G, int64_t Sk) {
   return rows < tokens ? rows : tokens;
 }
 
-/* The query tokens of the dense call p when the decode kernel can serve it, else 0.  (Packed calls
- * reach this file only through the op, which keeps the row statistics: ours.py routes them.) */
+/* Whether every sequence of the packed call p has as many keys as queries (top-left and bottom-right
+ * alignment are then the same). */
+static int packed_square(const ab_attn_params* p) {
+  for (int64_t b = 0; b < p->B; ++b)
+    if (p->cu_seqlens_q[b + 1] - p->cu_seqlens_q[b] != p->cu_seqlens_k[b + 1] - p->cu_seqlens_k[b]) return 0;
+  return 1;
+}
+
+/* The query tokens of the call p when the decode kernel can serve it, else 0.  Dense calls, and packed
+ * ones whose sequences all have Sq (max_seqlen_q) queries; the flash_varlen op keeps the row
+ * statistics, so its calls stay here (ours.py routes them to the decode kernel's direct call). */
 static int64_t decode_tokens(const ab_attn_params* p) {
-  if (p->cu_seqlens_q || p->stats.ndim || p->mask.ndim || p->dropout_p > 0 || p->Dv != p->D || p->Hkv < 1 ||
-      p->Sk < 1 || p->k.strides[3] != 1 || p->v.strides[3] != 1)
+  if (p->stats.ndim || p->mask.ndim || p->dropout_p > 0 || p->Dv != p->D || p->Hkv < 1 || p->Sk < 1 ||
+      p->k.strides[p->k.ndim - 1] != 1 || p->v.strides[p->v.ndim - 1] != 1)
     return 0;
+  if (p->cu_seqlens_q && (p->B < 1 || p->q.sizes[0] != p->B * p->Sq)) return 0; /* not Sq queries each */
   if (p->Sq > ab_flash_cpu_decode_tokens(p->q.dtype, p->Hq / p->Hkv, p->Sk)) return 0;
   const int windowed = p->window_left >= 0 || p->window_right >= 0;
-  if (p->causal != AB_CAUSAL_BOTTOM_RIGHT && p->Sq != p->Sk && (p->causal == AB_CAUSAL_TOP_LEFT || windowed)) return 0;
+  if (p->causal != AB_CAUSAL_BOTTOM_RIGHT && (p->causal == AB_CAUSAL_TOP_LEFT || windowed) &&
+      !(p->cu_seqlens_q ? packed_square(p) : p->Sq == p->Sk))
+    return 0;
   return p->Sq;
 }
 
@@ -78,14 +90,54 @@ static ab_tensor bshd(const ab_tensor* t) { /* (B, H, S, D) seen as (B, S, H, D)
   return v;
 }
 
-/* The dense call p through the decode kernel, its (B, H, S, D) tensors seen as (B, S, H, D). */
+/* A (Tq, H, D) tensor of B sequences of Sq rows each seen as (B, Sq, H, D). */
+static ab_tensor by_sequence(const ab_tensor* t, int64_t B, int64_t Sq) {
+  ab_tensor v = *t;
+  v.ndim = 4;
+  v.sizes[0] = B, v.sizes[1] = Sq, v.sizes[2] = t->sizes[1], v.sizes[3] = t->sizes[2];
+  v.strides[0] = Sq * t->strides[0], v.strides[1] = t->strides[0];
+  v.strides[2] = t->strides[1], v.strides[3] = t->strides[2];
+  return v;
+}
+
+/* The int32 view of n values from data, step apart (0: the one value for every row). */
+static ab_tensor index_view(const int32_t* data, int64_t n, int64_t step) {
+  ab_tensor v;
+  memset(&v, 0, sizeof v);
+  v.data = (void*)data;
+  v.dtype = AB_DTYPE_I32;
+  v.device = AB_DEVICE_CPU;
+  v.device_index = -1;
+  v.ndim = 1;
+  v.sizes[0] = n;
+  v.strides[0] = step;
+  return v;
+}
+
+/* The call p through the decode kernel.  Dense: its (B, H, S, D) tensors seen as (B, S, H, D).
+ * Packed: sequence b's Sq queries are batch row b, and its keys are those of the one cache row, the
+ * packed k and v, from cu_seqlens_k[b] (cache_leftpad) to cu_seqlens_k[b + 1] (cache_seqlens); lse
+ * (Hq, Tq) seen as (B, Hq, Sq). */
 static ab_status fwd_by_decode(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {
   ab_kvcache_params d;
   memset(&d, 0, sizeof d);
   d.B = p->B, d.Sq = p->Sq, d.Hq = p->Hq, d.Hkv = p->Hkv, d.D = p->D;
-  d.q = bshd(&p->q), d.out = bshd(&p->out), d.k_cache = bshd(&p->k), d.v_cache = bshd(&p->v);
-  d.cache_seqlen = p->Sk;
-  d.lse = p->lse; /* (B, Hq, Sq) float32: every forward has it (ab_attn_params_check) */
+  if (p->cu_seqlens_q) {
+    d.q = by_sequence(&p->q, p->B, p->Sq), d.out = by_sequence(&p->out, p->B, p->Sq);
+    d.k_cache = by_sequence(&p->k, 1, p->k.sizes[0]), d.v_cache = by_sequence(&p->v, 1, p->v.sizes[0]);
+    d.cache_seqlens = index_view(p->cu_seqlens_k + 1, p->B, 1);
+    d.cache_leftpad = index_view(p->cu_seqlens_k, p->B, 1);
+    d.cache_batch_idx = index_view(p->cu_seqlens_k, p->B, 0); /* cu_seqlens_k[0] = 0 for every row */
+    d.lse = p->lse;
+    d.lse.ndim = 3;
+    d.lse.sizes[0] = p->B, d.lse.sizes[1] = p->Hq, d.lse.sizes[2] = p->Sq;
+    d.lse.strides[0] = p->Sq * p->lse.strides[1], d.lse.strides[1] = p->lse.strides[0];
+    d.lse.strides[2] = p->lse.strides[1];
+  } else {
+    d.q = bshd(&p->q), d.out = bshd(&p->out), d.k_cache = bshd(&p->k), d.v_cache = bshd(&p->v);
+    d.cache_seqlen = p->Sk;
+    d.lse = p->lse; /* (B, Hq, Sq) float32: every forward has it (ab_attn_params_check) */
+  }
   d.alibi_slopes = p->alibi;
   d.sinks = p->sinks;
   d.scale = p->scale, d.softcap = p->softcap;
