@@ -29,6 +29,7 @@ CASES = [
     KV(B=2, Sq=4, Hq=4, Hkv=4, D=40, S=70, snew=4, causal=True, rotary="interleaved", dtype=F16),  # MHA, D=40
     KV(B=2, Sq=3, Hq=6, Hkv=2, D=64, S=90, snew=2, causal=True, rotary="neox", leftpad=True),  # 9 rows: 2 tiles
     KV(B=2, Sq=2, Hq=4, Hkv=2, D=64, S=150, block=16, snew=2, causal=True, dtype=BF16),
+    KV(B=2, Sq=1, Hq=4, Hkv=2, D=32, S=200, block=48, snew=1, causal=True),  # a block size not a power of 2
     KV(B=3, Sq=2, Hq=8, Hkv=2, D=128, S=200, block=32, snew=1, causal=True, rotary="neox", alibi="bh"),
     KV(B=2, Sq=4, Hq=2, Hkv=1, D=96, S=80, block=16, window=(7, 0), softcap=4.0, dtype=F16),
     KV(B=2, Sq=1, Hq=4, Hkv=2, D=64, S=64, batch_idx=True, snew=1, rotary="interleaved", alibi="h", dtype=BF16),
@@ -43,6 +44,7 @@ CASES = [
 ]
 SPLIT_CASES = [
     KV(B=1, Hq=8, Hkv=2, D=64, S=700, block=16, snew=1, causal=True, dtype=BF16),
+    KV(B=2, Hq=4, Hkv=4, D=32, S=500, block=80, dtype=F32),  # blocks of 80: not a power of 2
     KV(B=2, Sq=3, Hq=4, Hkv=4, D=128, S=300, leftpad=True, window=(100, -1), dtype=F16),
     KV(B=1, Sq=2, Hq=4, Hkv=2, D=64, S=600, snew=1, causal=True, sinks=True, alibi="bh", dtype=F16),  # sink once
 ]
@@ -109,11 +111,13 @@ def test_matches_the_reference_and_the_cpu_kernel_and_writes_the_cache(decode, c
 def test_split_and_unsplit_agree(decode, case, gen):
     call = Call(case, gen)
     outs = {}
-    for splits in (1, 3, 0):  # 0: the launcher's choice from the SM count and the cache length
+    # 0: the launcher's choice from the SM count and the cache length; 70: more splits than a warp has
+    # lanes (the merge reduces them across warps), some with no key of a short row
+    for splits in (1, 3, 0, 70):
         out, lse = run(decode, call.reset(), num_splits=splits)
         call.check(out, lse)
         outs[splits] = out.double(), lse.double()
-    for splits in (3, 0):
+    for splits in (3, 0, 70):
         assert torch.allclose(outs[splits][0], outs[1][0], atol=4 * torch.finfo(case.dtype).eps, rtol=0)
         assert torch.allclose(outs[splits][1], outs[1][1], atol=1e-5, rtol=0)
 

@@ -21,7 +21,6 @@
 
 namespace {
 
-constexpr int64_t kMaxSplits = 128;
 // Splits chosen by the heuristic keep at least this many keys each: below it the merge and the
 // per-block setup cost more than the parallelism gains.
 constexpr int64_t kMinSplitKeys = 128;
@@ -163,6 +162,21 @@ ab_status check_call(const ab_kvcache_params* p, ab_error* err) {
   return AB_OK;
 }
 
+// (mul, shift) such that x / d == umulhi(x, mul) >> shift for every 0 <= x < 2^31, d >= 1 (mul 0 for
+// d = 1: x itself).  With l = ceil(log2 d), mul = ceil(2^(31 + l) / d) < 2^32 and shift = l - 1:
+// x * mul / 2^(31 + l) = x / d + x * e / (d * 2^(31 + l)) with e = mul * d - 2^(31 + l) < d <= 2^l, so
+// the error term stays below 1 / d and the floor is exact (Granlund and Montgomery's method).
+void fast_divisor(int64_t d, uint32_t* mul, uint32_t* shift) {
+  if (d <= 1) {
+    *mul = 0, *shift = 0;
+    return;
+  }
+  int l = 0;
+  while (((int64_t)1 << l) < d) ++l;
+  *mul = (uint32_t)((((uint64_t)1 << (31 + l)) + (uint64_t)d - 1) / (uint64_t)d);
+  *shift = (uint32_t)(l - 1);
+}
+
 Index index_of(const ab_tensor& t) {
   Index x{t.ndim ? t.data : nullptr, t.ndim ? t.strides[0] : 0, t.ndim > 1 ? t.strides[1] : 0,
           t.dtype == AB_DTYPE_I64};
@@ -198,6 +212,9 @@ DecodeParams fill_params(const ab_kvcache_params* p, int64_t nsplit, void* works
   d.block_size = paged(p) ? p->k_cache.sizes[1] : 0;
   d.num_blocks = p->k_cache.sizes[0];
   d.cap = capacity(p);
+  // block sizes above 2^30 never arise (a multiple of 16 rows of a cache); capped for the shift's sake
+  d.bs_fast = d.block_size > 0 && d.block_size <= ((int64_t)1 << 30) && d.cap <= ((int64_t)1 << 31) - 1;
+  if (d.bs_fast) fast_divisor(d.block_size, &d.bs_mul, &d.bs_shift);
   d.block_table = index_of(p->block_table);
   if (p->k_new.ndim) {
     d.knew = p->k_new.data;

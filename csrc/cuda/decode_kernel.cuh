@@ -38,6 +38,7 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kChunk = 8;       // elements of a key row per lane and load
 constexpr int kMaxHeadDim = 256;  // 32 lanes x 8
 constexpr int kMaxRows = 8;     // query rows per block (registers: 8 accumulators per row per lane)
+constexpr int64_t kMaxSplits = 128;  // splits of a row's key range (the merge: one thread each)
 
 // An index tensor (int32 or int64; data NULL when absent): element (i, j) at i * s0 + j * s1.
 struct Index {
@@ -56,6 +57,8 @@ struct DecodeParams {
   void *kc, *vc;                        // caches; last dim contiguous, rows 16-byte aligned
   int64_t ks[3], vs[3];
   int64_t block_size, num_blocks;       // block_size 0: dense cache, num_blocks = its rows
+  uint32_t bs_mul, bs_shift;            // position / block_size as umulhi(pos, bs_mul) >> bs_shift
+  int32_t bs_fast;                      // (bs_mul 0: block_size 1), where every position is < 2^31
   int64_t cap;                          // positions a cache row holds
   Index block_table;                    // (B, max_blocks)
   const void *knew, *vnew;              // (B, snew, Hkv, D), any strides
@@ -159,14 +162,39 @@ __device__ __forceinline__ Row row_of(const DecodeParams& p, int64_t b) {
   return r;
 }
 
+// Where position pos of batch row b lies: the cache's first-dim index (a dense cache: the row; a
+// paged one: the block the table names, -1 where it names none of the cache) and the position in
+// it.  The paged division by block_size is a multiply-high and a shift (bs_mul, bs_shift: decode.cu
+// fast_divisor) where positions fit 31 bits, not a 64-bit division for each key.
+struct Slot {
+  int64_t first, at;
+};
+
+__device__ __forceinline__ Slot slot_of(const DecodeParams& p, int64_t b, int64_t row, int64_t pos) {
+  if (p.block_size == 0) return Slot{row, pos};
+  int64_t q, r;
+  if (p.bs_fast) {
+    const uint32_t x = (uint32_t)pos, qq = p.bs_mul ? __umulhi(x, p.bs_mul) >> p.bs_shift : x;
+    q = qq;
+    r = x - qq * (uint32_t)p.block_size;
+  } else {
+    q = pos / p.block_size;
+    r = pos % p.block_size;
+  }
+  const int64_t blk = index_at(p.block_table, b, q);
+  return blk < 0 || blk >= p.num_blocks ? Slot{-1, 0} : Slot{blk, r};
+}
+
+// Element offset of (slot s, head h, element 0) in a cache of strides cs, or -1 where s has no block.
+__device__ __forceinline__ int64_t slot_off(const Slot& s, const int64_t* cs, int64_t h) {
+  return s.first < 0 ? -1 : s.first * cs[0] + s.at * cs[1] + h * cs[2];
+}
+
 // Element offset of (position pos, head h, element 0) of batch row b in a cache of strides cs, or
 // -1 where the block table names no block of the cache.
 __device__ __forceinline__ int64_t cache_off(const DecodeParams& p, const int64_t* cs, int64_t b, int64_t row,
                                              int64_t pos, int64_t h) {
-  if (p.block_size == 0) return row * cs[0] + pos * cs[1] + h * cs[2];
-  const int64_t blk = index_at(p.block_table, b, pos / p.block_size);
-  if (blk < 0 || blk >= p.num_blocks) return -1;
-  return blk * cs[0] + (pos % p.block_size) * cs[1] + h * cs[2];
+  return slot_off(slot_of(p, b, row, pos), cs, h);
 }
 
 __device__ __forceinline__ int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
@@ -253,9 +281,10 @@ __device__ __forceinline__ void load_keys(const DecodeParams& p, const Row& r, i
   for (int u = 0; u < U; ++u) {
     const int64_t j = j0 + u * spread;
     int64_t ko = -1, vo = -1;
-    if (j < ke) {
-      ko = cache_off(p, p.ks, b, r.row, j, hkv);
-      vo = cache_off(p, p.vs, b, r.row, j, hkv);
+    if (j < ke) {  // one block lookup for the key and its value
+      const Slot sl = slot_of(p, b, r.row, j);
+      ko = slot_off(sl, p.ks, hkv);
+      vo = slot_off(sl, p.vs, hkv);
     }
     have[u] = ko >= 0 && vo >= 0;
     hole = hole || (j < ke && !have[u]);
@@ -506,42 +535,68 @@ __global__ void __launch_bounds__(kThreads, AB_DECODE_MIN_BLOCKS) attend_kernel(
 
 // ---- split-KV: the merge -----------------------------------------------------------------------
 
+// The sum of v over the block's threads, in a fixed order (each warp's xor tree, then the warps' in
+// order): every thread gets the same bits, run after run.  Uses red[kWarps]; syncs twice.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += red[w];
+  __syncthreads();  // red free again
+  return total;
+}
+
+// The largest v over the block's threads (NaN counts as none: fmaxf); every thread gets it.
+__device__ __forceinline__ float block_max(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float mx = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red[w]);
+  __syncthreads();
+  return mx;
+}
+
 // One block per output row (b, t, hq), grid-stride: out = sum_s w_s out_s, w_s = exp(lse_s - max) /
 // sum exp(lse_s - max), lse = max + log(sum); a row no split saw stays 0 / -inf; then the sink joins
-// (add_sink).
+// (add_sink).  Thread s reads split s's lse (kMaxSplits <= kThreads), the block reduces them, and the
+// weights go through shared memory to the threads of the row's elements: no thread walks the splits'
+// lse one dependent load after another (with 66 splits that chain was three passes of global loads).
 template <typename T>
 __global__ void __launch_bounds__(kThreads) merge_kernel(const DecodeParams p) {
+  static_assert(kMaxSplits <= kThreads, "one thread per split");
+  __shared__ float weight[kMaxSplits];
+  __shared__ float red[kWarps];
+  const int tid = threadIdx.x;
   const int64_t n = p.B * p.Sq * p.Hq;
   for (int64_t idx = blockIdx.x; idx < n; idx += gridDim.x) {
     const int64_t hq = idx % p.Hq, t = idx / p.Hq % p.Sq, b = idx / (p.Hq * p.Sq);
     // split s of this row at first + s * stride
     const int64_t first = (b * p.nsplit * p.Sq + t) * p.Hq + hq, stride = p.Sq * p.Hq;
-    float mx = -INFINITY;
-    bool nan = !row_of(p, b).ok;  // index values out of range: the row is NaN (attend_kernel)
-    for (int64_t s = 0; s < p.nsplit; ++s) {
-      const float ls = p.part_lse[first + s * stride];
-      mx = fmaxf(mx, ls);
-      nan = nan || ls != ls;  // a split that saw a NaN score makes the row NaN
-    }
-    float total = 0.0f;
-    if (mx != -INFINITY)
-      for (int64_t s = 0; s < p.nsplit; ++s) {
-        const float ls = p.part_lse[first + s * stride];
-        if (ls != -INFINITY) total += expf(ls - mx);
-      }
+    const float ls = tid < p.nsplit ? p.part_lse[first + tid * stride] : -INFINITY;
+    // a split that saw a NaN score makes the row NaN; so do index values out of range (attend_kernel)
+    const float nan_seen = block_sum(ls != ls ? 1.0f : 0.0f, red);
+    const bool nan = nan_seen > 0.0f || !row_of(p, b).ok;
+    const float mx = block_max(ls, red);
+    const float e = mx != -INFINITY && ls != -INFINITY && ls == ls ? expf(ls - mx) : 0.0f;
+    const float total = block_sum(e, red);
+    if (tid < p.nsplit) weight[tid] = total > 0.0f ? e / total : 0.0f;
     float factor;
     float lse = add_sink(p, hq, total > 0.0f ? mx + logf(total) : -INFINITY, factor);
     if (nan) lse = factor = NAN;
-    for (int64_t d = threadIdx.x; d < p.D; d += kThreads) {
+    __syncthreads();  // weight written
+    for (int64_t d = tid; d < p.D; d += kThreads) {
       float o = 0.0f;
-      if (total > 0.0f)
-        for (int64_t s = 0; s < p.nsplit; ++s) {
-          const float ls = p.part_lse[first + s * stride];
-          if (ls != -INFINITY) o += expf(ls - mx) / total * p.part[(first + s * stride) * p.D + d];
-        }
+      const float* part = p.part + first * p.D + d;
+#pragma unroll 4
+      for (int64_t s = 0; s < p.nsplit; ++s) o += weight[s] * part[s * stride * p.D];
       static_cast<T*>(p.out)[b * p.os[0] + t * p.os[1] + hq * p.os[2] + d * p.os[3]] = from_f<T>(o * factor);
     }
-    if (threadIdx.x == 0) p.lse[b * p.ls[0] + hq * p.ls[1] + t * p.ls[2]] = lse;
+    if (tid == 0) p.lse[b * p.ls[0] + hq * p.ls[1] + t * p.ls[2]] = lse;
+    __syncthreads();  // weight read before the next row writes it
   }
 }
 

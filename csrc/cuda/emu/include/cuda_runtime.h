@@ -117,6 +117,8 @@ inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 // the GPU's fast exponential (ex2.approx, a few ulp); emulated exactly
 inline float __expf(float x) { return expf(x); }
+// the high 32 bits of the 64-bit product
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((unsigned long long)a * b) >> 32); }
 inline float __int_as_float(int i) {
   float f;
   memcpy(&f, &i, sizeof f);
