@@ -264,7 +264,12 @@ def test_matches_the_reference_and_writes_the_cache_where_flash_attn_does(case, 
     call.check(*call.run(backend))
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[5], CASES[7], CASES[12], CASES[14]], ids=str)
+# MHA with four tokens or more: each head's tokens share its key and value rows (decode_cpu_impl.h);
+# six tokens (a group of four and two alone), a window that gives each token its own keys, D = 40 (a tail)
+MHA_TOKENS = KV(B=2, Sq=6, Hq=6, Hkv=6, D=40, S=70, snew=3, causal=True, window=(9, 0), dtype=torch.float16)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[5], CASES[7], CASES[12], CASES[14], MHA_TOKENS], ids=str)
 def test_every_isa_path(case, isa, gen):
     call = Call(case, gen)
     call.check(*call.run("paged_attention"))
