@@ -666,6 +666,50 @@ static int remembered(const ab_state* st, const ab_call* c) {
   return -1;
 }
 
+/* What both plain fast paths end with: the scale (None: D ** -0.5, as _validate.check_scale computes
+ * it), the call descriptor the Python path builds for the call (_dispatch.prepare, or prepare_varlen
+ * with varlen 1; square as the caller says), the plan remembered for it (served only where `chosen`
+ * is), then the kernel on p (q, k, v, sizes and cu_seqlens filled).  -> out or (out, lse), None to hand
+ * the call back, or NULL with an exception. */
+static PyObject* serve_plain(ab_state* st, PyObject* q, ab_attn_params* pp, PyObject* scale_o, int causal,
+                             int want_lse, int requested, int varlen, int square, int chosen) {
+  ab_attn_params p = *pp;
+  const ab_dtype dt = p.q.dtype;
+  double scale = pow((double)p.D, -0.5);
+  if (scale_o != Py_None) {
+    scale = PyFloat_AsDouble(scale_o);
+    if (!isfinite(scale) || (dt != AB_DTYPE_F64 && fabs(scale) > FLT_MAX)) Py_RETURN_NONE;
+  }
+  const int det = call_truth(st->deterministic);
+  if (det < 0) return NULL;
+  ab_call c;
+  const int known = cpu_call(st, &c);
+  if (known <= 0) return known < 0 ? NULL : Py_NewRef(Py_None);
+  c.dtype = dt;
+  c.D = p.D;
+  c.Dv = p.Dv;
+  c.gqa = p.Hq != p.Hkv;
+  c.square = square;
+  c.causal = (ab_causal)causal;
+  c.deterministic = det;
+  c.want_lse = want_lse;
+  c.varlen = varlen;
+  c.requested = requested;
+  if (remembered(st, &c) != chosen) Py_RETURN_NONE;
+  p.causal = (ab_causal)causal;
+  p.scale = scale;
+  p.window_left = p.window_right = -1;
+  PyObject* res = run_direct(st, q, &p, want_lse);
+  if (!res || want_lse) {
+    if (res) ++st->fast_calls;
+    return res;
+  }
+  PyObject* out = Py_NewRef(PyTuple_GetItem(res, 0));
+  Py_DECREF(res);
+  ++st->fast_calls;
+  return out;
+}
+
 static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   ab_state* st = ab_module_state(self);
   if (nargs != 7) {
@@ -704,38 +748,7 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
   p.Hkv = p.k.sizes[1];
   p.Sk = p.k.sizes[2];
   p.Dv = p.v.sizes[3];
-  double scale = pow((double)p.D, -0.5); /* D ** -0.5, as _dispatch.prepare computes it */
-  if (scale_o != Py_None) {
-    scale = PyFloat_AsDouble(scale_o);
-    if (!isfinite(scale) || (dt != AB_DTYPE_F64 && fabs(scale) > FLT_MAX)) Py_RETURN_NONE;
-  }
-  const int det = call_truth(st->deterministic);
-  if (det < 0) return NULL;
-  ab_call c; /* as _dispatch.prepare describes this call */
-  const int known = cpu_call(st, &c);
-  if (known <= 0) return known < 0 ? NULL : Py_NewRef(Py_None);
-  c.dtype = dt;
-  c.D = p.D;
-  c.Dv = p.Dv;
-  c.gqa = p.Hq != p.Hkv;
-  c.square = p.Sq == p.Sk;
-  c.causal = (ab_causal)causal;
-  c.deterministic = det;
-  c.want_lse = want_lse;
-  c.requested = requested;
-  if (remembered(st, &c) != AB_BK_FLASH) Py_RETURN_NONE;
-  p.causal = (ab_causal)causal;
-  p.scale = scale;
-  p.window_left = p.window_right = -1;
-  PyObject* res = run_direct(st, q, &p, want_lse);
-  if (!res || want_lse) {
-    if (res) ++st->fast_calls;
-    return res;
-  }
-  PyObject* out = Py_NewRef(PyTuple_GetItem(res, 0));
-  Py_DECREF(res);
-  ++st->fast_calls;
-  return out;
+  return serve_plain(st, q, &p, scale_o, causal, want_lse, requested, 0, p.Sq == p.Sk, AB_BK_FLASH);
 }
 
 /* ---- the fast path of ab.attention_varlen and flash_attn_varlen_func ------------------------------
@@ -820,39 +833,8 @@ static PyObject* ab_py_attention_varlen(PyObject* self, PyObject* const* args, P
   p.Dv = p.v.sizes[2];
   p.Sq = longest_q; /* the kernels get the real longest sequences, as prepare_varlen gives them */
   p.Sk = longest_k;
-  double scale = pow((double)p.D, -0.5); /* D ** -0.5, as _validate.check_scale computes it */
-  if (scale_o != Py_None) {
-    scale = PyFloat_AsDouble(scale_o);
-    if (!isfinite(scale) || (dt != AB_DTYPE_F64 && fabs(scale) > FLT_MAX)) Py_RETURN_NONE;
-  }
-  const int det = call_truth(st->deterministic);
-  if (det < 0) return NULL;
-  ab_call c; /* as _dispatch.prepare_varlen describes this call */
-  const int known = cpu_call(st, &c);
-  if (known <= 0) return known < 0 ? NULL : Py_NewRef(Py_None);
-  c.dtype = dt;
-  c.D = p.D;
-  c.Dv = p.Dv;
-  c.gqa = p.Hq != p.Hkv;
-  c.square = longest_q == longest_k;
-  c.causal = (ab_causal)causal;
-  c.deterministic = det;
-  c.want_lse = want_lse;
-  c.varlen = 1;
-  c.requested = requested;
-  if (remembered(st, &c) != AB_BK_FLASH_VARLEN) Py_RETURN_NONE;
-  p.causal = (ab_causal)causal;
-  p.scale = scale;
-  p.window_left = p.window_right = -1;
-  PyObject* res = run_direct(st, q, &p, want_lse);
-  if (!res || want_lse) {
-    if (res) ++st->fast_calls;
-    return res;
-  }
-  PyObject* out = Py_NewRef(PyTuple_GetItem(res, 0));
-  Py_DECREF(res);
-  ++st->fast_calls;
-  return out;
+  return serve_plain(st, q, &p, scale_o, causal, want_lse, requested, 1, longest_q == longest_k,
+                     AB_BK_FLASH_VARLEN);
 }
 
 /* ---- the fast path of ab.attention_with_kvcache -----------------------------------------------------
