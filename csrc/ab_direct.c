@@ -666,8 +666,9 @@ static int remembered(const ab_state* st, const ab_call* c) {
   return -1;
 }
 
-/* What both plain fast paths end with: the scale (None: D ** -0.5, as _validate.check_scale computes
- * it), the call descriptor the Python path builds for the call (_dispatch.prepare, or prepare_varlen
+/* What both plain fast paths end with: the scale (None: D ** -0.5 for a dense call, as
+ * _dispatch.prepare computes it, and 1 / sqrt(D) for a packed one, as _validate.check_scale does for
+ * prepare_varlen: the two differ by an ulp for some D), the call descriptor the Python path builds for the call (_dispatch.prepare, or prepare_varlen
  * with varlen 1; square as the caller says), the plan remembered for it (served only where `chosen`
  * is), then the kernel on p (q, k, v, sizes and cu_seqlens filled).  -> out or (out, lse), None to hand
  * the call back, or NULL with an exception. */
@@ -675,7 +676,7 @@ static PyObject* serve_plain(ab_state* st, PyObject* q, ab_attn_params* pp, PyOb
                              int want_lse, int requested, int varlen, int square, int chosen) {
   ab_attn_params p = *pp;
   const ab_dtype dt = p.q.dtype;
-  double scale = pow((double)p.D, -0.5);
+  double scale = varlen ? 1.0 / sqrt((double)p.D) : pow((double)p.D, -0.5);
   if (scale_o != Py_None) {
     scale = PyFloat_AsDouble(scale_o);
     if (!isfinite(scale) || (dt != AB_DTYPE_F64 && fabs(scale) > FLT_MAX)) Py_RETURN_NONE;
