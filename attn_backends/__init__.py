@@ -179,11 +179,10 @@ def attention_varlen(
     Returns:
         out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) float32, as flash-attn.
     """
-    if (window is None and sinks is None and alibi_slopes is None and not dropout_p and not softcap
-            and not deterministic and not _is_compiling()):
-        # the packed calls' fast path (csrc/ab_direct.c), as attention's above
+    if sinks is None and alibi_slopes is None and not dropout_p and not deterministic and not _is_compiling():
+        # the packed calls' fast path (csrc/ab_direct.c), as attention's above (a window and softcap too)
         res = _fast_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend, causal,
-                                     scale, return_lse)
+                                     scale, window, softcap, return_lse)
         if res is not None:
             return res
     return _dispatch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,

@@ -4,8 +4,8 @@ transformers' flash path), which the CPU flash forward hands to the decode kerne
 (csrc/cpu/flash_cpu.c, "short queries").
 
 Per row, interleaved rounds of: "route" (as shipped), "python" (the same with the fast paths in C off:
-_C.attention for ab.attention, _C.attention_varlen for flash_attn_varlen_func; what a call costs on
-the Python path), "flash" (ATTN_BACKENDS_FLASH_DECODE=0: the flash kernel, as before the route) and
+_C.attention for ab.attention, _C.attention_varlen for flash_attn_varlen_func, which tries it itself
+and again through ab.attention_varlen; what a call costs on the Python path), "flash" (ATTN_BACKENDS_FLASH_DECODE=0: the flash kernel, as before the route) and
 torch SDPA on the same dense tensors (enable_gqa; bottom-right
 causal as a bool mask when Sq > 1).  Packed rows time flash_attn_varlen_func on B sequences of Sq
 queries and Sk keys each, and torch on the dense equivalent.  Medians; "torch / route" above 1 means
@@ -40,11 +40,12 @@ class python_path:
     """The fast paths in C switched off (each returns None: the Python path serves the call)."""
 
     def __enter__(self):
-        self.saved = ab._fast_attention, fa._fast_varlen
-        ab._fast_attention = fa._fast_varlen = lambda *args: None
+        # flash_attn_varlen_func tries its own, then ab.attention_varlen's: both off
+        self.saved = ab._fast_attention, ab._fast_attention_varlen, fa._fast_varlen
+        ab._fast_attention = ab._fast_attention_varlen = fa._fast_varlen = lambda *args: None
 
     def __exit__(self, *exc):
-        ab._fast_attention, fa._fast_varlen = self.saved
+        ab._fast_attention, ab._fast_attention_varlen, fa._fast_varlen = self.saved
 
 
 def timeit(fn):

@@ -666,6 +666,23 @@ static int remembered(const ab_state* st, const ab_call* c) {
   return -1;
 }
 
+/* A softcap as _validate.check_softcap reads it: an exact float or int, >= 0 and finite.  1 with *x
+ * set, 0 when it is not one (the Python path words it). */
+static int softcap_arg(PyObject* o, double* x) {
+  if (PyFloat_CheckExact(o)) {
+    *x = PyFloat_AsDouble(o);
+  } else if (PyLong_CheckExact(o)) {
+    *x = PyLong_AsDouble(o);
+    if (*x == -1.0 && PyErr_Occurred()) {
+      PyErr_Clear();
+      return 0;
+    }
+  } else {
+    return 0;
+  }
+  return *x >= 0.0 && isfinite(*x);
+}
+
 /* What both plain fast paths end with: the scale (None: D ** -0.5 for a dense call, as
  * _dispatch.prepare computes it, and 1 / sqrt(D) for a packed one, as _validate.check_scale does for
  * prepare_varlen: the two differ by an ulp for some D), the call descriptor the Python path builds for the call (_dispatch.prepare, or prepare_varlen
@@ -673,7 +690,8 @@ static int remembered(const ab_state* st, const ab_call* c) {
  * is), then the kernel on p (q, k, v, sizes and cu_seqlens filled).  -> out or (out, lse), None to hand
  * the call back, or NULL with an exception. */
 static PyObject* serve_plain(ab_state* st, PyObject* q, ab_attn_params* pp, PyObject* scale_o, int causal,
-                             int want_lse, int requested, int varlen, int square, int chosen) {
+                             int64_t wl, int64_t wr, double softcap, int want_lse, int requested, int varlen,
+                             int square, int chosen) {
   ab_attn_params p = *pp;
   const ab_dtype dt = p.q.dtype;
   double scale = varlen ? 1.0 / sqrt((double)p.D) : pow((double)p.D, -0.5);
@@ -692,6 +710,8 @@ static PyObject* serve_plain(ab_state* st, PyObject* q, ab_attn_params* pp, PyOb
   c.gqa = p.Hq != p.Hkv;
   c.square = square;
   c.causal = (ab_causal)causal;
+  c.window = wl >= 0 || wr >= 0;
+  c.softcap = softcap > 0;
   c.deterministic = det;
   c.want_lse = want_lse;
   c.varlen = varlen;
@@ -699,7 +719,9 @@ static PyObject* serve_plain(ab_state* st, PyObject* q, ab_attn_params* pp, PyOb
   if (remembered(st, &c) != chosen) Py_RETURN_NONE;
   p.causal = (ab_causal)causal;
   p.scale = scale;
-  p.window_left = p.window_right = -1;
+  p.window_left = wl;
+  p.window_right = wr;
+  p.softcap = softcap;
   PyObject* res = run_direct(st, q, &p, want_lse);
   if (!res || want_lse) {
     if (res) ++st->fast_calls;
@@ -749,17 +771,18 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
   p.Hkv = p.k.sizes[1];
   p.Sk = p.k.sizes[2];
   p.Dv = p.v.sizes[3];
-  return serve_plain(st, q, &p, scale_o, causal, want_lse, requested, 0, p.Sq == p.Sk, AB_BK_FLASH);
+  return serve_plain(st, q, &p, scale_o, causal, -1, -1, 0.0, want_lse, requested, 0, p.Sq == p.Sk, AB_BK_FLASH);
 }
 
 /* ---- the fast path of ab.attention_varlen and flash_attn_varlen_func ------------------------------
  *
  * attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend, causal,
- * scale, want_lse): a packed call on the terms of attention()'s fast path: plain CPU tensors q (Tq, Hq,
- * D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) of one floating dtype, cu_seqlens contiguous CPU int32 (B + 1,)
- * within _varlen.check_cu_seqlens's rules (from 0, never decreasing, to the totals, no sequence longer
- * than its max_seqlen, an int), no window, softcap, dropout, sinks or ALiBi (the caller passes only
- * such calls), and the descriptor _dispatch.prepare_varlen builds remembered with flash_varlen chosen.
+ * scale, window, softcap, want_lse): a packed call on the terms of attention()'s fast path: plain CPU
+ * tensors q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) of one floating dtype, cu_seqlens contiguous
+ * CPU int32 (B + 1,) within _varlen.check_cu_seqlens's rules (from 0, never decreasing, to the totals,
+ * no sequence longer than its max_seqlen, an int), window None or a tuple of two ints >= -1, softcap
+ * an int or float >= 0, no dropout, sinks or ALiBi (the caller passes only such calls), and the
+ * descriptor _dispatch.prepare_varlen builds remembered with flash_varlen chosen.
  * Then the kernel runs as the Python path's flash_varlen runner runs it: ab_flash_cpu_fwd on the packed
  * call, which hands calls of a few queries per sequence to the decode kernel as
  * _providers/ours.py's _run_by_decode does (csrc/cpu/flash_cpu.c).  HF's continuous batching makes
@@ -778,13 +801,15 @@ static int64_t cu_longest(const int32_t* cu, int64_t B, int64_t total, long long
   return longest;
 }
 
-enum { VL_Q, VL_K, VL_V, VL_CU_Q, VL_CU_K, VL_MAX_Q, VL_MAX_K, VL_BACKEND, VL_CAUSAL, VL_SCALE, VL_LSE, VL_NARGS };
+enum { VL_Q, VL_K, VL_V, VL_CU_Q, VL_CU_K, VL_MAX_Q, VL_MAX_K, VL_BACKEND, VL_CAUSAL, VL_SCALE, VL_WINDOW,
+       VL_SOFTCAP, VL_LSE, VL_NARGS };
 
 static PyObject* ab_py_attention_varlen(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   ab_state* st = ab_module_state(self);
   if (nargs != VL_NARGS) {
     PyErr_SetString(PyExc_TypeError, "attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, "
-                                     "max_seqlen_k, backend, causal, scale, want_lse) takes 11 arguments");
+                                     "max_seqlen_k, backend, causal, scale, window, softcap, want_lse) takes 13 "
+                                     "arguments");
     return NULL;
   }
   PyObject *q = args[VL_Q], *k = args[VL_K], *v = args[VL_V], *cq = args[VL_CU_Q], *ck = args[VL_CU_K];
@@ -834,7 +859,19 @@ static PyObject* ab_py_attention_varlen(PyObject* self, PyObject* const* args, P
   p.Dv = p.v.sizes[2];
   p.Sq = longest_q; /* the kernels get the real longest sequences, as prepare_varlen gives them */
   p.Sk = longest_k;
-  return serve_plain(st, q, &p, scale_o, causal, want_lse, requested, 1, longest_q == longest_k,
+  /* window: None or (left, right) of ints >= -1, a side that hides no key (>= max_q + max_k) made
+   * unbounded as _validate.clamp_window makes it; softcap within float32's range unless float64 */
+  long long wl = -1, wr = -1;
+  PyObject* win = args[VL_WINDOW];
+  if (win != Py_None && (!PyTuple_CheckExact(win) || PyTuple_Size(win) != 2 ||
+                         !small_int(PyTuple_GetItem(win, 0), -1, &wl) || !small_int(PyTuple_GetItem(win, 1), -1, &wr)))
+    Py_RETURN_NONE;
+  const int64_t span = longest_q + longest_k;
+  wl = wl >= span ? -1 : wl;
+  wr = wr >= span ? -1 : wr;
+  double softcap;
+  if (!softcap_arg(args[VL_SOFTCAP], &softcap) || (dt != AB_DTYPE_F64 && softcap > FLT_MAX)) Py_RETURN_NONE;
+  return serve_plain(st, q, &p, scale_o, causal, wl, wr, softcap, want_lse, requested, 1, longest_q == longest_k,
                      AB_BK_FLASH_VARLEN);
 }
 
@@ -919,20 +956,8 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   if (!PyTuple_CheckExact(win) || PyTuple_Size(win) != 2 || !small_int(PyTuple_GetItem(win, 0), -1, &wl) ||
       !small_int(PyTuple_GetItem(win, 1), -1, &wr) || !small_int(args[KV_SPLITS], 0, &splits))
     Py_RETURN_NONE;
-  PyObject* cap_o = args[KV_SOFTCAP];
   double softcap;
-  if (PyFloat_CheckExact(cap_o)) {
-    softcap = PyFloat_AsDouble(cap_o);
-  } else if (PyLong_CheckExact(cap_o)) {
-    softcap = PyLong_AsDouble(cap_o);
-    if (softcap == -1.0 && PyErr_Occurred()) {
-      PyErr_Clear();
-      Py_RETURN_NONE;
-    }
-  } else {
-    Py_RETURN_NONE;
-  }
-  if (!(softcap >= 0.0 && isfinite(softcap))) Py_RETURN_NONE;
+  if (!softcap_arg(args[KV_SOFTCAP], &softcap)) Py_RETURN_NONE;
   PyObject* grad_checked[6] = {q, kc, vc}; /* the tensors _kvcache.check wants no gradient for */
   int n_grad = 3;
   if (args[KV_SINKS] != Py_None) grad_checked[n_grad++] = args[KV_SINKS];
@@ -1071,8 +1096,8 @@ static PyObject* ab_py_set_fast_api(PyObject* self, PyObject* args) {
 
 /* remember(call, chosen): the Python path planned call (a Call) and chose backend id chosen without
  * falling back; the fast paths may serve such calls from now on.  Only what they build is kept: plain
- * CPU forwards, dense (attention()) and packed (attention_varlen()), and CPU KV-cache calls (kvcache(),
- * which also takes a window, softcap, sinks and ALiBi). */
+ * CPU forwards, dense (attention()) and packed (attention_varlen(), which also takes a window and
+ * softcap), and CPU KV-cache calls (kvcache(), which also takes a window, softcap, sinks and ALiBi). */
 static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   ab_state* st = ab_module_state(self);
   PyObject* call;
@@ -1083,7 +1108,8 @@ static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   const int cpu = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !c.mask && !c.mask_grad &&
                   !c.dropout && !c.need_grad && !c.cuda_smem;
   const int options = c.window || c.softcap || c.sinks || c.alibi;
-  const int plain = cpu && (c.varlen == 2 || !options);
+  /* dense: no options; packed: a window and softcap too; KV cache: all four */
+  const int plain = cpu && (c.varlen == 2 || (c.varlen == 1 && !c.sinks && !c.alibi) || !options);
   if (plain && remembered(st, &c) < 0 && st->n_remembered < AB_REMEMBERED_MAX) {
     st->remembered[st->n_remembered].call = c;
     st->remembered[st->n_remembered].chosen = chosen;
@@ -1121,7 +1147,7 @@ PyMethodDef ab_direct_methods[] = {
      "path for plain eager CPU calls whose plan is remembered (None: take the Python path)."},
     {"attention_varlen", (PyCFunction)(void (*)(void))ab_py_attention_varlen, METH_FASTCALL,
      "attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend, causal, scale, "
-     "want_lse) -> out, (out, lse), or None: the packed calls' fast path for plain eager CPU calls whose plan is "
+     "window, softcap, want_lse) -> out, (out, lse), or None: the packed calls' fast path for plain eager CPU calls whose plan is "
      "remembered (None: take the Python path)."},
     {"kvcache", (PyCFunction)(void (*)(void))ab_py_kvcache, METH_FASTCALL,
      "kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad, "

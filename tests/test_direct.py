@@ -454,17 +454,53 @@ def test_flash_attn_varlen_func_takes_the_fast_path():
                 assert_same(res, ref)
 
 
-@pytest.mark.parametrize("how", ["window", "softcap", "requires_grad", "named_math", "use_math", "int64_cu",
-                                 "strided_cu", "cu_on_meta", "loose_max_ok", "float64", "odd_causal"])
+@pytest.mark.parametrize("spec", ["decode_gqa", "mixed_flash", "top_left_flash"])
+@pytest.mark.parametrize("opts", [dict(window=(3, 0)), dict(window=(2, 1), softcap=5.0), dict(softcap=2),
+                                  dict(window=(10**6, 0)), dict(window=(-1, -1))], ids=str)
+def test_varlen_fast_path_takes_windows_and_softcap_with_the_python_paths_bits(spec, opts, monkeypatch):
+    # a window side wider than any sequence pair is unbounded on both paths (_validate.clamp_window)
+    args, causal = _packed_inputs(spec, torch.float32)
+    kw = dict(causal=causal, return_lse=True, **opts)
+    ab.attention_varlen(*args, **kw)
+    fast, served = _served(lambda: ab.attention_varlen(*args, **kw))
+    assert served
+    with monkeypatch.context() as m:
+        m.setattr(ab, "_fast_attention_varlen", lambda *a: None)
+        slow, served = _served(lambda: ab.attention_varlen(*args, **kw))
+    assert not served
+    for a, b in zip(fast, slow):
+        assert_same(a, b)
+
+
+def test_flash_attn_varlen_func_takes_a_causal_window_on_the_fast_path():
+    from attn_backends import flash_attn as fa
+
+    args, _ = _packed_inputs("mixed_flash", torch.float32)
+    for causal, window, fast in ((True, (4, 0), True), (False, (4, 0), False), (True, (-3, 0), True)):
+        # without causal flash-attn aligns a window bottom-right (the Python path handles it, sequence by
+        # sequence); a side below -1 is flash-attn's "unbounded", which the Python path reads as -1 and
+        # hands to ab.attention_varlen, whose fast path then serves it
+        kw = dict(causal=causal, window_size=window, softcap=3.0)
+        fa.flash_attn_varlen_func(*args, **kw)
+        res, served = _served(lambda: fa.flash_attn_varlen_func(*args, **kw))
+        assert served == fast, (causal, window)
+        opts = dict(causal="bottom_right" if causal else False, softcap=3.0)
+        if causal:
+            ref = ab.attention_varlen(*args, window=(max(window[0], -1), window[1]), **opts)
+            assert_same(res, ref)
+
+
+@pytest.mark.parametrize("how", ["requires_grad", "named_math", "use_math", "int64_cu", "strided_cu", "cu_on_meta",
+                                 "loose_max_ok", "float64", "odd_causal", "sinks", "list_window"])
 def test_varlen_fast_path_hands_back_what_is_not_flash_varlens_plain_forward(how):
     args, causal = _packed_inputs("decode_gqa", torch.float32)
     q, k, v, cu_q, cu_k, mq, mk = args
     kw = dict(causal=causal)
     call = lambda: ab.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, **kw)  # noqa: E731
-    if how == "window":
-        kw["window"] = (3, 0)
-    elif how == "softcap":
-        kw["softcap"] = 5.0
+    if how == "sinks":
+        kw["sinks"] = torch.zeros(q.shape[1])
+    elif how == "list_window":  # a list, not a tuple: the Python path reads it
+        kw["window"] = [3, 0]
     elif how == "requires_grad":
         q = q.clone().requires_grad_()
     elif how == "named_math":
