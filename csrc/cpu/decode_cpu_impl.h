@@ -180,6 +180,59 @@ static inline __attribute__((always_inline)) void DC(dot1)(const float* q, const
   *s = DC(hsum)(a0 + a1);
 }
 
+/* n dot products of length D (n a constant at each call site, at most 8) of packed query rows against one
+ * key row: row i's block db of VLEN elements at q + db * bs + i * VLEN, so one pointer walks all n rows
+ * and the n sums stay in registers as n independent chains.  (With a pointer per row, as DC(dot4) takes
+ * them, the compiler kept reloading the row pointers from the stack inside the MHA tokens' loop: 11
+ * loads per 4 FMAs.)  The sums are
+ * those of DC(dot4) (one chain per row, DC(hsum4)) for groups of four and of DC(dot1) (two chains) for
+ * a lone row, bit for bit.  Scores to s + i * ss. */
+static inline __attribute__((always_inline)) void DC(dotp)(const int n, const float* q, int64_t bs, const void* kb,
+                                                          int64_t ko, int64_t D, const int dt, float* s, int64_t ss) {
+  const int64_t full = D / VLEN * VLEN;
+  vf a[8];
+  for (int i = 0; i < 8; ++i) a[i] = vset1(0.0f);
+  int64_t d = 0;
+  if (n == 1) { /* two chains, as DC(dot1) */
+    for (; d + 2 * VLEN <= full; d += 2 * VLEN, q += 2 * bs) {
+      a[0] += vload(q) * DC(ld)(kb, ko + d, dt);
+      a[1] += vload(q + bs) * DC(ld)(kb, ko + d + VLEN, dt);
+    }
+    if (d < full) {
+      a[0] += vload(q) * DC(ld)(kb, ko + d, dt);
+      d += VLEN;
+      q += bs;
+    }
+    if (d < D) a[1] += vload(q) * DC(ld_tail)(kb, ko + d, D - d, dt);
+    *s = DC(hsum)(a[0] + a[1]);
+    return;
+  }
+  for (; d < full; d += VLEN, q += bs) {
+    const vf k = DC(ld)(kb, ko + d, dt);
+    for (int i = 0; i < n; ++i) a[i] += vload(q + i * VLEN) * k;
+  }
+  if (d < D) {
+    const vf k = DC(ld_tail)(kb, ko + d, D - d, dt);
+    for (int i = 0; i < n; ++i) a[i] += vload(q + i * VLEN) * k;
+  }
+  int i = 0;
+  for (; i + 4 <= n; i += 4) DC(hsum4)(a[i], a[i + 1], a[i + 2], a[i + 3], 1.0f, s + i * ss, ss);
+  for (; i < n; ++i) s[i * ss] = DC(hsum)(a[i]);
+}
+
+/* n packed rows (as DC(dotp)) against one key row: eight at a time, then four, then one by one. */
+static inline __attribute__((always_inline)) void DC(dotp_rows)(int64_t n, const float* q, int64_t bs, const void* kb,
+                                                               int64_t ko, int64_t D, const int dt, float* s,
+                                                               int64_t ss) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) DC(dotp)(8, q + i * VLEN, bs, kb, ko, D, dt, s + i * ss, ss);
+  if (i + 4 <= n) {
+    DC(dotp)(4, q + i * VLEN, bs, kb, ko, D, dt, s + i * ss, ss);
+    i += 4;
+  }
+  for (; i < n; ++i) DC(dotp)(1, q + i * VLEN, bs, kb, ko, D, dt, s + i * ss, ss);
+}
+
 /* Prefetches spread over a key's heads, issued head by head between the dot products rather than a
  * whole key row at once: a burst of a row's lines fills every fill buffer, the next loads wait behind
  * it and the arithmetic stalls with them (measured: bfloat16 GQA decode 20-25% faster spread out).
@@ -250,21 +303,18 @@ static inline __attribute__((always_inline)) void DC(key_scores)(const float* q,
   }
 }
 
-/* The scores of n tokens' rows for one key, one query row per KV head (MHA): hg heads, token i's row
- * of head h at q + i * qs + h * dpad, key rows at kb + ko + h * ks2, scores to s + i * ss + h *
- * DC_CHUNK.  The tokens of a head share its key row, four at a time (loaded once for the four; by
- * heads, as DC(key_scores) goes for one token, each row of q meets its own key row). */
-static inline __attribute__((always_inline)) void DC(token_scores)(const float* q, int64_t qs, int64_t n,
-                                                                  int64_t dpad, int64_t hg, const void* kb,
-                                                                  int64_t ko, int64_t ks2, int64_t D, const int dt,
-                                                                  float* s, int64_t ss, const DC(pf) * f) {
+/* The scores of n tokens' rows for one key, one query row per KV head (MHA): hg heads, the rows packed
+ * (DC(dotp)) with head h's at qp + h * hs, blocks bs apart; key rows at kb + ko + h * ks2, token i's
+ * scores of head h to s + i * ss + h * DC_CHUNK.  The tokens of a head share its key row, eight at a
+ * time (loaded once for the eight; by heads, as DC(key_scores) goes for one token, each row of q meets
+ * its own key row). */
+static inline __attribute__((always_inline)) void DC(token_scores)(const float* qp, int64_t hs, int64_t bs, int64_t n,
+                                                                  int64_t hg, const void* kb, int64_t ko, int64_t ks2,
+                                                                  int64_t D, const int dt, float* s, int64_t ss,
+                                                                  const DC(pf) * f) {
   for (int64_t h = 0; h < hg; ++h) {
     DC(pf_head)(f, h);
-    const float* qh = q + h * dpad;
-    float* sh = s + h * DC_CHUNK;
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) DC(dot4)(qh + i * qs, qs, kb, ko + h * ks2, 0, D, dt, sh + i * ss, ss);
-    for (; i < n; ++i) DC(dot1)(qh + i * qs, kb, ko + h * ks2, D, dt, sh + i * ss);
+    DC(dotp_rows)(n, qp + h * hs, bs, kb, ko + h * ks2, D, dt, s + h * DC_CHUNK, ss);
   }
 }
 
@@ -810,6 +860,16 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
           for (int64_t d = 0; d < D; ++d) col[d * rhp] = qr[d];
         }
     }
+    /* MHA tiles of four tokens or more (the row path's DC(token_scores)): the tile's query rows packed
+     * head by head, block by block, for DC(dotp) in qt (unused by the row path otherwise): token t0 + i's
+     * row of head h, elements [db * VLEN, db * VLEN + VLEN), at qt + ((h * nbk + db) * R + i) * VLEN */
+    const int64_t nbk = (D + VLEN - 1) / VLEN, R = t1 - t0;
+    if (!tiled && !bf && G == 1 && R >= 4)
+      for (int64_t h = 0; h < hg; ++h)
+        for (int64_t db = 0; db < nbk; ++db)
+          for (int64_t i = 0; i < R; ++i)
+            vstore(w->qt + ((h * nbk + db) * R + i) * VLEN,
+                   vload(run->qf + ((b * Sq + t0 + i) * p->Hq + h0 + h) * dpad + db * VLEN));
     for (int64_t r = 0; r < nrows; ++r) {
       w->m[r] = -INFINITY;
       w->l[r] = 0.0f;
@@ -852,12 +912,13 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
           tb = t + 1;
         }
         /* MHA with four tokens or more that all see a key of the chunk: each head's tokens share its key
-         * rows in step 1 (DC(token_scores): four tokens' dot products per load of a key row, where one
-         * token's four heads each load their own) and its value rows in step 3 (DC(pv) across tokens),
-         * instead of one token at a time.  Scores of keys a token does not see are computed too and
-         * hidden by step 2.  On the avx2 path (AMD EPYC, Zen 3, 2 threads; docs/benchmarks.md, "MHA
-         * with several tokens") 1.16-1.35x faster at 4 and 8 tokens; at 2 and 3 tokens even or slower,
-         * so those keep the heads' grouping. */
+         * rows in step 1 (DC(token_scores): up to eight tokens' dot products per load of a key row, the
+         * rows packed above, where one token's four heads each load their own) and its value rows in
+         * step 3 (DC(pv) across tokens), instead of one token at a time.  Scores of keys a token does not
+         * see are computed too and hidden by step 2.  On the avx2 path (AMD EPYC, Zen 3, 2 threads;
+         * docs/benchmarks.md, "MHA with several tokens") 1.16-1.35x faster at 4 and 8 tokens, and the
+         * packed rows 1.04-1.47x more; at 2 and 3 tokens even or slower, so those keep the heads'
+         * grouping. */
         int mha_tokens = G == 1 && !bf && tb - ta >= 4;
         for (int64_t t = ta; t < tb && mha_tokens; ++t)
           mha_tokens = (w->tlo[t - t0] > j ? w->tlo[t - t0] : j) < (w->thi[t - t0] < je ? w->thi[t - t0] : je);
@@ -872,8 +933,8 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
             f.k = (const char*)kb + nko[ahead - je] * (int64_t)es;
           const DC(pf)* fp = &f; /* with the first token that reads the key */
           if (mha_tokens) {
-            DC(token_scores)(run->qf + ((b * Sq + ta) * p->Hq + h0) * dpad, p->Hq * dpad, tb - ta, dpad, hg, kb,
-                             ko[jj - j], ks2, D, dt, w->S + (ta - t0) * HG * DC_CHUNK + (jj - j), HG * DC_CHUNK, fp);
+            DC(token_scores)(w->qt + (ta - t0) * VLEN, nbk * R * VLEN, R * VLEN, tb - ta, hg, kb, ko[jj - j], ks2, D,
+                             dt, w->S + (ta - t0) * HG * DC_CHUNK + (jj - j), HG * DC_CHUNK, fp);
             continue;
           }
           for (int64_t t = ta; t < tb; ++t) {
