@@ -188,10 +188,11 @@ ab_status ab_math_cpu_bwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_e
  * O(tile) in the forward; float16, bfloat16 and float32 (float32 scores and accumulation), every
  * feature of ab_attn_params, dense or packed (varlen).  Runs the ISA path ab_cpu_isa_get() names. */
 ab_status ab_flash_cpu_fwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err);
-/* The query tokens per sequence up to which ab_flash_cpu_fwd runs a call without row statistics
- * (stats absent) on the decode kernel instead (csrc/cpu/flash_cpu.c, "short queries"), for a GQA
- * group of G query heads per KV head and Sk keys; 0: none. */
-int64_t ab_flash_cpu_decode_tokens(ab_dtype dt, int64_t G, int64_t Sk);
+/* The query tokens per sequence of the flash call p when the decode kernel serves it instead, else 0
+ * (csrc/cpu/flash_cpu.c, "short queries"): ab_flash_cpu_fwd runs such a call there when it has no row
+ * statistics (stats absent).  Reads the shapes, strides, dtype, mask, dropout, causal, window and, for
+ * packed calls, the host cu_seqlens of p; not its data. */
+int64_t ab_flash_cpu_decode_route(const ab_attn_params* p);
 ab_status ab_flash_cpu_bwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err);
 
 /* sage: SageAttention's recipe, forward only and lossy (docs/sage.md): K smoothed by its mean over

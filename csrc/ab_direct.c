@@ -1041,14 +1041,54 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   return out;
 }
 
-/* flash_decode_tokens(dtype, G, Sk) -> int: ab_flash_cpu_decode_tokens (ab_core.h), for the flash
- * provider's packed calls that take the op (attn_backends/_providers/ours.py). */
-static PyObject* ab_py_flash_decode_tokens(PyObject* self, PyObject* args) {
-  (void)self;
-  int dt;
-  long long G, Sk;
-  if (!PyArg_ParseTuple(args, "iLL", &dt, &G, &Sk)) return NULL;
-  return PyLong_FromLongLong(ab_flash_cpu_decode_tokens((ab_dtype)dt, G, Sk));
+/* flash_decode_route(q, k, v, has_mask, dropout_p, causal, window_left, window_right, cu_seqlens_q,
+ * cu_seqlens_k) -> int: ab_flash_cpu_decode_route (ab_core.h) for a CPU flash call, for the calls
+ * without a gradient that take the op (attn_backends/_providers/ours.py): the query tokens per sequence
+ * when the decode kernel serves it, else 0.  Dense: q, k, v as the op takes them, (B, H, S, D).  Packed:
+ * (T, H, D) and the host int32 cu_seqlens (contiguous, checked already); None for a dense call. */
+static PyObject* ab_py_flash_decode_route(PyObject* self, PyObject* args) {
+  ab_state* st = ab_module_state(self);
+  PyObject *q, *k, *v, *cq, *ck;
+  int has_mask, causal;
+  double dropout;
+  long long wl, wr;
+  if (!PyArg_ParseTuple(args, "OOOpdiLLOO", &q, &k, &v, &has_mask, &dropout, &causal, &wl, &wr, &cq, &ck))
+    return NULL;
+  ab_attn_params p;
+  memset(&p, 0, sizeof p);
+  if (read_view(st, q, &p.q, "q", 0) < 0 || read_view(st, k, &p.k, "k", 0) < 0 || read_view(st, v, &p.v, "v", 0) < 0)
+    return NULL;
+  const int packed = cq != Py_None;
+  if (p.q.ndim != 4 - packed || p.k.ndim != p.q.ndim || p.v.ndim != p.q.ndim) {
+    PyErr_SetString(PyExc_ValueError, "flash_decode_route: q, k and v must be (B, H, S, D), or (T, H, D) with "
+                                      "cu_seqlens");
+    return NULL;
+  }
+  const int last = p.q.ndim - 1;
+  p.Hq = p.q.sizes[last - 1 - !packed], p.Hkv = p.k.sizes[last - 1 - !packed];
+  p.D = p.q.sizes[last], p.Dv = p.v.sizes[last];
+  p.causal = (ab_causal)causal;
+  p.window_left = wl, p.window_right = wr;
+  p.dropout_p = dropout;
+  if (has_mask) p.mask.ndim = 4; /* only its presence is read */
+  ab_tensor tcq, tck;
+  if (packed) {
+    if (read_view(st, cq, &tcq, "cu_seqlens_q", 0) < 0 || read_view(st, ck, &tck, "cu_seqlens_k", 0) < 0) return NULL;
+    if (tcq.ndim != 1 || tck.ndim != 1 || tcq.dtype != AB_DTYPE_I32 || tck.dtype != AB_DTYPE_I32 ||
+        tcq.sizes[0] < 1 || tcq.sizes[0] != tck.sizes[0] || tcq.strides[0] != 1 || tck.strides[0] != 1) {
+      PyErr_SetString(PyExc_ValueError, "flash_decode_route: cu_seqlens must be contiguous 1-D int32 of one length");
+      return NULL;
+    }
+    p.B = tcq.sizes[0] - 1;
+    p.cu_seqlens_q = (const int32_t*)tcq.data;
+    p.cu_seqlens_k = (const int32_t*)tck.data;
+    p.Sq = cu_longest(p.cu_seqlens_q, p.B, p.q.sizes[0], INT32_MAX);
+    p.Sk = cu_longest(p.cu_seqlens_k, p.B, p.k.sizes[0], INT32_MAX);
+    if (p.Sq < 0 || p.Sk < 0) return PyLong_FromLong(0); /* cu_seqlens that do not describe q and k: no route */
+  } else {
+    p.B = p.q.sizes[0], p.Sq = p.q.sizes[2], p.Sk = p.k.sizes[2];
+  }
+  return PyLong_FromLongLong(ab_flash_cpu_decode_route(&p));
 }
 
 /* kvcache_max_rows(dtype, in_place, positions) -> int: ab_kvcache_cpu_max_rows (decode_cpu.h), for
@@ -1155,9 +1195,10 @@ PyMethodDef ab_direct_methods[] = {
      "want_lse, backend, sinks) -> out, "
      "(out, lse), or None: ab.attention_with_kvcache's fast path for eager CPU calls whose plan is "
      "remembered (None: take the Python path)."},
-    {"flash_decode_tokens", ab_py_flash_decode_tokens, METH_VARARGS,
-     "flash_decode_tokens(dtype, G, Sk) -> int: the query tokens per sequence up to which the CPU flash forward "
-     "runs a call on the decode kernel (0: none)"},
+    {"flash_decode_route", ab_py_flash_decode_route, METH_VARARGS,
+     "flash_decode_route(q, k, v, has_mask, dropout_p, causal, window_left, window_right, cu_seqlens_q, "
+     "cu_seqlens_k) -> int: the query tokens per sequence when the CPU flash forward would run the call on the "
+     "decode kernel (without row statistics), else 0."},
     {"kvcache_max_rows", ab_py_kvcache_max_rows, METH_VARARGS,
      "kvcache_max_rows(dtype, in_place, positions) -> int: the query rows per KV head up to which the CPU decode "
      "kernel serves a call (more go to flash over the cache)."},

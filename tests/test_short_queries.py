@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attn_backends as ab
-from attn_backends import _C, _planner
+from attn_backends import _C
 from attn_backends._testing import (check_2x, check_out_and_grads_2x, make_packed, reference_attention,
                                     varlen_reference)
 
@@ -112,11 +112,33 @@ def test_longer_queries_masks_and_gradients_stay_on_flash_and_right(Sq, gen):
 
 
 def test_the_route_covers_only_a_few_tokens(monkeypatch):
-    dt = _planner.DTYPE_IDS[F32]
-    assert _C.flash_decode_tokens(dt, 4, 4096) == 8 and _C.flash_decode_tokens(dt, 1, 64) == 4
-    assert _C.flash_decode_tokens(dt, 0, 64) == 0
+    """_C.flash_decode_route: the CPU flash forward's rule, which ours.py asks for the op's calls."""
+    def route(Hq, Hkv, Sq, Sk, D=64, mask=False, p=0.0, causal=2, wl=-1, wr=-1, dtype=F32, Dv=None):
+        q, k = torch.empty(1, Hq, Sq, D, dtype=dtype), torch.empty(1, Hkv, Sk, D, dtype=dtype)
+        v = torch.empty(1, Hkv, Sk, Dv or D, dtype=dtype)
+        return _C.flash_decode_route(q, k, v, mask, p, causal, wl, wr, None, None)
+
+    assert route(16, 4, 8, 4096) == 8 and route(16, 4, 9, 4096) == 0  # groups of 4 or more: 8 tokens
+    assert route(4, 4, 4, 64) == 4 and route(4, 4, 5, 64) == 0  # MHA: 4
+    assert route(4, 4, 1, 64, mask=True) == 0 and route(4, 4, 1, 64, p=0.1) == 0
+    assert route(4, 4, 1, 64, Dv=32) == 0
+    assert route(4, 4, 2, 64, causal=1) == 0 and route(4, 4, 2, 2, causal=1) == 2  # top-left: the same if square
+    assert route(4, 4, 2, 64, causal=0, wl=8) == 0 and route(4, 4, 2, 64, causal=2, wl=8) == 2
+    # transposed keys (last dim not contiguous) stay with flash
+    q, k = torch.empty(1, 4, 1, 64), torch.empty(1, 4, 64, 64).transpose(2, 3)
+    assert _C.flash_decode_route(q, k, k, False, 0.0, 2, -1, -1, None, None) == 0
+
+    def packed(lens_q, lens_k, causal=2, Hq=4, Hkv=4, D=16):
+        cu = lambda lens: torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        q = torch.empty(sum(lens_q), Hq, D)
+        k = torch.empty(sum(lens_k), Hkv, D)
+        return _C.flash_decode_route(q, k, k, False, 0.0, causal, -1, -1, cu(lens_q), cu(lens_k))
+
+    assert packed([2, 2], [10, 5]) == 2 and packed([1, 2], [10, 5]) == 0  # every sequence its Sq queries
+    assert packed([2, 2], [2, 2], causal=1) == 2 and packed([2, 2], [2, 3], causal=1) == 0
+    assert packed([1, 1, 1], [0, 7, 3]) == 1  # a sequence with no key
     monkeypatch.setenv("ATTN_BACKENDS_FLASH_DECODE", "0")  # the switch, read at every call
-    assert _C.flash_decode_tokens(dt, 4, 4096) == 0
+    assert route(16, 4, 8, 4096) == 0 and packed([2, 2], [10, 5]) == 0
 
 
 VARLEN = [  # lens_k per sequence (every sequence has sq queries), Hq, Hkv, D

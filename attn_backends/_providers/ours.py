@@ -142,38 +142,25 @@ def _device_cu_seqlens(a, q):
 
 def _decode_tokens(a) -> int:
     """The query tokens of every sequence when a CPU call without a gradient goes to the decode kernel,
-    else 0: the rule of the CPU flash forward's own route for calls without row statistics
-    (csrc/cpu/flash_cpu.c, "short queries"), for the calls that take the op (packed calls, sinks,
-    ALiBi, inference mode), which always keeps the statistics and so cannot take it there."""
+    else 0, for the calls that take the op (packed calls, sinks, ALiBi, inference mode): the op keeps
+    the row statistics, so the CPU flash forward's own route (csrc/cpu/flash_cpu.c, "short queries")
+    does not take them; its rule is asked here (_C.flash_decode_route) and the call goes to the decode
+    kernel's direct call."""
     q, k, v = a.q, a.k, a.v
-    if (a.need_grad or a.p or a.mask is not None or not q.is_cpu or _is_compiling() or _C.cuda_emulation()
-            or v.shape[-1] != q.shape[-1] or k.stride(-1) != 1 or v.stride(-1) != 1):
+    # read_ok (first torch.compile, which must fold the rest away; a fake or wrapped tensor has no data to
+    # read) before any call into _C
+    if a.need_grad or not q.is_cpu or not read_ok(q, k, v, a.sinks, a.alibi) or _C.cuda_emulation():
         return 0
-    G = q.shape[1] // k.shape[1]
-    if a.cu_q is None:
-        sq, Sk = q.shape[2], k.shape[2]
-        same = sq == Sk
-    else:  # every sequence has sq queries: none has more (max_q) and together they have B * sq
-        B, sq, Sk = a.hcu_q.numel() - 1, a.max_q, a.max_k
-        if q.shape[0] != B * sq:
-            return 0
-        same = Sk == sq and k.shape[0] == B * sq
-    if Sk < 1 or not 1 <= sq <= _C.flash_decode_tokens(_planner.DTYPE_IDS[q.dtype], G, Sk):
-        return 0
-    if a.causal != 2 and (a.causal == 1 or a.wl >= 0 or a.wr >= 0) and not same:
-        return 0  # top-left alignment (causal 1, or a window without causal) differs from the kernel's
-    return sq
+    return _C.flash_decode_route(q, k, v, a.mask is not None, a.p, a.causal, a.wl, a.wr, a.hcu_q, a.hcu_k)
 
 
 def _run_by_decode(a, sq):
     """The call on the decode kernel's direct call (_C.kvcache_fwd_cpu, the kernel attention_with_kvcache
-    runs), or None where that may not serve (torch.compile, a jit trace, a dispatch or function mode,
-    a functorch transform, a tensor subclass: those keep the flash op).  Dense: the (B, S, H, D)
-    views.  Packed: sequence b's queries are batch row b, its keys cache row 0 from cu_seqlens_k[b]
-    (cache_leftpad) to cu_seqlens_k[b + 1] (cache_seqlens)."""
+    runs), or None where that refuses it; only for the calls _decode_tokens passed (no torch.compile,
+    jit trace, dispatch or function mode, functorch transform or tensor subclass: those keep the flash
+    op).  Dense: the (B, S, H, D) views.  Packed: sequence b's queries are batch row b, its keys cache
+    row 0 from cu_seqlens_k[b] (cache_leftpad) to cu_seqlens_k[b + 1] (cache_seqlens)."""
     q, k, v = a.q, a.k, a.v
-    if not read_ok(q, k, v, a.sinks, a.alibi):
-        return None
     if a.cu_q is None:
         res = _C.kvcache_fwd_cpu(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None,
                                  -1, None, None, None, a.alibi, a.scale, a.causal != 0, a.wl, a.wr, a.softcap, True, 0,

@@ -45,13 +45,14 @@ static ab_status check_flash(const ab_attn_params* p, int backward, ab_error* er
  * decode kernel serves well (ab_kvcache_cpu_max_rows), the calls it can express: no mask or dropout, Dv = D,
  * keys with a contiguous last dimension, causal and windows aligned bottom-right (or the same either
  * way: Sq = Sk, for packed calls every sequence's), and a forward whose row statistics no backward will read (stats
- * absent: the direct calls, which have no autograd; attn_backends/_providers/ours.py sends the
- * calls without a gradient that take the op to the decode kernel's direct call by the same rule).
+ * absent: the direct calls, which have no autograd).  The calls without a gradient that take the op,
+ * which keeps the statistics, ask the same rule (ab_flash_cpu_decode_route, through
+ * _C.flash_decode_route) and go to the decode kernel's direct call from attn_backends/_providers/ours.py.
  * ATTN_BACKENDS_FLASH_DECODE=0 turns the route off. */
 #define AB_FLASH_DECODE_TOKENS 4      /* MHA and small groups */
 #define AB_FLASH_DECODE_TOKENS_GQA 8  /* groups of 4 query heads per KV head or more */
 
-int64_t ab_flash_cpu_decode_tokens(ab_dtype dt, int64_t G, int64_t Sk) {
+static int64_t decode_tokens(ab_dtype dt, int64_t G, int64_t Sk) {
   const char* off = getenv("ATTN_BACKENDS_FLASH_DECODE"); /* "0": flash keeps them (read at every call) */
   if (G < 1 || (off && off[0] == '0' && off[1] == 0)) return 0;
   const int64_t rows = ab_kvcache_cpu_max_rows(dt, 1, Sk) / G;
@@ -67,15 +68,12 @@ static int packed_square(const ab_attn_params* p) {
   return 1;
 }
 
-/* The query tokens of the call p when the decode kernel can serve it, else 0.  Dense calls, and packed
- * ones whose sequences all have Sq (max_seqlen_q) queries; the flash_varlen op keeps the row
- * statistics, so its calls stay here (ours.py routes them to the decode kernel's direct call). */
-static int64_t decode_tokens(const ab_attn_params* p) {
-  if (p->stats.ndim || p->mask.ndim || p->dropout_p > 0 || p->Dv != p->D || p->Hkv < 1 || p->Sk < 1 ||
+int64_t ab_flash_cpu_decode_route(const ab_attn_params* p) {
+  if (p->mask.ndim || p->dropout_p > 0 || p->Dv != p->D || p->Hkv < 1 || p->Sk < 1 ||
       p->k.strides[p->k.ndim - 1] != 1 || p->v.strides[p->v.ndim - 1] != 1)
     return 0;
   if (p->cu_seqlens_q && (p->B < 1 || p->q.sizes[0] != p->B * p->Sq)) return 0; /* not Sq queries each */
-  if (p->Sq > ab_flash_cpu_decode_tokens(p->q.dtype, p->Hq / p->Hkv, p->Sk)) return 0;
+  if (p->Sq > decode_tokens(p->q.dtype, p->Hq / p->Hkv, p->Sk)) return 0;
   const int windowed = p->window_left >= 0 || p->window_right >= 0;
   if (p->causal != AB_CAUSAL_BOTTOM_RIGHT && (p->causal == AB_CAUSAL_TOP_LEFT || windowed) &&
       !(p->cu_seqlens_q ? packed_square(p) : p->Sq == p->Sk))
@@ -159,7 +157,7 @@ static ab_status fwd_by_decode(const ab_attn_params* p, const ab_cpu_pool* pool,
 ab_status ab_flash_cpu_fwd(const ab_attn_params* p, const ab_cpu_pool* pool, ab_error* err) {
   ab_status st = check_flash(p, 0, err);
   if (st != AB_OK || p->B == 0 || p->Hq == 0 || p->Sq == 0) return st;
-  if (decode_tokens(p)) return fwd_by_decode(p, pool, err);
+  if (!p->stats.ndim && ab_flash_cpu_decode_route(p)) return fwd_by_decode(p, pool, err);
   return ab_cpu_kernels_get()->flash_fwd(p, pool, err);
 }
 
