@@ -120,6 +120,9 @@ def test_the_route_covers_only_a_few_tokens(monkeypatch):
 
     assert route(16, 4, 8, 4096) == 8 and route(16, 4, 9, 4096) == 0  # groups of 4 or more: 8 tokens
     assert route(4, 4, 4, 64) == 4 and route(4, 4, 5, 64) == 0  # MHA: 4
+    # MHA: 8 where the decode kernel measured faster (dense float32 over 2048 keys or more)
+    assert route(4, 4, 8, 2048) == 8 and route(4, 4, 9, 2048) == 0 and route(4, 4, 5, 1024) == 0
+    assert route(4, 4, 5, 4096, dtype=torch.bfloat16) == 0 and route(4, 2, 5, 4096) == 0  # a group of 2: 4
     assert route(4, 4, 1, 64, mask=True) == 0 and route(4, 4, 1, 64, p=0.1) == 0
     assert route(4, 4, 1, 64, Dv=32) == 0
     assert route(4, 4, 2, 64, causal=1) == 0 and route(4, 4, 2, 2, causal=1) == 2  # top-left: the same if square
@@ -128,15 +131,18 @@ def test_the_route_covers_only_a_few_tokens(monkeypatch):
     q, k = torch.empty(1, 4, 1, 64), torch.empty(1, 4, 64, 64).transpose(2, 3)
     assert _C.flash_decode_route(q, k, k, False, 0.0, 2, -1, -1, None, None) == 0
 
-    def packed(lens_q, lens_k, causal=2, Hq=4, Hkv=4, D=16):
+    def packed(lens_q, lens_k, causal=2, Hq=4, Hkv=4, D=16, dtype=F32):
         cu = lambda lens: torch.tensor([0, *lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        q = torch.empty(sum(lens_q), Hq, D)
-        k = torch.empty(sum(lens_k), Hkv, D)
+        q = torch.empty(sum(lens_q), Hq, D, dtype=dtype)
+        k = torch.empty(sum(lens_k), Hkv, D, dtype=dtype)
         return _C.flash_decode_route(q, k, k, False, 0.0, causal, -1, -1, cu(lens_q), cu(lens_k))
 
     assert packed([2, 2], [10, 5]) == 2 and packed([1, 2], [10, 5]) == 0  # every sequence its Sq queries
     assert packed([2, 2], [2, 2], causal=1) == 2 and packed([2, 2], [2, 3], causal=1) == 0
     assert packed([1, 1, 1], [0, 7, 3]) == 1  # a sequence with no key
+    # packed MHA: 8 tokens from 1024 keys (the longest sequence's), 2-byte dtypes from 256
+    assert packed([8, 8], [1024, 5]) == 8 and packed([5, 5], [1023, 5]) == 0
+    assert packed([8, 8], [256, 5], dtype=torch.bfloat16) == 8 and packed([5, 5], [255, 5], dtype=torch.float16) == 0
     monkeypatch.setenv("ATTN_BACKENDS_FLASH_DECODE", "0")  # the switch, read at every call
     assert route(16, 4, 8, 4096) == 0 and packed([2, 2], [10, 5]) == 0
 
@@ -174,6 +180,33 @@ def test_packed_short_queries_match_the_reference(packed, sq, case, causal, dtyp
         softcap=opts.get("softcap", 0.0), alibi_slopes=opts.get("alibi_slopes"), sinks=opts.get("sinks"),
         return_softmax_lse=True)
     assert torch.equal(out, kv_out.flatten(0, 1)) and torch.equal(lse, kv_lse.transpose(0, 1).flatten(1))
+
+
+@pytest.mark.parametrize("dtype, lens_k, sq", [(BF16, [300, 7], 8), (F32, [1030, 0], 5), (torch.float16, [256], 6)])
+def test_packed_mha_takes_the_route_up_to_8_tokens_over_many_keys(dtype, lens_k, sq, gen):
+    B, H, D = len(lens_k), 3, 24
+    q, k, v, cu_q, cu_k = make_packed([sq] * B, lens_k, H, H, D, D, dtype, generator=gen)
+    with torch.no_grad():
+        out, lse = ab.attention_varlen(q, k, v, cu_q, cu_k, sq, max(lens_k), causal="bottom_right", return_lse=True)
+    ref64, lse64 = varlen_reference(q, k, v, cu_q, cu_k, causal="bottom_right")
+    same, _ = varlen_reference(q, k, v, cu_q, cu_k, dtype=dtype, causal="bottom_right")
+    check_2x("out", out, ref64, same, 2, dtype)
+    check_2x("lse", lse, lse64, lse64.float(), 2, F32)
+    kv_out, kv_lse = ab.attention_with_kvcache(q.unflatten(0, (B, sq)), k[None], v[None], cache_seqlens=cu_k[1:],
+                                               cache_leftpad=cu_k[:-1], cache_batch_idx=torch.zeros(B, dtype=torch.int32),
+                                               causal=True, return_softmax_lse=True)
+    assert torch.equal(out, kv_out.flatten(0, 1)) and torch.equal(lse, kv_lse.transpose(0, 1).flatten(1))
+
+
+def test_dense_mha_float32_takes_the_route_up_to_8_tokens_over_2048_keys(gen):
+    q, k, v = (_bshd(1, S, 2, 16, F32, gen) for S in (7, 2048, 2048))
+    with torch.no_grad():
+        out, lse = ab.attention(q, k, v, causal="bottom_right", return_lse=True)
+    ref64, lse64 = reference_attention(q, k, v, causal="bottom_right")
+    same, _ = reference_attention(q, k, v, causal="bottom_right", dtype=F32)
+    check_2x("out", out, ref64, same, 2, F32)
+    kv_out, kv_lse = _via_kvcache(q, k, v, "bottom_right", {})
+    assert torch.equal(out, kv_out.transpose(1, 2)) and torch.equal(lse, kv_lse)
 
 
 def test_packed_calls_the_route_leaves_to_flash_are_right(gen):

@@ -131,8 +131,8 @@ static inline void DC(hsum4)(vf a0, vf a1, vf a2, vf a3, float scale, float* s, 
 }
 
 /* Four dot products of length D: q rows at q + i * qs with cache rows at kb + ko + i * kst (kst 0:
- * one key row shared by four query rows, of a GQA group or of the tokens of one MHA head, loaded
- * once).  Scores to s + i * st; the query rows' pad lanes are 0. */
+ * one key row shared by four query rows of a GQA group, loaded once).  Scores to s + i * st; the
+ * query rows' pad lanes are 0. */
 static inline __attribute__((always_inline)) void DC(dot4)(const float* q, int64_t qs, const void* kb, int64_t ko,
                                                           int64_t kst, int64_t D, const int dt, float* s,
                                                           int64_t st) {
@@ -184,9 +184,8 @@ static inline __attribute__((always_inline)) void DC(dot1)(const float* q, const
  * key row: row i's block db of VLEN elements at q + db * bs + i * VLEN, so one pointer walks all n rows
  * and the n sums stay in registers as n independent chains.  (With a pointer per row, as DC(dot4) takes
  * them, the compiler kept reloading the row pointers from the stack inside the MHA tokens' loop: 11
- * loads per 4 FMAs.)  The sums are
- * those of DC(dot4) (one chain per row, DC(hsum4)) for groups of four and of DC(dot1) (two chains) for
- * a lone row, bit for bit.  Scores to s + i * ss. */
+ * loads per 4 FMAs.)  The sums are those of DC(dot4) (one chain per row, DC(hsum4)) for groups of four
+ * and of DC(dot1) (two chains) for a lone row, bit for bit.  Scores to s + i * ss. */
 static inline __attribute__((always_inline)) void DC(dotp)(const int n, const float* q, int64_t bs, const void* kb,
                                                           int64_t ko, int64_t D, const int dt, float* s, int64_t ss) {
   const int64_t full = D / VLEN * VLEN;

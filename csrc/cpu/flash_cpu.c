@@ -40,8 +40,9 @@ static ab_status check_flash(const ab_attn_params* p, int backward, ab_error* er
  * for the whole GQA group: on the avx2 path (AMD EPYC, Zen 3, 2 threads; docs/benchmarks.md, "Short
  * queries") it took 0.09-0.41x flash's time at one token and 0.25-0.70x at four (GQA), 0.63-1.06x at
  * four for MHA, and at eight tokens 0.37-0.63x with groups of 4 or more over 1024 keys or more but
- * 1.4-1.7x for MHA.  So flash hands it calls of at most AB_FLASH_DECODE_TOKENS tokens per sequence
- * (AB_FLASH_DECODE_TOKENS_GQA for groups of 4 or more), and no more query rows per KV head than the
+ * 1.4-1.7x for MHA (before the kernel's MHA tokens path: mha_many_tokens below).  So flash hands it
+ * calls of at most AB_FLASH_DECODE_TOKENS tokens per sequence (AB_FLASH_DECODE_TOKENS_GQA for groups
+ * of 4 or more, and for MHA where mha_many_tokens says so), and no more query rows per KV head than the
  * decode kernel serves well (ab_kvcache_cpu_max_rows), the calls it can express: no mask or dropout, Dv = D,
  * keys with a contiguous last dimension, causal and windows aligned bottom-right (or the same either
  * way: Sq = Sk, for packed calls every sequence's), and a forward whose row statistics no backward will read (stats
@@ -52,11 +53,23 @@ static ab_status check_flash(const ab_attn_params* p, int backward, ab_error* er
 #define AB_FLASH_DECODE_TOKENS 4      /* MHA and small groups */
 #define AB_FLASH_DECODE_TOKENS_GQA 8  /* groups of 4 query heads per KV head or more */
 
-static int64_t decode_tokens(ab_dtype dt, int64_t G, int64_t Sk) {
+/* MHA (one query head per KV head) up to AB_FLASH_DECODE_TOKENS_GQA tokens where the decode kernel
+ * measured faster than flash at 5 and 8 tokens (avx2, AMD EPYC Zen 3, 2 threads, 2026-11-27, after the
+ * packed query rows of decode_cpu_impl.h): packed calls with 1024 keys or more (float32: 1.06-2.1x) or
+ * 2-byte ones with 256 or more (1.04-3.2x; flash on packed (T, H, D) keys runs 1.3-3x slower than on
+ * dense (B, H, S, D) ones), dense float32 calls with 2048 keys or more (1.26-1.70x).  Below that flash
+ * was faster or even (dense float32 under 2048 keys 0.67-0.82x, dense bfloat16 0.84-1.21x). */
+static int mha_many_tokens(ab_dtype dt, int64_t Sk, int packed) {
+  if (packed) return Sk >= 1024 || (dt != AB_DTYPE_F32 && Sk >= 256);
+  return dt == AB_DTYPE_F32 && Sk >= 2048;
+}
+
+static int64_t decode_tokens(ab_dtype dt, int64_t G, int64_t Sk, int packed) {
   const char* off = getenv("ATTN_BACKENDS_FLASH_DECODE"); /* "0": flash keeps them (read at every call) */
   if (G < 1 || (off && off[0] == '0' && off[1] == 0)) return 0;
   const int64_t rows = ab_kvcache_cpu_max_rows(dt, 1, Sk) / G;
-  const int64_t tokens = G >= 4 ? AB_FLASH_DECODE_TOKENS_GQA : AB_FLASH_DECODE_TOKENS;
+  const int64_t tokens = G >= 4 || (G == 1 && mha_many_tokens(dt, Sk, packed)) ? AB_FLASH_DECODE_TOKENS_GQA
+                                                                                 : AB_FLASH_DECODE_TOKENS;
   return rows < tokens ? rows : tokens;
 }
 
@@ -73,7 +86,7 @@ int64_t ab_flash_cpu_decode_route(const ab_attn_params* p) {
       p->k.strides[p->k.ndim - 1] != 1 || p->v.strides[p->v.ndim - 1] != 1)
     return 0;
   if (p->cu_seqlens_q && (p->B < 1 || p->q.sizes[0] != p->B * p->Sq)) return 0; /* not Sq queries each */
-  if (p->Sq > decode_tokens(p->q.dtype, p->Hq / p->Hkv, p->Sk)) return 0;
+  if (p->Sq > decode_tokens(p->q.dtype, p->Hq / p->Hkv, p->Sk, p->cu_seqlens_q != NULL)) return 0;
   const int windowed = p->window_left >= 0 || p->window_right >= 0;
   if (p->causal != AB_CAUSAL_BOTTOM_RIGHT && (p->causal == AB_CAUSAL_TOP_LEFT || windowed) &&
       !(p->cu_seqlens_q ? packed_square(p) : p->Sq == p->Sk))
