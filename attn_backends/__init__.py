@@ -179,10 +179,11 @@ def attention_varlen(
     Returns:
         out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) float32, as flash-attn.
     """
-    if sinks is None and alibi_slopes is None and not dropout_p and not deterministic and not _is_compiling():
-        # the packed calls' fast path (csrc/ab_direct.c), as attention's above (a window and softcap too)
+    if not dropout_p and not deterministic and not _is_compiling():
+        # the packed calls' fast path (csrc/ab_direct.c), as attention's above (windows, softcap, sinks and
+        # ALiBi too)
         res = _fast_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend, causal,
-                                     scale, window, softcap, return_lse)
+                                     scale, window, softcap, return_lse, sinks, alibi_slopes)
         if res is not None:
             return res
     return _dispatch.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,

@@ -182,14 +182,13 @@ def flash_attn_varlen_func(
     Returns out (total_q, Hq, Dv), or (out, lse (Hq, total_q) float32, None) with return_attn_probs."""
     from . import attention, attention_varlen
 
-    if (block_table is None and s_aux is None and alibi_slopes is None and not dropout_p and not deterministic
-            and window_size.__class__ is tuple and (causal is True or (causal is False and window_size == (-1, -1)))
-            and not _is_compiling()):
+    if (block_table is None and not dropout_p and not deterministic and window_size.__class__ is tuple
+            and (causal is True or (causal is False and window_size == (-1, -1))) and not _is_compiling()):
         # the packed calls' fast path (csrc/ab_direct.c); None: the checks and the planner below.  A window
         # only with causal: without it flash-attn aligns the window bottom-right, ours top-left (below)
         res = _fast_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,
                            "bottom_right" if causal else False, softmax_scale, window_size, softcap,
-                           bool(return_attn_probs))
+                           bool(return_attn_probs), s_aux, alibi_slopes)
         if res is not None:
             return (res[0], res[1], None) if return_attn_probs else res
 

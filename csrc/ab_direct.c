@@ -716,6 +716,8 @@ static PyObject* serve_plain(ab_state* st, PyObject* q, ab_attn_params* pp, PyOb
   c.want_lse = want_lse;
   c.varlen = varlen;
   c.requested = requested;
+  c.sinks = p.sinks.ndim > 0;
+  c.alibi = p.alibi.ndim > 0;
   if (remembered(st, &c) != chosen) Py_RETURN_NONE;
   p.causal = (ab_causal)causal;
   p.scale = scale;
@@ -777,12 +779,13 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
 /* ---- the fast path of ab.attention_varlen and flash_attn_varlen_func ------------------------------
  *
  * attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend, causal,
- * scale, window, softcap, want_lse): a packed call on the terms of attention()'s fast path: plain CPU
- * tensors q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) of one floating dtype, cu_seqlens contiguous
- * CPU int32 (B + 1,) within _varlen.check_cu_seqlens's rules (from 0, never decreasing, to the totals,
- * no sequence longer than its max_seqlen, an int), window None or a tuple of two ints >= -1, softcap
- * an int or float >= 0, no dropout, sinks or ALiBi (the caller passes only such calls), and the
- * descriptor _dispatch.prepare_varlen builds remembered with flash_varlen chosen.
+ * scale, window, softcap, want_lse, sinks, alibi_slopes): a packed call on the terms of attention()'s
+ * fast path: plain CPU tensors q (Tq, Hq, D), k (Tk, Hkv, D), v (Tk, Hkv, Dv) of one floating dtype,
+ * cu_seqlens contiguous CPU int32 (B + 1,) within _varlen.check_cu_seqlens's rules (from 0, never
+ * decreasing, to the totals, no sequence longer than its max_seqlen, an int), window None or a tuple
+ * of two ints >= -1, softcap an int or float >= 0, sinks None or (Hq,) floating without a gradient
+ * (GPT-OSS's s_aux), alibi_slopes None or float32 (Hq,) or (B, Hq), no dropout (the caller passes only
+ * such calls), and the descriptor _dispatch.prepare_varlen builds remembered with flash_varlen chosen.
  * Then the kernel runs as the Python path's flash_varlen runner runs it: ab_flash_cpu_fwd on the packed
  * call, which hands calls of a few queries per sequence to the decode kernel as
  * _providers/ours.py's _run_by_decode does (csrc/cpu/flash_cpu.c).  HF's continuous batching makes
@@ -802,21 +805,30 @@ static int64_t cu_longest(const int32_t* cu, int64_t B, int64_t total, long long
 }
 
 enum { VL_Q, VL_K, VL_V, VL_CU_Q, VL_CU_K, VL_MAX_Q, VL_MAX_K, VL_BACKEND, VL_CAUSAL, VL_SCALE, VL_WINDOW,
-       VL_SOFTCAP, VL_LSE, VL_NARGS };
+       VL_SOFTCAP, VL_LSE, VL_SINKS, VL_ALIBI, VL_NARGS };
 
 static PyObject* ab_py_attention_varlen(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   ab_state* st = ab_module_state(self);
   if (nargs != VL_NARGS) {
     PyErr_SetString(PyExc_TypeError, "attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, "
-                                     "max_seqlen_k, backend, causal, scale, window, softcap, want_lse) takes 13 "
-                                     "arguments");
+                                     "max_seqlen_k, backend, causal, scale, window, softcap, want_lse, sinks, "
+                                     "alibi_slopes) takes 15 arguments");
     return NULL;
   }
   PyObject *q = args[VL_Q], *k = args[VL_K], *v = args[VL_V], *cq = args[VL_CU_Q], *ck = args[VL_CU_K];
   PyObject* scale_o = args[VL_SCALE];
   if (!st->tensor_type || !st->empty_strided || st->n_remembered == 0 || ab_cuda_emulation()) Py_RETURN_NONE;
-  PyObject* const tensors[5] = {q, k, v, cq, ck};
-  for (int i = 0; i < 5; ++i)
+  /* q, k, v, then the sinks (whose gradient counts, as _dispatch.prepare_varlen's need_grad counts it),
+   * then cu_seqlens and the ALiBi slopes (no gradient, as in flash-attn) */
+  PyObject *sinks = args[VL_SINKS], *alibi = args[VL_ALIBI];
+  PyObject* tensors[7] = {q, k, v};
+  int n = 3;
+  if (sinks != Py_None) tensors[n++] = sinks;
+  const int n_grad = n;
+  tensors[n++] = cq;
+  tensors[n++] = ck;
+  if (alibi != Py_None) tensors[n++] = alibi;
+  for (int i = 0; i < n; ++i)
     if ((PyObject*)Py_TYPE(tensors[i]) != st->tensor_type) Py_RETURN_NONE;
   long long max_q, max_k;
   if (!small_int(args[VL_MAX_Q], 0, &max_q) || !small_int(args[VL_MAX_K], 0, &max_k) || max_q > INT32_MAX ||
@@ -824,9 +836,9 @@ static PyObject* ab_py_attention_varlen(PyObject* self, PyObject* const* args, P
     Py_RETURN_NONE;
   int causal, want_lse, requested;
   const int go = fast_opening(st, st->guards, args[VL_CAUSAL], 1, args[VL_LSE], scale_o, args[VL_BACKEND], tensors,
-                              3, &causal, &want_lse, &requested);
+                              n_grad, &causal, &want_lse, &requested);
   if (go <= 0) return go < 0 ? NULL : Py_NewRef(Py_None);
-  const int cpu = all_cpu(st, tensors, 5);
+  const int cpu = all_cpu(st, tensors, n);
   if (cpu < 0) return NULL;
   if (!cpu) Py_RETURN_NONE;
   ab_attn_params p;
@@ -859,6 +871,18 @@ static PyObject* ab_py_attention_varlen(PyObject* self, PyObject* const* args, P
   p.Dv = p.v.sizes[2];
   p.Sq = longest_q; /* the kernels get the real longest sequences, as prepare_varlen gives them */
   p.Sk = longest_k;
+  /* sinks (Hq,) of a floating dtype, ALiBi slopes (Hq,) or (B, Hq) float32: _validate.check_sinks and
+   * check_alibi's rules (the CPU kernels read any strides and the sinks in any floating dtype) */
+  if (sinks != Py_None) {
+    if (read_view(st, sinks, &p.sinks, "sinks", 1) < 0) return NULL;
+    if (p.sinks.ndim != 1 || p.sinks.sizes[0] != p.Hq || p.sinks.dtype > AB_DTYPE_F64) Py_RETURN_NONE;
+  }
+  if (alibi != Py_None) {
+    if (read_view(st, alibi, &p.alibi, "alibi_slopes", 1) < 0) return NULL;
+    if (p.alibi.dtype != AB_DTYPE_F32 || !((p.alibi.ndim == 1 && p.alibi.sizes[0] == p.Hq) ||
+                                            (p.alibi.ndim == 2 && p.alibi.sizes[0] == p.B && p.alibi.sizes[1] == p.Hq)))
+      Py_RETURN_NONE;
+  }
   /* window: None or (left, right) of ints >= -1, a side that hides no key (>= max_q + max_k) made
    * unbounded as _validate.clamp_window makes it; softcap within float32's range unless float64 */
   long long wl = -1, wr = -1;
@@ -1148,8 +1172,8 @@ static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   const int cpu = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !c.mask && !c.mask_grad &&
                   !c.dropout && !c.need_grad && !c.cuda_smem;
   const int options = c.window || c.softcap || c.sinks || c.alibi;
-  /* dense: no options; packed: a window and softcap too; KV cache: all four */
-  const int plain = cpu && (c.varlen == 2 || (c.varlen == 1 && !c.sinks && !c.alibi) || !options);
+  /* dense: no options; packed and KV cache: all four */
+  const int plain = cpu && (c.varlen != 0 || !options);
   if (plain && remembered(st, &c) < 0 && st->n_remembered < AB_REMEMBERED_MAX) {
     st->remembered[st->n_remembered].call = c;
     st->remembered[st->n_remembered].chosen = chosen;

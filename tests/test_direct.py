@@ -491,14 +491,14 @@ def test_flash_attn_varlen_func_takes_a_causal_window_on_the_fast_path():
 
 
 @pytest.mark.parametrize("how", ["requires_grad", "named_math", "use_math", "int64_cu", "strided_cu", "cu_on_meta",
-                                 "loose_max_ok", "float64", "odd_causal", "sinks", "list_window"])
+                                 "loose_max_ok", "float64", "odd_causal", "sinks_grad", "list_window"])
 def test_varlen_fast_path_hands_back_what_is_not_flash_varlens_plain_forward(how):
     args, causal = _packed_inputs("decode_gqa", torch.float32)
     q, k, v, cu_q, cu_k, mq, mk = args
     kw = dict(causal=causal)
     call = lambda: ab.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, **kw)  # noqa: E731
-    if how == "sinks":
-        kw["sinks"] = torch.zeros(q.shape[1])
+    if how == "sinks_grad":  # the sinks' gradient: the autograd Function
+        kw["sinks"] = torch.zeros(q.shape[1], requires_grad=True)
     elif how == "list_window":  # a list, not a tuple: the Python path reads it
         kw["window"] = [3, 0]
     elif how == "requires_grad":
@@ -532,8 +532,83 @@ def test_varlen_fast_path_hands_back_what_is_not_flash_varlens_plain_forward(how
     if how in ("int64_cu", "cu_on_meta"):
         return
     assert served == (how == "loose_max_ok"), how  # a strided cu_seqlens is copied by the Python path
-    if how == "requires_grad":
+    if how in ("requires_grad", "sinks_grad"):
         assert res.requires_grad
+
+
+def _sinks_alibi_opts(name, Hq, B):
+    g = torch.Generator().manual_seed(11)
+    opts = {}
+    if "sinks" in name:
+        opts["sinks"] = torch.randn(Hq, generator=g).to(torch.bfloat16 if "bf16" in name else torch.float32)
+    if "alibi" in name:
+        opts["alibi_slopes"] = torch.rand(B, Hq, generator=g) * 0.5 if "batch" in name else torch.rand(Hq, generator=g)
+    if "window" in name:
+        opts.update(window=(3, 0), softcap=4.0)
+    return opts
+
+
+@pytest.mark.parametrize("spec", ["decode_gqa", "decode_mha_3", "mixed_flash", "decode_noncausal"])
+@pytest.mark.parametrize("name", ["sinks", "sinks_bf16", "alibi", "alibi_batch", "sinks_alibi_window"])
+def test_varlen_fast_path_takes_sinks_and_alibi_with_the_python_paths_bits(spec, name, monkeypatch):
+    args, causal = _packed_inputs(spec, torch.float32)
+    lens_q, lens_k, Hq = VARLEN_SPECS[spec][:3]
+    opts = _sinks_alibi_opts(name, Hq, len(lens_q))
+    if "window" in name and causal is False:
+        causal = "bottom_right"
+    kw = dict(causal=causal, return_lse=True, **opts)
+    ab.attention_varlen(*args, **kw)
+    fast, served = _served(lambda: ab.attention_varlen(*args, **kw))
+    assert served
+    with monkeypatch.context() as m:
+        m.setattr(ab, "_fast_attention_varlen", lambda *a: None)
+        slow, served = _served(lambda: ab.attention_varlen(*args, **kw))
+    assert not served
+    for a, b in zip(fast, slow):
+        assert_same(a, b)
+    if spec == "decode_gqa":  # and right
+        from attn_backends._testing import check_2x, varlen_reference
+
+        q, k, v, cu_q, cu_k = args[:5]
+        ref64, lse64 = varlen_reference(q, k, v, cu_q, cu_k, **{k_: v_ for k_, v_ in kw.items() if k_ != "return_lse"})
+        same, _ = varlen_reference(q, k, v, cu_q, cu_k, dtype=torch.float32,
+                                   **{k_: v_ for k_, v_ in kw.items() if k_ != "return_lse"})
+        check_2x("out", fast[0], ref64, same, 2, torch.float32)
+        check_2x("lse", fast[1], lse64, lse64.float(), 2, torch.float32)
+
+
+def test_flash_attn_varlen_func_takes_s_aux_and_alibi_on_the_fast_path():
+    from attn_backends import flash_attn as fa
+
+    args, _ = _packed_inputs("decode_gqa", torch.float32)
+    opts = _sinks_alibi_opts("sinks_alibi_batch", 8, 3)
+    kw = dict(causal=True, s_aux=opts["sinks"], alibi_slopes=opts["alibi_slopes"])
+    fa.flash_attn_varlen_func(*args, **kw)
+    res, served = _served(lambda: fa.flash_attn_varlen_func(*args, **kw))
+    assert served
+    assert_same(res, ab.attention_varlen(*args, causal="bottom_right", sinks=opts["sinks"],
+                                         alibi_slopes=opts["alibi_slopes"]))
+
+
+@pytest.mark.parametrize("bad", ["sinks_shape", "sinks_int", "alibi_shape", "alibi_float64"])
+def test_varlen_fast_path_leaves_bad_sinks_and_alibi_to_the_python_checks(bad):
+    args, causal = _packed_inputs("decode_gqa", torch.float32)
+    Hq = args[0].shape[1]
+    good = _sinks_alibi_opts("sinks_alibi", Hq, 3)
+    ab.attention_varlen(*args, causal=causal, **good)  # remembered: the fast path is armed
+    kw = dict(good)
+    if bad == "sinks_shape":
+        kw["sinks"] = torch.zeros(Hq + 1)
+    elif bad == "sinks_int":
+        kw["sinks"] = torch.zeros(Hq, dtype=torch.int32)
+    elif bad == "alibi_shape":
+        kw["alibi_slopes"] = torch.zeros(2, Hq)
+    else:
+        kw["alibi_slopes"] = torch.zeros(Hq, dtype=torch.float64)
+    before = _C.fast_calls()
+    with pytest.raises((ValueError, TypeError), match="sinks|alibi_slopes"):
+        ab.attention_varlen(*args, causal=causal, **kw)
+    assert _C.fast_calls() == before
 
 
 @pytest.mark.parametrize("bad", ["not_monotone", "wrong_total", "too_long", "batch", "heads", "dtype", "rank"])
