@@ -404,6 +404,21 @@ def _packed_inputs(spec, dtype, strided=False):
     return (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)), causal
 
 
+def _served_with_the_python_paths_bits(args, kw, monkeypatch):
+    """ab.attention_varlen(*args, **kw) (out, lse), planned once, then served by the fast path with the
+    bits of the Python path."""
+    ab.attention_varlen(*args, **kw)
+    fast, served = _served(lambda: ab.attention_varlen(*args, **kw))
+    assert served
+    with monkeypatch.context() as m:
+        m.setattr(ab, "_fast_attention_varlen", lambda *a: None)
+        slow, served = _served(lambda: ab.attention_varlen(*args, **kw))
+    assert not served
+    for a, b in zip(fast, slow):
+        assert_same(a, b)
+    return fast
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spec", list(VARLEN_SPECS))
 def test_varlen_fast_path_gives_the_python_paths_bits(spec, dtype, monkeypatch):
@@ -461,15 +476,7 @@ def test_varlen_fast_path_takes_windows_and_softcap_with_the_python_paths_bits(s
     # a window side wider than any sequence pair is unbounded on both paths (_validate.clamp_window)
     args, causal = _packed_inputs(spec, torch.float32)
     kw = dict(causal=causal, return_lse=True, **opts)
-    ab.attention_varlen(*args, **kw)
-    fast, served = _served(lambda: ab.attention_varlen(*args, **kw))
-    assert served
-    with monkeypatch.context() as m:
-        m.setattr(ab, "_fast_attention_varlen", lambda *a: None)
-        slow, served = _served(lambda: ab.attention_varlen(*args, **kw))
-    assert not served
-    for a, b in zip(fast, slow):
-        assert_same(a, b)
+    fast = _served_with_the_python_paths_bits(args, kw, monkeypatch)
 
 
 def test_flash_attn_varlen_func_takes_a_causal_window_on_the_fast_path():
@@ -557,15 +564,7 @@ def test_varlen_fast_path_takes_sinks_and_alibi_with_the_python_paths_bits(spec,
     if "window" in name and causal is False:
         causal = "bottom_right"
     kw = dict(causal=causal, return_lse=True, **opts)
-    ab.attention_varlen(*args, **kw)
-    fast, served = _served(lambda: ab.attention_varlen(*args, **kw))
-    assert served
-    with monkeypatch.context() as m:
-        m.setattr(ab, "_fast_attention_varlen", lambda *a: None)
-        slow, served = _served(lambda: ab.attention_varlen(*args, **kw))
-    assert not served
-    for a, b in zip(fast, slow):
-        assert_same(a, b)
+    fast = _served_with_the_python_paths_bits(args, kw, monkeypatch)
     if spec == "decode_gqa":  # and right
         from attn_backends._testing import check_2x, varlen_reference
 
