@@ -475,8 +475,7 @@ def test_flash_attn_varlen_func_takes_the_fast_path():
 def test_varlen_fast_path_takes_windows_and_softcap_with_the_python_paths_bits(spec, opts, monkeypatch):
     # a window side wider than any sequence pair is unbounded on both paths (_validate.clamp_window)
     args, causal = _packed_inputs(spec, torch.float32)
-    kw = dict(causal=causal, return_lse=True, **opts)
-    fast = _served_with_the_python_paths_bits(args, kw, monkeypatch)
+    _served_with_the_python_paths_bits(args, dict(causal=causal, return_lse=True, **opts), monkeypatch)
 
 
 def test_flash_attn_varlen_func_takes_a_causal_window_on_the_fast_path():
