@@ -142,10 +142,10 @@ def _device_cu_seqlens(a, q):
 
 def _decode_tokens(a) -> int:
     """The query tokens of every sequence when a CPU call without a gradient goes to the decode kernel,
-    else 0, for the calls that take the op (packed calls, sinks, ALiBi, inference mode): the op keeps
-    the row statistics, so the CPU flash forward's own route (csrc/cpu/flash_cpu.c, "short queries")
-    does not take them; its rule is asked here (_C.flash_decode_route) and the call goes to the decode
-    kernel's direct call."""
+    else 0, for the calls that take the op (packed calls off the fast path, sinks, ALiBi, inference
+    mode): the op keeps the row statistics, so the CPU flash forward's own route (csrc/cpu/flash_cpu.c,
+    "short queries") does not take them; its rule is asked here (_C.flash_decode_route) and the call
+    goes to the decode kernel's direct call."""
     q, k, v = a.q, a.k, a.v
     # read_ok (first torch.compile, which must fold the rest away; a fake or wrapped tensor has no data to
     # read) before any call into _C
