@@ -110,7 +110,7 @@ _new_call = _planner.new_call
 _chosen = ({}, {})  # Call -> backend id, for strict False and True: the Python path's one lookup
 _FLASH = ID["flash"]
 # what the fast path reads (csrc/ab_direct.c): the same facts prepare() reads below
-_C.set_fast_api(torch.Tensor, direct_guards, torch.is_grad_enabled, _deterministic, _planner._context_backend.get,
+_C.set_fast_api(torch.Tensor, torch.nn.Parameter, direct_guards, torch.is_grad_enabled, _deterministic, _planner._context_backend.get,
                 _planner._process_default, _SETTINGS)
 fast_attention = _C.attention
 _PLAIN = (ID["auto"], _FLASH)  # requests under which flash serving a call is not a fallback

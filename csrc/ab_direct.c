@@ -621,6 +621,14 @@ static int causal_arg(PyObject* o) {
  * spelling causal_arg reads; want_lse a bool; the scale None or a float; the backend asked for; none of
  * the guards active; no gradient needed for any of the n tensors.  -> 1 to go on (*causal, *want_lse,
  * *requested set), 0 to hand the call back, -1 with an exception. */
+/* Whether o may stand for sinks or ALiBi slopes on a fast path: a plain torch.Tensor, or a
+ * torch.nn.Parameter (a module's weights, as GPT-OSS hands its sinks over as s_aux: Parameter turns
+ * __torch_function__ off, so it dispatches as a plain tensor; its gradient counts as any tensor's). */
+static int weight_arg(const ab_state* st, PyObject* o) {
+  PyObject* t = (PyObject*)Py_TYPE(o);
+  return t == st->tensor_type || (st->parameter_type && t == st->parameter_type);
+}
+
 static int fast_opening(ab_state* st, PyObject* guards, PyObject* causal_o, int causal_names, PyObject* lse_o,
                         PyObject* scale_o, PyObject* backend, PyObject* const* tensors, int n, int* causal,
                         int* want_lse, int* requested) {
@@ -829,7 +837,9 @@ static PyObject* ab_py_attention_varlen(PyObject* self, PyObject* const* args, P
   tensors[n++] = ck;
   if (alibi != Py_None) tensors[n++] = alibi;
   for (int i = 0; i < n; ++i)
-    if ((PyObject*)Py_TYPE(tensors[i]) != st->tensor_type) Py_RETURN_NONE;
+    if ((PyObject*)Py_TYPE(tensors[i]) != st->tensor_type &&
+        !((tensors[i] == sinks || tensors[i] == alibi) && weight_arg(st, tensors[i])))
+      Py_RETURN_NONE;
   long long max_q, max_k;
   if (!small_int(args[VL_MAX_Q], 0, &max_q) || !small_int(args[VL_MAX_K], 0, &max_k) || max_q > INT32_MAX ||
       max_k > INT32_MAX)
@@ -969,7 +979,9 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   for (int i = 0; i < KVT_N; ++i) {
     PyObject* a = args[tensor_args[i]];
     tensors[i] = tensor_args[i] == KV_SEQ && !seq_tensor ? Py_None : a;
-    if (tensors[i] != Py_None && (PyObject*)Py_TYPE(tensors[i]) != tt) Py_RETURN_NONE;
+    if (tensors[i] != Py_None && (PyObject*)Py_TYPE(tensors[i]) != tt &&
+        !((i == KVT_SINKS || i == KVT_ALIBI) && weight_arg(st, tensors[i])))
+      Py_RETURN_NONE;
   }
   if (q == Py_None || kc == Py_None || vc == Py_None || (vn != Py_None) != has_new || (sin != Py_None) != has_rot ||
       (has_new && seq_o == Py_None) || (has_rot && !has_new) || (inter_o != Py_True && inter_o != Py_False))
@@ -1136,19 +1148,20 @@ static PyObject* ab_py_set_kvcache_guards(PyObject* self, PyObject* args) {
   Py_RETURN_NONE;
 }
 
-/* set_fast_api(tensor_type, guards, is_grad_enabled, are_deterministic_algorithms_enabled,
+/* set_fast_api(tensor_type, parameter_type, guards, is_grad_enabled, are_deterministic_algorithms_enabled,
  *              context_get, process_default, settings): what the fast path reads (see above). */
 static PyObject* ab_py_set_fast_api(PyObject* self, PyObject* args) {
   ab_state* st = ab_module_state(self);
-  PyObject *tensor_type, *guards, *grad, *det, *ctx_get, *process_default, *settings;
-  if (!PyArg_ParseTuple(args, "OO!OOOO!O!", &tensor_type, &PyTuple_Type, &guards, &grad, &det, &ctx_get,
-                        &PyList_Type, &process_default, &PyDict_Type, &settings))
+  PyObject *tensor_type, *parameter_type, *guards, *grad, *det, *ctx_get, *process_default, *settings;
+  if (!PyArg_ParseTuple(args, "OOO!OOOO!O!", &tensor_type, &parameter_type, &PyTuple_Type, &guards, &grad, &det,
+                        &ctx_get, &PyList_Type, &process_default, &PyDict_Type, &settings))
     return NULL;
   if (PyList_Size(process_default) != 1) {
     PyErr_SetString(PyExc_ValueError, "set_fast_api: process_default must be a list of one name");
     return NULL;
   }
   replace_ref(&st->tensor_type, Py_NewRef(tensor_type));
+  replace_ref(&st->parameter_type, Py_NewRef(parameter_type));
   replace_ref(&st->guards, Py_NewRef(guards));
   replace_ref(&st->grad_enabled, Py_NewRef(grad));
   replace_ref(&st->deterministic, Py_NewRef(det));
@@ -1172,7 +1185,7 @@ static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   const int cpu = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !c.mask && !c.mask_grad &&
                   !c.dropout && !c.need_grad && !c.cuda_smem;
   const int options = c.window || c.softcap || c.sinks || c.alibi;
-  /* dense: no options; packed and KV cache: all four */
+  /* dense: no options; packed (a window, softcap, sinks, ALiBi) and KV cache: all four */
   const int plain = cpu && (c.varlen != 0 || !options);
   if (plain && remembered(st, &c) < 0 && st->n_remembered < AB_REMEMBERED_MAX) {
     st->remembered[st->n_remembered].call = c;
@@ -1232,7 +1245,8 @@ PyMethodDef ab_direct_methods[] = {
     {"set_tensor_api", ab_py_set_tensor_api, METH_VARARGS,
      "set_tensor_api(empty_strided, cpu_device, dtypes): what the direct calls allocate outputs with."},
     {"set_fast_api", ab_py_set_fast_api, METH_VARARGS,
-     "set_fast_api(tensor_type, guards, is_grad_enabled, are_deterministic_algorithms_enabled, context_get, "
+     "set_fast_api(tensor_type, parameter_type, guards, is_grad_enabled, are_deterministic_algorithms_enabled, "
+     "context_get, "
      "process_default, settings): what attention's fast path reads."},
     {"remember", ab_py_remember, METH_VARARGS,
      "remember(call, chosen): a plan the fast path may reuse (a plain CPU forward that did not fall back)."},

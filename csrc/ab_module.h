@@ -41,6 +41,7 @@ typedef struct ab_remembered {
   XN(alloc_kw, 4)           /* {"dtype": torch.<float dtype>, "device": cpu} per floating ab_dtype */    \
   /* the fast path (set_fast_api); NULL until set */                                                     \
   X(tensor_type)            /* torch.Tensor: only tensors of exactly this type take the fast path */     \
+  X(parameter_type)         /* torch.nn.Parameter: also taken for sinks and ALiBi slopes (module weights) */ \
   X(guards)                 /* tuple of callables; each returns something false when it may run */       \
   X(kv_guards)              /* the same for attention_with_kvcache's (inference mode allowed) */         \
   X(increment_version)      /* torch._C._increment_version: after a direct call wrote into a cache */   \

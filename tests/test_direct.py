@@ -575,7 +575,7 @@ def test_varlen_fast_path_takes_sinks_and_alibi_with_the_python_paths_bits(spec,
         check_2x("lse", fast[1], lse64, lse64.float(), 2, torch.float32)
 
 
-def test_flash_attn_varlen_func_takes_s_aux_and_alibi_on_the_fast_path():
+def test_flash_attn_varlen_func_takes_s_aux_and_alibi_on_the_fast_path(monkeypatch):
     from attn_backends import flash_attn as fa
 
     args, _ = _packed_inputs("decode_gqa", torch.float32)
@@ -584,8 +584,30 @@ def test_flash_attn_varlen_func_takes_s_aux_and_alibi_on_the_fast_path():
     fa.flash_attn_varlen_func(*args, **kw)
     res, served = _served(lambda: fa.flash_attn_varlen_func(*args, **kw))
     assert served
-    assert_same(res, ab.attention_varlen(*args, causal="bottom_right", sinks=opts["sinks"],
-                                         alibi_slopes=opts["alibi_slopes"]))
+    with monkeypatch.context() as m:  # the Python path's bits
+        m.setattr(fa, "_fast_varlen", lambda *a: None)
+        m.setattr(ab, "_fast_attention_varlen", lambda *a: None)
+        slow, served = _served(lambda: fa.flash_attn_varlen_func(*args, **kw))
+    assert not served
+    assert_same(res, slow)
+
+
+def test_varlen_fast_path_takes_parameter_sinks_without_a_gradient(monkeypatch):
+    # a module's sinks (GPT-OSS hands its nn.Parameter over as s_aux): served under no_grad, and with a
+    # gradient the autograd path, whose sinks get their gradient
+    args, causal = _packed_inputs("decode_gqa", torch.float32)
+    opts = _sinks_alibi_opts("sinks_alibi", 8, 3)
+    sinks = torch.nn.Parameter(opts["sinks"].clone())
+    with torch.no_grad():
+        fast = _served_with_the_python_paths_bits(args, dict(causal=causal, return_lse=True, sinks=sinks,
+                                                             alibi_slopes=torch.nn.Parameter(opts["alibi_slopes"])),
+                                                  monkeypatch)
+    assert_same(fast[0], ab.attention_varlen(*args, causal=causal, sinks=opts["sinks"],
+                                             alibi_slopes=opts["alibi_slopes"]))
+    out, served = _served(lambda: ab.attention_varlen(*args, causal=causal, sinks=sinks))
+    assert not served and out.requires_grad
+    out.sum().backward()
+    assert sinks.grad is not None and sinks.grad.abs().sum() > 0
 
 
 @pytest.mark.parametrize("bad", ["sinks_shape", "sinks_int", "alibi_shape", "alibi_float64"])
@@ -594,6 +616,7 @@ def test_varlen_fast_path_leaves_bad_sinks_and_alibi_to_the_python_checks(bad):
     Hq = args[0].shape[1]
     good = _sinks_alibi_opts("sinks_alibi", Hq, 3)
     ab.attention_varlen(*args, causal=causal, **good)  # remembered: the fast path is armed
+    assert _served(lambda: ab.attention_varlen(*args, causal=causal, **good))[1]
     kw = dict(good)
     if bad == "sinks_shape":
         kw["sinks"] = torch.zeros(Hq + 1)

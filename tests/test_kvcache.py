@@ -267,9 +267,12 @@ def test_matches_the_reference_and_writes_the_cache_where_flash_attn_does(case, 
 # MHA with four tokens or more: each head's tokens share its key and value rows (decode_cpu_impl.h);
 # six tokens (a group of four and two alone), a window that gives each token its own keys, D = 40 (a tail)
 MHA_TOKENS = KV(B=2, Sq=6, Hq=6, Hkv=6, D=40, S=70, snew=3, causal=True, window=(9, 0), dtype=torch.float16)
+# nine tokens (eight dot products per key row, then one), D = 18: a tail on every ISA path (VLEN 4, 8, 16)
+MHA_TOKENS_TAIL = KV(B=1, Sq=9, Hq=3, Hkv=3, D=18, S=90, causal=True, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[5], CASES[7], CASES[12], CASES[14], MHA_TOKENS], ids=str)
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[5], CASES[7], CASES[12], CASES[14], MHA_TOKENS,
+                                  MHA_TOKENS_TAIL], ids=str)
 def test_every_isa_path(case, isa, gen):
     call = Call(case, gen)
     call.check(*call.run("paged_attention"))
@@ -644,6 +647,23 @@ def test_the_fast_path_serves_plain_calls_with_the_python_paths_bits(case, gen):
         *args, **python_path, softmax_scale=0.3, return_softmax_lse=False))
     with torch.inference_mode():
         assert _fast(lambda: ab.attention_with_kvcache(*args, **kw))[1]
+
+
+def test_the_fast_path_takes_a_modules_parameters_as_sinks_and_slopes(gen):
+    # GPT-OSS keeps its sinks as an nn.Parameter: under no_grad they take the fast path, as plain tensors do
+    ab._dispatch.reset_caches()
+    call = Call(KV(Hq=8, Hkv=2, causal=True), gen)
+    args = (call.q, call.k_cache, call.v_cache)
+    sinks, slopes = torch.randn(8, generator=gen), torch.rand(8, generator=gen)
+    kw = dict(cache_seqlens=call.cache_seqlens, causal=True)
+    plain = ab.attention_with_kvcache(*args, **kw, sinks=sinks, alibi_slopes=slopes)
+    with torch.no_grad():
+        pkw = dict(kw, sinks=torch.nn.Parameter(sinks), alibi_slopes=torch.nn.Parameter(slopes))
+        ab.attention_with_kvcache(*args, **pkw)
+        out, served = _fast(lambda: ab.attention_with_kvcache(*args, **pkw))
+    assert served and torch.equal(out, plain)
+    with pytest.raises(RuntimeError, match="no backward"):  # sinks that need a gradient: the Python path's error
+        ab.attention_with_kvcache(*args, **kw, sinks=torch.nn.Parameter(sinks))
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.Sq * c.Hq // c.Hkv <= 64], ids=str)

@@ -72,6 +72,7 @@ _C.set_tensor_api(torch.empty_strided, torch.device("cpu"),  # the dtypes in ab_
                   (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.bool, torch.int32,
                    torch.int64, torch.uint8))
 _Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode = torch._C._is_torch_function_mode_enabled
 _inference_mode = torch.is_inference_mode_enabled
@@ -87,9 +88,10 @@ direct_guards = read_guards + (_inference_mode,)
 def read_ok(*tensors) -> bool:
     """Whether a direct call that may run in inference mode can serve (the decode kernel's: here and in
     _kvcache.py): not while torch.compile traces, no read_guards active, every tensor (None allowed) a
-    plain torch.Tensor."""
+    plain torch.Tensor or a torch.nn.Parameter (a module's weights, such as GPT-OSS's sinks: Parameter
+    turns __torch_function__ off and dispatches as a plain tensor)."""
     return (not _is_compiling() and not any(g() for g in read_guards)
-            and all(t is None or t.__class__ is _Tensor for t in tensors))
+            and all(t is None or t.__class__ is _Tensor or t.__class__ is _Parameter for t in tensors))
 
 
 def direct_ok(q, k, v, mask) -> bool:
