@@ -617,10 +617,6 @@ static int causal_arg(PyObject* o) {
   return -1;
 }
 
-/* What the fast paths check first: causal a bool (the KV-cache call's) or, with causal_names, any
- * spelling causal_arg reads; want_lse a bool; the scale None or a float; the backend asked for; none of
- * the guards active; no gradient needed for any of the n tensors.  -> 1 to go on (*causal, *want_lse,
- * *requested set), 0 to hand the call back, -1 with an exception. */
 /* Whether o may stand for sinks or ALiBi slopes on a fast path: a plain torch.Tensor, or a
  * torch.nn.Parameter (a module's weights, as GPT-OSS hands its sinks over as s_aux: Parameter turns
  * __torch_function__ off, so it dispatches as a plain tensor; its gradient counts as any tensor's). */
@@ -629,6 +625,21 @@ static int weight_arg(const ab_state* st, PyObject* o) {
   return t == st->tensor_type || (st->parameter_type && t == st->parameter_type);
 }
 
+/* Whether sinks and ALiBi slopes (NULL where the call has none) meet _validate.check_sinks and
+ * check_alibi's rules for a fast path: sinks (Hq,) of a floating dtype, slopes float32 (Hq,) or (B, Hq)
+ * (the CPU kernels read any strides, and the sinks in any floating dtype).  Anything else goes to the
+ * Python path, which words the error. */
+static int sinks_alibi_ok(const ab_tensor* sinks, const ab_tensor* alibi, int64_t B, int64_t Hq) {
+  if (sinks && (sinks->ndim != 1 || sinks->sizes[0] != Hq || sinks->dtype > AB_DTYPE_F64)) return 0;
+  if (!alibi) return 1;
+  return alibi->dtype == AB_DTYPE_F32 && ((alibi->ndim == 1 && alibi->sizes[0] == Hq) ||
+                                          (alibi->ndim == 2 && alibi->sizes[0] == B && alibi->sizes[1] == Hq));
+}
+
+/* What the fast paths check first: causal a bool (the KV-cache call's) or, with causal_names, any
+ * spelling causal_arg reads; want_lse a bool; the scale None or a float; the backend asked for; none of
+ * the guards active; no gradient needed for any of the n tensors.  -> 1 to go on (*causal, *want_lse,
+ * *requested set), 0 to hand the call back, -1 with an exception. */
 static int fast_opening(ab_state* st, PyObject* guards, PyObject* causal_o, int causal_names, PyObject* lse_o,
                         PyObject* scale_o, PyObject* backend, PyObject* const* tensors, int n, int* causal,
                         int* want_lse, int* requested) {
@@ -881,18 +892,10 @@ static PyObject* ab_py_attention_varlen(PyObject* self, PyObject* const* args, P
   p.Dv = p.v.sizes[2];
   p.Sq = longest_q; /* the kernels get the real longest sequences, as prepare_varlen gives them */
   p.Sk = longest_k;
-  /* sinks (Hq,) of a floating dtype, ALiBi slopes (Hq,) or (B, Hq) float32: _validate.check_sinks and
-   * check_alibi's rules (the CPU kernels read any strides and the sinks in any floating dtype) */
-  if (sinks != Py_None) {
-    if (read_view(st, sinks, &p.sinks, "sinks", 1) < 0) return NULL;
-    if (p.sinks.ndim != 1 || p.sinks.sizes[0] != p.Hq || p.sinks.dtype > AB_DTYPE_F64) Py_RETURN_NONE;
-  }
-  if (alibi != Py_None) {
-    if (read_view(st, alibi, &p.alibi, "alibi_slopes", 1) < 0) return NULL;
-    if (p.alibi.dtype != AB_DTYPE_F32 || !((p.alibi.ndim == 1 && p.alibi.sizes[0] == p.Hq) ||
-                                            (p.alibi.ndim == 2 && p.alibi.sizes[0] == p.B && p.alibi.sizes[1] == p.Hq)))
-      Py_RETURN_NONE;
-  }
+  if (sinks != Py_None && read_view(st, sinks, &p.sinks, "sinks", 1) < 0) return NULL;
+  if (alibi != Py_None && read_view(st, alibi, &p.alibi, "alibi_slopes", 1) < 0) return NULL;
+  if (!sinks_alibi_ok(sinks != Py_None ? &p.sinks : NULL, alibi != Py_None ? &p.alibi : NULL, p.B, p.Hq))
+    Py_RETURN_NONE;
   /* window: None or (left, right) of ints >= -1, a side that hides no key (>= max_q + max_k) made
    * unbounded as _validate.clamp_window makes it; softcap within float32's range unless float64 */
   long long wl = -1, wr = -1;
@@ -1034,12 +1037,8 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
       Py_RETURN_NONE;
   if (paged && ix[1]) Py_RETURN_NONE;                       /* cache_batch_idx with block_table: an error */
   if (!paged && !ix[1] && tk->sizes[0] < B) Py_RETURN_NONE; /* too few cache rows: an error */
-  const ab_tensor *al = &p.alibi_slopes, *sk = &p.sinks;
-  if (args[KV_ALIBI] != Py_None &&
-      (al->dtype != AB_DTYPE_F32 || !((al->ndim == 1 && al->sizes[0] == Hq) ||
-                                      (al->ndim == 2 && al->sizes[0] == B && al->sizes[1] == Hq))))
-    Py_RETURN_NONE;
-  if (args[KV_SINKS] != Py_None && (sk->ndim != 1 || sk->sizes[0] != Hq || sk->dtype > AB_DTYPE_F64))
+  if (!sinks_alibi_ok(args[KV_SINKS] != Py_None ? &p.sinks : NULL, args[KV_ALIBI] != Py_None ? &p.alibi_slopes : NULL,
+                      B, Hq))
     Py_RETURN_NONE;
   /* queries run_kernel gives to flash over the cache (long ones, with bfloat16 products only) */
   if (tq->sizes[1] * (Hq / Hkv) > ab_kvcache_cpu_max_rows(dt, !paged && !ix[1], tk->sizes[1])) Py_RETURN_NONE;
