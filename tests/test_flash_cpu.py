@@ -132,6 +132,57 @@ def test_flash_results_do_not_depend_on_thread_count(isa):
         assert torch.equal(a, b)
 
 
+# Strided key rows (a projection's (B, S, H, D) seen as (B, H, S, D), packed (T, H, D) rows): the forward
+# copies a head's rows once where several row chunks or query heads read them, else prefetches them
+# (flash_fwd_impl.h, kv_rows); either way the bits are those of the same values in contiguous rows.
+STRIDED = [
+    # several row chunks, GQA, a window that slides the rows a chunk reads, D and Dv with tails
+    dict(dtype=torch.float32, B=2, Hq=6, Hkv=2, Sq=70, Sk=100, D=40, Dv=24, causal="bottom_right", window=(9, 3)),
+    dict(dtype=torch.bfloat16, B=2, Hq=6, Hkv=2, Sq=70, Sk=100, D=40, Dv=24, causal=True, softcap=5.0),
+    dict(dtype=torch.float16, B=1, Hq=4, Hkv=4, Sq=100, Sk=130, D=64, Dv=64),
+    # one row chunk per head (MHA): read in place, with prefetches
+    dict(dtype=torch.float32, B=2, Hq=3, Hkv=3, Sq=5, Sk=300, D=32, Dv=32, causal="bottom_right"),
+    # more rows than a thread copies (KV_ROWS_BYTES): read in place, with prefetches
+    dict(dtype=torch.float32, B=1, Hq=2, Hkv=2, Sq=40, Sk=16500, D=64, Dv=64, causal="bottom_right"),
+]
+
+
+@pytest.mark.parametrize("spec", STRIDED, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+def test_strided_key_rows_give_contiguous_rows_bits(isa, spec, gen, monkeypatch):
+    monkeypatch.setenv("ATTN_BACKENDS_FLASH_DECODE", "0")  # the flash kernel, whatever the query length
+    spec = dict(spec)
+    dtype, B, Hq, Hkv, Sq, Sk, D, Dv = (spec.pop(n) for n in ("dtype", "B", "Hq", "Hkv", "Sq", "Sk", "D", "Dv"))
+
+    def bshd(S, H, d):  # (B, H, S, d) views of (B, S, H, d) storage: rows H * d elements apart
+        return torch.randn(B, S, H, d, generator=gen).to(dtype).transpose(1, 2)
+
+    q, k, v = bshd(Sq, Hq, D), bshd(Sk, Hkv, D), bshd(Sk, Hkv, Dv)
+    n = torch.get_num_threads()
+    try:
+        for threads in (1, max(2, n)):  # with two, a thread's range can start inside a head
+            torch.set_num_threads(threads)
+            strided = ab.attention(q, k, v, backend="flash", return_lse=True, strict=True, **spec)
+            dense = ab.attention(q.contiguous(), k.contiguous(), v.contiguous(), backend="flash", return_lse=True,
+                                 strict=True, **spec)
+            assert torch.equal(strided[0], dense[0]) and torch.equal(strided[1], dense[1])
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_packed_rows_give_each_sequences_dense_bits(isa, gen, monkeypatch):
+    monkeypatch.setenv("ATTN_BACKENDS_FLASH_DECODE", "0")
+    lens_q, lens_k = [40, 3, 70], [50, 9, 70]
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, cu_q, cu_k = make_packed(lens_q, lens_k, 6, 2, 40, 24, dtype, gen)
+        out = ab.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal="bottom_right",
+                                  backend="flash_varlen", strict=True)
+        for b in range(len(lens_q)):
+            rows_q, rows_k = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            one = [t[rows].transpose(0, 1)[None].contiguous() for t, rows in ((q, rows_q), (k, rows_k), (v, rows_k))]
+            dense = ab.attention(*one, causal="bottom_right", backend="flash", strict=True)
+            assert torch.equal(out[rows_q], dense[0].transpose(0, 1))
+
+
 # ---- packed (varlen) sequences ------------------------------------------------------------------
 
 VARLEN = [

@@ -3,9 +3,10 @@
  * Included by cpu_isa_impl.h after cpu_tiles_impl.h, whose micro-kernel, geometry and masking it
  * runs.  Per (batch, head, chunk of rc query rows): for each block of BK visible keys, compute St,
  * mask, online softmax (running max m, sum l, O rescaled by exp(m_old - m_new)), O += P V.  Extra
- * memory is O(rc * (D + Dv + BK)) per thread, whatever Sq and Sk are.  The chunk set-up, the
- * rescaling, P V and the output rows are shared with the sage kernel (sage_cpu_impl.h) and the AMX
- * forward (flash_amx_fwd_impl.h), which differ in how S is computed.
+ * memory is O(rc * (D + Dv + BK)) per thread, whatever Sq and Sk are, and up to KV_ROWS_BYTES more
+ * for a copy of strided key and value rows (SYM(kv_rows)).  The chunk set-up, the rescaling and the
+ * output rows are shared with the sage kernel (sage_cpu_impl.h) and the AMX forward
+ * (flash_amx_fwd_impl.h), which differ in how S is computed.
  */
 
 /* ---- forward ----------------------------------------------------------------------------------- */
@@ -130,21 +131,69 @@ static void SYM(rescale_rows)(float* on, const float* arow, int64_t nrows, int64
     }
 }
 
-/* O += P V for the real rows of a chunk: A = P^T (BK x rc) read by row (broadcasts), B = the key
- * block's V rows, read in place when v_direct, else packed to float32 in vp. */
-static void SYM(accum_pv)(const ab_attn_params* p, const SYM(seq) * s, int v_direct, int64_t j0, int64_t nb,
-                          int64_t nrows, int64_t rc, const float* st, float* vp, float* on, int64_t Dvp) {
-  const float* va;
-  int64_t va_k;
-  if (v_direct) {
-    va = (const float*)p->v.data + s->v + j0 * s->v_rs;
-    va_k = s->v_rs;
-  } else {
-    SYM(pack_rows)(&p->v, s->v, s->v_rs, j0, nb, p->Dv, Dvp, vp);
-    va = vp;
-    va_k = Dvp;
+/* Key or value rows [j0, j0 + nb) of a (batch, head) as float32 rows for the micro-kernel, and their
+ * row stride in *ld: in the range's copy of this head's rows (SYM(kv_rows)) when it has one, in place
+ * when direct (float32, contiguous, a whole number of vectors wide), else packed into buf (width w). */
+static const float* SYM(block_rows)(const ab_tensor* t, int64_t base, int64_t rs, int64_t j0, int64_t nb,
+                                    int64_t cols, int64_t w, int direct, const float* copy, float* buf,
+                                    int64_t* ld) {
+  *ld = direct && !copy ? rs : w;
+  if (copy) return copy + j0 * w;
+  if (direct) return (const float*)t->data + base + j0 * rs;
+  SYM(pack_rows)(t, base, rs, j0, nb, cols, w, buf);
+  return buf;
+}
+
+/* Key and value rows strided in memory (the (B, S, H, D) layout of a projection seen as (B, H, S, D),
+ * or packed (T, H, D) rows: one row every H * D elements, a power of two in most models).  A pass over
+ * them touches one page per row, which the hardware prefetchers do not follow: the flash forward read
+ * such rows 1.3-3x slower than contiguous ones (docs/benchmarks.md, "Strided key rows").  So a range
+ * copies a (batch, KV head)'s rows once, as float32, where several row chunks or query heads read them
+ * (kv_rows), and otherwise asks for the next key block while it computes on this one (prefetch_block). */
+#ifndef KV_ROWS_BYTES
+#define KV_ROWS_BYTES ((int64_t)8 << 20)
+#endif
+typedef struct SYM(kv_rows) {
+  float *k, *v;          /* by key row: (rows x D) and (rows x Dvp) floats */
+  int64_t b, hk, lo, hi; /* rows [lo, hi) of (b, hk) are in place */
+} SYM(kv_rows);
+
+static int SYM(rows_strided)(const SYM(seq) * s, int64_t D, int64_t Dv) { return s->k_rs != D || s->v_rs != Dv; }
+
+/* Asks for key and value rows [j0, j0 + n), one prefetch per cache line. */
+static void SYM(prefetch_block)(const ab_attn_params* p, const SYM(seq) * s, int64_t j0, int64_t n) {
+  const int64_t ke = (int64_t)ab_dtype_size(p->k.dtype), ve = (int64_t)ab_dtype_size(p->v.dtype);
+  const char* kb = (const char*)p->k.data + (s->k + j0 * s->k_rs) * ke;
+  const char* vb = (const char*)p->v.data + (s->v + j0 * s->v_rs) * ve;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t o = 0; o < p->D * ke; o += 64) __builtin_prefetch(kb + r * s->k_rs * ke + o);
+    for (int64_t o = 0; o < p->Dv * ve; o += 64) __builtin_prefetch(vb + r * s->v_rs * ve + o);
   }
-  SYM(gemm)(nrows, Dvp / VLEN, nb, st, 1, rc, va, va_k, on, Dvp, AB_ACC_RUN);
+}
+
+/* Copies rows [j0, j1) of (b, hk) into r, a key block at a time, asking for the next while it copies one. */
+static void SYM(kv_rows_copy)(const ab_attn_params* p, const SYM(seq) * s, int64_t j0, int64_t j1, int64_t Dvp,
+                              SYM(kv_rows) * r) {
+  for (int64_t j = j0; j < j1; j += BK) {
+    const int64_t n = j1 - j < BK ? j1 - j : BK;
+    if (j + BK < j1) SYM(prefetch_block)(p, s, j + BK, j1 - j - BK < BK ? j1 - j - BK : BK);
+    SYM(pack_rows)(&p->k, s->k, s->k_rs, j, n, p->D, p->D, r->k + j * p->D);
+    SYM(pack_rows)(&p->v, s->v, s->v_rs, j, n, p->Dv, Dvp, r->v + j * Dvp);
+  }
+}
+
+/* Makes rows [jlo, jhi) of (b, hk) present in r, copying only those it lacks: the row chunks of a head
+ * come in order, so their ranges grow (causal) or slide (window) forward. */
+static void SYM(kv_rows_cover)(const ab_attn_params* p, const SYM(seq) * s, int64_t b, int64_t hk, int64_t jlo,
+                               int64_t jhi, int64_t Dvp, SYM(kv_rows) * r) {
+  if (r->b != b || r->hk != hk || jlo > r->hi || jhi < r->lo) {
+    r->b = b, r->hk = hk;
+    r->lo = r->hi = jlo;
+  }
+  if (jlo < r->lo) SYM(kv_rows_copy)(p, s, jlo, r->lo, Dvp, r);
+  if (jhi > r->hi) SYM(kv_rows_copy)(p, s, r->hi, jhi, Dvp, r);
+  if (jlo < r->lo) r->lo = jlo;
+  if (jhi > r->hi) r->hi = jhi;
 }
 
 /* Writes a chunk's output rows, O / l (NaN in, NaN out, as the float64 reference does; a row with
@@ -182,6 +231,7 @@ typedef struct SYM(fwd_ctx) {
   const ab_attn_params* p;
   int64_t nchunk; /* row chunks per (batch, head): ceil(max Sq / rc) */
   int nv;         /* vectors of rows per chunk, rc = nv * VLEN */
+  int64_t kv_rows; /* rows of SYM(kv_rows) per thread, 0 for none */
   ab_par_status st;
 } SYM(fwd_ctx);
 
@@ -197,7 +247,8 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
   const int64_t Dvp = (Dv + VLEN - 1) / VLEN * VLEN;
   /* V rows are read in place when float32, contiguous and a whole number of vectors wide */
   const int v_direct = p->v.dtype == AB_DTYPE_F32 && p->v.strides[p->v.ndim - 1] == 1 && Dv == Dvp;
-  const size_t nfl = (size_t)(D * rc + rc * Dvp + 2 * BK * rc + BK * D + BK * Dvp + rc * Dmax + 5 * rc);
+  const size_t nfl = (size_t)(D * rc + rc * Dvp + 2 * BK * rc + BK * D + BK * Dvp + rc * Dmax + 5 * rc +
+                               ctx->kv_rows * (D + Dvp));
   float* qt = (float*)ab_scratch_alloc(sizeof(float) * nfl + sizeof(int32_t) * 2 * rc);
   if (!qt) {
     ab_par_fail(&ctx->st, AB_ERR_NOMEM, "flash: out of memory for the tile scratch");
@@ -212,28 +263,27 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
   float* mrow = tmp + rc * Dmax; /* running max */
   float* lrow = mrow + rc;     /* running sum */
   float* arow = lrow + rc;     /* this block's rescale factors */
-  int32_t* lo = (int32_t*)(arow + rc);
+  SYM(kv_rows) rows = {arow + rc, arow + rc + ctx->kv_rows * D, -1, -1, 0, 0};
+  int32_t* lo = (int32_t*)(rows.v + ctx->kv_rows * Dvp);
   int32_t* hi = lo + rc;
   for (int64_t item = begin; item < end; ++item) {
     SYM(chunk) ch;
     if (!SYM(chunk_begin)(p, item, ctx->nchunk, rc, lo, hi, mrow, lrow, &ch)) continue;
     const SYM(seq) s = ch.s;
     const int64_t i0 = ch.i0, nrows = ch.nrows, jlo = ch.jlo, jhi = ch.jhi, all_lo = ch.all_lo, all_hi = ch.all_hi;
+    const int strided = SYM(rows_strided)(&s, D, Dv);
+    const int copied = strided && ctx->kv_rows > 0 && jhi > jlo;
+    if (copied) SYM(kv_rows_cover)(p, &s, ch.b, ch.hk, jlo, jhi, Dvp, &rows);
     SYM(pack_t)(&p->q, s.q, s.q_rs, i0, nrows, D, SYM(q_scale)(p), qt, tmp, rc);
     memset(on, 0, sizeof(float) * (size_t)(nrows * Dvp));
     const int partial_rows = nrows < rc;
     for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
       const int64_t nb = jhi - j0 < BK ? jhi - j0 : BK;
-      const float* ka;
-      int64_t ka_m;
-      if (k_direct) {
-        ka = (const float*)p->k.data + s.k + j0 * s.k_rs;
-        ka_m = s.k_rs;
-      } else {
-        SYM(pack_rows)(&p->k, s.k, s.k_rs, j0, nb, D, D, kp);
-        ka = kp;
-        ka_m = D;
-      }
+      if (strided && !copied && j0 + BK < jhi) /* the next block, while this one computes */
+        SYM(prefetch_block)(p, &s, j0 + BK, jhi - j0 - BK < BK ? jhi - j0 - BK : BK);
+      int64_t ka_m, va_k;
+      const float* ka =
+          SYM(block_rows)(&p->k, s.k, s.k_rs, j0, nb, D, D, k_direct, copied ? rows.k : NULL, kp, &ka_m);
       SYM(scores_t)(nb, nv, D, ka, ka_m, qt, rc, st, rc); /* S^T = K Q^T, the scale folded into Q^T */
       const int structural = partial_rows || j0 < all_lo || j0 + nb > all_hi;
       SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, rc, post);
@@ -242,7 +292,10 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
         SYM(drop_factors)(p, &s, i0, nrows, j0, nb, fd, rc);
         SYM(vmul)(st, fd, nb * rc);
       }
-      SYM(accum_pv)(p, &s, v_direct, j0, nb, nrows, rc, st, vp, on, Dvp);
+      /* O += P V: A = P^T (BK x rc) read by row (broadcasts), B = the block's V rows */
+      const float* va =
+          SYM(block_rows)(&p->v, s.v, s.v_rs, j0, nb, Dv, Dvp, v_direct, copied ? rows.v : NULL, vp, &va_k);
+      SYM(gemm)(nrows, Dvp / VLEN, nb, st, 1, rc, va, va_k, on, Dvp, AB_ACC_RUN);
     }
     SYM(store_rows)(p, &s, i0, nrows, on, Dvp, mrow, lrow, tmp);
   }
@@ -256,6 +309,16 @@ static ab_status SYM(flash_fwd)(const ab_attn_params* p, const ab_cpu_pool* pool
   atomic_init(&ctx.st.status, AB_OK);
   const int64_t Sq = ab_rows_q(p), Sk = ab_rows_k(p);
   SYM(fwd_chunks)(Sq, NR_MAX, &ctx.nv, &ctx.nchunk);
+  /* a copy of strided key and value rows where more than one row chunk or query head reads them, up
+   * to KV_ROWS_BYTES a thread (longer keys are read in place, with prefetches) */
+  const int64_t Dvp = (p->Dv + VLEN - 1) / VLEN * VLEN;
+  int reread = 0;
+  if (p->B > 0 && p->Hq > 0) {
+    SYM(seq) s0;
+    SYM(seq_get)(p, 0, 0, 0, &s0);
+    reread = SYM(rows_strided)(&s0, p->D, p->Dv) && (ctx.nchunk > 1 || p->Hq > p->Hkv);
+  }
+  ctx.kv_rows = reread && Sk * (p->D + Dvp) * (int64_t)sizeof(float) <= KV_ROWS_BYTES ? Sk : 0;
   const double work = (double)p->B * p->Hq * Sq * Sk * (double)(p->D + p->Dv);
   return ab_par_run(pool, p->B * p->Hq * ctx.nchunk, 1, work, SYM(fwd_range), &ctx, &ctx.st);
 }
