@@ -60,11 +60,19 @@ def peak_sample() -> float:
     return ab._C.fma_peak(0.05, torch.get_num_threads())
 
 
-def run_case(B, H, S, D, dtype, causal, pas, rounds):
+def qkv(B, H, S, D, dtype, bwd, layout="bhsd"):
+    """Leaves and q, k, v (B, H, S, D): contiguous, or with layout "bshd" views of (B, S, H, D) leaves, as a
+    model's projections hand them over (rows H * D elements apart); both sides get the same tensors."""
+    shape = (B, S, H, D) if layout == "bshd" else (B, H, S, D)
+    leaves = [torch.randn(shape, dtype=dtype, requires_grad=bwd) for _ in range(3)]
+    return leaves, [t.transpose(1, 2) if layout == "bshd" else t for t in leaves]
+
+
+def run_case(B, H, S, D, dtype, causal, pas, rounds, layout="bhsd"):
     """Medians (seconds) of ours and torch, and of the FMA peak (flop/s) sampled in the same rounds.
     pas: "fwd", "fwd+bwd", or "bwd" (the backward alone: gradients of one forward's output, kept)."""
     bwd = pas != "fwd"
-    q, k, v = (torch.randn(B, H, S, D, dtype=dtype, requires_grad=bwd) for _ in range(3))
+    leaves, (q, k, v) = qkv(B, H, S, D, dtype, bwd, layout)
     g = torch.randn(B, H, S, D, dtype=dtype)
     kept = {}
     if pas == "bwd":
@@ -95,7 +103,7 @@ def run_case(B, H, S, D, dtype, causal, pas, rounds):
     for _ in range(rounds):
         for name, fn in fns.items():
             if bwd:
-                for t in (q, k, v):
+                for t in leaves:
                     t.grad = None
             gc.collect()
             t0 = time.perf_counter()
@@ -296,6 +304,8 @@ def main(argv=None):
     ap.add_argument("--ceiling-n", type=int, default=4096, help="matmul ceiling size n (n x n @ n x n)")
     ap.add_argument("--isa", default=None,
                     help="our kernels' CPU path: generic, avx2, avx512, amx (AMX tiles), amx_emu (emulated tiles)")
+    ap.add_argument("--layout", default="bhsd", choices=["bhsd", "bshd"],
+                    help="bshd: q, k, v as (B, H, S, D) views of (B, S, H, D) tensors (default: contiguous)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", default=None, metavar="JSON", help="print a results JSON as a markdown table")
     args = ap.parse_args(argv)
@@ -348,7 +358,7 @@ def main(argv=None):
             for D in (int(x) for x in args.dims.split(",")):
                 for S in (int(x) for x in args.seqlens.split(",")):
                     for causal in (False, True):
-                        t = run_case(args.batch, args.heads, S, D, dtype, causal, pas, args.rounds)
+                        t = run_case(args.batch, args.heads, S, D, dtype, causal, pas, args.rounds, args.layout)
                         fl = flops(args.batch, args.heads, S, D, causal, pas)
                         row = dict(pass_=pas, dtype=dt_name, D=D, S=S, causal=causal, ours_ms=t["ours"] * 1e3,
                                    torch_ms=t["torch"] * 1e3, ours_gflops=fl / t["ours"] / 1e9,
@@ -368,7 +378,7 @@ def main(argv=None):
               f"{mem['call_peak_mib']:.1f} MiB, {mem['extra_mib']:.1f} MiB beyond its outputs")
     if args.json:
         write_json(args.json, "cpu", peak, [{("pass" if k == "pass_" else k): v for k, v in r.items()} for r in rows],
-                   memory=mem)
+                   memory=mem, layout=args.layout)
 
 
 def write_json(path: str, benchmark: str, peak: float, results: list, **extra) -> None:
