@@ -136,11 +136,19 @@ def _runner(sig, strict):
         chosen = ID[_planner.choose(sig, strict)]
         if len(_chosen[strict]) < 65536 and not _is_compiling():
             _chosen[strict][sig] = chosen
-            if chosen == _FLASH and sig.requested in _PLAIN:
-                _C.remember(sig, _FLASH)  # ab.attention's fast path may serve such calls now (ab_direct.c)
-            elif chosen == _FLASH_VARLEN and sig.requested in _PLAIN_VARLEN:
-                _C.remember(sig, _FLASH_VARLEN)  # and attention_varlen's these
+            _arm_fast_path(sig, chosen)
+    elif not (sig.need_grad or sig.mask or sig.dropout):
+        # a call the fast path could have served: its table (ab_direct.c) is bounded, and a plan it let go
+        # of comes back here
+        _arm_fast_path(sig, chosen)
     return RUNNERS[chosen]
+
+
+def _arm_fast_path(sig, chosen) -> None:
+    if chosen == _FLASH and sig.requested in _PLAIN:
+        _C.remember(sig, _FLASH)  # ab.attention's fast path may serve such calls now (ab_direct.c)
+    elif chosen == _FLASH_VARLEN and sig.requested in _PLAIN_VARLEN:
+        _C.remember(sig, _FLASH_VARLEN)  # and attention_varlen's these
 
 
 def attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse, strict,

@@ -281,8 +281,10 @@ def choose(c: KVCall, backend, strict) -> str:
         chosen = _planner.choose(sig, strict)
         if len(_chosen[strict]) < 4096:
             _chosen[strict][sig] = chosen
-            if chosen == "paged_attention" and sig.requested in _PLAIN and not _is_compiling():
-                _C.remember(sig, _PAGED)  # attention_with_kvcache's fast path may serve such calls now
+    # attention_with_kvcache's fast path may serve such calls now (its table is bounded: a plan it let go
+    # of comes back on the next call here)
+    if chosen == "paged_attention" and sig.requested in _PLAIN and not _is_compiling():
+        _C.remember(sig, _PAGED)
     return chosen
 
 

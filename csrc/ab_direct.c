@@ -521,15 +521,17 @@ static PyObject* ab_py_set_tensor_api(PyObject* self, PyObject* args) {
 
 /* ---- the fast path of ab.attention ------------------------------------------------------------------
  *
- * attention(q, k, v, backend, causal, scale, want_lse): the whole of a plain eager CPU call in C.  It
- * serves a call only when everything below holds, and otherwise returns None, and the Python path
- * (attn_backends/_dispatch.py) serves the call as before, with its checks and its errors:
+ * attention(q, k, v, backend, causal, scale, want_lse, window, softcap, sinks, alibi_slopes): the whole
+ * of a plain eager CPU call in C.  It serves a call only when everything below holds, and otherwise
+ * returns None, and the Python path (attn_backends/_dispatch.py) serves the call as before, with its
+ * checks and its errors:
  *   - the arguments the caller left at their defaults are the ones attn_backends/__init__.py checks
- *     before calling here (no mask, window, softcap, dropout, sinks, ALiBi or deterministic; not
- *     while torch.compile traces);
+ *     before calling here (no mask, dropout or deterministic; not while torch.compile traces);
  *   - q, k, v plain torch.Tensors on the CPU, of one floating dtype, 4-D, shapes that agree (the
- *     rules of _validate.check_qkv); causal False or True; scale None or a finite float (within
- *     float32's range below float64); want_lse a bool;
+ *     rules of _validate.check_qkv); causal False, True or a name; scale None or a finite float
+ *     (within float32's range below float64); want_lse a bool; window None or two ints >= -1; softcap
+ *     an int or float >= 0; sinks None or (Hq,) floating (a gradient counts as q's does), alibi_slopes
+ *     None or float32 (Hq,) or (B, Hq) (a module's nn.Parameter for either);
  *   - none of the guards set_fast_api gave (dispatch and function modes, inference mode, jit
  *     tracing, functorch transforms) is active, and no gradient is needed;
  *   - the call's descriptor (the same ab_call the Python path builds: the requested backend as
@@ -702,6 +704,39 @@ static int softcap_arg(PyObject* o, double* x) {
   return *x >= 0.0 && isfinite(*x);
 }
 
+/* A fast path's window and softcap, as _validate reads them: window None or (left, right) of ints >= -1,
+ * a side that hides no key (>= span, the longest query and key lengths summed) made unbounded as
+ * _validate.clamp_window makes it; softcap an int or float >= 0, within float32's range unless dt is
+ * float64.  -> 1 with *wl, *wr, *softcap set, 0 to hand the call back. */
+static int window_softcap_args(PyObject* win, PyObject* cap, int64_t span, ab_dtype dt, long long* wl,
+                               long long* wr, double* softcap) {
+  *wl = *wr = -1;
+  if (win != Py_None && (!PyTuple_CheckExact(win) || PyTuple_Size(win) != 2 ||
+                         !small_int(PyTuple_GetItem(win, 0), -1, wl) || !small_int(PyTuple_GetItem(win, 1), -1, wr)))
+    return 0;
+  *wl = *wl >= span ? -1 : *wl;
+  *wr = *wr >= span ? -1 : *wr;
+  return softcap_arg(cap, softcap) && (dt == AB_DTYPE_F64 || *softcap <= FLT_MAX);
+}
+
+/* Reads a fast path's sinks and ALiBi slopes (None: none) into p, for B sequences of p->Hq heads.
+ * -> 1 when they meet sinks_alibi_ok, 0 to hand the call back, -1 with an exception. */
+static int read_sinks_alibi(ab_state* st, PyObject* sinks, PyObject* alibi, ab_attn_params* p) {
+  if (sinks != Py_None && read_view(st, sinks, &p->sinks, "sinks", 1) < 0) return -1;
+  if (alibi != Py_None && read_view(st, alibi, &p->alibi, "alibi_slopes", 1) < 0) return -1;
+  return sinks_alibi_ok(sinks != Py_None ? &p->sinks : NULL, alibi != Py_None ? &p->alibi : NULL, p->B, p->Hq);
+}
+
+/* Whether the fast path may take every one of the n tensors: plain torch.Tensors, or sinks and ALiBi
+ * slopes that weight_arg accepts. */
+static int fast_tensors(const ab_state* st, PyObject* const* tensors, int n, PyObject* sinks, PyObject* alibi) {
+  for (int i = 0; i < n; ++i)
+    if ((PyObject*)Py_TYPE(tensors[i]) != st->tensor_type &&
+        !((tensors[i] == sinks || tensors[i] == alibi) && weight_arg(st, tensors[i])))
+      return 0;
+  return 1;
+}
+
 /* What both plain fast paths end with: the scale (None: D ** -0.5 for a dense call, as
  * _dispatch.prepare computes it, and 1 / sqrt(D) for a packed one, as _validate.check_scale does for
  * prepare_varlen: the two differ by an ulp for some D), the call descriptor the Python path builds for the call (_dispatch.prepare, or prepare_varlen
@@ -754,23 +789,31 @@ static PyObject* serve_plain(ab_state* st, PyObject* q, ab_attn_params* pp, PyOb
   return out;
 }
 
+enum { AT_Q, AT_K, AT_V, AT_BACKEND, AT_CAUSAL, AT_SCALE, AT_LSE, AT_WINDOW, AT_SOFTCAP, AT_SINKS, AT_ALIBI,
+       AT_NARGS };
+
 static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   ab_state* st = ab_module_state(self);
-  if (nargs != 7) {
-    PyErr_SetString(PyExc_TypeError, "attention(q, k, v, backend, causal, scale, want_lse) takes 7 arguments");
+  if (nargs != AT_NARGS) {
+    PyErr_SetString(PyExc_TypeError, "attention(q, k, v, backend, causal, scale, want_lse, window, softcap, sinks, "
+                                     "alibi_slopes) takes 11 arguments");
     return NULL;
   }
-  PyObject *q = args[0], *k = args[1], *v = args[2], *scale_o = args[5];
+  PyObject *q = args[AT_Q], *k = args[AT_K], *v = args[AT_V], *scale_o = args[AT_SCALE];
+  PyObject *sinks = args[AT_SINKS], *alibi = args[AT_ALIBI];
   if (!st->tensor_type || !st->empty_strided || st->n_remembered == 0 || ab_cuda_emulation()) Py_RETURN_NONE;
-  if ((PyObject*)Py_TYPE(q) != st->tensor_type || (PyObject*)Py_TYPE(k) != st->tensor_type ||
-      (PyObject*)Py_TYPE(v) != st->tensor_type)
-    Py_RETURN_NONE;
-  PyObject* const qkv[3] = {q, k, v};
+  /* q, k, v, then the sinks (whose gradient counts), then the ALiBi slopes (no gradient, as in flash-attn) */
+  PyObject* tensors[5] = {q, k, v};
+  int n = 3;
+  if (sinks != Py_None) tensors[n++] = sinks;
+  const int n_grad = n;
+  if (alibi != Py_None) tensors[n++] = alibi;
+  if (!fast_tensors(st, tensors, n, sinks, alibi)) Py_RETURN_NONE;
   int causal, want_lse, requested;
-  const int go = fast_opening(st, st->guards, args[4], 1, args[6], scale_o, args[3], qkv, 3, &causal, &want_lse,
-                              &requested);
+  const int go = fast_opening(st, st->guards, args[AT_CAUSAL], 1, args[AT_LSE], scale_o, args[AT_BACKEND], tensors,
+                              n_grad, &causal, &want_lse, &requested);
   if (go <= 0) return go < 0 ? NULL : Py_NewRef(Py_None);
-  const int cpu = all_cpu(st, qkv, 3);
+  const int cpu = all_cpu(st, tensors, n);
   if (cpu < 0) return NULL;
   if (!cpu) Py_RETURN_NONE;
   ab_attn_params p;
@@ -792,7 +835,12 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
   p.Hkv = p.k.sizes[1];
   p.Sk = p.k.sizes[2];
   p.Dv = p.v.sizes[3];
-  return serve_plain(st, q, &p, scale_o, causal, -1, -1, 0.0, want_lse, requested, 0, p.Sq == p.Sk, AB_BK_FLASH);
+  const int weights = read_sinks_alibi(st, sinks, alibi, &p);
+  if (weights <= 0) return weights < 0 ? NULL : Py_NewRef(Py_None);
+  long long wl, wr;
+  double softcap;
+  if (!window_softcap_args(args[AT_WINDOW], args[AT_SOFTCAP], p.Sq + p.Sk, dt, &wl, &wr, &softcap)) Py_RETURN_NONE;
+  return serve_plain(st, q, &p, scale_o, causal, wl, wr, softcap, want_lse, requested, 0, p.Sq == p.Sk, AB_BK_FLASH);
 }
 
 /* ---- the fast path of ab.attention_varlen and flash_attn_varlen_func ------------------------------
@@ -847,10 +895,7 @@ static PyObject* ab_py_attention_varlen(PyObject* self, PyObject* const* args, P
   tensors[n++] = cq;
   tensors[n++] = ck;
   if (alibi != Py_None) tensors[n++] = alibi;
-  for (int i = 0; i < n; ++i)
-    if ((PyObject*)Py_TYPE(tensors[i]) != st->tensor_type &&
-        !((tensors[i] == sinks || tensors[i] == alibi) && weight_arg(st, tensors[i])))
-      Py_RETURN_NONE;
+  if (!fast_tensors(st, tensors, n, sinks, alibi)) Py_RETURN_NONE;
   long long max_q, max_k;
   if (!small_int(args[VL_MAX_Q], 0, &max_q) || !small_int(args[VL_MAX_K], 0, &max_k) || max_q > INT32_MAX ||
       max_k > INT32_MAX)
@@ -892,22 +937,12 @@ static PyObject* ab_py_attention_varlen(PyObject* self, PyObject* const* args, P
   p.Dv = p.v.sizes[2];
   p.Sq = longest_q; /* the kernels get the real longest sequences, as prepare_varlen gives them */
   p.Sk = longest_k;
-  if (sinks != Py_None && read_view(st, sinks, &p.sinks, "sinks", 1) < 0) return NULL;
-  if (alibi != Py_None && read_view(st, alibi, &p.alibi, "alibi_slopes", 1) < 0) return NULL;
-  if (!sinks_alibi_ok(sinks != Py_None ? &p.sinks : NULL, alibi != Py_None ? &p.alibi : NULL, p.B, p.Hq))
-    Py_RETURN_NONE;
-  /* window: None or (left, right) of ints >= -1, a side that hides no key (>= max_q + max_k) made
-   * unbounded as _validate.clamp_window makes it; softcap within float32's range unless float64 */
-  long long wl = -1, wr = -1;
-  PyObject* win = args[VL_WINDOW];
-  if (win != Py_None && (!PyTuple_CheckExact(win) || PyTuple_Size(win) != 2 ||
-                         !small_int(PyTuple_GetItem(win, 0), -1, &wl) || !small_int(PyTuple_GetItem(win, 1), -1, &wr)))
-    Py_RETURN_NONE;
-  const int64_t span = longest_q + longest_k;
-  wl = wl >= span ? -1 : wl;
-  wr = wr >= span ? -1 : wr;
+  const int weights = read_sinks_alibi(st, sinks, alibi, &p);
+  if (weights <= 0) return weights < 0 ? NULL : Py_NewRef(Py_None);
+  long long wl, wr;
   double softcap;
-  if (!softcap_arg(args[VL_SOFTCAP], &softcap) || (dt != AB_DTYPE_F64 && softcap > FLT_MAX)) Py_RETURN_NONE;
+  if (!window_softcap_args(args[VL_WINDOW], args[VL_SOFTCAP], longest_q + longest_k, dt, &wl, &wr, &softcap))
+    Py_RETURN_NONE;
   return serve_plain(st, q, &p, scale_o, causal, wl, wr, softcap, want_lse, requested, 1, longest_q == longest_k,
                      AB_BK_FLASH_VARLEN);
 }
@@ -1172,8 +1207,8 @@ static PyObject* ab_py_set_fast_api(PyObject* self, PyObject* args) {
 
 /* remember(call, chosen): the Python path planned call (a Call) and chose backend id chosen without
  * falling back; the fast paths may serve such calls from now on.  Only what they build is kept: plain
- * CPU forwards, dense (attention()) and packed (attention_varlen(), which also takes a window and
- * softcap), and CPU KV-cache calls (kvcache(), which also takes a window, softcap, sinks and ALiBi). */
+ * CPU forwards, dense (attention()) and packed (attention_varlen()), and CPU KV-cache calls
+ * (kvcache()), each with or without a window, softcap, sinks and ALiBi. */
 static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   ab_state* st = ab_module_state(self);
   PyObject* call;
@@ -1183,18 +1218,21 @@ static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   if (ab_call_from_py(call, &c) < 0) return NULL;
   const int cpu = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !c.mask && !c.mask_grad &&
                   !c.dropout && !c.need_grad && !c.cuda_smem;
-  const int options = c.window || c.softcap || c.sinks || c.alibi;
-  /* dense: no options; packed (a window, softcap, sinks, ALiBi) and KV cache: all four */
-  const int plain = cpu && (c.varlen != 0 || !options);
-  if (plain && remembered(st, &c) < 0 && st->n_remembered < AB_REMEMBERED_MAX) {
-    st->remembered[st->n_remembered].call = c;
-    st->remembered[st->n_remembered].chosen = chosen;
-    ++st->n_remembered;
+  if (cpu && remembered(st, &c) < 0) {
+    int slot = st->n_remembered;
+    if (slot < AB_REMEMBERED_MAX) {
+      ++st->n_remembered;
+    } else { /* full: the oldest plan makes way */
+      slot = st->next_evicted;
+      st->next_evicted = (st->next_evicted + 1) % AB_REMEMBERED_MAX;
+    }
+    st->remembered[slot].call = c;
+    st->remembered[slot].chosen = chosen;
   }
   Py_RETURN_NONE;
 }
 
-void ab_direct_forget(ab_state* st) { st->n_remembered = 0; }
+void ab_direct_forget(ab_state* st) { st->n_remembered = st->next_evicted = 0; }
 
 /* forget(): drops the remembered plans (attn_backends._dispatch.reset_caches). */
 static PyObject* ab_py_forget(PyObject* self, PyObject* unused) {
@@ -1219,7 +1257,8 @@ PyMethodDef ab_direct_methods[] = {
      "rotary_interleaved, num_splits, sinks) -> (out, lse), or None: the CPU decode kernel without the "
      "dispatcher (checked CPU tensors; k and v written into the caches, whose versions are then bumped)."},
     {"attention", (PyCFunction)(void (*)(void))ab_py_attention, METH_FASTCALL,
-     "attention(q, k, v, backend, causal, scale, want_lse) -> out, (out, lse), or None: ab.attention's fast "
+     "attention(q, k, v, backend, causal, scale, want_lse, window, softcap, sinks, alibi_slopes) -> out, "
+     "(out, lse), or None: ab.attention's fast "
      "path for plain eager CPU calls whose plan is remembered (None: take the Python path)."},
     {"attention_varlen", (PyCFunction)(void (*)(void))ab_py_attention_varlen, METH_FASTCALL,
      "attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend, causal, scale, "

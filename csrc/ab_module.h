@@ -12,7 +12,8 @@
 #include "ab_planner.h"
 
 /* Plans the fast path may reuse: call descriptor -> chosen backend, filled by attn_backends/_dispatch.py
- * (remember) after the Python path planned the call once, logged it and did not fall back. */
+ * (remember) after the Python path planned the call once, logged it and did not fall back.  A process
+ * with more kinds of calls than this replaces the oldest plans in turn. */
 #define AB_REMEMBERED_MAX 64
 
 typedef struct ab_remembered {
@@ -60,6 +61,7 @@ typedef struct ab_state {
 #undef AB_STATE_MANY
   ab_remembered remembered[AB_REMEMBERED_MAX];
   int n_remembered;
+  int next_evicted;              /* once the table is full, the slot a new plan replaces (round robin) */
   long long fast_calls;          /* calls the fast path served (tests) */
 } ab_state;
 

@@ -307,6 +307,20 @@ def test_fast_path_serves_only_remembered_plans_and_forgets_them():
     assert not served
 
 
+def test_fast_path_lets_old_plans_go_and_takes_them_back():
+    # the table of plans is bounded (AB_REMEMBERED_MAX, 64): more kinds of calls than that replace the
+    # oldest, and a call whose plan was let go of is served by the Python path once, which re-arms it
+    ab._dispatch.reset_caches()
+    qs = [torch.randn(1, 2, 6, d) for d in range(1, 72)]  # head dims: 71 kinds of calls
+    ab.attention(qs[0], qs[0], qs[0], causal=True)
+    assert _served(lambda: ab.attention(qs[0], qs[0], qs[0], causal=True))[1]
+    for q in qs[1:]:
+        ab.attention(q, q, q, causal=True)
+    assert _served(lambda: ab.attention(qs[-1], qs[-1], qs[-1], causal=True))[1]
+    assert not _served(lambda: ab.attention(qs[0], qs[0], qs[0], causal=True))[1]  # let go of
+    assert _served(lambda: ab.attention(qs[0], qs[0], qs[0], causal=True))[1]  # and back
+
+
 @pytest.mark.parametrize("how", ["use_math", "process_default", "named_math", "float64", "torch_faster",
                                  "requires_grad", "mask", "int_scale", "other_backend"])
 def test_fast_path_hands_back_what_is_not_flashs_plain_forward(how):
@@ -629,6 +643,100 @@ def test_varlen_fast_path_leaves_bad_sinks_and_alibi_to_the_python_checks(bad):
     before = _C.fast_calls()
     with pytest.raises((ValueError, TypeError), match="sinks|alibi_slopes"):
         ab.attention_varlen(*args, causal=causal, **kw)
+    assert _C.fast_calls() == before
+
+
+DENSE_SPECS = {  # B, Hq, Hkv, Sq, Sk, D, causal
+    "gqa_causal": (2, 4, 2, 7, 9, 16, True),
+    "decode_br": (2, 8, 2, 1, 33, 16, "bottom_right"),  # a decode step, which the decode kernel serves
+    "mha_noncausal": (1, 3, 3, 5, 12, 24, False),
+}
+DENSE_OPTIONS = ["window", "window_softcap_int", "sinks", "sinks_bf16", "alibi", "alibi_batch", "sinks_alibi_window"]
+
+
+def _dense_options(spec, name):
+    B, Hq, Hkv, Sq, Sk, D, causal = DENSE_SPECS[spec]
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(B, h, s, D, generator=g) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
+    opts = _sinks_alibi_opts(name, Hq, B)
+    if name.startswith("window"):
+        opts["window"] = (3, 1)
+        if "softcap" in name:
+            opts["softcap"] = 2  # an int, as _validate takes it
+    return (q, k, v), dict(causal=causal, **opts)
+
+
+def _dense_served_with_the_python_paths_bits(args, kw, monkeypatch):
+    """ab.attention(*args, **kw) (out, lse), planned once, then served by the fast path with the bits of
+    the Python path."""
+    kw = dict(kw, return_lse=True)
+    ab.attention(*args, **kw)
+    fast, served = _served(lambda: ab.attention(*args, **kw))
+    assert served
+    with monkeypatch.context() as m:
+        m.setattr(ab, "_fast_attention", lambda *a: None)
+        slow, served = _served(lambda: ab.attention(*args, **kw))
+    assert not served
+    for a, b in zip(fast, slow):
+        assert_same(a, b)
+    return fast
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("spec", list(DENSE_SPECS))
+@pytest.mark.parametrize("name", DENSE_OPTIONS)
+def test_fast_path_takes_windows_softcap_sinks_and_alibi_with_the_python_paths_bits(spec, name, dtype, monkeypatch):
+    (q, k, v), kw = _dense_options(spec, name)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    fast = _dense_served_with_the_python_paths_bits((q, k, v), kw, monkeypatch)
+    if dtype == torch.float32:  # and right
+        from attn_backends._testing import check_2x, reference_attention
+
+        opts = {n: val for n, val in kw.items()}
+        ref64, lse64 = reference_attention(q.double(), k.double(), v.double(), **opts)
+        same, _ = reference_attention(q, k, v, dtype=torch.float32, **opts)
+        check_2x("out", fast[0], ref64, same, 2, torch.float32)
+        check_2x("lse", fast[1], lse64, lse64.float(), 2, torch.float32)
+
+
+def test_fast_path_takes_parameter_sinks_without_a_gradient(monkeypatch):
+    (q, k, v), kw = _dense_options("decode_br", "sinks_alibi")
+    sinks = torch.nn.Parameter(kw["sinks"].clone())
+    with torch.no_grad():
+        fast = _dense_served_with_the_python_paths_bits(
+            (q, k, v), dict(kw, sinks=sinks, alibi_slopes=torch.nn.Parameter(kw["alibi_slopes"])), monkeypatch)
+    assert_same(fast[0], ab.attention(q, k, v, **kw))
+    out, served = _served(lambda: ab.attention(q, k, v, **dict(kw, sinks=sinks)))
+    assert not served and out.requires_grad  # the sinks' gradient: the autograd path
+    out.sum().backward()
+    assert sinks.grad is not None and sinks.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("bad", ["sinks_shape", "sinks_int", "alibi_shape", "alibi_float64", "window_3",
+                                 "window_below", "softcap_negative"])
+def test_fast_path_leaves_bad_options_to_the_python_checks(bad):
+    (q, k, v), good = _dense_options("gqa_causal", "sinks_alibi_window")
+    Hq = q.shape[1]
+    ab.attention(q, k, v, **good)  # remembered: the fast path is armed
+    assert _served(lambda: ab.attention(q, k, v, **good))[1]
+    kw = dict(good)
+    if bad == "sinks_shape":
+        kw["sinks"] = torch.zeros(Hq + 1)
+    elif bad == "sinks_int":
+        kw["sinks"] = torch.zeros(Hq, dtype=torch.int32)
+    elif bad == "alibi_shape":
+        kw["alibi_slopes"] = torch.zeros(3, Hq)
+    elif bad == "alibi_float64":
+        kw["alibi_slopes"] = torch.zeros(Hq, dtype=torch.float64)
+    elif bad == "window_3":
+        kw["window"] = (3, 0, 1)
+    elif bad == "window_below":
+        kw["window"] = (-2, 0)
+    else:
+        kw["softcap"] = -1.0
+    before = _C.fast_calls()
+    with pytest.raises((ValueError, TypeError), match="sinks|alibi_slopes|window|softcap"):
+        ab.attention(q, k, v, **kw)
     assert _C.fast_calls() == before
 
 
