@@ -116,6 +116,7 @@ fast_attention = _C.attention
 _PLAIN = (ID["auto"], _FLASH)  # requests under which flash serving a call is not a fallback
 _FLASH_VARLEN = ID["flash_varlen"]
 _PLAIN_VARLEN = (ID["auto"], _FLASH_VARLEN)
+_CPU = _planner.DEVICE_IDS["cpu"]
 fast_attention_varlen = _C.attention_varlen
 
 
@@ -137,7 +138,7 @@ def _runner(sig, strict):
         if len(_chosen[strict]) < 65536 and not _is_compiling():
             _chosen[strict][sig] = chosen
             _arm_fast_path(sig, chosen)
-    elif not (sig.need_grad or sig.mask or sig.dropout):
+    elif sig.device == _CPU and not (sig.need_grad or sig.mask or sig.dropout):
         # a call the fast path could have served: its table (ab_direct.c) is bounded, and a plan it let go
         # of comes back here
         _arm_fast_path(sig, chosen)

@@ -251,6 +251,7 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
 
 _chosen = ({}, {})
 _PAGED = ID["paged_attention"]
+_CPU = _planner.DEVICE_IDS["cpu"]
 _PLAIN = (ID["auto"], _PAGED)  # requests under which paged_attention serving a call is not a fallback
 
 
@@ -283,7 +284,7 @@ def choose(c: KVCall, backend, strict) -> str:
             _chosen[strict][sig] = chosen
     # attention_with_kvcache's fast path may serve such calls now (its table is bounded: a plan it let go
     # of comes back on the next call here)
-    if chosen == "paged_attention" and sig.requested in _PLAIN and not _is_compiling():
+    if chosen == "paged_attention" and sig.device == _CPU and sig.requested in _PLAIN and not _is_compiling():
         _C.remember(sig, _PAGED)
     return chosen
 

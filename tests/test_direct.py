@@ -699,6 +699,19 @@ def test_fast_path_takes_windows_softcap_sinks_and_alibi_with_the_python_paths_b
         check_2x("lse", fast[1], lse64, lse64.float(), 2, torch.float32)
 
 
+@pytest.mark.parametrize("spec", list(DENSE_SPECS))
+def test_fast_path_clamps_a_window_that_hides_no_key_as_the_python_path_does(spec, monkeypatch):
+    # a side >= Sq + Sk is unbounded (_validate.clamp_window): (Sq + Sk, -1) is the call without a window
+    (q, k, v), kw = _dense_options(spec, "none")
+    Sq, Sk = q.shape[2], k.shape[2]
+    fast = _dense_served_with_the_python_paths_bits((q, k, v), dict(kw, window=(Sq + Sk, -1)), monkeypatch)
+    plain = ab.attention(q, k, v, return_lse=True, **kw)
+    assert_same(fast[0], plain[0])
+    assert_same(fast[1], plain[1])
+    # one less on the left is a window the kernel applies (it hides no key here either): same bits again
+    _dense_served_with_the_python_paths_bits((q, k, v), dict(kw, window=(Sq + Sk - 1, Sq + Sk)), monkeypatch)
+
+
 def test_fast_path_takes_parameter_sinks_without_a_gradient(monkeypatch):
     (q, k, v), kw = _dense_options("decode_br", "sinks_alibi")
     sinks = torch.nn.Parameter(kw["sinks"].clone())
