@@ -418,15 +418,16 @@ def _packed_inputs(spec, dtype, strided=False):
     return (q, k, v, cu_q, cu_k, max(lens_q), max(lens_k)), causal
 
 
-def _served_with_the_python_paths_bits(args, kw, monkeypatch):
-    """ab.attention_varlen(*args, **kw) (out, lse), planned once, then served by the fast path with the
-    bits of the Python path."""
-    ab.attention_varlen(*args, **kw)
-    fast, served = _served(lambda: ab.attention_varlen(*args, **kw))
+def _served_with_the_python_paths_bits(args, kw, monkeypatch, fn=ab.attention_varlen,
+                                       fast_name="_fast_attention_varlen"):
+    """fn(*args, **kw) (ab.attention_varlen's, or ab.attention's with its fast path's name), planned once,
+    then served by the fast path with the bits of the Python path."""
+    fn(*args, **kw)
+    fast, served = _served(lambda: fn(*args, **kw))
     assert served
     with monkeypatch.context() as m:
-        m.setattr(ab, "_fast_attention_varlen", lambda *a: None)
-        slow, served = _served(lambda: ab.attention_varlen(*args, **kw))
+        m.setattr(ab, fast_name, lambda *a: None)
+        slow, served = _served(lambda: fn(*args, **kw))
     assert not served
     for a, b in zip(fast, slow):
         assert_same(a, b)
@@ -624,6 +625,15 @@ def test_varlen_fast_path_takes_parameter_sinks_without_a_gradient(monkeypatch):
     assert sinks.grad is not None and sinks.grad.abs().sum() > 0
 
 
+def _bad_option(bad, Hq):
+    """An option the Python checks reject (the fast paths must leave it to them)."""
+    return {"sinks_shape": dict(sinks=torch.zeros(Hq + 1)), "sinks_int": dict(sinks=torch.zeros(Hq, dtype=torch.int32)),
+            "alibi_shape": dict(alibi_slopes=torch.zeros(2, Hq + 1)),  # neither (Hq,) nor (B, Hq)
+            "alibi_float64": dict(alibi_slopes=torch.zeros(Hq, dtype=torch.float64)),
+            "window_3": dict(window=(3, 0, 1)), "window_below": dict(window=(-2, 0)),
+            "softcap_negative": dict(softcap=-1.0)}[bad]
+
+
 @pytest.mark.parametrize("bad", ["sinks_shape", "sinks_int", "alibi_shape", "alibi_float64"])
 def test_varlen_fast_path_leaves_bad_sinks_and_alibi_to_the_python_checks(bad):
     args, causal = _packed_inputs("decode_gqa", torch.float32)
@@ -631,15 +641,7 @@ def test_varlen_fast_path_leaves_bad_sinks_and_alibi_to_the_python_checks(bad):
     good = _sinks_alibi_opts("sinks_alibi", Hq, 3)
     ab.attention_varlen(*args, causal=causal, **good)  # remembered: the fast path is armed
     assert _served(lambda: ab.attention_varlen(*args, causal=causal, **good))[1]
-    kw = dict(good)
-    if bad == "sinks_shape":
-        kw["sinks"] = torch.zeros(Hq + 1)
-    elif bad == "sinks_int":
-        kw["sinks"] = torch.zeros(Hq, dtype=torch.int32)
-    elif bad == "alibi_shape":
-        kw["alibi_slopes"] = torch.zeros(2, Hq)
-    else:
-        kw["alibi_slopes"] = torch.zeros(Hq, dtype=torch.float64)
+    kw = dict(good, **_bad_option(bad, Hq))
     before = _C.fast_calls()
     with pytest.raises((ValueError, TypeError), match="sinks|alibi_slopes"):
         ab.attention_varlen(*args, causal=causal, **kw)
@@ -669,17 +671,8 @@ def _dense_options(spec, name):
 def _dense_served_with_the_python_paths_bits(args, kw, monkeypatch):
     """ab.attention(*args, **kw) (out, lse), planned once, then served by the fast path with the bits of
     the Python path."""
-    kw = dict(kw, return_lse=True)
-    ab.attention(*args, **kw)
-    fast, served = _served(lambda: ab.attention(*args, **kw))
-    assert served
-    with monkeypatch.context() as m:
-        m.setattr(ab, "_fast_attention", lambda *a: None)
-        slow, served = _served(lambda: ab.attention(*args, **kw))
-    assert not served
-    for a, b in zip(fast, slow):
-        assert_same(a, b)
-    return fast
+    return _served_with_the_python_paths_bits(args, dict(kw, return_lse=True), monkeypatch, ab.attention,
+                                              "_fast_attention")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -732,21 +725,7 @@ def test_fast_path_leaves_bad_options_to_the_python_checks(bad):
     Hq = q.shape[1]
     ab.attention(q, k, v, **good)  # remembered: the fast path is armed
     assert _served(lambda: ab.attention(q, k, v, **good))[1]
-    kw = dict(good)
-    if bad == "sinks_shape":
-        kw["sinks"] = torch.zeros(Hq + 1)
-    elif bad == "sinks_int":
-        kw["sinks"] = torch.zeros(Hq, dtype=torch.int32)
-    elif bad == "alibi_shape":
-        kw["alibi_slopes"] = torch.zeros(3, Hq)
-    elif bad == "alibi_float64":
-        kw["alibi_slopes"] = torch.zeros(Hq, dtype=torch.float64)
-    elif bad == "window_3":
-        kw["window"] = (3, 0, 1)
-    elif bad == "window_below":
-        kw["window"] = (-2, 0)
-    else:
-        kw["softcap"] = -1.0
+    kw = dict(good, **_bad_option(bad, Hq))
     before = _C.fast_calls()
     with pytest.raises((ValueError, TypeError), match="sinks|alibi_slopes|window|softcap"):
         ab.attention(q, k, v, **kw)
