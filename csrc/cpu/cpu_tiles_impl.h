@@ -148,6 +148,18 @@ static inline void SYM(scores_t)(int64_t nb, int64_t nvec, int64_t D, const floa
               d0 > 0 ? AB_ACC_ADD : 0);
 }
 
+/* Prefetches every cache line of `bytes` bytes from row (the first line too when row is not aligned
+ * to one): into L1 with locality 3, into L2 with 2 (a compile-time constant at every call site). */
+static inline __attribute__((always_inline)) void SYM(pf_lines)(const char* row, int64_t bytes, const int locality) {
+  const uintptr_t first = (uintptr_t)row & ~(uintptr_t)63, last = (uintptr_t)row + (uintptr_t)bytes;
+  for (uintptr_t x = first; x < last; x += 64) {
+    if (locality == 3)
+      __builtin_prefetch((const void*)x, 0, 3);
+    else
+      __builtin_prefetch((const void*)x, 0, 2);
+  }
+}
+
 /* ---- per-sequence geometry (dense and packed calls alike) ------------------------------------- */
 
 typedef struct SYM(seq) {

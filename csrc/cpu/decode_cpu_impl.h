@@ -243,20 +243,10 @@ typedef struct DC(pf) {
   int64_t kstep, vstep, bytes;
 } DC(pf);
 
-static inline __attribute__((always_inline)) void DC(pf_lines)(const char* row, int64_t bytes, const int locality) {
-  const uintptr_t first = (uintptr_t)row & ~(uintptr_t)63, last = (uintptr_t)row + (uintptr_t)bytes;
-  for (uintptr_t x = first; x < last; x += 64) {
-    if (locality == 3)
-      __builtin_prefetch((const void*)x, 0, 3);
-    else
-      __builtin_prefetch((const void*)x, 0, 2);
-  }
-}
-
 static inline __attribute__((always_inline)) void DC(pf_head)(const DC(pf) * f, int64_t h) {
   if (!f) return;
-  if (f->k) DC(pf_lines)(f->k + h * f->kstep, f->bytes, 3);
-  if (f->v) DC(pf_lines)(f->v + h * f->vstep, f->bytes, 2);
+  if (f->k) SYM(pf_lines)(f->k + h * f->kstep, f->bytes, 3);
+  if (f->v) SYM(pf_lines)(f->v + h * f->vstep, f->bytes, 2);
 }
 
 /* The next chunk's key rows of one head, asked for into L2 while step 3 works through this chunk's
@@ -269,7 +259,7 @@ typedef struct DC(kpf) {
 } DC(kpf);
 
 static inline __attribute__((always_inline)) void DC(kpf_key)(const DC(kpf) * kp, int64_t j) {
-  if (kp && j < kp->n) DC(pf_lines)(kp->base + kp->off[j] * kp->es, kp->bytes, 2);
+  if (kp && j < kp->n) SYM(pf_lines)(kp->base + kp->off[j] * kp->es, kp->bytes, 2);
 }
 
 /* The scores of one token's rows for one key: hg heads x G rows, q at q (rows at stride dpad,
@@ -774,8 +764,8 @@ static inline __attribute__((always_inline)) void DC(tiled_chunk)(const ab_decod
     for (int64_t i = 0; i < nk; ++i) {
       DC(row_f32)(kb, ko[i] + h * ks2, D, dt, w->kv + i * dpad);
       if (i < nn) {
-        DC(pf_lines)((const char*)kb + (nko[i] + h * ks2) * es, D * es, 2);
-        DC(pf_lines)((const char*)vb + (nvo[i] + h * vs2) * es, D * es, 2);
+        SYM(pf_lines)((const char*)kb + (nko[i] + h * ks2) * es, D * es, 2);
+        SYM(pf_lines)((const char*)vb + (nvo[i] + h * vs2) * es, D * es, 2);
       }
     }
     const float* qh = w->qt + h * dpad * rhp;

@@ -158,16 +158,14 @@ typedef struct SYM(kv_rows) {
   int64_t b, hk, lo, hi; /* rows [lo, hi) of (b, hk) are in place */
 } SYM(kv_rows);
 
-static int SYM(rows_strided)(const SYM(seq) * s, int64_t D, int64_t Dv) { return s->k_rs != D || s->v_rs != Dv; }
-
-/* Asks for key and value rows [j0, j0 + n), one prefetch per cache line. */
+/* Asks for key and value rows [j0, j0 + n) into L1, every cache line of them. */
 static void SYM(prefetch_block)(const ab_attn_params* p, const SYM(seq) * s, int64_t j0, int64_t n) {
   const int64_t ke = (int64_t)ab_dtype_size(p->k.dtype), ve = (int64_t)ab_dtype_size(p->v.dtype);
   const char* kb = (const char*)p->k.data + (s->k + j0 * s->k_rs) * ke;
   const char* vb = (const char*)p->v.data + (s->v + j0 * s->v_rs) * ve;
   for (int64_t r = 0; r < n; ++r) {
-    for (int64_t o = 0; o < p->D * ke; o += 64) __builtin_prefetch(kb + r * s->k_rs * ke + o);
-    for (int64_t o = 0; o < p->Dv * ve; o += 64) __builtin_prefetch(vb + r * s->v_rs * ve + o);
+    SYM(pf_lines)(kb + r * s->k_rs * ke, p->D * ke, 3);
+    SYM(pf_lines)(vb + r * s->v_rs * ve, p->Dv * ve, 3);
   }
 }
 
@@ -231,6 +229,7 @@ typedef struct SYM(fwd_ctx) {
   const ab_attn_params* p;
   int64_t nchunk; /* row chunks per (batch, head): ceil(max Sq / rc) */
   int nv;         /* vectors of rows per chunk, rc = nv * VLEN */
+  int strided;     /* key or value rows not contiguous (the same for every sequence and head) */
   int64_t kv_rows; /* rows of SYM(kv_rows) per thread, 0 for none */
   ab_par_status st;
 } SYM(fwd_ctx);
@@ -271,15 +270,14 @@ static void SYM(fwd_range)(int64_t begin, int64_t end, void* vctx) {
     if (!SYM(chunk_begin)(p, item, ctx->nchunk, rc, lo, hi, mrow, lrow, &ch)) continue;
     const SYM(seq) s = ch.s;
     const int64_t i0 = ch.i0, nrows = ch.nrows, jlo = ch.jlo, jhi = ch.jhi, all_lo = ch.all_lo, all_hi = ch.all_hi;
-    const int strided = SYM(rows_strided)(&s, D, Dv);
-    const int copied = strided && ctx->kv_rows > 0 && jhi > jlo;
+    const int copied = ctx->kv_rows > 0 && jhi > jlo; /* kv_rows > 0 only for strided rows */
     if (copied) SYM(kv_rows_cover)(p, &s, ch.b, ch.hk, jlo, jhi, Dvp, &rows);
     SYM(pack_t)(&p->q, s.q, s.q_rs, i0, nrows, D, SYM(q_scale)(p), qt, tmp, rc);
     memset(on, 0, sizeof(float) * (size_t)(nrows * Dvp));
     const int partial_rows = nrows < rc;
     for (int64_t j0 = jlo; j0 < jhi; j0 += BK) {
       const int64_t nb = jhi - j0 < BK ? jhi - j0 : BK;
-      if (strided && !copied && j0 + BK < jhi) /* the next block, while this one computes */
+      if (ctx->strided && !copied && j0 + BK < jhi) /* the next block, while this one computes */
         SYM(prefetch_block)(p, &s, j0 + BK, jhi - j0 - BK < BK ? jhi - j0 - BK : BK);
       int64_t ka_m, va_k;
       const float* ka =
@@ -312,12 +310,13 @@ static ab_status SYM(flash_fwd)(const ab_attn_params* p, const ab_cpu_pool* pool
   /* a copy of strided key and value rows where more than one row chunk or query head reads them, up
    * to KV_ROWS_BYTES a thread (longer keys are read in place, with prefetches) */
   const int64_t Dvp = (p->Dv + VLEN - 1) / VLEN * VLEN;
-  int reread = 0;
+  ctx.strided = 0;
   if (p->B > 0 && p->Hq > 0) {
     SYM(seq) s0;
     SYM(seq_get)(p, 0, 0, 0, &s0);
-    reread = SYM(rows_strided)(&s0, p->D, p->Dv) && (ctx.nchunk > 1 || p->Hq > p->Hkv);
+    ctx.strided = s0.k_rs != p->D || s0.v_rs != p->Dv;
   }
+  const int reread = ctx.strided && (ctx.nchunk > 1 || p->Hq > p->Hkv);
   ctx.kv_rows = reread && Sk * (p->D + Dvp) * (int64_t)sizeof(float) <= KV_ROWS_BYTES ? Sk : 0;
   const double work = (double)p->B * p->Hq * Sq * Sk * (double)(p->D + p->Dv);
   return ab_par_run(pool, p->B * p->Hq * ctx.nchunk, 1, work, SYM(fwd_range), &ctx, &ctx.st);
