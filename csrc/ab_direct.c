@@ -728,10 +728,11 @@ static int read_sinks_alibi(ab_state* st, PyObject* sinks, PyObject* alibi, ab_a
 }
 
 /* Whether the fast path may take every one of the n tensors: plain torch.Tensors, or sinks and ALiBi
- * slopes that weight_arg accepts. */
-static int fast_tensors(const ab_state* st, PyObject* const* tensors, int n, PyObject* sinks, PyObject* alibi) {
+ * slopes that weight_arg accepts; None too where none_ok (an absent optional argument). */
+static int fast_tensors(const ab_state* st, PyObject* const* tensors, int n, PyObject* sinks, PyObject* alibi,
+                        int none_ok) {
   for (int i = 0; i < n; ++i)
-    if ((PyObject*)Py_TYPE(tensors[i]) != st->tensor_type &&
+    if ((PyObject*)Py_TYPE(tensors[i]) != st->tensor_type && !(none_ok && tensors[i] == Py_None) &&
         !((tensors[i] == sinks || tensors[i] == alibi) && weight_arg(st, tensors[i])))
       return 0;
   return 1;
@@ -739,10 +740,10 @@ static int fast_tensors(const ab_state* st, PyObject* const* tensors, int n, PyO
 
 /* What both plain fast paths end with: the scale (None: D ** -0.5 for a dense call, as
  * _dispatch.prepare computes it, and 1 / sqrt(D) for a packed one, as _validate.check_scale does for
- * prepare_varlen: the two differ by an ulp for some D), the call descriptor the Python path builds for the call (_dispatch.prepare, or prepare_varlen
- * with varlen 1; square as the caller says), the plan remembered for it (served only where `chosen`
- * is), then the kernel on p (q, k, v, sizes and cu_seqlens filled).  -> out or (out, lse), None to hand
- * the call back, or NULL with an exception. */
+ * prepare_varlen: the two differ by an ulp for some D), the call descriptor the Python path builds for
+ * the call (_dispatch.prepare, or prepare_varlen with varlen 1; square as the caller says), the plan
+ * remembered for it (served only where `chosen` is), then the kernel on p (q, k, v, sizes and
+ * cu_seqlens filled).  -> out or (out, lse), None to hand the call back, or NULL with an exception. */
 static PyObject* serve_plain(ab_state* st, PyObject* q, ab_attn_params* pp, PyObject* scale_o, int causal,
                              int64_t wl, int64_t wr, double softcap, int want_lse, int requested, int varlen,
                              int square, int chosen) {
@@ -808,7 +809,7 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
   if (sinks != Py_None) tensors[n++] = sinks;
   const int n_grad = n;
   if (alibi != Py_None) tensors[n++] = alibi;
-  if (!fast_tensors(st, tensors, n, sinks, alibi)) Py_RETURN_NONE;
+  if (!fast_tensors(st, tensors, n, sinks, alibi, 0)) Py_RETURN_NONE;
   int causal, want_lse, requested;
   const int go = fast_opening(st, st->guards, args[AT_CAUSAL], 1, args[AT_LSE], scale_o, args[AT_BACKEND], tensors,
                               n_grad, &causal, &want_lse, &requested);
@@ -895,7 +896,7 @@ static PyObject* ab_py_attention_varlen(PyObject* self, PyObject* const* args, P
   tensors[n++] = cq;
   tensors[n++] = ck;
   if (alibi != Py_None) tensors[n++] = alibi;
-  if (!fast_tensors(st, tensors, n, sinks, alibi)) Py_RETURN_NONE;
+  if (!fast_tensors(st, tensors, n, sinks, alibi, 0)) Py_RETURN_NONE;
   long long max_q, max_k;
   if (!small_int(args[VL_MAX_Q], 0, &max_q) || !small_int(args[VL_MAX_K], 0, &max_k) || max_q > INT32_MAX ||
       max_k > INT32_MAX)
@@ -1003,7 +1004,6 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   }
   if (!st->tensor_type || !st->kv_guards || !st->empty_strided || st->n_remembered == 0 || ab_cuda_emulation())
     Py_RETURN_NONE;
-  PyObject* const tt = st->tensor_type;
   PyObject *q = args[KV_Q], *kc = args[KV_KC], *vc = args[KV_VC], *kn = args[KV_K], *vn = args[KV_V];
   PyObject *cos = args[KV_COS], *sin = args[KV_SIN], *seq_o = args[KV_SEQ], *inter_o = args[KV_INTER];
   const int has_new = kn != Py_None, has_rot = cos != Py_None;
@@ -1014,13 +1014,9 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
       [KVT_COS] = KV_COS, [KVT_SIN] = KV_SIN,   [KVT_SEQ] = KV_SEQ,   [KVT_BIDX] = KV_BIDX,
       [KVT_LEFT] = KV_LEFT, [KVT_BT] = KV_BT, [KVT_ALIBI] = KV_ALIBI, [KVT_SINKS] = KV_SINKS};
   PyObject* tensors[KVT_N];
-  for (int i = 0; i < KVT_N; ++i) {
-    PyObject* a = args[tensor_args[i]];
-    tensors[i] = tensor_args[i] == KV_SEQ && !seq_tensor ? Py_None : a;
-    if (tensors[i] != Py_None && (PyObject*)Py_TYPE(tensors[i]) != tt &&
-        !((i == KVT_SINKS || i == KVT_ALIBI) && weight_arg(st, tensors[i])))
-      Py_RETURN_NONE;
-  }
+  for (int i = 0; i < KVT_N; ++i)
+    tensors[i] = tensor_args[i] == KV_SEQ && !seq_tensor ? Py_None : args[tensor_args[i]];
+  if (!fast_tensors(st, tensors, KVT_N, args[KV_SINKS], args[KV_ALIBI], 1)) Py_RETURN_NONE;
   if (q == Py_None || kc == Py_None || vc == Py_None || (vn != Py_None) != has_new || (sin != Py_None) != has_rot ||
       (has_new && seq_o == Py_None) || (has_rot && !has_new) || (inter_o != Py_True && inter_o != Py_False))
     Py_RETURN_NONE;
