@@ -33,6 +33,7 @@ CAUSAL_NAMES = _ENUMS["causal"]  # ab_causal
 MASK_NAMES = _ENUMS["mask"]  # ab_call.mask
 ISA_NAMES = _ENUMS["cpu_isa"]  # ab_cpu_isa
 UNIT_NAMES = _ENUMS["cpu_units"]  # bit i of cpu_units (AB_UNIT_*)
+VENDOR_NAMES = _ENUMS["cpu_vendor"]  # ab_cpu_vendor: other, Intel, AMD
 
 # the call descriptor: its type and fields come from the C core (csrc/ab_planner.h, AB_CALL_FIELDS)
 Call = _C.Call
@@ -86,6 +87,7 @@ _cpu_isa_index = _C.cpu_isa_index
 _is_compiling = torch.compiler.is_compiling
 # the matrix units this CPU may use are fixed for the process
 CPU_UNITS = _C.cpu_units()
+CPU_VENDOR = _C.cpu_vendor()
 
 
 # ---- the device facts a call descriptor holds ----------------------------------------------------
@@ -122,11 +124,11 @@ def cuda_math_ready(index) -> str:
 def new_call(device=0, cuda_cc=0, cuda_lib_ok=0, dtype=0, D=64, Dv=64, gqa=False, square=True, mask=0,
              mask_grad=False, causal=0, window=False, softcap=False, dropout=False, need_grad=False,
              deterministic=False, want_lse=False, varlen=0, mps_fix=None, requested=0, cpu_isa=None,
-             cpu_units=None, cuda_smem=0, sinks=False, alibi=False, compiling=None) -> Call:
+             cpu_units=None, cuda_smem=0, sinks=False, alibi=False, compiling=None, cpu_vendor=None) -> Call:
     """The one constructor of the call descriptor (fields: csrc/ab_planner.h, AB_CALL_FIELDS).  Ids, not
     names: device (DEVICE_IDS), dtype (DTYPE_IDS), causal (CAUSAL_NAMES), requested (_names.ID).  Left as
-    None, mps_fix, cpu_isa and cpu_units are this process's; the rest default to a plain dense CPU
-    float32 call of D=64.  _dispatch passes every field by position (the per-call path).  While
+    None, mps_fix, cpu_isa, cpu_units and cpu_vendor are this process's; the rest default to a plain dense CPU
+    float32 call of D=64.  _dispatch passes every field but cpu_vendor by position (the per-call path).  While
     torch.compile traces, the fields as a plain tuple (dynamo cannot rebuild a struct sequence as a
     constant); build() turns it into a Call, and tuples and Calls of the same fields are equal keys.
     compiling: whether torch.compile traces, when the caller already knows (None: asked here)."""
@@ -136,7 +138,7 @@ def new_call(device=0, cuda_cc=0, cuda_lib_ok=0, dtype=0, D=64, Dv=64, gqa=False
                  softcap, dropout, need_grad, deterministic, want_lse, varlen,
                  settings["mps_fix"] if mps_fix is None else mps_fix, requested,
                  _cpu_isa_index() if cpu_isa is None else cpu_isa, CPU_UNITS if cpu_units is None else cpu_units,
-                 cuda_smem, sinks, alibi))
+                 cuda_smem, sinks, alibi, CPU_VENDOR if cpu_vendor is None else cpu_vendor))
 
 
 def _detect_providers() -> None:
@@ -252,6 +254,7 @@ def describe(call: Call) -> dict:
     d["requested"] = CANONICAL[d["requested"]]
     d["cpu_isa"] = ISA_NAMES[d["cpu_isa"]]
     d["cpu_units"] = tuple(n for i, n in enumerate(UNIT_NAMES) if d["cpu_units"] >> i & 1)
+    d["cpu_vendor"] = VENDOR_NAMES[d["cpu_vendor"]]
     return d
 
 

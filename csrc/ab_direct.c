@@ -665,7 +665,7 @@ static int fast_opening(ab_state* st, PyObject* guards, PyObject* causal_o, int 
 }
 
 /* *c zeroed as a CPU call, with the fields of a call descriptor that come from the process
- * (settings["mps_fix"], the CPU path and units) as _planner.new_call fills them; the caller sets the
+ * (settings["mps_fix"], the CPU path, units and vendor) as _planner.new_call fills them; the caller sets the
  * call's own.  1, 0 to hand the call back, -1 with an exception. */
 static int cpu_call(ab_state* st, ab_call* c) {
   memset(c, 0, sizeof *c);
@@ -677,6 +677,7 @@ static int cpu_call(ab_state* st, ab_call* c) {
   c->mps_fix = mps_fix;
   c->cpu_isa = (int32_t)ab_cpu_isa_get();
   c->cpu_units = ab_cpu_units_detect();
+  c->cpu_vendor = (int32_t)ab_cpu_vendor_detect();
   return 1;
 }
 

@@ -275,7 +275,7 @@ int ab_call_from_py(PyObject* obj, ab_call* c) {
 #undef CALL_FIELD_FROM
   if ((int)c->device < 0 || c->device >= AB_DEV_COUNT || (int)c->dtype < 0 || c->dtype > AB_DTYPE_OTHER ||
       (int)c->causal < 0 || c->causal > 2 || c->requested < 0 || c->requested >= AB_BK_COUNT ||
-      c->cpu_isa < 0 || c->cpu_isa >= AB_ISA_COUNT) {
+      c->cpu_isa < 0 || c->cpu_isa >= AB_ISA_COUNT || c->cpu_vendor < 0 || c->cpu_vendor >= AB_VENDOR_COUNT) {
     PyErr_SetString(PyExc_ValueError, "plan: a field of the call is out of range");
     return -1;
   }
@@ -283,7 +283,8 @@ int ab_call_from_py(PyObject* obj, ab_call* c) {
 }
 
 /* enum_names() -> {"device": (...), "dtype": (the four floating dtypes), "causal": (...), "mask": (...),
- * "cpu_isa": (...), "cpu_units": (name of bit i, ...)}: each tuple indexed by the C enum's value. */
+ * "cpu_isa": (...), "cpu_units": (name of bit i, ...), "cpu_vendor": (...)}: each tuple indexed by the C
+ * enum's value. */
 static PyObject* ab_py_enum_names(PyObject* self, PyObject* unused) {
   (void)self;
   (void)unused;
@@ -302,6 +303,7 @@ static PyObject* ab_py_enum_names(PyObject* self, PyObject* unused) {
   ENUM_ENTRY("mask", 3, ab_mask_kind_name(i))
   ENUM_ENTRY("cpu_isa", AB_ISA_COUNT, ab_cpu_isa_name((ab_cpu_isa)i))
   ENUM_ENTRY("cpu_units", AB_UNIT_COUNT, ab_unit_name(i))
+  ENUM_ENTRY("cpu_vendor", AB_VENDOR_COUNT, ab_cpu_vendor_name(i))
 #undef ENUM_ENTRY
   return d;
 fail:
@@ -429,6 +431,13 @@ static PyObject* ab_py_cpu_units(PyObject* self, PyObject* unused) {
   return PyLong_FromUnsignedLong(ab_cpu_units_detect());
 }
 
+/* cpu_vendor() -> who made this CPU, as an ab_cpu_vendor number (0 other, 1 Intel, 2 AMD). */
+static PyObject* ab_py_cpu_vendor(PyObject* self, PyObject* unused) {
+  (void)self;
+  (void)unused;
+  return PyLong_FromLong((long)ab_cpu_vendor_detect());
+}
+
 /* cpu_isa_supported(name) -> bool */
 static PyObject* ab_py_cpu_isa_supported(PyObject* self, PyObject* arg) {
   (void)self;
@@ -520,6 +529,8 @@ static PyMethodDef ab_methods[] = {
      "cpu_isa_error() -> why ATTN_BACKENDS_CPU_ISA cannot be honoured (CPU kernel calls fail with it), or None."},
     {"cpu_units", ab_py_cpu_units, METH_NOARGS,
      "cpu_units() -> bits of the CPU matrix units this process may use (1 AMX-BF16, 2 AMX-FP16, 4 AMX-INT8)."},
+    {"cpu_vendor", ab_py_cpu_vendor, METH_NOARGS,
+     "cpu_vendor() -> who made this CPU, for the call descriptor (0 other, 1 Intel, 2 AMD)."},
     {"cpu_isa_supported", ab_py_cpu_isa_supported, METH_O,
      "cpu_isa_supported(name) -> whether this CPU and OS can run that path."},
     {"set_cpu_isa", ab_py_set_cpu_isa, METH_O,

@@ -161,7 +161,7 @@ static const char* unit_name(uint32_t unit) {
 
 /* auto is never slower than torch SDPA: on a CPU with a unit torch computes this dtype on and the
  * ISA path of our kernels does not (ab_registry.c holds both lists), or for the calls where torch's
- * kernel measured faster on the same units (ab_torch_cpu_faster), torch SDPA goes first; our
+ * kernel measured faster on this kind of CPU (ab_torch_cpu_faster), torch SDPA goes first; our
  * kernels still serve what it cannot (packed sequences, softcap, lse, ...). */
 static void torch_first(const ab_call* c, ab_plan* plan) {
   if (c->device != AB_DEVICE_CPU) return;
@@ -172,7 +172,7 @@ static void torch_first(const ab_call* c, ab_plan* plan) {
     if (!what) return;
     push(plan, AB_BK_SDPA);
     snprintf(plan->note, sizeof plan->note,
-             "torch SDPA first: its kernel measured faster than ours on the same FMA units for %s "
+             "torch SDPA first: its kernel measured faster than ours on this kind of CPU for %s "
              "with no causal mask (docs/benchmarks.md)", what);
     return;
   }

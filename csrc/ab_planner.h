@@ -125,6 +125,17 @@ const char* ab_unit_name(int bit);
 const char* ab_mask_kind_name(int kind);
 /* The units this CPU has and this process may use (CPUID, XCR0 and the OS's permission). */
 uint32_t ab_cpu_units_detect(void);
+/* Who made the CPU (ab_call.cpu_vendor, from CPUID's vendor string): two makers' cores on the same
+ * ISA path can rank our kernels and torch's differently (ab_torch_cpu_faster's classes). */
+typedef enum ab_cpu_vendor {
+  AB_VENDOR_OTHER = 0,
+  AB_VENDOR_INTEL = 1,
+  AB_VENDOR_AMD = 2,
+  AB_VENDOR_COUNT
+} ab_cpu_vendor;
+ab_cpu_vendor ab_cpu_vendor_detect(void);
+/* "other", "Intel", "AMD": the name of an ab_cpu_vendor */
+const char* ab_cpu_vendor_name(int vendor);
 /* The units torch's own CPU SDPA computes `dtype` on where the CPU has them (oneDNN brgemm), and
  * the features of a call that send torch off its fast path (so the advantage does not hold). */
 uint32_t ab_torch_cpu_units(int dtype, uint32_t* unless_features);
@@ -182,7 +193,8 @@ int ab_provider_available(int id, const char** why_not);
   X(uint32_t, cpu_units, "AB_UNIT_* matrix units this CPU has and the process may use")                \
   X(int32_t, cuda_smem, "CUDA: shared memory a block may opt in to, bytes; 0 = not known")             \
   X(int32_t, sinks, "attention sinks are given")                                                       \
-  X(int32_t, alibi, "ALiBi slopes are given")
+  X(int32_t, alibi, "ALiBi slopes are given")                                                          \
+  X(int32_t, cpu_vendor, "0 other, 1 Intel, 2 AMD (ab_cpu_vendor): who made the CPU")
 
 typedef struct ab_call {
 #define AB_CALL_MEMBER(type, name, doc) type name;

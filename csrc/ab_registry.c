@@ -300,6 +300,17 @@ const char* ab_mask_kind_name(int kind) {
   return kind >= 0 && kind < 3 ? names[kind] : "unknown";
 }
 
+ab_cpu_vendor ab_cpu_vendor_detect(void) {
+  const char* v = ab_cpu_features_get()->vendor;
+  if (strcmp(v, "GenuineIntel") == 0) return AB_VENDOR_INTEL;
+  return strcmp(v, "AuthenticAMD") == 0 ? AB_VENDOR_AMD : AB_VENDOR_OTHER;
+}
+
+const char* ab_cpu_vendor_name(int vendor) {
+  static const char* const names[AB_VENDOR_COUNT] = {"other", "Intel", "AMD"};
+  return vendor >= 0 && vendor < AB_VENDOR_COUNT ? names[vendor] : "unknown";
+}
+
 uint32_t ab_cpu_units_detect(void) {
   const ab_cpu_features* f = ab_cpu_features_get();
   return (f->amx_bf16 ? AB_UNIT_AMX_BF16 : 0u) | (f->amx_fp16 ? AB_UNIT_AMX_FP16 : 0u) |
@@ -336,8 +347,8 @@ uint32_t ab_our_cpu_units(int isa, int dtype) {
   return 0;
 }
 
-/* Classes of CPU calls where torch's fused kernel, computing on the same FMA units as ours, measured
- * faster than our flash, side by side (docs/benchmarks.md, "auto against torch, per dtype"), per ISA
+/* Classes of CPU calls where torch's fused kernel, on the CPUs named (the same FMA units as ours but
+ * in the AMD row), measured faster than our flash, side by side (docs/benchmarks.md, "auto against torch, per dtype"), per ISA
  * path of our kernels.  Each holds only for a call torch serves as it is, on its fast path: no causal
  * mask (ours skips the masked blocks and measured 1.03-1.68x torch in every causal row), no attn_mask,
  * no GQA, no window, softcap, dropout, lse or packing.  Rows, with their figures (torch / ours):
@@ -349,20 +360,29 @@ uint32_t ab_our_cpu_units(int isa, int dtype) {
  *     8-wide bfloat16 conversion and 32-row chunks (a noisy machine: parity, not an advantage).  Its
  *     backward stays ours (forward+backward 4.9-8.4x).
  *   - avx2 path, float32 forward+backward, D >= 128: 0.67-0.91 (same run; D=64 1.03-1.24 stays ours).
+ *   - avx512 path on an AMD CPU (Zen 4: AVX512_BF16, no AMX), bfloat16 forward+backward, D >= 128:
+ *     0.86-0.92 at S=2048 in three runs, 0.92-1.08 at S=1024 (2026-11-27); torch's bfloat16 backward
+ *     there is faster than its float32 one, so it computes on the bfloat16 dot products.  On the
+ *     Intel AVX-512 CPU with AVX512_BF16 ours measured 1.76-1.79x torch in the same rows, hence the
+ *     vendor.  D=64 (0.95-1.13) and the forward (1.06-1.81) stay ours there.
  * float16 stays ours everywhere (1.2-1.8x on the avx2 path, parity on AVX-512). */
 typedef struct torch_faster_row {
   uint32_t isas; /* bit (1 << ab_cpu_isa) per path the row was measured on */
   ab_dtype dtype;
   int need_grad; /* 0: forward only, 1: forward+backward */
   int64_t min_D;
+  int32_t vendor;   /* ab_cpu_vendor the row was measured on; AB_VENDOR_OTHER: any */
   const char* what; /* for the plan's note */
 } torch_faster_row;
 
 #define ISA_BIT(i) (1u << (i))
 static const torch_faster_row k_torch_faster[] = {
-    {0xffffffffu, AB_DTYPE_F32, 0, 128, "a float32 forward at D >= 128"},
-    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_BF16, 0, 64, "a bfloat16 forward at D >= 64 on the avx2 path"},
-    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_F32, 1, 128, "a float32 forward+backward at D >= 128 on the avx2 path"},
+    {0xffffffffu, AB_DTYPE_F32, 0, 128, AB_VENDOR_OTHER, "a float32 forward at D >= 128"},
+    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_BF16, 0, 64, AB_VENDOR_OTHER, "a bfloat16 forward at D >= 64 on the avx2 path"},
+    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_F32, 1, 128, AB_VENDOR_OTHER,
+     "a float32 forward+backward at D >= 128 on the avx2 path"},
+    {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_BF16, 1, 128, AB_VENDOR_AMD,
+     "a bfloat16 forward+backward at D >= 128 on the avx512 path of an AMD CPU"},
 };
 #undef ISA_BIT
 
@@ -372,7 +392,8 @@ const char* ab_torch_cpu_faster(const ab_call* c) {
     return NULL;
   for (size_t i = 0; i < sizeof k_torch_faster / sizeof k_torch_faster[0]; ++i) {
     const torch_faster_row* r = &k_torch_faster[i];
-    if ((r->isas >> c->cpu_isa & 1u) && r->dtype == c->dtype && r->need_grad == !!c->need_grad && c->D >= r->min_D)
+    if ((r->isas >> c->cpu_isa & 1u) && r->dtype == c->dtype && r->need_grad == !!c->need_grad && c->D >= r->min_D &&
+        (r->vendor == AB_VENDOR_OTHER || r->vendor == c->cpu_vendor))
       return r->what;
   }
   return NULL;

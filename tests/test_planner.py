@@ -22,10 +22,10 @@ DT = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 
 def plan(device=CPU, cc=0, lib=1, dtype="float32", D=64, Dv=None, gqa=0, square=1, mask=0, mask_grad=0,
          causal=0, window=0, softcap=0, dropout=0, need_grad=0, deterministic=0, want_lse=0, varlen=0,
-         mps_fix=1, requested="auto", isa=2, units=0, smem=0):
+         mps_fix=1, requested="auto", isa=2, units=0, smem=0, vendor=0):
     call = _planner.new_call(device, cc, lib, DT[dtype], D, D if Dv is None else Dv, gqa, square, mask, mask_grad,
                              causal, window, softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix,
-                             _names.ID[ab.resolve(requested)], isa, units, smem)
+                             _names.ID[ab.resolve(requested)], isa, units, smem, cpu_vendor=vendor)
     return _planner.build(call)
 
 
@@ -139,6 +139,39 @@ def test_torch_first_on_the_avx2_path_where_it_measured_faster():
     # and never what torch SDPA cannot serve
     for kw in (dict(softcap=1), dict(want_lse=1), dict(window=1)):
         assert plan(dtype="bfloat16", isa=AVX2, **kw).chosen == "flash", kw
+
+
+INTEL, AMD = _planner.VENDOR_NAMES.index("Intel"), _planner.VENDOR_NAMES.index("AMD")
+AVX512 = ISAS.index("avx512")
+
+
+def test_torch_first_for_the_bfloat16_backward_on_amds_avx512_path():
+    # measured on an AMD EPYC with AVX-512 and AVX512_BF16 (Zen 4): torch's bfloat16 forward+backward
+    # faster than ours at D >= 128 with no causal mask; on Intel's AVX-512 CPU ours was 1.8x torch there
+    for D in (128, 256):
+        p = plan(dtype="bfloat16", D=D, need_grad=1, vendor=AMD)
+        assert p.chosen == "sdpa" and p.order[:2] == ("sdpa", "flash"), D
+        assert "bfloat16 forward+backward at D >= 128 on the avx512 path of an AMD CPU" in p.note
+        assert p.call["cpu_vendor"] == "AMD"
+    # the same call elsewhere, and what measured at par or faster on that CPU, stays ours
+    for kw in (dict(vendor=INTEL), dict(vendor=0), dict(isa=AVX2, vendor=AMD),
+               dict(isa=ISAS.index("generic"), vendor=AMD), dict(D=64, vendor=AMD), dict(need_grad=0, vendor=AMD), dict(causal=1, vendor=AMD),
+               dict(causal=2, vendor=AMD), dict(gqa=1, vendor=AMD), dict(mask=1, vendor=AMD),
+               dict(dtype="float16", vendor=AMD), dict(requested="flash", vendor=AMD)):
+        args = dict(dtype="bfloat16", D=128, need_grad=1)
+        args.update(kw)
+        p = plan(**args)
+        assert p.chosen == "flash" and not p.note, kw
+    for kw in (dict(softcap=1), dict(want_lse=1), dict(window=1), dict(dropout=1)):
+        assert plan(dtype="bfloat16", D=128, need_grad=1, vendor=AMD, **kw).chosen == "flash", kw
+
+
+def test_the_vendor_reaches_the_call():
+    assert _planner.new_call().cpu_vendor == _C.cpu_vendor()
+    expect = {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}.get(_C.cpu_features()["vendor"], "other")
+    assert _planner.VENDOR_NAMES[_C.cpu_vendor()] == expect
+    with pytest.raises(ValueError, match="out of range"):
+        _C.plan(_planner.new_call(cpu_vendor=len(_planner.VENDOR_NAMES)))
 
 
 def test_torch_first_for_fma_calls_end_to_end():
