@@ -261,6 +261,17 @@ typedef struct ab_cpu_features {
 
 const ab_cpu_features* ab_cpu_features_get(void);
 
+/* Who made the CPU, from CPUID's vendor string: two makers' cores on the same ISA path can rank our
+ * kernels and torch's differently (the planner's ab_call.cpu_vendor, ab_torch_cpu_faster), and can
+ * want different prefetches (the decode kernel, csrc/cpu/decode_cpu.c). */
+typedef enum ab_cpu_vendor {
+  AB_VENDOR_OTHER = 0,
+  AB_VENDOR_INTEL = 1,
+  AB_VENDOR_AMD = 2,
+  AB_VENDOR_COUNT
+} ab_cpu_vendor;
+ab_cpu_vendor ab_cpu_vendor_detect(void);
+
 /* ---- The CUDA library, loaded on first use --------------------------------------------------- */
 
 struct ab_cuda_api;

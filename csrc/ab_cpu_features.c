@@ -124,3 +124,9 @@ const ab_cpu_features* ab_cpu_features_get(void) {
   pthread_once(&g_once, detect_once);
   return &g_features;
 }
+
+ab_cpu_vendor ab_cpu_vendor_detect(void) {
+  const char* v = ab_cpu_features_get()->vendor;
+  if (strcmp(v, "GenuineIntel") == 0) return AB_VENDOR_INTEL;
+  return strcmp(v, "AuthenticAMD") == 0 ? AB_VENDOR_AMD : AB_VENDOR_OTHER;
+}

@@ -125,16 +125,7 @@ const char* ab_unit_name(int bit);
 const char* ab_mask_kind_name(int kind);
 /* The units this CPU has and this process may use (CPUID, XCR0 and the OS's permission). */
 uint32_t ab_cpu_units_detect(void);
-/* Who made the CPU (ab_call.cpu_vendor, from CPUID's vendor string): two makers' cores on the same
- * ISA path can rank our kernels and torch's differently (ab_torch_cpu_faster's classes). */
-typedef enum ab_cpu_vendor {
-  AB_VENDOR_OTHER = 0,
-  AB_VENDOR_INTEL = 1,
-  AB_VENDOR_AMD = 2,
-  AB_VENDOR_COUNT
-} ab_cpu_vendor;
-ab_cpu_vendor ab_cpu_vendor_detect(void);
-/* "other", "Intel", "AMD": the name of an ab_cpu_vendor */
+/* "other", "Intel", "AMD": the name of an ab_cpu_vendor (ab_call.cpu_vendor) */
 const char* ab_cpu_vendor_name(int vendor);
 /* The units torch's own CPU SDPA computes `dtype` on where the CPU has them (oneDNN brgemm), and
  * the features of a call that send torch off its fast path (so the advantage does not hold). */

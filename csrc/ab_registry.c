@@ -300,12 +300,6 @@ const char* ab_mask_kind_name(int kind) {
   return kind >= 0 && kind < 3 ? names[kind] : "unknown";
 }
 
-ab_cpu_vendor ab_cpu_vendor_detect(void) {
-  const char* v = ab_cpu_features_get()->vendor;
-  if (strcmp(v, "GenuineIntel") == 0) return AB_VENDOR_INTEL;
-  return strcmp(v, "AuthenticAMD") == 0 ? AB_VENDOR_AMD : AB_VENDOR_OTHER;
-}
-
 const char* ab_cpu_vendor_name(int vendor) {
   static const char* const names[AB_VENDOR_COUNT] = {"other", "Intel", "AMD"};
   return vendor >= 0 && vendor < AB_VENDOR_COUNT ? names[vendor] : "unknown";

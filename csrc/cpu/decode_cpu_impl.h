@@ -797,8 +797,9 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
   const int v_ahead = G > 1 || Sq > 1 || dt != AB_DTYPE_F32;
   /* the next chunk's keys during step 3 (DC(kpf)) where step 3 is short against the bytes it waits
    * for: one query row per key over a 2-byte cache (bfloat16 MHA 13% faster on two cores; GQA, whose
-   * step 3 has G rows of arithmetic per value row, ran 2-7% slower with it) */
-  const int k_next = G == 1 && dt != AB_DTYPE_F32;
+   * step 3 has G rows of arithmetic per value row, ran 2-7% slower with it), and every cache where
+   * run->keys_next says so (AMD's AVX-512 CPUs, decode_cpu.c) */
+  const int k_next = (G == 1 && dt != AB_DTYPE_F32) || run->keys_next;
   const int alibi = p->alibi_slopes.ndim > 0;
   vf lanes[DC_NV]; /* the key index of each lane of a chunk's score vectors */
   for (int v = 0; v < DC_NV; ++v)
