@@ -257,6 +257,7 @@ typedef struct ab_cpu_features {
   char amx_state[112];
   char vendor[13];
   char brand[49];
+  int64_t l3_bytes; /* the L3 a core sees (CPUID's cache parameters), bytes; 0 when CPUID does not say */
 } ab_cpu_features;
 
 const ab_cpu_features* ab_cpu_features_get(void);

@@ -107,6 +107,19 @@ static void detect(ab_cpu_features* f) {
     memcpy(f->brand, regs, 48);
     f->brand[48] = 0;
   }
+
+  /* the L3 one core sees, from the deterministic cache parameters (leaf 4 on Intel, 0x8000001D on
+   * AMD): ways x partitions x line size x sets of the unified level-3 cache */
+  const int amd = strcmp(f->vendor, "AuthenticAMD") == 0;
+  const unsigned int cache_leaf = amd ? 0x8000001Du : 4u;
+  if (amd ? max_ext >= cache_leaf : max_leaf >= cache_leaf)
+    for (unsigned int i = 0; i < 16; ++i) {
+      __cpuid_count(cache_leaf, i, a, b, c, d);
+      const unsigned int type = a & 0x1f, level = (a >> 5) & 0x7;
+      if (type == 0) break;
+      if (level == 3 && type == 3)
+        f->l3_bytes = (int64_t)((b >> 22) + 1) * (((b >> 12) & 0x3ff) + 1) * ((b & 0xfff) + 1) * ((int64_t)c + 1);
+    }
 }
 #else
 static void detect(ab_cpu_features* f) {

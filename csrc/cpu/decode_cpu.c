@@ -41,15 +41,21 @@ int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype) {
 static int bf16_dot(const ab_kvcache_params* p) { return ab_kvcache_cpu_bf16_products(p->k_cache.dtype); }
 
 /* Whether step 3 of the kernel asks for the next chunk's key rows for every cache, not only for MHA
- * over a 2-byte one (decode_cpu_impl.h, k_next): on the AVX-512 path of an AMD CPU (Zen 4), where
- * it made decode from DRAM 14-19% faster (GQA, float32 MHA) and paged caches of 16-key blocks as
- * fast as dense ones; the AMD Zen 3 (avx2 path) and Intel AVX-512 CPUs measured 2-7% slower with it
- * (docs/benchmarks.md, "Decode on an AVX-512 AMD CPU").  ATTN_BACKENDS_DECODE_KEYS_NEXT=0 or 1
- * decides it instead (read at every call; the bits are the same either way). */
-static int keys_next(void) {
+ * over a 2-byte one (decode_cpu_impl.h, k_next): on the AVX-512 path of an AMD CPU (Zen 4), for a
+ * call whose K and V rows (`keys` positions in all) are more than the last-level cache holds, so
+ * come from DRAM.  There decode took 0.85-0.90x the time with it (dense GQA, float32 MHA), and paged
+ * caches of 16-key blocks 1.01-1.13x dense (1.07-1.20x without); but a cache that stays in the L3
+ * between calls ran 1.10x slower with it, and the AMD Zen 3 (avx2 path) and Intel AVX-512 CPUs
+ * measured 2-7% slower with it from DRAM (docs/benchmarks.md, "Decode on an AVX-512 AMD CPU").
+ * ATTN_BACKENDS_DECODE_KEYS_NEXT=0 or 1 decides it instead (read at every call; the bits are the
+ * same either way). */
+static int keys_next(const ab_kvcache_params* p, int64_t keys) {
   const char* env = getenv("ATTN_BACKENDS_DECODE_KEYS_NEXT");
   if (env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0)) return env[0] == '1';
-  return ab_cpu_isa_get() == AB_ISA_AVX512 && ab_cpu_vendor_detect() == AB_VENDOR_AMD;
+  if (ab_cpu_isa_get() != AB_ISA_AVX512 || ab_cpu_vendor_detect() != AB_VENDOR_AMD) return 0;
+  const int64_t l3 = ab_cpu_features_get()->l3_bytes;
+  const double row_bytes = (double)(p->Hkv * p->D) * (p->k_cache.dtype == AB_DTYPE_F32 ? 4.0 : 2.0);
+  return 2.0 * (double)keys * row_bytes > (double)(l3 > 0 ? l3 : (int64_t)32 << 20);
 }
 
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
@@ -518,7 +524,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t
   const int64_t hg = heads_per_item(p, threads);
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
-                       bf, sink, &st, keys_next()};
+                       bf, sink, &st, keys_next(p, keys)};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));
