@@ -108,17 +108,25 @@ static void detect(ab_cpu_features* f) {
     f->brand[48] = 0;
   }
 
-  /* the L3 one core sees, from the deterministic cache parameters (leaf 4 on Intel, 0x8000001D on
-   * AMD): ways x partitions x line size x sets of the unified level-3 cache */
+  /* the L3 one core sees, from the deterministic cache parameters (leaf 4 on Intel; 0x8000001D on
+   * AMD, with TopologyExtensions): ways x partitions x line size x sets of the unified level-3 cache,
+   * kept only below 1 TiB (a hypervisor's garbage is 0: not known) */
   const int amd = strcmp(f->vendor, "AuthenticAMD") == 0;
+  int topo_ext = 0;
+  if (amd && max_ext >= 0x80000001u) {
+    __cpuid(0x80000001u, a, b, c, d);
+    topo_ext = (c >> 22) & 1;
+  }
   const unsigned int cache_leaf = amd ? 0x8000001Du : 4u;
-  if (amd ? max_ext >= cache_leaf : max_leaf >= cache_leaf)
+  if (amd ? topo_ext && max_ext >= cache_leaf : max_leaf >= cache_leaf)
     for (unsigned int i = 0; i < 16; ++i) {
       __cpuid_count(cache_leaf, i, a, b, c, d);
       const unsigned int type = a & 0x1f, level = (a >> 5) & 0x7;
       if (type == 0) break;
-      if (level == 3 && type == 3)
-        f->l3_bytes = (int64_t)((b >> 22) + 1) * (((b >> 12) & 0x3ff) + 1) * ((b & 0xfff) + 1) * ((int64_t)c + 1);
+      if (level == 3 && type == 3) {
+        const double bytes = ((b >> 22) + 1.0) * (((b >> 12) & 0x3ff) + 1.0) * ((b & 0xfff) + 1.0) * (c + 1.0);
+        f->l3_bytes = bytes < 1099511627776.0 ? (int64_t)bytes : 0;
+      }
     }
 }
 #else

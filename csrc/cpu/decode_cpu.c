@@ -47,8 +47,8 @@ static int bf16_dot(const ab_kvcache_params* p) { return ab_kvcache_cpu_bf16_pro
  * caches of 16-key blocks 1.01-1.13x dense (1.07-1.20x without); but a cache that stays in the L3
  * between calls ran 1.10x slower with it, and the AMD Zen 3 (avx2 path) and Intel AVX-512 CPUs
  * measured 2-7% slower with it from DRAM (docs/benchmarks.md, "Decode on an AVX-512 AMD CPU").
- * ATTN_BACKENDS_DECODE_KEYS_NEXT=0 or 1 decides it instead (read at every call; the bits are the
- * same either way). */
+ * ATTN_BACKENDS_DECODE_KEYS_NEXT=1 makes the request in every call and =0 in none beyond MHA over a
+ * 2-byte cache, which always has it (read at every call; the bits are the same either way). */
 static int keys_next(const ab_kvcache_params* p, int64_t keys) {
   const char* env = getenv("ATTN_BACKENDS_DECODE_KEYS_NEXT");
   if (env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0)) return env[0] == '1';
