@@ -135,6 +135,21 @@ def test_build_info_and_cpu_features():
         assert feats["avx2"], "AVX-512 without AVX2 means the OS-support check is wrong"
 
 
+def test_the_l3_size_is_the_one_linux_reports():
+    # l3_bytes (CPUID's cache parameters) decides the decode kernel's next-keys prefetch on AMD's AVX-512
+    # path (csrc/cpu/decode_cpu.c keys_next); Linux reads the same CPUID leaves for sysfs
+    l3 = ab._C.cpu_features()["l3_bytes"]
+    assert isinstance(l3, int) and 0 <= l3 < 2**40
+    index3 = "/sys/devices/system/cpu/cpu0/cache/index3"
+    if l3 == 0 or not os.path.exists(index3):
+        pytest.skip("neither CPUID nor sysfs names an L3 here")
+    with open(os.path.join(index3, "level")) as f:
+        assert f.read().strip() == "3"
+    with open(os.path.join(index3, "size")) as f:
+        size = f.read().strip()
+    assert size.endswith("K") and int(size[:-1]) * 1024 == l3, (size, l3)
+
+
 @pytest.mark.parametrize("name", ["sdpa", "_native_math", "flash", "eager"])
 def test_compile_fullgraph_through_the_planner(name):
     torch._dynamo.reset()
