@@ -665,8 +665,8 @@ static int fast_opening(ab_state* st, PyObject* guards, PyObject* causal_o, int 
 }
 
 /* *c zeroed as a CPU call, with the fields of a call descriptor that come from the process
- * (settings["mps_fix"], the CPU path, units and vendor) as _planner.new_call fills them; the caller sets the
- * call's own.  1, 0 to hand the call back, -1 with an exception. */
+ * (settings["mps_fix"], the CPU path, units and vendor) as _planner.new_call fills them; the caller
+ * sets the call's own.  1, 0 to hand the call back, -1 with an exception. */
 static int cpu_call(ab_state* st, ab_call* c) {
   memset(c, 0, sizeof *c);
   c->device = AB_DEVICE_CPU;

@@ -155,9 +155,9 @@ def test_torch_first_for_the_bfloat16_backward_on_amds_avx512_path():
         assert p.call["cpu_vendor"] == "AMD"
     # the same call elsewhere, and what measured at par or faster on that CPU, stays ours
     for kw in (dict(vendor=INTEL), dict(vendor=0), dict(isa=AVX2, vendor=AMD),
-               dict(isa=ISAS.index("generic"), vendor=AMD), dict(D=64, vendor=AMD), dict(need_grad=0, vendor=AMD), dict(causal=1, vendor=AMD),
-               dict(causal=2, vendor=AMD), dict(gqa=1, vendor=AMD), dict(mask=1, vendor=AMD),
-               dict(dtype="float16", vendor=AMD), dict(requested="flash", vendor=AMD)):
+               dict(isa=ISAS.index("generic"), vendor=AMD), dict(D=64, vendor=AMD), dict(need_grad=0, vendor=AMD),
+               dict(causal=1, vendor=AMD), dict(causal=2, vendor=AMD), dict(gqa=1, vendor=AMD),
+               dict(mask=1, vendor=AMD), dict(dtype="float16", vendor=AMD), dict(requested="flash", vendor=AMD)):
         args = dict(dtype="bfloat16", D=128, need_grad=1)
         args.update(kw)
         p = plan(**args)
