@@ -343,9 +343,10 @@ uint32_t ab_our_cpu_units(int isa, int dtype) {
 
 /* Classes of CPU calls where torch's fused kernel, on the CPUs named (the same FMA units as ours but
  * in the AMD row), measured faster than our flash, side by side (docs/benchmarks.md, "auto against
- * torch, per dtype"), per ISA path of our kernels.  Each holds only for a call torch serves as it is, on its fast path: no causal
- * mask (ours skips the masked blocks and measured 1.03-1.68x torch in every causal row), no attn_mask,
- * no GQA, no window, softcap, dropout, lse or packing.  Rows, with their figures (torch / ours):
+ * torch, per dtype"), per ISA path of our kernels.  Each holds only for a call torch serves as it is,
+ * on its fast path: no causal mask (ours skips the masked blocks and measured 1.03-1.68x torch in every
+ * causal row), no attn_mask, no GQA, no window, softcap, dropout, lse or packing.  Rows, with their
+ * figures (torch / ours):
  *   - every path, float32 forward, D >= 128: 0.85-0.97 on two AVX-512 CPUs without AMX (2026-11-21 and
  *     2026-11-24, B=2..4, S=1024..4096), torch's kernel at 61-73% of the FMA peak; 0.79-0.90 on the
  *     avx2 path (AMD EPYC, Zen 3, 2026-11-26).  D <= 96 and the backward stay ours there (forward +
