@@ -54,7 +54,7 @@ static int keys_next(const ab_kvcache_params* p, int64_t keys) {
   if (env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0)) return env[0] == '1';
   if (ab_cpu_isa_get() != AB_ISA_AVX512 || ab_cpu_vendor_detect() != AB_VENDOR_AMD) return 0;
   const int64_t l3 = ab_cpu_features_get()->l3_bytes;
-  const double row_bytes = (double)(p->Hkv * p->D) * (p->k_cache.dtype == AB_DTYPE_F32 ? 4.0 : 2.0);
+  const double row_bytes = (double)(p->Hkv * p->D) * (double)ab_dtype_size(p->k_cache.dtype);
   return 2.0 * (double)keys * row_bytes > (double)(l3 > 0 ? l3 : (int64_t)32 << 20);
 }
 
