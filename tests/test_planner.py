@@ -142,7 +142,6 @@ def test_torch_first_on_the_avx2_path_where_it_measured_faster():
 
 
 INTEL, AMD = _planner.VENDOR_NAMES.index("Intel"), _planner.VENDOR_NAMES.index("AMD")
-AVX512 = ISAS.index("avx512")
 
 
 def test_torch_first_for_the_bfloat16_backward_on_amds_avx512_path():
