@@ -32,6 +32,12 @@ ratio = torch / auto.
     python benchmarks/bench_decode.py --device cuda --json benchmarks/results/gpu/decode_cuda.json
     python benchmarks/bench_decode.py --device cuda --graph   # the kernels alone, in CUDA graphs
 
+--layers times a model's decode step instead: one query token against each of N layers' caches in
+turn (B=1 Hq=32 Hkv=8 Sk 512 and 2048, B=4 Sk=1024; D=128), our kernel with the next-keys prefetch
+forced off, on, and as the kernel picks (by its working set against the L3, docs/decode.md), and
+torch SDPA; ratio = sdpa / auto.  One layer's cache may fit the L3 where all of them do not.
+    python benchmarks/bench_decode.py --layers 1,32 --json benchmarks/results/decode_layers.json
+
 --device cuda times our CUDA decode kernel (csrc/cuda/decode.cu, switched on here: it is opt-in and
 unverified on a GPU until this has run) against torch SDPA on the GPU, with CUDA events, and the
 probe sums a 1 GiB buffer on the GPU (its read bandwidth, far above the L2).
@@ -236,6 +242,96 @@ def tokens_table(tokens, Sk, dtypes, rounds):
     return rows
 
 
+LAYER_SHAPES = [  # (label, B, Hq, Hkv, Sk): a layer's cache; the step reads one per layer
+    ("B1 GQA 32/8 Sk512", 1, 32, 8, 512),
+    ("B1 GQA 32/8 Sk2048", 1, 32, 8, 2048),
+    ("B4 GQA 32/8 Sk1024", 4, 32, 8, 1024),
+]
+
+
+class LayersCase:
+    """A model's decode step: one query token against each of `layers` caches in turn (each layer has its
+    own), for our kernel under each setting of the next-keys prefetch, and torch SDPA."""
+
+    def __init__(self, layers, B, Hq, Hkv, Sk, dtype, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.q = torch.randn(B, 1, Hq, D, generator=gen).to(dtype)
+        self.q_sdpa = self.q.transpose(1, 2).contiguous()
+        self.dense = [tuple(torch.randn(B, Sk, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+                      for _ in range(layers)]
+        self.sdpa = [tuple(t.transpose(1, 2).contiguous() for t in kv) for kv in self.dense]
+        self.seqlens = torch.full((B,), Sk, dtype=torch.int32)
+        self.layer_bytes = 2 * B * Sk * Hkv * D * torch.finfo(dtype).bits // 8
+        self.gqa = Hq != Hkv
+
+    def ours(self, keys_next):
+        def step():
+            # ATTN_BACKENDS_DECODE_KEYS_NEXT (csrc/cpu/decode_cpu.c keys_next) is read at every call
+            if keys_next is None:
+                os.environ.pop("ATTN_BACKENDS_DECODE_KEYS_NEXT", None)
+            else:
+                os.environ["ATTN_BACKENDS_DECODE_KEYS_NEXT"] = keys_next
+            for k, v in self.dense:
+                ab.attention_with_kvcache(self.q, k, v, cache_seqlens=self.seqlens, backend="paged_attention",
+                                          strict=True)
+        return step
+
+    def torch_sdpa(self):
+        for k, v in self.sdpa:
+            F.scaled_dot_product_attention(self.q_sdpa, k, v, enable_gqa=self.gqa)
+
+    def check(self):
+        k, v = self.dense[0]
+        want = F.scaled_dot_product_attention(self.q_sdpa.double(), k.transpose(1, 2).double(),
+                                              v.transpose(1, 2).double(), enable_gqa=self.gqa).transpose(1, 2)
+        got = ab.attention_with_kvcache(self.q, k, v, cache_seqlens=self.seqlens, backend="paged_attention")
+        err = (got.double() - want).abs().max().item()
+        assert err < (2e-2 if self.q.dtype == torch.bfloat16 else 1e-4), f"decode differs from the reference by {err}"
+
+    def candidates(self):
+        return {"auto": self.ours(None), "off": self.ours("0"), "on": self.ours("1"), "sdpa": self.torch_sdpa}
+
+
+def layers_table(layer_counts, dtypes, rounds):
+    """Medians over interleaved rounds (the order turning each round) of one decode step per candidate."""
+    before = os.environ.get("ATTN_BACKENDS_DECODE_KEYS_NEXT")
+    print("ms per decode step (one token against every layer's cache); off/on: the next-keys prefetch forced "
+          "off/on, auto: the kernel's own choice; ratio = sdpa / auto")
+    print(f"{'layers':>6}  {'cache per layer':<20}  {'dtype':<8}  {'MiB':>5}  {'auto':>8}  {'off':>8}  {'on':>8}  "
+          f"{'sdpa':>8}  on/off  ratio")
+    rows = []
+    try:
+        for dtype in dtypes:
+            for layers in layer_counts:
+                for label, B, Hq, Hkv, Sk in LAYER_SHAPES:
+                    case = LayersCase(layers, B, Hq, Hkv, Sk, dtype)
+                    case.check()
+                    cands = case.candidates()
+                    reps = max(1, -(-64 // layers))  # the kernel's working set window is its last 64 calls
+                    for fn in cands.values():
+                        timed(fn, reps)
+                    times = {n: [] for n in cands}
+                    names = list(cands)
+                    for r in range(rounds):
+                        for name in names[r % len(names):] + names[:r % len(names)]:
+                            timed(cands[name], reps)  # the window filled with this candidate's calls
+                            times[name].append(timed(cands[name], reps))
+                    med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+                    mib = layers * case.layer_bytes / 2**20
+                    print(f"{layers:>6}  {label:<20}  {str(dtype)[6:]:<8}  {mib:5.0f}  {med['auto']:8.3f}  "
+                          f"{med['off']:8.3f}  {med['on']:8.3f}  {med['sdpa']:8.3f}  {med['on'] / med['off']:5.2f}  "
+                          f"{med['sdpa'] / med['auto']:5.2f}x", flush=True)
+                    rows.append(dict(layers=layers, shape=label, B=B, Hq=Hq, Hkv=Hkv, Sk=Sk, D=D,
+                                     dtype=str(dtype)[6:], MiB=mib, **{f"{n}_ms": t for n, t in med.items()}))
+                    del case, cands
+    finally:
+        if before is None:
+            os.environ.pop("ATTN_BACKENDS_DECODE_KEYS_NEXT", None)
+        else:
+            os.environ["ATTN_BACKENDS_DECODE_KEYS_NEXT"] = before
+    return rows
+
+
 def bf16_products() -> str:
     """Whether the CPU decode kernel multiplies a bfloat16 cache with AVX512_BF16 (docs/decode.md):
     the CPU has it, the AVX-512 (or AMX) path runs, ATTN_BACKENDS_DECODE_BF16_DOT is not 0."""
@@ -367,6 +463,8 @@ def main(argv=None):
     ap.add_argument("--tokens", default=None, help="query tokens per call, e.g. 1,4,8,12,16: the several-token "
                     "table instead of the decode shapes")
     ap.add_argument("--tokens-cache", type=int, default=4096, help="keys in the cache for --tokens")
+    ap.add_argument("--layers", default=None, help="layer counts, e.g. 1,32: a model's decode step (one cache "
+                    "per layer, read in turn) instead of the decode shapes, with the next-keys prefetch off/on/auto")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: our CUDA decode kernel (opt-in, switched on here) against torch SDPA on the GPU")
     ap.add_argument("--graph", action="store_true",
@@ -386,6 +484,23 @@ def main(argv=None):
     shapes = SHAPES[:1] if args.quick else SHAPES
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     blocks = (16, 256)
+    if args.layers:
+        if DEVICE != "cpu" or args.tokens:
+            ap.error("--layers times the CPU kernel, alone")
+        print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+              f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}, bfloat16 products {bf16_products()}, "
+              f"L3 {ab._C.cpu_features()['l3_bytes'] >> 20} MiB")
+        with torch.inference_mode():
+            rows = layers_table([int(x) for x in args.layers.split(",")], dtypes, rounds)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(machine=platform.platform(), processor=platform.processor(), device="cpu",
+                               threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
+                               cpu_features=ab._C.cpu_features(), bf16_products=bf16_products(),
+                               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds=rounds, layers=rows),
+                          f, indent=1)
+            print(f"wrote {args.json}")
+        return
     if args.tokens:
         if DEVICE != "cpu":
             ap.error("--tokens times the CPU paths")

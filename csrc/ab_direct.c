@@ -1168,6 +1168,14 @@ static PyObject* ab_py_kvcache_max_rows(PyObject* self, PyObject* args) {
   return PyLong_FromLongLong(ab_kvcache_cpu_max_rows((ab_dtype)dt, in_place, positions));
 }
 
+/* kvcache_working_set() -> int: the K and V bytes the CPU decode kernel's last calls read from their
+ * caches (ab_kvcache_cpu_working_set, decode_cpu.h). */
+static PyObject* ab_py_kvcache_working_set(PyObject* self, PyObject* unused) {
+  (void)self;
+  (void)unused;
+  return PyLong_FromLongLong(ab_kvcache_cpu_working_set());
+}
+
 /* set_kvcache_guards(guards, increment_version): kvcache()'s guards (set_fast_api's, less inference
  * mode), and torch._C._increment_version for the direct calls that write into a cache. */
 static PyObject* ab_py_set_kvcache_guards(PyObject* self, PyObject* args) {
@@ -1274,6 +1282,9 @@ PyMethodDef ab_direct_methods[] = {
     {"kvcache_max_rows", ab_py_kvcache_max_rows, METH_VARARGS,
      "kvcache_max_rows(dtype, in_place, positions) -> int: the query rows per KV head up to which the CPU decode "
      "kernel serves a call (more go to flash over the cache)."},
+    {"kvcache_working_set", ab_py_kvcache_working_set, METH_NOARGS,
+     "kvcache_working_set() -> int: the K and V bytes the CPU decode kernel's last 64 calls read, each cache "
+     "counted once at its latest call (decides the next-keys prefetch on AMD's AVX-512 path)."},
     {"set_kvcache_guards", ab_py_set_kvcache_guards, METH_VARARGS,
      "set_kvcache_guards(guards, increment_version): the guards of kvcache()'s fast path, and the version "
      "bump of a cache the direct calls write into."},

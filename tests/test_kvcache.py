@@ -371,9 +371,9 @@ def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, isa, gen
                                   KV(B=1, Sq=2, Hq=4, Hkv=4, D=40, S=200, block=16, causal=True),
                                   KV(B=3, Hq=6, Hkv=2, D=128, S=130, dtype=torch.bfloat16, block=32)], ids=str)
 def test_the_next_keys_prefetch_leaves_the_bits_alone(case, isa, monkeypatch, gen):
-    # step 3 asks for the next chunk's keys for every call on AMD's AVX-512 CPUs when K and V pass the L3
-    # (csrc/cpu/decode_cpu.c keys_next), elsewhere only for MHA over a 2-byte cache: the same sums
-    # either way, on every path (the cases are ones the earlier rule leaves out: GQA, or float32)
+    # step 3 asks for the next chunk's keys for every call on AMD's AVX-512 CPUs when decode's working set
+    # passes half the L3 (csrc/cpu/decode_cpu.c keys_next), elsewhere only for MHA over a 2-byte cache: the
+    # same sums either way, on every path (the cases are ones the earlier rule leaves out: GQA, or float32)
     call = Call(case, gen)
     results = []
     for on in ("0", "1"):
@@ -381,6 +381,29 @@ def test_the_next_keys_prefetch_leaves_the_bits_alone(case, isa, monkeypatch, ge
         results.append(call.reset().run("paged_attention"))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     call.check(*results[1])
+
+
+def test_the_working_set_counts_each_recent_cache_once_at_its_latest_length(gen):
+    # keys_next (csrc/cpu/decode_cpu.c) asks for the next keys early on AMD's AVX-512 path when decode's
+    # working set passes half the L3: the K and V bytes of the caches the last 64 calls read, each cache once
+    # (a model reads one per layer, which may fit the L3 alone while the layers' caches do not)
+    q = torch.randn(1, 1, 4, 64, generator=gen)
+    caches = [(torch.randn(1, 96, 2, 64, generator=gen), torch.randn(1, 96, 2, 64, generator=gen)) for _ in range(3)]
+
+    def read(i, n):
+        ab.attention_with_kvcache(q, *caches[i], cache_seqlens=n, backend="paged_attention")
+        return 2 * n * 2 * 64 * 4  # K and V rows of n positions, 2 heads of 64 float32 values
+
+    for _ in range(64):  # the calls of tests before this one leave the window
+        a = read(0, 90)
+    assert ab._C.kvcache_working_set() == a
+    b, c, a = read(1, 50), read(2, 96), read(0, 80)
+    assert ab._C.kvcache_working_set() == a + b + c
+    for _ in range(62):
+        c = read(2, 10)
+    assert ab._C.kvcache_working_set() == a + c  # cache 1's call is the 65th last
+    c, c = read(2, 10), read(2, 10)  # and then cache 0's
+    assert ab._C.kvcache_working_set() == c
 
 
 def test_a_fixed_split_count_is_bitwise_reproducible_across_thread_counts(gen):

@@ -5,6 +5,7 @@
  * Order matters for the caller's cache: nothing is written until every check has passed.
  */
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,22 +41,70 @@ int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype) {
 
 static int bf16_dot(const ab_kvcache_params* p) { return ab_kvcache_cpu_bf16_products(p->k_cache.dtype); }
 
+/* Decode's own working set: the caches (by K's address) that the last RECENT_CALLS calls read, and
+ * how many K and V bytes each call read from its cache.  A model reads a cache per layer per token,
+ * so one layer's cache may fit the L3 while the layers' caches together do not: each then comes
+ * from DRAM.  Recorded on every CPU (a lock and two short scans per call); keys_next reads it. */
+enum { RECENT_CALLS = 64 };
+typedef struct recent_cache {
+  const void* cache;
+  int64_t bytes;
+  uint64_t call; /* 0: an empty slot */
+} recent_cache;
+static recent_cache g_recent[RECENT_CALLS];
+static uint64_t g_calls;
+static pthread_mutex_t g_recent_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int64_t recent_bytes_locked(void) {
+  int64_t total = 0;
+  for (int i = 0; i < RECENT_CALLS; ++i)
+    if (g_recent[i].call && g_calls - g_recent[i].call < RECENT_CALLS) total += g_recent[i].bytes;
+  return total;
+}
+
+/* Records one call reading `bytes` of `cache`, and returns the working set with it. */
+static int64_t note_call(const void* cache, int64_t bytes) {
+  pthread_mutex_lock(&g_recent_lock);
+  const uint64_t now = ++g_calls;
+  int slot = 0;
+  for (int i = 0; i < RECENT_CALLS; ++i) {
+    if (g_recent[i].call && g_recent[i].cache == cache) {
+      slot = i;
+      break;
+    }
+    if (g_recent[i].call < g_recent[slot].call) slot = i; /* else the least recently read */
+  }
+  g_recent[slot] = (recent_cache){cache, bytes, now};
+  const int64_t total = recent_bytes_locked();
+  pthread_mutex_unlock(&g_recent_lock);
+  return total;
+}
+
+int64_t ab_kvcache_cpu_working_set(void) {
+  pthread_mutex_lock(&g_recent_lock);
+  const int64_t total = recent_bytes_locked();
+  pthread_mutex_unlock(&g_recent_lock);
+  return total;
+}
+
 /* Whether step 3 of the kernel asks for the next chunk's key rows for every cache, not only for MHA
- * over a 2-byte one (decode_cpu_impl.h, k_next): on the AVX-512 path of an AMD CPU (Zen 4), for a
- * call whose K and V rows (`keys` positions in all) are more than the last-level cache holds, so
- * come from DRAM.  There decode took 0.85-0.90x the time with it (dense GQA, float32 MHA), and paged
- * caches of 16-key blocks 1.01-1.13x dense (1.07-1.20x without); but a cache that stays in the L3
- * between calls ran 1.10x slower with it, and the AMD Zen 3 (avx2 path) and Intel AVX-512 CPUs
- * measured 2-7% slower with it from DRAM (docs/benchmarks.md, "Decode on an AVX-512 AMD CPU").
- * ATTN_BACKENDS_DECODE_KEYS_NEXT=1 makes the request in every call and =0 in none beyond MHA over a
- * 2-byte cache, which always has it (read at every call; the bits are the same either way). */
+ * over a 2-byte one (decode_cpu_impl.h, k_next): on the AVX-512 path of an AMD CPU (Zen 4), when
+ * decode's working set (note_call) is more than half the L3, so that its caches come from DRAM.
+ * There one call took 0.85-0.90x the time with it (dense GQA, float32 MHA) and a model's layers
+ * 0.81-0.87x, and paged caches of 16-key blocks came to 1.01-1.13x dense (1.07-1.20x without); but a
+ * cache of half the L3 read again and again ran 1.03-1.10x slower with it, and the AMD Zen 3 (avx2
+ * path) and Intel AVX-512 CPUs measured 2-7% slower with it from DRAM (docs/benchmarks.md, "Decode
+ * on an AVX-512 AMD CPU").  ATTN_BACKENDS_DECODE_KEYS_NEXT=1 makes the request in every call and =0
+ * in none beyond MHA over a 2-byte cache, which always has it (read at every call; the bits are the
+ * same either way). */
 static int keys_next(const ab_kvcache_params* p, int64_t keys) {
+  const double row_bytes = (double)(p->Hkv * p->D) * (double)ab_dtype_size(p->k_cache.dtype);
+  const int64_t working_set = note_call(p->k_cache.data, (int64_t)(2.0 * (double)keys * row_bytes));
   const char* env = getenv("ATTN_BACKENDS_DECODE_KEYS_NEXT");
   if (env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0)) return env[0] == '1';
   if (ab_cpu_isa_get() != AB_ISA_AVX512 || ab_cpu_vendor_detect() != AB_VENDOR_AMD) return 0;
   const int64_t l3 = ab_cpu_features_get()->l3_bytes;
-  const double row_bytes = (double)(p->Hkv * p->D) * (double)ab_dtype_size(p->k_cache.dtype);
-  return 2.0 * (double)keys * row_bytes > (double)(l3 > 0 ? l3 : (int64_t)32 << 20);
+  return 2 * working_set > (l3 > 0 ? l3 : (int64_t)32 << 20);
 }
 
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {

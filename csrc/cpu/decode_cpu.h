@@ -70,6 +70,11 @@ int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype);
  * is long (64 rows: 15.7 ms in the kernel against 13.1 in flash; 48 rows: 12.1 against 13.4). */
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions);
 
+/* Decode's working set: the K and V bytes the last 64 calls of fwd read, each cache (K's address)
+ * counted once, with its latest call's bytes.  fwd asks for the next chunk's keys early on AMD's
+ * AVX-512 path when this passes half the L3 (decode_cpu.c keys_next). */
+int64_t ab_kvcache_cpu_working_set(void);
+
 /* The number of splits of each row's key range fwd uses for p on num_threads threads. */
 int64_t ab_kvcache_cpu_splits(const ab_kvcache_params* p, int num_threads);
 ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t workspace_bytes,
