@@ -133,10 +133,11 @@ def attention(
         out (B, Hq, Sq, Dv) in q's dtype, or (out, lse) with return_lse=True.  A query row with no
         visible key outputs exactly 0 and gets zero gradient.
     """
-    if attn_mask is None and not dropout_p and not deterministic and not _is_compiling():
-        # the fast path (csrc/ab_direct.c): a plain eager CPU forward whose plan is known, all in C (windows,
-        # softcap, sinks and ALiBi too); None hands the call to the Python path
-        res = _fast_attention(q, k, v, backend, causal, scale, return_lse, window, softcap, sinks, alibi_slopes)
+    if not dropout_p and not deterministic and not _is_compiling():
+        # the fast path (csrc/ab_direct.c): a plain eager CPU forward whose plan is known, all in C (masks,
+        # windows, softcap, sinks and ALiBi too); None hands the call to the Python path
+        res = _fast_attention(q, k, v, backend, causal, scale, return_lse, window, softcap, sinks, alibi_slopes,
+                              attn_mask)
         if res is not None:
             return res
     return _dispatch.attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap,

@@ -138,7 +138,7 @@ def _runner(sig, strict):
         if len(_chosen[strict]) < 65536 and not _is_compiling():
             _chosen[strict][sig] = chosen
             _arm_fast_path(sig, chosen)
-    elif sig.device == _CPU and not (sig.need_grad or sig.mask or sig.dropout):
+    elif sig.device == _CPU and not (sig.need_grad or sig.mask_grad or sig.dropout):
         # a call the fast path could have served: its table (ab_direct.c) is bounded, and a plan it let go
         # of comes back here
         _arm_fast_path(sig, chosen)

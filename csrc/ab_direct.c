@@ -458,20 +458,22 @@ static void set_kv_options(ab_kvcache_params* p, long long seqlen, double scale,
 
 /* kvcache_fwd_cpu(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen,
  *                 cache_batch_idx, cache_leftpad, block_table, alibi_slopes, scale, causal, window_left,
- *                 window_right, softcap, rotary_interleaved, num_splits, sinks)
+ *                 window_right, softcap, rotary_interleaved, num_splits, sinks[, attn_mask])
  *   -> (out, lse), or None when this call must take the op (a tensor is not on the CPU, the CUDA
  *   emulation is on, or set_tensor_api was never called).  The kvcache_fwd op's arguments; the caller
  *   (attn_backends/_kvcache.py) checked them, the kernel checks the index values before it writes
- *   anything.  out (B, Sq, Hq, D) contiguous in q's dtype, lse (B, Hq, Sq) float32. */
+ *   anything.  out (B, Sq, Hq, D) contiguous in q's dtype, lse (B, Hq, Sq) float32.  attn_mask (for flash's
+ *   calls: a dense cache of S_cache keys, no new ones) broadcasts to (B, Hq, Sq, S_cache), as flash_fwd_cpu's. */
 static PyObject* ab_py_kvcache_fwd_cpu(PyObject* self, PyObject* args) {
   ab_state* st = ab_module_state(self);
   PyObject *q, *kc, *vc, *kn, *vn, *cos, *sin, *seqlens, *batch_idx, *leftpad, *block_table, *alibi, *sinks;
+  PyObject* mask = Py_None;
   long long seqlen, wl, wr, num_splits;
   double scale, softcap;
   int causal, interleaved;
-  if (!PyArg_ParseTuple(args, "OOOOOOOOLOOOOdpLLdpLO", &q, &kc, &vc, &kn, &vn, &cos, &sin, &seqlens, &seqlen,
+  if (!PyArg_ParseTuple(args, "OOOOOOOOLOOOOdpLLdpLO|O", &q, &kc, &vc, &kn, &vn, &cos, &sin, &seqlens, &seqlen,
                         &batch_idx, &leftpad, &block_table, &alibi, &scale, &causal, &wl, &wr, &softcap,
-                        &interleaved, &num_splits, &sinks))
+                        &interleaved, &num_splits, &sinks, &mask))
     return NULL;
   if (!st->empty_strided || ab_cuda_emulation()) Py_RETURN_NONE;
   PyObject* const tensors[KVT_N] = {q,       kc,      vc,          kn,    vn,    cos, sin,
@@ -479,12 +481,18 @@ static PyObject* ab_py_kvcache_fwd_cpu(PyObject* self, PyObject* args) {
   const int cpu = all_cpu(st, tensors, KVT_N);
   if (cpu < 0) return NULL;
   if (!cpu) Py_RETURN_NONE;
+  const int mask_cpu = mask == Py_None ? 1 : is_cpu(st, mask);
+  if (mask_cpu < 0) return NULL;
+  if (!mask_cpu) Py_RETURN_NONE;
   ab_kvcache_params p;
   if (read_kv_views(st, tensors, &p, 0) < 0) return NULL;
   if (p.q.ndim != 4 || p.k_cache.ndim != 4)
     return direct_error("q must be (B, Sq, Hq, D) and k_cache (B_cache, S_cache, Hkv, D) or "
                         "(num_blocks, block_size, Hkv, D)");
   set_kv_options(&p, seqlen, scale, softcap, causal, wl, wr, interleaved, num_splits);
+  if (mask != Py_None && (read_view(st, mask, &p.mask, "attn_mask", 0) < 0 ||
+                          broadcast_mask(&p.mask, p.B, p.Hq, p.Sq, p.k_cache.sizes[1]) < 0))
+    return NULL;
   return run_kvcache(st, q, kc, vc, &p, 0);
 }
 
@@ -521,17 +529,19 @@ static PyObject* ab_py_set_tensor_api(PyObject* self, PyObject* args) {
 
 /* ---- the fast path of ab.attention ------------------------------------------------------------------
  *
- * attention(q, k, v, backend, causal, scale, want_lse, window, softcap, sinks, alibi_slopes): the whole
+ * attention(q, k, v, backend, causal, scale, want_lse, window, softcap, sinks, alibi_slopes, attn_mask): the whole
  * of a plain eager CPU call in C.  It serves a call only when everything below holds, and otherwise
  * returns None, and the Python path (attn_backends/_dispatch.py) serves the call as before, with its
  * checks and its errors:
  *   - the arguments the caller left at their defaults are the ones attn_backends/__init__.py checks
- *     before calling here (no mask, dropout or deterministic; not while torch.compile traces);
+ *     before calling here (no dropout or deterministic; not while torch.compile traces);
  *   - q, k, v plain torch.Tensors on the CPU, of one floating dtype, 4-D, shapes that agree (the
  *     rules of _validate.check_qkv); causal False, True or a name; scale None or a finite float
  *     (within float32's range below float64); want_lse a bool; window None or two ints >= -1; softcap
  *     an int or float >= 0; sinks None or (Hq,) floating (a gradient counts as q's does), alibi_slopes
- *     None or float32 (Hq,) or (B, Hq) (a module's nn.Parameter for either);
+ *     None or float32 (Hq,) or (B, Hq) (a module's nn.Parameter for either); attn_mask None or a plain
+ *     CPU bool or floating tensor of 1 to 4 dims that broadcasts to (B, Hq, Sq, Sk), a float one not
+ *     requiring grad (fast_mask);
  *   - none of the guards set_fast_api gave (dispatch and function modes, inference mode, jit
  *     tracing, functorch transforms) is active, and no gradient is needed;
  *   - the call's descriptor (the same ab_call the Python path builds: the requested backend as
@@ -774,6 +784,7 @@ static PyObject* serve_plain(ab_state* st, PyObject* q, ab_attn_params* pp, PyOb
   c.requested = requested;
   c.sinks = p.sinks.ndim > 0;
   c.alibi = p.alibi.ndim > 0;
+  c.mask = !p.mask.ndim ? 0 : p.mask.dtype == AB_DTYPE_BOOL ? 1 : 2; /* _dispatch.prepare's mask_kind */
   if (remembered(st, &c) != chosen) Py_RETURN_NONE;
   p.causal = (ab_causal)causal;
   p.scale = scale;
@@ -792,24 +803,49 @@ static PyObject* serve_plain(ab_state* st, PyObject* q, ab_attn_params* pp, PyOb
 }
 
 enum { AT_Q, AT_K, AT_V, AT_BACKEND, AT_CAUSAL, AT_SCALE, AT_LSE, AT_WINDOW, AT_SOFTCAP, AT_SINKS, AT_ALIBI,
-       AT_NARGS };
+       AT_MASK, AT_NARGS };
+
+/* The attn_mask of a fast call into p->mask, broadcast to (B, Hq, Sq, Sk): 1; 0 to hand the call back where
+ * the Python path has more to say (_validate.check_mask's errors: not bool or floating, more than 4 dims,
+ * not broadcastable; a float mask that requires grad, whose gradient the autograd Function computes); -1
+ * with an exception.  p's sizes are set. */
+static int fast_mask(ab_state* st, PyObject* mask, ab_attn_params* p) {
+  if (read_view(st, mask, &p->mask, "attn_mask", 1) < 0) return -1;
+  const ab_tensor* m = &p->mask;
+  if (m->ndim < 1 || m->ndim > 4) return 0;
+  if (m->dtype != AB_DTYPE_BOOL) {
+    if (!ab_dtype_is_floating(m->dtype)) return 0;
+    PyObject* rg = PyObject_GetAttr(mask, st->s_requires_grad);
+    if (!rg) return -1;
+    Py_DECREF(rg);
+    if (rg != Py_False) return 0;
+  }
+  const int64_t want[4] = {p->B, p->Hq, p->Sq, p->Sk};
+  for (int d = 0; d < m->ndim; ++d) {
+    const int64_t size = m->sizes[d], need = want[4 - m->ndim + d];
+    if (size != need && size != 1) return 0;
+  }
+  return broadcast_mask(&p->mask, p->B, p->Hq, p->Sq, p->Sk) < 0 ? -1 : 1;
+}
 
 static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
   ab_state* st = ab_module_state(self);
   if (nargs != AT_NARGS) {
     PyErr_SetString(PyExc_TypeError, "attention(q, k, v, backend, causal, scale, want_lse, window, softcap, sinks, "
-                                     "alibi_slopes) takes 11 arguments");
+                                     "alibi_slopes, attn_mask) takes 12 arguments");
     return NULL;
   }
   PyObject *q = args[AT_Q], *k = args[AT_K], *v = args[AT_V], *scale_o = args[AT_SCALE];
-  PyObject *sinks = args[AT_SINKS], *alibi = args[AT_ALIBI];
+  PyObject *sinks = args[AT_SINKS], *alibi = args[AT_ALIBI], *mask = args[AT_MASK];
   if (!st->tensor_type || !st->empty_strided || st->n_remembered == 0 || ab_cuda_emulation()) Py_RETURN_NONE;
-  /* q, k, v, then the sinks (whose gradient counts), then the ALiBi slopes (no gradient, as in flash-attn) */
-  PyObject* tensors[5] = {q, k, v};
+  /* q, k, v, then the sinks (whose gradient counts), then the ALiBi slopes (no gradient, as in flash-attn) and
+   * the mask (a float one that requires grad goes to the Python path: fast_mask) */
+  PyObject* tensors[6] = {q, k, v};
   int n = 3;
   if (sinks != Py_None) tensors[n++] = sinks;
   const int n_grad = n;
   if (alibi != Py_None) tensors[n++] = alibi;
+  if (mask != Py_None) tensors[n++] = mask;
   if (!fast_tensors(st, tensors, n, sinks, alibi, 0)) Py_RETURN_NONE;
   int causal, want_lse, requested;
   const int go = fast_opening(st, st->guards, args[AT_CAUSAL], 1, args[AT_LSE], scale_o, args[AT_BACKEND], tensors,
@@ -839,6 +875,10 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
   p.Dv = p.v.sizes[3];
   const int weights = read_sinks_alibi(st, sinks, alibi, &p);
   if (weights <= 0) return weights < 0 ? NULL : Py_NewRef(Py_None);
+  if (mask != Py_None) {
+    const int ok = fast_mask(st, mask, &p);
+    if (ok <= 0) return ok < 0 ? NULL : Py_NewRef(Py_None);
+  }
   long long wl, wr;
   double softcap;
   if (!window_softcap_args(args[AT_WINDOW], args[AT_SOFTCAP], p.Sq + p.Sk, dt, &wl, &wr, &softcap)) Py_RETURN_NONE;
@@ -1137,6 +1177,7 @@ static PyObject* ab_py_flash_decode_route(PyObject* self, PyObject* args) {
   p.causal = (ab_causal)causal;
   p.window_left = wl, p.window_right = wr;
   p.dropout_p = dropout;
+  if (has_mask && packed) return PyLong_FromLong(0); /* packed calls take no mask */
   if (has_mask) p.mask.ndim = 4; /* only its presence is read */
   ab_tensor tcq, tck;
   if (packed) {
@@ -1212,8 +1253,9 @@ static PyObject* ab_py_set_fast_api(PyObject* self, PyObject* args) {
 
 /* remember(call, chosen): the Python path planned call (a Call) and chose backend id chosen without
  * falling back; the fast paths may serve such calls from now on.  Only what they build is kept: plain
- * CPU forwards, dense (attention()) and packed (attention_varlen()), and CPU KV-cache calls
- * (kvcache()), each with or without a window, softcap, sinks and ALiBi. */
+ * CPU forwards, dense (attention(), with or without a mask that needs no gradient) and packed
+ * (attention_varlen()), and CPU KV-cache calls (kvcache()), each with or without a window, softcap,
+ * sinks and ALiBi. */
 static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   ab_state* st = ab_module_state(self);
   PyObject* call;
@@ -1221,8 +1263,8 @@ static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   if (!PyArg_ParseTuple(args, "Oi", &call, &chosen)) return NULL;
   ab_call c;
   if (ab_call_from_py(call, &c) < 0) return NULL;
-  const int cpu = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !c.mask && !c.mask_grad &&
-                  !c.dropout && !c.need_grad && !c.cuda_smem;
+  const int cpu = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !(c.mask && c.varlen) &&
+                  !c.mask_grad && !c.dropout && !c.need_grad && !c.cuda_smem;
   if (cpu && remembered(st, &c) < 0) {
     int slot = st->n_remembered;
     if (slot < AB_REMEMBERED_MAX) {

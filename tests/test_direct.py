@@ -270,17 +270,25 @@ def _served(fn):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("spec", ["plain", "gqa_causal_lse", "strided_scale", "alias", "bottom_right"])
+@pytest.mark.parametrize("spec", ["plain", "gqa_causal_lse", "strided_scale", "alias", "bottom_right", "bool_mask",
+                                  "float_mask", "decode_mask"])
 def test_fast_path_gives_the_python_paths_bits(dtype, spec, monkeypatch):
     g = torch.Generator().manual_seed(11)
-    B, Hq, Hkv, Sq, Sk, D = {"gqa_causal_lse": (2, 4, 2, 7, 9, 32), "bottom_right": (2, 8, 2, 1, 33, 16)}.get(
-        spec, (1, 3, 3, 5, 5, 24))  # bottom_right: a decode step, which the decode kernel serves
+    B, Hq, Hkv, Sq, Sk, D = {"gqa_causal_lse": (2, 4, 2, 7, 9, 32), "bottom_right": (2, 8, 2, 1, 33, 16),
+                             "decode_mask": (2, 8, 2, 1, 40, 16)}.get(
+        spec, (1, 3, 3, 5, 5, 24))  # bottom_right, decode_mask: a decode step, which the decode kernel serves
     q, k, v = (torch.randn(B, h, s, D, generator=g).to(dtype) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
     if spec == "strided_scale":  # non-contiguous views, a given scale
         q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
         assert not q.is_contiguous()
+    pad = torch.ones(B, 1, Sq, Sk, dtype=torch.bool)  # HF's padding mask: the first keys of row 0 hidden
+    pad[0, ..., :3] = False
     kw = {"plain": {}, "gqa_causal_lse": dict(causal=True, return_lse=True), "strided_scale": dict(scale=0.3),
-          "alias": dict(backend="flash_attention_2"), "bottom_right": dict(causal="bottom_right")}[spec]
+          "alias": dict(backend="flash_attention_2"), "bottom_right": dict(causal="bottom_right"),
+          "bool_mask": dict(attn_mask=pad, return_lse=True),
+          "float_mask": dict(attn_mask=torch.randn(Sq, Sk, generator=g).to(dtype)),  # broadcast: zero strides
+          "decode_mask": dict(attn_mask=torch.zeros(B, 1, Sq, Sk, dtype=dtype).masked_fill(~pad, -torch.inf),
+                              return_lse=True)}[spec]
     ab.attention(q, k, v, **kw)  # the Python path plans it once and remembers the plan
     fast, served = _served(lambda: ab.attention(q, k, v, **kw))
     assert served
@@ -322,7 +330,7 @@ def test_fast_path_lets_old_plans_go_and_takes_them_back():
 
 
 @pytest.mark.parametrize("how", ["use_math", "process_default", "named_math", "float64", "torch_faster",
-                                 "requires_grad", "mask", "int_scale", "other_backend"])
+                                 "requires_grad", "mask_grad", "int_scale", "other_backend"])
 def test_fast_path_hands_back_what_is_not_flashs_plain_forward(how):
     q = torch.randn(1, 2, 6, 16)
     for _ in range(2):  # the second call would be served if the plan allowed it
@@ -354,9 +362,10 @@ def test_fast_path_hands_back_what_is_not_flashs_plain_forward(how):
             res, served = _served(lambda: ab.attention(qg, q, q))
             assert res.requires_grad
             ref = res
-        elif how == "mask":
-            m = torch.ones(6, 6, dtype=torch.bool).tril()
+        elif how == "mask_grad":  # a float mask that requires grad: the autograd Function gives its gradient
+            m = torch.zeros(6, 6).masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), -torch.inf).requires_grad_()
             res, served = _served(lambda: ab.attention(q, q, q, attn_mask=m))
+            assert res.requires_grad
             ref = ab.attention(q, q, q, causal=True)
         elif how == "int_scale":
             res, served = _served(lambda: ab.attention(q, q, q, scale=1))
@@ -367,6 +376,20 @@ def test_fast_path_hands_back_what_is_not_flashs_plain_forward(how):
         assert not served, how
         tol = dict(rtol=0.05, atol=0.05) if how == "other_backend" else dict(rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(res.detach(), ref.detach(), **tol)
+
+
+@pytest.mark.parametrize("bad", ["mask_dtype", "mask_shape", "mask_rank", "mask_device"])
+def test_fast_path_leaves_bad_masks_to_the_python_checks(bad):
+    q = torch.randn(1, 4, 6, 16)
+    good = torch.ones(6, 6, dtype=torch.bool)
+    ab.attention(q, q, q, attn_mask=good)
+    assert _served(lambda: ab.attention(q, q, q, attn_mask=good))[1]  # armed for masked calls
+    mask = {"mask_dtype": torch.ones(6, 6, dtype=torch.int32), "mask_shape": torch.ones(5, 6, dtype=torch.bool),
+            "mask_rank": torch.ones(1, 1, 1, 6, 6, dtype=torch.bool), "mask_device": good.to("meta")}[bad]
+    before = _C.fast_calls()
+    with pytest.raises((ValueError, TypeError), match="attn_mask"):
+        ab.attention(q, q, q, attn_mask=mask)
+    assert _C.fast_calls() == before
 
 
 @pytest.mark.parametrize("bad", ["head_dim", "batch", "dtype", "heads", "rank", "backend"])

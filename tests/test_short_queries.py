@@ -3,10 +3,10 @@
 attn_backends/_providers/ours.py): decode through ab.attention, a patched SDPA or
 flash_attn_varlen_func.  Those calls still follow the design's semantics, checked against the
 float64 reference under the 2x rule (odd shapes, GQA and MHA, Sq > Sk, every causal alignment the
-route takes, windows, softcap, sinks, ALiBi, rows and sequences that see no key, non-contiguous
-views); bit-for-bit equality with attention_with_kvcache on the same tensors shows the decode kernel
-served them.  Calls the route leaves to flash (a top-left alignment that differs, more tokens, a
-mask, a gradient) are checked to be right as well."""
+route takes, windows, softcap, sinks, ALiBi, masks, rows and sequences that see no key,
+non-contiguous views); bit-for-bit equality with attention_with_kvcache on the same tensors shows the
+decode kernel served them.  Calls the route leaves to flash (a top-left alignment that differs, more
+tokens, a gradient) are checked to be right as well."""
 
 import pytest
 import torch
@@ -80,6 +80,56 @@ def test_dense_short_queries_match_the_reference(shape, case, causal, dtype, gen
         assert torch.equal(out, kv_out.transpose(1, 2)) and torch.equal(lse, kv_lse)
 
 
+def _mask(kind, B, Hq, Sq, Sk, dtype, gen):
+    """Masks as models pass them: HF's (B, 1, Sq, Sk) padding masks (bool, or additive in q's dtype with
+    the dtype's min), a per-head bool one, a float32 (Sq, Sk) bias; row 0 of batch row 0 hides every key."""
+    if kind == "bool_heads":
+        m = torch.rand(B, Hq, Sq, Sk, generator=gen) > 0.4
+    elif kind == "bias_2d":
+        return torch.randn(Sq, Sk, generator=gen)  # broadcast over B and H: zero strides; nothing hidden
+    else:
+        m = (torch.rand(B, 1, Sq, Sk, generator=gen) > 0.3)
+        m[-1, :, :, : Sk // 3] = False  # left padding of the last batch row
+    m[0, :, 0] = False
+    if kind == "bool":
+        return m
+    return torch.zeros(m.shape, dtype=dtype).masked_fill(~m, torch.finfo(dtype).min if kind == "min" else -torch.inf)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("kind", ["bool", "bool_heads", "min", "ninf", "bias_2d"])
+@pytest.mark.parametrize("case", ["plain", "causal+softcap+sinks", "alibi+window"])
+@pytest.mark.parametrize("shape", DENSE[:4])
+def test_dense_short_queries_with_a_mask_match_the_reference(shape, case, kind, dtype, gen):
+    # the decode kernel applies the mask as flash does (after softcap and ALiBi; bool hides, floating adds)
+    B, Hq, Hkv, Sq, Sk, D = shape
+    causal = "bottom_right" if "causal" in case or "window" in case else False
+    q, k, v = (_bshd(B, S, H, D, dtype, gen) for S, H in ((Sq, Hq), (Sk, Hkv), (Sk, Hkv)))
+    opts = _opts(case, gen, Hq, B)
+    mask = _mask(kind, B, Hq, Sq, Sk, dtype, gen)
+    with torch.no_grad():
+        out, lse = ab.attention(q, k, v, causal=causal, attn_mask=mask, return_lse=True, **opts)
+    ref64, lse64 = reference_attention(q, k, v, causal=causal, attn_mask=mask, **opts)
+    same, _ = reference_attention(q, k, v, causal=causal, attn_mask=mask, dtype=dtype, **opts)
+    check_2x("out", out, ref64, same, 2, dtype)
+    check_2x("lse", lse, lse64, lse64.float(), 2, F32)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_a_mask_that_hides_nothing_gives_the_decode_kernels_bits(dtype, gen):
+    # the masked call runs on the decode kernel: an all-true mask, or a zero bias, changes no bit of the
+    # unmasked call's result (which is attention_with_kvcache's, test_dense_short_queries_match_the_reference);
+    # flash itself sums in another order
+    B, Hq, Hkv, Sq, Sk, D = 2, 8, 2, 2, 300, 40
+    q, k, v = (_bshd(B, S, H, D, dtype, gen) for S, H in ((Sq, Hq), (Sk, Hkv), (Sk, Hkv)))
+    with torch.no_grad():
+        plain = ab.attention(q, k, v, causal="bottom_right", return_lse=True)
+        for mask in (torch.ones(B, 1, Sq, Sk, dtype=torch.bool), torch.zeros(Sq, Sk, dtype=dtype),
+                     torch.ones(B, Hq, Sk, Sq, dtype=torch.bool).transpose(2, 3)):  # a non-contiguous one
+            got = ab.attention(q, k, v, causal="bottom_right", attn_mask=mask, return_lse=True)
+            assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1])
+
+
 def test_a_window_without_causal_keeps_its_top_left_alignment(gen):
     # Sq != Sk: the decode kernel would align the window bottom-right; flash serves it, top-left
     q, k, v = (_bshd(1, S, 4, 16, F32, gen) for S in (2, 30, 30))
@@ -102,8 +152,7 @@ def test_longer_queries_masks_and_gradients_stay_on_flash_and_right(Sq, gen):
         check_2x("out", ab.attention(q, k, v, causal="bottom_right"), ref64, same, 2, F32)
         m64, _ = reference_attention(q, k, v, attn_mask=mask)
         m32, _ = reference_attention(q, k, v, attn_mask=mask, dtype=F32)
-        check_2x("masked out", ab.attention(q[:, :, :1], k, v, attn_mask=mask[:, :, :1]), m64[:, :, :1],
-                 m32[:, :, :1], 2, F32)
+        check_2x("masked out", ab.attention(q, k, v, attn_mask=mask), m64, m32, 2, F32)
     # one token with a gradient: the flash forward and backward (its row statistics kept)
     leaves = [t.detach().clone().requires_grad_() for t in (q[:, :, :1], k, v)]
     out = ab.attention(*leaves, causal="bottom_right")
@@ -123,7 +172,7 @@ def test_the_route_covers_only_a_few_tokens(monkeypatch):
     # MHA: 8 where the decode kernel measured faster (dense float32 over 2048 keys or more)
     assert route(4, 4, 8, 2048) == 8 and route(4, 4, 9, 2048) == 0 and route(4, 4, 5, 1024) == 0
     assert route(4, 4, 5, 4096, dtype=torch.bfloat16) == 0 and route(4, 2, 5, 4096) == 0  # a group of 2: 4
-    assert route(4, 4, 1, 64, mask=True) == 0 and route(4, 4, 1, 64, p=0.1) == 0
+    assert route(4, 4, 1, 64, mask=True) == 1 and route(4, 4, 1, 64, p=0.1) == 0  # a mask rides along
     assert route(4, 4, 1, 64, Dv=32) == 0
     assert route(4, 4, 2, 64, causal=1) == 0 and route(4, 4, 2, 2, causal=1) == 2  # top-left: the same if square
     assert route(4, 4, 2, 64, causal=0, wl=8) == 0 and route(4, 4, 2, 64, causal=2, wl=8) == 2
@@ -140,6 +189,9 @@ def test_the_route_covers_only_a_few_tokens(monkeypatch):
     assert packed([2, 2], [10, 5]) == 2 and packed([1, 2], [10, 5]) == 0  # every sequence its Sq queries
     assert packed([2, 2], [2, 2], causal=1) == 2 and packed([2, 2], [2, 3], causal=1) == 0
     assert packed([1, 1, 1], [0, 7, 3]) == 1  # a sequence with no key
+    lens = torch.tensor([0, 1, 2], dtype=torch.int32)
+    assert _C.flash_decode_route(torch.empty(2, 4, 16), torch.empty(2, 4, 16), torch.empty(2, 4, 16), True, 0.0, 2,
+                                 -1, -1, lens, lens) == 0  # packed calls take no mask
     # packed MHA: 8 tokens from 1024 keys (the longest sequence's), 2-byte dtypes from 256
     assert packed([8, 8], [1024, 5]) == 8 and packed([5, 5], [1023, 5]) == 0
     assert packed([8, 8], [256, 5], dtype=torch.bfloat16) == 8 and packed([5, 5], [255, 5], dtype=torch.float16) == 0

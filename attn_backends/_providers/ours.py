@@ -151,7 +151,7 @@ def _decode_tokens(a) -> int:
     q, k, v = a.q, a.k, a.v
     # read_ok (first torch.compile, which must fold the rest away; a fake or wrapped tensor has no data to
     # read) before any call into _C
-    if a.need_grad or not q.is_cpu or not read_ok(q, k, v, a.sinks, a.alibi) or _C.cuda_emulation():
+    if a.need_grad or not q.is_cpu or not read_ok(q, k, v, a.sinks, a.alibi, a.mask) or _C.cuda_emulation():
         return 0
     return _C.flash_decode_route(q, k, v, a.mask is not None, a.p, a.causal, a.wl, a.wr, a.hcu_q, a.hcu_k)
 
@@ -160,13 +160,13 @@ def _run_by_decode(a, sq):
     """The call on the decode kernel's direct call (_C.kvcache_fwd_cpu, the kernel attention_with_kvcache
     runs), or None where that refuses it; only for the calls _decode_tokens passed (no torch.compile,
     jit trace, dispatch or function mode, functorch transform or tensor subclass: those keep the flash
-    op).  Dense: the (B, S, H, D) views.  Packed: sequence b's queries are batch row b, its keys cache
+    op).  Dense: the (B, S, H, D) views, and the mask as it is.  Packed: sequence b's queries are batch row b, its keys cache
     row 0 from cu_seqlens_k[b] (cache_leftpad) to cu_seqlens_k[b + 1] (cache_seqlens)."""
     q, k, v = a.q, a.k, a.v
     if a.cu_q is None:
         res = _C.kvcache_fwd_cpu(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None,
                                  -1, None, None, None, a.alibi, a.scale, a.causal != 0, a.wl, a.wr, a.softcap, True, 0,
-                                 a.sinks)
+                                 a.sinks, a.mask)
         return None if res is None else (res[0].transpose(1, 2), res[1])
     B = a.hcu_q.numel() - 1
     res = _C.kvcache_fwd_cpu(q.unflatten(0, (B, sq)), k[None], v[None], None, None, None, None, a.hcu_k[1:], -1,

@@ -219,6 +219,16 @@ static ab_status check_call(const ab_kvcache_params* p, ab_error* err) {
     if (!ab_dtype_is_floating(p->rotary_cos.dtype) || !ab_dtype_is_floating(p->rotary_sin.dtype))
       return ab_error_set(err, AB_ERR_INVALID, "rotary_cos and rotary_sin must be floating point");
   }
+  if (p->mask.ndim) {
+    if (paged(p) || p->k_new.ndim || p->cache_batch_idx.ndim)
+      return ab_error_set(err, AB_ERR_INVALID, "a mask applies to a dense cache without new keys or cache_batch_idx");
+    const int64_t ms[4] = {p->B, p->Hq, p->Sq, p->k_cache.sizes[1]};
+    TRY(want_shape(err, "attn_mask", &p->mask, 4, ms, "(B, Hq, Sq, S_cache) after broadcasting"));
+    TRY(want_cpu(err, "attn_mask", &p->mask));
+    if (p->mask.dtype != AB_DTYPE_BOOL && !ab_dtype_is_floating(p->mask.dtype))
+      return ab_error_set(err, AB_ERR_INVALID, "attn_mask must be bool or floating, got %s",
+                          ab_dtype_name(p->mask.dtype));
+  }
   const int64_t bsz[1] = {p->B};
   if (p->cache_seqlens.ndim) {
     TRY(want_shape(err, "cache_seqlens", &p->cache_seqlens, 1, bsz, "(B,)"));

@@ -50,6 +50,11 @@ typedef struct ab_kvcache_params {
   int32_t num_splits;          /* splits of each row's key range: 0 = chosen from the thread count */
   ab_tensor sinks;             /* (Hq,) floating, optional: one logit per query head in each row's softmax
                                   denominator, no value (ab_attn_params.sinks) */
+  ab_tensor mask;              /* (B, Hq, Sq, S_cache) after broadcasting (zero strides), bool (false hides
+                                  the key) or floating (added to the score, after softcap and ALiBi, as
+                                  flash applies ab_attn_params.mask); key index = cache position; a dense
+                                  cache without new keys only; optional.  Only flash's route to this
+                                  kernel (flash_cpu.c) sets it: attention_with_kvcache takes no mask. */
 } ab_kvcache_params;
 
 /* Bytes of workspace ab_kvcache_cpu_fwd needs for p on a pool of num_threads threads (0 when the

@@ -590,7 +590,7 @@ static inline void DC(chunk_at)(const ab_decode_run* run, int64_t b, int64_t h0,
  * rows), the tile's query rows transposed, head by head (qt), and per row of a head the chunk's
  * visible keys [vlo, vhi) and key 0's distance from the row's query (d0). */
 typedef struct DC(tile) {
-  float *acc, *S, *m, *l, *slope;
+  float *acc, *S, *m, *l, *slope, *mb; /* mb: a chunk's mask values per row (DC(mask_rows)) */
   float *kv, *st, *qt, *vlo, *vhi, *d0;
   int64_t *tlo, *thi;
 } DC(tile);
@@ -632,10 +632,38 @@ static inline void DC(token_keys)(const ab_kvcache_params* p, int64_t t, int64_t
   *hi = h;
 }
 
-/* The rows of one token for one chunk: softcap, ALiBi and visibility on the raw scores St (rows
- * of DC_CHUNK, keys [a, e) of the chunk visible), then the online softmax, leaving P in St. */
+/* The mask's values for token t's rows over a chunk's keys (key j on; lanes [a, e) read, the others
+ * 0): row i (query head hq0 + i, i < nrows) at mb + i * DC_CHUNK, or row 0 alone when the mask is
+ * the same for every head (head stride 0, as HF's (B, 1, Sq, Sk) masks); returns that row stride for
+ * DC(softmax).  A bool mask gives 0 (seen) or -inf (hidden), a floating one its values. */
+static int64_t DC(mask_rows)(const ab_kvcache_params* p, int64_t b, int64_t hq0, int64_t t, int64_t j, int64_t a,
+                             int64_t e, int64_t nrows, float* mb) {
+  const ab_tensor* mk = &p->mask;
+  const int64_t ms3 = mk->strides[3], rows = mk->strides[1] ? nrows : 1;
+  for (int64_t i = 0; i < rows; ++i) {
+    float* row = mb + i * DC_CHUNK;
+    const int64_t off = b * mk->strides[0] + (hq0 + i) * mk->strides[1] + t * mk->strides[2] + j * ms3;
+    for (int64_t u = 0; u < a; ++u) row[u] = 0.0f;
+    if (mk->dtype == AB_DTYPE_BOOL) {
+      const uint8_t* m = (const uint8_t*)mk->data + off;
+      for (int64_t u = a; u < e; ++u) row[u] = m[u * ms3] ? 0.0f : -INFINITY;
+    } else if (mk->dtype == AB_DTYPE_F32) {
+      const float* m = (const float*)mk->data + off;
+      for (int64_t u = a; u < e; ++u) row[u] = m[u * ms3];
+    } else {
+      for (int64_t u = a; u < e; ++u) row[u] = (float)ab_load_scalar(mk->data, mk->dtype, off + u * ms3);
+    }
+    for (int64_t u = e; u < DC_CHUNK; ++u) row[u] = 0.0f;
+  }
+  return mk->strides[1] ? DC_CHUNK : 0;
+}
+
+/* The rows of one token for one chunk: softcap, ALiBi, the mask (mb: DC(mask_rows), row i at
+ * mb + i * mrs; NULL without one) and visibility on the raw scores St (rows of DC_CHUNK, keys [a, e)
+ * of the chunk visible), then the online softmax, leaving P in St. */
 static inline void DC(softmax)(const DC(tile) * w, int64_t r0, int64_t nrows, float* St, int64_t a, int64_t e,
-                               float cap, int alibi, float dist0, const vf* lanes, int64_t dpad) {
+                               float cap, int alibi, float dist0, const vf* lanes, int64_t dpad, const float* mb,
+                               int64_t mrs, int mbool) {
   const vf lane0 = vset1((float)a), lane1 = vset1((float)e);
   for (int64_t i = 0; i < nrows; ++i) {
     const int64_t r = r0 + i;
@@ -653,6 +681,10 @@ static inline void DC(softmax)(const DC(tile) * w, int64_t r0, int64_t nrows, fl
         vf dist = vset1(dist0) + lanes[v];
         dist = vselect(dist < vset1(0.0f), -dist, dist);
         x -= vset1(w->slope[r]) * dist;
+      }
+      if (mb) { /* the mask, as flash applies it: a bool one hides the key, a float one is added */
+        const vf mv = vload(mb + i * mrs + v * VLEN);
+        x = mbool ? vselect(mv < vset1(0.0f), vset1(-INFINITY), x) : x + mv;
       }
       x = vselect((lanes[v] >= lane0) & (lanes[v] < lane1), x, vset1(-INFINITY));
       vstore(Sr + v * VLEN, x);
@@ -838,7 +870,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
     /* the tiled products (above): rh rows per head, padded to rhp, head-major (row i of head h at
      * h * rhp + i); qt holds head h's rows as columns, qt[h * dpad * rhp + d * rhp + i] */
     const int64_t rh = (t1 - t0) * G, rhp = (rh + VLEN - 1) / VLEN * VLEN;
-    const int tiled = !bf && rh >= DC_TILED_ROWS;
+    const int tiled = !bf && rh >= DC_TILED_ROWS && !p->mask.ndim; /* the row path applies a mask */
     const int64_t nrows = tiled ? hg * rhp : nr; /* rows of state, pad rows included */
     memset(w->acc, 0, (size_t)(nrows * dpad) * sizeof(float));
     if (tiled) {
@@ -949,8 +981,9 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
           const int64_t e = w->thi[t - t0] < je ? w->thi[t - t0] : je;
           if (a >= e) continue;
           const float dist0 = (float)(j - (t + kv_end - Sq)); /* key position - query position, lane 0 */
+          const int64_t mrs = p->mask.ndim ? DC(mask_rows)(p, b, h0 * G, t, j, a - j, e - j, HG, w->mb) : 0;
           DC(softmax)(w, (t - t0) * HG, HG, w->S + (t - t0) * HG * DC_CHUNK, a - j, e - j, cap, alibi, dist0, lanes,
-                      dpad);
+                      dpad, p->mask.ndim ? w->mb : NULL, mrs, p->mask.dtype == AB_DTYPE_BOOL);
         }
 
         /* 3. O += P V, head by head, for the tokens that saw a key; meanwhile the next chunk's key
@@ -1026,8 +1059,8 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   const int64_t HG = run->hg * run->G, dpad = run->dpad;
   const int64_t tokens = HG >= DC_ROWS ? 1 : DC_ROWS / HG, rows = tokens * HG;
   const int64_t prows = rows + run->hg * VLEN; /* rows of state with each head's padded to VLEN (tiled) */
-  const size_t floats = (size_t)(prows * (dpad + 3) + rows * DC_CHUNK + DC_CHUNK * dpad + DC_CHUNK * (rows + VLEN) +
-                                 dpad * prows + 3 * (rows + VLEN));
+  const size_t floats = (size_t)(prows * (dpad + 3) + 2 * rows * DC_CHUNK + DC_CHUNK * dpad +
+                                 DC_CHUNK * (rows + VLEN) + dpad * prows + 3 * (rows + VLEN));
   char* buf = (char*)ab_scratch_alloc(floats * sizeof(float) + 2 * (size_t)tokens * sizeof(int64_t) + 64);
   if (!buf) {
     ab_par_fail(run->st, AB_ERR_NOMEM, "out of memory for the decode kernel's scratch");
@@ -1045,6 +1078,7 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   w.vlo = w.qt + dpad * prows;
   w.vhi = w.vlo + rows + VLEN;
   w.d0 = w.vhi + rows + VLEN;
+  w.mb = w.d0 + rows + VLEN;
   w.tlo = (int64_t*)(buf + ((floats * sizeof(float) + 63) & ~(size_t)63));
   w.thi = w.tlo + tokens;
   const int64_t groups = p->Hkv / run->hg;

@@ -43,7 +43,7 @@ static ab_status check_flash(const ab_attn_params* p, int backward, ab_error* er
  * 1.4-1.7x for MHA (before the kernel's MHA tokens path: mha_many_tokens below).  So flash hands it
  * calls of at most AB_FLASH_DECODE_TOKENS tokens per sequence (AB_FLASH_DECODE_TOKENS_GQA for groups
  * of 4 or more, and for MHA where mha_many_tokens says so), and no more query rows per KV head than the
- * decode kernel serves well (ab_kvcache_cpu_max_rows), the calls it can express: no mask or dropout, Dv = D,
+ * decode kernel serves well (ab_kvcache_cpu_max_rows), the calls it can express: no dropout, Dv = D,
  * keys with a contiguous last dimension, causal and windows aligned bottom-right (or the same either
  * way: Sq = Sk, for packed calls every sequence's), and a forward whose row statistics no backward will read (stats
  * absent: the direct calls, which have no autograd).  The calls without a gradient that take the op,
@@ -82,7 +82,7 @@ static int packed_square(const ab_attn_params* p) {
 }
 
 int64_t ab_flash_cpu_decode_route(const ab_attn_params* p) {
-  if (p->mask.ndim || p->dropout_p > 0 || p->Dv != p->D || p->Hkv < 1 || p->Sk < 1 ||
+  if (p->dropout_p > 0 || p->Dv != p->D || p->Hkv < 1 || p->Sk < 1 ||
       p->k.strides[p->k.ndim - 1] != 1 || p->v.strides[p->v.ndim - 1] != 1)
     return 0;
   if (p->cu_seqlens_q && (p->B < 1 || p->q.sizes[0] != p->B * p->Sq)) return 0; /* not Sq queries each */
@@ -151,6 +151,7 @@ static ab_status fwd_by_decode(const ab_attn_params* p, const ab_cpu_pool* pool,
   }
   d.alibi_slopes = p->alibi;
   d.sinks = p->sinks;
+  d.mask = p->mask; /* (B, Hq, Sq, Sk): dense calls only (packed ones take none) */
   d.scale = p->scale, d.softcap = p->softcap;
   d.causal = p->causal != AB_CAUSAL_NONE;
   d.window_left = p->window_left, d.window_right = p->window_right;
