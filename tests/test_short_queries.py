@@ -115,6 +115,26 @@ def test_dense_short_queries_with_a_mask_match_the_reference(shape, case, kind, 
     check_2x("lse", lse, lse64, lse64.float(), 2, F32)
 
 
+@pytest.mark.parametrize("kind", ["bool", "bool_heads", "ninf", "bias_2d"])
+@pytest.mark.parametrize("shape", [(1, 16, 2, 2, 70, 32), (2, 8, 2, 8, 45, 24)], ids=str)
+def test_masked_tiles_of_many_rows_match_the_reference(shape, kind, isa, gen):
+    # 16 and 32 query rows per KV head: the decode kernel's tiled products (without bfloat16 products) apply the
+    # mask on their transposed scores, every CPU path
+    B, Hq, Hkv, Sq, Sk, D = shape
+    q, k, v = (_bshd(B, S, H, D, F32, gen) for S, H in ((Sq, Hq), (Sk, Hkv), (Sk, Hkv)))
+    mask = _mask(kind, B, Hq, Sq, Sk, F32, gen)
+    opts = dict(softcap=4.0, alibi_slopes=torch.rand(Hq, generator=gen) * 0.3)
+    with torch.no_grad():
+        out, lse = ab.attention(q, k, v, causal="bottom_right", attn_mask=mask, return_lse=True, **opts)
+        one = torch.ones(Sq, Sk, dtype=torch.bool)  # hides nothing: the bits of the unmasked call, the kernel's
+        assert torch.equal(ab.attention(q, k, v, causal="bottom_right", attn_mask=one, **opts),
+                           ab.attention(q, k, v, causal="bottom_right", **opts))
+    ref64, lse64 = reference_attention(q, k, v, causal="bottom_right", attn_mask=mask, **opts)
+    same, _ = reference_attention(q, k, v, causal="bottom_right", attn_mask=mask, dtype=F32, **opts)
+    check_2x("out", out, ref64, same, 2, F32)
+    check_2x("lse", lse, lse64, lse64.float(), 2, F32)
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_a_mask_that_hides_nothing_gives_the_decode_kernels_bits(dtype, gen):
     # the masked call runs on the decode kernel: an all-true mask, or a zero bias, changes no bit of the

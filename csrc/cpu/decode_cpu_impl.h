@@ -590,7 +590,7 @@ static inline void DC(chunk_at)(const ab_decode_run* run, int64_t b, int64_t h0,
  * rows), the tile's query rows transposed, head by head (qt), and per row of a head the chunk's
  * visible keys [vlo, vhi) and key 0's distance from the row's query (d0). */
 typedef struct DC(tile) {
-  float *acc, *S, *m, *l, *slope, *mb; /* mb: a chunk's mask values per row (DC(mask_rows)) */
+  float *acc, *S, *m, *l, *slope, *mb; /* mb: a chunk's mask values (DC(mask_rows), DC(mask_tile)) */
   float *kv, *st, *qt, *vlo, *vhi, *d0;
   int64_t *tlo, *thi;
 } DC(tile);
@@ -723,11 +723,12 @@ static inline void DC(softmax)(const DC(tile) * w, int64_t r0, int64_t nrows, fl
 }
 
 /* The online softmax of one head's rows over one chunk, on the transposed scores st (nk keys x rhp
- * rows, P left in place): softcap, ALiBi (slope and d0 per row) and visibility ([vlo, vhi) per row),
+ * rows, P left in place): softcap, ALiBi (slope and d0 per row), the mask (mbt: DC(mask_tile); NULL
+ * without one) and visibility ([vlo, vhi) per row),
  * then per row the running max m, sum l and the rescale of its accumulator row (rows < rh). */
 static inline void DC(softmax_t)(float* st, int64_t nk, int64_t rhp, int64_t rh, float* m, float* l,
                                  const float* slope, const float* vlo, const float* vhi, const float* d0, float cap,
-                                 int alibi, float* acc, int64_t dpad) {
+                                 int alibi, float* acc, int64_t dpad, const float* mbt, int mbool) {
   const vf ninf = vset1(-INFINITY), zero = vset1(0.0f), one = vset1(1.0f);
   for (int64_t v = 0; v < rhp; v += VLEN) {
     const vf lo = vload(vlo + v), hi = vload(vhi + v);
@@ -740,6 +741,10 @@ static inline void DC(softmax_t)(float* st, int64_t nk, int64_t rhp, int64_t rh,
         vf dist = vload(d0 + v) + ki;
         dist = vselect(dist < zero, -dist, dist);
         x -= vload(slope + v) * dist;
+      }
+      if (mbt) { /* the mask, as DC(softmax) applies it */
+        const vf mv = vload(mbt + i * rhp + v);
+        x = mbool ? vselect(mv < zero, ninf, x) : x + mv;
       }
       x = vselect((ki >= lo) & (ki < hi), x, ninf);
       vstore(st + i * rhp + v, x);
@@ -766,14 +771,36 @@ static inline void DC(softmax_t)(float* st, int64_t nk, int64_t rhp, int64_t rh,
   }
 }
 
-/* Keys [j, je) of a tiled tile (tokens from t0, rh rows per head padded to rhp; K and V rows of head
- * h0 at ko, vo; the next chunk's nn keys at nko, nvo, asked for into L2 a chunk ahead), head by
- * head: S^T = K Q^T, the softmax, O += P V (above).  qpos0: the position of the tile's first token. */
+/* The mask's values for a tiled tile's rows over keys [j, j + nk), transposed as softmax_t reads the
+ * scores (key i of row r at mbt[i * rhp + r]): row r is token t0 + r / G of query head hq0 + r % G;
+ * only the keys the row sees ([vlo, vhi), from j) are read, the rest and the pad rows are 0.  A bool
+ * mask gives 0 or -inf, a floating one its values, as DC(mask_rows). */
+static void DC(mask_tile)(const ab_kvcache_params* p, int64_t b, int64_t hq0, int64_t t0, int64_t G, int64_t j,
+                          int64_t nk, int64_t rh, int64_t rhp, const float* vlo, const float* vhi, float* mbt) {
+  const ab_tensor* mk = &p->mask;
+  memset(mbt, 0, (size_t)(nk * rhp) * sizeof(float));
+  for (int64_t r = 0; r < rh; ++r) {
+    const int64_t off = b * mk->strides[0] + (hq0 + r % G) * mk->strides[1] + (t0 + r / G) * mk->strides[2] +
+                        j * mk->strides[3];
+    for (int64_t i = (int64_t)vlo[r]; i < (int64_t)vhi[r]; ++i) {
+      const int64_t at = off + i * mk->strides[3];
+      mbt[i * rhp + r] = mk->dtype == AB_DTYPE_BOOL ? (((const uint8_t*)mk->data)[at] ? 0.0f : -INFINITY)
+                                                    : (float)ab_load_scalar(mk->data, mk->dtype, at);
+    }
+  }
+}
+
+/* Keys [j, je) of a tiled tile (tokens from t0 of batch row b, rh rows per head padded to rhp; K and V
+ * rows of head h0 at ko, vo; the next chunk's nn keys at nko, nvo, asked for into L2 a chunk ahead),
+ * head by head: S^T = K Q^T, the softmax (with the mask's tile, DC(mask_tile), where there is a
+ * mask: built once for all heads when its head stride is 0), O += P V (above).  qpos0: the position
+ * of the tile's first token. */
 static inline __attribute__((always_inline)) void DC(tiled_chunk)(const ab_decode_run* run, const DC(tile) * w,
                                                                  int64_t rh, int64_t rhp, int64_t j, int64_t je,
                                                                  const int64_t* ko, const int64_t* vo,
                                                                  const int64_t* nko, const int64_t* nvo, int64_t nn,
-                                                                 int64_t qpos0, const int dt) {
+                                                                 int64_t qpos0, const int dt, int64_t b, int64_t h0,
+                                                                 int64_t t0) {
   const ab_kvcache_params* p = run->p;
   const int64_t D = p->D, G = run->G, dpad = run->dpad, nk = je - j, nvec = (D + VLEN - 1) / VLEN;
   const void *kb = p->k_cache.data, *vb = p->v_cache.data;
@@ -791,8 +818,11 @@ static inline __attribute__((always_inline)) void DC(tiled_chunk)(const ab_decod
     w->vlo[i] = (float)lo;
     w->vhi[i] = (float)(hi > lo ? hi : lo);
   }
+  const int masked = p->mask.ndim > 0, per_head = masked && p->mask.strides[1] != 0;
+  if (masked && !per_head) DC(mask_tile)(p, b, h0 * G, t0, G, j, nk, rh, rhp, w->vlo, w->vhi, w->mb);
   for (int64_t h = 0; h < run->hg; ++h) {
     float* acc = w->acc + h * rhp * dpad;
+    if (per_head) DC(mask_tile)(p, b, (h0 + h) * G, t0, G, j, nk, rh, rhp, w->vlo, w->vhi, w->mb);
     for (int64_t i = 0; i < nk; ++i) {
       DC(row_f32)(kb, ko[i] + h * ks2, D, dt, w->kv + i * dpad);
       if (i < nn) {
@@ -803,7 +833,7 @@ static inline __attribute__((always_inline)) void DC(tiled_chunk)(const ab_decod
     const float* qh = w->qt + h * dpad * rhp;
     SYM(scores_t)(nk, rhp / VLEN, D, w->kv, dpad, qh, rhp, w->st, rhp);
     DC(softmax_t)(w->st, nk, rhp, rh, w->m + h * rhp, w->l + h * rhp, w->slope + h * rhp, w->vlo, w->vhi, w->d0,
-                  (float)p->softcap, alibi, acc, dpad);
+                  (float)p->softcap, alibi, acc, dpad, masked ? w->mb : NULL, p->mask.dtype == AB_DTYPE_BOOL);
     for (int64_t i = 0; i < nk; ++i) DC(row_f32)(vb, vo[i] + h * vs2, D, dt, w->kv + i * dpad);
     SYM(gemm)(rh, nvec, nk, w->st, 1, rhp, w->kv, dpad, acc, dpad, AB_ACC_RUN);
   }
@@ -870,7 +900,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
     /* the tiled products (above): rh rows per head, padded to rhp, head-major (row i of head h at
      * h * rhp + i); qt holds head h's rows as columns, qt[h * dpad * rhp + d * rhp + i] */
     const int64_t rh = (t1 - t0) * G, rhp = (rh + VLEN - 1) / VLEN * VLEN;
-    const int tiled = !bf && rh >= DC_TILED_ROWS && !p->mask.ndim; /* the row path applies a mask */
+    const int tiled = !bf && rh >= DC_TILED_ROWS;
     const int64_t nrows = tiled ? hg * rhp : nr; /* rows of state, pad rows included */
     memset(w->acc, 0, (size_t)(nrows * dpad) * sizeof(float));
     if (tiled) {
@@ -918,7 +948,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       if (jn < khi) DC(chunk_at)(run, b, h0, jn, khi, &nje, nko, nvo);
 
       if (tiled) {
-        DC(tiled_chunk)(run, w, rh, rhp, j, je, ko, vo, nko, nvo, nje - jn, t0 + kv_end - Sq, dt);
+        DC(tiled_chunk)(run, w, rh, rhp, j, je, ko, vo, nko, nvo, nje - jn, t0 + kv_end - Sq, dt, b, h0, t0);
       } else {
         /* 1. scores, key by key so the cache is read in its own order; rows of a token that sees no
          * key of the chunk get P = 0 */
@@ -1059,8 +1089,8 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   const int64_t HG = run->hg * run->G, dpad = run->dpad;
   const int64_t tokens = HG >= DC_ROWS ? 1 : DC_ROWS / HG, rows = tokens * HG;
   const int64_t prows = rows + run->hg * VLEN; /* rows of state with each head's padded to VLEN (tiled) */
-  const size_t floats = (size_t)(prows * (dpad + 3) + 2 * rows * DC_CHUNK + DC_CHUNK * dpad +
-                                 DC_CHUNK * (rows + VLEN) + dpad * prows + 3 * (rows + VLEN));
+  const size_t floats = (size_t)(prows * (dpad + 3) + rows * DC_CHUNK + DC_CHUNK * dpad +
+                                 2 * DC_CHUNK * (rows + VLEN) + dpad * prows + 3 * (rows + VLEN));
   char* buf = (char*)ab_scratch_alloc(floats * sizeof(float) + 2 * (size_t)tokens * sizeof(int64_t) + 64);
   if (!buf) {
     ab_par_fail(run->st, AB_ERR_NOMEM, "out of memory for the decode kernel's scratch");
