@@ -369,15 +369,18 @@ def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, isa, gen
 @pytest.mark.parametrize("case", [KV(B=2, Hq=8, Hkv=2, D=72, S=300, dtype=torch.bfloat16),
                                   KV(B=2, Hq=8, Hkv=2, D=64, S=300, block=16),
                                   KV(B=1, Sq=2, Hq=4, Hkv=4, D=40, S=200, block=16, causal=True),
-                                  KV(B=3, Hq=6, Hkv=2, D=128, S=130, dtype=torch.bfloat16, block=32)], ids=str)
-def test_the_next_keys_prefetch_leaves_the_bits_alone(case, isa, monkeypatch, gen):
+                                  KV(B=3, Hq=6, Hkv=2, D=128, S=130, dtype=torch.bfloat16, block=32),
+                                  KV(B=2, Hq=4, Hkv=4, D=48, S=150)], ids=str)
+@pytest.mark.parametrize("switch", ["KEYS_NEXT", "VALUES_AHEAD"])
+def test_the_prefetch_switches_leave_the_bits_alone(case, switch, isa, monkeypatch, gen):
     # step 3 asks for the next chunk's keys for every call on AMD's AVX-512 CPUs when decode's working set
-    # passes half the L3 (csrc/cpu/decode_cpu.c keys_next), elsewhere only for MHA over a 2-byte cache: the
-    # same sums either way, on every path (the cases are ones the earlier rule leaves out: GQA, or float32)
+    # passes half the L3 (csrc/cpu/decode_cpu.c keys_next), elsewhere only for MHA over a 2-byte cache; step 1
+    # asks for the chunk's values for every call there (values_ahead), elsewhere all but float32 MHA: the
+    # same sums either way, on every path (the cases are ones the general rules leave out: GQA, float32 MHA)
     call = Call(case, gen)
     results = []
     for on in ("0", "1"):
-        monkeypatch.setenv("ATTN_BACKENDS_DECODE_KEYS_NEXT", on)
+        monkeypatch.setenv("ATTN_BACKENDS_DECODE_" + switch, on)
         results.append(call.reset().run("paged_attention"))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     call.check(*results[1])

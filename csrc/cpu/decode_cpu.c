@@ -107,6 +107,19 @@ static int keys_next(const ab_kvcache_params* p, int64_t keys) {
   return 2 * working_set > (l3 > 0 ? l3 : (int64_t)32 << 20);
 }
 
+/* Whether step 1 asks for the chunk's value rows whatever the cache, MHA over a float32 one included,
+ * which the kernel otherwise leaves to the hardware prefetchers (decode_cpu_impl.h, v_ahead): on the
+ * AVX-512 path of an AMD CPU (Zen 4), where float32 MHA decode took 0.78-0.85x the time with the
+ * request from DRAM and 0.87-0.95x with a cache the L3 holds (docs/benchmarks.md, "Decode on an
+ * AVX-512 AMD CPU"); elsewhere the request measured slower.  ATTN_BACKENDS_DECODE_VALUES_AHEAD=1
+ * makes it in every call, =0 only where the general rule does (read at every call; the same bits
+ * either way). */
+static int values_ahead(void) {
+  const char* env = getenv("ATTN_BACKENDS_DECODE_VALUES_AHEAD");
+  if (env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0)) return env[0] == '1';
+  return ab_cpu_isa_get() == AB_ISA_AVX512 && ab_cpu_vendor_detect() == AB_VENDOR_AMD;
+}
+
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
   if (!ab_kvcache_cpu_bf16_products(dt)) return INT64_MAX; /* the tiled products serve long queries */
   if (!in_place || positions < 2048) return 64;
@@ -583,7 +596,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t
   const int64_t hg = heads_per_item(p, threads);
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
-                       bf, sink, &st, keys_next(p, keys)};
+                       bf, sink, &st, keys_next(p, keys), values_ahead()};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));

@@ -106,6 +106,7 @@ typedef struct ab_decode_run {
   const float* sink;      /* (Hq,) each query head's sink logit, -inf without sinks */
   struct ab_par_status* st;
   int32_t keys_next;      /* step 3 asks for the next chunk's key rows whatever the cache (decode_cpu.c) */
+  int32_t values_ahead;   /* step 1 asks for the chunk's value rows whatever the cache (decode_cpu.c) */
 } ab_decode_run;
 
 typedef struct ab_decode_cpu_table {

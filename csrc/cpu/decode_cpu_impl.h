@@ -855,8 +855,9 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
   const float cap = (float)p->softcap;
   /* the value rows are asked for ahead unless the arithmetic per byte is low enough for the hardware
    * prefetchers to keep up: one query row per key (MHA) over a float32 cache, where asking only
-   * crowds the fill buffers (measured, docs/benchmarks.md) */
-  const int v_ahead = G > 1 || Sq > 1 || dt != AB_DTYPE_F32;
+   * crowds the fill buffers (measured, docs/benchmarks.md), except where run->values_ahead says
+   * otherwise (AMD's AVX-512 CPUs, decode_cpu.c) */
+  const int v_ahead = G > 1 || Sq > 1 || dt != AB_DTYPE_F32 || run->values_ahead;
   /* the next chunk's keys during step 3 (DC(kpf)) where step 3 is short against the bytes it waits
    * for: one query row per key over a 2-byte cache (bfloat16 MHA 13% faster on two cores; GQA, whose
    * step 3 has G rows of arithmetic per value row, ran 2-7% slower with it), and every cache where
