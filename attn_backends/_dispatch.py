@@ -83,12 +83,13 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
         device = q.device
         dev = _DEVICE_IDS.get(device.type, 3)
         cc, lib_ok, _, smem = cuda_device_info(device.index) if dev == 1 else (0, 0, "", 0)
-    gqa, square = Hq != Hkv, Sq == Sk
+    gqa, square, few = Hq != Hkv, Sq == Sk, Sq <= _FEW_QUERIES
     compiling = _is_compiling()
     if compiling:
         D, Dv = _static_int(D), _static_int(Dv)
         gqa = True if gqa else False  # noqa: SIM210 (a branch, not bool(): see _static_int)
         square = True if square else False  # noqa: SIM210
+        few = True if few else False  # noqa: SIM210
     has_sinks = has_alibi = False
     if sinks is not None or alibi_slopes is not None:
         sinks, alibi_slopes, (has_sinks, has_alibi) = _sinks_alibi(q, B, Hq, sinks, alibi_slopes)
@@ -99,7 +100,7 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
     sig = _new_call(dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, gqa, square, mask_kind, mask_grad, causal_i,
                     wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
                     bool(return_lse), 0, _SETTINGS["mps_fix"], ID[requested], _cpu_isa(), _CPU_UNITS, smem,
-                    has_sinks, has_alibi, compiling)
+                    has_sinks, has_alibi, compiling, few_queries=few)
     return args, sig
 
 
@@ -107,6 +108,7 @@ _SETTINGS = _planner.settings
 _cpu_isa = _planner.cpu_isa
 _CPU_UNITS = _planner.CPU_UNITS
 _new_call = _planner.new_call
+_FEW_QUERIES = _planner.FEW_QUERIES
 _chosen = ({}, {})  # Call -> backend id, for strict False and True: the Python path's one lookup
 _FLASH = ID["flash"]
 # what the fast path reads (csrc/ab_direct.c): the same facts prepare() reads below

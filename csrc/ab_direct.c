@@ -785,6 +785,7 @@ static PyObject* serve_plain(ab_state* st, PyObject* q, ab_attn_params* pp, PyOb
   c.sinks = p.sinks.ndim > 0;
   c.alibi = p.alibi.ndim > 0;
   c.mask = !p.mask.ndim ? 0 : p.mask.dtype == AB_DTYPE_BOOL ? 1 : 2; /* _dispatch.prepare's mask_kind */
+  c.few_queries = !varlen && p.Sq <= AB_FEW_QUERIES;
   if (remembered(st, &c) != chosen) Py_RETURN_NONE;
   p.causal = (ab_causal)causal;
   p.scale = scale;

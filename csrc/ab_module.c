@@ -577,6 +577,7 @@ static int ab_exec(PyObject* module) {
   if (ab_direct_init(st) < 0 || PyModule_AddFunctions(module, ab_direct_methods) < 0) return -1;
   st->call_type = (PyObject*)PyStructSequence_NewType(&k_call_desc);
   if (!st->call_type || PyModule_AddObjectRef(module, "Call", st->call_type) < 0) return -1;
+  if (PyModule_AddIntConstant(module, "FEW_QUERIES", AB_FEW_QUERIES) < 0) return -1;
   return PyModule_AddStringConstant(module, "__version__", AB_VERSION);
 }
 

@@ -185,7 +185,14 @@ int ab_provider_available(int id, const char** why_not);
   X(int32_t, cuda_smem, "CUDA: shared memory a block may opt in to, bytes; 0 = not known")             \
   X(int32_t, sinks, "attention sinks are given")                                                       \
   X(int32_t, alibi, "ALiBi slopes are given")                                                          \
-  X(int32_t, cpu_vendor, "0 other, 1 Intel, 2 AMD (ab_cpu_vendor): who made the CPU")
+  X(int32_t, cpu_vendor, "0 other, 1 Intel, 2 AMD (ab_cpu_vendor): who made the CPU")                   \
+  X(int32_t, few_queries, "a dense call of Sq <= AB_FEW_QUERIES query tokens (decode); 0 when packed")
+
+/* The query tokens up to which a dense call counts as decode (ab_call.few_queries): flash's CPU forward
+ * hands such calls to the decode kernel (csrc/cpu/flash_cpu.c, at least this many tokens whatever the
+ * group size and dtype), so the classes of calls where torch's kernel measured faster, all measured on
+ * long queries, do not describe them (ab_torch_cpu_faster). */
+#define AB_FEW_QUERIES 4
 
 typedef struct ab_call {
 #define AB_CALL_MEMBER(type, name, doc) type name;
