@@ -345,10 +345,11 @@ uint32_t ab_our_cpu_units(int isa, int dtype) {
  * in the AMD row), measured faster than our flash, side by side (docs/benchmarks.md, "auto against
  * torch, per dtype"), per ISA path of our kernels.  Each holds only for a call torch serves as it is,
  * on its fast path: no causal mask (ours skips the masked blocks and measured 1.03-1.68x torch in every
- * causal row), no attn_mask, no GQA, no window, softcap, dropout, lse or packing; and only for long
- * queries, where they were measured: a call of few_queries goes to the decode kernel, which took
- * 0.58x torch's time in float32 MHA decode at D=128 (B=1 H=32 Sk=4096, Zen 4, 2026-11-27: 3.3 against
- * 5.7 ms) where this rule used to send it to torch.  Rows, with their figures (torch / ours):
+ * causal row), no attn_mask (but where a row says so), no GQA, no window, softcap, dropout, lse or
+ * packing; and only for long queries, where they were measured: a call of few_queries goes to the
+ * decode kernel, which took 0.58x torch's time in float32 MHA decode at D=128 (B=1 H=32 Sk=4096,
+ * Zen 4, 2026-11-27: 3.3 against 5.7 ms) where this rule used to send it to torch.  Rows, with their
+ * figures (torch / ours):
  *   - every path, float32 forward, D >= 128: 0.85-0.97 on two AVX-512 CPUs without AMX (2026-11-21 and
  *     2026-11-24, B=2..4, S=1024..4096), torch's kernel at 61-73% of the FMA peak; 0.79-0.90 on the
  *     avx2 path (AMD EPYC, Zen 3, 2026-11-26).  D <= 96 and the backward stay ours there (forward +
@@ -361,7 +362,10 @@ uint32_t ab_our_cpu_units(int isa, int dtype) {
  *     0.86-0.92 at S=2048 in three runs, 0.92-1.08 at S=1024 (2026-11-27); torch's bfloat16 backward
  *     there is faster than its float32 one, so it computes on the bfloat16 dot products.  On the
  *     Intel AVX-512 CPU with AVX512_BF16 ours measured 1.76-1.79x torch in the same rows, hence the
- *     vendor.  D=64 (0.95-1.13) and the forward (1.06-1.81) stay ours there.
+ *     vendor.  D=64 (0.95-1.13) and the forward (1.06-1.81) stay ours there.  With an attn_mask (HF's
+ *     padded causal one, bool or float, no gradient for it) too: 0.72-0.85 at S=2048 D=128 and
+ *     0.77-0.81 at S=1024 D=256, 0.95-0.98 at S=512 D=128 (2026-11-27, after the mask's per-dtype
+ *     loops).  The other rows were measured without a mask and hold without one only.
  * float16 stays ours everywhere (1.2-1.8x on the avx2 path, parity on AVX-512). */
 typedef struct torch_faster_row {
   uint32_t isas; /* bit (1 << ab_cpu_isa) per path the row was measured on */
@@ -369,28 +373,29 @@ typedef struct torch_faster_row {
   int need_grad; /* 0: forward only, 1: forward+backward */
   int64_t min_D;
   int32_t vendor;   /* ab_cpu_vendor the row was measured on; AB_VENDOR_OTHER: any */
+  int masks;        /* 1: holds with an attn_mask too (one that needs no gradient) */
   const char* what; /* for the plan's note */
 } torch_faster_row;
 
 #define ISA_BIT(i) (1u << (i))
 static const torch_faster_row k_torch_faster[] = {
-    {0xffffffffu, AB_DTYPE_F32, 0, 128, AB_VENDOR_OTHER, "a float32 forward at D >= 128"},
-    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_BF16, 0, 64, AB_VENDOR_OTHER, "a bfloat16 forward at D >= 64 on the avx2 path"},
-    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_F32, 1, 128, AB_VENDOR_OTHER,
+    {0xffffffffu, AB_DTYPE_F32, 0, 128, AB_VENDOR_OTHER, 0, "a float32 forward at D >= 128"},
+    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_BF16, 0, 64, AB_VENDOR_OTHER, 0, "a bfloat16 forward at D >= 64 on the avx2 path"},
+    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_F32, 1, 128, AB_VENDOR_OTHER, 0,
      "a float32 forward+backward at D >= 128 on the avx2 path"},
-    {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_BF16, 1, 128, AB_VENDOR_AMD,
+    {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_BF16, 1, 128, AB_VENDOR_AMD, 1,
      "a bfloat16 forward+backward at D >= 128 on the avx512 path of an AMD CPU"},
 };
 #undef ISA_BIT
 
 const char* ab_torch_cpu_faster(const ab_call* c) {
-  if (c->device != AB_DEVICE_CPU || c->causal != AB_CAUSAL_NONE || c->mask || c->gqa || c->window || c->softcap ||
-      c->dropout || c->want_lse || c->varlen != 0 || c->few_queries || c->cpu_isa < 0 || c->cpu_isa >= 32)
+  if (c->device != AB_DEVICE_CPU || c->causal != AB_CAUSAL_NONE || c->mask_grad || c->gqa || c->window ||
+      c->softcap || c->dropout || c->want_lse || c->varlen != 0 || c->few_queries || c->cpu_isa < 0 || c->cpu_isa >= 32)
     return NULL;
   for (size_t i = 0; i < sizeof k_torch_faster / sizeof k_torch_faster[0]; ++i) {
     const torch_faster_row* r = &k_torch_faster[i];
     if ((r->isas >> c->cpu_isa & 1u) && r->dtype == c->dtype && r->need_grad == !!c->need_grad && c->D >= r->min_D &&
-        (r->vendor == AB_VENDOR_OTHER || r->vendor == c->cpu_vendor))
+        (r->vendor == AB_VENDOR_OTHER || r->vendor == c->cpu_vendor) && (!c->mask || r->masks))
       return r->what;
   }
   return NULL;

@@ -11,8 +11,8 @@ import torch
 
 import attn_backends as ab
 from attn_backends import _providers
-from attn_backends._testing import (EMULATED_ISAS, Case, cases, check_2x, check_against_reference, cpu_isas,
-                                   make_packed, reference_attention, varlen_reference)
+from attn_backends._testing import (EMULATED_ISAS, Case, cases, check_2x, check_against_reference, check_out_and_grads_2x,
+                                   cpu_isas, make_packed, reference_attention, varlen_reference)
 
 
 
@@ -98,6 +98,24 @@ def _inputs(case, gen):
     from attn_backends._testing import make_inputs
 
     return make_inputs(case, generator=gen)
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.bool])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masks_of_any_dtype_and_stride_match_the_reference(isa, mask_dtype, dtype, gen):
+    # the mask is read row by row with one loop per mask dtype (cpu_tiles_impl.h mask_scores): a mask of
+    # another dtype than q, and one whose keys are not contiguous (a transposed view), forward and backward
+    B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 37, 45, 32
+    q, k, v = (torch.randn(B, h, s, D, generator=gen).to(dtype) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
+    seen = torch.rand(B, Hq, Sk, Sq, generator=gen) > 0.3
+    seen[0, :, :, 3] = False  # query row 3 of batch row 0 sees nothing
+    mask = seen if mask_dtype == torch.bool else torch.randn(B, Hq, Sk, Sq, generator=gen).masked_fill(~seen, -torch.inf)
+    mask = mask.to(mask_dtype).transpose(2, 3)  # (B, Hq, Sq, Sk), keys strided
+    assert mask.stride(-1) != 1
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = ab.attention(*leaves, attn_mask=mask, backend="flash", strict=True)
+    g = torch.randn(out.shape, generator=gen).to(dtype)
+    check_out_and_grads_2x(out, torch.autograd.grad(out, leaves, g), leaves, g, dtype, attn_mask=mask)
 
 
 def test_flash_does_not_serve_float64():

@@ -152,17 +152,28 @@ def test_torch_first_for_the_bfloat16_backward_on_amds_avx512_path():
         assert p.chosen == "sdpa" and p.order[:2] == ("sdpa", "flash"), D
         assert "bfloat16 forward+backward at D >= 128 on the avx512 path of an AMD CPU" in p.note
         assert p.call["cpu_vendor"] == "AMD"
+        for mask in (1, 2):  # HF's padding masks too, bool or float (measured 0.72-0.98x torch's time there)
+            assert plan(dtype="bfloat16", D=D, need_grad=1, vendor=AMD, mask=mask).chosen == "sdpa", (D, mask)
     # the same call elsewhere, and what measured at par or faster on that CPU, stays ours
     for kw in (dict(vendor=INTEL), dict(vendor=0), dict(isa=AVX2, vendor=AMD),
                dict(isa=ISAS.index("generic"), vendor=AMD), dict(D=64, vendor=AMD), dict(need_grad=0, vendor=AMD),
                dict(causal=1, vendor=AMD), dict(causal=2, vendor=AMD), dict(gqa=1, vendor=AMD),
-               dict(mask=1, vendor=AMD), dict(dtype="float16", vendor=AMD), dict(requested="flash", vendor=AMD)):
+               dict(mask=2, mask_grad=1, vendor=AMD), dict(dtype="float16", vendor=AMD),
+               dict(requested="flash", vendor=AMD)):
         args = dict(dtype="bfloat16", D=128, need_grad=1)
         args.update(kw)
         p = plan(**args)
         assert p.chosen == "flash" and not p.note, kw
     for kw in (dict(softcap=1), dict(want_lse=1), dict(window=1), dict(dropout=1)):
         assert plan(dtype="bfloat16", D=128, need_grad=1, vendor=AMD, **kw).chosen == "flash", kw
+
+
+def test_the_rows_measured_without_a_mask_leave_masked_calls_to_us():
+    for kw in (dict(dtype="float32", D=128), dict(dtype="bfloat16", D=64, isa=AVX2),
+               dict(dtype="float32", D=128, need_grad=1, isa=AVX2)):
+        assert plan(**kw).chosen == "sdpa", kw
+        for mask in (1, 2):
+            assert plan(mask=mask, **kw).chosen == "flash", (kw, mask)
 
 
 def test_decode_calls_keep_our_kernel_where_long_queries_go_to_torch():

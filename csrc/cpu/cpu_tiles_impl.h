@@ -295,17 +295,40 @@ static void SYM(mask_scores)(const ab_attn_params* p, const SYM(seq) * s, int64_
     }
   }
   if (p->mask.ndim) {
+    /* row by row, so each row's mask values are read in their own order (a row of keys is contiguous
+     * in the masks models pass), one loop per dtype (no conversion chosen per value) */
     const int64_t ms_i = p->mask.strides[2], ms_j = p->mask.strides[3];
-    if (p->mask.dtype == AB_DTYPE_BOOL) {
-      const uint8_t* m = (const uint8_t*)p->mask.data + s->mask;
-      for (int64_t j = 0; j < nb; ++j)
-        for (int64_t r = 0; r < nrows; ++r)
-          if (!m[(i0 + r) * ms_i + (j0 + j) * ms_j]) St[j * rc + r] = -__builtin_inff();
-    } else {
-      for (int64_t j = 0; j < nb; ++j)
-        for (int64_t r = 0; r < nrows; ++r)
-          St[j * rc + r] += (float)ab_load_scalar(p->mask.data, p->mask.dtype,
-                                                  s->mask + (i0 + r) * ms_i + (j0 + j) * ms_j);
+    const char* base = (const char*)p->mask.data;
+    const size_t es = p->mask.dtype == AB_DTYPE_BOOL ? 1 : (size_t)ab_dtype_size(p->mask.dtype);
+    for (int64_t r = 0; r < nrows; ++r) {
+      const char* row = base + (size_t)(s->mask + (i0 + r) * ms_i + j0 * ms_j) * es;
+      float* sr = St + r;
+      switch (p->mask.dtype) {
+        case AB_DTYPE_BOOL: {
+          const uint8_t* m = (const uint8_t*)row;
+          for (int64_t j = 0; j < nb; ++j)
+            if (!m[j * ms_j]) sr[j * rc] = -__builtin_inff();
+          break;
+        }
+        case AB_DTYPE_F32: {
+          const float* m = (const float*)row;
+          for (int64_t j = 0; j < nb; ++j) sr[j * rc] += m[j * ms_j];
+          break;
+        }
+        case AB_DTYPE_BF16: {
+          const uint16_t* m = (const uint16_t*)row;
+          for (int64_t j = 0; j < nb; ++j) sr[j * rc] += ab_bf16_to_f32(m[j * ms_j]);
+          break;
+        }
+        case AB_DTYPE_F16: {
+          const uint16_t* m = (const uint16_t*)row;
+          for (int64_t j = 0; j < nb; ++j) sr[j * rc] += ab_f16_to_f32(m[j * ms_j]);
+          break;
+        }
+        default:
+          for (int64_t j = 0; j < nb; ++j)
+            sr[j * rc] += (float)ab_load_scalar(p->mask.data, p->mask.dtype, s->mask + (i0 + r) * ms_i + (j0 + j) * ms_j);
+      }
     }
   }
   if (structural) {
