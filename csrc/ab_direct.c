@@ -691,10 +691,18 @@ static int cpu_call(ab_state* st, ab_call* c) {
   return 1;
 }
 
+/* Whether two call descriptors hold the same values, field by field (the struct has padding, which
+ * neither a copy nor memcmp need treat alike). */
+static int same_call(const ab_call* a, const ab_call* b) {
+#define AB_CALL_SAME(type, name, doc) &&a->name == b->name
+  return 1 AB_CALL_FIELDS(AB_CALL_SAME);
+#undef AB_CALL_SAME
+}
+
 /* The chosen backend remembered for *c, or -1. */
 static int remembered(const ab_state* st, const ab_call* c) {
   for (int i = 0; i < st->n_remembered; ++i)
-    if (memcmp(&st->remembered[i].call, c, sizeof *c) == 0) return st->remembered[i].chosen;
+    if (same_call(&st->remembered[i].call, c)) return st->remembered[i].chosen;
   return -1;
 }
 
@@ -1302,8 +1310,9 @@ PyMethodDef ab_direct_methods[] = {
     {"kvcache_fwd_cpu", ab_py_kvcache_fwd_cpu, METH_VARARGS,
      "kvcache_fwd_cpu(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlen, "
      "cache_batch_idx, cache_leftpad, block_table, alibi_slopes, scale, causal, window_left, window_right, softcap, "
-     "rotary_interleaved, num_splits, sinks) -> (out, lse), or None: the CPU decode kernel without the "
-     "dispatcher (checked CPU tensors; k and v written into the caches, whose versions are then bumped)."},
+     "rotary_interleaved, num_splits, sinks[, attn_mask]) -> (out, lse), or None: the CPU decode kernel without "
+     "the dispatcher (checked CPU tensors; k and v written into the caches, whose versions are then bumped; "
+     "attn_mask for flash's calls over a dense cache)."},
     {"attention", (PyCFunction)(void (*)(void))ab_py_attention, METH_FASTCALL,
      "attention(q, k, v, backend, causal, scale, want_lse, window, softcap, sinks, alibi_slopes) -> out, "
      "(out, lse), or None: ab.attention's fast "

@@ -189,9 +189,10 @@ int ab_provider_available(int id, const char** why_not);
   X(int32_t, few_queries, "a dense call of Sq <= AB_FEW_QUERIES query tokens (decode); 0 when packed")
 
 /* The query tokens up to which a dense call counts as decode (ab_call.few_queries): flash's CPU forward
- * hands such calls to the decode kernel (csrc/cpu/flash_cpu.c, at least this many tokens whatever the
- * group size and dtype), so the classes of calls where torch's kernel measured faster, all measured on
- * long queries, do not describe them (ab_torch_cpu_faster). */
+ * hands a forward of so few tokens to the decode kernel (csrc/cpu/flash_cpu.c; for MHA always, with
+ * the same head dim for values and keys with a contiguous last dimension), so the classes of calls
+ * where torch's kernel measured faster, all measured on long queries and without GQA, do not describe
+ * such a forward (ab_torch_cpu_faster; a call that needs a gradient keeps flash's own forward). */
 #define AB_FEW_QUERIES 4
 
 typedef struct ab_call {

@@ -346,8 +346,8 @@ uint32_t ab_our_cpu_units(int isa, int dtype) {
  * torch, per dtype"), per ISA path of our kernels.  Each holds only for a call torch serves as it is,
  * on its fast path: no causal mask (ours skips the masked blocks and measured 1.03-1.68x torch in every
  * causal row), no attn_mask (but where a row says so), no GQA, no window, softcap, dropout, lse or
- * packing; and only for long queries, where they were measured: a call of few_queries goes to the
- * decode kernel, which took 0.58x torch's time in float32 MHA decode at D=128 (B=1 H=32 Sk=4096,
+ * packing; and only for long queries, where they were measured: a forward of few_queries (Dv = D)
+ * goes to the decode kernel, which took 0.58x torch's time in float32 MHA decode at D=128 (B=1 H=32 Sk=4096,
  * Zen 4, 2026-11-27: 3.3 against 5.7 ms) where this rule used to send it to torch.  Rows, with their
  * figures (torch / ours):
  *   - every path, float32 forward, D >= 128: 0.85-0.97 on two AVX-512 CPUs without AMX (2026-11-21 and
@@ -389,8 +389,9 @@ static const torch_faster_row k_torch_faster[] = {
 #undef ISA_BIT
 
 const char* ab_torch_cpu_faster(const ab_call* c) {
+  const int decode = c->few_queries && !c->need_grad && c->Dv == c->D; /* flash's route to the decode kernel */
   if (c->device != AB_DEVICE_CPU || c->causal != AB_CAUSAL_NONE || c->mask_grad || c->gqa || c->window ||
-      c->softcap || c->dropout || c->want_lse || c->varlen != 0 || c->few_queries || c->cpu_isa < 0 || c->cpu_isa >= 32)
+      c->softcap || c->dropout || c->want_lse || c->varlen != 0 || decode || c->cpu_isa < 0 || c->cpu_isa >= 32)
     return NULL;
   for (size_t i = 0; i < sizeof k_torch_faster / sizeof k_torch_faster[0]; ++i) {
     const torch_faster_row* r = &k_torch_faster[i];

@@ -44,7 +44,11 @@ static int bf16_dot(const ab_kvcache_params* p) { return ab_kvcache_cpu_bf16_pro
 /* Decode's own working set: the caches (by K's address) that the last RECENT_CALLS calls read, and
  * how many K and V bytes each call read from its cache.  A model reads a cache per layer per token,
  * so one layer's cache may fit the L3 while the layers' caches together do not: each then comes
- * from DRAM.  Recorded on every CPU (a lock and two short scans per call); keys_next reads it. */
+ * from DRAM.  Recorded on every CPU (a lock and two short scans per call); keys_next reads it.  A
+ * cache made anew at every step (torch.cat in a growing cache, then flash's route) counts again at
+ * its new address until the old one leaves the window, so the estimate may reach twice the real
+ * one: the request then comes on from a quarter of the L3, where it measured within 3% either way
+ * (docs/benchmarks.md, "a model's decode step"). */
 enum { RECENT_CALLS = 64 };
 typedef struct recent_cache {
   const void* cache;

@@ -53,8 +53,9 @@ typedef struct ab_kvcache_params {
   ab_tensor mask;              /* (B, Hq, Sq, S_cache) after broadcasting (zero strides), bool (false hides
                                   the key) or floating (added to the score, after softcap and ALiBi, as
                                   flash applies ab_attn_params.mask); key index = cache position; a dense
-                                  cache without new keys only; optional.  Only flash's route to this
-                                  kernel (flash_cpu.c) sets it: attention_with_kvcache takes no mask. */
+                                  cache without new keys only; optional.  Set for flash's calls only:
+                                  its route to this kernel (flash_cpu.c) and, for the op's calls,
+                                  _C.kvcache_fwd_cpu; attention_with_kvcache takes no mask. */
 } ab_kvcache_params;
 
 /* Bytes of workspace ab_kvcache_cpu_fwd needs for p on a pool of num_threads threads (0 when the
