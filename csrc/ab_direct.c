@@ -529,8 +529,8 @@ static PyObject* ab_py_set_tensor_api(PyObject* self, PyObject* args) {
 
 /* ---- the fast path of ab.attention ------------------------------------------------------------------
  *
- * attention(q, k, v, backend, causal, scale, want_lse, window, softcap, sinks, alibi_slopes, attn_mask): the whole
- * of a plain eager CPU call in C.  It serves a call only when everything below holds, and otherwise
+ * attention(q, k, v, backend, causal, scale, want_lse, window, softcap, sinks, alibi_slopes, attn_mask): the
+ * whole of a plain eager CPU call in C.  It serves a call only when everything below holds, and otherwise
  * returns None, and the Python path (attn_backends/_dispatch.py) serves the call as before, with its
  * checks and its errors:
  *   - the arguments the caller left at their defaults are the ones attn_backends/__init__.py checks
@@ -1314,7 +1314,7 @@ PyMethodDef ab_direct_methods[] = {
      "the dispatcher (checked CPU tensors; k and v written into the caches, whose versions are then bumped; "
      "attn_mask for flash's calls over a dense cache)."},
     {"attention", (PyCFunction)(void (*)(void))ab_py_attention, METH_FASTCALL,
-     "attention(q, k, v, backend, causal, scale, want_lse, window, softcap, sinks, alibi_slopes) -> out, "
+     "attention(q, k, v, backend, causal, scale, want_lse, window, softcap, sinks, alibi_slopes, attn_mask) -> out, "
      "(out, lse), or None: ab.attention's fast "
      "path for plain eager CPU calls whose plan is remembered (None: take the Python path)."},
     {"attention_varlen", (PyCFunction)(void (*)(void))ab_py_attention_varlen, METH_FASTCALL,

@@ -109,7 +109,8 @@ def test_masks_of_any_dtype_and_stride_match_the_reference(isa, mask_dtype, dtyp
     q, k, v = (torch.randn(B, h, s, D, generator=gen).to(dtype) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
     seen = torch.rand(B, Hq, Sk, Sq, generator=gen) > 0.3
     seen[0, :, :, 3] = False  # query row 3 of batch row 0 sees nothing
-    mask = seen if mask_dtype == torch.bool else torch.randn(B, Hq, Sk, Sq, generator=gen).masked_fill(~seen, -torch.inf)
+    mask = seen if mask_dtype == torch.bool else torch.randn(B, Hq, Sk, Sq, generator=gen).masked_fill(~seen,
+                                                                                                      -torch.inf)
     mask = mask.to(mask_dtype).transpose(2, 3)  # (B, Hq, Sq, Sk), keys strided
     assert mask.stride(-1) != 1
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

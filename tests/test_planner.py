@@ -187,7 +187,8 @@ def test_decode_calls_keep_our_kernel_where_long_queries_go_to_torch():
         assert plan(few=1, square=0, Dv=kw["D"] // 2, **kw).chosen == "sdpa", kw  # Dv != D: flash's tiles, not decode
     # a call that needs a gradient keeps flash's own forward (its backward reads the row statistics): the rows
     # measured with a backward still hold for it
-    for kw in (dict(dtype="float32", D=128, need_grad=1, isa=AVX2), dict(dtype="bfloat16", D=128, need_grad=1, vendor=AMD)):
+    for kw in (dict(dtype="float32", D=128, need_grad=1, isa=AVX2),
+               dict(dtype="bfloat16", D=128, need_grad=1, vendor=AMD)):
         assert plan(few=1, square=0, **kw).chosen == "sdpa", kw
 
 

@@ -160,8 +160,9 @@ def _run_by_decode(a, sq):
     """The call on the decode kernel's direct call (_C.kvcache_fwd_cpu, the kernel attention_with_kvcache
     runs), or None where that refuses it; only for the calls _decode_tokens passed (no torch.compile,
     jit trace, dispatch or function mode, functorch transform or tensor subclass: those keep the flash
-    op).  Dense: the (B, S, H, D) views, and the mask as it is.  Packed: sequence b's queries are batch row b, its keys cache
-    row 0 from cu_seqlens_k[b] (cache_leftpad) to cu_seqlens_k[b + 1] (cache_seqlens)."""
+    op).  Dense: the (B, S, H, D) views, and the mask as it is.  Packed: sequence b's queries are batch
+    row b, its keys cache row 0 from cu_seqlens_k[b] (cache_leftpad) to cu_seqlens_k[b + 1]
+    (cache_seqlens)."""
     q, k, v = a.q, a.k, a.v
     if a.cu_q is None:
         res = _C.kvcache_fwd_cpu(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, None, None, None, None,

@@ -327,7 +327,8 @@ static void SYM(mask_scores)(const ab_attn_params* p, const SYM(seq) * s, int64_
         }
         default:
           for (int64_t j = 0; j < nb; ++j)
-            sr[j * rc] += (float)ab_load_scalar(p->mask.data, p->mask.dtype, s->mask + (i0 + r) * ms_i + (j0 + j) * ms_j);
+            sr[j * rc] += (float)ab_load_scalar(p->mask.data, p->mask.dtype,
+                                                s->mask + (i0 + r) * ms_i + (j0 + j) * ms_j);
       }
     }
   }
