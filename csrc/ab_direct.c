@@ -481,7 +481,7 @@ static PyObject* ab_py_kvcache_fwd_cpu(PyObject* self, PyObject* args) {
   const int cpu = all_cpu(st, tensors, KVT_N);
   if (cpu < 0) return NULL;
   if (!cpu) Py_RETURN_NONE;
-  const int mask_cpu = mask == Py_None ? 1 : is_cpu(st, mask);
+  const int mask_cpu = all_cpu(st, &mask, 1);
   if (mask_cpu < 0) return NULL;
   if (!mask_cpu) Py_RETURN_NONE;
   ab_kvcache_params p;

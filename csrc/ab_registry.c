@@ -347,9 +347,9 @@ uint32_t ab_our_cpu_units(int isa, int dtype) {
  * on its fast path: no causal mask (ours skips the masked blocks and measured 1.03-1.68x torch in every
  * causal row), no attn_mask (but where a row says so), no GQA, no window, softcap, dropout, lse or
  * packing; and only for long queries, where they were measured: a forward of few_queries (Dv = D)
- * goes to the decode kernel, which took 0.58x torch's time in float32 MHA decode at D=128 (B=1 H=32 Sk=4096,
- * Zen 4, 2026-11-27: 3.3 against 5.7 ms) where this rule used to send it to torch.  Rows, with their
- * figures (torch / ours):
+ * goes to the decode kernel, which took 0.58x torch's time in float32 MHA decode at D=128 (B=1 H=32
+ * Sk=4096, Zen 4, 2026-11-27: 3.3 against 5.7 ms) where this rule used to send it to torch.  Rows,
+ * with their figures (torch / ours):
  *   - every path, float32 forward, D >= 128: 0.85-0.97 on two AVX-512 CPUs without AMX (2026-11-21 and
  *     2026-11-24, B=2..4, S=1024..4096), torch's kernel at 61-73% of the FMA peak; 0.79-0.90 on the
  *     avx2 path (AMD EPYC, Zen 3, 2026-11-26).  D <= 96 and the backward stay ours there (forward +
@@ -402,8 +402,7 @@ const char* ab_torch_cpu_faster(const ab_call* c) {
   for (size_t i = 0; i < sizeof k_torch_faster / sizeof k_torch_faster[0]; ++i) {
     const torch_faster_row* r = &k_torch_faster[i];
     if ((r->isas >> c->cpu_isa & 1u) && r->dtype == c->dtype && r->need_grad == !!c->need_grad && c->D >= r->min_D &&
-        (r->vendor == AB_VENDOR_OTHER || r->vendor == c->cpu_vendor) && c->mask >= 0 && c->mask <= 2 &&
-        (r->masks >> c->mask & 1))
+        (r->vendor == AB_VENDOR_OTHER || r->vendor == c->cpu_vendor) && (r->masks >> c->mask & 1))
       return r->what;
   }
   return NULL;

@@ -217,6 +217,8 @@ def test_the_vendor_reaches_the_call():
     assert _planner.VENDOR_NAMES[_C.cpu_vendor()] == expect
     with pytest.raises(ValueError, match="out of range"):
         _C.plan(_planner.new_call(cpu_vendor=len(_planner.VENDOR_NAMES)))
+    with pytest.raises(ValueError, match="out of range"):  # the mask kinds the torch-faster rows name: 0, 1, 2
+        _C.plan(_planner.new_call(mask=3))
 
 
 def test_torch_first_for_fma_calls_end_to_end():

@@ -247,6 +247,18 @@ static inline void ab_vec_load_row(const void* base, ab_dtype dt, int64_t off, i
   }
 }
 
+/* Loads n values of an attn_mask at stride s as float32 as the kernels apply them: a bool mask as 0
+ * (seen) or -inf (hidden), a floating one as its values (ab_vec_load_row). */
+static inline void ab_vec_load_mask_row(const void* base, ab_dtype dt, int64_t off, int64_t n, int64_t s,
+                                        float* dst) {
+  if (dt != AB_DTYPE_BOOL) {
+    ab_vec_load_row(base, dt, off, n, s, dst);
+    return;
+  }
+  const uint8_t* m = (const uint8_t*)base + off;
+  for (int64_t x = 0; x < n; ++x) dst[x] = m[x * s] ? 0.0f : -__builtin_inff();
+}
+
 /* Stores n float32 values as dtype dt at stride s (round to nearest even for the half types). */
 static inline void ab_vec_store_row(void* base, ab_dtype dt, int64_t off, int64_t n, int64_t s,
                                     const float* src) {

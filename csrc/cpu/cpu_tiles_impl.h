@@ -306,16 +306,9 @@ static void SYM(mask_scores)(const ab_attn_params* p, const SYM(seq) * s, int64_
     float rows[rc * (nb < BK ? (nb > 0 ? nb : 1) : BK)];
     for (int64_t jb = 0; jb < nb; jb += BK) {
       const int64_t n = nb - jb < BK ? nb - jb : BK;
-      for (int64_t r = 0; r < nrows; ++r) {
-        const int64_t off = s->mask + (i0 + r) * ms_i + (j0 + jb) * ms_j;
-        float* row = rows + r * n;
-        if (is_bool) {
-          const uint8_t* m = (const uint8_t*)p->mask.data + off;
-          for (int64_t j = 0; j < n; ++j) row[j] = m[j * ms_j] ? 0.0f : -__builtin_inff();
-        } else {
-          ab_vec_load_row(p->mask.data, p->mask.dtype, off, n, ms_j, row);
-        }
-      }
+      for (int64_t r = 0; r < nrows; ++r)
+        ab_vec_load_mask_row(p->mask.data, p->mask.dtype, s->mask + (i0 + r) * ms_i + (j0 + jb) * ms_j, n, ms_j,
+                             rows + r * n);
       memset(rows + nrows * n, 0, sizeof(float) * (size_t)((rc - nrows) * n));
       for (int64_t j = 0; j < n; ++j) {
         float* sj = St + (jb + j) * rc;

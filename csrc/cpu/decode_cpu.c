@@ -41,6 +41,15 @@ int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype) {
 
 static int bf16_dot(const ab_kvcache_params* p) { return ab_kvcache_cpu_bf16_products(p->k_cache.dtype); }
 
+/* An environment switch read at every call: 1 or 0 when `name` is set to "1" or "0", else -1. */
+static int env_switch(const char* name) {
+  const char* env = getenv(name);
+  return env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0) ? env[0] == '1' : -1;
+}
+
+/* The AVX-512 path of an AMD CPU (Zen 4), where the prefetch rules below were measured. */
+static int amd_avx512(void) { return ab_cpu_isa_get() == AB_ISA_AVX512 && ab_cpu_vendor_detect() == AB_VENDOR_AMD; }
+
 /* Decode's own working set: the caches (by K's address) that the last RECENT_CALLS calls read, and
  * how many K and V bytes each call read from its cache.  A model reads a cache per layer per token,
  * so one layer's cache may fit the L3 while the layers' caches together do not: each then comes
@@ -104,9 +113,9 @@ int64_t ab_kvcache_cpu_working_set(void) {
 static int keys_next(const ab_kvcache_params* p, int64_t keys) {
   const double row_bytes = (double)(p->Hkv * p->D) * (double)ab_dtype_size(p->k_cache.dtype);
   const int64_t working_set = note_call(p->k_cache.data, (int64_t)(2.0 * (double)keys * row_bytes));
-  const char* env = getenv("ATTN_BACKENDS_DECODE_KEYS_NEXT");
-  if (env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0)) return env[0] == '1';
-  if (ab_cpu_isa_get() != AB_ISA_AVX512 || ab_cpu_vendor_detect() != AB_VENDOR_AMD) return 0;
+  const int forced = env_switch("ATTN_BACKENDS_DECODE_KEYS_NEXT");
+  if (forced >= 0) return forced;
+  if (!amd_avx512()) return 0;
   const int64_t l3 = ab_cpu_features_get()->l3_bytes;
   return 2 * working_set > (l3 > 0 ? l3 : (int64_t)32 << 20);
 }
@@ -119,9 +128,8 @@ static int keys_next(const ab_kvcache_params* p, int64_t keys) {
  * makes it in every call, =0 only where the general rule does (read at every call; the same bits
  * either way). */
 static int values_ahead(void) {
-  const char* env = getenv("ATTN_BACKENDS_DECODE_VALUES_AHEAD");
-  if (env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0)) return env[0] == '1';
-  return ab_cpu_isa_get() == AB_ISA_AVX512 && ab_cpu_vendor_detect() == AB_VENDOR_AMD;
+  const int forced = env_switch("ATTN_BACKENDS_DECODE_VALUES_AHEAD");
+  return forced >= 0 ? forced : amd_avx512();
 }
 
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {

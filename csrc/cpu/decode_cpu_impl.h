@@ -642,17 +642,9 @@ static int64_t DC(mask_rows)(const ab_kvcache_params* p, int64_t b, int64_t hq0,
   const int64_t ms3 = mk->strides[3], rows = mk->strides[1] ? nrows : 1;
   for (int64_t i = 0; i < rows; ++i) {
     float* row = mb + i * DC_CHUNK;
-    const int64_t off = b * mk->strides[0] + (hq0 + i) * mk->strides[1] + t * mk->strides[2] + j * ms3;
+    const int64_t off = b * mk->strides[0] + (hq0 + i) * mk->strides[1] + t * mk->strides[2] + (j + a) * ms3;
     for (int64_t u = 0; u < a; ++u) row[u] = 0.0f;
-    if (mk->dtype == AB_DTYPE_BOOL) {
-      const uint8_t* m = (const uint8_t*)mk->data + off;
-      for (int64_t u = a; u < e; ++u) row[u] = m[u * ms3] ? 0.0f : -INFINITY;
-    } else if (mk->dtype == AB_DTYPE_F32) {
-      const float* m = (const float*)mk->data + off;
-      for (int64_t u = a; u < e; ++u) row[u] = m[u * ms3];
-    } else {
-      for (int64_t u = a; u < e; ++u) row[u] = (float)ab_load_scalar(mk->data, mk->dtype, off + u * ms3);
-    }
+    ab_vec_load_mask_row(mk->data, mk->dtype, off, e - a, ms3, row + a);
     for (int64_t u = e; u < DC_CHUNK; ++u) row[u] = 0.0f;
   }
   return mk->strides[1] ? DC_CHUNK : 0;
@@ -779,14 +771,13 @@ static void DC(mask_tile)(const ab_kvcache_params* p, int64_t b, int64_t hq0, in
                           int64_t nk, int64_t rh, int64_t rhp, const float* vlo, const float* vhi, float* mbt) {
   const ab_tensor* mk = &p->mask;
   memset(mbt, 0, (size_t)(nk * rhp) * sizeof(float));
+  float vals[DC_CHUNK];
   for (int64_t r = 0; r < rh; ++r) {
+    const int64_t lo = (int64_t)vlo[r], n = (int64_t)vhi[r] - lo;
     const int64_t off = b * mk->strides[0] + (hq0 + r % G) * mk->strides[1] + (t0 + r / G) * mk->strides[2] +
-                        j * mk->strides[3];
-    for (int64_t i = (int64_t)vlo[r]; i < (int64_t)vhi[r]; ++i) {
-      const int64_t at = off + i * mk->strides[3];
-      mbt[i * rhp + r] = mk->dtype == AB_DTYPE_BOOL ? (((const uint8_t*)mk->data)[at] ? 0.0f : -INFINITY)
-                                                    : (float)ab_load_scalar(mk->data, mk->dtype, at);
-    }
+                        (j + lo) * mk->strides[3];
+    ab_vec_load_mask_row(mk->data, mk->dtype, off, n, mk->strides[3], vals);
+    for (int64_t i = 0; i < n; ++i) mbt[(lo + i) * rhp + r] = vals[i];
   }
 }
 
