@@ -371,12 +371,14 @@ def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, isa, gen
                                   KV(B=1, Sq=2, Hq=4, Hkv=4, D=40, S=200, block=16, causal=True),
                                   KV(B=3, Hq=6, Hkv=2, D=128, S=130, dtype=torch.bfloat16, block=32),
                                   KV(B=2, Hq=4, Hkv=4, D=48, S=150)], ids=str)
-@pytest.mark.parametrize("switch", ["KEYS_NEXT", "VALUES_AHEAD"])
+@pytest.mark.parametrize("switch", ["KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD"])
 def test_the_prefetch_switches_leave_the_bits_alone(case, switch, isa, monkeypatch, gen):
     # step 3 asks for the next chunk's keys for every call on AMD's AVX-512 CPUs when decode's working set
     # passes half the L3 (csrc/cpu/decode_cpu.c keys_next), elsewhere only for MHA over a 2-byte cache; step 1
-    # asks for the chunk's values for every call there (values_ahead), elsewhere all but float32 MHA: the
-    # same sums either way, on every path (the cases are ones the general rules leave out: GQA, float32 MHA)
+    # asks for the chunk's values for every call there (values_ahead), elsewhere all but float32 MHA; a line
+    # of each page of the chunk after next is asked for there from DRAM (pages_ahead), which changes how the
+    # chunks' row offsets are found (three at a time): the same sums either way, on every path, and the
+    # reference's (the cases are ones the general rules leave out: GQA, float32 MHA; paged and dense)
     call = Call(case, gen)
     results = []
     for on in ("0", "1"):

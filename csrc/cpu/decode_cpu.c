@@ -100,9 +100,19 @@ int64_t ab_kvcache_cpu_working_set(void) {
   return total;
 }
 
+/* Whether decode's caches come from DRAM: its working set (note_call, this call included) is more
+ * than half the L3. */
+static int from_dram(const ab_kvcache_params* p, int64_t keys) {
+  const double row_bytes = (double)(p->Hkv * p->D) * (double)ab_dtype_size(p->k_cache.dtype);
+  const int64_t working_set = note_call(p->k_cache.data, (int64_t)(2.0 * (double)keys * row_bytes));
+  const int64_t l3 = ab_cpu_features_get()->l3_bytes;
+  return 2 * working_set > (l3 > 0 ? l3 : (int64_t)32 << 20);
+}
+
 /* Whether step 3 of the kernel asks for the next chunk's key rows for every cache, not only for MHA
  * over a 2-byte one (decode_cpu_impl.h, k_next): on the AVX-512 path of an AMD CPU (Zen 4), when
- * decode's working set (note_call) is more than half the L3, so that its caches come from DRAM.
+ * decode's working set (note_call) is more than half the L3, so that its caches come from DRAM
+ * (from_dram).
  * There one call took 0.85-0.90x the time with it (dense GQA, float32 MHA) and a model's layers
  * 0.81-0.87x, and paged caches of 16-key blocks came to 1.01-1.13x dense (1.07-1.20x without); but a
  * cache of half the L3 read again and again ran 1.03-1.10x slower with it, and the AMD Zen 3 (avx2
@@ -110,14 +120,9 @@ int64_t ab_kvcache_cpu_working_set(void) {
  * on an AVX-512 AMD CPU").  ATTN_BACKENDS_DECODE_KEYS_NEXT=1 makes the request in every call and =0
  * in none beyond MHA over a 2-byte cache, which always has it (read at every call; the bits are the
  * same either way). */
-static int keys_next(const ab_kvcache_params* p, int64_t keys) {
-  const double row_bytes = (double)(p->Hkv * p->D) * (double)ab_dtype_size(p->k_cache.dtype);
-  const int64_t working_set = note_call(p->k_cache.data, (int64_t)(2.0 * (double)keys * row_bytes));
+static int keys_next(int dram) {
   const int forced = env_switch("ATTN_BACKENDS_DECODE_KEYS_NEXT");
-  if (forced >= 0) return forced;
-  if (!amd_avx512()) return 0;
-  const int64_t l3 = ab_cpu_features_get()->l3_bytes;
-  return 2 * working_set > (l3 > 0 ? l3 : (int64_t)32 << 20);
+  return forced >= 0 ? forced : amd_avx512() && dram;
 }
 
 /* Whether step 1 asks for the chunk's value rows whatever the cache, MHA over a float32 one included,
@@ -130,6 +135,20 @@ static int keys_next(const ab_kvcache_params* p, int64_t keys) {
 static int values_ahead(void) {
   const int forced = env_switch("ATTN_BACKENDS_DECODE_VALUES_AHEAD");
   return forced >= 0 ? forced : amd_avx512();
+}
+
+/* Whether the kernel asks for one line of each 4 KiB page of the chunk after next, K and V, at the
+ * start of each chunk (decode_cpu_impl.h, DC(touch_pages)): the page walk and the DRAM page of a
+ * chunk's rows then start two chunks before the rows are asked for.  On the AVX-512 path of an AMD
+ * CPU (Zen 4), when the caches come from DRAM (from_dram): paged caches of 16-key blocks, whose pages
+ * a shuffled block_table scatters, took 0.90-1.03x the time with it in GQA (0.94 the median; MHA
+ * 1.00), dense ones 0.92-1.03x; a cache the L3 holds (where from_dram leaves it off) 1.00-1.03x
+ * (docs/benchmarks.md, "Pages ahead").  Not measured on other CPUs.
+ * ATTN_BACKENDS_DECODE_PAGES_AHEAD=1 makes the request in every call, =0 in none (read at every call;
+ * the same bits either way). */
+static int pages_ahead(int dram) {
+  const int forced = env_switch("ATTN_BACKENDS_DECODE_PAGES_AHEAD");
+  return forced >= 0 ? forced : amd_avx512() && dram;
 }
 
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
@@ -605,10 +624,11 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t
     keys += end[b] - lo[b];
   }
   ab_par_status st = {AB_OK, err};
+  const int dram = from_dram(p, keys);
   const int64_t hg = heads_per_item(p, threads);
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
-                       bf, sink, &st, keys_next(p, keys), values_ahead()};
+                       bf, sink, &st, keys_next(dram), values_ahead(), pages_ahead(dram)};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));

@@ -14,7 +14,8 @@
  *   1. scores, key by key in the cache's order: each key row is loaded once (converted to float32
  *      in registers) and dotted with four query rows at a time (q is float32, already rotated and
  *      scaled, in L1); the key row two keys ahead and the chunk's value rows are prefetched head
- *      by head between the dot products (DC(pf));
+ *      by head between the dot products (DC(pf)), and where run->pages_ahead says so, one line of
+ *      each 4 KiB page of the chunk after next first (DC(touch_pages));
  *   2. softcap, ALiBi and the visibility of each key to each row, then the online softmax per row
  *      (running max m, sum l, the accumulator rescaled by exp(m_old - m_new)), vectorized over the
  *      chunk's keys;
@@ -584,6 +585,24 @@ static inline void DC(chunk_at)(const ab_decode_run* run, int64_t b, int64_t h0,
   *je = e;
 }
 
+/* The first line of each 4 KiB page that n keys' rows lie on (offsets off; hg heads of D elements, hs
+ * apart; es bytes an element), asked for into L2: DC(item) does it two chunks ahead, so that the page
+ * walks and the DRAM pages of a chunk start well before its rows are asked for (pages_ahead). */
+static inline void DC(touch_pages)(const char* base, const int64_t* off, int64_t n, int64_t hg, int64_t hs,
+                                   int64_t D, int64_t es) {
+  const int64_t runs = hs == D ? 1 : hg, len = (hs == D ? hg * D : D) * es; /* one span per row, or per head */
+  uintptr_t last = 0;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < runs; ++h) {
+      const uintptr_t x0 = (uintptr_t)(base + (off[i] + h * hs) * es);
+      for (uintptr_t x = x0; x < x0 + (uintptr_t)len; x = (x & ~(uintptr_t)4095) + 4096)
+        if (x >> 12 != last) {
+          last = x >> 12;
+          __builtin_prefetch((const void*)x, 0, 2);
+        }
+    }
+}
+
 /* Scratch of one thread: per row of a tile, the accumulators (dpad), scores (DC_CHUNK), m, l, the
  * ALiBi slope; per token, its key range.  For the tiled products (below): a chunk's K or V rows of
  * one head as float32 (kv, DC_CHUNK x dpad), the scores of one head's rows transposed (st, keys x
@@ -925,19 +944,27 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       }
     }
 
-    /* the K and V row offsets of this chunk's keys and of the next chunk's */
-    int64_t offs[4][DC_CHUNK];
-    int64_t *ko = offs[0], *vo = offs[1], *nko = offs[2], *nvo = offs[3];
+    /* the K and V row offsets of this chunk's keys [j, je), of the next chunk's [jn, nje) and, with
+     * pages_ahead, of the one after [nje, fje) */
+    int64_t offs[6][DC_CHUNK];
+    int64_t *ko = offs[0], *vo = offs[1], *nko = offs[2], *nvo = offs[3], *fko = offs[4], *fvo = offs[5];
     int64_t je = klo;
     if (klo < khi) DC(chunk_at)(run, b, h0, klo, khi, &je, ko, vo);
+    int64_t nje = je;
+    if (je < khi) DC(chunk_at)(run, b, h0, je, khi, &nje, nko, nvo);
     for (int64_t j = klo; j < khi;) {
       /* the keys a few rows ahead and this chunk's values are asked for while the scores are
        * computed: one core's demand misses alone leave most of the memory bandwidth unused, and
        * a row of hg heads (hg * D elements every Hkv * D) is a pattern the hardware prefetchers
-       * follow poorly when hg < Hkv */
-      const int64_t nk = je - j;
-      int64_t jn = je, nje = je;
-      if (jn < khi) DC(chunk_at)(run, b, h0, jn, khi, &nje, nko, nvo);
+       * follow poorly when hg < Hkv; with pages_ahead, a line of each page of the chunk after next
+       * first (DC(touch_pages)) */
+      const int64_t nk = je - j, jn = je;
+      int64_t fje = nje;
+      if (run->pages_ahead && nje < khi) {
+        DC(chunk_at)(run, b, h0, nje, khi, &fje, fko, fvo);
+        DC(touch_pages)((const char*)kb, fko, fje - nje, hg, ks2, D, (int64_t)es);
+        DC(touch_pages)((const char*)vb, fvo, fje - nje, hg, vs2, D, (int64_t)es);
+      }
 
       if (tiled) {
         DC(tiled_chunk)(run, w, rh, rhp, j, je, ko, vo, nko, nvo, nje - jn, t0 + kv_end - Sq, dt, b, h0, t0);
@@ -1034,14 +1061,21 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
                    t == ta ? &kp : NULL);
           }
       }
+      /* the next chunk becomes this one, and the one after (found above, or found now) the next */
+      int64_t *x = ko, *y = vo;
+      ko = nko;
+      vo = nvo;
+      nko = fko;
+      nvo = fvo;
+      fko = x;
+      fvo = y;
       j = jn;
       je = nje;
-      int64_t* x = ko;
-      ko = nko;
-      nko = x;
-      x = vo;
-      vo = nvo;
-      nvo = x;
+      if (!(run->pages_ahead && je < khi)) {
+        fje = je;
+        if (je < khi) DC(chunk_at)(run, b, h0, je, khi, &fje, nko, nvo);
+      }
+      nje = fje;
     }
 
     /* this tile's rows: normalized output and lse, to the output or to this split's partials */
