@@ -32,7 +32,11 @@ def sdpa_mask(q, k, mask, causal, wl, wr):
     else:
         combined = mask.masked_fill(~vis, -math.inf)
     if combined is not None and combined.dtype != torch.bool and combined.dtype != q.dtype:
-        combined = combined.to(q.dtype)  # F.sdpa wants a float mask in q's dtype
+        # F.sdpa takes a floating mask in q's dtype or in float32.  On CPU it adds a float32 one in
+        # float32, so a bfloat16 or float16 call keeps the mask's values (a float32 mask cast to
+        # bfloat16 first gave 1.6-6x torch's error against float64, docs/backends.md); float32 holds
+        # float16 and bfloat16 masks exactly.  On CUDA, where that is unmeasured, q's dtype as before.
+        combined = combined.to(torch.float32 if q.device.type == "cpu" and q.dtype != torch.float64 else q.dtype)
     return combined, False
 
 
