@@ -370,15 +370,18 @@ def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, isa, gen
                                   KV(B=2, Hq=8, Hkv=2, D=64, S=300, block=16),
                                   KV(B=1, Sq=2, Hq=4, Hkv=4, D=40, S=200, block=16, causal=True),
                                   KV(B=3, Hq=6, Hkv=2, D=128, S=130, dtype=torch.bfloat16, block=32),
-                                  KV(B=2, Hq=4, Hkv=4, D=48, S=150)], ids=str)
+                                  KV(B=2, Hq=4, Hkv=4, D=48, S=150),
+                                  # three tiles of 16 rows per head (tiled products in float32, rows in bfloat16)
+                                  KV(B=1, Sq=9, Hq=16, Hkv=4, D=64, S=300, block=16, causal=True),
+                                  KV(B=1, Sq=9, Hq=16, Hkv=4, D=64, S=300, dtype=torch.bfloat16)], ids=str)
 @pytest.mark.parametrize("switch", ["KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD"])
 def test_the_prefetch_switches_leave_the_bits_alone(case, switch, isa, monkeypatch, gen):
     # step 3 asks for the next chunk's keys for every call on AMD's AVX-512 CPUs when decode's working set
     # passes half the L3 (csrc/cpu/decode_cpu.c keys_next), elsewhere only for MHA over a 2-byte cache; step 1
     # asks for the chunk's values for every call there (values_ahead), elsewhere all but float32 MHA; a line
-    # of each page of the chunk after next is asked for there from DRAM (pages_ahead), which changes how the
-    # chunks' row offsets are found (three at a time): the same sums either way, on every path, and the
-    # reference's (the cases are ones the general rules leave out: GQA, float32 MHA; paged and dense)
+    # of each page of the chunk after next is asked for there from DRAM (pages_ahead), which keeps three
+    # chunks' row offsets at once instead of two: the same sums either way, on every path, and the
+    # reference's (the cases are ones the general rules leave out: GQA, float32 MHA; paged and dense; tiles)
     call = Call(case, gen)
     results = []
     for on in ("0", "1"):
@@ -386,6 +389,31 @@ def test_the_prefetch_switches_leave_the_bits_alone(case, switch, isa, monkeypat
         results.append(call.reset().run("paged_attention"))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
     call.check(*results[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("Hq,Hkv,block", [(8, 2, None), (4, 4, None), (8, 2, 16), (4, 4, 32)])
+def test_pages_ahead_over_head_major_caches(Hq, Hkv, block, dtype, isa, monkeypatch, gen):
+    # a cache whose heads are not next to each other in a row (a (B, H, S, D) tensor seen as (B, S, H, D),
+    # or pages of (H, block, D)) is asked for head by head (DC(touch_pages)); the sums are a contiguous
+    # cache's
+    B, S, D = 2, 320, 64
+    q = torch.randn(B, 1, Hq, D, generator=gen).to(dtype)
+    if block:
+        nb = B * S // block
+        k, v = (torch.randn(nb, Hkv, block, D, generator=gen).to(dtype).transpose(1, 2) for _ in range(2))
+        table = torch.randperm(nb, generator=gen).view(B, -1).to(torch.int32)
+        kw = dict(block_table=table, cache_seqlens=torch.tensor([S, S - 37], dtype=torch.int32))
+    else:
+        k, v = (torch.randn(B, Hkv, S, D, generator=gen).to(dtype).transpose(1, 2) for _ in range(2))
+        kw = dict(cache_seqlens=torch.tensor([S, S - 37], dtype=torch.int32))
+    assert k.stride(2) != D
+    results = []
+    for on, (kc, vc) in (("1", (k, v)), ("0", (k.contiguous(), v.contiguous()))):
+        monkeypatch.setenv("ATTN_BACKENDS_DECODE_PAGES_AHEAD", on)
+        results.append(ab.attention_with_kvcache(q, kc, vc, backend="paged_attention", strict=True,
+                                                 return_softmax_lse=True, **kw))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
 def test_the_working_set_counts_each_recent_cache_once_at_its_latest_length(gen):

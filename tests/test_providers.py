@@ -57,15 +57,16 @@ def test_flex_forward_with_lse(case, gen):
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.float64, torch.float16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sdpa_keeps_a_floating_mask_as_torch_does(dtype, mask_dtype, gen):
-    # torch SDPA adds a float32 mask to 2-byte q in float32; a mask in another floating dtype reaches
-    # it in float32 (torch refuses it as is), not rounded to q's dtype: a route to torch gives torch's
-    # own bits with a float32 mask, and with the others the bits of that mask in float32
+    # torch SDPA adds a float32 mask to 2-byte q in float32; a mask in another floating dtype than q's
+    # reaches it in float32 (torch refuses it as is), not rounded to q's dtype: a route to torch gives
+    # torch's own bits with a float32 mask, and with the others the bits of that mask in float32 (a
+    # float16 mask on float16 q goes as it is, which torch's answer shows to be the same)
     q, k, v = (torch.randn(1, 4, 33, 64, generator=gen).to(dtype) for _ in range(3))
     mask = (torch.randn(1, 1, 33, 33, generator=gen) * 3).to(mask_dtype)
     got = ab.attention(q, k, v, attn_mask=mask, backend="sdpa", strict=True)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.float())
     assert torch.equal(got, want)
-    if mask_dtype != torch.float16:  # a float16 mask holds these values exactly in q's float16 too
+    if mask_dtype != dtype:
         rounded = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(dtype))
         assert not torch.equal(got, rounded)
 

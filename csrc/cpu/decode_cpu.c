@@ -53,7 +53,7 @@ static int amd_avx512(void) { return ab_cpu_isa_get() == AB_ISA_AVX512 && ab_cpu
 /* Decode's own working set: the caches (by K's address) that the last RECENT_CALLS calls read, and
  * how many K and V bytes each call read from its cache.  A model reads a cache per layer per token,
  * so one layer's cache may fit the L3 while the layers' caches together do not: each then comes
- * from DRAM.  Recorded on every CPU (a lock and two short scans per call); keys_next reads it.  A
+ * from DRAM.  Recorded on every CPU (a lock and two short scans per call); from_dram reads it.  A
  * cache made anew at every step (torch.cat in a growing cache, then flash's route) counts again at
  * its new address until the old one leaves the window, so the estimate may reach twice the real
  * one: the request then comes on from a quarter of the L3, where it measured within 3% either way
@@ -142,7 +142,7 @@ static int values_ahead(void) {
  * chunk's rows then start two chunks before the rows are asked for.  On the AVX-512 path of an AMD
  * CPU (Zen 4), when the caches come from DRAM (from_dram): paged caches of 16-key blocks, whose pages
  * a shuffled block_table scatters, took 0.90-1.03x the time with it in GQA (0.94 the median; MHA
- * 1.00), dense ones 0.92-1.03x; a cache the L3 holds (where from_dram leaves it off) 1.00-1.03x
+ * 0.98-1.00), dense ones 0.92-1.03x; a cache the L3 holds (where from_dram leaves it off) 0.98-1.03x
  * (docs/benchmarks.md, "Pages ahead").  Not measured on other CPUs.
  * ATTN_BACKENDS_DECODE_PAGES_AHEAD=1 makes the request in every call, =0 in none (read at every call;
  * the same bits either way). */

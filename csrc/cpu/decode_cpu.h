@@ -77,8 +77,8 @@ int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype);
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions);
 
 /* Decode's working set: the K and V bytes the last 64 calls of fwd read, each cache (K's address)
- * counted once, with its latest call's bytes.  fwd asks for the next chunk's keys early on AMD's
- * AVX-512 path when this passes half the L3 (decode_cpu.c keys_next). */
+ * counted once, with its latest call's bytes.  fwd asks for the next chunk's keys and the pages of the
+ * chunk after early on AMD's AVX-512 path when this passes half the L3 (decode_cpu.c from_dram). */
 int64_t ab_kvcache_cpu_working_set(void);
 
 /* The number of splits of each row's key range fwd uses for p on num_threads threads. */

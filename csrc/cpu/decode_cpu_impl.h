@@ -585,15 +585,17 @@ static inline void DC(chunk_at)(const ab_decode_run* run, int64_t b, int64_t h0,
   *je = e;
 }
 
-/* The first line of each 4 KiB page that n keys' rows lie on (offsets off; hg heads of D elements, hs
- * apart; es bytes an element), asked for into L2: DC(item) does it two chunks ahead, so that the page
- * walks and the DRAM pages of a chunk start well before its rows are asked for (pages_ahead). */
+/* One line on each 4 KiB page that n keys' rows lie on (offsets off; hg heads of D elements, hs apart;
+ * es bytes an element; the span's first line on its first page, else the page's first), asked for with
+ * the L2 hint: DC(item) does it two chunks ahead, so that the page walks and the DRAM pages of a chunk
+ * start well before its rows are asked for (pages_ahead).  Heads next to each other in a row are one
+ * span per key; else head by head, each head's keys in turn (consecutive keys share pages there). */
 static inline void DC(touch_pages)(const char* base, const int64_t* off, int64_t n, int64_t hg, int64_t hs,
                                    int64_t D, int64_t es) {
-  const int64_t runs = hs == D ? 1 : hg, len = (hs == D ? hg * D : D) * es; /* one span per row, or per head */
+  const int64_t runs = hs == D ? 1 : hg, len = (hs == D ? hg * D : D) * es;
   uintptr_t last = 0;
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t h = 0; h < runs; ++h) {
+  for (int64_t h = 0; h < runs; ++h)
+    for (int64_t i = 0; i < n; ++i) {
       const uintptr_t x0 = (uintptr_t)(base + (off[i] + h * hs) * es);
       for (uintptr_t x = x0; x < x0 + (uintptr_t)len; x = (x & ~(uintptr_t)4095) + 4096)
         if (x >> 12 != last) {
