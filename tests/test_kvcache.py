@@ -371,9 +371,11 @@ def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, isa, gen
                                   KV(B=1, Sq=2, Hq=4, Hkv=4, D=40, S=200, block=16, causal=True),
                                   KV(B=3, Hq=6, Hkv=2, D=128, S=130, dtype=torch.bfloat16, block=32),
                                   KV(B=2, Hq=4, Hkv=4, D=48, S=150),
-                                  # three tiles of 16 rows per head (tiled products in float32, rows in bfloat16)
+                                  # three tiles of 16 rows per head (tiled products in float32, rows in bfloat16
+                                  # with its products), then three tiles of the row path (MHA of 32 heads)
                                   KV(B=1, Sq=9, Hq=16, Hkv=4, D=64, S=300, block=16, causal=True),
-                                  KV(B=1, Sq=9, Hq=16, Hkv=4, D=64, S=300, dtype=torch.bfloat16)], ids=str)
+                                  KV(B=1, Sq=9, Hq=16, Hkv=4, D=64, S=300, dtype=torch.bfloat16),
+                                  KV(B=1, Sq=5, Hq=32, Hkv=32, D=32, S=200, block=16, causal=True)], ids=str)
 @pytest.mark.parametrize("switch", ["KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD"])
 def test_the_prefetch_switches_leave_the_bits_alone(case, switch, isa, monkeypatch, gen):
     # step 3 asks for the next chunk's keys for every call on AMD's AVX-512 CPUs when decode's working set

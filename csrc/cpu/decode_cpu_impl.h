@@ -946,8 +946,11 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       }
     }
 
-    /* the K and V row offsets of this chunk's keys [j, je), of the next chunk's [jn, nje) and, with
-     * pages_ahead, of the one after [nje, fje) */
+    /* the K and V row offsets of this chunk's keys [j, je), of the next chunk's [jn, nje) and, where
+     * pages are touched ahead, of the one after [nje, fje): with run->pages_ahead, except in tiled
+     * tiles, which wait on their arithmetic more than on memory (float32, 4-16 tokens against 16384
+     * keys from DRAM: 1.02-1.04x the time with it; docs/benchmarks.md, "Pages ahead") */
+    const int touch = run->pages_ahead && !tiled;
     int64_t offs[6][DC_CHUNK];
     int64_t *ko = offs[0], *vo = offs[1], *nko = offs[2], *nvo = offs[3], *fko = offs[4], *fvo = offs[5];
     int64_t je = klo;
@@ -962,7 +965,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
        * first (DC(touch_pages)) */
       const int64_t nk = je - j, jn = je;
       int64_t fje = nje;
-      if (run->pages_ahead && nje < khi) {
+      if (touch && nje < khi) {
         DC(chunk_at)(run, b, h0, nje, khi, &fje, fko, fvo);
         DC(touch_pages)((const char*)kb, fko, fje - nje, hg, ks2, D, (int64_t)es);
         DC(touch_pages)((const char*)vb, fvo, fje - nje, hg, vs2, D, (int64_t)es);
@@ -1073,7 +1076,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       fvo = y;
       j = jn;
       je = nje;
-      if (!(run->pages_ahead && je < khi)) {
+      if (!(touch && je < khi)) {
         fje = je;
         if (je < khi) DC(chunk_at)(run, b, h0, je, khi, &fje, nko, nvo);
       }
