@@ -39,8 +39,8 @@ forced off, on, and as the kernel picks (by its working set against the L3, docs
 torch SDPA; ratio = sdpa / auto.  One layer's cache may fit the L3 where all of them do not.
     python benchmarks/bench_decode.py --layers 1,32 --json benchmarks/results/decode_layers.json
 
---device cuda times our CUDA decode kernel (csrc/cuda/decode.cu, switched on here: it is opt-in and
-unverified on a GPU until this has run) against torch SDPA on the GPU, with CUDA events, and the
+--device cuda times our CUDA decode kernel (csrc/cuda/decode.cu, on by default since its H200 run and
+switched on here even under ATTN_BACKENDS_CUDA_DECODE=0) against torch SDPA on the GPU, with CUDA events, and the
 probe sums a 1 GiB buffer on the GPU (its read bandwidth, far above the L2).
 
 Numbers are only meaningful on a quiet machine: the candidates and the bandwidth probe share it.
@@ -469,7 +469,7 @@ def main(argv=None):
     ap.add_argument("--layers", default=None, help="layer counts, e.g. 1,32: a model's decode step (one cache "
                     "per layer, read in turn) instead of the decode shapes, with the next-keys prefetch off/on/auto")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                    help="cuda: our CUDA decode kernel (opt-in, switched on here) against torch SDPA on the GPU")
+                    help="cuda: our CUDA decode kernel (switched on here) against torch SDPA on the GPU")
     ap.add_argument("--graph", action="store_true",
                     help=f"cuda: time replays of CUDA graphs of {GRAPH_CALLS} calls each (the kernels alone)")
     args = ap.parse_args(argv)
@@ -479,7 +479,7 @@ def main(argv=None):
     if GRAPH and DEVICE != "cuda":
         ap.error("--graph needs --device cuda")
     if DEVICE == "cuda":
-        ab._C.enable_cuda_decode(True)  # ATTN_BACKENDS_CUDA_DECODE=1: unverified on a GPU until this runs
+        ab._C.enable_cuda_decode(True)  # on by default; on here even under ATTN_BACKENDS_CUDA_DECODE=0
         ab._dispatch.reset_caches()
     if args.threads:
         torch.set_num_threads(args.threads)

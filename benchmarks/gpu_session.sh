@@ -27,8 +27,9 @@
 # builds in place for the device's own architecture (sm_90a on Hopper) and leaves everything it
 # measured under ${OUT:-benchmarks/results/gpu}: build.log, report.txt, tests.log and the
 # benchmark's JSON, plot and log, or the sanitizer's logs.  The last lines printed are the summary.
-# Our CUDA kernels are opt-in until verified; this script opts in (ATTN_BACKENDS_CUDA_FLASH=1,
-# ATTN_BACKENDS_CUDA_SAGE=1 and ATTN_BACKENDS_CUDA_DECODE=1).
+# Our CUDA flash and sage kernels are opt-in until verified; this script opts in
+# (ATTN_BACKENDS_CUDA_FLASH=1, ATTN_BACKENDS_CUDA_SAGE=1; ATTN_BACKENDS_CUDA_DECODE=1 too, though the
+# decode kernel is on by default since its H200 run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-check}

@@ -555,7 +555,7 @@ static PyMethodDef ab_methods[] = {
     {"enable_cuda_sage", ab_py_enable_cuda_sage, METH_O,
      "enable_cuda_sage(on): serve sage on CUDA (forward only) from our (not yet verified) kernel."},
     {"enable_cuda_decode", ab_py_enable_cuda_decode, METH_O,
-     "enable_cuda_decode(on): serve paged_attention (attention_with_kvcache) on CUDA from our (not yet verified) kernel."},
+     "enable_cuda_decode(on): serve paged_attention (attention_with_kvcache) on CUDA from our kernel (on by default)."},
     {"set_provider", ab_py_set_provider, METH_VARARGS,
      "set_provider(id, available, why_not): record whether a torch feature or package exists."},
     {"plan", ab_py_plan, METH_O,
