@@ -40,8 +40,22 @@ Call = _C.Call
 FIELDS = _C.call_fields()
 
 
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def _env_switch(name: str, default: bool) -> bool:
+    """An on/off environment variable: 1, true, yes, on or 0, false, no, off (any case, spaces around
+    ignored); unset or empty gives the default, and any other value the default with one warning."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in _ON or raw in _OFF:
+        return raw in _ON
+    if raw:
+        logger.warning("ignoring %s=%r: expected 1 or 0 (true/false, yes/no, on/off)", name, os.environ[name])
+    return default
+
+
 def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    return _env_switch(name, False)
 
 
 def _env_backend() -> str:
@@ -170,12 +184,12 @@ def _detect_providers() -> None:
 _detect_providers()
 # our CUDA flash kernels pass their tests on a GPU but run slower than torch's there: opt-in
 # (docs/benchmarks.md, "GPU")
-_C.enable_cuda_flash(os.environ.get("ATTN_BACKENDS_CUDA_FLASH", "0") == "1")
+_C.enable_cuda_flash(_env_flag("ATTN_BACKENDS_CUDA_FLASH"))
 # the same for our CUDA sage forward, slower than our CUDA flash (docs/sage.md, "CUDA")
-_C.enable_cuda_sage(os.environ.get("ATTN_BACKENDS_CUDA_SAGE", "0") == "1")
+_C.enable_cuda_sage(_env_flag("ATTN_BACKENDS_CUDA_SAGE"))
 # our CUDA decode kernel, paged_attention, is on unless ATTN_BACKENDS_CUDA_DECODE=0 (docs/decode.md, "The
 # CUDA kernel"): without it eager serves KV-cache calls on CUDA
-_C.enable_cuda_decode(os.environ.get("ATTN_BACKENDS_CUDA_DECODE", "1").strip() != "0")
+_C.enable_cuda_decode(_env_switch("ATTN_BACKENDS_CUDA_DECODE", True))
 # the CUDA emulator (docs/cuda.md): CPU tensors of flash, flash_varlen, sage, math and paged_attention run
 # the CUDA kernels
 if _env_flag("ATTN_BACKENDS_CUDA_EMULATE"):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import attn_backends as ab
+from attn_backends import _planner
 from attn_backends._ops import ops
 from attn_backends._testing import check_2x, check_out_and_grads_2x, keep_mask_for_next_call, reference_attention
 
@@ -35,8 +36,8 @@ def emu():
         yield lib
     finally:
         lib.ab_cuda_emu_set_device_cc(80)
-        ab._C.enable_cuda_flash(os.environ.get("ATTN_BACKENDS_CUDA_FLASH", "0") == "1")
-        set_emulation(os.environ.get("ATTN_BACKENDS_CUDA_EMULATE", "") == "1")
+        ab._C.enable_cuda_flash(_planner._env_flag("ATTN_BACKENDS_CUDA_FLASH"))  # as at import
+        set_emulation(_planner._env_flag("ATTN_BACKENDS_CUDA_EMULATE"))
 
 
 def selftest(lib, which):

@@ -429,6 +429,27 @@ def test_strict_from_the_environment():
     assert "raised" in res.stdout, res.stderr
 
 
+@pytest.mark.parametrize("value,on", [("1", True), ("TRUE", True), (" on ", True), ("yes", True), ("0", False),
+                                      ("false", False), ("Off", False), ("no", False), ("", None), ("maybe", None)])
+def test_on_off_variables_read_every_spelling_alike(value, on, monkeypatch, caplog):
+    # 1/true/yes/on and 0/false/no/off, any case; unset, empty or anything else: the default, with a
+    # warning for anything else (ATTN_BACKENDS_CUDA_DECODE=false used to leave the kernel on)
+    monkeypatch.setenv("ATTN_BACKENDS_TEST_SWITCH", value)
+    for default in (False, True):
+        caplog.clear()
+        assert _planner._env_switch("ATTN_BACKENDS_TEST_SWITCH", default) is (default if on is None else on)
+        assert ("ignoring ATTN_BACKENDS_TEST_SWITCH" in caplog.text) is (value == "maybe")
+
+
+def test_cuda_decode_off_from_the_environment_in_any_spelling():
+    code = ("import attn_backends as ab\n"
+            "print([b.devices for b in ab.backends() if b.name == 'paged_attention'][0])\n")
+    for value, want in (("false", "('cpu',)"), ("no", "('cpu',)")):
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env=dict(os.environ, ATTN_BACKENDS_CUDA_DECODE=value))
+        assert res.stdout.strip() == want, (value, res.stdout, res.stderr)
+
+
 def _run_with_isa(isa: str, code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=dict(os.environ, ATTN_BACKENDS_CPU_ISA=isa))
