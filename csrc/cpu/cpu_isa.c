@@ -3,7 +3,8 @@
  *
  * The best vector path the CPU *and* the OS support (ab_cpu_features: CPUID + XGETBV) is chosen on
  * first use; ATTN_BACKENDS_CPU_ISA=generic|avx2|avx512|amx|amx_emu forces one (a request this CPU
- * cannot honour makes every CPU kernel call fail with the reason, ab_cpu_isa_error), and
+ * cannot honour makes every call of the kernels with per-path code, flash, sage and decode, fail
+ * with the reason, ab_cpu_isa_error), and
  * ab_cpu_isa_set switches at run time so tests can cover every path.
  *
  * The AMX paths are never the default.  "amx" (bfloat16 flash and sage on tiles, cpu_amx.c)
@@ -49,8 +50,8 @@ int ab_cpu_isa_supported(ab_cpu_isa isa) {
   }
 }
 
-/* Why ATTN_BACKENDS_CPU_ISA cannot be honoured ("" when it can or is unset): every CPU kernel call
- * then fails with it, rather than running another path than the one asked for. */
+/* Why ATTN_BACKENDS_CPU_ISA cannot be honoured ("" when it can or is unset): every flash, sage and
+ * decode call then fails with it, rather than running another path than the one asked for. */
 static char g_isa_error[256];
 
 static void init_isa(void) {
