@@ -28,6 +28,12 @@
  * built on, AVX-512 for amx and generic for amx_emu. */
 static const ab_decode_cpu_table* decode_table(void) { return ab_cpu_kernels_get()->decode; }
 
+/* An environment switch read at every call: 1 or 0 when `name` is set to "1" or "0", else -1. */
+static int env_switch(const char* name) {
+  const char* env = getenv(name);
+  return env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0) ? env[0] == '1' : -1;
+}
+
 /* Whether the bfloat16 products of decode_cpu_impl.h run: a bfloat16 cache, the AVX-512 path (or
  * AMX, which runs it) and a CPU with AVX512_BF16.  ATTN_BACKENDS_DECODE_BF16_DOT=0 turns them off
  * (the float32 products then run, as on CPUs without the instructions); read at every call. */
@@ -35,17 +41,10 @@ int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype) {
   if (kv_dtype != AB_DTYPE_BF16 || !ab_cpu_features_get()->avx512_bf16) return 0;
   const ab_cpu_isa isa = ab_cpu_isa_get();
   if (isa != AB_ISA_AVX512 && isa != AB_ISA_AMX) return 0;
-  const char* env = getenv("ATTN_BACKENDS_DECODE_BF16_DOT");
-  return !(env && strcmp(env, "0") == 0);
+  return env_switch("ATTN_BACKENDS_DECODE_BF16_DOT") != 0;
 }
 
 static int bf16_dot(const ab_kvcache_params* p) { return ab_kvcache_cpu_bf16_products(p->k_cache.dtype); }
-
-/* An environment switch read at every call: 1 or 0 when `name` is set to "1" or "0", else -1. */
-static int env_switch(const char* name) {
-  const char* env = getenv(name);
-  return env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0) ? env[0] == '1' : -1;
-}
 
 /* The AVX-512 path of an AMD CPU (Zen 4), where the prefetch rules below were measured. */
 static int amd_avx512(void) { return ab_cpu_isa_get() == AB_ISA_AVX512 && ab_cpu_vendor_detect() == AB_VENDOR_AMD; }
