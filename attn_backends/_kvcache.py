@@ -255,8 +255,18 @@ _CPU = _planner.DEVICE_IDS["cpu"]
 _PLAIN = (ID["auto"], _PAGED)  # requests under which paged_attention serving a call is not a fallback
 
 
-def signature(c: KVCall, backend) -> _planner.Call:
-    """The call descriptor (csrc/ab_planner.h ab_call): layout 2 = a KV-cache call."""
+def in_place(c: KVCall) -> bool:
+    """Whether attending to the cache as a dense call needs neither a mask nor the index values: a
+    dense cache whose rows all hold the same, host-known number of tokens (an int cache_seqlens or
+    none), without leftpad, window or ALiBi, causal only for one query token (then bottom-right causal
+    hides nothing).  The call descriptor's mask field is 0 then (csrc/ab_direct.c computes the same)."""
+    return (c.seqlens is None and c.block_table is None and c.batch_idx is None and c.leftpad is None
+            and c.wl < 0 and c.wr < 0 and c.alibi is None and (not c.causal or c.q.shape[1] == 1))
+
+
+def signature(c: KVCall, backend, want_lse=True) -> _planner.Call:
+    """The call descriptor (csrc/ab_planner.h ab_call): layout 2 = a KV-cache call; mask 1 unless
+    in_place(c)."""
     requested = "auto" if backend == "auto" else (resolve(backend) if backend is not None else "auto")
     if requested == "auto":
         requested = _planner.default_backend()
@@ -269,13 +279,13 @@ def signature(c: KVCall, backend) -> _planner.Call:
     D = q.shape[3]
     # every field by position (new_call's order): keywords cost a decode call microseconds
     return _planner.new_call(dev, cc, lib_ok, _planner.DTYPE_IDS[q.dtype], D, D, q.shape[2] != c.k_cache.shape[2],
-                             False, 0, False, 2 if c.causal else 0, c.wl >= 0 or c.wr >= 0, c.softcap > 0, False,
-                             False, False, True, 2, None, ID[requested], None, None, smem, c.sinks is not None,
-                             c.alibi is not None)
+                             False, 0 if in_place(c) else 1, False, 2 if c.causal else 0, c.wl >= 0 or c.wr >= 0,
+                             c.softcap > 0, False, False, False, bool(want_lse), 2, None, ID[requested], None, None,
+                             smem, c.sinks is not None, c.alibi is not None)
 
 
-def choose(c: KVCall, backend, strict) -> str:
-    sig = signature(c, backend)
+def choose(c: KVCall, backend, strict, want_lse=True) -> str:
+    sig = signature(c, backend, want_lse)
     strict = bool(strict or _planner.STRICT)
     chosen = _chosen[strict].get(sig)
     if chosen is None:
@@ -296,7 +306,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
     c = check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
               block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
               num_splits, sinks)
-    out, lse = RUNNERS[choose(c, backend, strict)](c)
+    out, lse = RUNNERS[choose(c, backend, strict, return_softmax_lse)](c)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -623,9 +633,59 @@ def run_float64(c: KVCall):
     return run_gathered(c, _attend_float64)
 
 
+def _sdpa(q, K, V, mask, scale):
+    """torch's SDPA (its own function, not a patched one) on (B, Sq, Hq, D) q and (B, S, Hkv, D) K, V
+    views, out as (B, Sq, Hq, D)."""
+    from ._providers.torch_sdpa import ORIGINAL_SDPA
+
+    out = ORIGINAL_SDPA(q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), attn_mask=mask, scale=scale,
+                        enable_gqa=q.shape[2] != K.shape[2])
+    return out.transpose(1, 2)
+
+
+def _attend_sdpa(c: KVCall, rows: _Rows):
+    """torch SDPA over the gathered cache, the visibility as its bool attn_mask; a query that sees no
+    key gives 0, whatever torch's kernel makes of an all-False row."""
+    K, V, vis, _ = gather(c, rows)
+    if K.shape[1] == 0:
+        return c.q.new_zeros(c.q.shape), None
+    q = _rotated_q(c, rows, torch.float32).to(c.q.dtype)
+    out = _sdpa(q, K, V, vis.unsqueeze(1), c.scale)
+    return out.masked_fill(~vis.any(dim=-1).view(*vis.shape[:2], 1, 1), 0.0), None
+
+
+def run_sdpa(c: KVCall):
+    """torch SDPA in the call's dtype (no lse: the planner sends calls that want it elsewhere).  A call
+    in_place(c) attends to the cache's own view with no mask, and writes its new tokens with slices:
+    no index value read back, nothing gathered, no host copy (what auto sends to torch on CUDA in 16-bit
+    types, csrc/ab_planner.c torch_first_kv).  Any other call takes the gathered path's checks, writes
+    and mask."""
+    if not in_place(c):
+        return run_gathered(c, _attend_sdpa)
+    rows = host_rows(c)  # the checks; with no index tensor it reads nothing from the device
+    B, Sq, Hq, D = c.q.shape
+    n, dev = rows.seq[0] if B else 0, c.q.device
+    snew = c.k.shape[1] if c.k is not None else 0
+    if snew and B:
+        k_new = c.k
+        if c.cos is not None:
+            pos = torch.arange(n, n + snew, device=dev).expand(B, snew)
+            k_new = rotate(c.k, c.cos, c.sin, pos, c.interleaved, torch.float32).to(c.k.dtype)
+        c.k_cache[:B, n:n + snew] = k_new
+        c.v_cache[:B, n:n + snew] = c.v
+    S = n + snew
+    if B == 0 or Sq == 0 or Hq == 0 or S == 0:
+        return c.q.new_zeros(c.q.shape), None
+    q = c.q
+    if c.cos is not None:  # every query token at cache_seqlens (one token, or no causal: flash-attn's rule)
+        q = rotate(q, c.cos, c.sin, torch.full((B, Sq), n, device=dev), c.interleaved, torch.float32).to(q.dtype)
+    return _sdpa(q, c.k_cache[:B, :S], c.v_cache[:B, :S], None, c.scale), None
+
+
 RUNNERS = {
     "paged_attention": run_kernel,
     "flash": run_flash,
     "math": run_float64,
     "eager": run_float64,
+    "sdpa": run_sdpa,
 }

@@ -223,13 +223,13 @@ class Plan:
             parts.append("GQA")
         if c["few_queries"]:
             parts.append(f"Sq <= {FEW_QUERIES} (decode)")
-        if c["varlen"] == 2:
-            parts.append("KV cache")
+        if c["varlen"] == 2:  # its mask field: whether attending to the cache as a dense call needs one
+            parts.append("KV cache" + (", no mask needed" if c["mask"] == "none" else ""))
         elif c["varlen"]:
             parts.append("varlen")
         if c["causal"] != "none":
             parts.append(f"causal={c['causal']}")
-        if c["mask"] != "none":
+        if c["mask"] != "none" and c["varlen"] != 2:
             parts.append(f"{c['mask']} mask" + (" (needs grad)" if c["mask_grad"] else ""))
         for flag in ("window", "softcap", "dropout", "sinks", "alibi"):
             if c.get(flag):

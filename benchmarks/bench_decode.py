@@ -41,7 +41,10 @@ torch SDPA; ratio = sdpa / auto.  One layer's cache may fit the L3 where all of 
 
 --device cuda times our CUDA decode kernel (csrc/cuda/decode.cu, on by default since its H200 run and
 switched on here even under ATTN_BACKENDS_CUDA_DECODE=0) against torch SDPA on the GPU, with CUDA events, and the
-probe sums a 1 GiB buffer on the GPU (its read bandwidth, far above the L2).
+probe sums a 1 GiB buffer on the GPU (its read bandwidth, far above the L2).  It also times auto with an int
+cache_seqlens ("auto_int"): in 16-bit types that is torch SDPA over the cache's view, where the kernel
+measured slower than torch (csrc/ab_planner.c torch_first_kv), so its line says whether auto keeps up with
+torch there.
 
 Numbers are only meaningful on a quiet machine: the candidates and the bandwidth probe share it.
 """
@@ -143,6 +146,12 @@ class Case:
     def torch_sdpa(self):
         k, v = self._next(self.sdpa)
         return F.scaled_dot_product_attention(self.q_sdpa, k, v, enable_gqa=self.gqa)
+
+    def auto_int(self):
+        """What auto serves with an int cache_seqlens (--device cuda): torch SDPA over the cache's view in
+        16-bit types (csrc/ab_planner.c torch_first_kv), the kernel in float32."""
+        k, v = self._next(self.dense)
+        return ab.attention_with_kvcache(self.q, k, v, cache_seqlens=k.shape[1])
 
     def check(self):
         """Ours (dense and paged) against torch on the same data before timing anything."""
@@ -381,6 +390,8 @@ def measure(case: Case, rounds: int, probe, blocks):
     cands = {"ours": case.ours, "sdpa": case.torch_sdpa}
     for b in blocks:
         cands[f"paged{b}"] = case.paged_fn(b)
+    if DEVICE == "cuda":  # auto with an int cache_seqlens: what torch_first_kv sends to torch
+        cands["auto_int"] = case.auto_int
     per = dict.fromkeys(cands, 1)
     if GRAPH:
         for n, fn in cands.items():
@@ -537,6 +548,9 @@ def main(argv=None):
                 case.check()
                 med, bw, ratios = measure(case, rounds, probe, blocks)
                 print(table_row(label, dtype, med, bw, case.kv_bytes, blocks, ratios), flush=True)
+                if "auto_int" in med:
+                    print(f"{'':<22}  auto, int cache_seqlens: {med['auto_int'] * 1e3:.3f} ms, "
+                          f"{ratios['sdpa'] / ratios['auto_int']:.2f}x torch's speed", flush=True)
                 results.append(dict(shape=label, B=B, Hq=Hq, Hkv=Hkv, Sk=Sk, D=D, dtype=str(dtype)[6:],
                                     read_GBps=bw / 1e9, kv_bytes=case.kv_bytes,
                                     **{f"{n}_ms": t * 1e3 for n, t in med.items()},

@@ -1141,7 +1141,7 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   c.causal = causal ? AB_CAUSAL_BOTTOM_RIGHT : AB_CAUSAL_NONE;
   c.window = wl >= 0 || wr >= 0;
   c.softcap = softcap > 0;
-  c.want_lse = 1;
+  c.want_lse = 1; /* with mask 0: a KV-cache plan's key (ab_py_remember) */
   c.varlen = 2;
   c.requested = requested;
   c.sinks = args[KV_SINKS] != Py_None;
@@ -1272,6 +1272,10 @@ static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   if (!PyArg_ParseTuple(args, "Oi", &call, &chosen)) return NULL;
   ab_call c;
   if (ab_call_from_py(call, &c) < 0) return NULL;
+  /* A KV-cache call's plan on the CPU depends on neither lse nor its mask field (what a dense attention
+   * of the cache would need: only CUDA's torch_first_kv reads it, ab_planner.c), so one plan, kept under
+   * want_lse 1 and mask 0, serves the call with and without them (ab_py_kvcache looks it up so). */
+  if (c.varlen == 2) c.want_lse = 1, c.mask = 0;
   const int cpu = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !(c.mask && c.varlen) &&
                   !c.mask_grad && !c.dropout && !c.need_grad && !c.cuda_smem;
   if (cpu && remembered(st, &c) < 0) {

@@ -114,8 +114,9 @@ static void why_not(const ab_call* c, int id, char* out, size_t n) {
   if (c->Dv != c->D && !(f & AB_F_DV))
     WHY("needs the value head dim equal to the query head dim (Dv %lld != D %lld)", (long long)c->Dv,
         (long long)c->D);
-  if (c->mask == 1 && !(f & AB_F_BOOL_MASK)) WHY("no bool attn_mask support");
-  if (c->mask == 2 && !(f & AB_F_FLOAT_MASK)) WHY("no float attn_mask support");
+  /* a KV-cache call has no attn_mask: its mask field says what a dense attention of the cache would need */
+  if (c->varlen != 2 && c->mask == 1 && !(f & AB_F_BOOL_MASK)) WHY("no bool attn_mask support");
+  if (c->varlen != 2 && c->mask == 2 && !(f & AB_F_FLOAT_MASK)) WHY("no float attn_mask support");
   if (c->mask_grad && !(f & AB_F_MASK_GRAD)) WHY("cannot compute the gradient of a float attn_mask");
   if (c->causal == AB_CAUSAL_TOP_LEFT && !(f & AB_F_CAUSAL_TL)) WHY("no top-left causal mask");
   if (c->causal == AB_CAUSAL_BOTTOM_RIGHT && !(f & AB_F_CAUSAL_BR)) WHY("no bottom-right causal mask");
@@ -184,6 +185,25 @@ static void torch_first(const ab_call* c, ab_plan* plan) {
            ab_dtype_name(c->dtype), unit_name(gap & (0u - gap)), ab_cpu_isa_name((ab_cpu_isa)c->cpu_isa));
 }
 
+/* KV-cache calls on CUDA in 16-bit types: our CUDA decode kernel took 1.8-5.6x torch SDPA's time there
+ * (H200, bfloat16, 2026-11-27: 0.18-0.56x torch's speed; docs/benchmarks.md, "GPU"; float32 ran 2.2-4.5x
+ * faster than torch and keeps it).  So torch SDPA goes first for the calls it reads in place: a dense
+ * cache whose rows all hold the same number of tokens, known on the host (an int cache_seqlens), with no
+ * leftpad, no window, and causal only for one query token (mask 0: no mask to build, no index value to
+ * read, so no synchronisation and nothing gathered).  The rest (tensor lengths, block tables, lse,
+ * softcap, sinks, ALiBi) keep the kernel: torch would need a mask and host copies of the index values
+ * there, which the H200 run did not time. */
+static void torch_first_kv(const ab_call* c, ab_plan* plan) {
+  if (c->device != AB_DEVICE_CUDA || (c->dtype != AB_DTYPE_F16 && c->dtype != AB_DTYPE_BF16) || c->mask ||
+      plan->reason[AB_BK_SDPA][0] /* torch cannot serve it: lse, softcap, sinks, ALiBi */)
+    return;
+  push(plan, AB_BK_SDPA);
+  snprintf(plan->note, sizeof plan->note,
+           "torch SDPA first: our CUDA decode kernel measured slower than torch SDPA in %s (H200: "
+           "0.18-0.56x its speed, docs/benchmarks.md), and this call needs no mask",
+           ab_dtype_name(c->dtype));
+}
+
 void ab_plan_build(const ab_call* call, ab_plan* plan) {
   memset(plan, 0, sizeof *plan);
   plan->chosen = -1;
@@ -197,7 +217,7 @@ void ab_plan_build(const ab_call* call, ab_plan* plan) {
     push(plan, call->requested);
     for (const int* c = chain_of(call->requested); *c != END; ++c) push(plan, *c);
   }
-  if (call->requested == AB_BK_AUTO && call->varlen != 2) torch_first(call, plan);
+  if (call->requested == AB_BK_AUTO) (call->varlen == 2 ? torch_first_kv : torch_first)(call, plan);
   for (const int* c = (call->varlen == 2 ? k_kvcache : k_auto)[dev]; *c != END; ++c) push(plan, *c);
   for (int i = 0; i < plan->norder; ++i)
     if (plan->reason[plan->order[i]][0] == 0) {

@@ -168,7 +168,8 @@ int ab_provider_available(int id, const char** why_not);
   X(int64_t, Dv, "head dim of v")                                                                      \
   X(int32_t, gqa, "Hq != Hkv")                                                                         \
   X(int32_t, square, "Sq == Sk")                                                                       \
-  X(int32_t, mask, "attn_mask: 0 none, 1 bool, 2 float")                                               \
+  X(int32_t, mask, "attn_mask: 0 none, 1 bool, 2 float; a KV-cache call: 1 when attending to the cache as a "  \
+                   "dense call needs a mask or the index values (ab_planner.c, torch_first_kv)")                \
   X(int32_t, mask_grad, "the float mask needs a gradient")                                             \
   X(ab_causal, causal, "0 none, 1 top-left, 2 bottom-right (ab_causal)")                               \
   X(int32_t, window, "a sliding window is given")                                                      \

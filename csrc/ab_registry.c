@@ -44,6 +44,8 @@
   (MASKS | AB_F_MASK_GRAD | CAUSAL | AB_F_WINDOW | AB_F_DROPOUT | AB_F_BACKWARD |              \
    AB_F_DETERMINISTIC | AB_F_GQA | AB_F_DV | AB_F_DENSE)
 
+#define SDPA_KV_F (SDPA_F | AB_F_KVCACHE)
+
 /* The forward features our CUDA tensor-core kernels share (flash and sage): the dense and packed
  * semantics without masks or Dv != D; sm_80 and newer.  Their head dims and shared memory are the
  * launchers' (csrc/cuda/ab_cuda_limits.h), asked through ab_cuda_flash_why_not / ab_cuda_sage_why_not. */
@@ -135,8 +137,10 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
     [AB_BK_SDPA] = {"sdpa", ALIASES("native", "torch", "torch_sdpa", "scaled_dot_product_attention",
                                     "pytorch", "_native_npu", "_native_xla"),
                     AB_KIND_TORCH, "torch.nn.functional.scaled_dot_product_attention, its choice", 0, 1,
-                    {CAPS(ALL_DT, SDPA_F), CAPS(ALL_DT, SDPA_F), CAPS(NO_F64, SDPA_F),
-                     CAPS(ALL_DT, SDPA_F)}},
+                    /* KV-cache calls too (attn_backends/_kvcache.py run_sdpa: the cache's view, or the
+                     * gathered one with the visibility as a bool mask); no lse, softcap, sinks or ALiBi */
+                    {CAPS(ALL_DT, SDPA_KV_F), CAPS(ALL_DT, SDPA_KV_F), CAPS(NO_F64, SDPA_KV_F),
+                     CAPS(ALL_DT, SDPA_KV_F)}},
     [AB_BK_NATIVE_FLASH] = {"_native_flash", ALIASES("sdpa_flash", "torch_flash"), AB_KIND_TORCH,
                             "torch SDPA with its flash kernel forced", 0, 1,
                             {CAPS(ALL_DT, SDPA_F & ~(AB_F_MASK_GRAD | AB_F_GQA | AB_F_DV)),

@@ -214,22 +214,26 @@ class Call:
         finally:
             self.sinks = sinks
 
-    def check(self, out, lse):
+    def check(self, out, lse=None):
+        """out (and lse, unless None: torch SDPA's route has none) against the float64 reference by the
+        2x rule, the queries that see no key, and the caches against where flash-attn writes."""
         c = self.c
         assert out.shape == (c.B, c.Sq, c.Hq, c.D) and out.dtype == c.dtype
-        assert lse.shape == (c.B, c.Hq, c.Sq) and lse.dtype == torch.float32
         ref_out, ref_lse = self.reference(torch.float64)
         same_out, same_lse = self.reference(c.dtype)
         check_2x("out", out, ref_out, same_out, 2, c.dtype)
-        check_2x("lse", lse, ref_lse, same_lse, 2, c.dtype)
         dead = torch.isneginf(ref_lse)  # queries that see no key: exactly 0 and -inf
-        assert torch.isneginf(lse[dead]).all()
         assert (out.transpose(1, 2)[dead] == 0).all()
+        if lse is not None:
+            assert lse.shape == (c.B, c.Hq, c.Sq) and lse.dtype == torch.float32
+            check_2x("lse", lse, ref_lse, same_lse, 2, c.dtype)
+            assert torch.isneginf(lse[dead]).all()
         if self.sinks is not None:  # with sinks, such a query is 0 with lse = its head's sink
             alone = torch.isneginf(self.reference_without_sinks()[1])
             assert (out.transpose(1, 2)[alone] == 0).all()
-            sink_lse = self.sinks.view(1, -1, 1).expand_as(lse)
-            torch.testing.assert_close(lse[alone], sink_lse[alone])
+            if lse is not None:
+                sink_lse = self.sinks.view(1, -1, 1).expand_as(lse)
+                torch.testing.assert_close(lse[alone], sink_lse[alone])
         k_want, v_want = self.expected_caches()
         assert torch.equal(self.k_cache, k_want), "k_cache differs from where flash-attn writes"
         assert torch.equal(self.v_cache, v_want), "v_cache differs from where flash-attn writes"
@@ -893,11 +897,83 @@ def test_a_backend_that_cannot_serve_falls_back_once_or_raises_when_strict(caplo
     caplog.set_level(logging.WARNING, logger="attn_backends")
     q, kc, vc = _tiny()
     for _ in range(2):
-        ab.attention_with_kvcache(q, kc, vc, cache_seqlens=5, backend="sdpa")
+        ab.attention_with_kvcache(q, kc, vc, cache_seqlens=5, backend="sage")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "does not serve KV-cache calls" in warnings[0] and "'paged_attention'" in warnings[0]
+    # along sage's chain (flash)
+    assert len(warnings) == 1 and "does not serve KV-cache calls" in warnings[0] and "using 'flash'" in warnings[0]
     with pytest.raises(RuntimeError, match="every backend and why not"):
-        ab.attention_with_kvcache(q, kc, vc, cache_seqlens=5, backend="sdpa", strict=True)
+        ab.attention_with_kvcache(q, kc, vc, cache_seqlens=5, backend="sage", strict=True)
+    # torch SDPA serves KV-cache calls, but returns no lse
+    ab.attention_with_kvcache(q, kc, vc, cache_seqlens=5, backend="sdpa", return_softmax_lse=True)
+    assert "cannot return lse" in caplog.records[-1].getMessage()
+
+
+# torch SDPA's route (_kvcache.run_sdpa): the calls it reads in place (a dense cache, every row at one
+# host-known length, no leftpad or window, causal only for one token), and the gathered ones with a mask
+SDPA_IN_PLACE = [
+    KV(seqlens=40),
+    KV(B=3, Hq=8, Hkv=1, D=128, S=300, seqlens=250, snew=1, causal=True, rotary="neox", dtype=torch.bfloat16),
+    KV(B=2, Sq=3, Hq=4, Hkv=4, D=40, S=70, seqlens=20, snew=2, rotary="interleaved", dtype=torch.float16),
+    KV(B=2, Sq=2, Hq=6, Hkv=2, D=64, S=50, seqlens=None),
+    KV(B=1, Sq=1, Hq=2, Hkv=1, D=32, S=16, seqlens=0, snew=1, causal=True),
+    KV(B=2, Sq=1, Hq=2, Hkv=1, D=32, S=16, seqlens=0),  # no key at all: zeros
+]
+SDPA_GATHERED = [c for c in CASES if not (c.softcap or c.sinks or c.alibi)] + [
+    KV(B=2, Sq=1, Hq=4, Hkv=2, D=64, S=64, seqlens=30, leftpad=True, dtype=torch.bfloat16),
+    KV(B=2, Sq=3, Hq=4, Hkv=2, D=64, S=64, seqlens=30, snew=3, causal=True),  # causal over 3 tokens: a mask
+]
+
+
+@pytest.mark.parametrize("case", SDPA_IN_PLACE, ids=str)
+def test_sdpa_reads_a_plain_cache_in_place(case, gen, monkeypatch):
+    from attn_backends import _kvcache
+
+    def no_gather(*args):
+        raise AssertionError("gathered a cache that torch can read in place")
+
+    monkeypatch.setattr(_kvcache, "gather", no_gather)
+    call = Call(case, gen)
+    assert _kvcache.signature(_kvcache.check(call.q, call.k_cache, call.v_cache, call.k, call.v, call.cos, call.sin,
+                                             call.cache_seqlens, None, None, None, None, case.causal, (-1, -1), 0.0,
+                                             case.rotary != "neox", None, 0), "auto").mask == 0
+    out = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, **call.kwargs(),
+                                    backend="sdpa", strict=True)
+    call.check(out)
+
+
+@pytest.mark.parametrize("case", SDPA_GATHERED, ids=str)
+def test_sdpa_attends_to_a_gathered_cache_with_a_mask(case, gen):
+    from attn_backends import _kvcache
+
+    call = Call(case, gen)
+    kv = _kvcache.check(call.q, call.k_cache, call.v_cache, call.k, call.v, call.cos, call.sin, call.cache_seqlens,
+                        call.batch_idx, call.cache_leftpad, call.block_table, None, case.causal, case.window, 0.0,
+                        case.rotary != "neox", None, 0)
+    assert not _kvcache.in_place(kv) and _kvcache.signature(kv, "auto").mask == 1
+    out = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, **call.kwargs(),
+                                    backend="sdpa", strict=True)
+    call.check(out)
+
+
+def test_sdpa_leaves_what_it_cannot_serve_to_the_kernel(caplog, fresh_plans, gen):
+    caplog.set_level(logging.WARNING, logger="attn_backends")
+    for case, why in [(KV(seqlens=40, softcap=3.0), "no softcap"), (KV(seqlens=40, sinks=True), "no attention sinks"),
+                      (KV(seqlens=40, alibi="h"), "no ALiBi")]:
+        call = Call(case, gen)
+        out = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend="sdpa")
+        assert why in caplog.records[-1].getMessage() and "using 'paged_attention'" in caplog.records[-1].getMessage()
+        call.check(out)
+        with pytest.raises(RuntimeError, match="every backend and why not"):
+            ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend="sdpa",
+                                      strict=True)
+
+
+def test_sdpa_writes_nothing_when_a_check_fails(gen):
+    call = Call(KV(seqlens=90, snew=8), gen)  # 90 + 8 new tokens > 97 positions
+    with pytest.raises(ValueError, match="cache_seqlens = 90 is outside the cache"):
+        ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, cache_seqlens=90,
+                                  backend="sdpa", strict=True)
+    assert torch.equal(call.k_cache, call.before[0]) and torch.equal(call.v_cache, call.before[1])
 
 
 def test_paged_attention_named_for_a_dense_call_falls_back_to_flash():

@@ -289,6 +289,27 @@ def test_without_the_switch_eager_serves_cuda(gen, caplog):
         switch_decode(decode_default())
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", [KV(B=3, Hq=8, Hkv=2, D=128, S=300, seqlens=250, snew=1, causal=True,
+                                     rotary="neox", dtype=torch.bfloat16),
+                                  KV(B=2, Sq=3, Hq=4, Hkv=4, D=64, S=70, seqlens=20, snew=2, dtype=torch.float16)],
+                         ids=str)
+def test_auto_sends_16_bit_calls_torch_reads_in_place_to_torch(case, gen, caplog):
+    # ab_planner.c torch_first_kv: on CUDA, 16-bit calls with an int cache_seqlens on a dense cache go
+    # to torch SDPA over the cache's view (our kernel ran at 0.18-0.56x torch's speed in bfloat16)
+    caplog.set_level(logging.INFO, logger="attn_backends")
+    _dispatch.reset_caches()
+    call = Call(case, gen)
+    q, kc, vc, k, v = (t.cuda() for t in (call.q, call.k_cache, call.v_cache, call.k, call.v))
+    cos, sin = (t.cuda() if t is not None else None for t in (call.cos, call.sin))
+    out = ab.attention_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, cache_seqlens=call.cache_seqlens,
+                                    causal=case.causal, rotary_interleaved=case.rotary != "neox")
+    assert any(r.getMessage().startswith("attn_backends: sdpa serves cuda") for r in caplog.records)
+    call.k_cache.copy_(kc.cpu())
+    call.v_cache.copy_(vc.cpu())
+    call.check(out.cpu())
+
+
 # ---- HF transformers' decode fast path on the CUDA kernels --------------------------------------
 
 @pytest.mark.parametrize("dev", [pytest.param("emu", marks=pytest.mark.cuda_emu),

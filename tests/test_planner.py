@@ -450,6 +450,38 @@ def test_cuda_decode_off_from_the_environment_in_any_spelling():
         assert res.stdout.strip() == want, (value, res.stdout, res.stderr)
 
 
+def test_kv_cache_calls_on_cuda_go_to_torch_in_16_bit_types_where_it_reads_the_cache_in_place():
+    # our CUDA decode kernel ran at 0.18-0.56x torch SDPA in bfloat16 on the GPU measured, 2.2-4.5x in
+    # float32 (ab_planner.c torch_first_kv); mask 0: a KV-cache call torch reads in place
+    on = os.environ.get("ATTN_BACKENDS_CUDA_DECODE", "1").strip().lower() not in ("0", "false", "no", "off")
+    try:
+        _C.enable_cuda_decode(True)
+        ab._dispatch.reset_caches()
+        kv = dict(device=CUDA, cc=90, varlen=2, gqa=1, causal=2, square=0)
+        for dtype in ("bfloat16", "float16"):
+            p = plan(dtype=dtype, **kv)
+            assert p.chosen == "sdpa" and p.note.startswith("torch SDPA first: our CUDA decode kernel"), p.note
+        # the kernel keeps float32, calls torch would need a mask for, lse, softcap, sinks, ALiBi, and
+        # the calls that name it; the CPU is unchanged
+        for other in (dict(dtype="float32"), dict(mask=1), dict(want_lse=1), dict(softcap=1),
+                      dict(requested="paged_attention")):
+            p = plan(**{**kv, "dtype": "bfloat16", **other})
+            assert p.chosen == "paged_attention" and not p.note, other
+        assert plan(**{**kv, "device": CPU, "cc": 0, "dtype": "bfloat16"}).chosen == "paged_attention"
+        for extra in (dict(sinks=True), dict(alibi=True)):
+            call = _planner.new_call(CUDA, 90, 1, DT["bfloat16"], 64, 64, True, False, 0, False, 2, False, False,
+                                     False, False, False, False, 2, None, 0, None, None, 0, **extra)
+            assert _planner.build(call).chosen == "paged_attention", extra
+        # switched off, the gathered float64 path follows torch
+        _C.enable_cuda_decode(False)
+        ab._dispatch.reset_caches()  # plans are kept per call
+        assert [b for b in plan(dtype="bfloat16", **kv).order][:2] == ["sdpa", "paged_attention"]
+        assert plan(dtype="bfloat16", **{**kv, "mask": 1}).chosen == "eager"
+    finally:
+        _C.enable_cuda_decode(on)
+        ab._dispatch.reset_caches()
+
+
 def _run_with_isa(isa: str, code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=dict(os.environ, ATTN_BACKENDS_CPU_ISA=isa))
