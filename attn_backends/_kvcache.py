@@ -15,7 +15,11 @@ One call validates its arguments, asks the planner which backend serves a KV-cac
   a bool mask that carries leftpad, sequence ends, causal and window; ALiBi and sinks are the
   kernel's own arguments (with ALiBi each row's keys are first moved to end at S, so that the
   kernel's bottom-right alignment is the row's own).
-- ``math`` and ``eager``: the same gathered view, attended in float64 with plain torch ops (any device).
+- ``sdpa``: torch SDPA in the call's dtype, over the cache's own view when the call needs no mask
+  (in_place), else over the gathered view with a bool mask; first under auto on CUDA in 16-bit types
+  for the in-place calls (csrc/ab_planner.c torch_first_kv).
+- ``math`` and ``eager``: the same gathered view, attended in float64 with plain torch ops (any device;
+  float32 on MPS, which has no float64).
 
 The gathered paths write the cache with torch ops, exactly where the kernel does, and check the
 values of the index tensors on the host first; the kernel checks them itself.  Either way nothing is
@@ -359,7 +363,7 @@ def run_cuda_kernel(c: KVCall):
             _warned.add("align")
             _planner.logger.warning("attn_backends: the CUDA decode kernel reads cache rows with 16-byte loads; "
                                     "these caches are not 16-byte aligned, so eager serves the call")
-        return run_float64(c)
+        return run_exact(c)
     if CHECK_DEVICE_VALUES or not any(t is not None and t.is_cuda
                                       for t in (c.seqlens, c.leftpad, c.batch_idx, c.block_table)):
         host_rows(c)
@@ -595,22 +599,29 @@ def _attend_flash(c: KVCall, rows: _Rows):
     return out.transpose(1, 2), lse
 
 
-def _attend_float64(c: KVCall, rows: _Rows):
-    """Plain torch ops in float64 over the gathered cache (any device)."""
+def _exact_dtype(device) -> torch.dtype:
+    """float64, but float32 on MPS, which has no float64 (the dense eager composite's rule there)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+def _attend_exact(c: KVCall, rows: _Rows, acc=None):
+    """Plain torch ops over the gathered cache (any device), in acc: float64 where the device has it
+    (_exact_dtype)."""
+    acc = acc or _exact_dtype(c.q.device)
     K, V, vis, ii = gather(c, rows)
     B, Sq, Hq, D = c.q.shape
     G = Hq // K.shape[2]
-    q = _rotated_q(c, rows, torch.float64)
-    Kr = K.double().repeat_interleave(G, dim=2)  # (B, S, Hq, D)
-    Vr = V.double().repeat_interleave(G, dim=2)
+    q = _rotated_q(c, rows, acc)
+    Kr = K.to(acc).repeat_interleave(G, dim=2)  # (B, S, Hq, D)
+    Vr = V.to(acc).repeat_interleave(G, dim=2)
     s = torch.einsum("bthd,bshd->bhts", q, Kr) * c.scale
     if c.softcap > 0:
         s = c.softcap * torch.tanh(s / c.softcap)
     if c.alibi is not None:
-        s = s + _alibi_bias(c, ii, K.shape[1], torch.float64)
+        s = s + _alibi_bias(c, ii, K.shape[1], acc)
     s = s.masked_fill(~vis.unsqueeze(1), -math.inf)
     if c.sinks is not None:  # one more key per head, with a zero value
-        s = torch.cat([s, c.sinks.double().view(1, Hq, 1, 1).expand(B, Hq, Sq, 1)], dim=-1)
+        s = torch.cat([s, c.sinks.to(acc).view(1, Hq, 1, 1).expand(B, Hq, Sq, 1)], dim=-1)
         Vr = torch.cat([Vr, Vr.new_zeros(B, 1, Hq, Vr.shape[-1])], dim=1)
     if s.shape[-1] == 0:  # no row has a key
         return c.q.new_zeros(B, Sq, Hq, D), torch.full((B, Hq, Sq), -math.inf, device=c.q.device)
@@ -629,8 +640,8 @@ def run_flash(c: KVCall):
     return run_gathered(c, _attend_flash)
 
 
-def run_float64(c: KVCall):
-    return run_gathered(c, _attend_float64)
+def run_exact(c: KVCall):
+    return run_gathered(c, _attend_exact)
 
 
 def _sdpa(q, K, V, mask, scale):
@@ -685,7 +696,7 @@ def run_sdpa(c: KVCall):
 RUNNERS = {
     "paged_attention": run_kernel,
     "flash": run_flash,
-    "math": run_float64,
-    "eager": run_float64,
+    "math": run_exact,
+    "eager": run_exact,
     "sdpa": run_sdpa,
 }

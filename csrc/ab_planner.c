@@ -8,9 +8,11 @@
  *   3. the device's priority list: CPU flash, math, eager; CUDA flash, sdpa, math, eager (our
  *      kernels first on 8.0+, torch SDPA's kernels first below that, since ours need 8.0);
  *      MPS sdpa, eager; other devices eager.  KV-cache calls have their own lists: CPU
- *      paged_attention, flash, math, eager; CUDA paged_attention, eager; others eager.  For auto on a CPU where torch SDPA computes the
- *      dtype on a matrix unit our kernels do not use (AMX), torch SDPA comes before the list
- *      (torch_first, with the registry's data), and the plan's note says why.
+ *      paged_attention, flash, math, eager; CUDA paged_attention, eager (torch SDPA first in 16-bit
+ *      types for the calls it reads in place: torch_first_kv); MPS sdpa, eager; others eager.  For
+ *      auto on a CPU where torch SDPA computes the dtype on a matrix unit our kernels do not use
+ *      (AMX), torch SDPA comes before the list (torch_first, with the registry's data), and the
+ *      plan's note says why.
  * The first candidate with no reason against it is chosen.  eager serves every call, so a plan
  * always ends somewhere unless the call itself is impossible.
  */
@@ -28,11 +30,12 @@ static const int k_auto[AB_DEV_COUNT][8] = {
     [AB_DEVICE_OTHER] = {AB_BK_EAGER, END},
 };
 
-/* KV-cache calls (attention_with_kvcache): the decode kernel first, then the gathered paths. */
+/* KV-cache calls (attention_with_kvcache): the decode kernel first, then the gathered paths; on MPS torch
+ * SDPA (a call that needs a mask goes to eager there: mps_fix), then eager. */
 static const int k_kvcache[AB_DEV_COUNT][8] = {
     [AB_DEVICE_CPU] = {AB_BK_PAGED, AB_BK_FLASH, AB_BK_MATH, AB_BK_EAGER, END},
     [AB_DEVICE_CUDA] = {AB_BK_PAGED, AB_BK_EAGER, END},
-    [AB_DEVICE_MPS] = {AB_BK_EAGER, END},
+    [AB_DEVICE_MPS] = {AB_BK_SDPA, AB_BK_EAGER, END}, /* torch's own kernels are all MPS has */
     [AB_DEVICE_OTHER] = {AB_BK_EAGER, END},
 };
 

@@ -976,6 +976,22 @@ def test_sdpa_writes_nothing_when_a_check_fails(gen):
     assert torch.equal(call.k_cache, call.before[0]) and torch.equal(call.v_cache, call.before[1])
 
 
+@pytest.mark.parametrize("case", [CASES[0], CASES[5], CASES[6], CASES[12]], ids=str)
+def test_eager_computes_in_float32_where_the_device_has_no_float64(case, gen, monkeypatch):
+    # MPS has no float64: eager's gathered path computes in float32 there (_kvcache._exact_dtype), by
+    # the same 2x rule; here the CPU stands in for it
+    from attn_backends import _kvcache
+
+    asked = []
+    monkeypatch.setattr(_kvcache, "_exact_dtype", lambda device: asked.append(device) or torch.float32)
+    real = _kvcache._rotated_q
+    monkeypatch.setattr(_kvcache, "_rotated_q", lambda c, rows, dtype: real(c, rows, dtype)
+                        if dtype == torch.float32 else pytest.fail(f"computed in {dtype}"))
+    call = Call(case, gen)
+    call.check(*call.run("eager"))
+    assert asked
+
+
 def test_paged_attention_named_for_a_dense_call_falls_back_to_flash():
     q = torch.randn(1, 2, 5, 8)
     p = ab.explain(q, q, q, backend="paged_attention")

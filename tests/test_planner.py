@@ -482,6 +482,15 @@ def test_kv_cache_calls_on_cuda_go_to_torch_in_16_bit_types_where_it_reads_the_c
         ab._dispatch.reset_caches()
 
 
+def test_kv_cache_calls_on_mps_go_to_torch_sdpa_unless_they_need_a_mask():
+    # torch's kernels are all MPS has; with a mask in evaluation torch SDPA gives NaN there (mps_fix)
+    kv = dict(device=MPS, dtype="float16", varlen=2, gqa=1, causal=2, square=0)
+    assert plan(**kv).chosen == "sdpa"
+    assert plan(**{**kv, "mask": 1}).chosen == "eager"
+    assert plan(**{**kv, "mask": 1, "mps_fix": 0}).chosen == "sdpa"
+    assert plan(**{**kv, "want_lse": 1}).chosen == "eager"
+
+
 def _run_with_isa(isa: str, code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=dict(os.environ, ATTN_BACKENDS_CPU_ISA=isa))
