@@ -253,11 +253,15 @@ def attention_with_kvcache(
             thread count, or the GPU's SM count; results can then differ in the last bits between
             thread counts).
         return_softmax_lse: also return lse (B, Hq, Sq) float32 (-inf for a query that sees no key).
-        backend: ``"auto"`` (the paged_attention kernel, on CPU and on CUDA; on CUDA eager under
-            ATTN_BACKENDS_CUDA_DECODE=0), ``"paged_attention"``, ``"flash"``
-            (our flash kernel over a gathered view of the cache), ``"math"`` / ``"eager"`` (float64
-            torch ops over the gathered view, any device) or any accepted name; one that cannot serve
-            a KV-cache call falls back with one warning.
+        backend: ``"auto"`` (the paged_attention kernel, on CPU and on CUDA, but torch SDPA on CUDA in
+            float16 and bfloat16 for a call it reads in place: a dense cache, an int cache_seqlens, no
+            leftpad or window, causal only for one token; on CUDA eager under
+            ATTN_BACKENDS_CUDA_DECODE=0; on MPS sdpa, else eager), ``"paged_attention"``, ``"flash"``
+            (our flash kernel over a gathered view of the cache), ``"sdpa"`` (torch SDPA over the
+            cache's view, or a gathered one with a mask; no lse, softcap, sinks or ALiBi),
+            ``"math"`` / ``"eager"`` (float64 torch ops over the gathered view, any device; float32 on
+            MPS) or any accepted name; one that cannot serve a KV-cache call falls back along its
+            chain (flex and the ``_native_*`` names to sdpa) and the list, with one warning.
         strict: raise instead of falling back.
         sinks: (Hq,) floating attention sinks, as in ``attention`` (counted once per row, also when
             the keys are split).

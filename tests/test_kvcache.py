@@ -214,9 +214,14 @@ class Call:
         finally:
             self.sinks = sinks
 
-    def check(self, out, lse=None):
-        """out (and lse, unless None: torch SDPA's route has none) against the float64 reference by the
-        2x rule, the queries that see no key, and the caches against where flash-attn writes."""
+    def check(self, out, lse):
+        """out and lse against the float64 reference by the 2x rule, the queries that see no key, and
+        the caches against where flash-attn writes."""
+        assert lse is not None, "no lse"
+        self.check_out(out, lse)
+
+    def check_out(self, out, lse=None):
+        """check() without lse, for a route that returns none (torch SDPA's)."""
         c = self.c
         assert out.shape == (c.B, c.Sq, c.Hq, c.D) and out.dtype == c.dtype
         ref_out, ref_lse = self.reference(torch.float64)
@@ -938,7 +943,7 @@ def test_sdpa_reads_a_plain_cache_in_place(case, gen, monkeypatch):
                                              case.rotary != "neox", None, 0), "auto").mask == 0
     out = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, **call.kwargs(),
                                     backend="sdpa", strict=True)
-    call.check(out)
+    call.check_out(out)
 
 
 @pytest.mark.parametrize("case", SDPA_GATHERED, ids=str)
@@ -952,7 +957,7 @@ def test_sdpa_attends_to_a_gathered_cache_with_a_mask(case, gen):
     assert not _kvcache.in_place(kv) and _kvcache.signature(kv, "auto").mask == 1
     out = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, **call.kwargs(),
                                     backend="sdpa", strict=True)
-    call.check(out)
+    call.check_out(out)
 
 
 def test_sdpa_leaves_what_it_cannot_serve_to_the_kernel(caplog, fresh_plans, gen):
@@ -962,10 +967,28 @@ def test_sdpa_leaves_what_it_cannot_serve_to_the_kernel(caplog, fresh_plans, gen
         call = Call(case, gen)
         out = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend="sdpa")
         assert why in caplog.records[-1].getMessage() and "using 'paged_attention'" in caplog.records[-1].getMessage()
-        call.check(out)
+        call.check_out(out)
         with pytest.raises(RuntimeError, match="every backend and why not"):
             ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend="sdpa",
                                       strict=True)
+
+
+def test_sdpa_in_place_over_a_cache_of_more_rows_and_an_empty_batch(gen):
+    # rows [0, B) of a cache that holds more, written and read in place; B = 0 writes nothing
+    call = Call(KV(B=5, Sq=3, Hq=4, Hkv=2, D=32, S=40, seqlens=17, snew=2, rotary="neox"), gen)
+    for B in (2, 0):
+        before = call.k_cache.clone(), call.v_cache.clone()
+        args = (call.q[:B], call.k_cache, call.v_cache, call.k[:B], call.v[:B])
+        kw = dict(rotary_cos=call.cos, rotary_sin=call.sin, cache_seqlens=17, rotary_interleaved=False)
+        out = ab.attention_with_kvcache(*args, **kw, backend="sdpa", strict=True)
+        k_sdpa, v_sdpa = call.k_cache.clone(), call.v_cache.clone()
+        call.k_cache.copy_(before[0])
+        call.v_cache.copy_(before[1])
+        want = ab.attention_with_kvcache(*args, **kw, backend="math", strict=True)
+        assert out.shape == want.shape == (B, 3, 4, 32)
+        assert torch.equal(k_sdpa, call.k_cache) and torch.equal(v_sdpa, call.v_cache)
+        assert torch.equal(call.k_cache[B:], before[0][B:]) and torch.equal(call.v_cache[B:], before[1][B:])
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
 def test_sdpa_writes_nothing_when_a_check_fails(gen):
