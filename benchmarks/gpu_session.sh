@@ -9,6 +9,9 @@
 #   bash benchmarks/gpu_session.sh hf         # build if needed, HF generate_batch on our functions vs paged sdpa
 #                                             # (needs transformers on the machine; skipped without it)
 #   bash benchmarks/gpu_session.sh sanitize   # build if needed, compute-sanitizer over the CUDA tests
+#   bash benchmarks/gpu_session.sh kv         # the KV-cache tests on CUDA, then the decode benchmark call by
+#                                             # call and in CUDA graphs (with auto's route for an int
+#                                             # cache_seqlens beside torch): about 5 minutes
 #   bash benchmarks/gpu_session.sh lease      # all of it, shortened, in one call of under 10 minutes:
 #                                             # CUDA tests (pytest-xdist), the decode benchmark (call
 #                                             # by call, in CUDA graphs, against cache length), HF
@@ -122,6 +125,20 @@ case "$what" in
       > "$out/decode.log" 2>&1 || status=1
     tail -30 "$out/decode.log"
     ;;
+  kv)
+    step "KV-cache tests on CUDA (8 workers)"
+    OMP_NUM_THREADS=2 timeout -k 10 150 "$py" -m pytest -q -p no:cacheprovider -n 8 --timeout 100 -m cuda \
+      tests/test_kvcache_cuda_emu.py > "$out/tests_kv.log" 2>&1 || status=1
+    grep -E "^(FAILED|ERROR)|passed|failed|error" "$out/tests_kv.log" | tail -15
+    step "decode benchmark, call by call"
+    timeout -k 5 110 "$py" benchmarks/bench_decode.py --device cuda --rounds 5 --json "$out/decode_cuda.json" \
+      > "$out/decode.log" 2>&1 || status=1
+    tail -16 "$out/decode.log"
+    step "decode benchmark, in CUDA graphs"
+    timeout -k 5 90 "$py" benchmarks/bench_decode.py --device cuda --rounds 5 --graph \
+      --json "$out/decode_cuda_graph.json" > "$out/decode_graph.log" 2>&1 || status=1
+    tail -16 "$out/decode_graph.log"
+    ;;
   hf)
     step "HF continuous batching"
     if "$py" -c "import transformers" 2> /dev/null; then
@@ -168,7 +185,7 @@ case "$what" in
     OUT="$out" timeout 540 bash benchmarks/gpu_sanitize.sh || status=1
     ;;
   *)
-    echo "gpu_session: unknown step '$what' (check, bench, bwd, sage, decode, hf, sanitize, lease)" >&2
+    echo "gpu_session: unknown step '$what' (check, bench, bwd, sage, decode, kv, hf, sanitize, lease)" >&2
     exit 2
     ;;
 esac
