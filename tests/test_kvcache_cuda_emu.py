@@ -307,7 +307,7 @@ def test_auto_sends_16_bit_calls_torch_reads_in_place_to_torch(case, gen, caplog
     assert any(r.getMessage().startswith("attn_backends: sdpa serves cuda") for r in caplog.records)
     call.k_cache.copy_(kc.cpu())
     call.v_cache.copy_(vc.cpu())
-    call.check(out.cpu())
+    call.check_out(out.cpu())
 
 
 # ---- HF transformers' decode fast path on the CUDA kernels --------------------------------------
