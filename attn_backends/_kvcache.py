@@ -39,6 +39,7 @@ from . import _C, _planner
 from ._names import ID, resolve
 from ._ops import ops
 from ._providers.ours import read_guards, read_ok
+from ._providers.torch_sdpa import ORIGINAL_SDPA
 from ._validate import as_int, check_sinks
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -648,8 +649,6 @@ def run_exact(c: KVCall):
 def _sdpa(q, K, V, mask, scale):
     """torch's SDPA (its own function, not a patched one) on (B, Sq, Hq, D) q and (B, S, Hkv, D) K, V
     views, out as (B, Sq, Hq, D)."""
-    from ._providers.torch_sdpa import ORIGINAL_SDPA
-
     out = ORIGINAL_SDPA(q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), attn_mask=mask, scale=scale,
                         enable_gqa=q.shape[2] != K.shape[2])
     return out.transpose(1, 2)
@@ -674,10 +673,13 @@ def run_sdpa(c: KVCall):
     and mask."""
     if not in_place(c):
         return run_gathered(c, _attend_sdpa)
-    rows = host_rows(c)  # the checks; with no index tensor it reads nothing from the device
     B, Sq, Hq, D = c.q.shape
-    n, dev = rows.seq[0] if B else 0, c.q.device
+    cap, dev = c.k_cache.shape[1], c.q.device
+    n = c.seqlen if c.seqlen >= 0 else cap
     snew = c.k.shape[1] if c.k is not None else 0
+    # host_rows' checks, with no index tensor to read: it raises where one fails (its messages)
+    if n + snew > cap or (c.cos is not None and n + max(snew, Sq if c.causal else min(Sq, 1)) > c.cos.shape[0]):
+        host_rows(c)
     if snew and B:
         k_new = c.k
         if c.cos is not None:
