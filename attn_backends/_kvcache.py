@@ -28,6 +28,7 @@ written when a check fails.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import operator
@@ -490,10 +491,25 @@ def _positions(rows: _Rows, S: int, device) -> torch.Tensor:
     return torch.tensor(rows.seq, dtype=torch.int64, device=device)[:, None] + torch.arange(S, device=device)
 
 
+def _writing(c: KVCall):
+    """Where the torch-op paths write the new tokens: under torch.inference_mode() when a cache is an
+    inference tensor (made under inference_mode, as HF and vLLM make theirs), since torch refuses an
+    in-place update of one outside it, and the call may come under no_grad; the kernels write it
+    either way, as flash-attn's does."""
+    if c.k_cache.is_inference() or c.v_cache.is_inference():
+        return torch.inference_mode()
+    return contextlib.nullcontext()
+
+
 def append(c: KVCall, rows: _Rows) -> None:
     """The new keys (rotated) and values into the cache at cache_seqlens[b] + t, in place."""
     if c.k is None or c.k.shape[1] == 0 or c.q.shape[0] == 0:
         return
+    with _writing(c):
+        _append(c, rows)
+
+
+def _append(c: KVCall, rows: _Rows) -> None:
     pos = _positions(rows, c.k.shape[1], c.q.device)
     k_new = c.k if c.cos is None else rotate(c.k, c.cos, c.sin, pos, c.interleaved, torch.float32).to(c.k.dtype)
     if c.block_table is None:
@@ -685,8 +701,9 @@ def run_sdpa(c: KVCall):
         if c.cos is not None:
             pos = torch.arange(n, n + snew, device=dev).expand(B, snew)
             k_new = rotate(c.k, c.cos, c.sin, pos, c.interleaved, torch.float32).to(c.k.dtype)
-        c.k_cache[:B, n:n + snew] = k_new
-        c.v_cache[:B, n:n + snew] = c.v
+        with _writing(c):
+            c.k_cache[:B, n:n + snew] = k_new
+            c.v_cache[:B, n:n + snew] = c.v
     S = n + snew
     if B == 0 or Sq == 0 or Hq == 0 or S == 0:
         return c.q.new_zeros(c.q.shape), None

@@ -991,6 +991,24 @@ def test_sdpa_in_place_over_a_cache_of_more_rows_and_an_empty_batch(gen):
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["paged_attention", "sdpa", "flash", "math", "eager"])
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_caches_made_under_inference_mode_are_written_under_no_grad(backend, paged, gen):
+    # HF and vLLM make their caches under torch.inference_mode(); a decode step under no_grad must still
+    # write them (torch refuses an in-place update of an inference tensor outside inference mode)
+    case = KV(B=2, Hq=4, Hkv=2, D=32, S=48, block=16 if paged else None, seqlens=20, snew=1, causal=True,
+              rotary="neox")
+    call = Call(case, gen)
+    with torch.inference_mode():
+        kc, vc = call.k_cache.clone(), call.v_cache.clone()
+    assert kc.is_inference()
+    call.k_cache, call.v_cache = kc, vc
+    with torch.no_grad():
+        out = ab.attention_with_kvcache(call.q, kc, vc, call.k, call.v, **call.kwargs(), backend=backend,
+                                        strict=True)
+    call.check_out(out)
+
+
 def test_sdpa_writes_nothing_when_a_check_fails(gen):
     call = Call(KV(seqlens=90, snew=8), gen)  # 90 + 8 new tokens > 97 positions
     with pytest.raises(ValueError, match="cache_seqlens = 90 is outside the cache"):
