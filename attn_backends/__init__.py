@@ -251,12 +251,14 @@ def attention_with_kvcache(
         alibi_slopes: (Hq,) or (B, Hq) float32: adds -slope * |query position - key position|.
         num_splits: splits of each row's keys processed in parallel and merged (0 or less: chosen from the
             thread count, or the GPU's SM count; results can then differ in the last bits between
-            thread counts).
+            thread counts).  The kernels' only: torch SDPA's route ignores it.
         return_softmax_lse: also return lse (B, Hq, Sq) float32 (-inf for a query that sees no key).
         backend: ``"auto"`` (the paged_attention kernel, on CPU and on CUDA, but torch SDPA on CUDA in
             float16 and bfloat16 for a call it reads in place: a dense cache, an int cache_seqlens, no
-            leftpad or window, causal only for one token; on CUDA eager under
-            ATTN_BACKENDS_CUDA_DECODE=0; on MPS sdpa, else eager), ``"paged_attention"``, ``"flash"``
+            leftpad or window, causal only for one token, and none of lse, softcap, sinks, ALiBi, which
+            keep the kernel, so the same call with and without lse may differ in the last bits; on
+            CUDA eager for the rest under ATTN_BACKENDS_CUDA_DECODE=0; on MPS sdpa, else eager),
+            ``"paged_attention"``, ``"flash"``
             (our flash kernel over a gathered view of the cache), ``"sdpa"`` (torch SDPA over the
             cache's view, or a gathered one with a mask; no lse, softcap, sinks or ALiBi),
             ``"math"`` / ``"eager"`` (float64 torch ops over the gathered view, any device; float32 on

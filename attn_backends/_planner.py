@@ -188,7 +188,7 @@ _C.enable_cuda_flash(_env_flag("ATTN_BACKENDS_CUDA_FLASH"))
 # the same for our CUDA sage forward, slower than our CUDA flash (docs/sage.md, "CUDA")
 _C.enable_cuda_sage(_env_flag("ATTN_BACKENDS_CUDA_SAGE"))
 # our CUDA decode kernel, paged_attention, is on unless ATTN_BACKENDS_CUDA_DECODE=0 (docs/decode.md, "The
-# CUDA kernel"): without it eager serves KV-cache calls on CUDA
+# CUDA kernel"): without it eager serves the KV-cache calls on CUDA that torch SDPA does not
 _C.enable_cuda_decode(_env_switch("ATTN_BACKENDS_CUDA_DECODE", True))
 # the CUDA emulator (docs/cuda.md): CPU tensors of flash, flash_varlen, sage, math and paged_attention run
 # the CUDA kernels

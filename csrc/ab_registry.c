@@ -80,10 +80,12 @@
   "the CUDA sage kernel is slower than flash on the GPU measured (H200: 0.72-0.9x our CUDA flash; set " \
   "ATTN_BACKENDS_CUDA_SAGE=1 to use it)"
 /* The CUDA decode kernel is on by default (verified on an H200, 2026-11-27);
- * ATTN_BACKENDS_CUDA_DECODE=0 at import swaps these caps out, and eager serves KV-cache calls on CUDA.
+ * ATTN_BACKENDS_CUDA_DECODE=0 at import swaps these caps out, and eager serves the KV-cache calls on CUDA
+ * that torch SDPA does not (ab_planner.c torch_first_kv).
  * It takes head dims that are multiples of 8 up to 256. */
 #define CUDA_DECODE_OFF \
-  "the CUDA decode kernel is switched off (ATTN_BACKENDS_CUDA_DECODE=0; eager serves KV-cache calls on CUDA)"
+  "the CUDA decode kernel is switched off (ATTN_BACKENDS_CUDA_DECODE=0; eager serves the KV-cache calls on CUDA " \
+  "that torch SDPA does not)"
 /* the CUDA decode kernel (csrc/cuda/decode.cu): every KV-cache feature, sinks and ALiBi included */
 #define CUDA_DECODE CAPS_D(NO_F64, KVCACHE_F, 8, 256, 8, 80, 1)
 /* math on CUDA: the forward by default; the backward (csrc/cuda/math_bwd.cu) when opted in */
