@@ -1258,6 +1258,20 @@ def test_random_calls_match_the_reference_and_write_the_cache_where_flash_attn_d
     call.check(*call.run(backend))
 
 
+@pytest.mark.fuzz
+@settings(max_examples=max(5, settings.default.max_examples * 30 // 100))
+@given(kv_calls("flash"), st.integers(0, 2**31 - 1))
+def test_random_calls_through_torch_sdpa_match_the_reference(case, seed):
+    """torch SDPA's route (_kvcache.run_sdpa), in place or gathered, on random mixes of the options it
+    takes (no softcap, ALiBi or sinks: those go to the kernel); rotary in 2-byte dtypes as flash draws
+    it (q is rotated in float32, then rounded to its dtype, as flash-attn does)."""
+    case = dataclasses.replace(case, softcap=0.0, alibi=None, sinks=False)
+    call = Call(case, torch.Generator().manual_seed(seed))
+    out = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, **call.kwargs(),
+                                    backend="sdpa", strict=True)
+    call.check_out(out)
+
+
 # ---- NaN and inf: the rows that see them, and only those ------------------------------------------
 
 @pytest.mark.parametrize("splits", [1, 4])
