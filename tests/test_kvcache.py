@@ -1033,6 +1033,28 @@ def test_eager_computes_in_float32_where_the_device_has_no_float64(case, gen, mo
     assert asked
 
 
+@pytest.mark.parametrize("block", [None, 16])
+def test_flash_hands_decode_calls_to_the_kernel_without_gathering(block, gen, monkeypatch):
+    # our CPU flash forward hands a few query tokens to the decode kernel (flash_cpu.c's route); named
+    # for a KV-cache call, flash does the same on the cache itself, with the kernel's bits and no
+    # gathered copy (through the op it took 11x the kernel's time); long queries keep the gathered path
+    from attn_backends import _kvcache
+
+    gathered = []
+    real = _kvcache.gather
+    monkeypatch.setattr(_kvcache, "gather", lambda *a: gathered.append(1) or real(*a))
+    for Sq, want_gather in ((1, False), (3, False), (24, True)):
+        call = Call(KV(B=2, Sq=Sq, Hq=8, Hkv=2, D=64, S=96, block=block, seqlens=40, snew=Sq, causal=True,
+                       dtype=torch.bfloat16), gen)
+        gathered.clear()
+        out, lse = call.run("flash")
+        assert bool(gathered) is want_gather, Sq
+        call.check(out, lse)
+        if not want_gather:
+            call.reset()
+            assert torch.equal(out, call.run("paged_attention")[0])
+
+
 def test_paged_attention_named_for_a_dense_call_falls_back_to_flash():
     q = torch.randn(1, 2, 5, 8)
     p = ab.explain(q, q, q, backend="paged_attention")
