@@ -15,9 +15,9 @@ One call validates its arguments, asks the planner which backend serves a KV-cac
   a bool mask that carries leftpad, sequence ends, causal and window; ALiBi and sinks are the
   kernel's own arguments (with ALiBi each row's keys are first moved to end at S, so that the
   kernel's bottom-right alignment is the row's own).
-- ``sdpa``: torch SDPA in the call's dtype, over the cache's own view when the call needs no mask
-  (in_place), else over the gathered view with a bool mask; first under auto on CUDA in 16-bit types
-  for the in-place calls (csrc/ab_planner.c torch_first_kv).
+- ``sdpa``: torch SDPA in the call's dtype, over the cache's own view, for the calls that need no
+  mask (in_place; the others fall back to the kernel); first under auto on CUDA in 16-bit types
+  (csrc/ab_planner.c torch_first_kv).
 - ``math`` and ``eager``: the same gathered view, attended in float64 with plain torch ops (any device;
   float32 on MPS, which has no float64).
 
@@ -693,25 +693,16 @@ def _sdpa(q, K, V, mask, scale):
     return out.transpose(1, 2)
 
 
-def _attend_sdpa(c: KVCall, rows: _Rows):
-    """torch SDPA over the gathered cache, the visibility as its bool attn_mask; a query that sees no
-    key gives 0, whatever torch's kernel makes of an all-False row."""
-    K, V, vis, _ = gather(c, rows)
-    if K.shape[1] == 0:
-        return c.q.new_zeros(c.q.shape), None
-    q = _rotated_q(c, rows, torch.float32).to(c.q.dtype)
-    out = _sdpa(q, K, V, vis.unsqueeze(1), c.scale)
-    return out.masked_fill(~vis.any(dim=-1).view(*vis.shape[:2], 1, 1), 0.0), None
-
-
 def run_sdpa(c: KVCall):
-    """torch SDPA in the call's dtype (no lse: the planner sends calls that want it elsewhere).  A call
-    in_place(c) attends to the cache's own view with no mask, and writes its new tokens with slices:
-    no index value read back, nothing gathered, no host copy (what auto sends to torch on CUDA in 16-bit
-    types, csrc/ab_planner.c torch_first_kv).  Any other call takes the gathered path's checks, writes
-    and mask."""
+    """torch SDPA in the call's dtype over the cache's own view, with no mask, the new tokens written
+    with slices: no index value read back, nothing gathered, no host copy (what auto sends to torch on
+    CUDA in 16-bit types, csrc/ab_planner.c torch_first_kv).  The planner gives it only the calls
+    in_place(c) (no lse, softcap, sinks or ALiBi either): through a gathered copy and a mask, torch took
+    2.5-11.4x the CUDA kernel's time on an H200 and 4-68x the CPU kernel's on a Zen 4
+    (benchmarks/bench_kv_routes.py), so those calls fall back to the kernel."""
     if not in_place(c):
-        return run_gathered(c, _attend_sdpa)
+        raise RuntimeError("attn_backends: torch SDPA's KV-cache route reads the cache in place only (the planner "
+                           "sends it no other call)")
     B, Sq, Hq, D = c.q.shape
     cap, dev = c.k_cache.shape[1], c.q.device
     n = c.seqlen if c.seqlen >= 0 else cap

@@ -4,9 +4,11 @@ For one decode token (B, Hq, Hkv, Sk as bench_decode.py's shapes, D=128) against
 
   - torch:  torch SDPA on contiguous (B, H, S, D) caches (the dense equivalent, no KV-cache API);
   - kern_t: the decode kernel (paged_attention), a tensor cache_seqlens, a dense cache;
-  - sdpa_t: torch's route (backend="sdpa") for the same call: a tensor cache_seqlens needs the
-    lengths on the host (a synchronisation on a GPU) and a mask over the gathered view;
-  - kern_p / sdpa_p: the same over pages of 16 positions under a shuffled block_table (sdpa gathers);
+  - sdpa_t: what torch SDPA needs for the same call (backend="sdpa" served it so until 2026-11-27; it
+    now reads a cache only in place): the lengths on the host (a synchronisation on a GPU) and a bool
+    mask over the cache's view;
+  - kern_p / sdpa_p: the same over pages of 16 positions under a shuffled block_table (torch's gathers
+    the pages into a dense copy first);
   - auto_i: auto with an int cache_seqlens on a dense cache (on CUDA in 16-bit types: torch SDPA over
     the cache's view, csrc/ab_planner.c torch_first_kv; elsewhere the kernel).
 
@@ -70,12 +72,23 @@ def routes(B, Hq, Hkv, Sk, dtype, device, gen):
     kp[perm], vp[perm] = k.reshape(B * nb, bs, Hkv, D), v.reshape(B * nb, bs, Hkv, D)
     qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
     kv = ab.attention_with_kvcache
+
+    def torch_masked(kc, vc, tab):
+        """torch SDPA over a view (or, paged, a gathered copy) of the cache, the lengths as a bool mask."""
+        lengths = seq.tolist()  # on the host: a synchronisation on a GPU
+        if tab is not None:
+            kc, vc = (c[tab.long()].reshape(B, -1, Hkv, D) for c in (kc, vc))
+        S = max(lengths)
+        mask = (torch.arange(S, device=device)[None] < torch.tensor(lengths, device=device)[:, None])[:, None, None]
+        return F.scaled_dot_product_attention(q.transpose(1, 2), kc[:, :S].transpose(1, 2), vc[:, :S].transpose(1, 2),
+                                              attn_mask=mask, enable_gqa=Hq != Hkv).transpose(1, 2)
+
     return {
         "torch": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=Hq != Hkv).transpose(1, 2),
         "kern_t": lambda: kv(q, k, v, cache_seqlens=seq, backend="paged_attention", strict=True),
-        "sdpa_t": lambda: kv(q, k, v, cache_seqlens=seq, backend="sdpa", strict=True),
+        "sdpa_t": lambda: torch_masked(k, v, None),
         "kern_p": lambda: kv(q, kp, vp, cache_seqlens=seq, block_table=table, backend="paged_attention", strict=True),
-        "sdpa_p": lambda: kv(q, kp, vp, cache_seqlens=seq, block_table=table, backend="sdpa", strict=True),
+        "sdpa_p": lambda: torch_masked(kp, vp, table),
         "auto_i": lambda: kv(q, k, v, cache_seqlens=Sk),
     }
 

@@ -133,6 +133,13 @@ static void why_not(const ab_call* c, int id, char* out, size_t n) {
   if (c->need_grad && c->deterministic && !(f & AB_F_DETERMINISTIC))
     WHY("its backward is not deterministic and deterministic algorithms are requested");
   if (c->want_lse && !(f & AB_F_LSE)) WHY("cannot return lse");
+  /* torch SDPA reads a KV cache only in place (attn_backends/_kvcache.py run_sdpa): the gathered copy, the
+   * mask and the index values read back to the host took 2.5-11.4x the CUDA kernel's time (H200) and
+   * 4-68x the CPU kernel's (Zen 4; benchmarks/bench_kv_routes.py), so a call that needs them is not
+   * torch's to serve */
+  if (c->varlen == 2 && id == AB_BK_SDPA && c->mask)
+    WHY("reads a KV cache only in place (a dense cache, an int cache_seqlens, no leftpad or window, causal "
+        "only for one query token); this call needs a mask or its index values on the host");
   if (c->gqa && !(f & AB_F_GQA)) WHY("no grouped-query attention (Hq != Hkv)");
   if (c->sinks && !(f & AB_F_SINKS)) WHY("no attention sinks");
   if (c->alibi && !(f & AB_F_ALIBI)) WHY("no ALiBi (alibi_slopes)");
