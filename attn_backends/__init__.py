@@ -260,8 +260,8 @@ def attention_with_kvcache(
             CUDA eager for the rest under ATTN_BACKENDS_CUDA_DECODE=0; on MPS sdpa, else eager),
             ``"paged_attention"``, ``"flash"``
             (our flash kernel over a gathered view of the cache; the decode kernel for a few query
-            tokens), ``"sdpa"`` (torch SDPA over the cache's view, for the calls that need no mask,
-            and no lse, softcap, sinks or ALiBi; the others fall back to the kernel),
+            tokens), ``"sdpa"`` (off the CPU: torch SDPA over the cache's view, for the calls that need
+            no mask, and no lse, softcap, sinks or ALiBi; the others fall back to the kernel),
             ``"math"`` / ``"eager"`` (float64 torch ops over the gathered view, any device; float32 on
             MPS) or any accepted name; one that cannot serve a KV-cache call falls back along its
             chain (flex and the ``_native_*`` names to sdpa) and the list, with one warning.

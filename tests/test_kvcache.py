@@ -908,13 +908,18 @@ def test_a_backend_that_cannot_serve_falls_back_once_or_raises_when_strict(caplo
     assert len(warnings) == 1 and "does not serve KV-cache calls" in warnings[0] and "using 'flash'" in warnings[0]
     with pytest.raises(RuntimeError, match="every backend and why not"):
         ab.attention_with_kvcache(q, kc, vc, cache_seqlens=5, backend="sage", strict=True)
-    # torch SDPA serves KV-cache calls, but returns no lse
-    ab.attention_with_kvcache(q, kc, vc, cache_seqlens=5, backend="sdpa", return_softmax_lse=True)
-    assert "cannot return lse" in caplog.records[-1].getMessage()
+    # torch SDPA serves no KV-cache call on the CPU (the decode kernel ran 5.6-34x faster at 4096 keys):
+    # named, or the process default, it falls back to the kernel
+    caplog.clear()
+    ab.attention_with_kvcache(q, kc, vc, cache_seqlens=5, backend="sdpa")
+    assert "does not serve KV-cache calls" in caplog.records[-1].getMessage()
+    assert "using 'paged_attention'" in caplog.records[-1].getMessage()
 
 
-# torch SDPA's route (_kvcache.run_sdpa): the calls it reads in place (a dense cache, every row at one
-# host-known length, no leftpad or window, causal only for one token), and the gathered ones with a mask
+# torch SDPA's KV-cache route (_kvcache.run_sdpa), which the planner gives, off the CPU, the calls it reads
+# in place (a dense cache, every row at one host-known length, no leftpad or window, causal only for one
+# token, no lse, softcap, sinks or ALiBi: csrc/ab_planner.c; test_planner.py has its choices).  Its
+# function runs on CPU tensors as on CUDA ones, so it is checked here, called directly.
 SDPA_IN_PLACE = [
     KV(seqlens=40),
     KV(B=3, Hq=8, Hkv=1, D=128, S=300, seqlens=250, snew=1, causal=True, rotary="neox", dtype=torch.bfloat16),
@@ -929,6 +934,27 @@ SDPA_NEEDS_MASK = [c for c in CASES if not (c.softcap or c.sinks or c.alibi)] + 
 ]
 
 
+def _checked(call):
+    """The validated call (_kvcache.KVCall) of a test Call."""
+    from attn_backends import _kvcache
+
+    kw = call.kwargs()
+    return _kvcache.check(call.q, call.k_cache, call.v_cache, call.k, call.v, kw["rotary_cos"], kw["rotary_sin"],
+                          kw["cache_seqlens"], kw["cache_batch_idx"], kw["cache_leftpad"], kw["block_table"], None,
+                          kw["causal"], kw["window_size"], kw["softcap"], kw["rotary_interleaved"],
+                          kw["alibi_slopes"], 0, kw["sinks"])
+
+
+def _sdpa_route(call):
+    """out of torch SDPA's KV-cache route for the call (its function, as the planner runs it on CUDA)."""
+    from attn_backends import _kvcache
+
+    with torch.no_grad():
+        out, lse = _kvcache.run_sdpa(_checked(call))
+    assert lse is None
+    return out
+
+
 @pytest.mark.parametrize("case", SDPA_IN_PLACE, ids=str)
 def test_sdpa_reads_a_plain_cache_in_place(case, gen, monkeypatch):
     from attn_backends import _kvcache
@@ -938,48 +964,23 @@ def test_sdpa_reads_a_plain_cache_in_place(case, gen, monkeypatch):
 
     monkeypatch.setattr(_kvcache, "gather", no_gather)
     call = Call(case, gen)
-    assert _kvcache.signature(_kvcache.check(call.q, call.k_cache, call.v_cache, call.k, call.v, call.cos, call.sin,
-                                             call.cache_seqlens, None, None, None, None, case.causal, (-1, -1), 0.0,
-                                             case.rotary != "neox", None, 0), "auto").mask == 0
-    out = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, **call.kwargs(),
-                                    backend="sdpa", strict=True)
-    call.check_out(out)
+    assert _kvcache.signature(_checked(call), "auto").mask == 0
+    call.check_out(_sdpa_route(call))
 
 
 @pytest.mark.parametrize("case", SDPA_NEEDS_MASK, ids=str)
-def test_sdpa_leaves_calls_that_need_a_mask_to_the_kernel(case, gen, caplog, fresh_plans):
+def test_sdpa_takes_no_call_that_needs_a_mask(case, gen):
     # through a gathered copy, a mask and the index values on the host, torch took 2.5-11.4x the CUDA
-    # kernel's time and 4-68x the CPU kernel's (bench_kv_routes.py): such a call falls back, once
+    # kernel's time and 4-68x the CPU kernel's (bench_kv_routes.py): the planner leaves such a call to
+    # the kernel (mask 1: test_planner.py), and the route refuses it, writing nothing
     from attn_backends import _kvcache
 
-    caplog.set_level(logging.WARNING, logger="attn_backends")
     call = Call(case, gen)
-    kv = _kvcache.check(call.q, call.k_cache, call.v_cache, call.k, call.v, call.cos, call.sin, call.cache_seqlens,
-                        call.batch_idx, call.cache_leftpad, call.block_table, None, case.causal, case.window, 0.0,
-                        case.rotary != "neox", None, 0)
+    kv = _checked(call)
     assert not _kvcache.in_place(kv) and _kvcache.signature(kv, "auto").mask == 1
-    out = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, **call.kwargs(),
-                                    backend="sdpa")
-    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warned) == 1 and "reads a KV cache only in place" in warned[0], warned
-    assert "using 'paged_attention'" in warned[0]
-    call.check_out(out)
-    with pytest.raises(RuntimeError, match="every backend and why not"):
-        ab.attention_with_kvcache(call.reset().q, call.k_cache, call.v_cache, call.k, call.v, **call.kwargs(),
-                                  backend="sdpa", strict=True)
-
-
-def test_sdpa_leaves_what_it_cannot_serve_to_the_kernel(caplog, fresh_plans, gen):
-    caplog.set_level(logging.WARNING, logger="attn_backends")
-    for case, why in [(KV(seqlens=40, softcap=3.0), "no softcap"), (KV(seqlens=40, sinks=True), "no attention sinks"),
-                      (KV(seqlens=40, alibi="h"), "reads a KV cache only in place")]:
-        call = Call(case, gen)
-        out = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend="sdpa")
-        assert why in caplog.records[-1].getMessage() and "using 'paged_attention'" in caplog.records[-1].getMessage()
-        call.check_out(out)
-        with pytest.raises(RuntimeError, match="every backend and why not"):
-            ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, **call.kwargs(), backend="sdpa",
-                                      strict=True)
+    with pytest.raises(RuntimeError, match="reads the cache in place only"):
+        _kvcache.run_sdpa(kv)
+    assert torch.equal(call.k_cache, call.before[0]) and torch.equal(call.v_cache, call.before[1])
 
 
 def test_sdpa_in_place_over_a_cache_of_more_rows_and_an_empty_batch(gen):
@@ -987,20 +988,22 @@ def test_sdpa_in_place_over_a_cache_of_more_rows_and_an_empty_batch(gen):
     call = Call(KV(B=5, Sq=3, Hq=4, Hkv=2, D=32, S=40, seqlens=17, snew=2, rotary="neox"), gen)
     for B in (2, 0):
         before = call.k_cache.clone(), call.v_cache.clone()
-        args = (call.q[:B], call.k_cache, call.v_cache, call.k[:B], call.v[:B])
-        kw = dict(rotary_cos=call.cos, rotary_sin=call.sin, cache_seqlens=17, rotary_interleaved=False)
-        out = ab.attention_with_kvcache(*args, **kw, backend="sdpa", strict=True)
+        sub = Call.__new__(Call)
+        sub.__dict__.update(call.__dict__, q=call.q[:B], k=call.k[:B], v=call.v[:B])
+        out = _sdpa_route(sub)
         k_sdpa, v_sdpa = call.k_cache.clone(), call.v_cache.clone()
         call.k_cache.copy_(before[0])
         call.v_cache.copy_(before[1])
-        want = ab.attention_with_kvcache(*args, **kw, backend="math", strict=True)
+        want = ab.attention_with_kvcache(call.q[:B], call.k_cache, call.v_cache, call.k[:B], call.v[:B],
+                                         rotary_cos=call.cos, rotary_sin=call.sin, cache_seqlens=17,
+                                         rotary_interleaved=False, backend="math", strict=True)
         assert out.shape == want.shape == (B, 3, 4, 32)
         assert torch.equal(k_sdpa, call.k_cache) and torch.equal(v_sdpa, call.v_cache)
         assert torch.equal(call.k_cache[B:], before[0][B:]) and torch.equal(call.v_cache[B:], before[1][B:])
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["paged_attention", "sdpa", "flash", "math", "eager"])
+@pytest.mark.parametrize("backend", ["paged_attention", "flash", "math", "eager"])
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 def test_caches_made_under_inference_mode_are_written_under_no_grad(backend, paged, gen):
     # HF and vLLM make their caches under torch.inference_mode(); a decode step under no_grad must still
@@ -1012,17 +1015,21 @@ def test_caches_made_under_inference_mode_are_written_under_no_grad(backend, pag
         kc, vc = call.k_cache.clone(), call.v_cache.clone()
     assert kc.is_inference()
     call.k_cache, call.v_cache = kc, vc
-    with torch.no_grad():  # sdpa leaves a paged cache to the kernel (it reads a cache only in place)
+    with torch.no_grad():
         out = ab.attention_with_kvcache(call.q, kc, vc, call.k, call.v, **call.kwargs(), backend=backend,
-                                        strict=not (paged and backend == "sdpa"))
+                                        strict=True)
     call.check_out(out)
+    if not paged:  # and torch SDPA's route, in place
+        call = Call(case, gen)
+        with torch.inference_mode():
+            call.k_cache, call.v_cache = call.k_cache.clone(), call.v_cache.clone()
+        call.check_out(_sdpa_route(call))
 
 
 def test_sdpa_writes_nothing_when_a_check_fails(gen):
     call = Call(KV(seqlens=90, snew=8), gen)  # 90 + 8 new tokens > 97 positions
     with pytest.raises(ValueError, match="cache_seqlens = 90 is outside the cache"):
-        ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, cache_seqlens=90,
-                                  backend="sdpa", strict=True)
+        _sdpa_route(call)
     assert torch.equal(call.k_cache, call.before[0]) and torch.equal(call.v_cache, call.before[1])
 
 
@@ -1302,9 +1309,7 @@ def test_random_calls_through_torch_sdpa_match_the_reference(case, seed):
     case = dataclasses.replace(case, block=None, batch_idx=False, leftpad=False, window=(-1, -1), softcap=0.0,
                                alibi=None, sinks=False, causal=case.causal and case.Sq == 1, seqlens=seqlens)
     call = Call(case, torch.Generator().manual_seed(seed))
-    out = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v, **call.kwargs(),
-                                    backend="sdpa", strict=True)
-    call.check_out(out)
+    call.check_out(_sdpa_route(call))
 
 
 # ---- NaN and inf: the rows that see them, and only those ------------------------------------------
