@@ -622,10 +622,10 @@ def _exact_dtype(device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def _attend_exact(c: KVCall, rows: _Rows, acc=None):
-    """Plain torch ops over the gathered cache (any device), in acc: float64 where the device has it
+def _attend_exact(c: KVCall, rows: _Rows):
+    """Plain torch ops over the gathered cache (any device), in float64 where the device has it
     (_exact_dtype)."""
-    acc = acc or _exact_dtype(c.q.device)
+    acc = _exact_dtype(c.q.device)
     K, V, vis, ii = gather(c, rows)
     B, Sq, Hq, D = c.q.shape
     G = Hq // K.shape[2]
@@ -665,9 +665,8 @@ def _flash_hands_to_decode(c: KVCall) -> bool:
     if B == 0 or Sq == 0 or cap == 0:
         return False
     kv = c.k_cache.new_empty((1, 1, 1, D)).expand(B, c.k_cache.shape[2], cap, D)
-    masked = not in_place(c) or c.alibi is not None
-    return _C.flash_decode_route(c.q.transpose(1, 2), kv, kv, masked, 0.0, 2 if c.causal else 0, c.wl, c.wr, None,
-                                 None) > 0
+    return _C.flash_decode_route(c.q.transpose(1, 2), kv, kv, not in_place(c), 0.0, 2 if c.causal else 0, c.wl, c.wr,
+                                 None, None) > 0
 
 
 def run_flash(c: KVCall):
@@ -683,14 +682,6 @@ def run_flash(c: KVCall):
 
 def run_exact(c: KVCall):
     return run_gathered(c, _attend_exact)
-
-
-def _sdpa(q, K, V, mask, scale):
-    """torch's SDPA (its own function, not a patched one) on (B, Sq, Hq, D) q and (B, S, Hkv, D) K, V
-    views, out as (B, Sq, Hq, D)."""
-    out = ORIGINAL_SDPA(q.transpose(1, 2), K.transpose(1, 2), V.transpose(1, 2), attn_mask=mask, scale=scale,
-                        enable_gqa=q.shape[2] != K.shape[2])
-    return out.transpose(1, 2)
 
 
 def run_sdpa(c: KVCall):
@@ -724,7 +715,10 @@ def run_sdpa(c: KVCall):
     q = c.q
     if c.cos is not None:  # every query token at cache_seqlens (one token, or no causal: flash-attn's rule)
         q = rotate(q, c.cos, c.sin, torch.full((B, Sq), n, device=dev), c.interleaved, torch.float32).to(q.dtype)
-    return _sdpa(q, c.k_cache[:B, :S], c.v_cache[:B, :S], None, c.scale), None
+    # torch's own function (ORIGINAL_SDPA: not a patched one), over (B, H, S, D) views of the cache
+    out = ORIGINAL_SDPA(q.transpose(1, 2), c.k_cache[:B, :S].transpose(1, 2), c.v_cache[:B, :S].transpose(1, 2),
+                        scale=c.scale, enable_gqa=Hq != c.k_cache.shape[2])
+    return out.transpose(1, 2), None
 
 
 RUNNERS = {

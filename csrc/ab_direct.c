@@ -1273,10 +1273,10 @@ static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   ab_call c;
   if (ab_call_from_py(call, &c) < 0) return NULL;
   /* A KV-cache call's plan on the CPU depends on neither lse nor its mask field (what a dense attention
-   * of the cache would need: read by CUDA's torch_first_kv and MPS's mps_fix rule, ab_planner.c; and lse
-   * only keeps sdpa, which auto does not list on the CPU, from serving), so one plan, kept under
-   * want_lse 1 and mask 0, serves the call with and without them (ab_py_kvcache looks it up so; only
-   * plans of paged_attention under auto or its own name are remembered). */
+   * of the cache would need): both decide only whether torch SDPA may serve it, and on the CPU it serves
+   * no KV-cache call (ab_registry.c).  So one plan, kept under want_lse 1 and mask 0, serves the call with
+   * and without them (ab_py_kvcache looks it up so; only plans of paged_attention under auto or its own
+   * name are remembered). */
   if (c.varlen == 2) c.want_lse = 1, c.mask = 0;
   const int cpu = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !(c.mask && c.varlen) &&
                   !c.mask_grad && !c.dropout && !c.need_grad && !c.cuda_smem;

@@ -31,7 +31,7 @@ static const int k_auto[AB_DEV_COUNT][8] = {
 };
 
 /* KV-cache calls (attention_with_kvcache): the decode kernel first, then the gathered paths; on MPS torch
- * SDPA (a call that needs a mask goes to eager there: mps_fix), then eager. */
+ * SDPA (for the calls it reads in place: why_not), then eager. */
 static const int k_kvcache[AB_DEV_COUNT][8] = {
     [AB_DEVICE_CPU] = {AB_BK_PAGED, AB_BK_FLASH, AB_BK_MATH, AB_BK_EAGER, END},
     [AB_DEVICE_CUDA] = {AB_BK_PAGED, AB_BK_EAGER, END},
