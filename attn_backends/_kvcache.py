@@ -698,9 +698,7 @@ def run_sdpa(c: KVCall):
     cap, dev = c.k_cache.shape[1], c.q.device
     n = c.seqlen if c.seqlen >= 0 else cap
     snew = c.k.shape[1] if c.k is not None else 0
-    # host_rows' checks, with no index tensor to read: it raises where one fails (its messages)
-    if n + snew > cap or (c.cos is not None and n + max(snew, Sq if c.causal else min(Sq, 1)) > c.cos.shape[0]):
-        host_rows(c)
+    host_rows(c)  # the kernel's checks and messages; with no index tensor it reads nothing from the device
     if snew and B:
         k_new = c.k
         if c.cos is not None:
