@@ -18,7 +18,7 @@ from attn_backends import _C, _dispatch
 from attn_backends._testing import check_2x
 
 from cuda_devices import both, emulator, launched
-from test_kvcache import BAD, KV, Call, _base
+from test_kvcache import BAD, KV, NAN_PLACES, Call, _base, check_nan_and_inf
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -120,6 +120,20 @@ def test_split_and_unsplit_agree(decode, case, gen):
     for splits in (3, 0, 70):
         assert torch.allclose(outs[splits][0], outs[1][0], atol=4 * torch.finfo(case.dtype).eps, rtol=0)
         assert torch.allclose(outs[splits][1], outs[1][1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dev", [pytest.param("emu", marks=pytest.mark.cuda_emu),
+                                 pytest.param("cuda", marks=pytest.mark.cuda)], indirect=True)
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("Sq", [2, 8])
+@pytest.mark.parametrize("where", NAN_PLACES)
+def test_nan_and_inf_reach_the_rows_that_see_them(decode, where, Sq, splits, dtype, gen):
+    # test_kvcache's NaN and inf case on the CUDA kernel.  It once turned a row whose every score was
+    # NaN (a NaN in q) into out 0, lse -inf: its max stayed -inf, so the warps' merge took it for a
+    # row that saw no key; it also made NaN of a row whose first visible score was -inf.
+    check_nan_and_inf(where, Sq, splits, gen, dtype, decode, atol=1e-5 if dtype == F32 else 2e-2,
+                      backend="paged_attention", strict=True)
 
 
 @pytest.mark.cuda_emu

@@ -299,15 +299,68 @@ __device__ __forceinline__ void load_keys(const DecodeParams& p, const Row& r, i
 }
 
 // (m, l, acc) <- the merge of two online-softmax states (max, sum of exp(s - max), sum of
-// exp(s - max) v); a state that saw no key has m = -inf and adds nothing.
+// exp(s - max) v); a state that saw no key has m = -inf, l = 0 and acc = 0, and adds nothing.  A
+// state whose scores were all NaN also has m = -inf (fmaxf skips NaN), but l = NaN: the sums carry it.
 __device__ __forceinline__ void merge_state(float& m, float& l, float* acc, float m2, float l2, const float* acc2) {
   const float mn = fmaxf(m, m2);
-  if (mn == -INFINITY) return;
+  if (mn == -INFINITY) {
+    l += l2;
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) acc[c] += acc2[c];
+    return;
+  }
   const float a = m == -INFINITY ? 0.0f : expf(m - mn), a2 = m2 == -INFINITY ? 0.0f : expf(m2 - mn);
   l = l * a + l2 * a2;
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) acc[c] = acc[c] * a + acc2[c] * a2;
   m = mn;
+}
+
+// The end of an attention block: each warp's (max, sum, O) of rows [r0, r0 + nr) of KV head hkv
+// merged and written, out and lse (one split) or the split's part (split-KV).  red holds the warps'
+// unnormalised O, (kWarps, kRows, ld) float32; red_ml their (max, sum) pairs, (kWarps, kRows, 2);
+// kBase2: the maxima are in base-2 units (scores times log2 e), else natural ones.  nan_rows: the
+// block's index values were out of range or a key lay in a block the table does not name.
+template <typename T, int kRows, bool kBase2>
+__device__ __forceinline__ void write_rows(const DecodeParams& p, const float* red, const float* red_ml, int64_t ld,
+                                           int64_t b, int64_t hkv, int64_t split, int64_t r0, int64_t nr,
+                                           bool nan_rows) {
+  for (int64_t e = threadIdx.x; e < nr * p.D; e += kThreads) {
+    const int64_t rr = e / p.D, d = e % p.D;
+    // a warp whose scores were all NaN has max -inf and sum NaN: NaN in, NaN out
+    float mx = -INFINITY;
+    bool nan_sum = false;
+    for (int w = 0; w < kWarps; ++w) {
+      mx = fmaxf(mx, red_ml[(w * kRows + rr) * 2]);
+      nan_sum = nan_sum || red_ml[(w * kRows + rr) * 2 + 1] != red_ml[(w * kRows + rr) * 2 + 1];
+    }
+    float sum = 0.0f, o = 0.0f;
+    if (mx != -INFINITY)
+      for (int w = 0; w < kWarps; ++w) {
+        const float mw = red_ml[(w * kRows + rr) * 2];
+        if (mw == -INFINITY) continue;
+        const float a = kBase2 ? exp2f(mw - mx) : expf(mw - mx);
+        sum += red_ml[(w * kRows + rr) * 2 + 1] * a;
+        o += red[(w * kRows + rr) * ld + d] * a;
+      }
+    // a row that saw no key: out exactly 0, lse -inf (the sink's logit with a sink)
+    o = sum > 0.0f ? o / sum : 0.0f;
+    float lse = sum > 0.0f ? (kBase2 ? mx * 0.6931471805599453f : mx) + logf(sum) : -INFINITY;
+    if (sum != sum) o = lse = sum;  // NaN in, NaN out
+    if (nan_rows || nan_sum) o = lse = NAN;
+    const int64_t t = (r0 + rr) / p.G, hq = hkv * p.G + (r0 + rr) % p.G;
+    if (p.nsplit == 1) {
+      float factor;
+      lse = add_sink(p, hq, lse, factor);
+      o *= factor;
+      static_cast<T*>(p.out)[b * p.os[0] + t * p.os[1] + hq * p.os[2] + d * p.os[3]] = from_f<T>(o);
+      if (d == 0) p.lse[b * p.ls[0] + hq * p.ls[1] + t * p.ls[2]] = lse;
+    } else {
+      const int64_t at = ((b * p.nsplit + split) * p.Sq + t) * p.Hq + hq;
+      p.part[at * p.D + d] = o;
+      if (d == 0) p.part_lse[at] = lse;
+    }
+  }
 }
 
 // grid (nsplit * B, Hkv * row_tiles), kThreads threads: split `split` of batch row b's key range,
@@ -449,14 +502,17 @@ __global__ void __launch_bounds__(kThreads, AB_DECODE_MIN_BLOCKS) attend_kernel(
         }
       }
       if (any) {
-        const float a = softmax_exp<T>(m[rr] - mn);
+        // while every score seen is -inf or NaN the reference is 0, not the max: exp(-inf - 0) = 0
+        // where exp(-inf + inf) would be NaN, and a NaN score still makes the sum NaN
+        const float ref = mn == -INFINITY ? 0.0f : mn;
+        const float a = softmax_exp<T>(m[rr] - ref);
         l[rr] *= a;
 #pragma unroll
         for (int c = 0; c < kChunk; ++c) acc[rr][c] *= a;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           if (!seen[u]) continue;
-          const float e = softmax_exp<T>(s[rr][u] - mn);
+          const float e = softmax_exp<T>(s[rr][u] - ref);
           l[rr] += e;
 #pragma unroll
           for (int c = 0; c < kChunk; ++c) acc[rr][c] += e * vx[u][c];
@@ -498,39 +554,7 @@ __global__ void __launch_bounds__(kThreads, AB_DECODE_MIN_BLOCKS) attend_kernel(
   }
   if (hole) *holes = 1;
   __syncthreads();
-  const bool nan_rows = bad || *holes;
-
-  for (int64_t e = tid; e < nr * p.D; e += kThreads) {
-    const int64_t rr = e / p.D, d = e % p.D;
-    float mx = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, red_ml[(w * kRows + rr) * 2]);
-    float sum = 0.0f, o = 0.0f;
-    if (mx != -INFINITY)
-      for (int w = 0; w < kWarps; ++w) {
-        const float mw = red_ml[(w * kRows + rr) * 2];
-        if (mw == -INFINITY) continue;
-        const float a = expf(mw - mx);
-        sum += red_ml[(w * kRows + rr) * 2 + 1] * a;
-        o += red[(w * kRows + rr) * p.D + d] * a;
-      }
-    // a row that saw no key: out exactly 0, lse -inf (the sink's logit with a sink)
-    o = sum > 0.0f ? o / sum : 0.0f;
-    float lse = sum > 0.0f ? mx + logf(sum) : -INFINITY;
-    if (sum != sum) o = lse = sum;  // NaN in, NaN out
-    if (nan_rows) o = lse = NAN;
-    const int64_t t = (r0 + rr) / p.G, hq = hkv * p.G + (r0 + rr) % p.G;
-    if (p.nsplit == 1) {
-      float factor;
-      lse = add_sink(p, hq, lse, factor);
-      o *= factor;
-      static_cast<T*>(p.out)[b * p.os[0] + t * p.os[1] + hq * p.os[2] + d * p.os[3]] = from_f<T>(o);
-      if (d == 0) p.lse[b * p.ls[0] + hq * p.ls[1] + t * p.ls[2]] = lse;
-    } else {
-      const int64_t at = ((b * p.nsplit + split) * p.Sq + t) * p.Hq + hq;
-      p.part[at * p.D + d] = o;
-      if (d == 0) p.part_lse[at] = lse;
-    }
-  }
+  write_rows<T, kRows, false>(p, red, red_ml, p.D, b, hkv, split, r0, nr, bad || *holes);
 }
 
 // ---- split-KV: the merge -----------------------------------------------------------------------
