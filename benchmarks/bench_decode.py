@@ -366,6 +366,12 @@ def timed(fn, reps):
     return (time.perf_counter() - t) / reps
 
 
+def cuda_attention_kernel() -> str:
+    """The CUDA decode kernel's attention for 16-bit calls (csrc/cuda/decode.cu variant_of): "mma" (tensor
+    cores) when ATTN_BACKENDS_CUDA_DECODE_KERNEL=mma, else "lanes"; float32 calls take "lanes"."""
+    return "mma" if os.environ.get("ATTN_BACKENDS_CUDA_DECODE_KERNEL") == "mma" else "lanes"
+
+
 def as_graph(fn, calls):
     """fn called `calls` times (each on its own copy of the cache), captured in one CUDA graph: its
     replay runs the kernels without the host's per-call work (Python, dispatch, launch), as a decode
@@ -531,7 +537,7 @@ def main(argv=None):
             print(f"wrote {args.json}")
         return
     probe = read_bandwidth_probe()
-    where = (torch.cuda.get_device_name() if DEVICE == "cuda"
+    where = (f"{torch.cuda.get_device_name()}, attention kernel {cuda_attention_kernel()}" if DEVICE == "cuda"
              else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
                   f"CPU path {ab._C.cpu_isa()}, bfloat16 products {bf16_products()}")
     print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {where}"
@@ -568,6 +574,7 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(dict(machine=platform.platform(), processor=platform.processor(), device=DEVICE,
                            gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else None, graph=GRAPH,
+                           cuda_attention_kernel=cuda_attention_kernel() if DEVICE == "cuda" else None,
                            threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
                            bf16_products=bf16_products() if DEVICE == "cpu" else None,
                            date=time.strftime("%Y-%m-%d"), rounds=rounds, results=results, sweeps=sweeps), f, indent=1)

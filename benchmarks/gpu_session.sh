@@ -12,6 +12,11 @@
 #   bash benchmarks/gpu_session.sh kv         # the KV-cache tests on CUDA, then the decode benchmark call by
 #                                             # call and in CUDA graphs (with auto's route for an int
 #                                             # cache_seqlens beside torch): about 5 minutes
+#   bash benchmarks/gpu_session.sh mma        # the tensor-core decode attention (attend_mma_kernel, opt-in by
+#                                             # ATTN_BACKENDS_CUDA_DECODE_KERNEL=mma) against the default
+#                                             # one: KV-cache tests (both kernels), the decode benchmark in
+#                                             # CUDA graphs with each, memcheck and racecheck on the
+#                                             # tensor-core tests: about 7 minutes
 #   bash benchmarks/gpu_session.sh lease      # all of it, shortened, in one call of under 10 minutes:
 #                                             # CUDA tests (pytest-xdist), the decode benchmark (call
 #                                             # by call, in CUDA graphs, against cache length), HF
@@ -139,6 +144,24 @@ case "$what" in
       --json "$out/decode_cuda_graph.json" > "$out/decode_graph.log" 2>&1 || status=1
     tail -16 "$out/decode_graph.log"
     ;;
+  mma)
+    step "KV-cache tests on CUDA, both attention kernels (8 workers)"
+    OMP_NUM_THREADS=2 timeout -k 10 170 "$py" -m pytest -q -p no:cacheprovider -n 8 --timeout 100 -m cuda \
+      tests/test_kvcache_cuda_emu.py > "$out/tests_kv.log" 2>&1 || status=1
+    grep -E "^(FAILED|ERROR)|passed|failed|error" "$out/tests_kv.log" | tail -15
+    for kernel in lanes mma; do
+      step "decode benchmark in CUDA graphs, ATTN_BACKENDS_CUDA_DECODE_KERNEL=$kernel"
+      ATTN_BACKENDS_CUDA_DECODE_KERNEL=$kernel timeout -k 5 90 "$py" benchmarks/bench_decode.py --device cuda \
+        --rounds 5 --graph --json "$out/decode_cuda_graph_$kernel.json" > "$out/decode_graph_$kernel.log" 2>&1 \
+        || status=1
+      tail -9 "$out/decode_graph_$kernel.log"
+    done
+    step "memcheck and racecheck on the tensor-core decode tests"
+    OUT="$out" timeout -k 5 80 bash benchmarks/gpu_sanitize.sh memcheck -k "kvcache_cuda_emu and mma and not hf" \
+      || status=1
+    OUT="$out" timeout -k 5 80 bash benchmarks/gpu_sanitize.sh racecheck \
+      -k "kvcache_cuda_emu and mma and (split_and_unsplit or sinks)" || status=1
+    ;;
   hf)
     step "HF continuous batching"
     if "$py" -c "import transformers" 2> /dev/null; then
@@ -185,7 +208,7 @@ case "$what" in
     OUT="$out" timeout 540 bash benchmarks/gpu_sanitize.sh || status=1
     ;;
   *)
-    echo "gpu_session: unknown step '$what' (check, bench, bwd, sage, decode, kv, hf, sanitize, lease)" >&2
+    echo "gpu_session: unknown step '$what' (check, bench, bwd, sage, decode, kv, mma, hf, sanitize, lease)" >&2
     exit 2
     ;;
 esac

@@ -4,8 +4,9 @@ ab.attention_with_kvcache(backend="paged_attention"): through the CUDA emulator 
 (marked `cuda`, skipped without).  test_kvcache.py's cases and reference: out and lse against the
 float64 reference by the 2x rule, and against the CPU decode kernel (our error at most twice the CPU
 kernel's); the caches bit for bit where flash-attn writes them and bit for bit as the CPU kernel
-writes them (rotary included); split-KV on and off; every kernel variant the launcher can pick; the
-planner's route; bad input rejected with the CPU path's errors and nothing written."""
+writes them (rotary included); split-KV on and off; every kernel variant the launcher can pick, the
+tensor-core attention (attend_mma_kernel, ATTN_BACKENDS_CUDA_DECODE_KERNEL=mma) beside the default
+one; the planner's route; bad input rejected with the CPU path's errors and nothing written."""
 
 import logging
 import os
@@ -70,6 +71,36 @@ def decode(dev):
         switch_decode(decode_default())
 
 
+@pytest.fixture(autouse=True)
+def _lanes_unless_asked(monkeypatch):
+    """attend_kernel for every test here that does not ask for a kernel (`kernel`), whatever the
+    environment says: their split counts and launch labels are attend_kernel's."""
+    monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "lanes")
+
+
+@pytest.fixture(params=["lanes", "mma"])
+def kernel(request, monkeypatch):
+    """The attention kernel decode.cu launches for a 16-bit call (ATTN_BACKENDS_CUDA_DECODE_KERNEL, read
+    at every call): attend_kernel ("lanes", the default) or attend_mma_kernel ("mma", tensor cores).
+    float32 calls take attend_kernel either way."""
+    monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", request.param)
+    return request.param
+
+
+def same_kernel_twice(kernel, case) -> None:
+    if kernel == "mma" and case.dtype == F32:
+        pytest.skip("float32 calls take attend_kernel whatever the switch: the 'lanes' run is this one")
+
+
+def attended_by(dev, kernel, dtype):
+    """Checks, on the emulator, that the call since the launch log's reset ran the kernel asked for."""
+    if not dev.emulated:
+        return
+    ran = launched(emulator())
+    want = "attend_mma_kernel" if kernel == "mma" and dtype != F32 else "attend_kernel"
+    assert any(want in label and (want == "attend_mma_kernel" or "mma" not in label) for label in ran), ran
+
+
 def run(dev, call: Call, **extra):
     """call through paged_attention on dev's tensors; the caches written back into call's (CPU) ones."""
     kw = {k: dev(t) if isinstance(t, torch.Tensor) else t for k, t in call.kwargs().items()}
@@ -96,10 +127,14 @@ def cpu_kernel(dev, call: Call, **extra):
 
 
 @pytest.mark.parametrize("dev, case", both(CASES, CASES, name=str), indirect=["dev"])
-def test_matches_the_reference_and_the_cpu_kernel_and_writes_the_cache(decode, case, gen):
+def test_matches_the_reference_and_the_cpu_kernel_and_writes_the_cache(decode, kernel, case, gen):
+    same_kernel_twice(kernel, case)
     call = Call(case, gen)
     cpu_out, cpu_lse, cpu_caches = cpu_kernel(decode, call)
+    if decode.emulated:
+        emulator().ab_cuda_emu_reset_launch_log()
     out, lse = run(decode, call)
+    attended_by(decode, kernel, case.dtype)
     call.check(out, lse)  # the float64 rule, dead rows 0 / -inf, the caches where flash-attn writes
     ref_out, ref_lse = call.reference(torch.float64)
     check_2x("out against the CPU kernel", out, ref_out, cpu_out, 2, case.dtype)
@@ -108,7 +143,8 @@ def test_matches_the_reference_and_the_cpu_kernel_and_writes_the_cache(decode, c
 
 
 @pytest.mark.parametrize("dev, case", both(SPLIT_CASES, SPLIT_CASES, name=str), indirect=["dev"])
-def test_split_and_unsplit_agree(decode, case, gen):
+def test_split_and_unsplit_agree(decode, kernel, case, gen):
+    same_kernel_twice(kernel, case)
     call = Call(case, gen)
     outs = {}
     # 0: the launcher's choice from the SM count and the cache length; 70: more splits than a warp has
@@ -128,17 +164,19 @@ def test_split_and_unsplit_agree(decode, case, gen):
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("Sq", [2, 8])
 @pytest.mark.parametrize("where", NAN_PLACES)
-def test_nan_and_inf_reach_the_rows_that_see_them(decode, where, Sq, splits, dtype, gen):
-    # test_kvcache's NaN and inf case on the CUDA kernel.  It once turned a row whose every score was
-    # NaN (a NaN in q) into out 0, lse -inf: its max stayed -inf, so the warps' merge took it for a
-    # row that saw no key; it also made NaN of a row whose first visible score was -inf.
+def test_nan_and_inf_reach_the_rows_that_see_them(decode, kernel, where, Sq, splits, dtype, gen):
+    # test_kvcache's NaN and inf case on the CUDA kernels.  Both once turned a row whose every score
+    # was NaN (a NaN in q) into out 0, lse -inf: its max stayed -inf, so the warps' merge took it for
+    # a row that saw no key; attend_kernel also made NaN of a row whose first visible score was -inf.
+    if kernel == "mma" and dtype == F32:
+        pytest.skip("float32 calls take attend_kernel whatever the switch: the 'lanes' run is this one")
     check_nan_and_inf(where, Sq, splits, gen, dtype, decode, atol=1e-5 if dtype == F32 else 2e-2,
                       backend="paged_attention", strict=True)
 
 
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
-def test_every_kernel_variant_runs(decode, gen):
+def test_every_kernel_variant_runs(decode, gen, monkeypatch):
     lib = emulator()
     lib.ab_cuda_emu_reset_launch_log()
     names = {F16: "__half", BF16: "__nv_bfloat16", F32: "float"}
@@ -152,9 +190,35 @@ def test_every_kernel_variant_runs(decode, gen):
             expect.add(f"launch_attend<T = {names[dt]}, int kRows = {rows}>: attend_kernel<T, kRows>")
         expect.add(f"run<T = {names[dt]}>: append_kernel<T>")
         expect.add(f"run<T = {names[dt]}>: merge_kernel<T>")
+    # the tensor-core attention, 16-bit: head dims rounded up to 64, 128 and 256
+    monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "mma")
+    for dt in (F16, BF16):
+        for D, kd in ((16, 64), (72, 128), (136, 256)):
+            call = Call(KV(B=1, Sq=2, Hq=4, Hkv=2, D=D, S=70, snew=1, dtype=dt), gen)
+            call.check(*run(decode, call, num_splits=2))
+            expect.add(f"launch_attend_mma<T = {names[dt]}, int kD = {kd}>: attend_mma_kernel<T, kD>")
     ran = launched(lib)
     missing = sorted(e for e in expect if not any(e in label for label in ran))
     assert not missing, f"not launched: {missing}\nlaunched: {sorted(ran)}"
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dev", ["emu"], indirect=True)
+def test_the_tensor_core_attention_needs_the_shared_memory_of_its_stages(decode, gen, monkeypatch):
+    # head dim 256 takes 135 KiB a block: an sm_86 gives 99 KiB, so attend_kernel serves the call there
+    # (head dims up to 128 take 78 KiB and keep attend_mma_kernel)
+    monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "mma")
+    lib = emulator()
+    lib.ab_cuda_emu_set_device_cc(86)
+    try:
+        for D, want in ((136, "attend_kernel"), (128, "attend_mma_kernel")):
+            lib.ab_cuda_emu_reset_launch_log()
+            call = Call(KV(B=1, Sq=1, Hq=4, Hkv=2, D=D, S=40, snew=1, dtype=BF16), gen)
+            call.check(*run(decode, call))
+            ran = launched(lib)
+            assert any(want in label and (want != "attend_kernel" or "mma" not in label) for label in ran), ran
+    finally:
+        lib.ab_cuda_emu_set_device_cc(80)
 
 
 @pytest.mark.cuda_emu
@@ -196,16 +260,17 @@ def test_the_emulation_routes_paged_attention_and_says_so(decode, gen, caplog):
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
 @pytest.mark.parametrize("block", [None, 16])
-def test_sinks_run_in_the_cuda_kernel_split_or_not(decode, block, gen):
+def test_sinks_run_in_the_cuda_kernel_split_or_not(decode, kernel, block, gen):
     # the CUDA decode kernel takes sinks (csrc/ab_registry.c CUDA_DECODE): the sink joins each row once, where
     # the unsplit attention writes it or after the split-KV merge; a strict call runs the kernel
     lib = emulator()
-    call = Call(KV(B=2, Sq=2, Hq=4, Hkv=2, D=16, S=40, block=block, snew=1, causal=True, sinks=True), gen)
+    call = Call(KV(B=2, Sq=2, Hq=4, Hkv=2, D=16, S=40, block=block, snew=1, causal=True, sinks=True, dtype=BF16),
+                gen)
     for splits in (1, 3):
         lib.ab_cuda_emu_reset_launch_log()
         call.check(*run(decode, call.reset(), num_splits=splits))
         ran = launched(lib)
-        assert any("attend_kernel" in label for label in ran), ran
+        attended_by(decode, kernel, BF16)
         assert any("merge_kernel" in label for label in ran) == (splits > 1), ran
 
 
@@ -262,7 +327,7 @@ UNCHECKED = [
                                  pytest.param("cuda", marks=pytest.mark.cuda)], indirect=True)
 @pytest.mark.parametrize("what,over,bad", UNCHECKED, ids=[u[0] for u in UNCHECKED])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_unchecked_index_values_make_their_rows_nan(decode, what, over, bad, splits, gen, monkeypatch):
+def test_unchecked_index_values_make_their_rows_nan(decode, kernel, what, over, bad, splits, gen, monkeypatch):
     # index values on the GPU are not read back (no synchronisation per call): the kernel bounds them.
     # A batch row with values out of range writes nothing into the cache, and its out and lse are NaN;
     # the other rows are what a call of the other rows alone gives, bit for bit, caches included.
@@ -272,6 +337,8 @@ def test_unchecked_index_values_make_their_rows_nan(decode, what, over, bad, spl
         monkeypatch.setattr(ab._kvcache, "host_rows", lambda c: None)
     call, args = _base(gen)
     args.update(over(call))
+    if kernel == "mma":  # attend_mma_kernel takes 16-bit calls
+        args.update({k: args[k].to(BF16) for k in ("q", "k", "v", "k_cache", "v_cache")})
     good = [b for b in range(2) if b not in bad]
 
     def run_on(a):

@@ -1,7 +1,8 @@
 // decode.cu -- attention against a KV cache on CUDA (flash_attn_with_kvcache semantics,
-// docs/decode.md): the launcher of the decode kernels (decode_kernel.cuh).  It checks the call's
-// shapes, dtypes, devices and layouts, fills DecodeParams once, picks the rows per block and the
-// split count, and launches the cache write, the attention and (split-KV) the merge on the stream.
+// docs/decode.md): the launcher of the decode kernels (decode_kernel.cuh, decode_mma_kernel.cuh).
+// It checks the call's shapes, dtypes, devices and layouts, picks the attention kernel (variant_of),
+// fills DecodeParams once, picks the rows per block and the split count, and launches the cache
+// write, the attention and (split-KV) the merge on the stream.
 //
 // The values of the index tensors (cache_seqlens, cache_leftpad, cache_batch_idx, block_table) live
 // on the device: the caller checks them on the host first (attn_backends/_kvcache.py host_rows, the
@@ -12,11 +13,14 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include <initializer_list>
 
 #include "ab_cuda_internal.h"
 #include "decode_kernel.cuh"
+#include "decode_mma_kernel.cuh"
 #include "../cpu/decode_cpu.h"
 
 namespace {
@@ -37,20 +41,52 @@ int64_t capacity(const ab_kvcache_params* p) {
   return paged(p) ? p->block_table.sizes[1] * p->k_cache.sizes[1] : p->k_cache.sizes[1];
 }
 
-int rows_per_block(const ab_kvcache_params* p) {
+// The attention kernel of a call: attend_kernel (one lane per 8 elements of a key row, float32
+// arithmetic) or attend_mma_kernel (tensor cores, 16-bit caches only).  attend_mma_kernel is opt-in
+// until a GPU has timed it: ATTN_BACKENDS_CUDA_DECODE_KERNEL=mma, read at every call, asks for it
+// (any other value, or none, keeps attend_kernel).  A device whose shared memory per block is too
+// small for its stages keeps attend_kernel too.
+enum class Variant { kLanes, kMma };
+
+int mma_head_dim(int64_t D) { return D <= 64 ? 64 : D <= 128 ? 128 : 256; }
+
+size_t mma_smem_for(int64_t D) {
+  const int kd = mma_head_dim(D);
+  return kd == 64 ? mma_smem_bytes(64, MmaStages<64>::value)
+                  : kd == 128 ? mma_smem_bytes(128, MmaStages<128>::value) : mma_smem_bytes(256, MmaStages<256>::value);
+}
+
+Variant variant_of(const ab_kvcache_params* p) {
+  if (p->q.dtype != AB_DTYPE_F16 && p->q.dtype != AB_DTYPE_BF16) return Variant::kLanes;
+  const char* e = getenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL");
+  if (e == nullptr || strcmp(e, "mma") != 0) return Variant::kLanes;
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+    return Variant::kLanes;
+  return (size_t)optin >= mma_smem_for(p->D) ? Variant::kMma : Variant::kLanes;
+}
+
+int rows_per_block(const ab_kvcache_params* p, Variant v) {
+  if (v == Variant::kMma) return kMmaRows;
   const int64_t rows = p->Sq * (p->Hq / p->Hkv);
   return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : kMaxRows;
 }
 
-int64_t row_tiles(const ab_kvcache_params* p) {
-  const int kr = rows_per_block(p);
+int64_t row_tiles(const ab_kvcache_params* p, Variant v) {
+  const int kr = rows_per_block(p, v);
   return (p->Sq * (p->Hq / p->Hkv) + kr - 1) / kr;
 }
 
 // Splits of each row's key range: num_splits when given, else enough to give every SM kBlocksPerSM
 // blocks when (batch, KV head, row tile) blocks are fewer, each split keeping kMinSplitKeys keys of
-// the cache's capacity.
-ab_status split_count(const ab_kvcache_params* p, int64_t* nsplit, ab_error* err) {
+// the cache's capacity.  attend_mma_kernel's blocks hold 70-135 KiB of shared memory, so an SM runs
+// two or three of them at once: it aims for kMmaBlocksPerSM, with at least kMmaMinSplitKeys keys
+// (four of its tiles) a split.
+constexpr int64_t kMmaBlocksPerSM = 2;
+constexpr int64_t kMmaMinSplitKeys = 4 * kMmaKeys;
+
+ab_status split_count(const ab_kvcache_params* p, Variant v, int64_t* nsplit, ab_error* err) {
   if (p->num_splits > 0) {
     *nsplit = p->num_splits < kMaxSplits ? p->num_splits : kMaxSplits;
     return AB_OK;
@@ -61,12 +97,12 @@ ab_status split_count(const ab_kvcache_params* p, int64_t* nsplit, ab_error* err
   st = ab_cuda_check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "cudaDeviceGetAttribute",
                      err);
   if (st != AB_OK) return st;
-  const int64_t blocks = p->B * p->Hkv * row_tiles(p);
+  const int64_t blocks = p->B * p->Hkv * row_tiles(p, v);
   int64_t n = 1;
-  const int64_t want = kBlocksPerSM * sms;
+  const int64_t want = (v == Variant::kMma ? kMmaBlocksPerSM : kBlocksPerSM) * sms;
   if (blocks > 0 && blocks < want) {
     n = (want + blocks - 1) / blocks;
-    const int64_t most = capacity(p) / kMinSplitKeys;
+    const int64_t most = capacity(p) / (v == Variant::kMma ? kMmaMinSplitKeys : kMinSplitKeys);
     n = n < most ? n : most;
   }
   *nsplit = n < 1 ? 1 : n > kMaxSplits ? kMaxSplits : n;
@@ -190,7 +226,7 @@ bool q_per_token(const ab_kvcache_params* p) {
   return p->causal || (p->window_left >= 0 && p->window_left < cap) || (p->window_right >= 0 && p->window_right < cap);
 }
 
-DecodeParams fill_params(const ab_kvcache_params* p, int64_t nsplit, void* workspace) {
+DecodeParams fill_params(const ab_kvcache_params* p, Variant v, int64_t nsplit, void* workspace) {
   DecodeParams d{};
   d.B = p->B;
   d.Sq = p->Sq;
@@ -199,7 +235,7 @@ DecodeParams fill_params(const ab_kvcache_params* p, int64_t nsplit, void* works
   d.D = p->D;
   d.G = p->Hq / p->Hkv;
   d.rows = p->Sq * d.G;
-  d.row_tiles = row_tiles(p);
+  d.row_tiles = row_tiles(p, v);
   d.nsplit = nsplit;
   d.q = p->q.data;
   for (int i = 0; i < 4; ++i) d.qs[i] = p->q.strides[i];
@@ -277,18 +313,38 @@ ab_status launch_attend(const DecodeParams& d, cudaStream_t stream, ab_error* er
   return ab_cuda_check(cudaGetLastError(), "kvcache_fwd attention launch", err);
 }
 
+template <typename T, int kD>
+ab_status launch_attend_mma(const DecodeParams& d, cudaStream_t stream, ab_error* err) {
+  constexpr size_t smem = mma_smem_bytes(kD, MmaStages<kD>::value);
+  TRY(ab_flash::prepare_smem(attend_mma_kernel<T, kD>, smem, "paged_attention", kD, err));
+  const dim3 grid((unsigned)(d.nsplit * d.B), (unsigned)(d.Hkv * d.row_tiles));
+  AB_LAUNCH(grid, kThreads, smem, stream, attend_mma_kernel<T, kD>)(d);
+  return ab_cuda_check(cudaGetLastError(), "kvcache_fwd attention launch", err);
+}
+
 template <typename T>
-ab_status run(const ab_kvcache_params* p, const DecodeParams& d, cudaStream_t stream, ab_error* err) {
+ab_status run(const ab_kvcache_params* p, Variant v, const DecodeParams& d, cudaStream_t stream, ab_error* err) {
   if (d.snew > 0 && d.B > 0) {
     AB_LAUNCH(dim3((unsigned)d.snew, (unsigned)d.B), kThreads, 0, stream, append_kernel<T>)(d);
     TRY(ab_cuda_check(cudaGetLastError(), "kvcache_fwd cache write launch", err));
   }
   if (d.B == 0 || d.rows == 0) return AB_OK;
-  switch (rows_per_block(p)) {
-    case 1: TRY((launch_attend<T, 1>(d, stream, err))); break;
-    case 2: TRY((launch_attend<T, 2>(d, stream, err))); break;
-    case 4: TRY((launch_attend<T, 4>(d, stream, err))); break;
-    default: TRY((launch_attend<T, kMaxRows>(d, stream, err))); break;
+  if constexpr (sizeof(T) == 2) {
+    if (v == Variant::kMma) {
+      switch (mma_head_dim(d.D)) {
+        case 64: TRY((launch_attend_mma<T, 64>(d, stream, err))); break;
+        case 128: TRY((launch_attend_mma<T, 128>(d, stream, err))); break;
+        default: TRY((launch_attend_mma<T, 256>(d, stream, err))); break;
+      }
+    }
+  }
+  if (v == Variant::kLanes) {
+    switch (rows_per_block(p, v)) {
+      case 1: TRY((launch_attend<T, 1>(d, stream, err))); break;
+      case 2: TRY((launch_attend<T, 2>(d, stream, err))); break;
+      case 4: TRY((launch_attend<T, 4>(d, stream, err))); break;
+      default: TRY((launch_attend<T, kMaxRows>(d, stream, err))); break;
+    }
   }
   if (d.nsplit > 1) {
     const int64_t n = d.B * d.Sq * d.Hq, most = 1 << 20;  // grid-stride beyond this
@@ -303,26 +359,27 @@ ab_status run(const ab_kvcache_params* p, const DecodeParams& d, cudaStream_t st
 extern "C" size_t ab_cuda_kvcache_workspace(const ab_kvcache_params* p) {
   ab_error ignored;
   int64_t nsplit = 1;
-  if (check_call(p, &ignored) != AB_OK || split_count(p, &nsplit, &ignored) != AB_OK) return 0;
+  if (check_call(p, &ignored) != AB_OK || split_count(p, variant_of(p), &nsplit, &ignored) != AB_OK) return 0;
   return workspace_for(p, nsplit);
 }
 
 extern "C" ab_status ab_cuda_kvcache_fwd(const ab_kvcache_params* p, void* workspace, size_t workspace_bytes,
                                          void* stream, ab_error* err) {
   TRY(check_call(p, err));
-  if (p->B > 65535 || p->Hkv * row_tiles(p) > 65535)
+  const Variant v = variant_of(p);
+  if (p->B > 65535 || p->Hkv * row_tiles(p, v) > 65535)
     return ab_error_set(err, AB_ERR_UNSUPPORTED, "the CUDA decode kernel takes B and Hkv * query tiles up to 65535");
   int64_t nsplit = 1;
-  TRY(split_count(p, &nsplit, err));
+  TRY(split_count(p, v, &nsplit, err));
   const size_t need = workspace_for(p, nsplit);
   if (workspace_bytes < need || (need > 0 && workspace == nullptr))
     return ab_error_set(err, AB_ERR_INVALID, "the CUDA decode kernel needs %zu bytes of workspace, got %zu", need,
                         workspace_bytes);
-  const DecodeParams d = fill_params(p, nsplit, workspace);
+  const DecodeParams d = fill_params(p, v, nsplit, workspace);
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (p->q.dtype) {
-    case AB_DTYPE_F16: return run<__half>(p, d, s, err);
-    case AB_DTYPE_BF16: return run<__nv_bfloat16>(p, d, s, err);
-    default: return run<float>(p, d, s, err);
+    case AB_DTYPE_F16: return run<__half>(p, v, d, s, err);
+    case AB_DTYPE_BF16: return run<__nv_bfloat16>(p, v, d, s, err);
+    default: return run<float>(p, v, d, s, err);
   }
 }

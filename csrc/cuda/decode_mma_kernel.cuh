@@ -1,0 +1,308 @@
+// decode_mma_kernel.cuh -- the KV-cache attention on tensor cores (docs/decode.md, "The CUDA
+// kernel"): attend_mma_kernel, for float16 and bfloat16 caches, the same call and semantics as
+// attend_kernel (decode_kernel.cuh), whose cache write, split merge, row checks and epilogue it
+// shares.  Included by decode.cu only, which picks one of the two per call.
+//
+// One block of 4 warps per (split of the key range, KV head and tile of 16 query rows, batch row),
+// as attend_kernel's blocks.  The 16 query rows (tokens x the query heads of the KV head; rows past
+// the call's are zeros) are one m16 tile; the keys stream through shared memory in tiles of
+// kMmaKeys = 64 by cp.async, kStages tiles deep, so that kStages - 1 tiles are in flight while one
+// is computed whatever the registers hold (the bytes in flight set a decode step's speed).  Each
+// warp takes 16 keys of a tile: S = Q K^T is two m16n8 accumulators (mma.sync m16n8k16, fp32
+// accumulation), the online softmax runs on them in registers, and O += P V is one k16 step of
+// mma over the head dim.  The warps keep their own (max, sum, O) and merge once at the end
+// (write_rows).  No shuffle sums a score and no lane repeats another's softmax: the arithmetic per
+// key is a few tensor-core instructions, where attend_kernel's lanes summed every score over 16
+// lanes and each repeated the softmax's scalar steps (decode.md: 16-bit decode was bound by that).
+//
+// Precision: the products take 16-bit operands, as torch's and flash-attn's kernels do, but the
+// operands that are not the cache's own values are split in two, hi + lo (hi = x rounded to 16
+// bits, lo = the rest rounded), and both halves multiplied: P for O += P V always, and the rotated
+// queries (queries without rotary are the caller's 16-bit values, exact).  Everything else is
+// float32, as in attend_kernel; the scale multiplies the float32 score.
+//
+// Opt-in until a GPU has timed it (decode.cu variant_of: ATTN_BACKENDS_CUDA_DECODE_KERNEL=mma); the
+// CUDA emulator runs it in every CI run.
+#ifndef AB_DECODE_MMA_KERNEL_CUH
+#define AB_DECODE_MMA_KERNEL_CUH
+
+#include "decode_kernel.cuh"
+#include "flash_common.cuh"
+
+namespace {
+
+constexpr int kMmaRows = 16;  // query rows per block: one m16 tile
+constexpr int kMmaKeys = 64;  // keys per tile: 16 per warp
+static_assert(kMmaKeys == 16 * kWarps, "each warp takes 16 keys of a tile");
+
+// Tiles in shared memory at once (kStages - 1 in flight while one is computed): 4 at head dim 64
+// and 2 at 128, 78 KiB a block, which every sm_80+ device gives (sm_86 and sm_89: 99 KiB); 2 at 256,
+// 135 KiB, which sm_80 and sm_90 give (decode.cu keeps attend_kernel where a device gives less).
+// Two 128-dim blocks of an SM keep two tiles, 70 KiB, in flight between them.
+template <int kD> struct MmaStages {
+  static constexpr int value = kD <= 64 ? 4 : 2;
+};
+
+// Dynamic shared memory: the K and V stages, then Q (hi, lo), then one int; after the key loop the
+// warps' (O, max, sum) reuse the stages (mma_smem_bytes checks they fit).
+__host__ __device__ constexpr size_t mma_stage_bytes(int kD, int stages) {
+  return (size_t)stages * 2 * kMmaKeys * (kD + ab_flash::kSmemPad) * 2;
+}
+__host__ __device__ constexpr size_t mma_smem_bytes(int kD, int stages) {
+  return mma_stage_bytes(kD, stages) + (size_t)2 * kMmaRows * (kD + ab_flash::kSmemPad) * 2 + 16;
+}
+
+// hi and lo halves of a pair (lower column first): hi = (x0, x1) rounded to T, lo = the remainders
+// rounded to T; hi + lo holds about 16 significant bits.
+template <typename T>
+__device__ __forceinline__ void split_pack(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const T h0 = from_f<T>(x0), h1 = from_f<T>(x1);
+  hi = ab_flash::MmaOps<T>::pack(to_f(h0), to_f(h1));
+  lo = ab_flash::MmaOps<T>::pack(x0 - to_f(h0), x1 - to_f(h1));
+}
+
+// grid (nsplit * B, Hkv * row_tiles) with row_tiles = ceil(rows / 16), kThreads threads, dynamic
+// shared memory mma_smem_bytes(kD, MmaStages<kD>).  kD: the head dim rounded up to 64, 128 or 256
+// (columns past D are zeros in Q, K and V).  Index values out of range, and keys in blocks the
+// table does not name, make rows NaN as in attend_kernel.
+template <typename T, int kD>
+__global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams p) {
+  using Ops = ab_flash::MmaOps<T>;
+  constexpr int kStages = MmaStages<kD>::value;
+  constexpr int kLd = kD + ab_flash::kSmemPad;  // padded rows: ldmatrix without bank conflicts
+  constexpr uint32_t kRowBytes = kLd * sizeof(T);
+  constexpr int kDT = kD / 8;                   // n8 tiles of O over the head dim
+  constexpr int kChunks = kD / 8;               // 16-byte chunks of a row
+  static_assert(sizeof(T) == 2, "16-bit caches");
+  static_assert(kD % 32 == 0 && (kD / 8) % 2 == 0, "ldmatrix.x4 pairs and the odd padded row stride");
+  static_assert(2 * kMmaKeys == kThreads, "two threads copy each key of a tile");
+  static_assert(mma_stage_bytes(kD, kStages) >= sizeof(float) * kWarps * kMmaRows * (kD + 2),
+                "the warps' partial results fit where the stages were");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);  // (kStages, kMmaKeys, kLd)
+  T* sV = sK + kStages * kMmaKeys * kLd;
+  T* sQ = sV + kStages * kMmaKeys * kLd;   // (kMmaRows, kLd) hi, then lo
+  T* sQlo = sQ + kMmaRows * kLd;
+  int* holes = reinterpret_cast<int*>(sQlo + kMmaRows * kLd);
+
+  const int64_t split = blockIdx.x % p.nsplit, b = blockIdx.x / p.nsplit;
+  const int64_t hkv = blockIdx.y / p.row_tiles, r0 = (blockIdx.y % p.row_tiles) * kMmaRows;
+  const int64_t nr = lmin(kMmaRows, p.rows - r0);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  Row r = row_of(p, b);
+  const bool bad = !r.ok;
+  if (bad) r.seq = r.lo = r.end = r.row = 0;  // no keys
+  const int64_t shift = r.end - p.Sq;         // query token t sits at position t + shift
+
+  // the queries, rotated at their positions (not scaled), as hi and lo halves; zeros past the rows
+  // and past D.  Unrotated queries are q's own 16-bit values: lo is 0 and its products are skipped.
+  const bool q_split = p.rot_half > 0;
+  const T* qd = static_cast<const T*>(p.q);
+  for (int e = tid; e < kMmaRows * kD; e += kThreads) {
+    const int rr = e / kD, d = e % kD;
+    float x = 0.0f;
+    if (rr < nr && d < p.D) {
+      const int64_t tq = (r0 + rr) / p.G, hq = hkv * p.G + (r0 + rr) % p.G;
+      const int64_t base = b * p.qs[0] + tq * p.qs[1] + hq * p.qs[2];
+      auto at = [&](int64_t i) { return to_f(qd[base + i * p.qs[3]]); };
+      x = q_split ? rotated(p, r.seq + (p.q_per_token ? tq : 0), d, at) : at(d);
+    }
+    const T hi = from_f<T>(x);
+    sQ[rr * kLd + d] = hi;
+    sQlo[rr * kLd + d] = from_f<T>(x - to_f(hi));
+  }
+  if (tid == 0) *holes = 0;
+  __syncthreads();  // holes is 0 before any copy can set it
+
+  // the keys any row of the tile sees (causal and window bottom-right), and this split's share
+  const int64_t first = r0 / p.G + shift, last = (r0 + nr - 1) / p.G + shift;
+  int64_t klo = r.lo, khi = r.end;
+  if (p.causal) khi = lmin(khi, last + 1);
+  if (p.wr >= 0) khi = lmin(khi, last + p.wr + 1);
+  if (p.wl >= 0) klo = lmax(klo, first - p.wl);
+  khi = lmax(khi, klo);
+  const int64_t per = (khi - klo + p.nsplit - 1) / p.nsplit;
+  const int64_t ks = lmin(khi, klo + split * per), ke = lmin(khi, ks + per);
+  const int64_t ntiles = (ke - ks + kMmaKeys - 1) / kMmaKeys;
+
+  // this lane's rows g and g + 8: visible keys [vlo, vhi) as offsets from ks, position (ALiBi)
+  int vlo[2], vhi[2], ipos[2];
+  float slope[2], row_m[2], row_l[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int rr = g + 8 * h;
+    const int64_t hq = hkv * p.G + (r0 + rr) % p.G;
+    const int64_t i = (r0 + rr) / p.G + shift;
+    int64_t lo = ks, hi = ke;
+    if (p.causal) hi = lmin(hi, i + 1);
+    if (p.wr >= 0) hi = lmin(hi, i + p.wr + 1);
+    if (p.wl >= 0) lo = lmax(lo, i - p.wl);
+    if (rr >= nr || hi < lo) hi = lo;
+    vlo[h] = (int)(lo - ks);
+    vhi[h] = (int)(hi - ks);
+    ipos[h] = (int)lmin(lmax(i - ks, -((int64_t)1 << 30)), (int64_t)1 << 30);  // ALiBi distances stay exact
+    slope[h] = p.alibi != nullptr && rr < nr ? p.alibi[b * p.alibi_sb + hq * p.alibi_sh] : 0.0f;
+    row_m[h] = -INFINITY;  // base-2 units
+    row_l[h] = 0.0f;       // this lane's part of the row's sum
+  }
+  float o[kDT][4];
+#pragma unroll
+  for (int dt = 0; dt < kDT; ++dt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[dt][e] = 0.0f;
+
+  // Copy of tile i into stage st: two threads per key, each with every other 16-byte chunk of the
+  // key's K and V rows, one block-table lookup per thread.  Keys past the split's end, and keys in
+  // a block the table does not name (a hole: the rows become NaN), are zero-filled.
+  const T* kc = static_cast<const T*>(p.kc);
+  const T* vc = static_cast<const T*>(p.vc);
+  const int my_key = tid >> 1, my_half = tid & 1;
+  auto load_tile = [&](int64_t i, int st) {
+    const int64_t j = ks + i * kMmaKeys + my_key;
+    int64_t ko = -1, vo = -1;
+    if (j < ke) {
+      const Slot sl = slot_of(p, b, r.row, j);
+      ko = slot_off(sl, p.ks, hkv);
+      vo = slot_off(sl, p.vs, hkv);
+      if (ko < 0 || vo < 0) *holes = 1;
+    }
+    const bool have = ko >= 0 && vo >= 0;
+    T* dk = sK + (st * kMmaKeys + my_key) * kLd;
+    T* dv = sV + (st * kMmaKeys + my_key) * kLd;
+#pragma unroll
+    for (int c = my_half; c < kChunks; c += 2) {
+      const bool valid = have && c * 8 < p.D;
+      ab_flash::cp_async_16(ab_flash::smem_u32(dk + c * 8), valid ? kc + ko + c * 8 : kc, valid);
+      ab_flash::cp_async_16(ab_flash::smem_u32(dv + c * 8), valid ? vc + vo + c * 8 : vc, valid);
+    }
+  };
+
+  // ldmatrix addresses of this lane (flash_fwd_kernel.cuh has the fragment layouts): Q as the A
+  // operand; this warp's 16 keys of K as S's B operand (two n8 tiles of keys per k16 step of the
+  // head dim); its 16 keys of V as O's B operand, .trans (two n8 tiles of the head dim per load).
+  const int mi = lane >> 3, mr = lane & 7;
+  const uint32_t q_addr = ab_flash::smem_u32(sQ + (mr + (mi & 1) * 8) * kLd + (mi >> 1) * 8);
+  const uint32_t qlo_addr = q_addr + kMmaRows * kRowBytes;
+  const uint32_t k_addr0 = ab_flash::smem_u32(sK + (warp * 16 + mr + (mi >> 1) * 8) * kLd + (mi & 1) * 8);
+  const uint32_t v_addr0 = ab_flash::smem_u32(sV + (warp * 16 + mr + (mi & 1) * 8) * kLd + (mi >> 1) * 8);
+  constexpr uint32_t kStageBytes = kMmaKeys * kRowBytes;
+
+#pragma unroll 1
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < ntiles) load_tile(st, st);
+    ab_flash::cp_async_commit();  // committed even when empty: the waits below count groups
+  }
+#pragma unroll 1
+  for (int64_t i = 0; i < ntiles; ++i) {
+    ab_flash::cp_async_wait<kStages - 2>();  // tile i has landed (this thread's copies) ...
+    __syncthreads();  // ... and every thread's; every warp is done with tile i - 1 (and Q is written)
+    if (i + kStages - 1 < ntiles) load_tile(i + kStages - 1, (int)((i + kStages - 1) % kStages));
+    ab_flash::cp_async_commit();
+    const uint32_t soff = (uint32_t)(i % kStages) * kStageBytes;
+
+    // S = Q K^T for this warp's 16 keys: s[nt] holds rows g, g + 8 and keys 8 nt + 2t, + 1
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[nt][e] = 0.0f;
+#pragma unroll 4
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      uint32_t qa[4], kb[4];
+      ab_flash::ldmatrix_x4(qa, q_addr + kk * 32);
+      ab_flash::ldmatrix_x4(kb, k_addr0 + soff + kk * 32);
+      Ops::mma(s[0], qa, kb[0], kb[1]);
+      Ops::mma(s[1], qa, kb[2], kb[3]);
+      if (q_split) {
+        ab_flash::ldmatrix_x4(qa, qlo_addr + kk * 32);
+        Ops::mma(s[0], qa, kb[0], kb[1]);
+        Ops::mma(s[1], qa, kb[2], kb[3]);
+      }
+    }
+
+    // scores as attend_kernel takes them (scale, softcap, ALiBi, in float32), then base 2; keys a
+    // row does not see are -inf.  The online softmax per row, the row's max shared by its 4 lanes.
+    const int jw = (int)(i * kMmaKeys) + warp * 16;  // this warp's first key, from ks
+    uint32_t phi[2][2], plo[2][2];  // [nt][h]: the (keys 2t, 2t + 1) pair of row g + 8 h
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = row_m[h];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          const int j = jw + 8 * nt + 2 * t + (e & 1);
+          float x = s[nt][e] * p.scale;
+          if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
+          if (p.alibi != nullptr) x -= slope[h] * fabsf((float)(ipos[h] - j));
+          x = j >= vlo[h] && j < vhi[h] ? x * ab_flash::kLog2e : -INFINITY;
+          s[nt][e] = x;
+          mx = fmaxf(mx, x);
+        }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // a row that has seen no key yet keeps the reference 0: 2^(-inf - 0) = 0, not NaN; a NaN
+      // score is skipped by fmaxf and makes the sum NaN (NaN in, NaN out)
+      const float ref = mx == -INFINITY ? 0.0f : mx;
+      const float alpha = ab_flash::fast_exp2(row_m[h] - ref);
+      row_m[h] = mx;
+      float sum = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float p0 = ab_flash::fast_exp2(s[nt][2 * h] - ref), p1 = ab_flash::fast_exp2(s[nt][2 * h + 1] - ref);
+        sum += p0 + p1;
+        split_pack<T>(p0, p1, phi[nt][h], plo[nt][h]);
+      }
+      row_l[h] = row_l[h] * alpha + sum;
+#pragma unroll
+      for (int dt = 0; dt < kDT; ++dt) {
+        o[dt][2 * h] *= alpha;
+        o[dt][2 * h + 1] *= alpha;
+      }
+    }
+
+    // O += P V over this warp's 16 keys: P's A fragment is S's accumulator layout (fwd_common.cuh
+    // pv_tile), once for hi and once for lo
+    const uint32_t pa_hi[4] = {phi[0][0], phi[0][1], phi[1][0], phi[1][1]};
+    const uint32_t pa_lo[4] = {plo[0][0], plo[0][1], plo[1][0], plo[1][1]};
+#pragma unroll
+    for (int dp = 0; dp < kDT / 2; ++dp) {
+      uint32_t vb[4];
+      ab_flash::ldmatrix_x4_trans(vb, v_addr0 + soff + dp * 16 * (uint32_t)sizeof(T));
+      Ops::mma(o[2 * dp], pa_hi, vb[0], vb[1]);
+      Ops::mma(o[2 * dp + 1], pa_hi, vb[2], vb[3]);
+      Ops::mma(o[2 * dp], pa_lo, vb[0], vb[1]);
+      Ops::mma(o[2 * dp + 1], pa_lo, vb[2], vb[3]);
+    }
+  }
+  ab_flash::cp_async_wait<0>();
+  __syncthreads();  // no warp reads a stage any more, and no copy into one is pending
+
+  // the warps' (O, max, sum) where the stages were, then merged and written (write_rows)
+  float* red = reinterpret_cast<float*>(smem_raw);  // (kWarps, kMmaRows, kD)
+  float* red_ml = red + kWarps * kMmaRows * kD;     // (kWarps, kMmaRows, 2)
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float l = row_l[h];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    const int rr = g + 8 * h;
+#pragma unroll
+    for (int dt = 0; dt < kDT; ++dt) {
+      red[(warp * kMmaRows + rr) * kD + 8 * dt + 2 * t] = o[dt][2 * h];
+      red[(warp * kMmaRows + rr) * kD + 8 * dt + 2 * t + 1] = o[dt][2 * h + 1];
+    }
+    if (t == 0) {
+      red_ml[(warp * kMmaRows + rr) * 2] = row_m[h];
+      red_ml[(warp * kMmaRows + rr) * 2 + 1] = l;
+    }
+  }
+  __syncthreads();
+  write_rows<T, kMmaRows, true>(p, red, red_ml, kD, b, hkv, split, r0, nr, bad || *holes);
+}
+
+}  // namespace
+
+#endif  // AB_DECODE_MMA_KERNEL_CUH
