@@ -200,6 +200,51 @@ __device__ __forceinline__ int64_t cache_off(const DecodeParams& p, const int64_
 __device__ __forceinline__ int64_t lmin(int64_t a, int64_t b) { return a < b ? a : b; }
 __device__ __forceinline__ int64_t lmax(int64_t a, int64_t b) { return a > b ? a : b; }
 
+// The keys [ks, ke) of split `split` that any row of the tile [r0, r0 + nr) sees (causal and window
+// bottom-right: query token t sits at position t + shift, shift = r.end - Sq).
+struct KeyRange {
+  int64_t ks, ke;
+};
+
+__device__ __forceinline__ KeyRange split_keys(const DecodeParams& p, const Row& r, int64_t r0, int64_t nr,
+                                               int64_t split) {
+  const int64_t shift = r.end - p.Sq;
+  const int64_t first = r0 / p.G + shift, last = (r0 + nr - 1) / p.G + shift;
+  int64_t klo = r.lo, khi = r.end;
+  if (p.causal) khi = lmin(khi, last + 1);
+  if (p.wr >= 0) khi = lmin(khi, last + p.wr + 1);
+  if (p.wl >= 0) klo = lmax(klo, first - p.wl);
+  khi = lmax(khi, klo);
+  const int64_t per = (khi - klo + p.nsplit - 1) / p.nsplit;
+  const int64_t ks = lmin(khi, klo + split * per);
+  return KeyRange{ks, lmin(khi, ks + per)};
+}
+
+// One query row's share of the split [ks, ke): its visible keys [vlo, vhi) and its position (for
+// ALiBi) as offsets from ks, and its ALiBi slope.  row = t * G + g (token t, query head hkv * G + g);
+// a row past the call's (real false) sees nothing.
+struct RowKeys {
+  int vlo, vhi, ipos;
+  float slope;
+};
+
+__device__ __forceinline__ RowKeys row_keys(const DecodeParams& p, const Row& r, int64_t b, int64_t hkv, int64_t row,
+                                            bool real, const KeyRange& kr) {
+  const int64_t hq = hkv * p.G + row % p.G;
+  const int64_t i = row / p.G + r.end - p.Sq;
+  int64_t lo = kr.ks, hi = kr.ke;
+  if (p.causal) hi = lmin(hi, i + 1);
+  if (p.wr >= 0) hi = lmin(hi, i + p.wr + 1);
+  if (p.wl >= 0) lo = lmax(lo, i - p.wl);
+  if (!real || hi < lo) hi = lo;
+  RowKeys k;
+  k.vlo = (int)(lo - kr.ks);
+  k.vhi = (int)(hi - kr.ks);
+  k.ipos = (int)lmin(lmax(i - kr.ks, -((int64_t)1 << 30)), (int64_t)1 << 30);  // ALiBi distances stay exact
+  k.slope = p.alibi != nullptr && real ? p.alibi[b * p.alibi_sb + hq * p.alibi_sh] : 0.0f;
+  return k;
+}
+
 // ---- the cache write ---------------------------------------------------------------------------
 
 // grid (snew, B): one new token of one batch row per block, the threads over its Hkv * D elements.
@@ -386,7 +431,6 @@ __global__ void __launch_bounds__(kThreads, AB_DECODE_MIN_BLOCKS) attend_kernel(
   Row r = row_of(p, b);
   const bool bad = !r.ok;
   if (bad) r.seq = r.lo = r.end = r.row = 0;  // no keys
-  const int64_t shift = r.end - p.Sq;         // query token t sits at position t + shift
 
   // the queries: rotated at their positions, times scale, float32; rows past nr stay zero
   const T* qd = static_cast<const T*>(p.q);
@@ -405,14 +449,8 @@ __global__ void __launch_bounds__(kThreads, AB_DECODE_MIN_BLOCKS) attend_kernel(
   if (tid == 0) *holes = 0;
 
   // the keys any row of the tile sees (causal and window bottom-right), and this split's share
-  const int64_t first = r0 / p.G + shift, last = (r0 + nr - 1) / p.G + shift;
-  int64_t klo = r.lo, khi = r.end;
-  if (p.causal) khi = lmin(khi, last + 1);
-  if (p.wr >= 0) khi = lmin(khi, last + p.wr + 1);
-  if (p.wl >= 0) klo = lmax(klo, first - p.wl);
-  khi = lmax(khi, klo);
-  const int64_t per = (khi - klo + p.nsplit - 1) / p.nsplit;
-  const int64_t ks = lmin(khi, klo + split * per), ke = lmin(khi, ks + per);
+  const KeyRange range = split_keys(p, r, r0, nr, split);
+  const int64_t ks = range.ks, ke = range.ke;
 
   // lanes: L per key (a power of two), chunk cl of the key's row; 32 / L keys per warp, U each
   const int nchunk = (int)(p.D / kChunk);
@@ -424,25 +462,15 @@ __global__ void __launch_bounds__(kThreads, AB_DECODE_MIN_BLOCKS) attend_kernel(
 
   // each row's visible keys [vlo, vhi) (causal and window, bottom-right; empty past nr), as offsets
   // from the split's first key, and its position (ALiBi) the same way
-  float m[kRows], l[kRows], acc[kRows][kChunk], slope[kRows];
-  int vlo[kRows], vhi[kRows], ipos[kRows];
+  float m[kRows], l[kRows], acc[kRows][kChunk];
+  RowKeys rk[kRows];
 #pragma unroll
   for (int rr = 0; rr < kRows; ++rr) {
     m[rr] = -INFINITY;
     l[rr] = 0.0f;
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) acc[rr][c] = 0.0f;
-    const int64_t hq = hkv * p.G + (r0 + rr) % p.G;
-    const int64_t i = (r0 + rr) / p.G + shift;
-    int64_t lo = ks, hi = ke;
-    if (p.causal) hi = lmin(hi, i + 1);
-    if (p.wr >= 0) hi = lmin(hi, i + p.wr + 1);
-    if (p.wl >= 0) lo = lmax(lo, i - p.wl);
-    if (rr >= nr || hi < lo) hi = lo;
-    vlo[rr] = (int)(lo - ks);
-    vhi[rr] = (int)(hi - ks);
-    ipos[rr] = (int)lmin(lmax(i - ks, -((int64_t)1 << 30)), (int64_t)1 << 30);  // ALiBi distances stay exact
-    slope[rr] = p.alibi != nullptr && rr < nr ? p.alibi[b * p.alibi_sb + hq * p.alibi_sh] : 0.0f;
+    rk[rr] = row_keys(p, r, b, hkv, r0 + rr, rr < nr, range);
   }
   __syncthreads();  // qs written
 
@@ -493,10 +521,10 @@ __global__ void __launch_bounds__(kThreads, AB_DECODE_MIN_BLOCKS) attend_kernel(
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int j = jr + u * (int)spread;
-        seen[u] = have[u] && j >= vlo[rr] && j < vhi[rr];
+        seen[u] = have[u] && j >= rk[rr].vlo && j < rk[rr].vhi;
         if (seen[u]) {
           if (p.softcap > 0.0f) s[rr][u] = p.softcap * tanhf(s[rr][u] / p.softcap);
-          if (p.alibi != nullptr) s[rr][u] -= slope[rr] * fabsf((float)(ipos[rr] - j));
+          if (p.alibi != nullptr) s[rr][u] -= rk[rr].slope * fabsf((float)(rk[rr].ipos - j));
           mn = fmaxf(mn, s[rr][u]);
           any = true;
         }

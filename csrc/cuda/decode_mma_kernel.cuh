@@ -94,7 +94,6 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
   Row r = row_of(p, b);
   const bool bad = !r.ok;
   if (bad) r.seq = r.lo = r.end = r.row = 0;  // no keys
-  const int64_t shift = r.end - p.Sq;         // query token t sits at position t + shift
 
   // the queries, rotated at their positions (not scaled), as hi and lo halves; zeros past the rows
   // and past D.  Unrotated queries are q's own 16-bit values: lo is 0 and its products are skipped.
@@ -117,33 +116,16 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
   __syncthreads();  // holes is 0 before any copy can set it
 
   // the keys any row of the tile sees (causal and window bottom-right), and this split's share
-  const int64_t first = r0 / p.G + shift, last = (r0 + nr - 1) / p.G + shift;
-  int64_t klo = r.lo, khi = r.end;
-  if (p.causal) khi = lmin(khi, last + 1);
-  if (p.wr >= 0) khi = lmin(khi, last + p.wr + 1);
-  if (p.wl >= 0) klo = lmax(klo, first - p.wl);
-  khi = lmax(khi, klo);
-  const int64_t per = (khi - klo + p.nsplit - 1) / p.nsplit;
-  const int64_t ks = lmin(khi, klo + split * per), ke = lmin(khi, ks + per);
+  const KeyRange range = split_keys(p, r, r0, nr, split);
+  const int64_t ks = range.ks, ke = range.ke;
   const int64_t ntiles = (ke - ks + kMmaKeys - 1) / kMmaKeys;
 
   // this lane's rows g and g + 8: visible keys [vlo, vhi) as offsets from ks, position (ALiBi)
-  int vlo[2], vhi[2], ipos[2];
-  float slope[2], row_m[2], row_l[2];
+  RowKeys rk[2];
+  float row_m[2], row_l[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int rr = g + 8 * h;
-    const int64_t hq = hkv * p.G + (r0 + rr) % p.G;
-    const int64_t i = (r0 + rr) / p.G + shift;
-    int64_t lo = ks, hi = ke;
-    if (p.causal) hi = lmin(hi, i + 1);
-    if (p.wr >= 0) hi = lmin(hi, i + p.wr + 1);
-    if (p.wl >= 0) lo = lmax(lo, i - p.wl);
-    if (rr >= nr || hi < lo) hi = lo;
-    vlo[h] = (int)(lo - ks);
-    vhi[h] = (int)(hi - ks);
-    ipos[h] = (int)lmin(lmax(i - ks, -((int64_t)1 << 30)), (int64_t)1 << 30);  // ALiBi distances stay exact
-    slope[h] = p.alibi != nullptr && rr < nr ? p.alibi[b * p.alibi_sb + hq * p.alibi_sh] : 0.0f;
+    rk[h] = row_keys(p, r, b, hkv, r0 + g + 8 * h, g + 8 * h < nr, range);
     row_m[h] = -INFINITY;  // base-2 units
     row_l[h] = 0.0f;       // this lane's part of the row's sum
   }
@@ -236,8 +218,8 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
           const int j = jw + 8 * nt + 2 * t + (e & 1);
           float x = s[nt][e] * p.scale;
           if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-          if (p.alibi != nullptr) x -= slope[h] * fabsf((float)(ipos[h] - j));
-          x = j >= vlo[h] && j < vhi[h] ? x * ab_flash::kLog2e : -INFINITY;
+          if (p.alibi != nullptr) x -= rk[h].slope * fabsf((float)(rk[h].ipos - j));
+          x = j >= rk[h].vlo && j < rk[h].vhi ? x * ab_flash::kLog2e : -INFINITY;
           s[nt][e] = x;
           mx = fmaxf(mx, x);
         }
