@@ -50,21 +50,28 @@ enum class Variant { kLanes, kMma };
 
 int mma_head_dim(int64_t D) { return D <= 64 ? 64 : D <= 128 ? 128 : 256; }
 
-size_t mma_smem_for(int64_t D) {
-  const int kd = mma_head_dim(D);
-  return kd == 64 ? mma_smem_bytes(64, MmaStages<64>::value)
-                  : kd == 128 ? mma_smem_bytes(128, MmaStages<128>::value) : mma_smem_bytes(256, MmaStages<256>::value);
+// attend_mma_kernel's stages at the head dim it is instantiated for (decode_mma_kernel.cuh), given
+// the shared memory the device lets a block have: 3 at 128 where two blocks of them fit (sm_90).
+int mma_stages(int kd, int optin) {
+  if (kd == 64) return 4;
+  if (kd == 128) return (size_t)optin >= 2 * mma_smem_bytes(128, 3) ? 3 : 2;
+  return 2;
+}
+
+int device_smem_optin() {
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+    return 0;
+  return optin;
 }
 
 Variant variant_of(const ab_kvcache_params* p) {
   if (p->q.dtype != AB_DTYPE_F16 && p->q.dtype != AB_DTYPE_BF16) return Variant::kLanes;
   const char* e = getenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL");
   if (e == nullptr || strcmp(e, "mma") != 0) return Variant::kLanes;
-  int device = 0, optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
-    return Variant::kLanes;
-  return (size_t)optin >= mma_smem_for(p->D) ? Variant::kMma : Variant::kLanes;
+  const int optin = device_smem_optin(), kd = mma_head_dim(p->D);
+  return (size_t)optin >= mma_smem_bytes(kd, mma_stages(kd, optin)) ? Variant::kMma : Variant::kLanes;
 }
 
 int rows_per_block(const ab_kvcache_params* p, Variant v) {
@@ -313,12 +320,12 @@ ab_status launch_attend(const DecodeParams& d, cudaStream_t stream, ab_error* er
   return ab_cuda_check(cudaGetLastError(), "kvcache_fwd attention launch", err);
 }
 
-template <typename T, int kD>
+template <typename T, int kD, int kStages>
 ab_status launch_attend_mma(const DecodeParams& d, cudaStream_t stream, ab_error* err) {
-  constexpr size_t smem = mma_smem_bytes(kD, MmaStages<kD>::value);
-  TRY(ab_flash::prepare_smem(attend_mma_kernel<T, kD>, smem, "paged_attention", kD, err));
+  constexpr size_t smem = mma_smem_bytes(kD, kStages);
+  TRY(ab_flash::prepare_smem(attend_mma_kernel<T, kD, kStages>, smem, "paged_attention", kD, err));
   const dim3 grid((unsigned)(d.nsplit * d.B), (unsigned)(d.Hkv * d.row_tiles));
-  AB_LAUNCH(grid, kThreads, smem, stream, attend_mma_kernel<T, kD>)(d);
+  AB_LAUNCH(grid, kThreads, smem, stream, attend_mma_kernel<T, kD, kStages>)(d);
   return ab_cuda_check(cudaGetLastError(), "kvcache_fwd attention launch", err);
 }
 
@@ -332,9 +339,14 @@ ab_status run(const ab_kvcache_params* p, Variant v, const DecodeParams& d, cuda
   if constexpr (sizeof(T) == 2) {
     if (v == Variant::kMma) {
       switch (mma_head_dim(d.D)) {
-        case 64: TRY((launch_attend_mma<T, 64>(d, stream, err))); break;
-        case 128: TRY((launch_attend_mma<T, 128>(d, stream, err))); break;
-        default: TRY((launch_attend_mma<T, 256>(d, stream, err))); break;
+        case 64: TRY((launch_attend_mma<T, 64, 4>(d, stream, err))); break;
+        case 128:
+          if (mma_stages(128, device_smem_optin()) == 3)
+            TRY((launch_attend_mma<T, 128, 3>(d, stream, err)));
+          else
+            TRY((launch_attend_mma<T, 128, 2>(d, stream, err)));
+          break;
+        default: TRY((launch_attend_mma<T, 256, 2>(d, stream, err))); break;
       }
     }
   }

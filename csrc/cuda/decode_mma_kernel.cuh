@@ -35,14 +35,11 @@ constexpr int kMmaRows = 16;  // query rows per block: one m16 tile
 constexpr int kMmaKeys = 64;  // keys per tile: 16 per warp
 static_assert(kMmaKeys == 16 * kWarps, "each warp takes 16 keys of a tile");
 
-// Tiles in shared memory at once (kStages - 1 in flight while one is computed): 4 at head dim 64
-// and 2 at 128, 78 KiB a block, which every sm_80+ device gives (sm_86 and sm_89: 99 KiB); 2 at 256,
-// 135 KiB, which sm_80 and sm_90 give (decode.cu keeps attend_kernel where a device gives less).
-// Two 128-dim blocks of an SM keep two tiles, 70 KiB, in flight between them.
-template <int kD> struct MmaStages {
-  static constexpr int value = kD <= 64 ? 4 : 2;
-};
-
+// Tiles in shared memory at once (kStages - 1 in flight while one is computed), chosen by decode.cu
+// (mma_stages): 4 at head dim 64 and 2 at 128, 78 KiB a block, which every sm_80+ device gives
+// (sm_86 and sm_89: 99 KiB); 3 at 128 where two such blocks of 111 KiB fit an SM (sm_90: 227 KiB a
+// block), two tiles in flight per block at no cost in blocks per SM; 2 at 256, 135 KiB (sm_80 and
+// sm_90; decode.cu keeps attend_kernel where a device gives less).
 // Dynamic shared memory: the K and V stages, then Q (hi, lo), then one int; after the key loop the
 // warps' (O, max, sum) reuse the stages (mma_smem_bytes checks they fit).
 __host__ __device__ constexpr size_t mma_stage_bytes(int kD, int stages) {
@@ -62,13 +59,13 @@ __device__ __forceinline__ void split_pack(float x0, float x1, uint32_t& hi, uin
 }
 
 // grid (nsplit * B, Hkv * row_tiles) with row_tiles = ceil(rows / 16), kThreads threads, dynamic
-// shared memory mma_smem_bytes(kD, MmaStages<kD>).  kD: the head dim rounded up to 64, 128 or 256
+// shared memory mma_smem_bytes(kD, kStages).  kD: the head dim rounded up to 64, 128 or 256
 // (columns past D are zeros in Q, K and V).  Index values out of range, and keys in blocks the
 // table does not name, make rows NaN as in attend_kernel.
-template <typename T, int kD>
+template <typename T, int kD, int kStages>
 __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams p) {
   using Ops = ab_flash::MmaOps<T>;
-  constexpr int kStages = MmaStages<kD>::value;
+  static_assert(kStages >= 2, "one tile in flight while one is computed");
   constexpr int kLd = kD + ab_flash::kSmemPad;  // padded rows: ldmatrix without bank conflicts
   constexpr uint32_t kRowBytes = kLd * sizeof(T);
   constexpr int kDT = kD / 8;                   // n8 tiles of O over the head dim
