@@ -190,12 +190,13 @@ def test_every_kernel_variant_runs(decode, gen, monkeypatch):
             expect.add(f"launch_attend<T = {names[dt]}, int kRows = {rows}>: attend_kernel<T, kRows>")
         expect.add(f"run<T = {names[dt]}>: append_kernel<T>")
         expect.add(f"run<T = {names[dt]}>: merge_kernel<T>")
-    # the tensor-core attention, 16-bit: head dims rounded up to 64, 128 and 256; at 128, 3 stages
-    # where two blocks of them fit an SM (the emulated sm_90), else 2
+    # the tensor-core attention, 16-bit: head dims rounded up to 64, 128 and 256; 3 stages where the
+    # device gives a block the shared memory (the emulated sm_90), else 2
     monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "mma")
     try:
         for dt in (F16, BF16):
-            for D, kd, stages, cc in ((16, 64, 4, 80), (72, 128, 2, 80), (72, 128, 3, 90), (136, 256, 2, 80)):
+            for D, kd, stages, cc in ((16, 64, 4, 80), (72, 128, 2, 80), (72, 128, 3, 90),
+                                      (136, 256, 2, 80), (136, 256, 3, 90)):
                 lib.ab_cuda_emu_set_device_cc(cc)
                 call = Call(KV(B=1, Sq=2, Hq=4, Hkv=2, D=D, S=70, snew=1, dtype=dt), gen)
                 call.check(*run(decode, call, num_splits=2))

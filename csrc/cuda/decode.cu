@@ -51,11 +51,12 @@ enum class Variant { kLanes, kMma };
 int mma_head_dim(int64_t D) { return D <= 64 ? 64 : D <= 128 ? 128 : 256; }
 
 // attend_mma_kernel's stages at the head dim it is instantiated for (decode_mma_kernel.cuh), given
-// the shared memory the device lets a block have: 3 at 128 where two blocks of them fit (sm_90).
+// the shared memory the device lets a block have: 3 at 128 where two blocks of them fit an SM, and
+// 3 at 256 where one block of them fits (sm_90 both: one block an SM at 256 either way).
 int mma_stages(int kd, int optin) {
   if (kd == 64) return 4;
   if (kd == 128) return (size_t)optin >= 2 * mma_smem_bytes(128, 3) ? 3 : 2;
-  return 2;
+  return (size_t)optin >= mma_smem_bytes(256, 3) ? 3 : 2;
 }
 
 int device_smem_optin() {
@@ -87,8 +88,8 @@ int64_t row_tiles(const ab_kvcache_params* p, Variant v) {
 
 // Splits of each row's key range: num_splits when given, else enough to give every SM kBlocksPerSM
 // blocks when (batch, KV head, row tile) blocks are fewer, each split keeping kMinSplitKeys keys of
-// the cache's capacity.  attend_mma_kernel's blocks hold 70-135 KiB of shared memory, so an SM runs
-// two or three of them at once: it aims for kMmaBlocksPerSM, with at least kMmaMinSplitKeys keys
+// the cache's capacity.  attend_mma_kernel's blocks hold 76-215 KiB of shared memory, so an SM runs
+// one or two of them at once: it aims for kMmaBlocksPerSM, with at least kMmaMinSplitKeys keys
 // (four of its tiles) a split.
 constexpr int64_t kMmaBlocksPerSM = 2;
 constexpr int64_t kMmaMinSplitKeys = 4 * kMmaKeys;
@@ -346,7 +347,12 @@ ab_status run(const ab_kvcache_params* p, Variant v, const DecodeParams& d, cuda
           else
             TRY((launch_attend_mma<T, 128, 2>(d, stream, err)));
           break;
-        default: TRY((launch_attend_mma<T, 256, 2>(d, stream, err))); break;
+        default:
+          if (mma_stages(256, device_smem_optin()) == 3)
+            TRY((launch_attend_mma<T, 256, 3>(d, stream, err)));
+          else
+            TRY((launch_attend_mma<T, 256, 2>(d, stream, err)));
+          break;
       }
     }
   }

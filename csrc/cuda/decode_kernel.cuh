@@ -365,45 +365,69 @@ __device__ __forceinline__ void merge_state(float& m, float& l, float* acc, floa
 // merged and written, out and lse (one split) or the split's part (split-KV).  red holds the warps'
 // unnormalised O, (kWarps, kRows, ld) float32; red_ml their (max, sum) pairs, (kWarps, kRows, 2);
 // kBase2: the maxima are in base-2 units (scores times log2 e), else natural ones.  nan_rows: the
-// block's index values were out of range or a key lay in a block the table does not name.
+// block's index values were out of range or a key lay in a block the table does not name.  Every
+// thread of the block calls it (it synchronises).
+//
+// First one thread per row turns its warps' (max, sum) into each warp's weight in the row's output
+// (the sink's factor included) and the row's lse, written over red_ml: (weight, lse) for warp 0,
+// (weight, -) for the others; then the block's threads sum the weighted O element by element.
 template <typename T, int kRows, bool kBase2>
-__device__ __forceinline__ void write_rows(const DecodeParams& p, const float* red, const float* red_ml, int64_t ld,
+__device__ __forceinline__ void write_rows(const DecodeParams& p, const float* red, float* red_ml, int64_t ld,
                                            int64_t b, int64_t hkv, int64_t split, int64_t r0, int64_t nr,
                                            bool nan_rows) {
-  for (int64_t e = threadIdx.x; e < nr * p.D; e += kThreads) {
-    const int64_t rr = e / p.D, d = e % p.D;
+  const int tid = threadIdx.x;
+  if (tid < nr) {
+    const int64_t rr = tid;
     // a warp whose scores were all NaN has max -inf and sum NaN: NaN in, NaN out
     float mx = -INFINITY;
-    bool nan_sum = false;
+    bool nan = nan_rows;
     for (int w = 0; w < kWarps; ++w) {
+      const float l = red_ml[(w * kRows + rr) * 2 + 1];
       mx = fmaxf(mx, red_ml[(w * kRows + rr) * 2]);
-      nan_sum = nan_sum || red_ml[(w * kRows + rr) * 2 + 1] != red_ml[(w * kRows + rr) * 2 + 1];
+      nan = nan || l != l;
     }
-    float sum = 0.0f, o = 0.0f;
-    if (mx != -INFINITY)
-      for (int w = 0; w < kWarps; ++w) {
-        const float mw = red_ml[(w * kRows + rr) * 2];
-        if (mw == -INFINITY) continue;
-        const float a = kBase2 ? exp2f(mw - mx) : expf(mw - mx);
-        sum += red_ml[(w * kRows + rr) * 2 + 1] * a;
-        o += red[(w * kRows + rr) * ld + d] * a;
-      }
+    float a[kWarps], sum = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = red_ml[(w * kRows + rr) * 2];
+      a[w] = mx == -INFINITY || mw == -INFINITY ? 0.0f : kBase2 ? exp2f(mw - mx) : expf(mw - mx);
+      sum += red_ml[(w * kRows + rr) * 2 + 1] * a[w];
+    }
     // a row that saw no key: out exactly 0, lse -inf (the sink's logit with a sink)
-    o = sum > 0.0f ? o / sum : 0.0f;
     float lse = sum > 0.0f ? (kBase2 ? mx * 0.6931471805599453f : mx) + logf(sum) : -INFINITY;
-    if (sum != sum) o = lse = sum;  // NaN in, NaN out
-    if (nan_rows || nan_sum) o = lse = NAN;
-    const int64_t t = (r0 + rr) / p.G, hq = hkv * p.G + (r0 + rr) % p.G;
+    float scale = sum > 0.0f ? 1.0f / sum : 0.0f;
     if (p.nsplit == 1) {
       float factor;
-      lse = add_sink(p, hq, lse, factor);
-      o *= factor;
-      static_cast<T*>(p.out)[b * p.os[0] + t * p.os[1] + hq * p.os[2] + d * p.os[3]] = from_f<T>(o);
-      if (d == 0) p.lse[b * p.ls[0] + hq * p.ls[1] + t * p.ls[2]] = lse;
-    } else {
-      const int64_t at = ((b * p.nsplit + split) * p.Sq + t) * p.Hq + hq;
-      p.part[at * p.D + d] = o;
-      if (d == 0) p.part_lse[at] = lse;
+      lse = add_sink(p, hkv * p.G + (r0 + rr) % p.G, lse, factor);
+      scale *= factor;
+    }
+    if (nan || sum != sum) lse = scale = NAN;
+    for (int w = 0; w < kWarps; ++w) red_ml[(w * kRows + rr) * 2] = a[w] * scale;  // NaN stays NaN
+    red_ml[rr * 2 + 1] = lse;
+  }
+  __syncthreads();
+  for (int64_t rr = 0; rr < nr; ++rr) {
+    float wt[kWarps];
+    for (int w = 0; w < kWarps; ++w) wt[w] = red_ml[(w * kRows + rr) * 2];
+    const float lse = red_ml[rr * 2 + 1];
+    const int64_t t = (r0 + rr) / p.G, hq = hkv * p.G + (r0 + rr) % p.G;
+    T* out = static_cast<T*>(p.out) + b * p.os[0] + t * p.os[1] + hq * p.os[2];
+    const int64_t at = ((b * p.nsplit + split) * p.Sq + t) * p.Hq + hq;
+    for (int64_t d = tid; d < p.D; d += kThreads) {
+      float o = 0.0f;
+      // a warp of weight 0 saw no key of the row: its O (0, or NaN from a value only other rows see)
+      // adds nothing
+      for (int w = 0; w < kWarps; ++w)
+        if (wt[w] != 0.0f) o += red[(w * kRows + rr) * ld + d] * wt[w];
+      if (p.nsplit == 1)
+        out[d * p.os[3]] = from_f<T>(o);
+      else
+        p.part[at * p.D + d] = o;
+    }
+    if (tid == 0) {
+      if (p.nsplit == 1)
+        p.lse[b * p.ls[0] + hq * p.ls[1] + t * p.ls[2]] = lse;
+      else
+        p.part_lse[at] = lse;
     }
   }
 }

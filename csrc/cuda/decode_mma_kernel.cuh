@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
   static_assert(sizeof(T) == 2, "16-bit caches");
   static_assert(kD % 32 == 0 && (kD / 8) % 2 == 0, "ldmatrix.x4 pairs and the odd padded row stride");
   static_assert(2 * kMmaKeys == kThreads, "two threads copy each key of a tile");
-  static_assert(mma_stage_bytes(kD, kStages) >= sizeof(float) * kWarps * kMmaRows * (kD + 2),
+  static_assert(mma_stage_bytes(kD, kStages) >= sizeof(float) * kWarps * kMmaRows * (kD + 8 + 2),
                 "the warps' partial results fit where the stages were");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -133,28 +133,38 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
     for (int e = 0; e < 4; ++e) o[dt][e] = 0.0f;
 
   // Copy of tile i into stage st: two threads per key, each with every other 16-byte chunk of the
-  // key's K and V rows, one block-table lookup per thread.  Keys past the split's end, and keys in
+  // key's K and V rows.  Its key's place in the caches (one block-table lookup for a paged cache)
+  // is looked up a tile ahead (lookup, then load_tile at the next iteration), so that the table's
+  // read does not stand between the barrier and the copies.  Keys past the split's end, and keys in
   // a block the table does not name (a hole: the rows become NaN), are zero-filled.
   const T* kc = static_cast<const T*>(p.kc);
   const T* vc = static_cast<const T*>(p.vc);
   const int my_key = tid >> 1, my_half = tid & 1;
-  auto load_tile = [&](int64_t i, int st) {
+  struct Where {
+    int64_t ko, vo;  // element offsets of the key's K and V rows (head hkv), -1: none
+  };
+  auto lookup = [&](int64_t i) {
     const int64_t j = ks + i * kMmaKeys + my_key;
-    int64_t ko = -1, vo = -1;
-    if (j < ke) {
+    Where w{-1, -1};
+    if (i < ntiles && j < ke) {
       const Slot sl = slot_of(p, b, r.row, j);
-      ko = slot_off(sl, p.ks, hkv);
-      vo = slot_off(sl, p.vs, hkv);
-      if (ko < 0 || vo < 0) *holes = 1;
+      w.ko = slot_off(sl, p.ks, hkv);
+      w.vo = slot_off(sl, p.vs, hkv);
+      if (w.ko < 0 || w.vo < 0) {
+        *holes = 1;
+        w.ko = w.vo = -1;
+      }
     }
-    const bool have = ko >= 0 && vo >= 0;
+    return w;
+  };
+  auto load_tile = [&](const Where& w, int st) {
     T* dk = sK + (st * kMmaKeys + my_key) * kLd;
     T* dv = sV + (st * kMmaKeys + my_key) * kLd;
 #pragma unroll
     for (int c = my_half; c < kChunks; c += 2) {
-      const bool valid = have && c * 8 < p.D;
-      ab_flash::cp_async_16(ab_flash::smem_u32(dk + c * 8), valid ? kc + ko + c * 8 : kc, valid);
-      ab_flash::cp_async_16(ab_flash::smem_u32(dv + c * 8), valid ? vc + vo + c * 8 : vc, valid);
+      const bool valid = w.ko >= 0 && c * 8 < p.D;
+      ab_flash::cp_async_16(ab_flash::smem_u32(dk + c * 8), valid ? kc + w.ko + c * 8 : kc, valid);
+      ab_flash::cp_async_16(ab_flash::smem_u32(dv + c * 8), valid ? vc + w.vo + c * 8 : vc, valid);
     }
   };
 
@@ -170,15 +180,20 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
 
 #pragma unroll 1
   for (int st = 0; st < kStages - 1; ++st) {
-    if (st < ntiles) load_tile(st, st);
+    if (st < ntiles) load_tile(lookup(st), st);
     ab_flash::cp_async_commit();  // committed even when empty: the waits below count groups
   }
+  Where next = lookup(kStages - 1);  // the key of the first tile the loop copies
+  // rows 8-15 are padding in most decode calls (nr <= 8: GQA groups up to 8, one token): their
+  // softmax is skipped and their P is 0
+  const bool upper = nr > 8;
 #pragma unroll 1
   for (int64_t i = 0; i < ntiles; ++i) {
     ab_flash::cp_async_wait<kStages - 2>();  // tile i has landed (this thread's copies) ...
     __syncthreads();  // ... and every thread's; every warp is done with tile i - 1 (and Q is written)
-    if (i + kStages - 1 < ntiles) load_tile(i + kStages - 1, (int)((i + kStages - 1) % kStages));
+    if (i + kStages - 1 < ntiles) load_tile(next, (int)((i + kStages - 1) % kStages));
     ab_flash::cp_async_commit();
+    next = lookup(i + kStages);  // read during this tile's arithmetic, used at the next iteration
     const uint32_t soff = (uint32_t)(i % kStages) * kStageBytes;
 
     // S = Q K^T for this warp's 16 keys: s[nt] holds rows g, g + 8 and keys 8 nt + 2t, + 1
@@ -207,6 +222,10 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
     uint32_t phi[2][2], plo[2][2];  // [nt][h]: the (keys 2t, 2t + 1) pair of row g + 8 h
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      if (h == 1 && !upper) {  // block-uniform
+        phi[0][1] = phi[1][1] = plo[0][1] = plo[1][1] = 0u;
+        continue;
+      }
       float mx = row_m[h];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
@@ -259,27 +278,30 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
   ab_flash::cp_async_wait<0>();
   __syncthreads();  // no warp reads a stage any more, and no copy into one is pending
 
-  // the warps' (O, max, sum) where the stages were, then merged and written (write_rows)
-  float* red = reinterpret_cast<float*>(smem_raw);  // (kWarps, kMmaRows, kD)
-  float* red_ml = red + kWarps * kMmaRows * kD;     // (kWarps, kMmaRows, 2)
+  // the warps' (O, max, sum) where the stages were, then merged and written (write_rows).  O's rows
+  // are kD + 8 floats apart, so that the pairs the lanes of a half-warp store fall in 32 different
+  // banks; rows past the call's are not stored (write_rows reads rows < nr only).
+  constexpr int kLdo = kD + 8;
+  float* red = reinterpret_cast<float*>(smem_raw);  // (kWarps, kMmaRows, kLdo)
+  float* red_ml = red + kWarps * kMmaRows * kLdo;   // (kWarps, kMmaRows, 2)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float l = row_l[h];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int rr = g + 8 * h;
+    if (rr >= nr) continue;
 #pragma unroll
-    for (int dt = 0; dt < kDT; ++dt) {
-      red[(warp * kMmaRows + rr) * kD + 8 * dt + 2 * t] = o[dt][2 * h];
-      red[(warp * kMmaRows + rr) * kD + 8 * dt + 2 * t + 1] = o[dt][2 * h + 1];
-    }
+    for (int dt = 0; dt < kDT; ++dt)
+      *reinterpret_cast<float2*>(red + (warp * kMmaRows + rr) * kLdo + 8 * dt + 2 * t) =
+          make_float2(o[dt][2 * h], o[dt][2 * h + 1]);
     if (t == 0) {
       red_ml[(warp * kMmaRows + rr) * 2] = row_m[h];
       red_ml[(warp * kMmaRows + rr) * 2 + 1] = l;
     }
   }
   __syncthreads();
-  write_rows<T, kMmaRows, true>(p, red, red_ml, kD, b, hkv, split, r0, nr, bad || *holes);
+  write_rows<T, kMmaRows, true>(p, red, red_ml, kLdo, b, hkv, split, r0, nr, bad || *holes);
 }
 
 }  // namespace
