@@ -13,13 +13,15 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import attn_backends as ab
 from attn_backends import _C, _dispatch
 from attn_backends._testing import check_2x
 
 from cuda_devices import both, emulator, launched
-from test_kvcache import BAD, KV, NAN_PLACES, Call, _base, check_nan_and_inf
+from test_kvcache import BAD, KV, NAN_PLACES, Call, _base, check_nan_and_inf, kv_calls
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -41,6 +43,8 @@ CASES = [
     KV(B=2, Sq=1, Hq=2, Hkv=1, D=8, S=70, block=32, snew=1, rotary="neox", dtype=F16),  # D=8: 32 keys a warp
     # attention sinks (GPT-OSS): paged decode, and a dense chunked prefill whose rows see nothing (lse = sink)
     KV(B=2, Sq=1, Hq=8, Hkv=2, D=64, S=60, block=16, snew=1, causal=True, sinks=True, dtype=BF16),
+    # 20 query rows per KV head: the tensor-core attention's two row tiles, the first with rows 8-15
+    KV(B=2, Sq=5, Hq=8, Hkv=2, D=64, S=150, block=32, snew=5, causal=True, rotary="neox", dtype=BF16),
     KV(B=1, Sq=4, Hq=4, Hkv=2, D=40, S=30, seqlens=0, snew=3, causal=True, sinks=True, alibi="h"),
 ]
 SPLIT_CASES = [
@@ -172,6 +176,18 @@ def test_nan_and_inf_reach_the_rows_that_see_them(decode, kernel, where, Sq, spl
         pytest.skip("float32 calls take attend_kernel whatever the switch: the 'lanes' run is this one")
     check_nan_and_inf(where, Sq, splits, gen, dtype, decode, atol=1e-5 if dtype == F32 else 2e-2,
                       backend="paged_attention", strict=True)
+
+
+@pytest.mark.fuzz
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dev", ["emu"], indirect=True)
+@settings(max_examples=max(5, settings.default.max_examples * 30 // 100),
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixtures hold for every example
+@given(kv_calls("paged_attention"), st.integers(0, 2**31 - 1), st.sampled_from([0, 1, 3]))
+def test_random_calls_on_the_cuda_kernels(decode, kernel, case, seed, splits):
+    """test_kvcache's random mixes of every option on the CUDA kernels, emulated, both attentions."""
+    call = Call(case, torch.Generator().manual_seed(seed))
+    call.check(*run(decode, call, num_splits=splits))
 
 
 @pytest.mark.cuda_emu
