@@ -28,8 +28,7 @@
  * built on, AVX-512 for amx and generic for amx_emu. */
 static const ab_decode_cpu_table* decode_table(void) { return ab_cpu_kernels_get()->decode; }
 
-/* An environment switch read at every call: 1 or 0 when `name` is set to "1" or "0", else -1. */
-static int env_switch(const char* name) {
+int ab_env_switch(const char* name) {
   const char* env = getenv(name);
   return env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0) ? env[0] == '1' : -1;
 }
@@ -41,7 +40,7 @@ int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype) {
   if (kv_dtype != AB_DTYPE_BF16 || !ab_cpu_features_get()->avx512_bf16) return 0;
   const ab_cpu_isa isa = ab_cpu_isa_get();
   if (isa != AB_ISA_AVX512 && isa != AB_ISA_AMX) return 0;
-  return env_switch("ATTN_BACKENDS_DECODE_BF16_DOT") != 0;
+  return ab_env_switch("ATTN_BACKENDS_DECODE_BF16_DOT") != 0;
 }
 
 static int bf16_dot(const ab_kvcache_params* p) { return ab_kvcache_cpu_bf16_products(p->k_cache.dtype); }
@@ -120,7 +119,7 @@ static int from_dram(const ab_kvcache_params* p, int64_t keys) {
  * in none beyond MHA over a 2-byte cache, which always has it (read at every call; the bits are the
  * same either way). */
 static int keys_next(int dram) {
-  const int forced = env_switch("ATTN_BACKENDS_DECODE_KEYS_NEXT");
+  const int forced = ab_env_switch("ATTN_BACKENDS_DECODE_KEYS_NEXT");
   return forced >= 0 ? forced : amd_avx512() && dram;
 }
 
@@ -132,7 +131,7 @@ static int keys_next(int dram) {
  * makes it in every call, =0 only where the general rule does (read at every call; the same bits
  * either way). */
 static int values_ahead(void) {
-  const int forced = env_switch("ATTN_BACKENDS_DECODE_VALUES_AHEAD");
+  const int forced = ab_env_switch("ATTN_BACKENDS_DECODE_VALUES_AHEAD");
   return forced >= 0 ? forced : amd_avx512();
 }
 
@@ -146,7 +145,7 @@ static int values_ahead(void) {
  * ATTN_BACKENDS_DECODE_PAGES_AHEAD=1 makes the request in every call, =0 in none (read at every call;
  * the same bits either way). */
 static int pages_ahead(int dram) {
-  const int forced = env_switch("ATTN_BACKENDS_DECODE_PAGES_AHEAD");
+  const int forced = ab_env_switch("ATTN_BACKENDS_DECODE_PAGES_AHEAD");
   return forced >= 0 ? forced : amd_avx512() && dram;
 }
 

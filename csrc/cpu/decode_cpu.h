@@ -81,6 +81,11 @@ int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions);
  * chunk after early on AMD's AVX-512 path when this passes half the L3 (decode_cpu.c from_dram). */
 int64_t ab_kvcache_cpu_working_set(void);
 
+/* An environment switch read at every call: 1 or 0 when `name` is set to "1" or "0", else -1 (the
+ * caller's default).  decode_cpu.c's prefetch and product switches and flash_cpu.c's
+ * ATTN_BACKENDS_FLASH_DECODE read through it. */
+int ab_env_switch(const char* name);
+
 /* The number of splits of each row's key range fwd uses for p on num_threads threads. */
 int64_t ab_kvcache_cpu_splits(const ab_kvcache_params* p, int num_threads);
 ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t workspace_bytes,

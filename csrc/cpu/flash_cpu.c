@@ -65,8 +65,8 @@ static int mha_many_tokens(ab_dtype dt, int64_t Sk, int packed) {
 }
 
 static int64_t decode_tokens(ab_dtype dt, int64_t G, int64_t Sk, int packed) {
-  const char* off = getenv("ATTN_BACKENDS_FLASH_DECODE"); /* "0": flash keeps them (read at every call) */
-  if (G < 1 || (off && off[0] == '0' && off[1] == 0)) return 0;
+  /* ATTN_BACKENDS_FLASH_DECODE=0: flash keeps them (read at every call) */
+  if (G < 1 || ab_env_switch("ATTN_BACKENDS_FLASH_DECODE") == 0) return 0;
   const int64_t rows = ab_kvcache_cpu_max_rows(dt, 1, Sk) / G;
   const int64_t tokens = G >= 4 || (G == 1 && mha_many_tokens(dt, Sk, packed)) ? AB_FLASH_DECODE_TOKENS_GQA
                                                                                  : AB_FLASH_DECODE_TOKENS;
