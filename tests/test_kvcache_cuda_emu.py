@@ -82,18 +82,27 @@ def _lanes_unless_asked(monkeypatch):
     monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "lanes")
 
 
-@pytest.fixture(params=["lanes", "mma"])
+KERNELS = ["lanes", "mma"]
+
+
+@pytest.fixture
 def kernel(request, monkeypatch):
     """The attention kernel decode.cu launches for a 16-bit call (ATTN_BACKENDS_CUDA_DECODE_KERNEL, read
-    at every call): attend_kernel ("lanes", the default) or attend_mma_kernel ("mma", tensor cores).
-    float32 calls take attend_kernel either way."""
+    at every call), parametrized indirectly: attend_kernel ("lanes", the default) or attend_mma_kernel
+    ("mma", tensor cores).  float32 calls take attend_kernel either way, so they are not run twice."""
     monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", request.param)
     return request.param
 
 
-def same_kernel_twice(kernel, case) -> None:
-    if kernel == "mma" and case.dtype == F32:
-        pytest.skip("float32 calls take attend_kernel whatever the switch: the 'lanes' run is this one")
+def kernels_for(dtype) -> list:
+    """The attentions a call of dtype can take: both for 16-bit calls, attend_kernel alone for float32."""
+    return KERNELS if dtype != F32 else ["lanes"]
+
+
+def both_kernels(gpu_cases, emu_cases) -> list:
+    """(dev, case, kernel) parameters: both()'s, each with every attention its case's dtype can take."""
+    return [pytest.param(*p.values, k, marks=p.marks, id=f"{k}-{p.id}")
+            for p in both(gpu_cases, emu_cases, name=str) for k in kernels_for(p.values[1].dtype)]
 
 
 def attended_by(dev, kernel, dtype):
@@ -130,9 +139,8 @@ def cpu_kernel(dev, call: Call, **extra):
     return out, lse, caches
 
 
-@pytest.mark.parametrize("dev, case", both(CASES, CASES, name=str), indirect=["dev"])
+@pytest.mark.parametrize("dev, case, kernel", both_kernels(CASES, CASES), indirect=["dev", "kernel"])
 def test_matches_the_reference_and_the_cpu_kernel_and_writes_the_cache(decode, kernel, case, gen):
-    same_kernel_twice(kernel, case)
     call = Call(case, gen)
     cpu_out, cpu_lse, cpu_caches = cpu_kernel(decode, call)
     if decode.emulated:
@@ -146,9 +154,8 @@ def test_matches_the_reference_and_the_cpu_kernel_and_writes_the_cache(decode, k
     assert torch.equal(call.k_cache, cpu_caches[0]) and torch.equal(call.v_cache, cpu_caches[1])
 
 
-@pytest.mark.parametrize("dev, case", both(SPLIT_CASES, SPLIT_CASES, name=str), indirect=["dev"])
+@pytest.mark.parametrize("dev, case, kernel", both_kernels(SPLIT_CASES, SPLIT_CASES), indirect=["dev", "kernel"])
 def test_split_and_unsplit_agree(decode, kernel, case, gen):
-    same_kernel_twice(kernel, case)
     call = Call(case, gen)
     outs = {}
     # 0: the launcher's choice from the SM count and the cache length; 70: more splits than a warp has
@@ -164,7 +171,8 @@ def test_split_and_unsplit_agree(decode, kernel, case, gen):
 
 @pytest.mark.parametrize("dev", [pytest.param("emu", marks=pytest.mark.cuda_emu),
                                  pytest.param("cuda", marks=pytest.mark.cuda)], indirect=True)
-@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("dtype, kernel", [(dt, k) for dt in (F32, BF16) for k in kernels_for(dt)],
+                         indirect=["kernel"], ids=lambda x: str(x)[6:] if isinstance(x, torch.dtype) else x)
 @pytest.mark.parametrize("splits", [1, 4])
 @pytest.mark.parametrize("Sq", [2, 8])
 @pytest.mark.parametrize("where", NAN_PLACES)
@@ -172,8 +180,6 @@ def test_nan_and_inf_reach_the_rows_that_see_them(decode, kernel, where, Sq, spl
     # test_kvcache's NaN and inf case on the CUDA kernels.  Both once turned a row whose every score
     # was NaN (a NaN in q) into out 0, lse -inf: its max stayed -inf, so the warps' merge took it for
     # a row that saw no key; attend_kernel also made NaN of a row whose first visible score was -inf.
-    if kernel == "mma" and dtype == F32:
-        pytest.skip("float32 calls take attend_kernel whatever the switch: the 'lanes' run is this one")
     check_nan_and_inf(where, Sq, splits, gen, dtype, decode, atol=1e-5 if dtype == F32 else 2e-2,
                       backend="paged_attention", strict=True)
 
@@ -183,6 +189,7 @@ def test_nan_and_inf_reach_the_rows_that_see_them(decode, kernel, where, Sq, spl
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
 @settings(max_examples=max(5, settings.default.max_examples * 30 // 100),
           suppress_health_check=[HealthCheck.function_scoped_fixture])  # the fixtures hold for every example
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @given(kv_calls("paged_attention"), st.integers(0, 2**31 - 1), st.sampled_from([0, 1, 3]))
 def test_random_calls_on_the_cuda_kernels(decode, kernel, case, seed, splits):
     """test_kvcache's random mixes of every option on the CUDA kernels, emulated, both attentions."""
@@ -228,8 +235,8 @@ def test_every_kernel_variant_runs(decode, gen, monkeypatch):
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
 def test_the_tensor_core_attention_needs_the_shared_memory_of_its_stages(decode, gen, monkeypatch):
-    # head dim 256 takes 135 KiB a block: an sm_86 gives 99 KiB, so attend_kernel serves the call there
-    # (head dims up to 128 take 78 KiB and keep attend_mma_kernel)
+    # head dim 256 takes 148.5 KiB a block: an sm_86 gives 99 KiB, so attend_kernel serves the call there
+    # (head dims up to 128 take 76.5 KiB and keep attend_mma_kernel)
     monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "mma")
     lib = emulator()
     lib.ab_cuda_emu_set_device_cc(86)
@@ -282,6 +289,7 @@ def test_the_emulation_routes_paged_attention_and_says_so(decode, gen, caplog):
 
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 @pytest.mark.parametrize("block", [None, 16])
 def test_sinks_run_in_the_cuda_kernel_split_or_not(decode, kernel, block, gen):
     # the CUDA decode kernel takes sinks (csrc/ab_registry.c CUDA_DECODE): the sink joins each row once, where
@@ -350,6 +358,7 @@ UNCHECKED = [
                                  pytest.param("cuda", marks=pytest.mark.cuda)], indirect=True)
 @pytest.mark.parametrize("what,over,bad", UNCHECKED, ids=[u[0] for u in UNCHECKED])
 @pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
 def test_unchecked_index_values_make_their_rows_nan(decode, kernel, what, over, bad, splits, gen, monkeypatch):
     # index values on the GPU are not read back (no synchronisation per call): the kernel bounds them.
     # A batch row with values out of range writes nothing into the cache, and its out and lse are NaN;
@@ -418,7 +427,9 @@ def test_auto_sends_16_bit_calls_torch_reads_in_place_to_torch(case, gen, caplog
 
 @pytest.mark.parametrize("dev", [pytest.param("emu", marks=pytest.mark.cuda_emu),
                                  pytest.param("cuda", marks=pytest.mark.cuda)], indirect=True)
-@pytest.mark.parametrize("arch, dtype", [("llama", F32), ("llama", BF16), ("gpt_oss", F32)])
+@pytest.mark.parametrize("arch, dtype, kernel", [(a, dt, k) for a, dt in (("llama", F32), ("llama", BF16), ("gpt_oss", F32))
+                                                  for k in kernels_for(dt)],
+                         indirect=["kernel"], ids=lambda x: str(x)[6:] if isinstance(x, torch.dtype) else x)
 def test_hf_continuous_batching_fast_path_runs_on_the_cuda_kernels(decode, kernel, arch, dtype, monkeypatch):
     # generate_batch under attn_backends_flash_attention_2 (tests/test_flash_attn_api.py has the CPU
     # path): the prompts through flash_attn_varlen_func (CUDA flash, or math for float32), each decode
@@ -427,8 +438,6 @@ def test_hf_continuous_batching_fast_path_runs_on_the_cuda_kernels(decode, kerne
     # Emulated, transformers' device gate (CUDA or XPU only) is answered yes; nothing else is changed.
     # GPT-OSS: its sinks in every call, the tokens eager's prompt by prompt (in float32 only: in
     # bfloat16 eager's own rounding moves a token of this random model)
-    if kernel == "mma" and dtype == F32:
-        pytest.skip("float32 calls take attend_kernel whatever the switch: the 'lanes' run is this one")
     transformers = pytest.importorskip("transformers")
     from attn_backends._testing import continuous_batching_config
 
