@@ -699,10 +699,13 @@ static int same_call(const ab_call* a, const ab_call* b) {
 #undef AB_CALL_SAME
 }
 
-/* The chosen backend remembered for *c, or -1. */
-static int remembered(const ab_state* st, const ab_call* c) {
+/* The chosen backend remembered for *c, or -1; a plan found is marked used (the clock of remember). */
+static int remembered(ab_state* st, const ab_call* c) {
   for (int i = 0; i < st->n_remembered; ++i)
-    if (same_call(&st->remembered[i].call, c)) return st->remembered[i].chosen;
+    if (same_call(&st->remembered[i].call, c)) {
+      st->remembered[i].used = 1;
+      return st->remembered[i].chosen;
+    }
   return -1;
 }
 
@@ -1284,12 +1287,17 @@ static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
     int slot = st->n_remembered;
     if (slot < AB_REMEMBERED_MAX) {
       ++st->n_remembered;
-    } else { /* full: the oldest plan makes way */
+    } else { /* full: the first plan the hand finds unused since it last passed makes way */
+      while (st->remembered[st->next_evicted].used) {
+        st->remembered[st->next_evicted].used = 0;
+        st->next_evicted = (st->next_evicted + 1) % AB_REMEMBERED_MAX;
+      }
       slot = st->next_evicted;
       st->next_evicted = (st->next_evicted + 1) % AB_REMEMBERED_MAX;
     }
     st->remembered[slot].call = c;
     st->remembered[slot].chosen = chosen;
+    st->remembered[slot].used = 0;
   }
   Py_RETURN_NONE;
 }

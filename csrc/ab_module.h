@@ -13,12 +13,14 @@
 
 /* Plans the fast path may reuse: call descriptor -> chosen backend, filled by attn_backends/_dispatch.py
  * (remember) after the Python path planned the call once, logged it and did not fall back.  A process
- * with more kinds of calls than this replaces the oldest plans in turn. */
+ * with more kinds of calls than this replaces plans by a clock (second chance): the hand passes over a
+ * plan used since it last came by, clearing its mark, and replaces the first one not used since. */
 #define AB_REMEMBERED_MAX 64
 
 typedef struct ab_remembered {
   ab_call call; /* memset to 0 before filling, so that whole structs compare with memcmp */
   int32_t chosen;
+  int32_t used; /* looked up since the clock's hand last passed (ab_direct.c remembered) */
 } ab_remembered;
 
 /* Module state.  What the direct calls need from torch is handed over once by
@@ -61,7 +63,8 @@ typedef struct ab_state {
 #undef AB_STATE_MANY
   ab_remembered remembered[AB_REMEMBERED_MAX];
   int n_remembered;
-  int next_evicted;              /* once the table is full, the slot a new plan replaces (round robin) */
+  int next_evicted;              /* once the table is full, the clock's hand: where the search for a plan to
+                                    replace starts */
   long long fast_calls;          /* calls the fast path served (tests) */
 } ab_state;
 

@@ -316,10 +316,12 @@ def test_fast_path_serves_only_remembered_plans_and_forgets_them():
 
 
 def test_fast_path_lets_old_plans_go_and_takes_them_back():
-    # the table of plans is bounded (AB_REMEMBERED_MAX, 64): more kinds of calls than that replace the
-    # oldest, and a call whose plan was let go of is served by the Python path once, which re-arms it
+    # the table of plans is bounded (AB_REMEMBERED_MAX, 64): more kinds of calls than that replace plans
+    # by a clock (a plan used since the hand last passed gets a second chance, so the first pass over a
+    # full table only clears marks), and a call whose plan was let go of is served by the Python path
+    # once, which re-arms it
     ab._dispatch.reset_caches()
-    qs = [torch.randn(1, 2, 6, d) for d in range(1, 72)]  # head dims: 71 kinds of calls
+    qs = [torch.randn(1, 2, 6, d) for d in range(1, 141)]  # head dims: 140 kinds of calls
     ab.attention(qs[0], qs[0], qs[0], causal=True)
     assert _served(lambda: ab.attention(qs[0], qs[0], qs[0], causal=True))[1]
     for q in qs[1:]:
@@ -327,6 +329,20 @@ def test_fast_path_lets_old_plans_go_and_takes_them_back():
     assert _served(lambda: ab.attention(qs[-1], qs[-1], qs[-1], causal=True))[1]
     assert not _served(lambda: ab.attention(qs[0], qs[0], qs[0], causal=True))[1]  # let go of
     assert _served(lambda: ab.attention(qs[0], qs[0], qs[0], causal=True))[1]  # and back
+
+
+def test_fast_path_keeps_a_plan_in_use_among_many_kinds_of_calls():
+    # a decode step's plan, say, used between calls of 139 other kinds (prefills of many lengths): the
+    # clock passes over it every time, so the fast path keeps serving it (first in, first out let it go
+    # after 64 kinds, and each return cost a trip through the Python path)
+    ab._dispatch.reset_caches()
+    hot = torch.randn(1, 2, 6, 16)
+    ab.attention(hot, hot, hot)
+    others = [torch.randn(1, 2, 6, d) for d in range(17, 156)]
+    for q in others:
+        assert _served(lambda: ab.attention(hot, hot, hot))[1]
+        ab.attention(q, q, q)
+    assert _served(lambda: ab.attention(hot, hot, hot))[1]
 
 
 @pytest.mark.parametrize("how", ["use_math", "process_default", "named_math", "float64", "torch_faster",
