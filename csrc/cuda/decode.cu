@@ -45,8 +45,11 @@ int64_t capacity(const ab_kvcache_params* p) {
 // arithmetic) or attend_mma_kernel (tensor cores, 16-bit caches only).  attend_mma_kernel is opt-in
 // until a GPU has timed it: ATTN_BACKENDS_CUDA_DECODE_KERNEL=mma, read at every call, asks for it
 // (any other value, or none, keeps attend_kernel).  A device whose shared memory per block is too
-// small for its stages keeps attend_kernel too.
-enum class Variant { kLanes, kMma };
+// small for its stages keeps attend_kernel too.  The stage count is decided here, once per call.
+struct Variant {
+  bool mma;    // attend_mma_kernel, else attend_kernel
+  int stages;  // attend_mma_kernel's stages (mma_stages)
+};
 
 int mma_head_dim(int64_t D) { return D <= 64 ? 64 : D <= 128 ? 128 : 256; }
 
@@ -68,15 +71,16 @@ int device_smem_optin() {
 }
 
 Variant variant_of(const ab_kvcache_params* p) {
-  if (p->q.dtype != AB_DTYPE_F16 && p->q.dtype != AB_DTYPE_BF16) return Variant::kLanes;
+  const Variant lanes{false, 0};
+  if (p->q.dtype != AB_DTYPE_F16 && p->q.dtype != AB_DTYPE_BF16) return lanes;
   const char* e = getenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL");
-  if (e == nullptr || strcmp(e, "mma") != 0) return Variant::kLanes;
-  const int optin = device_smem_optin(), kd = mma_head_dim(p->D);
-  return (size_t)optin >= mma_smem_bytes(kd, mma_stages(kd, optin)) ? Variant::kMma : Variant::kLanes;
+  if (e == nullptr || strcmp(e, "mma") != 0) return lanes;
+  const int optin = device_smem_optin(), kd = mma_head_dim(p->D), stages = mma_stages(kd, optin);
+  return (size_t)optin >= mma_smem_bytes(kd, stages) ? Variant{true, stages} : lanes;
 }
 
 int rows_per_block(const ab_kvcache_params* p, Variant v) {
-  if (v == Variant::kMma) return kMmaRows;
+  if (v.mma) return kMmaRows;
   const int64_t rows = p->Sq * (p->Hq / p->Hkv);
   return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : kMaxRows;
 }
@@ -107,10 +111,10 @@ ab_status split_count(const ab_kvcache_params* p, Variant v, int64_t* nsplit, ab
   if (st != AB_OK) return st;
   const int64_t blocks = p->B * p->Hkv * row_tiles(p, v);
   int64_t n = 1;
-  const int64_t want = (v == Variant::kMma ? kMmaBlocksPerSM : kBlocksPerSM) * sms;
+  const int64_t want = (v.mma ? kMmaBlocksPerSM : kBlocksPerSM) * sms;
   if (blocks > 0 && blocks < want) {
     n = (want + blocks - 1) / blocks;
-    const int64_t most = capacity(p) / (v == Variant::kMma ? kMmaMinSplitKeys : kMinSplitKeys);
+    const int64_t most = capacity(p) / (v.mma ? kMmaMinSplitKeys : kMinSplitKeys);
     n = n < most ? n : most;
   }
   *nsplit = n < 1 ? 1 : n > kMaxSplits ? kMaxSplits : n;
@@ -338,17 +342,17 @@ ab_status run(const ab_kvcache_params* p, Variant v, const DecodeParams& d, cuda
   }
   if (d.B == 0 || d.rows == 0) return AB_OK;
   if constexpr (sizeof(T) == 2) {
-    if (v == Variant::kMma) {
+    if (v.mma) {
       switch (mma_head_dim(d.D)) {
         case 64: TRY((launch_attend_mma<T, 64, 4>(d, stream, err))); break;
         case 128:
-          if (mma_stages(128, device_smem_optin()) == 3)
+          if (v.stages == 3)
             TRY((launch_attend_mma<T, 128, 3>(d, stream, err)));
           else
             TRY((launch_attend_mma<T, 128, 2>(d, stream, err)));
           break;
         default:
-          if (mma_stages(256, device_smem_optin()) == 3)
+          if (v.stages == 3)
             TRY((launch_attend_mma<T, 256, 3>(d, stream, err)));
           else
             TRY((launch_attend_mma<T, 256, 2>(d, stream, err)));
@@ -356,7 +360,7 @@ ab_status run(const ab_kvcache_params* p, Variant v, const DecodeParams& d, cuda
       }
     }
   }
-  if (v == Variant::kLanes) {
+  if (!v.mma) {
     switch (rows_per_block(p, v)) {
       case 1: TRY((launch_attend<T, 1>(d, stream, err))); break;
       case 2: TRY((launch_attend<T, 2>(d, stream, err))); break;
