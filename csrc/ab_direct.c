@@ -343,11 +343,12 @@ static int bump_versions(ab_state* st, PyObject* kc, PyObject* vc) {
 /* Allocates out (B, Sq, Hq, D) contiguous in q's dtype and lse (B, Hq, Sq) float32, as the kvcache_fwd
  * op returns them, and runs the CPU decode kernel on p (every input view and option filled), its
  * workspace from malloc; with new keys and values (p->k_new) the caches kc and vc then get their
- * version bumps.  -> (out, lse), or NULL with an exception.  A bad index value is a ValueError
- * with the kernel's message when value_error (what _kvcache.py makes of it), else worded as the op
- * words it (a RuntimeError that _kvcache.py turns into that ValueError). */
+ * version bumps.  -> (out, lse), or out alone without want_lse (lse then lives in the workspace: one
+ * tensor fewer to make), or NULL with an exception.  A bad index value is a ValueError with the
+ * kernel's message when value_error (what _kvcache.py makes of it), else worded as the op words it
+ * (a RuntimeError that _kvcache.py turns into that ValueError). */
 static PyObject* run_kvcache(ab_state* st, PyObject* q, PyObject* kc, PyObject* vc, ab_kvcache_params* pp,
-                             int value_error) {
+                             int value_error, int want_lse) {
   ab_kvcache_params p = *pp;
   if (p.q.dtype >= AB_DTYPE_BOOL) return direct_error("q must be a floating tensor");
   /* out (B, Sq, Hq, D) and lse (B, Hq, Sq), contiguous */
@@ -368,20 +369,27 @@ static PyObject* run_kvcache(ab_state* st, PyObject* q, PyObject* kc, PyObject* 
     Py_XDECREF(out);
     return NULL;
   }
-  PyObject* lse = empty_strided(st, NULL, p.lse.sizes, p.lse.strides, 3, AB_DTYPE_F32);
-  if (!lse || set_data(st, lse, &p.lse) < 0) {
-    Py_DECREF(out);
-    Py_XDECREF(lse);
-    return NULL;
+  PyObject* lse = NULL;
+  if (want_lse) {
+    lse = empty_strided(st, NULL, p.lse.sizes, p.lse.strides, 3, AB_DTYPE_F32);
+    if (!lse || set_data(st, lse, &p.lse) < 0) {
+      Py_DECREF(out);
+      Py_XDECREF(lse);
+      return NULL;
+    }
   }
   const ab_cpu_pool pool = ab_shim_cpu_pool();
   const size_t bytes = ab_kvcache_cpu_workspace_size(&p, pool.num_threads);
+  /* without want_lse, lse's floats after the kernel's workspace */
+  const size_t lse_at = (bytes + 63) & ~(size_t)63;
+  const size_t total = want_lse ? bytes : lse_at + (size_t)(p.B * p.Hq * p.Sq) * sizeof(float);
   void* ws = NULL;
-  if (bytes && posix_memalign(&ws, 64, bytes) != 0) {
+  if (total && posix_memalign(&ws, 64, total) != 0) {
     Py_DECREF(out);
-    Py_DECREF(lse);
+    Py_XDECREF(lse);
     return PyErr_NoMemory();
   }
+  if (!want_lse) p.lse.data = (char*)ws + lse_at;
   ab_error err;
   err.msg[0] = 0;
   ab_status status;
@@ -396,7 +404,7 @@ static PyObject* run_kvcache(ab_state* st, PyObject* q, PyObject* kc, PyObject* 
   free(ws);
   if (status != AB_OK) {
     Py_DECREF(out);
-    Py_DECREF(lse);
+    Py_XDECREF(lse);
     /* worded as the op words it, so that _kvcache.py raises a bad index value as a ValueError */
     if (status == AB_ERR_INVALID) {
       if (value_error) {
@@ -411,10 +419,10 @@ static PyObject* run_kvcache(ab_state* st, PyObject* q, PyObject* kc, PyObject* 
   }
   if (p.k_new.ndim && bump_versions(st, kc, vc) < 0) {
     Py_DECREF(out);
-    Py_DECREF(lse);
+    Py_XDECREF(lse);
     return NULL;
   }
-  return Py_BuildValue("(NN)", out, lse);
+  return want_lse ? Py_BuildValue("(NN)", out, lse) : out;
 }
 
 /* The tensors of a KV-cache call, in the order both direct calls take them (attention_with_kvcache's). */
@@ -493,7 +501,7 @@ static PyObject* ab_py_kvcache_fwd_cpu(PyObject* self, PyObject* args) {
   if (mask != Py_None && (read_view(st, mask, &p.mask, "attn_mask", 0) < 0 ||
                           broadcast_mask(&p.mask, p.B, p.Hq, p.Sq, p.k_cache.sizes[1]) < 0))
     return NULL;
-  return run_kvcache(st, q, kc, vc, &p, 0);
+  return run_kvcache(st, q, kc, vc, &p, 0, 1);
 }
 
 /* *slot = value (a new reference), dropping the old one (Py_XSETREF is not in the limited API). */
@@ -1151,13 +1159,9 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   c.alibi = args[KV_ALIBI] != Py_None;
   if (remembered(st, &c) != AB_BK_PAGED) Py_RETURN_NONE;
   set_kv_options(&p, seqlen, scale, softcap, causal, wl, wr, inter_o == Py_True, splits);
-  PyObject* res = run_kvcache(st, q, kc, vc, &p, 1);
-  if (!res) return NULL;
-  ++st->fast_calls;
-  if (want_lse) return res;
-  PyObject* out = Py_NewRef(PyTuple_GetItem(res, 0));
-  Py_DECREF(res);
-  return out;
+  PyObject* res = run_kvcache(st, q, kc, vc, &p, 1, want_lse);
+  if (res) ++st->fast_calls;
+  return res;
 }
 
 /* flash_decode_route(q, k, v, has_mask, dropout_p, causal, window_left, window_right, cu_seqlens_q,
