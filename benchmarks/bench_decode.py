@@ -39,6 +39,13 @@ forced off, on, and as the kernel picks (by its working set against the L3, docs
 torch SDPA; ratio = sdpa / auto.  One layer's cache may fit the L3 where all of them do not.
     python benchmarks/bench_decode.py --layers 1,32 --json benchmarks/results/decode_layers.json
 
+--small times small decode calls instead, where the cache stays in the caches and a call's fixed cost
+counts (a small model's decode step): one query token against the same dense cache at every call, ours
+(auto) against torch SDPA twice, on contiguous (B, H, S, D) copies of the cache (the layout torch likes
+best, as above) and on the cache's own (B, S, H, D) tensors transposed (what a caller holding a
+flash-attn cache would pass); ratios = torch / ours.
+    python benchmarks/bench_decode.py --small --json benchmarks/results/decode_small.json
+
 --device cuda times our CUDA decode kernel (csrc/cuda/decode.cu, on by default since its H200 run and
 switched on here even under ATTN_BACKENDS_CUDA_DECODE=0) against torch SDPA on the GPU, with CUDA events, and the
 probe sums a 1 GiB buffer on the GPU (its read bandwidth, far above the L2).  It also times auto with an int
@@ -249,6 +256,56 @@ def tokens_table(tokens, Sk, dtypes, rounds):
                   f"{med['auto']:8.3f}  {med['torch']:8.3f}  {med['torch'] / med['auto']:5.2f}x", flush=True)
             rows.append(dict(Sq=Sq, Sk=Sk, dtype=str(dtype)[6:], **{f"{n}_ms": t for n, t in med.items()}))
             del case
+    return rows
+
+
+SMALL_SHAPES = [  # (B, Hq, Hkv, Sk, D): small decode calls (--small)
+    (1, 1, 1, 1, 8),
+    (1, 4, 1, 16, 32),
+    (1, 8, 2, 64, 64),
+    (1, 12, 12, 64, 64),
+    (1, 12, 12, 256, 64),
+    (1, 12, 12, 1024, 64),
+    (4, 12, 12, 256, 64),
+    (1, 16, 16, 256, 64),
+    (1, 32, 8, 256, 128),
+    (1, 32, 32, 256, 128),
+]
+
+
+def small_table(dtypes, rounds):
+    """--small: medians over interleaved rounds of ours and torch SDPA (contiguous copies, and the cache's
+    transposed view) for SMALL_SHAPES; prints the table."""
+    print("one query token, the same dense cache every call; us per call; ratios = torch / ours")
+    print(f"{'B Hq Hkv Sk D':<20}  {'dtype':<8}  {'ours':>8}  {'torch':>8}  {'t. view':>8}  ratio  view")
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for dtype in dtypes:
+        for B, Hq, Hkv, Sk, Ds in SMALL_SHAPES:
+            q = torch.randn(B, 1, Hq, Ds, generator=gen).to(dtype)
+            k, v = (torch.randn(B, Sk, Hkv, Ds, generator=gen).to(dtype) for _ in range(2))
+            qc, kc, vc = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+            gqa = Hq != Hkv
+            cands = {"ours": lambda: ab.attention_with_kvcache(q, k, v),
+                     "torch": lambda: F.scaled_dot_product_attention(qc, kc, vc, enable_gqa=gqa),
+                     "view": lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                                    v.transpose(1, 2), enable_gqa=gqa)}
+            want = cands["torch"]().transpose(1, 2).float()
+            err = (cands["ours"]().float() - want).abs().max().item()
+            assert err < (2e-2 if dtype == torch.bfloat16 else 1e-4), f"{err} from torch SDPA"
+            for fn in cands.values():
+                fn()
+            reps = max(5, int(0.02 / max(timed(cands["ours"], 3), 1e-7)))
+            times = {n: [] for n in cands}
+            for _ in range(rounds):
+                for name, fn in cands.items():
+                    times[name].append(timed(fn, reps))
+            med = {n: statistics.median(t) * 1e6 for n, t in times.items()}
+            print(f"{f'{B} {Hq} {Hkv} {Sk} {Ds}':<20}  {str(dtype)[6:]:<8}  {med['ours']:8.1f}  {med['torch']:8.1f}  "
+                  f"{med['view']:8.1f}  {med['torch'] / med['ours']:5.2f}  {med['view'] / med['ours']:5.2f}",
+                  flush=True)
+            rows.append(dict(B=B, Hq=Hq, Hkv=Hkv, Sk=Sk, D=Ds, dtype=str(dtype)[6:],
+                             **{f"{n}_us": t for n, t in med.items()}))
     return rows
 
 
@@ -485,6 +542,8 @@ def main(argv=None):
     ap.add_argument("--tokens-cache", type=int, default=4096, help="keys in the cache for --tokens")
     ap.add_argument("--layers", default=None, help="layer counts, e.g. 1,32: a model's decode step (one cache "
                     "per layer, read in turn) instead of the decode shapes, with the next-keys prefetch off/on/auto")
+    ap.add_argument("--small", action="store_true", help="small decode calls, the cache in the caches: ours "
+                    "against torch SDPA on contiguous copies and on the cache's transposed view")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: our CUDA decode kernel (switched on here) against torch SDPA on the GPU")
     ap.add_argument("--graph", action="store_true",
@@ -518,6 +577,22 @@ def main(argv=None):
                                threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
                                cpu_features=ab._C.cpu_features(), bf16_products=bf16_products(),
                                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds=rounds, layers=rows),
+                          f, indent=1)
+            print(f"wrote {args.json}")
+        return
+    if args.small:
+        if DEVICE != "cpu" or args.tokens or args.layers:
+            ap.error("--small times the CPU calls, alone")
+        print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+              f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}")
+        with torch.inference_mode():
+            rows = small_table(dtypes, rounds)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(machine=platform.platform(), processor=platform.processor(), device="cpu",
+                               threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
+                               cpu_features=ab._C.cpu_features(),
+                               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds=rounds, small=rows),
                           f, indent=1)
             print(f"wrote {args.json}")
         return
