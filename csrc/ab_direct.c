@@ -389,7 +389,7 @@ static PyObject* run_kvcache(ab_state* st, PyObject* q, PyObject* kc, PyObject* 
     Py_XDECREF(lse);
     return PyErr_NoMemory();
   }
-  if (!want_lse) p.lse.data = (char*)ws + lse_at;
+  if (!want_lse) p.lse.data = ws ? (char*)ws + lse_at : NULL;
   ab_error err;
   err.msg[0] = 0;
   ab_status status;
