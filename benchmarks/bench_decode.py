@@ -232,6 +232,21 @@ class TokensCase:
                 "torch": self.torch_sdpa}
 
 
+def interleaved_medians(cands, lead, rounds, seconds, least):
+    """Seconds per call of each candidate (name -> fn), the median over `rounds` rounds in which every
+    candidate runs in turn, each time `reps` calls: enough for about `seconds` of the `lead` candidate,
+    at least `least`.  Every candidate is warmed first."""
+    for fn in cands.values():
+        fn()
+        fn()
+    reps = max(least, int(seconds / max(timed(cands[lead], 1), 1e-7)))
+    times = {n: [] for n in cands}
+    for _ in range(rounds):
+        for name, fn in cands.items():
+            times[name].append(timed(fn, reps))
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
 def tokens_table(tokens, Sk, dtypes, rounds):
     """Medians over interleaved rounds for each token count and dtype; prints the table."""
     print(f"B=1 Hq=32 Hkv=8 D=128, {Sk} keys (dense, a new copy per call), causal bottom-right; ms per call; "
@@ -243,15 +258,7 @@ def tokens_table(tokens, Sk, dtypes, rounds):
             case = TokensCase(Sq, Sk, dtype)
             case.check()
             cands = case.candidates()
-            for fn in cands.values():
-                fn()
-                fn()
-            reps = max(1, int(0.05 / max(timed(cands["auto"], 1), 1e-6)))
-            times = {n: [] for n in cands}
-            for _ in range(rounds):
-                for name, fn in cands.items():
-                    times[name].append(timed(fn, reps))
-            med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+            med = {n: t * 1e3 for n, t in interleaved_medians(cands, "auto", rounds, 0.05, 1).items()}
             print(f"{f'{Sq} ({Sq * 4})':<18}  {str(dtype)[6:]:<8}  {med['kernel']:8.3f}  {med['flash']:8.3f}  "
                   f"{med['auto']:8.3f}  {med['torch']:8.3f}  {med['torch'] / med['auto']:5.2f}x", flush=True)
             rows.append(dict(Sq=Sq, Sk=Sk, dtype=str(dtype)[6:], **{f"{n}_ms": t for n, t in med.items()}))
@@ -293,14 +300,7 @@ def small_table(dtypes, rounds):
             want = cands["torch"]().transpose(1, 2).float()
             err = (cands["ours"]().float() - want).abs().max().item()
             assert err < (2e-2 if dtype == torch.bfloat16 else 1e-4), f"{err} from torch SDPA"
-            for fn in cands.values():
-                fn()
-            reps = max(5, int(0.02 / max(timed(cands["ours"], 3), 1e-7)))
-            times = {n: [] for n in cands}
-            for _ in range(rounds):
-                for name, fn in cands.items():
-                    times[name].append(timed(fn, reps))
-            med = {n: statistics.median(t) * 1e6 for n, t in times.items()}
+            med = {n: t * 1e6 for n, t in interleaved_medians(cands, "ours", rounds, 0.02, 5).items()}
             print(f"{f'{B} {Hq} {Hkv} {Sk} {Ds}':<20}  {str(dtype)[6:]:<8}  {med['ours']:8.1f}  {med['torch']:8.1f}  "
                   f"{med['view']:8.1f}  {med['torch'] / med['ours']:5.2f}  {med['view'] / med['ours']:5.2f}",
                   flush=True)
