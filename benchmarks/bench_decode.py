@@ -528,6 +528,22 @@ def sweep(dtype, rounds, probe, lengths, out_dir, stem):
     return rows
 
 
+def run_cpu_table(path, rounds, key, table, line, **record):
+    """--layers, --small, --tokens: prints the machine's line (plus `line`), runs table() in inference mode
+    and, with --json, writes its rows under `key` beside the machine's record (and `record`)."""
+    print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+          f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}{line}")
+    with torch.inference_mode():
+        rows = table()
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(machine=platform.platform(), processor=platform.processor(), device="cpu",
+                           threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
+                           **record, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds=rounds,
+                           **{key: rows}), f, indent=1)
+        print(f"wrote {path}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="first shape only, 3 rounds: a check, not a measurement")
@@ -566,50 +582,24 @@ def main(argv=None):
     if args.layers:
         if DEVICE != "cpu" or args.tokens:
             ap.error("--layers times the CPU kernel, alone")
-        print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-              f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}, bfloat16 products {bf16_products()}, "
-              f"L3 {ab._C.cpu_features()['l3_bytes'] >> 20} MiB")
-        with torch.inference_mode():
-            rows = layers_table([int(x) for x in args.layers.split(",")], dtypes, rounds)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(machine=platform.platform(), processor=platform.processor(), device="cpu",
-                               threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
-                               cpu_features=ab._C.cpu_features(), bf16_products=bf16_products(),
-                               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds=rounds, layers=rows),
-                          f, indent=1)
-            print(f"wrote {args.json}")
+        run_cpu_table(args.json, rounds, "layers",
+                      lambda: layers_table([int(x) for x in args.layers.split(",")], dtypes, rounds),
+                      f", bfloat16 products {bf16_products()}, L3 {ab._C.cpu_features()['l3_bytes'] >> 20} MiB",
+                      cpu_features=ab._C.cpu_features(), bf16_products=bf16_products())
         return
     if args.small:
         if DEVICE != "cpu" or args.tokens or args.layers:
             ap.error("--small times the CPU calls, alone")
-        print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-              f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}")
-        with torch.inference_mode():
-            rows = small_table(dtypes, rounds)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(machine=platform.platform(), processor=platform.processor(), device="cpu",
-                               threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
-                               cpu_features=ab._C.cpu_features(),
-                               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds=rounds, small=rows),
-                          f, indent=1)
-            print(f"wrote {args.json}")
+        run_cpu_table(args.json, rounds, "small", lambda: small_table(dtypes, rounds), "",
+                      cpu_features=ab._C.cpu_features())
         return
     if args.tokens:
         if DEVICE != "cpu":
             ap.error("--tokens times the CPU paths")
-        print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-              f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}, bfloat16 products {bf16_products()}")
-        with torch.inference_mode():
-            rows = tokens_table([int(x) for x in args.tokens.split(",")], args.tokens_cache, dtypes, rounds)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(machine=platform.platform(), processor=platform.processor(), device="cpu",
-                               threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
-                               bf16_products=bf16_products(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                               rounds=rounds, tokens=rows), f, indent=1)
-            print(f"wrote {args.json}")
+        run_cpu_table(args.json, rounds, "tokens",
+                      lambda: tokens_table([int(x) for x in args.tokens.split(",")], args.tokens_cache, dtypes,
+                                           rounds),
+                      f", bfloat16 products {bf16_products()}", bf16_products=bf16_products())
         return
     probe = read_bandwidth_probe()
     where = (f"{torch.cuda.get_device_name()}, attention kernel {cuda_attention_kernel()}" if DEVICE == "cuda"
