@@ -245,6 +245,14 @@ __device__ __forceinline__ RowKeys row_keys(const DecodeParams& p, const Row& r,
   return k;
 }
 
+// A scaled score as both attentions shape it, in float32: the softcap, then ALiBi's penalty for the
+// distance between the row's position and key j (both counted from the split's first key).
+__device__ __forceinline__ float shaped_score(const DecodeParams& p, const RowKeys& rk, float s, int j) {
+  if (p.softcap > 0.0f) s = p.softcap * tanhf(s / p.softcap);
+  if (p.alibi != nullptr) s -= rk.slope * fabsf((float)(rk.ipos - j));
+  return s;
+}
+
 // ---- the cache write ---------------------------------------------------------------------------
 
 // grid (snew, B): one new token of one batch row per block, the threads over its Hkv * D elements.
@@ -547,8 +555,7 @@ __global__ void __launch_bounds__(kThreads, AB_DECODE_MIN_BLOCKS) attend_kernel(
         const int j = jr + u * (int)spread;
         seen[u] = have[u] && j >= rk[rr].vlo && j < rk[rr].vhi;
         if (seen[u]) {
-          if (p.softcap > 0.0f) s[rr][u] = p.softcap * tanhf(s[rr][u] / p.softcap);
-          if (p.alibi != nullptr) s[rr][u] -= rk[rr].slope * fabsf((float)(rk[rr].ipos - j));
+          s[rr][u] = shaped_score(p, rk[rr], s[rr][u], j);
           mn = fmaxf(mn, s[rr][u]);
           any = true;
         }

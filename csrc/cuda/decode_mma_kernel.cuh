@@ -69,7 +69,7 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
   constexpr int kLd = kD + ab_flash::kSmemPad;  // padded rows: ldmatrix without bank conflicts
   constexpr uint32_t kRowBytes = kLd * sizeof(T);
   constexpr int kDT = kD / 8;                   // n8 tiles of O over the head dim
-  constexpr int kChunks = kD / 8;               // 16-byte chunks of a row
+  constexpr int kChunks = kD * (int)sizeof(T) / 16;  // 16-byte chunks of a row
   static_assert(sizeof(T) == 2, "16-bit caches");
   static_assert(kD % 32 == 0 && (kD / 8) % 2 == 0, "ldmatrix.x4 pairs and the odd padded row stride");
   static_assert(2 * kMmaKeys == kThreads, "two threads copy each key of a tile");
@@ -232,9 +232,7 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
           const int j = jw + 8 * nt + 2 * t + (e & 1);
-          float x = s[nt][e] * p.scale;
-          if (p.softcap > 0.0f) x = p.softcap * tanhf(x / p.softcap);
-          if (p.alibi != nullptr) x -= rk[h].slope * fabsf((float)(rk[h].ipos - j));
+          float x = shaped_score(p, rk[h], s[nt][e] * p.scale, j);
           x = j >= rk[h].vlo && j < rk[h].vhi ? x * ab_flash::kLog2e : -INFINITY;
           s[nt][e] = x;
           mx = fmaxf(mx, x);
