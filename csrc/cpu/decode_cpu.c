@@ -48,6 +48,12 @@ static int bf16_dot(const ab_kvcache_params* p) { return ab_kvcache_cpu_bf16_pro
 /* The AVX-512 path of an AMD CPU (Zen 4), where the prefetch rules below were measured. */
 static int amd_avx512(void) { return ab_cpu_isa_get() == AB_ISA_AVX512 && ab_cpu_vendor_detect() == AB_VENDOR_AMD; }
 
+/* A prefetch rule's answer: the switch name's 0 or 1 when it is set to one, else the rule's. */
+static int forced_or(const char* name, int rule) {
+  const int forced = ab_env_switch(name);
+  return forced >= 0 ? forced : rule;
+}
+
 /* Decode's own working set: the caches (by K's address) that the last RECENT_CALLS calls read, and
  * how many K and V bytes each call read from its cache.  A model reads a cache per layer per token,
  * so one layer's cache may fit the L3 while the layers' caches together do not: each then comes
@@ -118,10 +124,7 @@ static int from_dram(const ab_kvcache_params* p, int64_t keys) {
  * on an AVX-512 AMD CPU").  ATTN_BACKENDS_DECODE_KEYS_NEXT=1 makes the request in every call and =0
  * in none beyond MHA over a 2-byte cache, which always has it (read at every call; the bits are the
  * same either way). */
-static int keys_next(int dram) {
-  const int forced = ab_env_switch("ATTN_BACKENDS_DECODE_KEYS_NEXT");
-  return forced >= 0 ? forced : amd_avx512() && dram;
-}
+static int keys_next(int dram) { return forced_or("ATTN_BACKENDS_DECODE_KEYS_NEXT", amd_avx512() && dram); }
 
 /* Whether step 1 asks for the chunk's value rows whatever the cache, MHA over a float32 one included,
  * which the kernel otherwise leaves to the hardware prefetchers (decode_cpu_impl.h, v_ahead): on the
@@ -130,10 +133,7 @@ static int keys_next(int dram) {
  * AVX-512 AMD CPU"); elsewhere the request measured slower.  ATTN_BACKENDS_DECODE_VALUES_AHEAD=1
  * makes it in every call, =0 only where the general rule does (read at every call; the same bits
  * either way). */
-static int values_ahead(void) {
-  const int forced = ab_env_switch("ATTN_BACKENDS_DECODE_VALUES_AHEAD");
-  return forced >= 0 ? forced : amd_avx512();
-}
+static int values_ahead(void) { return forced_or("ATTN_BACKENDS_DECODE_VALUES_AHEAD", amd_avx512()); }
 
 /* Whether the kernel asks for one line of each 4 KiB page of the chunk after next, K and V, at the
  * start of each chunk (decode_cpu_impl.h, DC(touch_pages)): the page walk and the DRAM page of a
@@ -144,10 +144,7 @@ static int values_ahead(void) {
  * (docs/benchmarks.md, "Pages ahead").  Not measured on other CPUs.
  * ATTN_BACKENDS_DECODE_PAGES_AHEAD=1 makes the request in every call, =0 in none (read at every call;
  * the same bits either way). */
-static int pages_ahead(int dram) {
-  const int forced = ab_env_switch("ATTN_BACKENDS_DECODE_PAGES_AHEAD");
-  return forced >= 0 ? forced : amd_avx512() && dram;
-}
+static int pages_ahead(int dram) { return forced_or("ATTN_BACKENDS_DECODE_PAGES_AHEAD", amd_avx512() && dram); }
 
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
   if (!ab_kvcache_cpu_bf16_products(dt)) return INT64_MAX; /* the tiled products serve long queries */
