@@ -170,6 +170,9 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
         _tensor(name, c, 4, layout, dev, (dt,), f"{dt} like q")
         if c.stride(-1) != 1 and c.numel():
             raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {c.stride()}")
+        if c.is_neg() or c._is_zerotensor():  # the caches are read and written in place, as memory
+            raise ValueError(f"{name} is a negative view or a zero tensor (its values are not its memory), which "
+                             "a cache read and written in place cannot be: pass .resolve_neg() or .clone() of it")
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache must have k_cache's shape {tuple(k_cache.shape)}, got {tuple(v_cache.shape)}")
     Hkv = k_cache.shape[2]

@@ -67,17 +67,31 @@ static int all_cpu(const ab_state* st, PyObject* const* tensors, int n) {
   return 1;
 }
 
-/* Fills v from a CPU tensor's shape, strides, dtype and data pointer; -1 with an exception set.  A
- * rank other than 1..4 is an error naming the tensor, unless any_rank: then only v->ndim is set (the
- * caller words the error, as the shim does for q, k and v). */
+/* Fills v from a CPU tensor's shape, strides, dtype and data pointer: 0; -1 with an exception set; 1
+ * (no exception) when its elements are not plain strided memory a kernel may read: a negative view
+ * (x.conj().imag, torch._neg_view: the sign lives in a bit, not in memory), a zero tensor (no memory:
+ * a NULL data pointer), a sparse or mkldnn tensor (no strides or no storage).  The direct calls hand
+ * such a call back (None), and the op, whose dispatcher resolves those views first, or the Python
+ * path's checks serve it.  A rank other than 1..4 is an error naming the tensor, unless any_rank:
+ * then only v->ndim is set (the caller words the error, as the shim does for q, k and v). */
 static int read_view(const ab_state* st, PyObject* t, ab_tensor* v, const char* name, int any_rank) {
   memset(v, 0, sizeof *v);
   PyObject* shape = PyObject_GetAttr(t, st->s_shape);
   if (!shape) return -1;
   PyObject* stride = PyObject_CallMethodObjArgs(t, st->s_stride, NULL);
   PyObject* dt = stride ? PyObject_GetAttr(t, st->s_dtype) : NULL;
+  PyObject* neg = dt ? PyObject_CallMethodObjArgs(t, st->s_is_neg, NULL) : NULL;
   int rc = -1;
-  if (!dt) goto done;
+  if (!stride) { /* a sparse or mkldnn tensor has no strides */
+    PyErr_Clear();
+    rc = 1;
+    goto done;
+  }
+  if (!neg) goto done;
+  if (neg != Py_False) {
+    rc = 1;
+    goto done;
+  }
   const Py_ssize_t nd = PyTuple_Size(shape);
   if (nd < 0 || PyTuple_Size(stride) != nd) {
     if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s: shape and stride() disagree", name);
@@ -105,18 +119,34 @@ static int read_view(const ab_state* st, PyObject* t, ab_tensor* v, const char* 
   v->device_index = -1;
   if (numel) {
     PyObject* ptr = PyObject_CallMethodObjArgs(t, st->s_data_ptr, NULL);
-    if (!ptr) goto done;
+    if (!ptr) { /* no storage */
+      PyErr_Clear();
+      rc = 1;
+      goto done;
+    }
     v->data = PyLong_AsVoidPtr(ptr);
     Py_DECREF(ptr);
     if (PyErr_Occurred()) goto done;
+    if (!v->data) { /* a zero tensor */
+      rc = 1;
+      goto done;
+    }
   }
   rc = 0;
 done:
   Py_DECREF(shape);
   Py_XDECREF(stride);
   Py_XDECREF(dt);
+  Py_XDECREF(neg);
   return rc;
 }
+
+/* read_view's result where a direct call must hand the call back on 1 (None) and fail on -1. */
+#define READ_OR_HAND_BACK(expr)                          \
+  do {                                                   \
+    const int rc_ = (expr);                              \
+    if (rc_) return rc_ < 0 ? NULL : Py_NewRef(Py_None); \
+  } while (0)
 
 /* Contiguous strides of sizes (a dim of size 0 or 1 counts as 1), as the shim computes them. */
 static void contiguous_strides(const int64_t* sizes, int n, int64_t* strides) {
@@ -303,9 +333,9 @@ static PyObject* ab_py_flash_fwd_cpu(PyObject* self, PyObject* args) {
   if (!cpu) Py_RETURN_NONE;
   ab_attn_params p;
   memset(&p, 0, sizeof p);
-  if (read_view(st, q, &p.q, "q", 1) < 0 || read_view(st, k, &p.k, "k", 1) < 0 ||
-      read_view(st, v, &p.v, "v", 1) < 0)
-    return NULL;
+  READ_OR_HAND_BACK(read_view(st, q, &p.q, "q", 1));
+  READ_OR_HAND_BACK(read_view(st, k, &p.k, "k", 1));
+  READ_OR_HAND_BACK(read_view(st, v, &p.v, "v", 1));
   if (p.q.ndim != 4 || p.k.ndim != 4 || p.v.ndim != 4)
     return direct_error("q, k and v must be 4-D: (B, Hq, Sq, D), (B, Hkv, Sk, D), (B, Hkv, Sk, Dv)");
   p.B = p.q.sizes[0];
@@ -315,9 +345,10 @@ static PyObject* ab_py_flash_fwd_cpu(PyObject* self, PyObject* args) {
   p.Hkv = p.k.sizes[1];
   p.Sk = p.k.sizes[2];
   p.Dv = p.v.sizes[3];
-  if (mask != Py_None &&
-      (read_view(st, mask, &p.mask, "attn_mask", 0) < 0 || broadcast_mask(&p.mask, p.B, p.Hq, p.Sq, p.Sk) < 0))
-    return NULL;
+  if (mask != Py_None) {
+    READ_OR_HAND_BACK(read_view(st, mask, &p.mask, "attn_mask", 0));
+    if (broadcast_mask(&p.mask, p.B, p.Hq, p.Sq, p.Sk) < 0) return NULL;
+  }
   p.causal = (ab_causal)causal;
   p.scale = scale;
   p.window_left = wl;
@@ -430,7 +461,7 @@ enum { KVT_Q, KVT_KC, KVT_VC, KVT_K, KVT_V, KVT_COS, KVT_SIN, KVT_SEQ, KVT_BIDX,
        KVT_SINKS, KVT_N };
 
 /* Zeroes *p and fills its views from the KVT_N tensors (None: left empty); any_rank as read_view's.
- * 0, or -1 with an exception set. */
+ * 0; 1 when read_view says a tensor is not for a direct call; -1 with an exception set. */
 static int read_kv_views(const ab_state* st, PyObject* const* tensors, ab_kvcache_params* p, int any_rank) {
   memset(p, 0, sizeof *p);
   ab_tensor* const views[KVT_N] = {&p->q,          &p->k_cache,    &p->v_cache,       &p->k_new,
@@ -442,7 +473,10 @@ static int read_kv_views(const ab_state* st, PyObject* const* tensors, ab_kvcach
                                            "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes",
                                            "sinks"};
   for (int i = 0; i < KVT_N; ++i)
-    if (tensors[i] != Py_None && read_view(st, tensors[i], views[i], names[i], any_rank) < 0) return -1;
+    if (tensors[i] != Py_None) {
+      const int rc = read_view(st, tensors[i], views[i], names[i], any_rank);
+      if (rc) return rc;
+    }
   return 0;
 }
 
@@ -493,14 +527,15 @@ static PyObject* ab_py_kvcache_fwd_cpu(PyObject* self, PyObject* args) {
   if (mask_cpu < 0) return NULL;
   if (!mask_cpu) Py_RETURN_NONE;
   ab_kvcache_params p;
-  if (read_kv_views(st, tensors, &p, 0) < 0) return NULL;
+  READ_OR_HAND_BACK(read_kv_views(st, tensors, &p, 0));
   if (p.q.ndim != 4 || p.k_cache.ndim != 4)
     return direct_error("q must be (B, Sq, Hq, D) and k_cache (B_cache, S_cache, Hkv, D) or "
                         "(num_blocks, block_size, Hkv, D)");
   set_kv_options(&p, seqlen, scale, softcap, causal, wl, wr, interleaved, num_splits);
-  if (mask != Py_None && (read_view(st, mask, &p.mask, "attn_mask", 0) < 0 ||
-                          broadcast_mask(&p.mask, p.B, p.Hq, p.Sq, p.k_cache.sizes[1]) < 0))
-    return NULL;
+  if (mask != Py_None) {
+    READ_OR_HAND_BACK(read_view(st, mask, &p.mask, "attn_mask", 0));
+    if (broadcast_mask(&p.mask, p.B, p.Hq, p.Sq, p.k_cache.sizes[1]) < 0) return NULL;
+  }
   return run_kvcache(st, q, kc, vc, &p, 0, 1);
 }
 
@@ -752,8 +787,10 @@ static int window_softcap_args(PyObject* win, PyObject* cap, int64_t span, ab_dt
 /* Reads a fast path's sinks and ALiBi slopes (None: none) into p, for B sequences of p->Hq heads.
  * -> 1 when they meet sinks_alibi_ok, 0 to hand the call back, -1 with an exception. */
 static int read_sinks_alibi(ab_state* st, PyObject* sinks, PyObject* alibi, ab_attn_params* p) {
-  if (sinks != Py_None && read_view(st, sinks, &p->sinks, "sinks", 1) < 0) return -1;
-  if (alibi != Py_None && read_view(st, alibi, &p->alibi, "alibi_slopes", 1) < 0) return -1;
+  const int rs = sinks != Py_None ? read_view(st, sinks, &p->sinks, "sinks", 1) : 0;
+  if (rs) return rs < 0 ? -1 : 0;
+  const int ra = alibi != Py_None ? read_view(st, alibi, &p->alibi, "alibi_slopes", 1) : 0;
+  if (ra) return ra < 0 ? -1 : 0;
   return sinks_alibi_ok(sinks != Py_None ? &p->sinks : NULL, alibi != Py_None ? &p->alibi : NULL, p->B, p->Hq);
 }
 
@@ -830,7 +867,8 @@ enum { AT_Q, AT_K, AT_V, AT_BACKEND, AT_CAUSAL, AT_SCALE, AT_LSE, AT_WINDOW, AT_
  * not broadcastable; a float mask that requires grad, whose gradient the autograd Function computes); -1
  * with an exception.  p's sizes are set. */
 static int fast_mask(ab_state* st, PyObject* mask, ab_attn_params* p) {
-  if (read_view(st, mask, &p->mask, "attn_mask", 1) < 0) return -1;
+  const int rc = read_view(st, mask, &p->mask, "attn_mask", 1);
+  if (rc) return rc < 0 ? -1 : 0;
   const ab_tensor* m = &p->mask;
   if (m->ndim < 1 || m->ndim > 4) return 0;
   if (m->dtype != AB_DTYPE_BOOL) {
@@ -876,9 +914,9 @@ static PyObject* ab_py_attention(PyObject* self, PyObject* const* args, Py_ssize
   if (!cpu) Py_RETURN_NONE;
   ab_attn_params p;
   memset(&p, 0, sizeof p);
-  if (read_view(st, q, &p.q, "q", 1) < 0 || read_view(st, k, &p.k, "k", 1) < 0 ||
-      read_view(st, v, &p.v, "v", 1) < 0)
-    return NULL;
+  READ_OR_HAND_BACK(read_view(st, q, &p.q, "q", 1));
+  READ_OR_HAND_BACK(read_view(st, k, &p.k, "k", 1));
+  READ_OR_HAND_BACK(read_view(st, v, &p.v, "v", 1));
   if (p.q.ndim != 4 || p.k.ndim != 4 || p.v.ndim != 4) Py_RETURN_NONE;
   const ab_dtype dt = p.q.dtype;
   /* _validate.check_qkv's rule; anything else is the Python path's to word */
@@ -972,10 +1010,11 @@ static PyObject* ab_py_attention_varlen(PyObject* self, PyObject* const* args, P
   ab_attn_params p;
   memset(&p, 0, sizeof p);
   ab_tensor tcq, tck;
-  if (read_view(st, q, &p.q, "q", 1) < 0 || read_view(st, k, &p.k, "k", 1) < 0 ||
-      read_view(st, v, &p.v, "v", 1) < 0 || read_view(st, cq, &tcq, "cu_seqlens_q", 1) < 0 ||
-      read_view(st, ck, &tck, "cu_seqlens_k", 1) < 0)
-    return NULL;
+  READ_OR_HAND_BACK(read_view(st, q, &p.q, "q", 1));
+  READ_OR_HAND_BACK(read_view(st, k, &p.k, "k", 1));
+  READ_OR_HAND_BACK(read_view(st, v, &p.v, "v", 1));
+  READ_OR_HAND_BACK(read_view(st, cq, &tcq, "cu_seqlens_q", 1));
+  READ_OR_HAND_BACK(read_view(st, ck, &tck, "cu_seqlens_k", 1));
   if (p.q.ndim != 3 || p.k.ndim != 3 || p.v.ndim != 3) Py_RETURN_NONE;
   const ab_dtype dt = p.q.dtype;
   /* _varlen.check_qkv's rule; anything else is the Python path's to word */
@@ -1104,7 +1143,7 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   if (cpu < 0) return NULL;
   if (!cpu) Py_RETURN_NONE;
   ab_kvcache_params p;
-  if (read_kv_views(st, tensors, &p, 1) < 0) return NULL;
+  READ_OR_HAND_BACK(read_kv_views(st, tensors, &p, 1));
   const ab_tensor *tq = &p.q, *tk = &p.k_cache, *tv = &p.v_cache;
   if (tq->ndim != 4 || tk->ndim != 4 || tv->ndim != 4) Py_RETURN_NONE;
   const ab_dtype dt = tq->dtype;
@@ -1179,8 +1218,13 @@ static PyObject* ab_py_flash_decode_route(PyObject* self, PyObject* args) {
     return NULL;
   ab_attn_params p;
   memset(&p, 0, sizeof p);
-  if (read_view(st, q, &p.q, "q", 0) < 0 || read_view(st, k, &p.k, "k", 0) < 0 || read_view(st, v, &p.v, "v", 0) < 0)
-    return NULL;
+  /* a view read_view will not hand a kernel: no route (the op serves the call) */
+  PyObject* const qkv[3] = {q, k, v};
+  ab_tensor* const views[3] = {&p.q, &p.k, &p.v};
+  for (int i = 0; i < 3; ++i) {
+    const int rc = read_view(st, qkv[i], views[i], i == 0 ? "q" : i == 1 ? "k" : "v", 0);
+    if (rc) return rc < 0 ? NULL : PyLong_FromLong(0);
+  }
   const int packed = cq != Py_None;
   if (p.q.ndim != 4 - packed || p.k.ndim != p.q.ndim || p.v.ndim != p.q.ndim) {
     PyErr_SetString(PyExc_ValueError, "flash_decode_route: q, k and v must be (B, H, S, D), or (T, H, D) with "
@@ -1197,7 +1241,8 @@ static PyObject* ab_py_flash_decode_route(PyObject* self, PyObject* args) {
   if (has_mask) p.mask.ndim = 4; /* only its presence is read */
   ab_tensor tcq, tck;
   if (packed) {
-    if (read_view(st, cq, &tcq, "cu_seqlens_q", 0) < 0 || read_view(st, ck, &tck, "cu_seqlens_k", 0) < 0) return NULL;
+    const int rq = read_view(st, cq, &tcq, "cu_seqlens_q", 0), rk = rq ? rq : read_view(st, ck, &tck, "cu_seqlens_k", 0);
+    if (rk) return rk < 0 ? NULL : PyLong_FromLong(0);
     if (tcq.ndim != 1 || tck.ndim != 1 || tcq.dtype != AB_DTYPE_I32 || tck.dtype != AB_DTYPE_I32 ||
         tcq.sizes[0] < 1 || tcq.sizes[0] != tck.sizes[0] || tcq.strides[0] != 1 || tck.strides[0] != 1) {
       PyErr_SetString(PyExc_ValueError, "flash_decode_route: cu_seqlens must be contiguous 1-D int32 of one length");
@@ -1375,6 +1420,7 @@ int ab_direct_init(ab_state* st) {
   if (!(st->s_shape = PyUnicode_InternFromString("shape")) || !(st->s_stride = PyUnicode_InternFromString("stride")) ||
       !(st->s_data_ptr = PyUnicode_InternFromString("data_ptr")) ||
       !(st->s_dtype = PyUnicode_InternFromString("dtype")) || !(st->s_is_cpu = PyUnicode_InternFromString("is_cpu")) ||
+      !(st->s_is_neg = PyUnicode_InternFromString("is_neg")) ||
       !(st->s_requires_grad = PyUnicode_InternFromString("requires_grad")) ||
       !(st->s_mps_fix = PyUnicode_InternFromString("mps_fix")) ||
       !(st->s_new_empty_strided = PyUnicode_InternFromString("new_empty_strided")) ||

@@ -34,6 +34,7 @@ typedef struct ab_remembered {
   X(s_data_ptr)             /* "data_ptr" */                                                             \
   X(s_dtype)                /* "dtype" */                                                                \
   X(s_is_cpu)               /* "is_cpu" */                                                               \
+  X(s_is_neg)               /* "is_neg" */                                                               \
   X(s_requires_grad)        /* "requires_grad" */                                                        \
   X(s_new_empty_strided)    /* "new_empty_strided" */                                                    \
   X(s_mps_fix)              /* "mps_fix" */                                                              \

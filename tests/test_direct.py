@@ -794,3 +794,96 @@ def test_varlen_fast_path_leaves_bad_input_to_the_python_checks(bad):
     with pytest.raises((ValueError, TypeError), match="cu_seqlens|max_seqlen|heads|dtype|3-D|sequence"):
         ab.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=causal)
     assert _C.fast_calls() == before
+
+
+# ---- tensors whose values are not their memory ---------------------------------------------------
+#
+# A negative view (x.conj().imag of a complex tensor, torch._neg_view) keeps its sign in a bit, and a
+# zero tensor has no memory at all: a kernel handed their data pointer reads the wrong sign or NULL.
+# The direct calls hand such calls to the op, whose dispatcher resolves them first (csrc/ab_direct.c
+# read_view); a KV cache, read and written in place, must be plain memory (a ValueError naming it).
+
+def _unplain(t: torch.Tensor, kind: str) -> torch.Tensor:
+    """t's values as a negative view, or t's shape as a zero tensor."""
+    if kind == "neg":
+        return torch._neg_view(-t)
+    return torch._efficientzerotensor(t.shape, dtype=t.dtype)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    return t.resolve_neg() if not t._is_zerotensor() else torch.zeros(t.shape, dtype=t.dtype)
+
+
+@pytest.mark.parametrize("kind", ["neg", "zero"])
+@pytest.mark.parametrize("which", ["q", "k", "v", "mask"])
+def test_views_whose_values_are_not_their_memory_give_their_values_results(which, kind):
+    g = torch.Generator().manual_seed(5)
+    t = {n: torch.randn(2, 4, 9, 16, generator=g) for n in "qkv"}
+    t["mask"] = torch.randn(1, 1, 9, 9, generator=g)
+    t[which] = _unplain(t[which], kind)
+    assert t[which].is_neg() or t[which]._is_zerotensor()
+    want = ab.attention(*(_plain(t[n]) for n in "qkv"), attn_mask=_plain(t["mask"]), backend="flash")
+    for _ in range(2):  # the first call plans it; the second is one the fast path would take
+        got, served = _served(lambda: ab.attention(t["q"], t["k"], t["v"], attn_mask=t["mask"], backend="flash"))
+        assert not served
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "cu_seqlens"])
+def test_packed_negative_views_give_their_values_results(which):
+    g = torch.Generator().manual_seed(6)
+    t = {n: torch.randn(12, 4, 16, generator=g) for n in "qkv"}
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    if which == "cu_seqlens":  # an int32 negative view of -cu: its values are cu's
+        t["cu"] = torch._neg_view(-cu)
+    else:
+        t["cu"] = cu
+        t[which] = _unplain(t[which], "neg")
+    want = ab.attention_varlen(*(_plain(t[n]) for n in "qkv"), cu, cu, 7, 7)
+    for _ in range(2):
+        got, served = _served(lambda: ab.attention_varlen(t["q"], t["k"], t["v"], t["cu"], t["cu"], 7, 7))
+        assert not served
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["neg", "zero"])
+@pytest.mark.parametrize("which", ["q", "k", "v", "cache_seqlens"])
+def test_kvcache_inputs_whose_values_are_not_their_memory_give_their_values_results(which, kind):
+    g = torch.Generator().manual_seed(7)
+    B, S, Hkv, D = 2, 40, 2, 16
+    t = dict(q=torch.randn(B, 1, 4, D, generator=g), k=torch.randn(B, 1, Hkv, D, generator=g),
+             v=torch.randn(B, 1, Hkv, D, generator=g), cache_seqlens=torch.tensor([3, 30], dtype=torch.int32))
+    t[which] = _unplain(t[which], kind)
+    caches = [torch.randn(B, S, Hkv, D, generator=g) for _ in range(2)]
+    want_caches = [c.clone() for c in caches]
+    with torch.inference_mode():
+        want = ab.attention_with_kvcache(_plain(t["q"]), *want_caches, _plain(t["k"]), _plain(t["v"]),
+                                         cache_seqlens=_plain(t["cache_seqlens"]))
+        for i in range(2):
+            got_caches = [c.clone() for c in caches]
+            got, served = _served(lambda: ab.attention_with_kvcache(t["q"], *got_caches, t["k"], t["v"],
+                                                                     cache_seqlens=t["cache_seqlens"]))
+            assert not served
+            assert torch.equal(got, want)
+            assert all(torch.equal(a, b) for a, b in zip(got_caches, want_caches))
+
+
+@pytest.mark.parametrize("kind", ["neg", "zero"])
+@pytest.mark.parametrize("which", ["k_cache", "v_cache"])
+def test_a_cache_whose_values_are_not_its_memory_is_refused_by_name(which, kind):
+    q, kc, vc = torch.randn(1, 1, 2, 8), torch.randn(1, 10, 2, 8), torch.randn(1, 10, 2, 8)
+    caches = dict(k_cache=kc, v_cache=vc)
+    caches[which] = _unplain(caches[which], kind)
+    with torch.inference_mode():
+        ab.attention_with_kvcache(q, kc, vc, cache_seqlens=4)  # a plan the fast path knows
+        with pytest.raises(ValueError, match=f"{which} is a negative view or a zero tensor"):
+            ab.attention_with_kvcache(q, caches["k_cache"], caches["v_cache"], cache_seqlens=4)
+
+
+def test_a_sparse_index_tensor_gets_the_python_paths_error_from_the_fast_path():
+    q, kc = torch.randn(2, 1, 2, 8), torch.randn(2, 10, 2, 8)
+    with torch.inference_mode():
+        ab.attention_with_kvcache(q, kc, kc.clone(), cache_seqlens=4)  # a plan the fast path knows
+        leftpad = torch.zeros(3, dtype=torch.int32).to_sparse()  # no strides, no data pointer
+        with pytest.raises(ValueError, match=r"cache_leftpad must have shape \(B,\)"):
+            ab.attention_with_kvcache(q, kc, kc.clone(), cache_seqlens=4, cache_leftpad=leftpad)
