@@ -633,6 +633,40 @@ def test_a_kernel_call_skips_the_dispatcher_with_the_ops_bits_writes_and_version
     call.check(out, lse)
 
 
+@pytest.mark.parametrize("path", ["fast", "op"])
+@pytest.mark.parametrize("index", ["cache_seqlens", "block_table"])
+def test_index_values_in_the_memory_the_call_writes_are_read_once(index, path, monkeypatch, gen):
+    """An index tensor that is a view of the very cache positions the call writes its new key into (or
+    that another thread changes while the kernel runs without the GIL): the kernel checks and uses
+    one copy of the values, taken before it writes, so the call is the one its values described when
+    it began (it used to read them again after the write: positions, and blocks, past the cache)."""
+    if path == "op":
+        monkeypatch.setattr(ab, "_fast_kvcache", lambda *args: None)
+        monkeypatch.setattr(_C, "kvcache_fwd_cpu", lambda *args: None)
+    B, Hkv, D, bs = 2, 2, 16, 16
+    seqlens = torch.tensor([5, 7], dtype=torch.int32)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    paged = index == "block_table"
+    shape = (4, bs, Hkv, D) if paged else (B, 2 * bs, Hkv, D)
+    kc, vc = (torch.randn(*shape, generator=gen) for _ in range(2))
+    q, k, v = torch.randn(B, 1, 4, D, generator=gen), torch.randn(B, 1, Hkv, D, generator=gen), torch.randn(
+        B, 1, Hkv, D, generator=gen)
+    values = table if paged else seqlens
+    # row 0's new key goes to position 5 of its first block (paged) or of its cache row (dense)
+    spot = kc[0, 5, 0, :values.numel()].view(torch.int32)
+    spot.copy_(values.flatten())
+    inside = spot.view(values.shape)
+    want_k, want_v = kc.clone(), vc.clone()
+    kw = dict(block_table=table) if paged else {}
+    with torch.inference_mode():
+        want = ab.attention_with_kvcache(q, want_k, want_v, k, v, cache_seqlens=seqlens, **kw)
+        kw = dict(block_table=inside) if paged else {}
+        got = ab.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens if paged else inside, **kw)
+    assert not torch.equal(inside, values)  # the write went over the index values
+    assert torch.equal(got, want)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+
+
 @pytest.mark.parametrize("rotary", [None, "neox"])
 def test_new_rows_with_any_strides_are_written_bit_for_bit(rotary, gen):
     call = Call(KV(B=2, Sq=2, Hq=4, Hkv=2, D=48, S=40, snew=2, causal=True, rotary=rotary,

@@ -512,23 +512,46 @@ static int64_t dpad_of(const ab_kvcache_params* p, int bf) {
   return (p->D + m - 1) / m * m;
 }
 
+/* Index values a call reads: cache_seqlens, cache_leftpad and cache_batch_idx (B each) and the block
+ * table (B x max_blocks). */
+static int64_t index_values(const ab_kvcache_params* p) {
+  return p->B * (3 + (paged(p) ? p->block_table.sizes[1] : 0));
+}
+
 /* Workspace: q (B, Sq, Hq, dpad) float32 (and bfloat16 with bf), the split partials, per-row key
- * ranges and cache rows, a row of scratch, each head's sink. */
-static size_t workspace_layout(const ab_kvcache_params* p, int64_t nsplit, int bf, size_t* part_at, size_t* idx_at) {
+ * ranges and cache rows, a row of scratch, each head's sink, then the call's index values. */
+static size_t workspace_layout(const ab_kvcache_params* p, int64_t nsplit, int bf, size_t* part_at, size_t* idx_at,
+                               size_t* values_at) {
   const int64_t dpad = dpad_of(p, bf);
   size_t n = align64((size_t)(p->B * p->Sq * p->Hq * dpad) * sizeof(float));
   if (bf) n += align64((size_t)(p->B * p->Sq * p->Hq * dpad) * sizeof(uint16_t));
   *part_at = n;
   if (nsplit > 1) n += align64((size_t)(p->B * p->Sq * p->Hq * nsplit * (dpad + 16)) * sizeof(float));
   *idx_at = n;
-  return n + align64((size_t)(3 * p->B) * sizeof(int64_t)) + (size_t)(dpad + p->Hq) * sizeof(float);
+  n += align64(align64((size_t)(3 * p->B) * sizeof(int64_t)) + (size_t)(dpad + p->Hq) * sizeof(float));
+  *values_at = n;
+  return n + (size_t)index_values(p) * sizeof(int64_t);
+}
+
+/* t's values (1-D, or 2-D for the block table) copied to dst as int64, and t made a contiguous view of
+ * the copy; past the copy's end.  An absent t is left as it is. */
+static int64_t* keep_values(ab_tensor* t, int64_t* dst) {
+  if (!t->ndim) return dst;
+  const int64_t rows = t->sizes[0], cols = t->ndim > 1 ? t->sizes[1] : 1;
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) dst[i * cols + j] = index_at(t, i, j);
+  t->data = dst;
+  t->dtype = AB_DTYPE_I64;
+  t->strides[0] = cols;
+  if (t->ndim > 1) t->strides[1] = 1;
+  return dst + rows * cols;
 }
 
 size_t ab_kvcache_cpu_workspace_size(const ab_kvcache_params* p, int num_threads) {
   ab_error ignored;
   if (check_call(p, &ignored) != AB_OK) return 0;
-  size_t part_at, idx_at;
-  return workspace_layout(p, ab_kvcache_cpu_splits(p, num_threads), bf16_dot(p), &part_at, &idx_at);
+  size_t part_at, idx_at, values_at;
+  return workspace_layout(p, ab_kvcache_cpu_splits(p, num_threads), bf16_dot(p), &part_at, &idx_at, &values_at);
 }
 
 /* The splits of each output row merged as ab.merge_attention_states does: weights exp(lse_s - max),
@@ -583,20 +606,30 @@ static void merge(int64_t begin, int64_t end, void* ctx) {
   ab_scratch_free(acc);
 }
 
-ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t workspace_bytes,
+ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, size_t workspace_bytes,
                              const ab_cpu_pool* pool, ab_error* err) {
-  TRY(check_call(p, err));
-  TRY(check_values(p, err));
-  if (ab_cpu_isa_error()) return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s", ab_cpu_isa_error());
+  TRY(check_call(call, err));
   const int threads = pool ? pool->num_threads : 1;
-  const int64_t nsplit = ab_kvcache_cpu_splits(p, threads);
-  size_t part_at, idx_at;
-  const int bf = bf16_dot(p);
-  const size_t need = workspace_layout(p, nsplit, bf, &part_at, &idx_at);
+  const int64_t nsplit = ab_kvcache_cpu_splits(call, threads);
+  size_t part_at, idx_at, values_at;
+  const int bf = bf16_dot(call);
+  const size_t need = workspace_layout(call, nsplit, bf, &part_at, &idx_at, &values_at);
   if (!workspace || workspace_bytes < need)
     return ab_error_set(err, AB_ERR_INVALID, "the decode kernel needs %zu bytes of workspace, got %zu", need,
                         workspace_bytes);
   char* ws = (char*)workspace;
+  /* The index values are read once, here, and the call runs on that copy: checked values are the values
+   * used, also when an index tensor shares memory with a cache the call writes into, or another thread
+   * changes it while this one runs without the GIL. */
+  ab_kvcache_params kept = *call;
+  const ab_kvcache_params* p = &kept;
+  int64_t* values = (int64_t*)(ws + values_at);
+  values = keep_values(&kept.cache_seqlens, values);
+  values = keep_values(&kept.cache_leftpad, values);
+  values = keep_values(&kept.cache_batch_idx, values);
+  keep_values(&kept.block_table, values);
+  TRY(check_values(p, err));
+  if (ab_cpu_isa_error()) return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s", ab_cpu_isa_error());
   const int64_t dpad = dpad_of(p, bf);
   uint16_t* qb = bf ? (uint16_t*)(ws + align64((size_t)(p->B * p->Sq * p->Hq * dpad) * sizeof(float))) : NULL;
   int64_t* lo = (int64_t*)(ws + idx_at);
