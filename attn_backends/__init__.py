@@ -133,9 +133,10 @@ def attention(
         out (B, Hq, Sq, Dv) in q's dtype, or (out, lse) with return_lse=True.  A query row with no
         visible key outputs exactly 0 and gets zero gradient.
     """
-    if not dropout_p and not deterministic and not _is_compiling():
+    if not dropout_p and not deterministic and (strict is False or strict is True) and not _is_compiling():
         # the fast path (csrc/ab_direct.c): a plain eager CPU forward whose plan is known, all in C (masks,
-        # windows, softcap, sinks and ALiBi too); None hands the call to the Python path
+        # windows, softcap, sinks and ALiBi too); None hands the call to the Python path.  (A strict that is
+        # not a bool is the Python path's to read: its truth may raise, or differ from the plan's.)
         res = _fast_attention(q, k, v, backend, causal, scale, return_lse, window, softcap, sinks, alibi_slopes,
                               attn_mask)
         if res is not None:
@@ -179,7 +180,7 @@ def attention_varlen(
     Returns:
         out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) float32, as flash-attn.
     """
-    if not dropout_p and not deterministic and not _is_compiling():
+    if not dropout_p and not deterministic and (strict is False or strict is True) and not _is_compiling():
         # the packed calls' fast path (csrc/ab_direct.c), as attention's above (windows, softcap, sinks and
         # ALiBi too)
         res = _fast_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend, causal,
@@ -273,7 +274,7 @@ def attention_with_kvcache(
         out (B, Sq, Hq, D) in q's dtype, or (out, lse) with return_softmax_lse=True.  A query that
         sees no key gets out 0 and lse -inf (lse = sinks[h] with sinks).
     """
-    if not _is_compiling():
+    if (strict is False or strict is True) and not _is_compiling():
         # the fast path (csrc/ab_direct.c, kvcache): an eager CPU call within the checks' rules whose plan is
         # known, all in C; None hands the call to the Python path
         res = _fast_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,

@@ -887,3 +887,28 @@ def test_a_sparse_index_tensor_gets_the_python_paths_error_from_the_fast_path():
         leftpad = torch.zeros(3, dtype=torch.int32).to_sparse()  # no strides, no data pointer
         with pytest.raises(ValueError, match=r"cache_leftpad must have shape \(B,\)"):
             ab.attention_with_kvcache(q, kc, kc.clone(), cache_seqlens=4, cache_leftpad=leftpad)
+
+
+def test_a_strict_that_is_not_a_bool_is_read_by_the_python_path():
+    """strict is read by the Python path (bool(strict)): a value whose truth raises fails there, before
+    anything is written, rather than being skipped by a fast path that never reads it."""
+    import numpy as np
+
+    q, kc = torch.randn(2, 1, 4, 16), torch.randn(2, 32, 2, 16)
+    k = torch.randn(2, 1, 2, 16)
+    seqlens = torch.tensor([3, 5], dtype=torch.int32)
+    bad = np.array([1, 2])
+    with torch.inference_mode():
+        ab.attention_with_kvcache(q, kc.clone(), kc.clone(), k, k, cache_seqlens=seqlens)  # plans it
+        caches = (kc.clone(), kc.clone())
+        with pytest.raises(ValueError, match="truth value"):
+            ab.attention_with_kvcache(q, *caches, k, k, cache_seqlens=seqlens, strict=bad)
+        assert torch.equal(caches[0], kc) and torch.equal(caches[1], kc)
+    x = torch.randn(1, 2, 5, 16)
+    ab.attention(x, x, x)
+    with pytest.raises(ValueError, match="truth value"):
+        ab.attention(x, x, x, strict=bad)
+    packed, cu = torch.randn(5, 2, 16), torch.tensor([0, 5], dtype=torch.int32)
+    ab.attention_varlen(packed, packed, packed, cu, cu, 5, 5)
+    with pytest.raises(ValueError, match="truth value"):
+        ab.attention_varlen(packed, packed, packed, cu, cu, 5, 5, strict=bad)
