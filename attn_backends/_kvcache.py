@@ -41,7 +41,7 @@ from ._names import ID, resolve
 from ._ops import ops
 from ._providers.ours import read_guards, read_ok
 from ._providers.torch_sdpa import ORIGINAL_SDPA
-from ._validate import as_int, check_sinks
+from ._validate import _float_range_error, as_int, check_sinks
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX = (torch.int32, torch.int64)
@@ -246,6 +246,8 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
     softcap = _real("softcap", softcap, "a float")
     if not (softcap >= 0.0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
+    _float_range_error("softmax_scale", scale, dt)  # scores in float32: a factor past its range is inf there
+    _float_range_error("softcap", softcap, dt)
     rotary_interleaved = _flag("rotary_interleaved", rotary_interleaved)
     num_splits = max(_int("num_splits", num_splits), 0)  # as flash-attn: 0 or less picks the count
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, sinks)):

@@ -1181,6 +1181,8 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
     scale = PyFloat_AsDouble(scale_o);
     if (!isfinite(scale)) Py_RETURN_NONE;
   }
+  /* factors past float32's range (float32 scores): _kvcache.check's error */
+  if (dt != AB_DTYPE_F64 && (fabs(scale) > FLT_MAX || softcap > FLT_MAX)) Py_RETURN_NONE;
   ab_call c; /* as _kvcache.signature describes this call */
   const int known = cpu_call(st, &c);
   if (known <= 0) return known < 0 ? NULL : Py_NewRef(Py_None);

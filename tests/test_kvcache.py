@@ -1180,6 +1180,10 @@ BAD = [
     ("softcap", lambda c: dict(softcap=-1.0), ValueError, r"softcap must be >= 0"),
     ("softcap type", lambda c: dict(softcap="1"), TypeError, r"softcap must be a float, got str"),
     ("scale type", lambda c: dict(softmax_scale=torch.ones(2)), TypeError, r"softmax_scale must be a float or None"),
+    # scores are float32 for float32 and 16-bit caches: a factor past its range made every output NaN
+    ("scale past float32", lambda c: dict(softmax_scale=1e40), ValueError,
+     r"softmax_scale must be within float32's range"),
+    ("softcap past float32", lambda c: dict(softcap=1e300), ValueError, r"softcap must be within float32's range"),
     ("num_splits", lambda c: dict(num_splits=True), TypeError, r"num_splits must be an int, got bool"),
     ("causal", lambda c: dict(causal=2), ValueError, r"causal must be a bool .* \(or 0 or 1\), got 2"),
     ("causal type", lambda c: dict(causal="yes"), TypeError, r"causal must be a bool .*, got str"),
