@@ -243,6 +243,10 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
             raise ValueError(f"softmax_scale must be finite, got {scale}")
     causal = _flag("causal", causal, " (bottom-right aligned, as flash-attn)")
     wl, wr = window_pair(window_size)
+    # a side of the cache's capacity or more hides no key: unbounded, as flash-attn makes it (the kernels
+    # then never add a side near 2**63 to a position)
+    cap = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
+    wl, wr = (-1 if wl >= cap else wl), (-1 if wr >= cap else wr)
     softcap = _real("softcap", softcap, "a float")
     if not (softcap >= 0.0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")

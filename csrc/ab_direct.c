@@ -1181,6 +1181,10 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
     scale = PyFloat_AsDouble(scale_o);
     if (!isfinite(scale)) Py_RETURN_NONE;
   }
+  /* a window side of the cache's capacity or more: unbounded, as _kvcache.check makes it */
+  const int64_t cap = tk->sizes[1] * (paged ? p.block_table.sizes[1] : 1);
+  if (wl >= cap) wl = -1;
+  if (wr >= cap) wr = -1;
   /* factors past float32's range (float32 scores): _kvcache.check's error */
   if (dt != AB_DTYPE_F64 && (fabs(scale) > FLT_MAX || softcap > FLT_MAX)) Py_RETURN_NONE;
   ab_call c; /* as _kvcache.signature describes this call */

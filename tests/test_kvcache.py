@@ -633,6 +633,34 @@ def test_a_kernel_call_skips_the_dispatcher_with_the_ops_bits_writes_and_version
     call.check(out, lse)
 
 
+@pytest.mark.parametrize("backend", ["paged_attention", "math"])
+def test_a_length_near_2_to_the_63_over_a_dense_cache_is_refused_and_writes_nothing(backend, gen):
+    kc, vc = torch.randn(1, 16, 1, 8, generator=gen), torch.randn(1, 16, 1, 8, generator=gen)
+    before = (kc.clone(), vc.clone())
+    q, k = torch.randn(1, 1, 1, 8, generator=gen), torch.randn(1, 1, 1, 8, generator=gen)
+    for seqlens in (torch.tensor([2**63 - 1]), 2**63 - 1):
+        with torch.inference_mode(), pytest.raises(ValueError, match="is outside the cache"):
+            ab.attention_with_kvcache(q, kc, vc, k, k, cache_seqlens=seqlens, backend=backend)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+@pytest.mark.parametrize("backend", ["paged_attention", "math"])
+@pytest.mark.parametrize("window", [(2**63 - 1, -1), (-1, 2**63 - 1), (2**63 - 1, 2**63 - 1), (4, 4), (-1, 4)])
+@pytest.mark.parametrize("Sq", [1, 8])
+def test_a_window_side_of_the_cache_capacity_or_more_is_unbounded(window, Sq, backend, gen):
+    """flash-attn's rule: a side >= the cache's capacity (S_cache, or max_blocks * block_size) is -1.
+    With 4 cache positions and 8 tokens the rows sit before the first key, where a literal right bound
+    of 4 would still hide keys; a side near 2**63 used to wrap when added to a position."""
+    kc, vc = torch.randn(2, 4, 2, 16, generator=gen), torch.randn(2, 4, 2, 16, generator=gen)
+    q = torch.randn(2, Sq, 4, 16, generator=gen)
+    with torch.inference_mode():
+        want, want_lse = ab.attention_with_kvcache(q, kc, vc, backend=backend, return_softmax_lse=True)
+        got, lse = ab.attention_with_kvcache(q, kc, vc, window_size=window, backend=backend,
+                                             return_softmax_lse=True)
+    assert torch.equal(got, want) and torch.equal(lse, want_lse)
+    assert lse.isfinite().all()
+
+
 @pytest.mark.parametrize("path", ["fast", "op"])
 @pytest.mark.parametrize("index", ["cache_seqlens", "block_table"])
 def test_index_values_in_the_memory_the_call_writes_are_read_once(index, path, monkeypatch, gen):
@@ -1143,6 +1171,11 @@ BAD = [
     ("negative seqlens", lambda c: dict(cache_seqlens=torch.tensor([-1, 3], dtype=torch.int32)), ValueError,
      r"cache_seqlens\[0\] = -1"),
     ("int seqlens past the cache", lambda c: dict(cache_seqlens=48), ValueError, r"cache_seqlens = 48 is outside"),
+    # a length whose sum with the new tokens wraps int64 (it passed the check and wrote before the cache)
+    ("seqlens near 2**63", lambda c: dict(cache_seqlens=torch.tensor([2**63 - 1, 3], dtype=torch.int64)), ValueError,
+     r"cache_seqlens\[0\] = 9223372036854775807 is outside the cache"),
+    ("int seqlens near 2**63", lambda c: dict(cache_seqlens=2**63 - 1), ValueError,
+     r"cache_seqlens = 9223372036854775807 is outside the cache"),
     ("a padding block in use", lambda c: dict(block_table=torch.tensor([[0, -1, -1], [1, 2, -1]], dtype=torch.int32),
                                               cache_seqlens=torch.tensor([20, 3], dtype=torch.int32)), ValueError,
      r"block_table\[0\]\[1\] = -1 is not a block of k_cache"),

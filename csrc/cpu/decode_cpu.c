@@ -347,7 +347,7 @@ static ab_status check_values(const ab_kvcache_params* p, ab_error* err) {
   const int64_t qspan = q_rotates_per_token(p) ? p->Sq : (p->Sq > 0);
   for (int64_t b = 0; b < p->B; ++b) {
     const int64_t len = seqlen_of(p, b);
-    if (len < 0 || len + snew > cap) {
+    if (len < 0 || len > cap - snew) { /* not len + snew > cap: a length near 2**63 would wrap */
       if (p->cache_seqlens.ndim)
         return ab_error_set(err, AB_ERR_INVALID,
                             "cache_seqlens[%lld] = %lld is outside the cache: with %lld new tokens it must be in "
@@ -628,6 +628,11 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   values = keep_values(&kept.cache_leftpad, values);
   values = keep_values(&kept.cache_batch_idx, values);
   keep_values(&kept.block_table, values);
+  /* a window side of the cache's capacity or more hides no key: unbounded (-1), as flash-attn makes it
+   * and before any position is added to it (a side near 2**63 would wrap) */
+  const int64_t cap = capacity(p);
+  if (kept.window_left >= cap) kept.window_left = -1;
+  if (kept.window_right >= cap) kept.window_right = -1;
   TRY(check_values(p, err));
   if (ab_cpu_isa_error()) return ab_error_set(err, AB_ERR_UNSUPPORTED, "%s", ab_cpu_isa_error());
   const int64_t dpad = dpad_of(p, bf);

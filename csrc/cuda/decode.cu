@@ -312,8 +312,10 @@ DecodeParams fill_params(const ab_kvcache_params* p, Variant v, int64_t nsplit, 
   d.scale = (float)p->scale;
   d.softcap = (float)p->softcap;
   d.causal = p->causal;
-  d.wl = p->window_left;
-  d.wr = p->window_right;
+  // a side of the capacity or more hides no key: unbounded, as flash-attn makes it (and no position
+  // is ever added to a side near 2**63)
+  d.wl = p->window_left >= d.cap ? -1 : p->window_left;
+  d.wr = p->window_right >= d.cap ? -1 : p->window_right;
   return d;
 }
 

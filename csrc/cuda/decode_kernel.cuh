@@ -152,9 +152,9 @@ __device__ __forceinline__ Row row_of(const DecodeParams& p, int64_t b) {
   r.seq = p.seqlens.data ? index_at(p.seqlens, b) : p.seqlen >= 0 ? p.seqlen : p.cap;
   r.lo = p.leftpad.data ? index_at(p.leftpad, b) : 0;
   r.row = p.batch_idx.data ? index_at(p.batch_idx, b) : b;
-  r.end = r.seq + p.snew;
-  r.ok = r.seq >= 0 && r.end <= p.cap && r.lo >= 0 && r.lo <= r.seq &&
+  r.ok = r.seq >= 0 && r.seq <= p.cap - p.snew && r.lo >= 0 && r.lo <= r.seq &&  // no seq + snew: it may wrap
          (p.block_size > 0 || (r.row >= 0 && r.row < p.num_blocks));
+  r.end = r.ok ? r.seq + p.snew : 0;
   if (p.rot_half > 0) {  // the rotary tables hold every position the row rotates
     const int64_t qspan = p.q_per_token ? p.Sq : (p.Sq < 1 ? p.Sq : 1);
     r.ok = r.ok && r.seq + (p.snew > qspan ? p.snew : qspan) <= p.rot_len;
