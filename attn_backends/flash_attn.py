@@ -42,6 +42,13 @@ from ._eager import visible_keys
 from ._kvcache import _flag, window_pair
 
 _fast_varlen = _C.attention_varlen
+
+
+def _no_window(window_size: tuple) -> bool:
+    """window_size is (-1, -1) in plain ints (== against a tuple holding a tensor would ask the truth of a
+    tensor comparison: the checks below word what is wrong with such a window)."""
+    return (len(window_size) == 2 and window_size[0].__class__ is int and window_size[1].__class__ is int
+            and window_size[0] == -1 and window_size[1] == -1)
 _is_compiling = torch.compiler.is_compiling
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
@@ -183,7 +190,7 @@ def flash_attn_varlen_func(
     from . import attention, attention_varlen
 
     if (block_table is None and not dropout_p and not deterministic and window_size.__class__ is tuple
-            and (causal is True or (causal is False and window_size == (-1, -1))) and not _is_compiling()):
+            and (causal is True or (causal is False and _no_window(window_size))) and not _is_compiling()):
         # the packed calls' fast path (csrc/ab_direct.c); None: the checks and the planner below.  A window
         # only with causal: without it flash-attn aligns the window bottom-right, ours top-left (below)
         res = _fast_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, backend,

@@ -281,11 +281,14 @@ static PyObject* run_direct(ab_state* st, PyObject* q, ab_attn_params* pp, int w
       return NULL;
     }
   } else {
-    const int64_t n = p.lse.ndim == 2 ? p.lse.sizes[0] * p.lse.sizes[1] : p.B * p.Hq * p.Sq;
-    own_lse = n > 0 ? malloc((size_t)n * ab_dtype_size(lse_dt)) : NULL;
-    if (n > 0 && !own_lse) {
+    /* (an empty out, Dv = 0, lets the rows of an expanded q reach 2**62 here: the bytes must not wrap) */
+    const double rows = p.lse.ndim == 2 ? (double)p.lse.sizes[0] * (double)p.lse.sizes[1]
+                                        : (double)p.B * (double)p.Hq * (double)p.Sq;
+    const size_t es = ab_dtype_size(lse_dt);
+    own_lse = rows > 0 && rows * (double)es < 0x1p62 ? malloc((size_t)rows * es) : NULL;
+    if (rows > 0 && !own_lse) {
       Py_DECREF(out);
-      return PyErr_NoMemory();
+      return direct_error("allocation failed"); /* as the op words it */
     }
     p.lse.data = own_lse;
   }
@@ -602,8 +605,10 @@ static int backend_id(ab_state* st, PyObject* name) {
     PyErr_Clear();
     return -1;
   }
-  const char* s = PyUnicode_AsUTF8AndSize(name, NULL);
-  const int found = s ? ab_backend_lookup(s) : -1;
+  Py_ssize_t len = 0;
+  const char* s = PyUnicode_AsUTF8AndSize(name, &len);
+  /* a name with a NUL inside is no name (the lookup would stop at the NUL): the Python path words it */
+  const int found = s && strlen(s) == (size_t)len ? ab_backend_lookup(s) : -1;
   if (found < 0) {
     PyErr_Clear();
     return -1;

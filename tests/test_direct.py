@@ -912,3 +912,35 @@ def test_a_strict_that_is_not_a_bool_is_read_by_the_python_path():
     ab.attention_varlen(packed, packed, packed, cu, cu, 5, 5)
     with pytest.raises(ValueError, match="truth value"):
         ab.attention_varlen(packed, packed, packed, cu, cu, 5, 5, strict=bad)
+
+
+def test_a_backend_name_with_a_nul_inside_is_the_python_paths_to_refuse():
+    q = torch.randn(2, 4, 16, 32)
+    ab.attention(q, q, q, backend="flash")  # a plan the fast path knows
+    with pytest.raises(ValueError, match="unknown backend"):
+        ab.attention(q, q, q, backend="flash\x00junk")  # the lookup would have stopped at the NUL
+    packed, cu = torch.randn(5, 2, 16), torch.tensor([0, 5], dtype=torch.int32)
+    ab.attention_varlen(packed, packed, packed, cu, cu, 5, 5, backend="flash_varlen")
+    with pytest.raises(ValueError, match="unknown backend"):
+        ab.attention_varlen(packed, packed, packed, cu, cu, 5, 5, backend="flash_varlen\x00x")
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_rows_whose_lse_bytes_would_wrap_are_an_allocation_error_not_a_crash(sinks):
+    """An empty out (Dv = 0) lets an expanded q of 2**62 rows reach the lse buffer the kernel writes
+    when the caller wants none: its size in bytes wrapped to 0 and the kernel wrote past it."""
+    k, v = torch.randn(1, 1, 1, 1), torch.randn(1, 1, 1, 0)
+    kw = dict(sinks=torch.randn(1)) if sinks else {}
+    for _ in range(2):  # planned, then a call the fast path knows
+        ab.attention(torch.randn(1, 1, 8, 1), k, v, **kw)
+    q = torch.randn(1, 1, 1, 1).expand(1, 1, 2**62, 1)
+    with pytest.raises(RuntimeError, match="allocation failed"):
+        ab.attention(q, k, v, **kw)
+
+
+def test_flash_attn_varlen_funcs_fast_gate_leaves_a_bad_window_to_the_checks():
+    from attn_backends import flash_attn as fa
+
+    packed, cu = torch.randn(12, 4, 16), torch.tensor([0, 5, 12], dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"window_size\[0\] must be an int"):
+        fa.flash_attn_varlen_func(packed, packed, packed, cu, cu, 7, 7, window_size=(torch.tensor([1, 2]), -1))
