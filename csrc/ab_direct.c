@@ -639,12 +639,12 @@ static int requested_backend(ab_state* st, PyObject* backend) {
   if (!name) return -2;
   if (name == Py_None) {
     Py_DECREF(name);
-    name = Py_NewRef(PyList_GetItem(st->process_default, 0));
-    if (!name || name == Py_None) {
-      Py_XDECREF(name);
+    PyObject* first = PyList_GetItem(st->process_default, 0); /* borrowed; NULL for an empty list */
+    if (!first || first == Py_None) {
       PyErr_Clear();
       return -1;
     }
+    name = Py_NewRef(first);
   }
   requested = backend_id(st, name);
   Py_DECREF(name);
