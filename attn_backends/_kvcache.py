@@ -350,6 +350,19 @@ def _rows16(t: torch.Tensor) -> bool:
 
 
 _warned = set()
+_GRID_Y = 65535  # a CUDA grid's y dimension
+
+
+def _cuda_grid_fits(c: KVCall) -> bool:
+    """Whether the CUDA decode kernel's grids take the call (csrc/cuda/decode.cu, ab_cuda_kvcache_fwd): B
+    rows (the cache write's y) and Hkv times the row tiles of the query rows of a KV head (the
+    attention's y), tiles of up to 8 rows as attend_kernel takes them (the tensor-core attention's tiles
+    of 16 need fewer)."""
+    B, Sq, Hq, _ = c.q.shape
+    Hkv = c.k_cache.shape[2]
+    rows = Sq * (Hq // Hkv)
+    per_tile = 1 if rows <= 1 else 2 if rows <= 2 else 4 if rows <= 4 else 8
+    return B <= _GRID_Y and Hkv * -(-rows // per_tile) <= _GRID_Y
 
 
 # Whether calls on a GPU read their index values back to check them on the host first (below).
@@ -375,6 +388,8 @@ def run_cuda_kernel(c: KVCall):
             _warned.add("align")
             _planner.logger.warning("attn_backends: the CUDA decode kernel reads cache rows with 16-byte loads; "
                                     "these caches are not 16-byte aligned, so eager serves the call")
+        return run_exact(c)
+    if not _cuda_grid_fits(c):  # a very long chunked prefill: the exact route over the gathered cache
         return run_exact(c)
     if CHECK_DEVICE_VALUES or not any(t is not None and t.is_cuda
                                       for t in (c.seqlens, c.leftpad, c.batch_idx, c.block_table)):

@@ -1,7 +1,9 @@
-/* ab_params.c -- errors, dtype helpers and the one validation of ab_attn_params.
+/* ab_params.c -- errors, dtype helpers and the one validation of ab_attn_params (and of
+ * ab_kvcache_params, a KV-cache call's).
  *
- * Every kernel entry point calls ab_attn_params_check first, so a direct call of the torch op with
- * inconsistent operands fails with a message naming the argument instead of reading out of bounds.
+ * Every kernel entry point calls ab_attn_params_check (a KV-cache call: ab_kvcache_params_check)
+ * first, so a direct call of the torch op with inconsistent operands fails with a message naming the
+ * argument instead of reading out of bounds.
  */
 #include <float.h>
 #include <math.h>
@@ -10,6 +12,7 @@
 
 #include "ab_core.h"
 #include "ab_half.h"
+#include "cpu/decode_cpu.h"
 
 ab_status ab_error_set(ab_error* err, ab_status code, const char* fmt, ...) {
   if (err) {
@@ -323,5 +326,169 @@ ab_status ab_attn_params_check(const ab_attn_params* p, int backward, ab_error* 
     AB_TRY(check_shape(err, "grad_mask", &p->dmask, 4, ms));
     AB_TRY(check_dtype(err, "grad_mask", &p->dmask, lse_dt));
   }
+  return AB_OK;
+}
+
+/* ---- KV-cache calls (attention_with_kvcache) ------------------------------------------------------
+ * Their own shape helper: its messages name the layout a tensor must have, as the Python layer's do. */
+
+static int kv_paged(const ab_kvcache_params* p) { return p->block_table.ndim > 0; }
+
+static ab_status want_shape(ab_error* err, const char* name, const ab_tensor* t, int ndim,
+                            const int64_t* want, const char* layout) {
+  int ok = t->ndim == ndim;
+  for (int d = 0; ok && d < ndim; ++d) ok = (want[d] < 0 || t->sizes[d] == want[d]) && t->strides[d] >= 0;
+  if (ok) return AB_OK;
+  char got[96] = "";
+  size_t n = 0;
+  for (int d = 0; d < t->ndim && n < sizeof got; ++d)
+    n += (size_t)snprintf(got + n, sizeof got - n, "%s%lld", d ? ", " : "", (long long)t->sizes[d]);
+  return ab_error_set(err, AB_ERR_INVALID, "%s must be %s (non-negative strides), got shape (%s)", name,
+                      layout, got);
+}
+
+static ab_status want_dtype(ab_error* err, const char* name, const ab_tensor* t, ab_dtype dt) {
+  if (t->dtype == dt) return AB_OK;
+  return ab_error_set(err, AB_ERR_INVALID, "%s must be %s like q, got %s", name, ab_dtype_name(dt),
+                      ab_dtype_name(t->dtype));
+}
+
+static ab_status want_index(ab_error* err, const char* name, const ab_tensor* t) {
+  if (t->dtype == AB_DTYPE_I32 || t->dtype == AB_DTYPE_I64) return AB_OK;
+  return ab_error_set(err, AB_ERR_INVALID, "%s must be int32 (or int64), got %s", name, ab_dtype_name(t->dtype));
+}
+
+static const char* kernel_name(ab_device_type device) { return device == AB_DEVICE_CUDA ? "CUDA" : "CPU"; }
+
+static ab_status want_device(ab_error* err, const char* name, const ab_tensor* t, ab_device_type device) {
+  if (t->ndim == 0 || t->device == device) return AB_OK;
+  return ab_error_set(err, AB_ERR_INVALID, "%s must be a %s tensor for the %s decode kernel", name,
+                      kernel_name(device), kernel_name(device));
+}
+
+/* The decode kernels' one check of a KV-cache call (decode_cpu.h) for a device's kernel (CPU or CUDA):
+ * shapes, dtypes, devices and options, everything but the values of the index tensors, which the
+ * kernels check where they read them.  A direct call of the kvcache_fwd op reaches the kernels with
+ * whatever the caller gave it: no size the kernels read by may disagree with a tensor's own. */
+ab_status ab_kvcache_params_check(const ab_kvcache_params* p, ab_device_type device, ab_error* err) {
+  const ab_dtype dt = p->q.dtype;
+  if (dt != AB_DTYPE_F32 && dt != AB_DTYPE_F16 && dt != AB_DTYPE_BF16)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "the %s decode kernel takes float16, bfloat16 or float32 q, got %s",
+                        kernel_name(device), ab_dtype_name(dt));
+  if (p->B < 0 || p->Sq < 0 || p->Hq < 0 || p->Hkv < 1 || p->D < 1)
+    return ab_error_set(err, AB_ERR_INVALID, "sizes must be B, Sq, Hq >= 0 and Hkv, D >= 1");
+  if (p->Hq % p->Hkv)
+    return ab_error_set(err, AB_ERR_INVALID,
+                        "the number of query heads (%lld) must be a multiple of the cache's key/value heads (%lld)",
+                        (long long)p->Hq, (long long)p->Hkv);
+  const int64_t qs[4] = {p->B, p->Sq, p->Hq, p->D};
+  AB_TRY(want_shape(err, "q", &p->q, 4, qs, "(B, Sq, Hq, D)"));
+  const int64_t cs[4] = {-1, -1, p->Hkv, p->D};
+  const char* cache_layout = kv_paged(p) ? "(num_blocks, block_size, Hkv, D)" : "(B_cache, S_cache, Hkv, D)";
+  AB_TRY(want_shape(err, "k_cache", &p->k_cache, 4, cs, cache_layout));
+  const int64_t vs[4] = {p->k_cache.sizes[0], p->k_cache.sizes[1], p->Hkv, p->D};
+  AB_TRY(want_shape(err, "v_cache", &p->v_cache, 4, vs, "k_cache's shape"));
+  AB_TRY(want_dtype(err, "k_cache", &p->k_cache, dt));
+  AB_TRY(want_dtype(err, "v_cache", &p->v_cache, dt));
+  if (p->k_cache.strides[3] != 1 || p->v_cache.strides[3] != 1)
+    return ab_error_set(err, AB_ERR_INVALID, "k_cache and v_cache must have a contiguous last dimension");
+  if ((p->k_new.ndim > 0) != (p->v_new.ndim > 0))
+    return ab_error_set(err, AB_ERR_INVALID, "k and v must be given together");
+  if (p->k_new.ndim) {
+    const int64_t ns[4] = {p->B, -1, p->Hkv, p->D};
+    AB_TRY(want_shape(err, "k", &p->k_new, 4, ns, "(B, Sk_new, Hkv, D)"));
+    const int64_t nv[4] = {p->B, p->k_new.sizes[1], p->Hkv, p->D};
+    AB_TRY(want_shape(err, "v", &p->v_new, 4, nv, "k's shape"));
+    AB_TRY(want_dtype(err, "k", &p->k_new, dt));
+    AB_TRY(want_dtype(err, "v", &p->v_new, dt));
+    if (!p->cache_seqlens.ndim && p->cache_seqlen < 0)
+      return ab_error_set(err, AB_ERR_INVALID, "cache_seqlens is required when k and v are given (where to write them)");
+  }
+  if ((p->rotary_cos.ndim > 0) != (p->rotary_sin.ndim > 0))
+    return ab_error_set(err, AB_ERR_INVALID, "rotary_cos and rotary_sin must be given together");
+  if (p->rotary_cos.ndim) {
+    if (!p->k_new.ndim)
+      return ab_error_set(err, AB_ERR_INVALID, "rotary_cos and rotary_sin need the new k and v to rotate");
+    const int64_t rs[2] = {-1, -1};
+    AB_TRY(want_shape(err, "rotary_cos", &p->rotary_cos, 2, rs, "(seqlen_ro, rotary_dim / 2)"));
+    const int64_t ss[2] = {p->rotary_cos.sizes[0], p->rotary_cos.sizes[1]};
+    AB_TRY(want_shape(err, "rotary_sin", &p->rotary_sin, 2, ss, "rotary_cos's shape"));
+    if (p->rotary_cos.sizes[1] < 1 || 2 * p->rotary_cos.sizes[1] > p->D)
+      return ab_error_set(err, AB_ERR_INVALID, "rotary_dim = 2 * rotary_cos.shape[1] = %lld must be in [2, D = %lld]",
+                          (long long)(2 * p->rotary_cos.sizes[1]), (long long)p->D);
+    if (!ab_dtype_is_floating(p->rotary_cos.dtype) || !ab_dtype_is_floating(p->rotary_sin.dtype))
+      return ab_error_set(err, AB_ERR_INVALID, "rotary_cos and rotary_sin must be floating point");
+  }
+  if (p->mask.ndim) {
+    if (device != AB_DEVICE_CPU) return ab_error_set(err, AB_ERR_INVALID, "a mask is the CPU decode kernel's only");
+    if (kv_paged(p) || p->k_new.ndim || p->cache_batch_idx.ndim)
+      return ab_error_set(err, AB_ERR_INVALID, "a mask applies to a dense cache without new keys or cache_batch_idx");
+    const int64_t ms[4] = {p->B, p->Hq, p->Sq, p->k_cache.sizes[1]};
+    AB_TRY(want_shape(err, "attn_mask", &p->mask, 4, ms, "(B, Hq, Sq, S_cache) after broadcasting"));
+    if (p->mask.dtype != AB_DTYPE_BOOL && !ab_dtype_is_floating(p->mask.dtype))
+      return ab_error_set(err, AB_ERR_INVALID, "attn_mask must be bool or floating, got %s",
+                          ab_dtype_name(p->mask.dtype));
+  }
+  const int64_t bsz[1] = {p->B};
+  if (p->cache_seqlens.ndim) {
+    AB_TRY(want_shape(err, "cache_seqlens", &p->cache_seqlens, 1, bsz, "(B,)"));
+    AB_TRY(want_index(err, "cache_seqlens", &p->cache_seqlens));
+  } else if (p->cache_seqlen < -1) {
+    return ab_error_set(err, AB_ERR_INVALID, "cache_seqlens must be >= 0, got %lld", (long long)p->cache_seqlen);
+  }
+  if (p->cache_batch_idx.ndim) {
+    if (kv_paged(p))
+      return ab_error_set(err, AB_ERR_INVALID, "cache_batch_idx does not apply to a paged cache (block_table maps the rows)");
+    AB_TRY(want_shape(err, "cache_batch_idx", &p->cache_batch_idx, 1, bsz, "(B,)"));
+    AB_TRY(want_index(err, "cache_batch_idx", &p->cache_batch_idx));
+  } else if (!kv_paged(p) && p->k_cache.sizes[0] < p->B) {
+    return ab_error_set(err, AB_ERR_INVALID,
+                        "k_cache has %lld rows for a batch of %lld: give cache_batch_idx to map batch rows to cache rows",
+                        (long long)p->k_cache.sizes[0], (long long)p->B);
+  }
+  if (p->cache_leftpad.ndim) {
+    AB_TRY(want_shape(err, "cache_leftpad", &p->cache_leftpad, 1, bsz, "(B,)"));
+    AB_TRY(want_index(err, "cache_leftpad", &p->cache_leftpad));
+  }
+  if (kv_paged(p)) {
+    const int64_t bt[2] = {p->B, -1};
+    AB_TRY(want_shape(err, "block_table", &p->block_table, 2, bt, "(B, max_blocks)"));
+    AB_TRY(want_index(err, "block_table", &p->block_table));
+    if (p->k_cache.sizes[1] < 1) return ab_error_set(err, AB_ERR_INVALID, "a paged cache needs block_size >= 1");
+  }
+  if (p->alibi_slopes.ndim) {
+    const int64_t a1[1] = {p->Hq}, a2[2] = {p->B, p->Hq};
+    if (p->alibi_slopes.ndim == 1)
+      AB_TRY(want_shape(err, "alibi_slopes", &p->alibi_slopes, 1, a1, "(Hq,) or (B, Hq)"));
+    else
+      AB_TRY(want_shape(err, "alibi_slopes", &p->alibi_slopes, 2, a2, "(Hq,) or (B, Hq)"));
+    if (p->alibi_slopes.dtype != AB_DTYPE_F32)
+      return ab_error_set(err, AB_ERR_INVALID, "alibi_slopes must be float32, got %s",
+                          ab_dtype_name(p->alibi_slopes.dtype));
+  }
+  if (p->sinks.ndim) {
+    const int64_t hs[1] = {p->Hq};
+    AB_TRY(want_shape(err, "sinks", &p->sinks, 1, hs, "(Hq,)"));
+    if (!ab_dtype_is_floating(p->sinks.dtype))
+      return ab_error_set(err, AB_ERR_INVALID, "sinks must be floating, got %s", ab_dtype_name(p->sinks.dtype));
+  }
+  const ab_tensor* all[] = {&p->q, &p->k_cache, &p->v_cache, &p->k_new, &p->v_new, &p->rotary_cos,
+                            &p->rotary_sin, &p->cache_seqlens, &p->cache_batch_idx, &p->cache_leftpad,
+                            &p->block_table, &p->alibi_slopes, &p->sinks, &p->out, &p->lse};
+  const char* names[] = {"q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+                         "cache_batch_idx", "cache_leftpad", "block_table", "alibi_slopes", "sinks", "out", "lse"};
+  for (size_t i = 0; i < sizeof all / sizeof all[0]; ++i) AB_TRY(want_device(err, names[i], all[i], device));
+  AB_TRY(want_shape(err, "out", &p->out, 4, qs, "(B, Sq, Hq, D)"));
+  AB_TRY(want_dtype(err, "out", &p->out, dt));
+  const int64_t ls[3] = {p->B, p->Hq, p->Sq};
+  AB_TRY(want_shape(err, "lse", &p->lse, 3, ls, "(B, Hq, Sq)"));
+  if (p->lse.dtype != AB_DTYPE_F32) return ab_error_set(err, AB_ERR_INVALID, "lse must be float32");
+  if (!isfinite(p->scale)) return ab_error_set(err, AB_ERR_INVALID, "softmax_scale must be finite, got %g", p->scale);
+  if (!(p->softcap >= 0.0) || !isfinite(p->softcap))
+    return ab_error_set(err, AB_ERR_INVALID, "softcap must be >= 0 and finite, got %g", p->softcap);
+  if (p->window_left < -1 || p->window_right < -1)
+    return ab_error_set(err, AB_ERR_INVALID, "window_size values must be >= -1, got (%lld, %lld)",
+                        (long long)p->window_left, (long long)p->window_right);
+  if (p->num_splits < 0) return ab_error_set(err, AB_ERR_INVALID, "num_splits must be >= 0, got %d", p->num_splits);
   return AB_OK;
 }

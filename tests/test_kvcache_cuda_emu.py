@@ -496,3 +496,63 @@ def test_hf_continuous_batching_fast_path_runs_on_the_cuda_kernels(decode, kerne
         else:
             prefill = "math_fwd_kernel" if dtype == F32 else "ab_flash::fwd"
             assert sum(n for label, n in ran.items() if prefill in label) == 2, ran
+
+
+# ---- the op called directly: one check of shapes and dtypes for both kernels ----------------------
+
+def _op_args(B=2, Sq=1, Hq=4, Hkv=2, D=16, S=32, **over):
+    """kvcache_fwd's arguments in its order (attn_backends/_kvcache.py _kernel_op), as a dict."""
+    g = torch.Generator().manual_seed(3)
+    args = dict(q=torch.randn(B, Sq, Hq, D, generator=g), k_cache=torch.randn(B, S, Hkv, D, generator=g),
+                v_cache=torch.randn(B, S, Hkv, D, generator=g), k=torch.randn(B, 1, Hkv, D, generator=g),
+                v=torch.randn(B, 1, Hkv, D, generator=g), cos=None, sin=None,
+                seqlens=torch.full((B,), 5, dtype=torch.int32), seqlen=-1, batch_idx=None, leftpad=None,
+                block_table=None, alibi=None, scale=D ** -0.5, causal=True, wl=-1, wr=-1, softcap=0.0,
+                interleaved=True, num_splits=0, sinks=None)
+    args.update(over)
+    return args
+
+
+# each once too short for the call's B or Hq, or of a dtype the kernel would read as another: the CUDA
+# launcher used to read past these tensors (the emulator's guard pages caught it)
+OP_BAD = [
+    ("cache_seqlens of 1 for B=2", dict(seqlens=torch.tensor([5], dtype=torch.int32)), r"cache_seqlens must be \(B,\)"),
+    ("cache_leftpad of 1 for B=2", dict(leftpad=torch.tensor([0], dtype=torch.int32)), r"cache_leftpad must be \(B,\)"),
+    ("alibi_slopes of 1 for Hq=4", dict(alibi=torch.tensor([0.5])), r"alibi_slopes must be \(Hq,\) or \(B, Hq\)"),
+    ("uint8 rotary tables", dict(cos=torch.ones(40, 4, dtype=torch.uint8), sin=torch.ones(40, 4, dtype=torch.uint8)),
+     "rotary_cos and rotary_sin must be floating point"),
+]
+
+
+@pytest.mark.parametrize("emulated", [False, True], ids=["cpu", "emu"])
+@pytest.mark.parametrize("what,over,msg", OP_BAD, ids=[b[0] for b in OP_BAD])
+def test_the_op_called_directly_gets_one_check_for_both_kernels(what, over, msg, emulated):
+    from cuda_devices import emulation_default, set_emulation
+
+    args = _op_args(**over)
+    before = (args["k_cache"].clone(), args["v_cache"].clone())
+    set_emulation(emulated)
+    try:
+        with pytest.raises(RuntimeError, match=msg):
+            torch.ops.attn_backends.kvcache_fwd(*args.values())
+    finally:
+        set_emulation(emulation_default())
+    assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
+
+
+@pytest.mark.parametrize("dev", [pytest.param("emu", marks=pytest.mark.cuda_emu)], indirect=True)
+def test_a_call_past_the_cuda_grids_takes_the_exact_route_over_the_gathered_cache(decode, monkeypatch, gen):
+    """The CUDA kernel's grids take B and Hkv * row tiles up to 65535 (a very long chunked prefill has
+    more): such a call takes the exact route over the gathered cache (torch ops, any dtype) instead of
+    failing in the launcher.  The limit is lowered here so that a small call crosses it."""
+    from attn_backends import _kvcache
+
+    call = Call(KV(B=2, Sq=3, Hq=4, Hkv=2, D=16, S=40, snew=3, causal=True), gen)
+    want = cpu_kernel(decode, call)
+    monkeypatch.setattr(_kvcache, "_GRID_Y", 1)  # 2 KV heads x 1 row tile (6 rows a head, tiles of 8) = 2 > 1
+    emulator().ab_cuda_emu_reset_launch_log()
+    out, lse = run(decode, call)
+    ran = launched(emulator())
+    assert not any("decode" in label or "attend_" in label for label in ran), ran
+    call.check(out, lse)
+    assert torch.equal(call.k_cache, want[2][0]) and torch.equal(call.v_cache, want[2][1])

@@ -88,6 +88,10 @@ int ab_env_switch(const char* name);
 
 /* The number of splits of each row's key range fwd uses for p on num_threads threads. */
 int64_t ab_kvcache_cpu_splits(const ab_kvcache_params* p, int num_threads);
+/* Shapes, dtypes, devices (device: the kernel's, CPU or CUDA) and options of a call, everything but
+ * the index values: both decode kernels call it first (csrc/ab_params.c). */
+ab_status ab_kvcache_params_check(const ab_kvcache_params* p, ab_device_type device, ab_error* err);
+
 ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t workspace_bytes,
                              const ab_cpu_pool* pool, ab_error* err);
 

@@ -129,84 +129,32 @@ size_t workspace_for(const ab_kvcache_params* p, int64_t nsplit) {
   return align256(rows * (size_t)p->D * sizeof(float)) + align256(rows * sizeof(float));
 }
 
-const char* dtype_name(const ab_tensor& t) { return ab_dtype_name(t.dtype); }
-
-ab_status want(bool ok, ab_error* err, const char* fmt, const char* a = "", const char* b = "") {
-  return ok ? AB_OK : ab_error_set(err, AB_ERR_INVALID, fmt, a, b);
-}
-
 #define TRY(expr)               \
   do {                          \
     ab_status s_ = (expr);      \
     if (s_ != AB_OK) return s_; \
   } while (0)
 
-// Shapes, dtypes, devices and layouts (the Python layer checked the same and more, with messages
-// naming each argument; these guard the launcher's own contract).
+// The shared check of a KV-cache call (csrc/ab_params.c: shapes, dtypes, devices, options), then this
+// kernel's own limits: head dims, 16-byte cache rows, one dtype for the rotary tables.
 ab_status check_call(const ab_kvcache_params* p, ab_error* err) {
-  const ab_dtype dt = p->q.dtype;
-  if (dt != AB_DTYPE_F32 && dt != AB_DTYPE_F16 && dt != AB_DTYPE_BF16)
-    return ab_error_set(err, AB_ERR_UNSUPPORTED, "the CUDA decode kernel takes float16, bfloat16 or float32, got %s",
-                        ab_dtype_name(dt));
-  if (p->B < 0 || p->Sq < 0 || p->Hq < 0 || p->Hkv < 1 || p->Hq % p->Hkv)
-    return ab_error_set(err, AB_ERR_INVALID, "sizes must be B, Sq, Hq >= 0, Hkv >= 1 and Hq a multiple of Hkv");
-  if (p->D % kChunk || p->D < kChunk || p->D > kMaxHeadDim)
+  TRY(ab_kvcache_params_check(p, AB_DEVICE_CUDA, err));
+  if (p->D % kChunk || p->D > kMaxHeadDim)
     return ab_error_set(err, AB_ERR_UNSUPPORTED,
                         "the CUDA decode kernel takes head dims that are multiples of 8 up to %d, got %lld",
                         kMaxHeadDim, (long long)p->D);
-  const ab_tensor* same[] = {&p->q, &p->k_cache, &p->v_cache, &p->k_new, &p->v_new, &p->out};
-  const char* names[] = {"q", "k_cache", "v_cache", "k", "v", "out"};
-  for (int i = 0; i < 6; ++i) {
-    if (same[i]->ndim == 0) continue;
-    TRY(want(same[i]->ndim == 4, err, "%s must be 4-D", names[i]));
-    TRY(want(same[i]->dtype == dt, err, "%s must have q's dtype, got %s", names[i], dtype_name(*same[i])));
-  }
-  TRY(want(p->k_cache.sizes[2] == p->Hkv && p->k_cache.sizes[3] == p->D, err, "k_cache must be (..., Hkv, D)"));
-  for (int d = 0; d < 4; ++d)
-    TRY(want(p->v_cache.sizes[d] == p->k_cache.sizes[d], err, "v_cache must have k_cache's shape"));
-  if ((p->k_new.ndim > 0) != (p->v_new.ndim > 0)) return ab_error_set(err, AB_ERR_INVALID, "k and v go together");
-  if (p->k_new.ndim)
-    for (int d = 0; d < 4; ++d)
-      TRY(want(p->k_new.sizes[d] == (d == 0 ? p->B : d == 1 ? p->v_new.sizes[1] : d == 2 ? p->Hkv : p->D) &&
-                   p->v_new.sizes[d] == p->k_new.sizes[d],
-               err, "k and v must be (B, Sk_new, Hkv, D)"));
   // 16-byte rows: every key row of the caches is read with 16-byte loads
   for (const ab_tensor* c : {&p->k_cache, &p->v_cache}) {
     const size_t es = ab_dtype_size(c->dtype);
-    bool ok = c->strides[3] == 1 && reinterpret_cast<uintptr_t>(c->data) % 16 == 0;
+    bool ok = reinterpret_cast<uintptr_t>(c->data) % 16 == 0;
     for (int d = 0; d < 3; ++d) ok = ok && (c->sizes[d] <= 1 || (size_t)c->strides[d] * es % 16 == 0);
     if (!ok)
       return ab_error_set(err, AB_ERR_UNSUPPORTED,
                           "the CUDA decode kernel reads cache rows with 16-byte loads: the caches need a contiguous "
                           "last dim, a 16-byte aligned start and strides that are multiples of 16 bytes");
   }
-  for (const ab_tensor* t : {&p->cache_seqlens, &p->cache_batch_idx, &p->cache_leftpad, &p->block_table})
-    if (t->ndim && t->dtype != AB_DTYPE_I32 && t->dtype != AB_DTYPE_I64)
-      return ab_error_set(err, AB_ERR_INVALID, "index tensors must be int32 or int64, got %s", dtype_name(*t));
-  if (paged(p) && (p->block_table.ndim != 2 || p->block_table.sizes[0] != p->B || p->k_cache.sizes[1] < 1))
-    return ab_error_set(err, AB_ERR_INVALID, "block_table must be (B, max_blocks) and block_size >= 1");
-  if (paged(p) && p->cache_batch_idx.ndim)
-    return ab_error_set(err, AB_ERR_INVALID, "cache_batch_idx does not apply to a paged cache");
-  if (p->rotary_cos.ndim) {
-    TRY(want(p->k_new.ndim > 0, err, "rotary_cos and rotary_sin need the new k and v"));
-    TRY(want(p->rotary_sin.ndim == 2 && p->rotary_cos.ndim == 2 && p->rotary_sin.dtype == p->rotary_cos.dtype &&
-                 p->rotary_sin.sizes[0] == p->rotary_cos.sizes[0] && p->rotary_sin.sizes[1] == p->rotary_cos.sizes[1],
-             err, "rotary_cos and rotary_sin must be (seqlen_ro, rotary_dim / 2) of one dtype"));
-    TRY(want(p->rotary_cos.sizes[1] >= 1 && 2 * p->rotary_cos.sizes[1] <= p->D && p->rotary_cos.sizes[0] >= 1, err,
-             "rotary_dim must be in [2, D]"));
-  }
-  if (p->alibi_slopes.ndim && p->alibi_slopes.dtype != AB_DTYPE_F32)
-    return ab_error_set(err, AB_ERR_INVALID, "alibi_slopes must be float32");
-  if (p->sinks.ndim && (p->sinks.ndim != 1 || p->sinks.sizes[0] != p->Hq || !ab_dtype_is_floating(p->sinks.dtype)))
-    return ab_error_set(err, AB_ERR_INVALID, "sinks must be (Hq,) floating");
-  TRY(want(p->lse.ndim == 3 && p->lse.dtype == AB_DTYPE_F32, err, "lse must be (B, Hq, Sq) float32"));
-  const ab_tensor* all[] = {&p->q, &p->k_cache, &p->v_cache, &p->k_new, &p->v_new, &p->rotary_cos,
-                            &p->rotary_sin, &p->cache_seqlens, &p->cache_batch_idx, &p->cache_leftpad,
-                            &p->block_table, &p->alibi_slopes, &p->sinks, &p->out, &p->lse};
-  for (const ab_tensor* t : all)
-    if (t->ndim && t->device != AB_DEVICE_CUDA)
-      return ab_error_set(err, AB_ERR_INVALID, "every tensor of a CUDA decode call must be on the GPU");
-  if (p->num_splits < 0) return ab_error_set(err, AB_ERR_INVALID, "num_splits must be >= 0");
+  if (p->rotary_cos.ndim && p->rotary_sin.dtype != p->rotary_cos.dtype)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "the CUDA decode kernel takes rotary_cos and rotary_sin of one dtype");
   return AB_OK;
 }
 
