@@ -351,18 +351,20 @@ def _rows16(t: torch.Tensor) -> bool:
 
 _warned = set()
 _GRID_Y = 65535  # a CUDA grid's y dimension
+_KEYS_32 = 2**31  # the CUDA kernels count a row's keys in 32 bits
 
 
-def _cuda_grid_fits(c: KVCall) -> bool:
-    """Whether the CUDA decode kernel's grids take the call (csrc/cuda/decode.cu, ab_cuda_kvcache_fwd): B
-    rows (the cache write's y) and Hkv times the row tiles of the query rows of a KV head (the
-    attention's y), tiles of up to 8 rows as attend_kernel takes them (the tensor-core attention's tiles
-    of 16 need fewer)."""
+def _cuda_kernel_takes(c: KVCall) -> bool:
+    """Whether the CUDA decode kernel takes the call's sizes (csrc/cuda/decode.cu, ab_cuda_kvcache_fwd):
+    its grids take B rows (the cache write's y) and Hkv times the row tiles of the query rows of a KV
+    head (the attention's y), tiles of up to 8 rows as attend_kernel takes them (the tensor-core
+    attention's tiles of 16 need fewer), up to 65535 each; it counts a row's keys in 32 bits."""
     B, Sq, Hq, _ = c.q.shape
     Hkv = c.k_cache.shape[2]
     rows = Sq * (Hq // Hkv)
     per_tile = 1 if rows <= 1 else 2 if rows <= 2 else 4 if rows <= 4 else 8
-    return B <= _GRID_Y and Hkv * -(-rows // per_tile) <= _GRID_Y
+    cap = c.k_cache.shape[1] * (c.block_table.shape[1] if c.block_table is not None else 1)
+    return B <= _GRID_Y and Hkv * -(-rows // per_tile) <= _GRID_Y and cap < _KEYS_32
 
 
 # Whether calls on a GPU read their index values back to check them on the host first (below).
@@ -389,7 +391,7 @@ def run_cuda_kernel(c: KVCall):
             _planner.logger.warning("attn_backends: the CUDA decode kernel reads cache rows with 16-byte loads; "
                                     "these caches are not 16-byte aligned, so eager serves the call")
         return run_exact(c)
-    if not _cuda_grid_fits(c):  # a very long chunked prefill: the exact route over the gathered cache
+    if not _cuda_kernel_takes(c):  # a very long prefill or cache: the exact route over the gathered cache
         return run_exact(c)
     if CHECK_DEVICE_VALUES or not any(t is not None and t.is_cuda
                                       for t in (c.seqlens, c.leftpad, c.batch_idx, c.block_table)):

@@ -540,16 +540,21 @@ def test_the_op_called_directly_gets_one_check_for_both_kernels(what, over, msg,
     assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
 
 
+@pytest.mark.parametrize("limit", ["grid", "keys"])
 @pytest.mark.parametrize("dev", [pytest.param("emu", marks=pytest.mark.cuda_emu)], indirect=True)
-def test_a_call_past_the_cuda_grids_takes_the_exact_route_over_the_gathered_cache(decode, monkeypatch, gen):
+def test_a_call_past_the_cuda_grids_takes_the_exact_route_over_the_gathered_cache(limit, decode, monkeypatch, gen):
     """The CUDA kernel's grids take B and Hkv * row tiles up to 65535 (a very long chunked prefill has
-    more): such a call takes the exact route over the gathered cache (torch ops, any dtype) instead of
-    failing in the launcher.  The limit is lowered here so that a small call crosses it."""
+    more), and it counts a row's keys in 32 bits: a call past either takes the exact route over the
+    gathered cache (torch ops, any dtype) instead of failing in the launcher or wrapping a key
+    offset.  The limits are lowered here so that a small call crosses them."""
     from attn_backends import _kvcache
 
     call = Call(KV(B=2, Sq=3, Hq=4, Hkv=2, D=16, S=40, snew=3, causal=True), gen)
     want = cpu_kernel(decode, call)
-    monkeypatch.setattr(_kvcache, "_GRID_Y", 1)  # 2 KV heads x 1 row tile (6 rows a head, tiles of 8) = 2 > 1
+    if limit == "grid":  # 2 KV heads x 1 row tile (6 rows a head, tiles of 8) = 2 > 1
+        monkeypatch.setattr(_kvcache, "_GRID_Y", 1)
+    else:  # 40 positions a row
+        monkeypatch.setattr(_kvcache, "_KEYS_32", 40)
     emulator().ab_cuda_emu_reset_launch_log()
     out, lse = run(decode, call)
     ran = launched(emulator())
