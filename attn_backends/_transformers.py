@@ -121,7 +121,11 @@ def _cu_from_positions(position_ids):
 
 def _varlen_from_padding(q, k, v, mask, causal, sinks, kw):
     """transformers' flash_attention_2 path on a padding mask (B, Sk), True/1 = token: the real
-    tokens of each row become one packed sequence, padded rows of the output are 0."""
+    tokens of each row become one packed sequence, padded rows of the output are 0.  The mask pads
+    the keys; it pads the queries too only in causal calls (self-attention, the last Sq positions):
+    a call without causality may be cross-attention, whose queries are the decoder's and all real
+    (transformers' flash path takes the encoder's mask for them and zeroes the decoder's rows past
+    the encoder's length; sdpa attends them), so there every query attends its row's real keys."""
     B, Hq, Sq, D = q.shape
     if k.shape[2] > mask.shape[-1]:  # a static cache longer than the mask: unwritten slots
         k, v = k[:, :, :mask.shape[-1]], v[:, :, :mask.shape[-1]]
@@ -132,12 +136,12 @@ def _varlen_from_padding(q, k, v, mask, causal, sinks, kw):
     idx_k = keep.flatten().nonzero().flatten()
     kk = k.transpose(1, 2).reshape(B * Sk, *k.shape[1::2])[idx_k]
     vv = v.transpose(1, 2).reshape(B * Sk, *v.shape[1::2])[idx_k]
-    if Sq == Sk:
+    if Sq == Sk and causal:
         idx_q, cu_q, lens_q = idx_k, cu_k, lens_k
-    elif Sq == 1:
-        idx_q = torch.arange(B, device=q.device)
-        cu_q = torch.arange(B + 1, dtype=torch.int32, device=q.device)
-        lens_q = torch.ones(B, dtype=torch.int32, device=q.device)
+    elif Sq == 1 or not causal:  # every query
+        idx_q = torch.arange(B * Sq, device=q.device)
+        cu_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=q.device)
+        lens_q = torch.full((B,), Sq, dtype=torch.int32, device=q.device)
     else:  # a chunk after a left-padded prefix: the last Sq positions of the mask are the queries
         keep_q = keep[:, -Sq:]
         lens_q = keep_q.sum(-1, dtype=torch.int32)
@@ -213,9 +217,10 @@ def _forward(backend, module, query, key, value, attention_mask, dropout, scalin
     opts = dict(dropout_p=dropout, scale=scaling, softcap=softcap, deterministic=deterministic)
     if alibi is not None:
         opts["alibi_slopes"] = alibi
-    # HF's sliding_window counts the query itself (causal: key j is visible when i - j < sliding_window);
-    # its bidirectional masks take |i - j| <= sliding_window
-    window = None if sw is None else (sw - 1, -1) if is_causal else (sw, sw)
+    # the sliding_window keyword is flash's (transformers' flash path: window_size (sw - 1, sw - 1)): it
+    # counts the query itself, causal i - j < sw, bidirectional |i - j| < sw (a model that wants
+    # |i - j| <= w, as its own sdpa mask has it, passes w + 1: ModernBERT, Gemma 3)
+    window = None if sw is None else (sw - 1, -1) if is_causal else (sw - 1, sw - 1)
     B, Sq, Sk = query.shape[0], query.shape[2], key.shape[2]
 
     # transformers' flash path: a padding mask first, then cu_seq_lens, then packed position_ids

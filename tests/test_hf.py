@@ -37,6 +37,15 @@ def _config(arch):
         "t5": lambda: T.T5Config(num_layers=2, num_decoder_layers=2, num_heads=4, d_model=32, d_kv=8, d_ff=64,
                                  vocab_size=V, decoder_start_token_id=0, dropout_rate=0.0),
         "mpt": lambda: T.MptConfig(n_layers=2, n_heads=4, d_model=32, vocab_size=V, max_seq_len=16),
+        # bidirectional sliding windows on every other layer (local_attention 8: |i - j| <= 4)
+        "modernbert": lambda: T.ModernBertConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                 num_attention_heads=4, local_attention=8, global_attn_every_n_layers=2,
+                                                 pad_token_id=0, attention_dropout=0.0, mlp_dropout=0.0,
+                                                 embedding_dropout=0.0),
+        "bart": lambda: T.BartConfig(vocab_size=V, d_model=32, encoder_layers=2, decoder_layers=2,
+                                     encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                     decoder_ffn_dim=64, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+                                     pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2),
         "gpt_oss": lambda: T.GptOssConfig(**{**small, "intermediate_size": 32}, head_dim=8, sliding_window=4,
                                           num_local_experts=2, num_experts_per_tok=1),
         # sinks through lse (sigmoid(lse - sink)), one sliding layer
@@ -53,7 +62,8 @@ MOE = ("gpt_oss", "mimo_v2_flash")
 
 def _model(arch, impl, like=None):
     T = transformers
-    auto = {"bert": T.AutoModel, "t5": T.AutoModelForSeq2SeqLM}.get(arch, T.AutoModelForCausalLM)
+    auto = {"bert": T.AutoModel, "modernbert": T.AutoModel, "t5": T.AutoModelForSeq2SeqLM,
+            "bart": T.AutoModelForSeq2SeqLM}.get(arch, T.AutoModelForCausalLM)
     extra = {"experts_implementation": "eager"} if arch in MOE else {}  # grouped_mm has no float64
     model = auto.from_config(_config(arch), attn_implementation=impl, **extra)
     if like is not None:
@@ -186,6 +196,35 @@ def test_varlen_name_unpads_a_padded_batch(arch, gen, spy):
     mask[1, -3:] = 0
     _check_model(arch, "attn_backends_fa_varlen", ids, mask, gen)
     assert ("attention" if arch == "t5" else "attention_varlen") in spy
+
+
+@pytest.mark.parametrize("arch", ["modernbert", "bart"])
+def test_varlen_name_keeps_the_masks_semantics_where_transformers_flash_path_differs(arch, gen):
+    """ModernBERT's bidirectional sliding window (the sliding_window keyword is flash's, |i - j| < it: the
+    model passes its window + 1) and BART's cross-attention over a padded encoder, whose decoder queries
+    are all real (transformers' flash path takes the encoder's padding for them and zeroes the decoder's
+    rows past each encoder row's length): the varlen name matches eager in float64 there."""
+    ab.register_transformers()
+    ids = torch.randint(3, V, (3, 20), generator=gen)
+    mask = torch.ones_like(ids)
+    mask[0, -8:] = 0
+    mask[2, -3:] = 0
+    kw = dict(input_ids=ids, attention_mask=mask)
+    if arch == "bart":  # a shorter decoder input than the encoder's, unpadded
+        kw.update(decoder_input_ids=torch.randint(3, V, (3, 12), generator=gen), use_cache=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(2**31 - 1, (1,), generator=gen)))
+        ref = _model(arch, "eager").eval()
+
+    def run(model):
+        with torch.no_grad():
+            out = model(**kw)
+        return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+    x64, x32 = run(copy.deepcopy(ref).double()), run(ref)
+    x = run(_model(arch, "attn_backends_fa_varlen", like=ref).eval())
+    keep = mask.bool() if arch == "modernbert" else torch.ones(x.shape[:2], dtype=torch.bool)
+    check_2x("logits", x[keep], x64[keep], x32[keep], 2, torch.float32)
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "granite_swa", "mimo_v2_flash"])
@@ -335,8 +374,9 @@ def test_position_bias_joins_the_mask_and_gets_its_gradient(gen):
 
 @pytest.mark.parametrize("case", ["prefill", "decode", "bidirectional"])
 def test_sliding_window_and_softcap_without_a_mask(case, gen):
-    # HF passes no mask when causality alone would do; the window then comes from sliding_window:
-    # key j is visible to query i when i - j < sliding_window (bidirectional: |i - j| <= it)
+    # HF passes no mask when causality alone would do; the window then comes from sliding_window, in
+    # flash's terms: key j is visible to query i when i - j < sliding_window (bidirectional: |i - j| <
+    # it, transformers' flash path's window_size (sw - 1, sw - 1))
     forward = _forward()
     sw, cap, S = 3, 5.0, 8
     Sq = 1 if case == "decode" else S
@@ -345,7 +385,7 @@ def test_sliding_window_and_softcap_without_a_mask(case, gen):
     out, _ = forward(_Module(case != "bidirectional"), q, k, v, None, sliding_window=sw, softcap=cap)
     i = torch.arange(S - Sq, S)[:, None]
     j = torch.arange(S)[None]
-    vis = (i - j < sw) & (j <= i) if case != "bidirectional" else (i - j).abs() <= sw
+    vis = (i - j < sw) & (j <= i) if case != "bidirectional" else (i - j).abs() < sw
     kk, vv = (t.repeat_interleave(2, 1) for t in (k, v))
     r64, _ = reference_attention(q, kk, vv, attn_mask=vis, softcap=cap, dtype=torch.float64)
     r32, _ = reference_attention(q, kk, vv, attn_mask=vis, softcap=cap, dtype=torch.float32)
