@@ -191,9 +191,10 @@ class Call:
             ok = torch.ones(c.Sq, len(keys), dtype=torch.bool)
             if c.causal:
                 ok &= keys[None] <= qpos
-            if c.window[0] >= 0:
+            # flash-attn's rule: a side of the cache's capacity or more is unbounded
+            if 0 <= c.window[0] < self.whole():
                 ok &= keys[None] >= qpos - c.window[0]
-            if c.window[1] >= 0:
+            if 0 <= c.window[1] < self.whole():
                 ok &= keys[None] <= qpos + c.window[1]
             bias = torch.zeros(c.Hq, c.Sq, len(keys), dtype=torch.float64)
             if self.alibi is not None:
