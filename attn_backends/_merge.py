@@ -38,15 +38,19 @@ def _check(out_a, lse_a, out_b, lse_b) -> None:
 
 def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor):
     """(out, lse) of attention over the union of two disjoint key sets; out in out_a's dtype, lse
-    float32 (float64 when the inputs are float64).  Differentiable."""
+    float32 (float64 when any input is float64, in either order).  Differentiable; a row neither part
+    saw gets zero gradients."""
     _check(out_a, lse_a, out_b, lse_b)
-    acc = torch.float64 if out_a.dtype == torch.float64 or lse_a.dtype == torch.float64 else torch.float32
+    acc = torch.float64 if torch.float64 in (out_a.dtype, lse_a.dtype, lse_b.dtype) else torch.float32
     la, lb = lse_a.to(acc), lse_b.to(acc)
     m = torch.maximum(la, lb)
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # both parts empty: keep exp() finite
     wa, wb = torch.exp(la - m), torch.exp(lb - m)
     total = wa + wb
-    lse = m + torch.log(total)  # total == 0 gives -inf: the row saw no key
-    inv = torch.where(total > 0, 1.0 / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(total))
+    seen = total > 0
+    safe = torch.where(seen, total, torch.ones_like(total))  # no log(0) or 1/0, whose gradients are NaN
+    # a row no part saw: lse -inf, and no gradient through it (0/0 in log's backward made it NaN)
+    lse = torch.where(seen, m + torch.log(safe), torch.full_like(total, float("-inf")))
+    inv = torch.where(seen, 1.0 / safe, torch.zeros_like(total))
     out = (out_a.to(acc) * (wa * inv).unsqueeze(-1) + out_b.to(acc) * (wb * inv).unsqueeze(-1)).to(out_a.dtype)
     return out, lse

@@ -54,6 +54,31 @@ def test_gradients_flow_through_the_merge():
     assert torch.autograd.gradcheck(lambda *t: ab.merge_attention_states(*t), (out_a, lse_a, out_b, lse_b))
 
 
+def test_a_row_neither_part_saw_gets_zero_gradients():
+    """Rows empty on both sides (lse -inf, out 0): out 0, lse -inf, and gradients 0 there, not NaN (the
+    log of the zero total had a 0/0 backward); the other rows' gradients as gradcheck has them."""
+    out_a, out_b = (torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    lse_a = torch.tensor([float("-inf"), 0.3, float("-inf")], dtype=torch.float64, requires_grad=True)
+    lse_b = torch.tensor([float("-inf"), -0.2, 1.1], dtype=torch.float64, requires_grad=True)
+    with torch.no_grad():
+        out_a[0] = 0
+        out_b[0] = 0
+    out, lse = ab.merge_attention_states(out_a, lse_a, out_b, lse_b)
+    assert torch.isneginf(lse[0]) and torch.equal(out[0], torch.zeros(4, dtype=torch.float64))
+    loss = out.sum() + lse.masked_fill(torch.isneginf(lse), 0).sum()
+    grads = torch.autograd.grad(loss, (out_a, lse_a, out_b, lse_b))
+    assert all(torch.isfinite(g).all() for g in grads), grads
+    assert grads[1][0] == 0 and grads[3][0] == 0 and (grads[0][0] == 0).all() and (grads[2][0] == 0).all()
+
+
+def test_the_accumulation_dtype_does_not_depend_on_the_order():
+    out, lse32 = torch.randn(2, 4), torch.randn(2)
+    lse64 = torch.randn(2, dtype=torch.float64)
+    _, ab_lse = ab.merge_attention_states(out, lse32, out, lse64)
+    _, ba_lse = ab.merge_attention_states(out, lse64, out, lse32)
+    assert ab_lse.dtype == ba_lse.dtype == torch.float64 and torch.equal(ab_lse, ba_lse)
+
+
 def test_inputs_are_not_modified():
     out_a, lse_a, out_b, lse_b = torch.randn(3, 4), torch.randn(3), torch.randn(3, 4), torch.randn(3)
     copies = [t.clone() for t in (out_a, lse_a, out_b, lse_b)]
