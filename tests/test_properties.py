@@ -396,7 +396,14 @@ def test_large_logits_and_saturated_rows_keep_the_rule(group, Sq, Sk, D, dtype, 
     # since their saturated rows were the failure (delta read from O rounded to the input dtype)
     eff = opts.get("scale", D ** -0.5)
     grow = max(1.0, eff * D ** 0.5)
-    check_2x("out", out, r_out, d_out, 2, dtype, FLOORS[dtype] * grow)
+    # a score plus an ALiBi bias of magnitude ~100 is rounded in float32 at that magnitude, by torch and by
+    # ours alike but at different points of each score's own rounding: half an ulp of the largest bias
+    # per weight, times the largest value, is each one's share of luck (a random call found ours at 2.4x
+    # torch's error there, both within that)
+    bias_floor = 0.0
+    if kind == "alibi":
+        bias_floor = torch.finfo(torch.float32).eps / 2 * float(opts["attn_mask"].double().abs().amax()) * _amax(v)
+    check_2x("out", out, r_out, d_out, 2, dtype, FLOORS[dtype] * grow + bias_floor)
     for name, a, rr, ss in zip(("dq", "dk", "dv"), ours, refg, sameg):
         check_2x(name, a, rr, ss, 3, dtype, FLOORS[dtype] * (grow if dtype == torch.float32 else 1.0) * max(1.0, _amax(rr)))
 
