@@ -151,6 +151,11 @@ def _flag(name, x, what=""):
     return bool(v)
 
 
+def capacity(k_cache: torch.Tensor, block_table) -> int:
+    """Positions a cache row holds: S_cache, or max_blocks * block_size for a paged cache."""
+    return k_cache.shape[1] * (block_table.shape[1] if block_table is not None else 1)
+
+
 def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
           block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
           num_splits, sinks=None) -> KVCall:
@@ -245,7 +250,7 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
     wl, wr = window_pair(window_size)
     # a side of the cache's capacity or more hides no key: unbounded, as flash-attn makes it (the kernels
     # then never add a side near 2**63 to a position)
-    cap = k_cache.shape[1] * (block_table.shape[1] if paged else 1)
+    cap = capacity(k_cache, block_table)
     wl, wr = (-1 if wl >= cap else wl), (-1 if wr >= cap else wr)
     softcap = _real("softcap", softcap, "a float")
     if not (softcap >= 0.0 and math.isfinite(softcap)):
@@ -363,8 +368,7 @@ def _cuda_kernel_takes(c: KVCall) -> bool:
     Hkv = c.k_cache.shape[2]
     rows = Sq * (Hq // Hkv)
     per_tile = 1 if rows <= 1 else 2 if rows <= 2 else 4 if rows <= 4 else 8
-    cap = c.k_cache.shape[1] * (c.block_table.shape[1] if c.block_table is not None else 1)
-    return B <= _GRID_Y and Hkv * -(-rows // per_tile) <= _GRID_Y and cap < _KEYS_32
+    return B <= _GRID_Y and Hkv * -(-rows // per_tile) <= _GRID_Y and capacity(c.k_cache, c.block_table) < _KEYS_32
 
 
 # Whether calls on a GPU read their index values back to check them on the host first (below).
@@ -458,7 +462,7 @@ def host_rows(c: KVCall) -> _Rows:
     B, Sq = c.q.shape[0], c.q.shape[1]
     paged = c.block_table is not None
     bs = c.k_cache.shape[1]
-    cap = c.block_table.shape[1] * bs if paged else c.k_cache.shape[1]
+    cap = capacity(c.k_cache, c.block_table)
     snew = c.k.shape[1] if c.k is not None else 0
     seq = c.seqlens.tolist() if c.seqlens is not None else [c.seqlen if c.seqlen >= 0 else cap] * B
     lo = c.leftpad.tolist() if c.leftpad is not None else [0] * B
@@ -687,7 +691,7 @@ def _flash_hands_to_decode(c: KVCall) -> bool:
     if not c.q.is_cpu or _C.cuda_emulation() or not read_ok(c.q, c.k_cache, c.v_cache):
         return False
     B, Sq, Hq, D = c.q.shape
-    cap = c.block_table.shape[1] * c.k_cache.shape[1] if c.block_table is not None else c.k_cache.shape[1]
+    cap = capacity(c.k_cache, c.block_table)
     if B == 0 or Sq == 0 or cap == 0:
         return False
     kv = c.k_cache.new_empty((1, 1, 1, D)).expand(B, c.k_cache.shape[2], cap, D)

@@ -42,6 +42,10 @@ from ._eager import visible_keys
 from ._kvcache import _flag, window_pair
 
 _fast_varlen = _C.attention_varlen
+_is_compiling = torch.compiler.is_compiling
+
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
+           "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"]
 
 
 def _no_window(window_size: tuple) -> bool:
@@ -49,10 +53,6 @@ def _no_window(window_size: tuple) -> bool:
     tensor comparison: the checks below word what is wrong with such a window)."""
     return (len(window_size) == 2 and window_size[0].__class__ is int and window_size[1].__class__ is int
             and window_size[0] == -1 and window_size[1] == -1)
-_is_compiling = torch.compiler.is_compiling
-
-__all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache", "flash_attn_qkvpacked_func",
-           "flash_attn_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func"]
 
 
 def _bottom_right_window(Sq: int, Sk: int, wl: int, wr: int, device) -> torch.Tensor:
