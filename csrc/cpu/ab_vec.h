@@ -196,6 +196,7 @@ static inline float vhmax(vf v) {
 /* Loads n (<= VLEN) elements of any dtype at stride s into a vector as float32; the rest get pad. */
 static inline void ab_vec_load_row(const void* base, ab_dtype dt, int64_t off, int64_t n, int64_t s,
                                    float* dst) {
+  if (n <= 0) return; /* an empty tensor's data may be NULL: no pointer into it, no memcpy from it */
   switch (dt) {
     case AB_DTYPE_F32: {
       const float* src = (const float*)base + off;
@@ -262,6 +263,7 @@ static inline void ab_vec_load_mask_row(const void* base, ab_dtype dt, int64_t o
 /* Stores n float32 values as dtype dt at stride s (round to nearest even for the half types). */
 static inline void ab_vec_store_row(void* base, ab_dtype dt, int64_t off, int64_t n, int64_t s,
                                     const float* src) {
+  if (n <= 0) return; /* an empty out (Dv = 0) has no data pointer: nothing to store, nothing to offset */
   switch (dt) {
     case AB_DTYPE_F32: {
       float* d = (float*)base + off;
