@@ -46,6 +46,13 @@ best, as above) and on the cache's own (B, S, H, D) tensors transposed (what a c
 flash-attn cache would pass); ratios = torch / ours.
     python benchmarks/bench_decode.py --small --json benchmarks/results/decode_small.json
 
+--pool-layouts times our kernel alone over the decode shapes' caches, dense and as pools laid out four
+ways (blocks of 16 under a shuffled table, in order, shuffled in pairs so that each 32-key chunk of the
+kernel is one contiguous run, and blocks of 32 shuffled), the same data and bits in each; layout / dense
+is the median of each round's ratio.  It separates what a paged cache's cost follows: the block size,
+the table's order, or where a chunk jumps.
+    python benchmarks/bench_decode.py --pool-layouts --json benchmarks/results/decode_pool_layouts.json
+
 --device cuda times our CUDA decode kernel (csrc/cuda/decode.cu, on by default since its H200 run and
 switched on here even under ATTN_BACKENDS_CUDA_DECODE=0) against torch SDPA on the GPU, with CUDA events, and the
 probe sums a 1 GiB buffer on the GPU (its read bandwidth, far above the L2).  It also times auto with an int
@@ -309,6 +316,86 @@ def small_table(dtypes, rounds):
     return rows
 
 
+def paged_layout(k, v, block, order, gen):
+    """The dense cache (B, Sk, Hkv, D) as pages of `block` positions: "shuffled" (paged_copy's), "in order"
+    (row b's block i at b * nb + i: one contiguous run per row) or "pairs" (two neighbouring blocks kept
+    together, the pairs shuffled: with blocks of 16, each 32-key chunk of the kernel is contiguous)."""
+    if order == "shuffled":
+        return paged_copy(k, v, block, gen)
+    B, Sk = k.shape[:2]
+    nb = Sk // block
+    assert Sk % block == 0 and (order == "in order" or B * nb % 2 == 0), "whole blocks (and pairs) only"
+    if order == "in order":
+        slots = torch.arange(B * nb)
+    else:
+        pairs = torch.randperm(B * nb // 2, generator=gen)
+        slots = torch.stack([2 * pairs, 2 * pairs + 1], 1).reshape(-1)
+    pages = [torch.empty(B * nb, block, *t.shape[2:], dtype=t.dtype) for t in (k, v)]
+    for page, t in zip(pages, (k, v)):
+        page[slots] = t.reshape(B * nb, block, *t.shape[2:])
+    return pages[0], pages[1], slots.view(B, nb).to(torch.int32)
+
+
+POOL_LAYOUTS = [  # (label, block, order): --pool-layouts
+    ("p16 shuffled", 16, "shuffled"),
+    ("p16 in order", 16, "in order"),
+    ("p16 pairs", 16, "pairs"),
+    ("p32 shuffled", 32, "shuffled"),
+]
+
+
+def pool_layouts_table(dtypes, rounds, shapes):
+    """--pool-layouts: our kernel over the decode shapes' caches, dense and as pools of several layouts (the
+    same data, a new copy per call as in the main table); medians over interleaved rounds, and each
+    layout's time over dense as the median of its rounds' ratios."""
+    print("one query token, ms per call; layout / dense: the median of each round's ratio")
+    print(f"{'shape':<22}  {'dtype':<8}  {'dense':>8}  " + "  ".join(f"{n:>19}" for n, _, _ in POOL_LAYOUTS))
+    rows = []
+    for dtype in dtypes:
+        for label, B, Hq, Hkv, Sk in shapes:
+            gen = torch.Generator().manual_seed(0)
+            kv_bytes = 2 * B * Sk * Hkv * D * torch.finfo(dtype).bits // 8
+            copies = max(2, -(-LLC_GUESS // kv_bytes))
+            q = torch.randn(B, 1, Hq, D, generator=gen).to(dtype)
+            seqlens = torch.full((B,), Sk, dtype=torch.int32)
+            dense = [tuple(torch.randn(B, Sk, Hkv, D, generator=gen).to(dtype) for _ in range(2)) for _ in range(copies)]
+            pools = {"dense": [(k, v, None) for k, v in dense]}
+            for name, block, order in POOL_LAYOUTS:
+                pools[name] = [paged_layout(k, v, block, order, gen) for k, v in dense]
+            turn = [0]
+
+            def caller(seq):
+                def run():
+                    turn[0] += 1
+                    k, v, table = seq[turn[0] % len(seq)]
+                    return ab.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table,
+                                                     backend="paged_attention", strict=True)
+                return run
+
+            cands = {n: caller(seq) for n, seq in pools.items()}
+            turn[0] = -1
+            want = cands["dense"]()
+            for n, fn in cands.items():  # every layout reads copy 0 here: the same bits as dense
+                turn[0] = -1
+                assert torch.equal(fn(), want), f"{n}: not dense's result"
+            for fn in cands.values():
+                fn()
+            reps = max(1, int(0.05 / max(timed(cands["dense"], 1), 1e-6)))
+            times = {n: [] for n in cands}
+            for _ in range(rounds):
+                for n, fn in cands.items():
+                    times[n].append(timed(fn, reps))
+            med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+            over = {n: statistics.median(a / b for a, b in zip(t, times["dense"])) for n, t in times.items()}
+            print(f"{label:<22}  {str(dtype)[6:]:<8}  {med['dense']:8.3f}  "
+                  + "  ".join(f"{med[n]:8.3f} ms {over[n]:5.2f}x" for n, _, _ in POOL_LAYOUTS), flush=True)
+            rows.append(dict(shape=label, B=B, Hq=Hq, Hkv=Hkv, Sk=Sk, D=D, dtype=str(dtype)[6:],
+                             **{f"{n}_ms": t for n, t in med.items()},
+                             **{f"{n}_over_dense": r for n, r in over.items() if n != "dense"}))
+            del pools, cands, dense
+    return rows
+
+
 LAYER_SHAPES = [  # (label, B, Hq, Hkv, Sk): a layer's cache; the step reads one per layer
     ("B1 GQA 32/8 Sk512", 1, 32, 8, 512),
     ("B1 GQA 32/8 Sk2048", 1, 32, 8, 2048),
@@ -528,16 +615,33 @@ def sweep(dtype, rounds, probe, lengths, out_dir, stem):
     return rows
 
 
+def cpu_name() -> str:
+    """The CPU as this machine names it: the brand string, and on Linux its family and model (a KVM guest's
+    brand may be only "AMD EPYC", which the two tell apart: family 25 model 1 is a Zen 3, model 17 a Zen 4),
+    then the ISA features the kernels look for."""
+    feats = ab._C.cpu_features()
+    name = feats.get("brand", "").strip() or platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict((a.strip(), b.strip()) for a, _, b in (line.partition(":") for line in f.read().split("\n\n")[0]
+                                                                 .splitlines()))
+        name += f" (family {info['cpu family']} model {info['model']})"
+    except (OSError, KeyError):
+        pass
+    flags = " ".join(k for k, v in feats.items() if v is True)
+    return f"{name}, {flags}"
+
+
 def run_cpu_table(path, rounds, key, table, line, **record):
     """--layers, --small, --tokens: prints the machine's line (plus `line`), runs table() in inference mode
     and, with --json, writes its rows under `key` beside the machine's record (and `record`)."""
-    print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {platform.processor() or platform.machine()}, "
+    print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {cpu_name()}, "
           f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}{line}")
     with torch.inference_mode():
         rows = table()
     if path:
         with open(path, "w") as f:
-            json.dump(dict(machine=platform.platform(), processor=platform.processor(), device="cpu",
+            json.dump(dict(machine=platform.platform(), processor=platform.processor(), cpu=cpu_name(), device="cpu",
                            threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
                            **record, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds=rounds,
                            **{key: rows}), f, indent=1)
@@ -560,6 +664,8 @@ def main(argv=None):
                     "per layer, read in turn) instead of the decode shapes, with the next-keys prefetch off/on/auto")
     ap.add_argument("--small", action="store_true", help="small decode calls, the cache in the caches: ours "
                     "against torch SDPA on contiguous copies and on the cache's transposed view")
+    ap.add_argument("--pool-layouts", action="store_true", help="our kernel over the decode shapes, dense "
+                    "and as pools of 16- and 32-key blocks in several orders (shuffled, in order, in pairs)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: our CUDA decode kernel (switched on here) against torch SDPA on the GPU")
     ap.add_argument("--graph", action="store_true",
@@ -593,6 +699,13 @@ def main(argv=None):
         run_cpu_table(args.json, rounds, "small", lambda: small_table(dtypes, rounds), "",
                       cpu_features=ab._C.cpu_features())
         return
+    if args.pool_layouts:
+        if DEVICE != "cpu" or args.tokens or args.layers or args.small:
+            ap.error("--pool-layouts times the CPU kernel, alone")
+        run_cpu_table(args.json, rounds, "pool_layouts", lambda: pool_layouts_table(dtypes, rounds, shapes),
+                      f", bfloat16 products {bf16_products()}", cpu_features=ab._C.cpu_features(),
+                      bf16_products=bf16_products())
+        return
     if args.tokens:
         if DEVICE != "cpu":
             ap.error("--tokens times the CPU paths")
@@ -603,7 +716,7 @@ def main(argv=None):
         return
     probe = read_bandwidth_probe()
     where = (f"{torch.cuda.get_device_name()}, attention kernel {cuda_attention_kernel()}" if DEVICE == "cuda"
-             else f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+             else f"{cpu_name()}, {torch.get_num_threads()} threads, "
                   f"CPU path {ab._C.cpu_isa()}, bfloat16 products {bf16_products()}")
     print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {where}"
           + (f", CUDA graphs of {GRAPH_CALLS} calls" if GRAPH else ""))
@@ -637,7 +750,7 @@ def main(argv=None):
                 sweeps[str(dtype)[6:]] = sweep(dtype, rounds, probe, lengths, out_dir or ".", stem)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(machine=platform.platform(), processor=platform.processor(), device=DEVICE,
+            json.dump(dict(machine=platform.platform(), processor=platform.processor(), cpu=cpu_name(), device=DEVICE,
                            gpu=torch.cuda.get_device_name() if DEVICE == "cuda" else None, graph=GRAPH,
                            cuda_attention_kernel=cuda_attention_kernel() if DEVICE == "cuda" else None,
                            threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
