@@ -524,7 +524,7 @@ OP_BAD = [
 ]
 
 
-@pytest.mark.parametrize("emulated", [False, True], ids=["cpu", "emu"])
+@pytest.mark.parametrize("emulated", [False, pytest.param(True, marks=pytest.mark.cuda_emu)], ids=["cpu", "emu"])
 @pytest.mark.parametrize("what,over,msg", OP_BAD, ids=[b[0] for b in OP_BAD])
 def test_the_op_called_directly_gets_one_check_for_both_kernels(what, over, msg, emulated):
     from cuda_devices import emulation_default, set_emulation
