@@ -349,12 +349,15 @@ def test_the_bf16_products_switch_takes_effect(monkeypatch, gen):
     assert not torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block", [16, 48])
-def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, isa, gen):
+def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, heads, isa, gen):
     # the kernel's chunks of keys span pages, so a paged cache is read in the same chunks as the
-    # dense one: the same sums in the same order, whatever the page size and the pages' order
-    B, Sq, Hq, Hkv, D, nb = 3, 2, 8, 2, 72, 9
+    # dense one: the same sums in the same order, whatever the page size and the pages' order; O += P V
+    # goes block by block there (DC(block_end)), so the leftpads start chunks inside a block at odd and
+    # even keys
+    B, Sq, (Hq, Hkv), D, nb = 3, 2, heads, 72, 9
     S = nb * block
     q = torch.randn(B, Sq, Hq, D, generator=gen).to(dtype)
     k = torch.randn(B, S, Hkv, D, generator=gen).to(dtype)
