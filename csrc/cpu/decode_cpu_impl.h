@@ -593,11 +593,12 @@ static inline void DC(chunk_at)(const ab_decode_run* run, int64_t b, int64_t h0,
  * otherwise cut a pair).
  * Every head's rows of one block are read before the next block's, so that the value rows of one
  * head (a row of the cache apart) are never a stride that breaks in the middle (a shuffled
- * block_table puts the chunk's second block anywhere).  The sums are the same, key after key, as in one run: paged and
- * dense caches keep the same bits.  Measured on an AMD Zen 4 (avx512 path, 2 threads, blocks of 16
- * under a shuffled table, one process, on and off alternating; docs/benchmarks.md "Decode on an
- * AVX-512 AMD CPU, rerun"): paged decode took 0.91-0.99x the time, and paged / dense went from
- * 1.01-1.11 to 0.96-1.05; bfloat16 MHA 1.11 -> 1.05. */
+ * block_table puts the chunk's second block anywhere).  The sums are the same, key after key, as
+ * in one run: paged and dense caches keep the same bits.  Measured on an AMD Zen 4 (avx512 path,
+ * 2 threads, blocks of 16 under a shuffled table, one process, on and off alternating;
+ * docs/benchmarks.md "Decode on an AVX-512 AMD CPU, rerun"): paged decode took 0.91-0.99x the time,
+ * and paged / dense went from 1.01-1.11 to 0.96-1.05; bfloat16 MHA 1.11 -> 1.05.  Not measured on
+ * other CPUs; the several-token MHA tiles and the tiled products keep one run per chunk. */
 static inline int64_t DC(block_end)(const ab_decode_run* run, int64_t j, int64_t j0, int64_t nk) {
   const int64_t bs = run->block_size;
   int64_t e = bs ? ((j + j0) / bs + 1) * bs - j : nk;
