@@ -239,10 +239,10 @@ class TokensCase:
                 "torch": self.torch_sdpa}
 
 
-def interleaved_medians(cands, lead, rounds, seconds, least):
-    """Seconds per call of each candidate (name -> fn), the median over `rounds` rounds in which every
-    candidate runs in turn, each time `reps` calls: enough for about `seconds` of the `lead` candidate,
-    at least `least`.  Every candidate is warmed first."""
+def interleaved_rounds(cands, lead, rounds, seconds, least):
+    """Seconds per call of each candidate (name -> fn) in each of `rounds` rounds in which every candidate
+    runs in turn, each time `reps` calls: enough for about `seconds` of the `lead` candidate, at least
+    `least`.  Every candidate is warmed first."""
     for fn in cands.values():
         fn()
         fn()
@@ -251,7 +251,12 @@ def interleaved_medians(cands, lead, rounds, seconds, least):
     for _ in range(rounds):
         for name, fn in cands.items():
             times[name].append(timed(fn, reps))
-    return {n: statistics.median(t) for n, t in times.items()}
+    return times
+
+
+def interleaved_medians(cands, lead, rounds, seconds, least):
+    """interleaved_rounds' medians: seconds per call of each candidate."""
+    return {n: statistics.median(t) for n, t in interleaved_rounds(cands, lead, rounds, seconds, least).items()}
 
 
 def tokens_table(tokens, Sk, dtypes, rounds):
@@ -378,13 +383,7 @@ def pool_layouts_table(dtypes, rounds, shapes):
             for n, fn in cands.items():  # every layout reads copy 0 here: the same bits as dense
                 turn[0] = -1
                 assert torch.equal(fn(), want), f"{n}: not dense's result"
-            for fn in cands.values():
-                fn()
-            reps = max(1, int(0.05 / max(timed(cands["dense"], 1), 1e-6)))
-            times = {n: [] for n in cands}
-            for _ in range(rounds):
-                for n, fn in cands.items():
-                    times[n].append(timed(fn, reps))
+            times = interleaved_rounds(cands, "dense", rounds, 0.05, 1)
             med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
             over = {n: statistics.median(a / b for a, b in zip(t, times["dense"])) for n, t in times.items()}
             print(f"{label:<22}  {str(dtype)[6:]:<8}  {med['dense']:8.3f}  "
