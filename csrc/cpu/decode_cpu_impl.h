@@ -1074,20 +1074,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
          * block, DC(block_end)); meanwhile the next chunk's key rows of each head (DC(kpf)) */
         const DC(kpf) kp = {(const char*)kb, nko, k_next ? nje - jn : 0, D * (int64_t)es, (int64_t)es};
 #if DC_BF16
-        if (bf) {
-          if (tb > ta) DC(p_to_bf16)(w->S + (ta - t0) * HG * DC_CHUNK, (tb - ta) * HG);
-          for (int64_t j0 = 0, j1; j0 < nk; j0 = j1) {
-            j1 = DC(block_end)(run, j, j0, nk);
-            DC(kpf) kq = DC(kpf_run)(kp, j0, j1);
-            for (int64_t h = 0; h < hg; ++h, kq.base += ks2 * (int64_t)es)
-              for (int64_t t = ta; t < tb; ++t) {
-                const int64_t r = (t - t0) * HG + h * G;
-                /* P in bfloat16 pairs (DC(p_to_bf16)): key j0's pair j0 / 2 floats on (j0 is even) */
-                DC(pv_bf)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK + j0 / 2, (const uint16_t*)vb, vo + j0,
-                          h * vs2, j1 - j0, D, t == ta ? &kq : NULL);
-              }
-          }
-        }
+        if (bf && tb > ta) DC(p_to_bf16)(w->S + (ta - t0) * HG * DC_CHUNK, (tb - ta) * HG);
 #endif
         DC(kpf) kt = kp;
         for (int64_t h = 0; h < hg && !bf && mha_tokens; ++h, kt.base += ks2 * (int64_t)es) {
@@ -1095,14 +1082,22 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
           DC(pv)(w->acc + r * dpad, tb - ta, HG * dpad, w->S + r * DC_CHUNK, HG * DC_CHUNK, vb, vo, h * vs2, nk, D, dt,
                  &kt);
         }
-        for (int64_t j0 = 0, j1; j0 < nk && !bf && !mha_tokens; j0 = j1) {
+        for (int64_t j0 = 0, j1; j0 < nk && !mha_tokens; j0 = j1) { /* mha_tokens is never set with bf */
           j1 = DC(block_end)(run, j, j0, nk);
           DC(kpf) kq = DC(kpf_run)(kp, j0, j1);
           for (int64_t h = 0; h < hg; ++h, kq.base += ks2 * (int64_t)es)
             for (int64_t t = ta; t < tb; ++t) {
               const int64_t r = (t - t0) * HG + h * G;
+              const DC(kpf)* kr = t == ta ? &kq : NULL;
+#if DC_BF16
+              if (bf) { /* P in bfloat16 pairs (DC(p_to_bf16)): key j0's pair j0 / 2 floats on (j0 is even) */
+                DC(pv_bf)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK + j0 / 2, (const uint16_t*)vb, vo + j0,
+                          h * vs2, j1 - j0, D, kr);
+                continue;
+              }
+#endif
               DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK + j0, DC_CHUNK, vb, vo + j0, h * vs2, j1 - j0,
-                     D, dt, t == ta ? &kq : NULL);
+                     D, dt, kr);
             }
         }
       }
