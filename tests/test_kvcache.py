@@ -431,6 +431,39 @@ def test_pages_ahead_over_head_major_caches(Hq, Hkv, block, dtype, isa, monkeypa
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+@pytest.mark.parametrize("case", [KV(B=2, Hq=8, Hkv=2, D=128, S=300, dtype=torch.bfloat16),
+                                  # eight rows per KV head, a masked column block (D = 40), pages, tokens that
+                                  # see different keys
+                                  KV(B=2, Sq=3, Hq=16, Hkv=2, D=40, S=150, block=16, snew=2, causal=True,
+                                     rotary="neox", dtype=torch.bfloat16),
+                                  # a window: a later token does not see the first keys an earlier one saw
+                                  KV(B=1, Sq=4, Hq=8, Hkv=2, D=96, S=200, seqlens=180, window=(20, 0),
+                                     leftpad=True, softcap=2.0, alibi="h", dtype=torch.bfloat16),
+                                  # the cases it leaves to step 1 key by key: G = 3, D > 128
+                                  KV(B=2, Hq=12, Hkv=4, D=64, S=130, block=32, sinks=True, dtype=torch.bfloat16),
+                                  KV(B=1, Hq=8, Hkv=2, D=160, S=100, seqlens=None, dtype=torch.bfloat16)], ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_step_1_head_by_head_leaves_the_bits_alone(case, splits, monkeypatch, gen):
+    # with bfloat16 products, step 1 goes head by head on AMD's AVX-512 CPUs (csrc/cpu/decode_cpu.c
+    # scores_by_head), four query rows in registers, and key by key elsewhere: the same sums in the same
+    # order either way, and the reference's
+    if not (_C.cpu_features().get("avx512_bf16") and _C.cpu_isa_supported("avx512")):
+        pytest.skip("this CPU has no AVX512_BF16: no bfloat16 products to reorder")
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "1")
+    call = Call(case, gen)
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa("avx512")
+    try:
+        results = []
+        for on in ("0", "1"):
+            monkeypatch.setenv("ATTN_BACKENDS_DECODE_SCORES_BY_HEAD", on)
+            results.append(call.reset().run("paged_attention", num_splits=splits))
+    finally:
+        _C.set_cpu_isa(before)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    call.check(*results[1])
+
+
 def test_the_working_set_counts_each_recent_cache_once_at_its_latest_length(gen):
     # keys_next (csrc/cpu/decode_cpu.c) asks for the next keys early on AMD's AVX-512 path when decode's
     # working set passes half the L3: the K and V bytes of the caches the last 64 calls read, each cache once

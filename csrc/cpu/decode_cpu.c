@@ -146,6 +146,17 @@ static int values_ahead(void) { return forced_or("ATTN_BACKENDS_DECODE_VALUES_AH
  * the same bits either way). */
 static int pages_ahead(int dram) { return forced_or("ATTN_BACKENDS_DECODE_PAGES_AHEAD", amd_avx512() && dram); }
 
+/* Whether step 1 with bfloat16 products goes head by head, each head's query rows kept in registers
+ * while its key rows stream past, instead of key by key over all the item's heads, which reloads the
+ * query rows at every key (decode_cpu_impl.h, DC(head_scores_bf); GQA with G a multiple of four and
+ * D <= 128): on the AVX-512 path of an AMD CPU (Zen 4), where bfloat16 GQA decode took 0.81-0.85x the
+ * time with a cache the L3 holds and 0.90-0.94x from DRAM (docs/benchmarks.md, "Step 1 head by head").
+ * The key rows are then read a head at a time, a stride the hardware prefetchers follow poorly, which
+ * the next chunk's keys asked for in step 3 (keys_next) cover from DRAM there; on other CPUs (Intel's
+ * AVX-512 ones with AVX512_BF16) not measured, so off.  ATTN_BACKENDS_DECODE_SCORES_BY_HEAD=1 makes it
+ * in every call with bfloat16 products, =0 in none (read at every call; the same bits either way). */
+static int scores_by_head(void) { return forced_or("ATTN_BACKENDS_DECODE_SCORES_BY_HEAD", amd_avx512()); }
+
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
   if (!ab_kvcache_cpu_bf16_products(dt)) return INT64_MAX; /* the tiled products serve long queries */
   if (!in_place || positions < 2048) return 64;
@@ -512,7 +523,8 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   const int64_t hg = heads_per_item(p, threads);
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
-                       bf, sink, &st, keys_next(dram), values_ahead(), pages_ahead(dram)};
+                       bf, sink, &st, keys_next(dram), values_ahead(), pages_ahead(dram),
+                       bf && scores_by_head()};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));

@@ -23,7 +23,8 @@
  *      vectors of D (one row x eight for MHA) held in registers; in a paged cache, block by block
  *      of the chunk, every head's rows of one block before the next block's (DC(block_end)).
  * With a bfloat16 cache on a CPU with AVX512_BF16 (run->bf16_dot), steps 1 and 3 multiply in
- * bfloat16 with vdpbf16ps ("bfloat16 products" below).
+ * bfloat16 with vdpbf16ps ("bfloat16 products" below); there step 1 may go head by head instead of key
+ * by key (run->scores_by_head, DC(head_scores_bf)), so four query rows stay in registers.
  * The state of a row (m, l and its D accumulators) lives in the thread's scratch, in L1 for the
  * decode shapes.  Query rows go by tiles of whole tokens (DC_ROWS rows, at least one token), so
  * scratch stays bounded for long chunked-prefill queries, which re-stream their keys per tile.
@@ -457,6 +458,48 @@ static inline __attribute__((always_inline)) void DC(key_scores_bf)(const uint16
     int64_t g = 0;
     for (; g + 4 <= G; g += 4) DC(dot4bf)(qh + g * dq, dq, kb, ko + h * ks2, 0, D, scale, sh + g * DC_CHUNK);
     for (; g < G; ++g) DC(dot1bf)(qh + g * dq, kb, ko + h * ks2, D, scale, sh + g * DC_CHUNK);
+  }
+}
+
+/* Step 1 head by head (run->scores_by_head): the scores of one KV head's G rows (G a multiple of four,
+ * NBK = ceil(D / 32) <= 4 blocks a row, q at q, rows dq apart) against keys [a, e) of the chunk, K rows
+ * at kb + ko[i] + hk.  Four query rows stay in registers (NBK x 4 vectors) while the head's key rows
+ * stream past, so a key costs one load per block instead of five (DC(key_scores_bf) reloads the four
+ * rows at every key, since all of the group's heads are too many to keep).  The sums are
+ * DC(dot4bf)'s, block by block, and its DC(hsum4): the same bits.  Scores to s + g * DC_CHUNK + i.
+ * In the first pass of rows (g = 0), for the keys [pa, pe) leaves out (those an earlier token of the tile
+ * asked for already): the value row of key i into L2 (vpf: the V base, or NULL) and the key row two keys
+ * ahead into L1 (kpf: the K base, or NULL; row offsets kao[i + 2], i + 2 < nka), as DC(pf) asks in key
+ * order. */
+static inline __attribute__((always_inline)) void DC(head_scores_bf)(const int NBK, const uint16_t* q, int64_t dq,
+                                                                    int64_t G, const uint16_t* kb, const int64_t* ko,
+                                                                    int64_t hk, int64_t a, int64_t e, int64_t D,
+                                                                    float scale, float* s, const char* vpf,
+                                                                    const int64_t* vo, int64_t hv, const char* kpf,
+                                                                    const int64_t* kao, int64_t nka, int64_t pa,
+                                                                    int64_t pe, int64_t es) {
+  const __mmask32 mlast = D % 32 ? (__mmask32)((1u << (D % 32)) - 1) : (__mmask32)~0u;
+  for (int64_t g = 0; g < G; g += 4) {
+    __m512i qv[4][4];
+    for (int i = 0; i < 4; ++i)
+      for (int n = 0; n < NBK; ++n) qv[i][n] = _mm512_loadu_si512((const void*)(q + (g + i) * dq + n * 32));
+    float* sg = s + g * DC_CHUNK;
+    for (int64_t i = a; i < e; ++i) {
+      if (g == 0 && (i < pa || i >= pe)) {
+        if (vpf) SYM(pf_lines)(vpf + (vo[i] + hv) * es, D * es, 2);
+        if (kpf && i + DC_KEYS_AHEAD < nka) SYM(pf_lines)(kpf + (kao[i + DC_KEYS_AHEAD] + hk) * es, D * es, 3);
+      }
+      const uint16_t* k = kb + ko[i] + hk;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int n = 0; n < NBK; ++n) {
+        const __m512i kk = n == NBK - 1 ? DC(ldbf)(k + n * 32, mlast) : _mm512_loadu_si512((const void*)(k + n * 32));
+        a0 = DC(dpbf16)(a0, qv[0][n], kk);
+        a1 = DC(dpbf16)(a1, qv[1][n], kk);
+        a2 = DC(dpbf16)(a2, qv[2][n], kk);
+        a3 = DC(dpbf16)(a3, qv[3][n], kk);
+      }
+      DC(hsum4)((vf)a0, (vf)a1, (vf)a2, (vf)a3, scale, sg + i, DC_CHUNK);
+    }
   }
 }
 
@@ -1028,7 +1071,49 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         int mha_tokens = G == 1 && !bf && tb - ta >= 4;
         for (int64_t t = ta; t < tb && mha_tokens; ++t)
           mha_tokens = (w->tlo[t - t0] > j ? w->tlo[t - t0] : j) < (w->thi[t - t0] < je ? w->thi[t - t0] : je);
-        for (int64_t jj = j; jj < je; ++jj) {
+#if DC_BF16
+        /* step 1 head by head (DC(head_scores_bf)) where run->scores_by_head says so: in a paged cache block
+         * by block of the chunk, as step 3 (DC(block_end)); then token by token, each head's rows over the
+         * keys it sees; the prefetches of step 1 go with the token's first pass over each head, for the keys
+         * no earlier token of the tile saw; K row offsets two keys into the next chunk for them (kao) */
+        const int by_head = bf && run->scores_by_head && G % 4 == 0 && D <= 128;
+        if (by_head) {
+          int64_t kao[DC_CHUNK + DC_KEYS_AHEAD], nka = nk;
+          memcpy(kao, ko, (size_t)nk * sizeof(int64_t));
+          for (int64_t i = 0; i < DC_KEYS_AHEAD && i < nje - jn; ++i) kao[nka++] = nko[i];
+          for (int64_t j0 = 0, j1; j0 < nk; j0 = j1) {
+            j1 = DC(block_end)(run, j, j0, nk);
+            int64_t pa = 0, pe = 0; /* the keys of the run asked for so far, as one range */
+            for (int64_t t = ta; t < tb; ++t) {
+              int64_t a = (w->tlo[t - t0] > j ? w->tlo[t - t0] : j) - j;
+              int64_t e = (w->thi[t - t0] < je ? w->thi[t - t0] : je) - j;
+              a = a > j0 ? a : j0;
+              e = e < j1 ? e : j1;
+              if (a >= e) continue;
+              for (int64_t h = 0; h < hg; ++h) {
+                const uint16_t* qh = run->qb + ((b * Sq + t) * p->Hq + (h0 + h) * G) * dpad;
+                float* sh = w->S + ((t - t0) * HG + h * G) * DC_CHUNK;
+                const char* vp = v_ahead ? (const char*)vb : NULL;
+#define DC_HEAD_SCORES(n)                                                                                      \
+  DC(head_scores_bf)(n, qh, dpad, G, (const uint16_t*)kb, ko, h * ks2, a, e, D, (float)p->scale, sh, vp, vo, \
+                     h * vs2, (const char*)kb, kao, nka, pa, pe, (int64_t)es)
+                switch ((D + 31) / 32) {
+                  case 4: DC_HEAD_SCORES(4); break;
+                  case 3: DC_HEAD_SCORES(3); break;
+                  case 2: DC_HEAD_SCORES(2); break;
+                  default: DC_HEAD_SCORES(1); break;
+                }
+#undef DC_HEAD_SCORES
+              }
+              pa = pe > pa ? (a < pa ? a : pa) : a;
+              pe = e > pe ? e : pe;
+            }
+          }
+        }
+#else
+        const int by_head = 0;
+#endif
+        for (int64_t jj = j; jj < je && !by_head; ++jj) {
           /* one row at a time, between the dot products, so the loads overlap the arithmetic */
           const int64_t ahead = jj + DC_KEYS_AHEAD;
           DC(pf) f = {NULL, v_ahead ? (const char*)vb + vo[jj - j] * (int64_t)es : NULL, ks2 * (int64_t)es,
