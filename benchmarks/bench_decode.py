@@ -53,6 +53,11 @@ is the median of each round's ratio.  It separates what a paged cache's cost fol
 the table's order, or where a chunk jumps.
     python benchmarks/bench_decode.py --pool-layouts --json benchmarks/results/decode_pool_layouts.json
 
+--switch NAME times our kernel alone with one of its switches (ATTN_BACKENDS_DECODE_<NAME>, docs/environment.md)
+forced off and on in turn, in one process: over the decode shapes' caches, dense and as 16-key blocks under a
+shuffled table, and over one cache the L3 holds; on / off is the median of each round's ratio.
+    python benchmarks/bench_decode.py --switch SCORES_BY_HEAD --json benchmarks/results/decode_switch.json
+
 --device cuda times our CUDA decode kernel (csrc/cuda/decode.cu, on by default since its H200 run and
 switched on here even under ATTN_BACKENDS_CUDA_DECODE=0) against torch SDPA on the GPU, with CUDA events, and the
 probe sums a 1 GiB buffer on the GPU (its read bandwidth, far above the L2).  It also times auto with an int
@@ -395,6 +400,64 @@ def pool_layouts_table(dtypes, rounds, shapes):
     return rows
 
 
+def switch_table(switch, dtypes, rounds, shapes):
+    """--switch NAME: our kernel over the decode shapes' caches (dense, and 16-key blocks shuffled; a new copy
+    per call as in the main table) and over one cache the L3 holds (B=1 Hq=32 Hkv=8 Sk=1024, the same copy
+    every call), with ATTN_BACKENDS_DECODE_<NAME> forced to 0 and to 1 in turn, in one process; on / off is
+    the median of each round's ratio.  The two settings' bits are checked equal first."""
+    var = "ATTN_BACKENDS_DECODE_" + switch
+    print(f"one query token, ms per call with {var}=0 and =1; on / off: the median of each round's ratio")
+    print(f"{'shape':<24}  {'dtype':<8}  {'cache':<6}  {'off':>8}  {'on':>8}  {'on/off':>6}")
+    rows = []
+    resident = ("B1 GQA 32/8 Sk1024 (L3)", 1, 32, 8, 1024)
+    saved = os.environ.get(var)
+    try:
+        for dtype in dtypes:
+            for label, B, Hq, Hkv, Sk in list(shapes) + [resident]:
+                gen = torch.Generator().manual_seed(0)
+                kv_bytes = 2 * B * Sk * Hkv * D * torch.finfo(dtype).bits // 8
+                copies = 1 if label == resident[0] else max(2, -(-LLC_GUESS // kv_bytes))
+                q = torch.randn(B, 1, Hq, D, generator=gen).to(dtype)
+                seqlens = torch.full((B,), Sk, dtype=torch.int32)
+                dense = [tuple(torch.randn(B, Sk, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+                         for _ in range(copies)]
+                pools = {"dense": [(k, v, None) for k, v in dense]}
+                if copies > 1:
+                    pools["p16"] = [paged_copy(k, v, 16, gen) for k, v in dense]
+                for cache, seq in pools.items():
+                    turn = [0]
+
+                    def caller(on, seq=seq, turn=turn):
+                        def run():
+                            os.environ[var] = on
+                            turn[0] += 1
+                            k, v, table = seq[turn[0] % len(seq)]
+                            return ab.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table,
+                                                             backend="paged_attention", strict=True)
+                        return run
+
+                    cands = {"off": caller("0"), "on": caller("1")}
+                    outs = []
+                    for fn in cands.values():
+                        turn[0] = -1
+                        outs.append(fn())
+                    assert torch.equal(outs[0], outs[1]), f"{label} {cache}: the switch changed the bits"
+                    times = interleaved_rounds(cands, "off", rounds, 0.05, 1)
+                    med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+                    ratio = statistics.median(a / b for a, b in zip(times["on"], times["off"]))
+                    print(f"{label:<24}  {str(dtype)[6:]:<8}  {cache:<6}  {med['off']:8.3f}  {med['on']:8.3f}  "
+                          f"{ratio:6.3f}", flush=True)
+                    rows.append(dict(shape=label, B=B, Hq=Hq, Hkv=Hkv, Sk=Sk, D=D, dtype=str(dtype)[6:], cache=cache,
+                                     off_ms=med["off"], on_ms=med["on"], on_over_off=ratio))
+                del pools, dense
+    finally:
+        if saved is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = saved
+    return rows
+
+
 LAYER_SHAPES = [  # (label, B, Hq, Hkv, Sk): a layer's cache; the step reads one per layer
     ("B1 GQA 32/8 Sk512", 1, 32, 8, 512),
     ("B1 GQA 32/8 Sk2048", 1, 32, 8, 2048),
@@ -665,6 +728,8 @@ def main(argv=None):
                     "against torch SDPA on contiguous copies and on the cache's transposed view")
     ap.add_argument("--pool-layouts", action="store_true", help="our kernel over the decode shapes, dense "
                     "and as pools of 16- and 32-key blocks in several orders (shuffled, in order, in pairs)")
+    ap.add_argument("--switch", default=None, help="a kernel switch, e.g. SCORES_BY_HEAD: our kernel over the "
+                    "decode shapes with ATTN_BACKENDS_DECODE_<switch> forced 0 and 1 in turn, in one process")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: our CUDA decode kernel (switched on here) against torch SDPA on the GPU")
     ap.add_argument("--graph", action="store_true",
@@ -704,6 +769,13 @@ def main(argv=None):
         run_cpu_table(args.json, rounds, "pool_layouts", lambda: pool_layouts_table(dtypes, rounds, shapes),
                       f", bfloat16 products {bf16_products()}", cpu_features=ab._C.cpu_features(),
                       bf16_products=bf16_products())
+        return
+    if args.switch:
+        if DEVICE != "cpu" or args.tokens or args.layers or args.small or args.pool_layouts:
+            ap.error("--switch times the CPU kernel, alone")
+        run_cpu_table(args.json, rounds, "switch", lambda: switch_table(args.switch, dtypes, rounds, shapes),
+                      f", bfloat16 products {bf16_products()}", cpu_features=ab._C.cpu_features(),
+                      bf16_products=bf16_products(), variable="ATTN_BACKENDS_DECODE_" + args.switch)
         return
     if args.tokens:
         if DEVICE != "cpu":
