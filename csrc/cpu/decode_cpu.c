@@ -149,9 +149,9 @@ static int pages_ahead(int dram) { return forced_or("ATTN_BACKENDS_DECODE_PAGES_
 /* Whether step 1 with bfloat16 products goes head by head, each head's query rows kept in registers
  * while its key rows stream past, instead of key by key over all the item's heads, which reloads the
  * query rows at every key (decode_cpu_impl.h, DC(head_scores_bf); GQA with G a multiple of four and
- * D <= 128): on the AVX-512 path of an AMD CPU (Zen 4), where bfloat16 GQA decode took 0.80-0.86x the
- * time with a cache the L3 holds and, from DRAM, 0.91-0.98x dense and 0.93-1.01x over 16-key blocks
- * (docs/benchmarks.md, "Step 1 head by head").
+ * D <= 128): on the AVX-512 path of an AMD CPU (Zen 4), where bfloat16 GQA decode took 0.80-0.90x the
+ * time with a cache the L3 holds and, from DRAM, 0.79-1.03x dense (mostly 0.91-0.98) and 0.93-1.05x
+ * over 16-key blocks in five runs (docs/benchmarks.md, "Step 1 head by head").
  * The key rows are then read a head at a time, a stride the hardware prefetchers follow poorly, which
  * the next chunk's keys asked for in step 3 (keys_next) cover from DRAM there; on other CPUs (Intel's
  * AVX-512 ones with AVX512_BF16) not measured, so off.  ATTN_BACKENDS_DECODE_SCORES_BY_HEAD=1 makes it
