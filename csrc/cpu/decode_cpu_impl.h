@@ -492,7 +492,7 @@ static inline __attribute__((always_inline)) void DC(head_scores_bf)(const int N
       const uint16_t* k = kb + ko[i] + hk;
       __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int n = 0; n < NBK; ++n) {
-        const __m512i kk = n == NBK - 1 ? DC(ldbf)(k + n * 32, mlast) : _mm512_loadu_si512((const void*)(k + n * 32));
+        const __m512i kk = DC(ldbf)(k + n * 32, n == NBK - 1 ? mlast : (__mmask32)~0u);
         a0 = DC(dpbf16)(a0, qv[0][n], kk);
         a1 = DC(dpbf16)(a1, qv[1][n], kk);
         a2 = DC(dpbf16)(a2, qv[2][n], kk);
@@ -629,8 +629,9 @@ static inline void DC(chunk_at)(const ab_decode_run* run, int64_t b, int64_t h0,
   *je = e;
 }
 
-/* Step 3 of DC(item) goes through a chunk (keys j .. j + nk) in runs of keys of one block: the run
- * from key j + j0 ends at the chunk's end or at the next block's first key, whichever comes first,
+/* Step 3 of DC(item) (and step 1 where it goes head by head, run->scores_by_head) goes through a chunk
+ * (keys j .. j + nk) in runs of keys of one block: the run from key j + j0 ends at the chunk's end or
+ * at the next block's first key, whichever comes first,
  * rounded up to an even count from the chunk's start (the bfloat16 products take the chunk's keys in
  * pairs 0-1, 2-3, ...; a chunk that starts inside a block, after a leftpad or at a split, would
  * otherwise cut a pair).
@@ -1081,6 +1082,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
           int64_t kao[DC_CHUNK + DC_KEYS_AHEAD], nka = nk;
           memcpy(kao, ko, (size_t)nk * sizeof(int64_t));
           for (int64_t i = 0; i < DC_KEYS_AHEAD && i < nje - jn; ++i) kao[nka++] = nko[i];
+          const char* vp = v_ahead ? (const char*)vb : NULL;
           for (int64_t j0 = 0, j1; j0 < nk; j0 = j1) {
             j1 = DC(block_end)(run, j, j0, nk);
             int64_t pa = 0, pe = 0; /* the keys of the run asked for so far, as one range */
@@ -1093,7 +1095,6 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
               for (int64_t h = 0; h < hg; ++h) {
                 const uint16_t* qh = run->qb + ((b * Sq + t) * p->Hq + (h0 + h) * G) * dpad;
                 float* sh = w->S + ((t - t0) * HG + h * G) * DC_CHUNK;
-                const char* vp = v_ahead ? (const char*)vb : NULL;
 #define DC_HEAD_SCORES(n)                                                                                      \
   DC(head_scores_bf)(n, qh, dpad, G, (const uint16_t*)kb, ko, h * ks2, a, e, D, (float)p->scale, sh, vp, vo, \
                      h * vs2, (const char*)kb, kao, nka, pa, pe, (int64_t)es)
