@@ -354,6 +354,19 @@ POOL_LAYOUTS = [  # (label, block, order): --pool-layouts
 ]
 
 
+def decode_inputs(B, Hq, Hkv, Sk, dtype, copies=None):
+    """A seeded generator, one query token q (B, 1, Hq, D), int32 cache_seqlens = Sk, and `copies` dense
+    caches (k, v), each (B, Sk, Hkv, D) (by default enough that they do not fit in the last-level cache):
+    --pool-layouts' and --switch's inputs."""
+    gen = torch.Generator().manual_seed(0)
+    if copies is None:
+        copies = max(2, -(-LLC_GUESS // (2 * B * Sk * Hkv * D * torch.finfo(dtype).bits // 8)))
+    q = torch.randn(B, 1, Hq, D, generator=gen).to(dtype)
+    seqlens = torch.full((B,), Sk, dtype=torch.int32)
+    dense = [tuple(torch.randn(B, Sk, Hkv, D, generator=gen).to(dtype) for _ in range(2)) for _ in range(copies)]
+    return gen, q, seqlens, dense
+
+
 def pool_layouts_table(dtypes, rounds, shapes):
     """--pool-layouts: our kernel over the decode shapes' caches, dense and as pools of several layouts (the
     same data, a new copy per call as in the main table); medians over interleaved rounds, and each
@@ -363,12 +376,7 @@ def pool_layouts_table(dtypes, rounds, shapes):
     rows = []
     for dtype in dtypes:
         for label, B, Hq, Hkv, Sk in shapes:
-            gen = torch.Generator().manual_seed(0)
-            kv_bytes = 2 * B * Sk * Hkv * D * torch.finfo(dtype).bits // 8
-            copies = max(2, -(-LLC_GUESS // kv_bytes))
-            q = torch.randn(B, 1, Hq, D, generator=gen).to(dtype)
-            seqlens = torch.full((B,), Sk, dtype=torch.int32)
-            dense = [tuple(torch.randn(B, Sk, Hkv, D, generator=gen).to(dtype) for _ in range(2)) for _ in range(copies)]
+            gen, q, seqlens, dense = decode_inputs(B, Hq, Hkv, Sk, dtype)
             pools = {"dense": [(k, v, None) for k, v in dense]}
             for name, block, order in POOL_LAYOUTS:
                 pools[name] = [paged_layout(k, v, block, order, gen) for k, v in dense]
@@ -414,15 +422,9 @@ def switch_table(switch, dtypes, rounds, shapes):
     try:
         for dtype in dtypes:
             for label, B, Hq, Hkv, Sk in list(shapes) + [resident]:
-                gen = torch.Generator().manual_seed(0)
-                kv_bytes = 2 * B * Sk * Hkv * D * torch.finfo(dtype).bits // 8
-                copies = 1 if label == resident[0] else max(2, -(-LLC_GUESS // kv_bytes))
-                q = torch.randn(B, 1, Hq, D, generator=gen).to(dtype)
-                seqlens = torch.full((B,), Sk, dtype=torch.int32)
-                dense = [tuple(torch.randn(B, Sk, Hkv, D, generator=gen).to(dtype) for _ in range(2))
-                         for _ in range(copies)]
+                gen, q, seqlens, dense = decode_inputs(B, Hq, Hkv, Sk, dtype, 1 if label == resident[0] else None)
                 pools = {"dense": [(k, v, None) for k, v in dense]}
-                if copies > 1:
+                if len(dense) > 1:
                     pools["p16"] = [paged_copy(k, v, 16, gen) for k, v in dense]
                 for cache, seq in pools.items():
                     turn = [0]
