@@ -464,6 +464,41 @@ def test_step_1_head_by_head_leaves_the_bits_alone(case, splits, monkeypatch, ge
     call.check(*results[1])
 
 
+@pytest.mark.parametrize("case", [KV(B=2, Hq=8, Hkv=2, D=128, S=300),
+                                  # D = 40 (a vector past D), pages, tokens that see different keys (groups of
+                                  # four keys a token sees only in part go key by key)
+                                  KV(B=2, Sq=3, Hq=8, Hkv=2, D=40, S=150, block=16, snew=2, causal=True,
+                                     rotary="neox", dtype=torch.float16),
+                                  KV(B=1, Sq=2, Hq=8, Hkv=2, D=96, S=200, seqlens=180, window=(21, 0),
+                                     leftpad=True, softcap=2.0, alibi="h", dtype=torch.bfloat16),
+                                  # MHA: four heads at a time and the two left over (six per item), D = 72
+                                  KV(B=1, Sq=2, Hq=6, Hkv=6, D=72, S=130, block=32, seqlens=128, causal=True,
+                                     sinks=True),
+                                  KV(B=3, Hq=5, Hkv=5, D=64, S=77, batch_idx=True, dtype=torch.float16),
+                                  # the case it leaves key by key: G = 3
+                                  KV(B=2, Hq=12, Hkv=4, D=64, S=130, block=16)], ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_step_1_four_keys_at_a_time_leaves_the_bits_alone(case, splits, monkeypatch, gen):
+    # on the AVX-512 path without bfloat16 products, step 1 takes four keys at a time (csrc/cpu/decode_cpu.c
+    # four_keys, DC(dot4x4)), where each token sees all four keys or none; its sums are those of key by key
+    # bit for bit, and the reference's
+    if not _C.cpu_isa_supported("avx512"):
+        pytest.skip("this CPU has no AVX-512: the four-key step is the avx512 path's")
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "0")
+    call = Call(case, gen)
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa("avx512")
+    try:
+        results = []
+        for on in ("0", "1"):
+            monkeypatch.setenv("ATTN_BACKENDS_DECODE_FOUR_KEYS", on)
+            results.append(call.reset().run("paged_attention", num_splits=splits))
+    finally:
+        _C.set_cpu_isa(before)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    call.check(*results[1])
+
+
 def test_the_working_set_counts_each_recent_cache_once_at_its_latest_length(gen):
     # keys_next (csrc/cpu/decode_cpu.c) asks for the next keys early on AMD's AVX-512 path when decode's
     # working set passes half the L3: the K and V bytes of the caches the last 64 calls read, each cache once

@@ -158,6 +158,17 @@ static int pages_ahead(int dram) { return forced_or("ATTN_BACKENDS_DECODE_PAGES_
  * in every call with bfloat16 products, =0 in none (read at every call; the same bits either way). */
 static int scores_by_head(void) { return forced_or("ATTN_BACKENDS_DECODE_SCORES_BY_HEAD", amd_avx512()); }
 
+/* Whether step 1 without bfloat16 products (float32 and float16 caches, and bfloat16 ones on CPUs without
+ * AVX512_BF16) takes four keys at a time, GQA with G a multiple of four and MHA, on the AVX-512 path
+ * (decode_cpu_impl.h, DC(key_scores4)): sixteen sums in registers, each query vector loaded once for the
+ * four keys, where key by key loads five vectors per four FMAs.  On an AMD Zen 4 (2 threads, paired rounds,
+ * docs/benchmarks.md, "Step 1 four keys at a time"): 0.84-0.92x the time with a cache the L3 holds, from DRAM
+ * 0.91-0.97x in float16 and 0.93-1.0x in float32 (MHA 0.98-1.0x); the same memory reads in the same chunks,
+ * only the arithmetic is cut, so on for every AVX-512 CPU (not measured on Intel's).
+ * ATTN_BACKENDS_DECODE_FOUR_KEYS=0 makes step 1 go key by key (read at every call; the same bits either
+ * way). */
+static int four_keys(void) { return forced_or("ATTN_BACKENDS_DECODE_FOUR_KEYS", 1); }
+
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
   if (!ab_kvcache_cpu_bf16_products(dt)) return INT64_MAX; /* the tiled products serve long queries */
   if (!in_place || positions < 2048) return 64;
@@ -525,7 +536,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, keys_next(dram), values_ahead(), pages_ahead(dram),
-                       bf && scores_by_head()};
+                       bf && scores_by_head(), !bf && four_keys()};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));

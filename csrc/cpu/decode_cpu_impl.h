@@ -22,6 +22,8 @@
  *   3. O += P V, head by head: the value rows stream past the accumulators of four rows x two
  *      vectors of D (one row x eight for MHA) held in registers; in a paged cache, block by block
  *      of the chunk, every head's rows of one block before the next block's (DC(block_end)).
+ * On the AVX-512 path, step 1 takes four keys at a time where each token sees all four or none
+ * (run->four_keys, DC(key_scores4)): the same sums, sixteen of them in registers.
  * With a bfloat16 cache on a CPU with AVX512_BF16 (run->bf16_dot), steps 1 and 3 multiply in
  * bfloat16 with vdpbf16ps ("bfloat16 products" below); there step 1 may go head by head instead of key
  * by key (run->scores_by_head, DC(head_scores_bf)), so four query rows stay in registers.
@@ -165,6 +167,60 @@ static inline __attribute__((always_inline)) void DC(dot4)(const float* q, int64
   DC(hsum4)(a0, a1, a2, a3, 1.0f, s, st); /* q is scaled already */
 }
 
+#if VLEN == 16
+/* DC(dot4) for four keys at once (AVX-512): four query rows (q + i * qs) against key k's rows at
+ * kb + ko[k] + i * kst (kst 0: one row for the four query rows, GQA; kst a constant 0 or not at each call
+ * site), sixteen chains in registers, each query vector loaded once for the four keys, where DC(dot4)
+ * reloads the query rows at every key.  Each of the sixteen sums is
+ * DC(dot4)'s, bit for bit: the same FMAs in each lane, then DC(hsum4)'s tree (lanes (e0 + e2) + (e1 + e3)
+ * within 128 bits, then (L0 + L2) + (L1 + L3) across them), here for the sixteen at once.  Row i's
+ * score of key k to s[i * st + k]. */
+static inline __attribute__((always_inline)) void DC(dot4x4)(const float* q, int64_t qs, const void* kb,
+                                                            const int64_t* ko, int64_t kst, int64_t D,
+                                                            const int dt, float* s, int64_t st, const int tail) {
+  const int64_t full = D / VLEN * VLEN;
+  vf a[4][4]; /* [key][row] */
+  for (int k = 0; k < 4; ++k)
+    for (int i = 0; i < 4; ++i) a[k][i] = vset1(0.0f);
+  for (int64_t d = 0; d < full; d += VLEN) {
+    vf qv[4];
+    for (int i = 0; i < 4; ++i) qv[i] = vload(q + i * qs + d);
+    for (int k = 0; k < 4; ++k) {
+      const vf kv = DC(ld)(kb, ko[k] + d, dt);
+      for (int i = 0; i < 4; ++i) a[k][i] += qv[i] * (kst ? DC(ld)(kb, ko[k] + i * kst + d, dt) : kv);
+    }
+  }
+  if (tail) { /* D % VLEN != 0 (tail a constant at each call site): the last vector zero-filled past D, as in DC(dot4) */
+    vf qv[4];
+    for (int i = 0; i < 4; ++i) qv[i] = vload(q + i * qs + full);
+    for (int k = 0; k < 4; ++k)
+      for (int i = 0; i < 4; ++i) a[k][i] += qv[i] * DC(ld_tail)(kb, ko[k] + i * kst + full, D - full, dt);
+  }
+  __m512 y[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m512 a0 = (__m512)a[k][0], a1 = (__m512)a[k][1], a2 = (__m512)a[k][2], a3 = (__m512)a[k][3];
+    const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    /* each 128-bit lane L of y[k]: rows 0-3 of key k, that lane's (e0 + e2) + (e1 + e3) */
+    y[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))));
+  }
+  /* lanes [y0 (L0 + L2), y0 (L1 + L3), y1 (L0 + L2), y1 (L1 + L3)] and the same for y2, y3 */
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  /* element 4 k + i: key k, row i, ((L0 + L2) + (L1 + L3)) */
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 r = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w);
+  _mm_storeu_ps(s, _mm512_castps512_ps128(r));
+  _mm_storeu_ps(s + st, _mm512_extractf32x4_ps(r, 1));
+  _mm_storeu_ps(s + 2 * st, _mm512_extractf32x4_ps(r, 2));
+  _mm_storeu_ps(s + 3 * st, _mm512_extractf32x4_ps(r, 3));
+}
+#endif
+
 /* One dot product of length D, in two chains so a lone row is not bound by the FMA latency. */
 static inline __attribute__((always_inline)) void DC(dot1)(const float* q, const void* kb, int64_t ko, int64_t D,
                                                           const int dt, float* s) {
@@ -294,6 +350,61 @@ static inline __attribute__((always_inline)) void DC(key_scores)(const float* q,
     for (; g < G; ++g) DC(dot1)(qh + g * dpad, kb, ko + h * ks2, D, dt, sh + g * DC_CHUNK);
   }
 }
+
+#if VLEN == 16
+/* DC(key_scores) for four keys at once (run->four_keys; G 1 or a multiple of four, DC(dot4x4)): the keys'
+ * rows at kb + ko4[k] + h * ks2, row (h, g)'s score of key k to s + row * DC_CHUNK + k; f (NULL: none) the
+ * four keys' prefetches, issued head by head as DC(key_scores) issues one key's. */
+static inline __attribute__((always_inline)) void DC(key_scores4_as)(const float* q, int64_t dpad, int64_t hg,
+                                                                    int64_t G, const void* kb, const int64_t* ko4,
+                                                                    int64_t ks2, int64_t D, const int dt, float* s,
+                                                                    const DC(pf) * f) {
+  if (G == 1) { /* MHA: four heads at a time, each its own key rows, as DC(key_scores) */
+    int64_t h = 0;
+    for (; h + 4 <= hg; h += 4) {
+      for (int i = 0; i < 4 && f; ++i)
+        for (int k = 0; k < 4; ++k) DC(pf_head)(f + k, h + i);
+      const int64_t ko[4] = {ko4[0] + h * ks2, ko4[1] + h * ks2, ko4[2] + h * ks2, ko4[3] + h * ks2};
+      if (D % VLEN)
+        DC(dot4x4)(q + h * dpad, dpad, kb, ko, ks2, D, dt, s + h * DC_CHUNK, DC_CHUNK, 1);
+      else
+        DC(dot4x4)(q + h * dpad, dpad, kb, ko, ks2, D, dt, s + h * DC_CHUNK, DC_CHUNK, 0);
+    }
+    for (; h < hg; ++h)
+      for (int k = 0; k < 4; ++k) {
+        if (f) DC(pf_head)(f + k, h);
+        DC(dot1)(q + h * dpad, kb, ko4[k] + h * ks2, D, dt, s + h * DC_CHUNK + k);
+      }
+    return;
+  }
+  for (int64_t h = 0; h < hg; ++h) {
+    if (f)
+      for (int k = 0; k < 4; ++k) DC(pf_head)(f + k, h);
+    const int64_t ko[4] = {ko4[0] + h * ks2, ko4[1] + h * ks2, ko4[2] + h * ks2, ko4[3] + h * ks2};
+    const float* qh = q + h * G * dpad;
+    float* sh = s + h * G * DC_CHUNK;
+    for (int64_t g = 0; g < G; g += 4) {
+      if (D % VLEN)
+        DC(dot4x4)(qh + g * dpad, dpad, kb, ko, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK, 1);
+      else /* without the tail, the sixteen sums stay in registers */
+        DC(dot4x4)(qh + g * dpad, dpad, kb, ko, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK, 0);
+    }
+  }
+}
+
+/* Out of line, one copy per cache dtype: inlined into DC(item), whose registers are all taken, the
+ * sixteen chains' pointers went to the stack. */
+static __attribute__((noinline)) void DC(key_scores4)(const float* q, int64_t dpad, int64_t hg, int64_t G,
+                                                     const void* kb, const int64_t* ko4, int64_t ks2, int64_t D,
+                                                     const int dt, float* s, const DC(pf) * f) {
+  if (dt == AB_DTYPE_F32)
+    DC(key_scores4_as)(q, dpad, hg, G, kb, ko4, ks2, D, AB_DTYPE_F32, s, f);
+  else if (dt == AB_DTYPE_BF16)
+    DC(key_scores4_as)(q, dpad, hg, G, kb, ko4, ks2, D, AB_DTYPE_BF16, s, f);
+  else
+    DC(key_scores4_as)(q, dpad, hg, G, kb, ko4, ks2, D, AB_DTYPE_F16, s, f);
+}
+#endif
 
 /* The scores of n tokens' rows for one key, one query row per KV head (MHA): hg heads, the rows packed
  * (DC(dotp)) with head h's at qp + h * hs, blocks bs apart; key rows at kb + ko + h * ks2, token i's
@@ -1114,15 +1225,44 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
 #else
         const int by_head = 0;
 #endif
+        /* the prefetches that go with key jj: one row at a time, between the dot products, so the loads
+         * overlap the arithmetic */
+#define DC_KEY_PF(f, jj)                                                                                   \
+  DC(pf) f = {NULL, v_ahead ? (const char*)vb + vo[(jj) - j] * (int64_t)es : NULL, ks2 * (int64_t)es,       \
+              vs2 * (int64_t)es, D * (int64_t)es};                                                         \
+  if ((jj) + DC_KEYS_AHEAD < je)                                                                            \
+    f.k = (const char*)kb + ko[(jj) + DC_KEYS_AHEAD - j] * (int64_t)es;                                     \
+  else if ((jj) + DC_KEYS_AHEAD - je < nje - jn)                                                            \
+    f.k = (const char*)kb + nko[(jj) + DC_KEYS_AHEAD - je] * (int64_t)es;
+#if VLEN == 16
+        /* four keys at a time (DC(key_scores4)) where each token sees all four or none of them */
+        const int four_keys = run->four_keys && !bf && !mha_tokens && (G == 1 || G % 4 == 0);
+#endif
         for (int64_t jj = j; jj < je && !by_head; ++jj) {
-          /* one row at a time, between the dot products, so the loads overlap the arithmetic */
-          const int64_t ahead = jj + DC_KEYS_AHEAD;
-          DC(pf) f = {NULL, v_ahead ? (const char*)vb + vo[jj - j] * (int64_t)es : NULL, ks2 * (int64_t)es,
-                      vs2 * (int64_t)es, D * (int64_t)es};
-          if (ahead < je)
-            f.k = (const char*)kb + ko[ahead - j] * (int64_t)es;
-          else if (ahead - je < nje - jn)
-            f.k = (const char*)kb + nko[ahead - je] * (int64_t)es;
+#if VLEN == 16
+          int four = four_keys && (jj - j) % 4 == 0 && jj + 4 <= je;
+          for (int64_t t = ta; t < tb && four; ++t)
+            four = jj >= w->thi[t - t0] || jj + 4 <= w->tlo[t - t0] ||
+                   (jj >= w->tlo[t - t0] && jj + 4 <= w->thi[t - t0]);
+          if (four) {
+            DC_KEY_PF(f0, jj)
+            DC_KEY_PF(f1, jj + 1)
+            DC_KEY_PF(f2, jj + 2)
+            DC_KEY_PF(f3, jj + 3)
+            const DC(pf) f4[4] = {f0, f1, f2, f3};
+            const DC(pf)* fp = f4; /* with the first token that reads the keys */
+            for (int64_t t = ta; t < tb; ++t) {
+              if (jj >= w->thi[t - t0] || jj + 4 <= w->tlo[t - t0]) continue;
+              DC(key_scores4)(run->qf + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, kb, ko + (jj - j), ks2,
+                              D, dt, w->S + (t - t0) * HG * DC_CHUNK + (jj - j), fp);
+              fp = NULL;
+            }
+            jj += 3;
+            continue;
+          }
+#endif
+          DC_KEY_PF(f, jj)
+#undef DC_KEY_PF
           const DC(pf)* fp = &f; /* with the first token that reads the key */
           if (mha_tokens) {
             DC(token_scores)(w->qt + (ta - t0) * VLEN, nbk * R * VLEN, R * VLEN, tb - ta, hg, kb, ko[jj - j], ks2, D,
