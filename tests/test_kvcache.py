@@ -475,15 +475,21 @@ def test_step_1_head_by_head_leaves_the_bits_alone(case, splits, monkeypatch, ge
                                   KV(B=1, Sq=2, Hq=6, Hkv=6, D=72, S=130, block=32, seqlens=128, causal=True,
                                      sinks=True),
                                   KV(B=3, Hq=5, Hkv=5, D=64, S=77, batch_idx=True, dtype=torch.float16),
-                                  # the case it leaves key by key: G = 3
+                                  # step 3 four vectors wide: MHA with four tokens (their rows share the value
+                                  # rows), eight rows per KV head over pages
+                                  KV(B=1, Sq=4, Hq=4, Hkv=4, D=64, S=90, seqlens=80, causal=True),
+                                  KV(B=2, Hq=16, Hkv=2, D=64, S=120, block=16, alibi="bh", dtype=torch.float16),
+                                  # what both leave as they were: G = 3 (and D = 64, two vectors wide)
                                   KV(B=2, Hq=12, Hkv=4, D=64, S=130, block=16)], ids=str)
 @pytest.mark.parametrize("splits", [1, 3])
-def test_step_1_four_keys_at_a_time_leaves_the_bits_alone(case, splits, monkeypatch, gen):
-    # on the AVX-512 path without bfloat16 products, step 1 takes four keys at a time (csrc/cpu/decode_cpu.c
-    # four_keys, DC(dot4x4)), where each token sees all four keys or none; its sums are those of key by key
-    # bit for bit, and the reference's
+@pytest.mark.parametrize("switch", ["FOUR_KEYS", "PV_WIDE"])
+def test_four_keys_and_wide_values_leave_the_bits_alone(case, splits, switch, monkeypatch, gen):
+    # on the AVX-512 path without bfloat16 products (csrc/cpu/decode_cpu.c), step 1 takes four keys at a
+    # time (four_keys, DC(dot4x4)) where each token sees all four keys or none, and step 3 holds four
+    # vectors of D per row where D is a multiple of 64 (pv_wide, DC(pv)); the sums are those of key by key
+    # and of two vectors per row bit for bit, and the reference's
     if not _C.cpu_isa_supported("avx512"):
-        pytest.skip("this CPU has no AVX-512: the four-key step is the avx512 path's")
+        pytest.skip("this CPU has no AVX-512: both are the avx512 path's")
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "0")
     call = Call(case, gen)
     before = _C.cpu_isa()
@@ -491,7 +497,7 @@ def test_step_1_four_keys_at_a_time_leaves_the_bits_alone(case, splits, monkeypa
     try:
         results = []
         for on in ("0", "1"):
-            monkeypatch.setenv("ATTN_BACKENDS_DECODE_FOUR_KEYS", on)
+            monkeypatch.setenv("ATTN_BACKENDS_DECODE_" + switch, on)
             results.append(call.reset().run("paged_attention", num_splits=splits))
     finally:
         _C.set_cpu_isa(before)

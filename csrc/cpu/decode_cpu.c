@@ -169,6 +169,14 @@ static int scores_by_head(void) { return forced_or("ATTN_BACKENDS_DECODE_SCORES_
  * way). */
 static int four_keys(void) { return forced_or("ATTN_BACKENDS_DECODE_FOUR_KEYS", 1); }
 
+/* Whether step 3 without bfloat16 products holds four vectors of D per query row (D a multiple of 64) instead
+ * of two, for groups of four rows, on the AVX-512 path (decode_cpu_impl.h, DC(pv)): the value rows stream
+ * past twice per chunk instead of four times at D = 128, with half the loads of P.  On an AMD Zen 4 (2
+ * threads, docs/benchmarks.md, "Step 1 four keys at a time"): float16 GQA 0.92-0.96x the time, float32 and
+ * bfloat16 without its products 0.94-1.04x (even); MHA of one token (not taken) 0.97-1.02.
+ * ATTN_BACKENDS_DECODE_PV_WIDE=0 keeps two vectors (read at every call; the same bits either way). */
+static int pv_wide(void) { return forced_or("ATTN_BACKENDS_DECODE_PV_WIDE", 1); }
+
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
   if (!ab_kvcache_cpu_bf16_products(dt)) return INT64_MAX; /* the tiled products serve long queries */
   if (!in_place || positions < 2048) return 64;
@@ -536,7 +544,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, keys_next(dram), values_ahead(), pages_ahead(dram),
-                       bf && scores_by_head(), !bf && four_keys()};
+                       bf && scores_by_head(), !bf && four_keys(), !bf && pv_wide()};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));

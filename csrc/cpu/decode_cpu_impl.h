@@ -190,7 +190,7 @@ static inline __attribute__((always_inline)) void DC(dot4x4)(const float* q, int
       for (int i = 0; i < 4; ++i) a[k][i] += qv[i] * (kst ? DC(ld)(kb, ko[k] + i * kst + d, dt) : kv);
     }
   }
-  if (tail) { /* D % VLEN != 0 (tail a constant at each call site): the last vector zero-filled past D, as in DC(dot4) */
+  if (tail) { /* D % VLEN != 0 (a constant at each call site): the last vector zero-filled past D, as DC(dot4) */
     vf qv[4];
     for (int i = 0; i < 4; ++i) qv[i] = vload(q + i * qs + full);
     for (int k = 0; k < 4; ++k)
@@ -464,8 +464,15 @@ static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const
  * rest with more vectors per row, so a lone row (MHA, one token) still has eight chains in flight. */
 static inline __attribute__((always_inline)) void DC(pv)(float* acc, int64_t n, int64_t as, const float* P,
                                                         int64_t ps, const void* vb, const int64_t* vo, int64_t ho,
-                                                        int64_t nk, int64_t D, const int dt, const DC(kpf) * kp) {
+                                                        int64_t nk, int64_t D, const int dt, const DC(kpf) * kp,
+                                                        int wide) {
   int64_t r = 0;
+#if VLEN == 16
+  /* with 32 registers, four vectors of D per row where D allows (run->pv_wide): half the passes over the
+   * chunk's value rows and half the loads of P, sixteen chains (the sums of each row and column are the same) */
+  if (wide && D % (4 * VLEN) == 0)
+    for (; r + 4 <= n; r += 4, kp = NULL) DC(pv_rows)(4, 4, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp);
+#endif
   for (; r + 4 <= n; r += 4, kp = NULL) DC(pv_rows)(4, 2, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp);
   switch (n - r) {
     case 3: DC(pv_rows)(3, 2, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp); break;
@@ -1306,7 +1313,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         for (int64_t h = 0; h < hg && !bf && mha_tokens; ++h, kt.base += ks2 * (int64_t)es) {
           const int64_t r = (ta - t0) * HG + h; /* token ta's row of head h; token t + 1's is HG rows on */
           DC(pv)(w->acc + r * dpad, tb - ta, HG * dpad, w->S + r * DC_CHUNK, HG * DC_CHUNK, vb, vo, h * vs2, nk, D, dt,
-                 &kt);
+                 &kt, run->pv_wide);
         }
         for (int64_t j0 = 0, j1; j0 < nk && !mha_tokens; j0 = j1) { /* mha_tokens is never set with bf */
           j1 = DC(block_end)(run, j, j0, nk);
@@ -1323,7 +1330,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
               }
 #endif
               DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK + j0, DC_CHUNK, vb, vo + j0, h * vs2, j1 - j0,
-                     D, dt, kr);
+                     D, dt, kr, run->pv_wide);
             }
         }
       }
