@@ -482,18 +482,18 @@ def test_step_1_head_by_head_leaves_the_bits_alone(case, splits, monkeypatch, ge
                                   # what both leave as they were: G = 3 (and D = 64, two vectors wide)
                                   KV(B=2, Hq=12, Hkv=4, D=64, S=130, block=16)], ids=str)
 @pytest.mark.parametrize("splits", [1, 3])
-@pytest.mark.parametrize("switch", ["FOUR_KEYS", "PV_WIDE"])
-def test_four_keys_and_wide_values_leave_the_bits_alone(case, splits, switch, monkeypatch, gen):
-    # on the AVX-512 path without bfloat16 products (csrc/cpu/decode_cpu.c), step 1 takes four keys at a
-    # time (four_keys, DC(dot4x4)) where each token sees all four keys or none, and step 3 holds four
-    # vectors of D per row where D is a multiple of 64 (pv_wide, DC(pv)); the sums are those of key by key
-    # and of two vectors per row bit for bit, and the reference's
-    if not _C.cpu_isa_supported("avx512"):
-        pytest.skip("this CPU has no AVX-512: both are the avx512 path's")
+@pytest.mark.parametrize("switch, isa", [("FOUR_KEYS", "avx512"), ("FOUR_KEYS", "avx2"), ("PV_WIDE", "avx512")])
+def test_four_keys_and_wide_values_leave_the_bits_alone(case, splits, switch, isa, monkeypatch, gen):
+    # without bfloat16 products (csrc/cpu/decode_cpu.c), step 1 takes four keys at a time on the avx512 path
+    # and two on the avx2 path (four_keys, DC(dot4x4), DC(dot4x2)) where each token sees all of them or none,
+    # and on the avx512 path step 3 holds four vectors of D per row where D is a multiple of 64 (pv_wide,
+    # DC(pv)); the sums are those of key by key and of two vectors per row bit for bit, and the reference's
+    if not _C.cpu_isa_supported(isa):
+        pytest.skip(f"this CPU cannot run the {isa} path")
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "0")
     call = Call(case, gen)
     before = _C.cpu_isa()
-    assert _C.set_cpu_isa("avx512")
+    assert _C.set_cpu_isa(isa)
     try:
         results = []
         for on in ("0", "1"):

@@ -159,15 +159,21 @@ static int pages_ahead(int dram) { return forced_or("ATTN_BACKENDS_DECODE_PAGES_
 static int scores_by_head(void) { return forced_or("ATTN_BACKENDS_DECODE_SCORES_BY_HEAD", amd_avx512()); }
 
 /* Whether step 1 without bfloat16 products (float32 and float16 caches, and bfloat16 ones on CPUs without
- * AVX512_BF16) takes four keys at a time, GQA with G a multiple of four and MHA, on the AVX-512 path
- * (decode_cpu_impl.h, DC(key_scores4)): sixteen sums in registers, each query vector loaded once for the
- * four keys, where key by key loads five vectors per four FMAs.  On an AMD Zen 4 (2 threads, paired rounds,
- * docs/benchmarks.md, "Step 1 four keys at a time"): 0.84-0.92x the time with a cache the L3 holds, from DRAM
- * 0.91-0.97x in float16 and 0.93-1.0x in float32 (MHA 0.98-1.0x); the same memory reads in the same chunks,
- * only the arithmetic is cut, so on for every AVX-512 CPU (not measured on Intel's).
- * ATTN_BACKENDS_DECODE_FOUR_KEYS=0 makes step 1 go key by key (read at every call; the same bits either
- * way). */
-static int four_keys(void) { return forced_or("ATTN_BACKENDS_DECODE_FOUR_KEYS", 1); }
+ * AVX512_BF16) takes several keys at a time, GQA with G a multiple of four and MHA (decode_cpu_impl.h,
+ * DC(key_scores4)): four on the AVX-512 path (sixteen sums in registers), two on the AVX2 path (eight).
+ * Each query vector is then loaded once for the keys, where key by key loads five vectors per four FMAs.
+ * On an AMD Zen 4 (2 threads, docs/benchmarks.md, "Step 1 four keys at a time"), AVX-512 path: 0.81-0.92x
+ * the time with a cache the L3 holds; GQA from DRAM 0.91-0.96x in float16, 0.94-1.02x in float32, 0.86-0.92x
+ * in bfloat16 without its products; MHA 0.92-1.07x (float32 at the noise).  The same machine on the AVX2
+ * path: the L3 0.79-0.92x,
+ * float32 GQA from DRAM 0.88-1.0x, MHA 0.89-1.0x, but bfloat16 and float16 GQA from DRAM 0.97-1.13x (1.04
+ * the mean of eight rows), so there those stay key by key.  Not measured on Intel's CPUs or on a Zen 3.
+ * ATTN_BACKENDS_DECODE_FOUR_KEYS=1 takes the keys together in every call, =0 in none (read at every call;
+ * the same bits either way). */
+static int four_keys(const ab_kvcache_params* p) {
+  const int rule = ab_cpu_isa_get() != AB_ISA_AVX2 || p->k_cache.dtype == AB_DTYPE_F32 || p->Hq == p->Hkv;
+  return forced_or("ATTN_BACKENDS_DECODE_FOUR_KEYS", rule);
+}
 
 /* Whether step 3 without bfloat16 products holds four vectors of D per query row (D a multiple of 64) instead
  * of two, for groups of four rows, on the AVX-512 path (decode_cpu_impl.h, DC(pv)): the value rows stream
@@ -544,7 +550,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, keys_next(dram), values_ahead(), pages_ahead(dram),
-                       bf && scores_by_head(), !bf && four_keys(), !bf && pv_wide()};
+                       bf && scores_by_head(), !bf && four_keys(p), !bf && pv_wide()};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));

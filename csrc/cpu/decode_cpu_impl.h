@@ -22,8 +22,9 @@
  *   3. O += P V, head by head: the value rows stream past the accumulators of four rows x two
  *      vectors of D (one row x eight for MHA) held in registers; in a paged cache, block by block
  *      of the chunk, every head's rows of one block before the next block's (DC(block_end)).
- * On the AVX-512 path, step 1 takes four keys at a time where each token sees all four or none
- * (run->four_keys, DC(key_scores4)): the same sums, sixteen of them in registers.
+ * Without bfloat16 products, step 1 takes four keys at a time on the AVX-512 path (two on AVX2) where
+ * each token sees all of them or none (run->four_keys, DC(key_scores4)): the same sums, the query
+ * vectors loaded once for the keys.
  * With a bfloat16 cache on a CPU with AVX512_BF16 (run->bf16_dot), steps 1 and 3 multiply in
  * bfloat16 with vdpbf16ps ("bfloat16 products" below); there step 1 may go head by head instead of key
  * by key (run->scores_by_head, DC(head_scores_bf)), so four query rows stay in registers.
@@ -219,6 +220,39 @@ static inline __attribute__((always_inline)) void DC(dot4x4)(const float* q, int
   _mm_storeu_ps(s + 2 * st, _mm512_extractf32x4_ps(r, 2));
   _mm_storeu_ps(s + 3 * st, _mm512_extractf32x4_ps(r, 3));
 }
+#define DC_NK 4 /* keys per group of step 1 (run->four_keys) */
+#elif VLEN == 8
+/* DC(dot4x4) for the avx2 path, two keys at a time: its 16 registers hold eight chains, the four query
+ * vectors and a key vector.  Each sum is DC(dot4)'s (the same FMAs, then DC(hsum4) per key). */
+static inline __attribute__((always_inline)) void DC(dot4x2)(const float* q, int64_t qs, const void* kb,
+                                                            const int64_t* ko, int64_t kst, int64_t D,
+                                                            const int dt, float* s, int64_t st, const int tail) {
+  const int64_t full = D / VLEN * VLEN;
+  vf a[2][4]; /* [key][row] */
+  for (int k = 0; k < 2; ++k)
+    for (int i = 0; i < 4; ++i) a[k][i] = vset1(0.0f);
+  for (int64_t d = 0; d < full; d += VLEN) {
+    vf qv[4];
+    for (int i = 0; i < 4; ++i) qv[i] = vload(q + i * qs + d);
+    for (int k = 0; k < 2; ++k) {
+      const vf kv = DC(ld)(kb, ko[k] + d, dt);
+      for (int i = 0; i < 4; ++i) a[k][i] += qv[i] * (kst ? DC(ld)(kb, ko[k] + i * kst + d, dt) : kv);
+    }
+  }
+  if (tail) {
+    vf qv[4];
+    for (int i = 0; i < 4; ++i) qv[i] = vload(q + i * qs + full);
+    for (int k = 0; k < 2; ++k)
+      for (int i = 0; i < 4; ++i) a[k][i] += qv[i] * DC(ld_tail)(kb, ko[k] + i * kst + full, D - full, dt);
+  }
+  for (int k = 0; k < 2; ++k) DC(hsum4)(a[k][0], a[k][1], a[k][2], a[k][3], 1.0f, s + k, st);
+}
+#define DC_NK 2
+#endif
+#ifdef DC_NK
+/* the DC_NK keys' sums of four query rows (DC(dot4x4) or DC(dot4x2)) */
+#define DC_DOT4XK(q, qs, kb, ko, kst, D, dt, s, st, tail) \
+  DC_CAT(DC_CAT(dot4x, DC_NK), AB_ISA_SFX)(q, qs, kb, ko, kst, D, dt, s, st, tail)
 #endif
 
 /* One dot product of length D, in two chains so a lone row is not bound by the FMA latency. */
@@ -351,27 +385,28 @@ static inline __attribute__((always_inline)) void DC(key_scores)(const float* q,
   }
 }
 
-#if VLEN == 16
-/* DC(key_scores) for four keys at once (run->four_keys; G 1 or a multiple of four, DC(dot4x4)): the keys'
+#ifdef DC_NK
+/* DC(key_scores) for DC_NK keys at once (run->four_keys; G 1 or a multiple of four, DC_DOT4XK): the keys'
  * rows at kb + ko4[k] + h * ks2, row (h, g)'s score of key k to s + row * DC_CHUNK + k; f (NULL: none) the
- * four keys' prefetches, issued head by head as DC(key_scores) issues one key's. */
+ * keys' prefetches, issued head by head as DC(key_scores) issues one key's. */
 static inline __attribute__((always_inline)) void DC(key_scores4_as)(const float* q, int64_t dpad, int64_t hg,
                                                                     int64_t G, const void* kb, const int64_t* ko4,
                                                                     int64_t ks2, int64_t D, const int dt, float* s,
                                                                     const DC(pf) * f) {
+  int64_t ko[DC_NK];
   if (G == 1) { /* MHA: four heads at a time, each its own key rows, as DC(key_scores) */
     int64_t h = 0;
     for (; h + 4 <= hg; h += 4) {
       for (int i = 0; i < 4 && f; ++i)
-        for (int k = 0; k < 4; ++k) DC(pf_head)(f + k, h + i);
-      const int64_t ko[4] = {ko4[0] + h * ks2, ko4[1] + h * ks2, ko4[2] + h * ks2, ko4[3] + h * ks2};
+        for (int k = 0; k < DC_NK; ++k) DC(pf_head)(f + k, h + i);
+      for (int k = 0; k < DC_NK; ++k) ko[k] = ko4[k] + h * ks2;
       if (D % VLEN)
-        DC(dot4x4)(q + h * dpad, dpad, kb, ko, ks2, D, dt, s + h * DC_CHUNK, DC_CHUNK, 1);
+        DC_DOT4XK(q + h * dpad, dpad, kb, ko, ks2, D, dt, s + h * DC_CHUNK, DC_CHUNK, 1);
       else
-        DC(dot4x4)(q + h * dpad, dpad, kb, ko, ks2, D, dt, s + h * DC_CHUNK, DC_CHUNK, 0);
+        DC_DOT4XK(q + h * dpad, dpad, kb, ko, ks2, D, dt, s + h * DC_CHUNK, DC_CHUNK, 0);
     }
     for (; h < hg; ++h)
-      for (int k = 0; k < 4; ++k) {
+      for (int k = 0; k < DC_NK; ++k) {
         if (f) DC(pf_head)(f + k, h);
         DC(dot1)(q + h * dpad, kb, ko4[k] + h * ks2, D, dt, s + h * DC_CHUNK + k);
       }
@@ -379,21 +414,21 @@ static inline __attribute__((always_inline)) void DC(key_scores4_as)(const float
   }
   for (int64_t h = 0; h < hg; ++h) {
     if (f)
-      for (int k = 0; k < 4; ++k) DC(pf_head)(f + k, h);
-    const int64_t ko[4] = {ko4[0] + h * ks2, ko4[1] + h * ks2, ko4[2] + h * ks2, ko4[3] + h * ks2};
+      for (int k = 0; k < DC_NK; ++k) DC(pf_head)(f + k, h);
+    for (int k = 0; k < DC_NK; ++k) ko[k] = ko4[k] + h * ks2;
     const float* qh = q + h * G * dpad;
     float* sh = s + h * G * DC_CHUNK;
     for (int64_t g = 0; g < G; g += 4) {
       if (D % VLEN)
-        DC(dot4x4)(qh + g * dpad, dpad, kb, ko, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK, 1);
-      else /* without the tail, the sixteen sums stay in registers */
-        DC(dot4x4)(qh + g * dpad, dpad, kb, ko, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK, 0);
+        DC_DOT4XK(qh + g * dpad, dpad, kb, ko, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK, 1);
+      else /* without the tail, the sums stay in registers */
+        DC_DOT4XK(qh + g * dpad, dpad, kb, ko, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK, 0);
     }
   }
 }
 
 /* Out of line, one copy per cache dtype: inlined into DC(item), whose registers are all taken, the
- * sixteen chains' pointers went to the stack. */
+ * chains' pointers went to the stack. */
 static __attribute__((noinline)) void DC(key_scores4)(const float* q, int64_t dpad, int64_t hg, int64_t G,
                                                      const void* kb, const int64_t* ko4, int64_t ks2, int64_t D,
                                                      const int dt, float* s, const DC(pf) * f) {
@@ -1241,30 +1276,30 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
     f.k = (const char*)kb + ko[(jj) + DC_KEYS_AHEAD - j] * (int64_t)es;                                     \
   else if ((jj) + DC_KEYS_AHEAD - je < nje - jn)                                                            \
     f.k = (const char*)kb + nko[(jj) + DC_KEYS_AHEAD - je] * (int64_t)es;
-#if VLEN == 16
-        /* four keys at a time (DC(key_scores4)) where each token sees all four or none of them */
+#ifdef DC_NK
+        /* DC_NK keys at a time (DC(key_scores4)) where each token sees all of them or none */
         const int four_keys = run->four_keys && !bf && !mha_tokens && (G == 1 || G % 4 == 0);
 #endif
         for (int64_t jj = j; jj < je && !by_head; ++jj) {
-#if VLEN == 16
-          int four = four_keys && (jj - j) % 4 == 0 && jj + 4 <= je;
+#ifdef DC_NK
+          int four = four_keys && (jj - j) % DC_NK == 0 && jj + DC_NK <= je;
           for (int64_t t = ta; t < tb && four; ++t)
-            four = jj >= w->thi[t - t0] || jj + 4 <= w->tlo[t - t0] ||
-                   (jj >= w->tlo[t - t0] && jj + 4 <= w->thi[t - t0]);
+            four = jj >= w->thi[t - t0] || jj + DC_NK <= w->tlo[t - t0] ||
+                   (jj >= w->tlo[t - t0] && jj + DC_NK <= w->thi[t - t0]);
           if (four) {
-            DC_KEY_PF(f0, jj)
-            DC_KEY_PF(f1, jj + 1)
-            DC_KEY_PF(f2, jj + 2)
-            DC_KEY_PF(f3, jj + 3)
-            const DC(pf) f4[4] = {f0, f1, f2, f3};
-            const DC(pf)* fp = f4; /* with the first token that reads the keys */
+            DC(pf) fk[DC_NK];
+            for (int k = 0; k < DC_NK; ++k) {
+              DC_KEY_PF(f, jj + k)
+              fk[k] = f;
+            }
+            const DC(pf)* fp = fk; /* with the first token that reads the keys */
             for (int64_t t = ta; t < tb; ++t) {
-              if (jj >= w->thi[t - t0] || jj + 4 <= w->tlo[t - t0]) continue;
+              if (jj >= w->thi[t - t0] || jj + DC_NK <= w->tlo[t - t0]) continue;
               DC(key_scores4)(run->qf + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, kb, ko + (jj - j), ks2,
                               D, dt, w->S + (t - t0) * HG * DC_CHUNK + (jj - j), fp);
               fp = NULL;
             }
-            jj += 3;
+            jj += DC_NK - 1;
             continue;
           }
 #endif
