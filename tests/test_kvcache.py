@@ -485,7 +485,7 @@ def test_step_1_head_by_head_leaves_the_bits_alone(case, splits, monkeypatch, ge
 @pytest.mark.parametrize("switch, isa", [("FOUR_KEYS", "avx512"), ("FOUR_KEYS", "avx2"), ("PV_WIDE", "avx512")])
 def test_four_keys_and_wide_values_leave_the_bits_alone(case, splits, switch, isa, monkeypatch, gen):
     # without bfloat16 products (csrc/cpu/decode_cpu.c), step 1 takes four keys at a time on the avx512 path
-    # and two on the avx2 path (four_keys, DC(dot4x4), DC(dot4x2)) where each token sees all of them or none,
+    # and two on the avx2 path (four_keys, DC(dot4xk)) where each token sees all of them or none,
     # and on the avx512 path step 3 holds four vectors of D per row where D is a multiple of 64 (pv_wide,
     # DC(pv)); the sums are those of key by key and of two vectors per row bit for bit, and the reference's
     if not _C.cpu_isa_supported(isa):

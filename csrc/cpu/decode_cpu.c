@@ -160,7 +160,7 @@ static int scores_by_head(void) { return forced_or("ATTN_BACKENDS_DECODE_SCORES_
 
 /* Whether step 1 without bfloat16 products (float32 and float16 caches, and bfloat16 ones on CPUs without
  * AVX512_BF16) takes several keys at a time, GQA with G a multiple of four and MHA (decode_cpu_impl.h,
- * DC(key_scores4)): four on the AVX-512 path (sixteen sums in registers), two on the AVX2 path (eight).
+ * DC(key_group_scores)): four on the AVX-512 path (sixteen sums in registers), two on the AVX2 path (eight).
  * Each query vector is then loaded once for the keys, where key by key loads five vectors per four FMAs.
  * On an AMD Zen 4 (2 threads, docs/benchmarks.md, "Step 1 four keys at a time"), AVX-512 path: 0.81-0.92x
  * the time with a cache the L3 holds; GQA from DRAM 0.91-0.96x in float16, 0.94-1.02x in float32, 0.86-0.92x

@@ -23,7 +23,7 @@
  *      vectors of D (one row x eight for MHA) held in registers; in a paged cache, block by block
  *      of the chunk, every head's rows of one block before the next block's (DC(block_end)).
  * Without bfloat16 products, step 1 takes four keys at a time on the AVX-512 path (two on AVX2) where
- * each token sees all of them or none (run->four_keys, DC(key_scores4)): the same sums, the query
+ * each token sees all of them or none (run->four_keys, DC(key_group_scores)): the same sums, the query
  * vectors loaded once for the keys.
  * With a bfloat16 cache on a CPU with AVX512_BF16 (run->bf16_dot), steps 1 and 3 multiply in
  * bfloat16 with vdpbf16ps ("bfloat16 products" below); there step 1 may go head by head instead of key
@@ -168,25 +168,26 @@ static inline __attribute__((always_inline)) void DC(dot4)(const float* q, int64
   DC(hsum4)(a0, a1, a2, a3, 1.0f, s, st); /* q is scaled already */
 }
 
-#if VLEN == 16
-/* DC(dot4) for four keys at once (AVX-512): four query rows (q + i * qs) against key k's rows at
- * kb + ko[k] + i * kst (kst 0: one row for the four query rows, GQA; kst a constant 0 or not at each call
- * site), sixteen chains in registers, each query vector loaded once for the four keys, where DC(dot4)
- * reloads the query rows at every key.  Each of the sixteen sums is
- * DC(dot4)'s, bit for bit: the same FMAs in each lane, then DC(hsum4)'s tree (lanes (e0 + e2) + (e1 + e3)
- * within 128 bits, then (L0 + L2) + (L1 + L3) across them), here for the sixteen at once.  Row i's
- * score of key k to s[i * st + k]. */
-static inline __attribute__((always_inline)) void DC(dot4x4)(const float* q, int64_t qs, const void* kb,
+#if VLEN == 16 || VLEN == 8
+#define DC_NK (VLEN == 16 ? 4 : 2) /* keys per group of step 1 (run->four_keys) */
+/* DC(dot4) for DC_NK keys at once: four query rows (q + i * qs) against key k's rows at kb + ko[k] + i * kst
+ * (kst 0: one row for the four query rows, GQA; kst a constant 0 or not at each call site), 4 x DC_NK
+ * chains in registers (sixteen with AVX-512's 32 registers, eight with AVX2's 16), each query vector
+ * loaded once for the keys, where DC(dot4) reloads the query rows at every key.  Each sum is DC(dot4)'s
+ * bit for bit: the same FMAs in each lane, then DC(hsum4)'s tree (lanes (e0 + e2) + (e1 + e3) within 128
+ * bits, then (L0 + L2) + (L1 + L3) across them), on AVX-512 for the sixteen at once.  Row i's score of
+ * key k to s[i * st + k]. */
+static inline __attribute__((always_inline)) void DC(dot4xk)(const float* q, int64_t qs, const void* kb,
                                                             const int64_t* ko, int64_t kst, int64_t D,
                                                             const int dt, float* s, int64_t st, const int tail) {
   const int64_t full = D / VLEN * VLEN;
-  vf a[4][4]; /* [key][row] */
-  for (int k = 0; k < 4; ++k)
+  vf a[DC_NK][4]; /* [key][row] */
+  for (int k = 0; k < DC_NK; ++k)
     for (int i = 0; i < 4; ++i) a[k][i] = vset1(0.0f);
   for (int64_t d = 0; d < full; d += VLEN) {
     vf qv[4];
     for (int i = 0; i < 4; ++i) qv[i] = vload(q + i * qs + d);
-    for (int k = 0; k < 4; ++k) {
+    for (int k = 0; k < DC_NK; ++k) {
       const vf kv = DC(ld)(kb, ko[k] + d, dt);
       for (int i = 0; i < 4; ++i) a[k][i] += qv[i] * (kst ? DC(ld)(kb, ko[k] + i * kst + d, dt) : kv);
     }
@@ -194,9 +195,10 @@ static inline __attribute__((always_inline)) void DC(dot4x4)(const float* q, int
   if (tail) { /* D % VLEN != 0 (a constant at each call site): the last vector zero-filled past D, as DC(dot4) */
     vf qv[4];
     for (int i = 0; i < 4; ++i) qv[i] = vload(q + i * qs + full);
-    for (int k = 0; k < 4; ++k)
+    for (int k = 0; k < DC_NK; ++k)
       for (int i = 0; i < 4; ++i) a[k][i] += qv[i] * DC(ld_tail)(kb, ko[k] + i * kst + full, D - full, dt);
   }
+#if VLEN == 16
   __m512 y[4];
   for (int k = 0; k < 4; ++k) {
     const __m512 a0 = (__m512)a[k][0], a1 = (__m512)a[k][1], a2 = (__m512)a[k][2], a3 = (__m512)a[k][3];
@@ -219,40 +221,10 @@ static inline __attribute__((always_inline)) void DC(dot4x4)(const float* q, int
   _mm_storeu_ps(s + st, _mm512_extractf32x4_ps(r, 1));
   _mm_storeu_ps(s + 2 * st, _mm512_extractf32x4_ps(r, 2));
   _mm_storeu_ps(s + 3 * st, _mm512_extractf32x4_ps(r, 3));
-}
-#define DC_NK 4 /* keys per group of step 1 (run->four_keys) */
-#elif VLEN == 8
-/* DC(dot4x4) for the avx2 path, two keys at a time: its 16 registers hold eight chains, the four query
- * vectors and a key vector.  Each sum is DC(dot4)'s (the same FMAs, then DC(hsum4) per key). */
-static inline __attribute__((always_inline)) void DC(dot4x2)(const float* q, int64_t qs, const void* kb,
-                                                            const int64_t* ko, int64_t kst, int64_t D,
-                                                            const int dt, float* s, int64_t st, const int tail) {
-  const int64_t full = D / VLEN * VLEN;
-  vf a[2][4]; /* [key][row] */
-  for (int k = 0; k < 2; ++k)
-    for (int i = 0; i < 4; ++i) a[k][i] = vset1(0.0f);
-  for (int64_t d = 0; d < full; d += VLEN) {
-    vf qv[4];
-    for (int i = 0; i < 4; ++i) qv[i] = vload(q + i * qs + d);
-    for (int k = 0; k < 2; ++k) {
-      const vf kv = DC(ld)(kb, ko[k] + d, dt);
-      for (int i = 0; i < 4; ++i) a[k][i] += qv[i] * (kst ? DC(ld)(kb, ko[k] + i * kst + d, dt) : kv);
-    }
-  }
-  if (tail) {
-    vf qv[4];
-    for (int i = 0; i < 4; ++i) qv[i] = vload(q + i * qs + full);
-    for (int k = 0; k < 2; ++k)
-      for (int i = 0; i < 4; ++i) a[k][i] += qv[i] * DC(ld_tail)(kb, ko[k] + i * kst + full, D - full, dt);
-  }
-  for (int k = 0; k < 2; ++k) DC(hsum4)(a[k][0], a[k][1], a[k][2], a[k][3], 1.0f, s + k, st);
-}
-#define DC_NK 2
+#else
+  for (int k = 0; k < DC_NK; ++k) DC(hsum4)(a[k][0], a[k][1], a[k][2], a[k][3], 1.0f, s + k, st);
 #endif
-#ifdef DC_NK
-/* the DC_NK keys' sums of four query rows (DC(dot4x4) or DC(dot4x2)) */
-#define DC_DOT4XK(q, qs, kb, ko, kst, D, dt, s, st, tail) \
-  DC_CAT(DC_CAT(dot4x, DC_NK), AB_ISA_SFX)(q, qs, kb, ko, kst, D, dt, s, st, tail)
+}
 #endif
 
 /* One dot product of length D, in two chains so a lone row is not bound by the FMA latency. */
@@ -386,13 +358,13 @@ static inline __attribute__((always_inline)) void DC(key_scores)(const float* q,
 }
 
 #ifdef DC_NK
-/* DC(key_scores) for DC_NK keys at once (run->four_keys; G 1 or a multiple of four, DC_DOT4XK): the keys'
+/* DC(key_scores) for DC_NK keys at once (run->four_keys; G 1 or a multiple of four, DC(dot4xk)): the keys'
  * rows at kb + ko4[k] + h * ks2, row (h, g)'s score of key k to s + row * DC_CHUNK + k; f (NULL: none) the
  * keys' prefetches, issued head by head as DC(key_scores) issues one key's. */
-static inline __attribute__((always_inline)) void DC(key_scores4_as)(const float* q, int64_t dpad, int64_t hg,
-                                                                    int64_t G, const void* kb, const int64_t* ko4,
-                                                                    int64_t ks2, int64_t D, const int dt, float* s,
-                                                                    const DC(pf) * f) {
+static inline __attribute__((always_inline)) void DC(key_group_scores_as)(const float* q, int64_t dpad,
+                                                                         int64_t hg, int64_t G, const void* kb,
+                                                                         const int64_t* ko4, int64_t ks2, int64_t D,
+                                                                         const int dt, float* s, const DC(pf) * f) {
   int64_t ko[DC_NK];
   if (G == 1) { /* MHA: four heads at a time, each its own key rows, as DC(key_scores) */
     int64_t h = 0;
@@ -401,9 +373,9 @@ static inline __attribute__((always_inline)) void DC(key_scores4_as)(const float
         for (int k = 0; k < DC_NK; ++k) DC(pf_head)(f + k, h + i);
       for (int k = 0; k < DC_NK; ++k) ko[k] = ko4[k] + h * ks2;
       if (D % VLEN)
-        DC_DOT4XK(q + h * dpad, dpad, kb, ko, ks2, D, dt, s + h * DC_CHUNK, DC_CHUNK, 1);
+        DC(dot4xk)(q + h * dpad, dpad, kb, ko, ks2, D, dt, s + h * DC_CHUNK, DC_CHUNK, 1);
       else
-        DC_DOT4XK(q + h * dpad, dpad, kb, ko, ks2, D, dt, s + h * DC_CHUNK, DC_CHUNK, 0);
+        DC(dot4xk)(q + h * dpad, dpad, kb, ko, ks2, D, dt, s + h * DC_CHUNK, DC_CHUNK, 0);
     }
     for (; h < hg; ++h)
       for (int k = 0; k < DC_NK; ++k) {
@@ -420,24 +392,24 @@ static inline __attribute__((always_inline)) void DC(key_scores4_as)(const float
     float* sh = s + h * G * DC_CHUNK;
     for (int64_t g = 0; g < G; g += 4) {
       if (D % VLEN)
-        DC_DOT4XK(qh + g * dpad, dpad, kb, ko, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK, 1);
+        DC(dot4xk)(qh + g * dpad, dpad, kb, ko, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK, 1);
       else /* without the tail, the sums stay in registers */
-        DC_DOT4XK(qh + g * dpad, dpad, kb, ko, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK, 0);
+        DC(dot4xk)(qh + g * dpad, dpad, kb, ko, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK, 0);
     }
   }
 }
 
 /* Out of line, one copy per cache dtype: inlined into DC(item), whose registers are all taken, the
  * chains' pointers went to the stack. */
-static __attribute__((noinline)) void DC(key_scores4)(const float* q, int64_t dpad, int64_t hg, int64_t G,
-                                                     const void* kb, const int64_t* ko4, int64_t ks2, int64_t D,
-                                                     const int dt, float* s, const DC(pf) * f) {
+static __attribute__((noinline)) void DC(key_group_scores)(const float* q, int64_t dpad, int64_t hg, int64_t G,
+                                                          const void* kb, const int64_t* ko4, int64_t ks2, int64_t D,
+                                                          const int dt, float* s, const DC(pf) * f) {
   if (dt == AB_DTYPE_F32)
-    DC(key_scores4_as)(q, dpad, hg, G, kb, ko4, ks2, D, AB_DTYPE_F32, s, f);
+    DC(key_group_scores_as)(q, dpad, hg, G, kb, ko4, ks2, D, AB_DTYPE_F32, s, f);
   else if (dt == AB_DTYPE_BF16)
-    DC(key_scores4_as)(q, dpad, hg, G, kb, ko4, ks2, D, AB_DTYPE_BF16, s, f);
+    DC(key_group_scores_as)(q, dpad, hg, G, kb, ko4, ks2, D, AB_DTYPE_BF16, s, f);
   else
-    DC(key_scores4_as)(q, dpad, hg, G, kb, ko4, ks2, D, AB_DTYPE_F16, s, f);
+    DC(key_group_scores_as)(q, dpad, hg, G, kb, ko4, ks2, D, AB_DTYPE_F16, s, f);
 }
 #endif
 
@@ -506,7 +478,8 @@ static inline __attribute__((always_inline)) void DC(pv)(float* acc, int64_t n, 
   /* with 32 registers, four vectors of D per row where D allows (run->pv_wide): half the passes over the
    * chunk's value rows and half the loads of P, sixteen chains (the sums of each row and column are the same) */
   if (wide && D % (4 * VLEN) == 0)
-    for (; r + 4 <= n; r += 4, kp = NULL) DC(pv_rows)(4, 4, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp);
+    for (; r + 4 <= n; r += 4, kp = NULL)
+      DC(pv_rows)(4, 4, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp);
 #endif
   for (; r + 4 <= n; r += 4, kp = NULL) DC(pv_rows)(4, 2, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp);
   switch (n - r) {
@@ -1277,7 +1250,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
   else if ((jj) + DC_KEYS_AHEAD - je < nje - jn)                                                            \
     f.k = (const char*)kb + nko[(jj) + DC_KEYS_AHEAD - je] * (int64_t)es;
 #ifdef DC_NK
-        /* DC_NK keys at a time (DC(key_scores4)) where each token sees all of them or none */
+        /* DC_NK keys at a time (DC(key_group_scores)) where each token sees all of them or none */
         const int four_keys = run->four_keys && !bf && !mha_tokens && (G == 1 || G % 4 == 0);
 #endif
         for (int64_t jj = j; jj < je && !by_head; ++jj) {
@@ -1295,8 +1268,8 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
             const DC(pf)* fp = fk; /* with the first token that reads the keys */
             for (int64_t t = ta; t < tb; ++t) {
               if (jj >= w->thi[t - t0] || jj + DC_NK <= w->tlo[t - t0]) continue;
-              DC(key_scores4)(run->qf + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, kb, ko + (jj - j), ks2,
-                              D, dt, w->S + (t - t0) * HG * DC_CHUNK + (jj - j), fp);
+              DC(key_group_scores)(run->qf + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, kb, ko + (jj - j),
+                                   ks2, D, dt, w->S + (t - t0) * HG * DC_CHUNK + (jj - j), fp);
               fp = NULL;
             }
             jj += DC_NK - 1;
