@@ -20,7 +20,8 @@
  *      (running max m, sum l, the accumulator rescaled by exp(m_old - m_new)), vectorized over the
  *      chunk's keys;
  *   3. O += P V, head by head: the value rows stream past the accumulators of four rows x two
- *      vectors of D (one row x eight for MHA) held in registers; in a paged cache, block by block
+ *      vectors of D (four vectors on the AVX-512 path where D allows, run->pv_wide; one row x eight
+ *      for MHA) held in registers; in a paged cache, block by block
  *      of the chunk, every head's rows of one block before the next block's (DC(block_end)).
  * Without bfloat16 products, step 1 takes four keys at a time on the AVX-512 path (two on AVX2) where
  * each token sees all of them or none (run->four_keys, DC(key_group_scores)): the same sums, the query
