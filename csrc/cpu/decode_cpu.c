@@ -162,12 +162,12 @@ static int scores_by_head(void) { return forced_or("ATTN_BACKENDS_DECODE_SCORES_
  * AVX512_BF16) takes several keys at a time, GQA with G a multiple of four and MHA (decode_cpu_impl.h,
  * DC(key_group_scores)): four on the AVX-512 path (sixteen sums in registers), two on the AVX2 path (eight).
  * Each query vector is then loaded once for the keys, where key by key loads five vectors per four FMAs.
- * On an AMD Zen 4 (2 threads, docs/benchmarks.md, "Step 1 four keys at a time"), AVX-512 path: 0.81-0.92x
- * the time with a cache the L3 holds; GQA from DRAM 0.91-0.96x in float16, 0.94-1.02x in float32, 0.86-0.92x
- * in bfloat16 without its products; MHA 0.92-1.07x (float32 at the noise).  The same machine on the AVX2
- * path: the L3 0.79-0.92x,
- * float32 GQA from DRAM 0.88-1.0x, MHA 0.89-1.0x, but bfloat16 and float16 GQA from DRAM 0.97-1.13x (1.04
- * the mean of eight rows), so there those stay key by key.  Not measured on Intel's CPUs or on a Zen 3.
+ * On an AMD Zen 4 (2 threads, docs/benchmarks.md, "Step 1 four keys at a time"), AVX-512 path: 0.81-0.94x
+ * the time with a cache the L3 holds; GQA from DRAM 0.92-0.96x in float16, 0.94-1.02x in float32, 0.86-0.92x
+ * in bfloat16 without its products; MHA from DRAM 0.97-1.07x (the noise), from the L3 0.78-0.94x.  The
+ * same machine on the AVX2 path: the L3 0.79-0.92x, float32 GQA from DRAM 0.88-1.0x, MHA 0.89-1.0x, but
+ * bfloat16 and float16 GQA from DRAM 0.97-1.13x (1.04 the mean of eight rows), so there those stay key by
+ * key.  Not measured on Intel's CPUs or on a Zen 3.
  * ATTN_BACKENDS_DECODE_FOUR_KEYS=1 takes the keys together in every call, =0 in none (read at every call;
  * the same bits either way). */
 static int four_keys(const ab_kvcache_params* p) {
