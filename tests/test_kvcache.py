@@ -431,6 +431,22 @@ def test_pages_ahead_over_head_major_caches(Hq, Hkv, block, dtype, isa, monkeypa
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
+def _same_bits_off_and_on(call, switch, isa, splits, monkeypatch):
+    """The call (reset before each run) on the `isa` path with ATTN_BACKENDS_DECODE_<switch> = 0 and then 1:
+    asserts out and lse are the same bits both ways and returns the second (out, lse)."""
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa(isa)
+    try:
+        results = []
+        for on in ("0", "1"):
+            monkeypatch.setenv("ATTN_BACKENDS_DECODE_" + switch, on)
+            results.append(call.reset().run("paged_attention", num_splits=splits))
+    finally:
+        _C.set_cpu_isa(before)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    return results[1]
+
+
 @pytest.mark.parametrize("case", [KV(B=2, Hq=8, Hkv=2, D=128, S=300, dtype=torch.bfloat16),
                                   # eight rows per KV head, a masked column block (D = 40), pages, tokens that
                                   # see different keys
@@ -451,17 +467,7 @@ def test_step_1_head_by_head_leaves_the_bits_alone(case, splits, monkeypatch, ge
         pytest.skip("this CPU has no AVX512_BF16: no bfloat16 products to reorder")
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "1")
     call = Call(case, gen)
-    before = _C.cpu_isa()
-    assert _C.set_cpu_isa("avx512")
-    try:
-        results = []
-        for on in ("0", "1"):
-            monkeypatch.setenv("ATTN_BACKENDS_DECODE_SCORES_BY_HEAD", on)
-            results.append(call.reset().run("paged_attention", num_splits=splits))
-    finally:
-        _C.set_cpu_isa(before)
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-    call.check(*results[1])
+    call.check(*_same_bits_off_and_on(call, "SCORES_BY_HEAD", "avx512", splits, monkeypatch))
 
 
 @pytest.mark.parametrize("case", [KV(B=2, Hq=8, Hkv=2, D=128, S=300),
@@ -492,17 +498,7 @@ def test_four_keys_and_wide_values_leave_the_bits_alone(case, splits, switch, is
         pytest.skip(f"this CPU cannot run the {isa} path")
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "0")
     call = Call(case, gen)
-    before = _C.cpu_isa()
-    assert _C.set_cpu_isa(isa)
-    try:
-        results = []
-        for on in ("0", "1"):
-            monkeypatch.setenv("ATTN_BACKENDS_DECODE_" + switch, on)
-            results.append(call.reset().run("paged_attention", num_splits=splits))
-    finally:
-        _C.set_cpu_isa(before)
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-    call.check(*results[1])
+    call.check(*_same_bits_off_and_on(call, switch, isa, splits, monkeypatch))
 
 
 def test_the_working_set_counts_each_recent_cache_once_at_its_latest_length(gen):

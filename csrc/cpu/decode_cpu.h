@@ -119,7 +119,7 @@ typedef struct ab_decode_run {
   int32_t values_ahead;   /* step 1 asks for the chunk's value rows whatever the cache (decode_cpu.c) */
   int32_t pages_ahead;    /* a line of each page of the chunk after next is asked for (decode_cpu.c) */
   int32_t scores_by_head; /* bfloat16 products: step 1 goes head by head, q rows in registers (decode_cpu.c) */
-  int32_t four_keys;      /* no bfloat16 products: step 1 takes four keys at a time (decode_cpu.c) */
+  int32_t four_keys;      /* no bfloat16 products: step 1 takes keys four (AVX2: two) at a time (decode_cpu.c) */
   int32_t pv_wide;        /* no bfloat16 products: step 3 holds four vectors of D per row (decode_cpu.c) */
 } ab_decode_run;
 
