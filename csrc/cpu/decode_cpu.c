@@ -164,14 +164,17 @@ static int scores_by_head(void) { return forced_or("ATTN_BACKENDS_DECODE_SCORES_
  * Each query vector is then loaded once for the keys, where key by key loads five vectors per four FMAs.
  * On an AMD Zen 4 (2 threads, docs/benchmarks.md, "Step 1 four keys at a time"), AVX-512 path: 0.81-0.94x
  * the time with a cache the L3 holds; GQA from DRAM 0.92-0.96x in float16, 0.94-1.02x in float32, 0.86-0.92x
- * in bfloat16 without its products; MHA from DRAM 0.97-1.07x (the noise), from the L3 0.78-0.94x.  The
- * same machine on the AVX2 path: the L3 0.79-0.92x, float32 GQA from DRAM 0.88-1.0x, MHA 0.89-1.0x, but
- * bfloat16 and float16 GQA from DRAM 0.97-1.13x (1.04 the mean of eight rows), so there those stay key by
- * key.  Not measured on Intel's CPUs or on a Zen 3.
+ * in bfloat16 without its products; MHA from DRAM 0.97-1.07x (the noise), from the L3 0.78-0.94x.  Those runs
+ * timed it against key by key inlined into DC(item), which reloaded its query rows' pointers from the stack
+ * at every FMA (DC(key_scores_out) since): against that, not measured on the AVX-512 path.
+ * On the AVX2 path, against key by key out of line (an AMD Zen 3, 2 threads, docs/benchmarks.md, "Decode on
+ * an AVX2 CPU, 2026-12-02"): GQA from DRAM 1.01-1.10x the time in float32 and 1.04-1.26x in bfloat16 and
+ * float16, from the L3 0.90-0.91x in the 2-byte types and 1.01-1.03 in float32; MHA 0.93-1.03x.  So there
+ * only MHA takes the keys together.  Not measured on Intel's CPUs.
  * ATTN_BACKENDS_DECODE_FOUR_KEYS=1 takes the keys together in every call, =0 in none (read at every call;
  * the same bits either way). */
 static int four_keys(const ab_kvcache_params* p) {
-  const int rule = ab_cpu_isa_get() != AB_ISA_AVX2 || p->k_cache.dtype == AB_DTYPE_F32 || p->Hq == p->Hkv;
+  const int rule = ab_cpu_isa_get() != AB_ISA_AVX2 || p->Hq == p->Hkv;
   return forced_or("ATTN_BACKENDS_DECODE_FOUR_KEYS", rule);
 }
 

@@ -358,6 +358,20 @@ static inline __attribute__((always_inline)) void DC(key_scores)(const float* q,
   }
 }
 
+/* DC(key_scores) out of line, one copy per cache dtype, as DC(key_group_scores): inlined into DC(item),
+ * whose registers are all taken, the four query rows' pointers lived on the stack and each FMA of
+ * DC(dot4) waited behind a reload of its pointer (six loads more per eight elements of a key row). */
+static __attribute__((noinline)) void DC(key_scores_out)(const float* q, int64_t dpad, int64_t hg, int64_t G,
+                                                        const void* kb, int64_t ko, int64_t ks2, int64_t D,
+                                                        const int dt, float* s, const DC(pf) * f) {
+  if (dt == AB_DTYPE_F32)
+    DC(key_scores)(q, dpad, hg, G, kb, ko, ks2, D, AB_DTYPE_F32, s, f);
+  else if (dt == AB_DTYPE_BF16)
+    DC(key_scores)(q, dpad, hg, G, kb, ko, ks2, D, AB_DTYPE_BF16, s, f);
+  else
+    DC(key_scores)(q, dpad, hg, G, kb, ko, ks2, D, AB_DTYPE_F16, s, f);
+}
+
 #ifdef DC_NK
 /* DC(key_scores) for DC_NK keys at once (run->four_keys; G 1 or a multiple of four, DC(dot4xk)): the keys'
  * rows at kb + ko4[k] + h * ks2, row (h, g)'s score of key k to s + row * DC_CHUNK + k; f (NULL: none) the
@@ -1295,8 +1309,8 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
               continue;
             }
 #endif
-            DC(key_scores)(run->qf + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, kb, ko[jj - j],
-                           ks2, D, dt, w->S + (t - t0) * HG * DC_CHUNK + (jj - j), fp);
+            DC(key_scores_out)(run->qf + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, kb, ko[jj - j],
+                               ks2, D, dt, w->S + (t - t0) * HG * DC_CHUNK + (jj - j), fp);
             fp = NULL;
           }
         }
