@@ -501,6 +501,35 @@ def test_four_keys_and_wide_values_leave_the_bits_alone(case, splits, switch, is
     call.check(*_same_bits_off_and_on(call, switch, isa, splits, monkeypatch))
 
 
+@pytest.mark.parametrize("case", [KV(B=2, Hq=8, Hkv=2, D=128, S=300, dtype=torch.bfloat16),
+                                  # D = 80: the last sixteen columns after the wide passes (two rows of G = 2,
+                                  # MHA's one row), pages, new tokens
+                                  KV(B=2, Hq=4, Hkv=2, D=80, S=150, block=16, snew=1, causal=True,
+                                     rotary="neox", dtype=torch.bfloat16),
+                                  KV(B=1, Hq=3, Hkv=3, D=80, S=100, seqlens=90, sinks=True, dtype=torch.bfloat16),
+                                  # MHA with several tokens (their rows share the value rows), a window, ALiBi
+                                  KV(B=1, Sq=3, Hq=4, Hkv=4, D=64, S=120, seqlens=110, window=(30, 0), causal=True,
+                                     alibi="h", leftpad=True, dtype=torch.bfloat16),
+                                  # G = 3 (three rows, two vectors), softcap, a batch map
+                                  KV(B=2, Hq=6, Hkv=2, D=96, S=77, softcap=3.0, batch_idx=True,
+                                     dtype=torch.bfloat16),
+                                  # what it leaves as it was: D = 40 (not a multiple of 16), the tiled
+                                  # products (16 rows per KV head), a float16 cache
+                                  KV(B=1, Hq=8, Hkv=2, D=40, S=90, dtype=torch.bfloat16),
+                                  KV(B=1, Sq=4, Hq=8, Hkv=2, D=64, S=100, causal=True, dtype=torch.bfloat16),
+                                  KV(B=1, Hq=8, Hkv=2, D=64, S=100, dtype=torch.float16)], ids=str)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_values_by_pairs_leave_the_bits_alone(case, splits, monkeypatch, gen):
+    # on the avx2 path, step 3 over a bfloat16 cache reads sixteen columns per load as their even and odd
+    # halves, the accumulators kept by pairs until the row is done (csrc/cpu/decode_cpu.c pv_pairs,
+    # DC(ld_pair)): each column's sum is the same, so the bits are those of eight columns per load, and
+    # the reference's
+    if not _C.cpu_isa_supported("avx2"):
+        pytest.skip("this CPU cannot run the avx2 path")
+    call = Call(case, gen)
+    call.check(*_same_bits_off_and_on(call, "PV_PAIRS", "avx2", splits, monkeypatch))
+
+
 def test_the_working_set_counts_each_recent_cache_once_at_its_latest_length(gen):
     # keys_next (csrc/cpu/decode_cpu.c) asks for the next keys early on AMD's AVX-512 path when decode's
     # working set passes half the L3: the K and V bytes of the caches the last 64 calls read, each cache once

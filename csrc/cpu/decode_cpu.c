@@ -186,6 +186,13 @@ static int four_keys(const ab_kvcache_params* p) {
  * ATTN_BACKENDS_DECODE_PV_WIDE=0 keeps two vectors (read at every call; the same bits either way). */
 static int pv_wide(void) { return forced_or("ATTN_BACKENDS_DECODE_PV_WIDE", 1); }
 
+/* Whether step 3 over a bfloat16 cache on the AVX2 path reads sixteen columns per load as their even and
+ * odd halves (a shift and a mask, decode_cpu_impl.h DC(ld_pair)) instead of eight per widening load and
+ * shift, the accumulators kept by pairs until the row is done (D a multiple of 16): half the conversion
+ * instructions, each column's sum the same.  ATTN_BACKENDS_DECODE_PV_PAIRS=0 keeps eight columns per load
+ * (read at every call; the same bits either way). */
+static int pv_pairs(void) { return forced_or("ATTN_BACKENDS_DECODE_PV_PAIRS", 1); }
+
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
   if (!ab_kvcache_cpu_bf16_products(dt)) return INT64_MAX; /* the tiled products serve long queries */
   if (!in_place || positions < 2048) return 64;
@@ -553,7 +560,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, keys_next(dram), values_ahead(), pages_ahead(dram),
-                       bf && scores_by_head(), !bf && four_keys(p), !bf && pv_wide()};
+                       bf && scores_by_head(), !bf && four_keys(p), !bf && pv_wide(), !bf && pv_pairs()};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));

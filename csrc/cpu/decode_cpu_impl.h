@@ -90,6 +90,28 @@ static inline vf DC(ld_tail)(const void* base, int64_t off, int64_t n, const int
   return vload(tmp);
 }
 
+#if VLEN == 8
+/* Sixteen bfloat16 of the cache at base + off as two vectors of float32, from one load: the even columns
+ * (each 32-bit lane's low half, shifted up) to *e, the odd ones (the high half, masked) to *o.  Two
+ * instructions for sixteen columns where DC(ld) takes two (a widening load and a shift) for eight. */
+static inline __attribute__((always_inline)) void DC(ld_pair)(const void* base, int64_t off, vf* e, vf* o) {
+  const __m256i x = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + off));
+  *e = (vf)_mm256_slli_epi32(x, 16);
+  *o = (vf)_mm256_and_si256(x, _mm256_set1_epi32((int)0xffff0000u));
+}
+
+/* An accumulator row kept by pairs (DC(pv_rows) with eo: each block of sixteen columns as its eight even
+ * columns, then its eight odd ones) back in column order, in place; D a multiple of 16. */
+static inline void DC(eo_unpermute)(float* acc, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m256 e = _mm256_loadu_ps(acc + d), o = _mm256_loadu_ps(acc + d + 8);
+    const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o); /* columns 0-3 | 8-11, 4-7 | 12-15 */
+    _mm256_storeu_ps(acc + d, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(acc + d + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+  }
+}
+#endif
+
 static inline float DC(hsum)(vf v) {
 #if VLEN == 16
   return _mm512_reduce_add_ps((__m512)v);
@@ -445,11 +467,14 @@ static inline __attribute__((always_inline)) void DC(token_scores)(const float* 
 
 /* acc_r += sum_j P[r][j] v_j for M rows (acc row stride dpad, P row stride ps) and the nk
  * value rows at vb + vo[j] + ho, NB vectors of D at a time: M * NB accumulators stay in
- * registers while the chunk's value rows stream past (M and NB are constants at each call site). */
+ * registers while the chunk's value rows stream past (M and NB are constants at each call site).
+ * eo (AVX2, a bfloat16 cache, D a multiple of 16; NB even): the value rows are read by DC(ld_pair) and
+ * the accumulators hold each block of sixteen columns as its even columns, then its odd ones, until
+ * DC(eo_unpermute); each column's sum is the same. */
 static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const int NB, float* acc,
                                                              int64_t dpad, const float* P, int64_t ps, const void* vb,
                                                              const int64_t* vo, int64_t ho, int64_t nk, int64_t D,
-                                                             const int dt, const DC(kpf) * kp) {
+                                                             const int dt, const DC(kpf) * kp, const int eo) {
   const int64_t full = D / VLEN * VLEN;
   int64_t d = 0;
   for (; d + NB * VLEN <= full; d += NB * VLEN, kp = NULL) {
@@ -459,7 +484,12 @@ static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const
     for (int64_t j = 0; j < nk; ++j) {
       DC(kpf_key)(kp, j);
       vf v[8];
-      for (int n = 0; n < NB; ++n) v[n] = DC(ld)(vb, vo[j] + ho + d + n * VLEN, dt);
+#if VLEN == 8
+      if (eo)
+        for (int n = 0; n < NB; n += 2) DC(ld_pair)(vb, vo[j] + ho + d + n * VLEN, &v[n], &v[n + 1]);
+      else
+#endif
+        for (int n = 0; n < NB; ++n) v[n] = DC(ld)(vb, vo[j] + ho + d + n * VLEN, dt);
       for (int i = 0; i < M; ++i) {
         const vf pj = vset1(P[i * ps + j]);
         for (int n = 0; n < NB; ++n) o[i][n] += pj * v[n];
@@ -468,6 +498,24 @@ static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const
     for (int i = 0; i < M; ++i)
       for (int n = 0; n < NB; ++n) vstore(acc + i * dpad + d + n * VLEN, o[i][n]);
   }
+#if VLEN == 8
+  for (; eo && d < D; d += 2 * VLEN, kp = NULL) { /* what is left of D (a multiple of 16): a pair at a time */
+    vf o[4][2];
+    for (int i = 0; i < M; ++i)
+      for (int n = 0; n < 2; ++n) o[i][n] = vload(acc + i * dpad + d + n * VLEN);
+    for (int64_t j = 0; j < nk; ++j) {
+      DC(kpf_key)(kp, j);
+      vf v[2];
+      DC(ld_pair)(vb, vo[j] + ho + d, &v[0], &v[1]);
+      for (int i = 0; i < M; ++i) {
+        const vf pj = vset1(P[i * ps + j]);
+        for (int n = 0; n < 2; ++n) o[i][n] += pj * v[n];
+      }
+    }
+    for (int i = 0; i < M; ++i)
+      for (int n = 0; n < 2; ++n) vstore(acc + i * dpad + d + n * VLEN, o[i][n]);
+  }
+#endif
   /* what is left of D: one vector at a time, the last one zero-filled past D */
   for (; d < D; d += VLEN, kp = NULL) {
     vf o[4];
@@ -487,20 +535,20 @@ static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const
 static inline __attribute__((always_inline)) void DC(pv)(float* acc, int64_t n, int64_t as, const float* P,
                                                         int64_t ps, const void* vb, const int64_t* vo, int64_t ho,
                                                         int64_t nk, int64_t D, const int dt, const DC(kpf) * kp,
-                                                        int wide) {
+                                                        int wide, const int eo) {
   int64_t r = 0;
 #if VLEN == 16
   /* with 32 registers, four vectors of D per row where D allows (run->pv_wide): half the passes over the
    * chunk's value rows and half the loads of P, sixteen chains (the sums of each row and column are the same) */
   if (wide && D % (4 * VLEN) == 0)
     for (; r + 4 <= n; r += 4, kp = NULL)
-      DC(pv_rows)(4, 4, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp);
+      DC(pv_rows)(4, 4, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp, eo);
 #endif
-  for (; r + 4 <= n; r += 4, kp = NULL) DC(pv_rows)(4, 2, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp);
+  for (; r + 4 <= n; r += 4, kp = NULL) DC(pv_rows)(4, 2, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp, eo);
   switch (n - r) {
-    case 3: DC(pv_rows)(3, 2, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp); break;
-    case 2: DC(pv_rows)(2, 4, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp); break;
-    case 1: DC(pv_rows)(1, 8, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp); break;
+    case 3: DC(pv_rows)(3, 2, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp, eo); break;
+    case 2: DC(pv_rows)(2, 4, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp, eo); break;
+    case 1: DC(pv_rows)(1, 8, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp, eo); break;
     default: break;
   }
 }
@@ -1129,6 +1177,8 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
      * h * rhp + i); qt holds head h's rows as columns, qt[h * dpad * rhp + d * rhp + i] */
     const int64_t rh = (t1 - t0) * G, rhp = (rh + VLEN - 1) / VLEN * VLEN;
     const int tiled = !bf && rh >= DC_TILED_ROWS;
+    /* step 3 by pairs (DC(ld_pair)) where run->pv_pairs says so: the accumulators by even and odd columns */
+    const int eo = VLEN == 8 && dt == AB_DTYPE_BF16 && !bf && !tiled && D % 16 == 0 && run->pv_pairs;
     const int64_t nrows = tiled ? hg * rhp : nr; /* rows of state, pad rows included */
     memset(w->acc, 0, (size_t)(nrows * dpad) * sizeof(float));
     if (tiled) {
@@ -1335,8 +1385,12 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         DC(kpf) kt = kp;
         for (int64_t h = 0; h < hg && !bf && mha_tokens; ++h, kt.base += ks2 * (int64_t)es) {
           const int64_t r = (ta - t0) * HG + h; /* token ta's row of head h; token t + 1's is HG rows on */
-          DC(pv)(w->acc + r * dpad, tb - ta, HG * dpad, w->S + r * DC_CHUNK, HG * DC_CHUNK, vb, vo, h * vs2, nk, D, dt,
-                 &kt, run->pv_wide);
+          if (eo) /* a constant at each call, so that the loops are compiled for it */
+            DC(pv)(w->acc + r * dpad, tb - ta, HG * dpad, w->S + r * DC_CHUNK, HG * DC_CHUNK, vb, vo, h * vs2, nk, D,
+                   dt, &kt, run->pv_wide, 1);
+          else
+            DC(pv)(w->acc + r * dpad, tb - ta, HG * dpad, w->S + r * DC_CHUNK, HG * DC_CHUNK, vb, vo, h * vs2, nk, D,
+                   dt, &kt, run->pv_wide, 0);
         }
         for (int64_t j0 = 0, j1; j0 < nk && !mha_tokens; j0 = j1) { /* mha_tokens is never set with bf */
           j1 = DC(block_end)(run, j, j0, nk);
@@ -1352,8 +1406,12 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
                 continue;
               }
 #endif
-              DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK + j0, DC_CHUNK, vb, vo + j0, h * vs2, j1 - j0,
-                     D, dt, kr, run->pv_wide);
+              if (eo)
+                DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK + j0, DC_CHUNK, vb, vo + j0, h * vs2, j1 - j0,
+                       D, dt, kr, run->pv_wide, 1);
+              else
+                DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK + j0, DC_CHUNK, vb, vo + j0, h * vs2, j1 - j0,
+                       D, dt, kr, run->pv_wide, 0);
             }
         }
       }
@@ -1386,6 +1444,9 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       for (int64_t d = 0; d < dpad; d += VLEN) vstore(acc + d, vload(acc + d) * vset1(inv));
 #if DC_BF16
       if (bf) DC(bf_unpermute)(acc, dpad);
+#endif
+#if VLEN == 8
+      if (eo) DC(eo_unpermute)(acc, D);
 #endif
       float lse = l != l ? l : l > 0.0f ? w->m[r] + logf(l) : -INFINITY;
       if (run->nsplit == 1) {
