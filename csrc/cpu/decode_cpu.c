@@ -169,12 +169,13 @@ static int scores_by_head(void) { return forced_or("ATTN_BACKENDS_DECODE_SCORES_
  * at every FMA (DC(key_scores_out) since): against that, not measured on the AVX-512 path.
  * On the AVX2 path, against key by key out of line (an AMD Zen 3, 2 threads, docs/benchmarks.md, "Decode on
  * an AVX2 CPU, 2026-12-02"): GQA from DRAM 1.01-1.10x the time in float32 and 1.04-1.26x in bfloat16 and
- * float16, from the L3 0.90-0.91x in the 2-byte types and 1.01-1.03 in float32; MHA 0.93-1.03x.  So there
- * only MHA takes the keys together.  Not measured on Intel's CPUs.
+ * float16; GQA with the cache in the L2 or the L3 (64 to 4096 keys, the same cache every call, alternating
+ * in one process) 0.88-0.97x in every dtype; MHA 0.93-1.03x.  So there GQA takes the keys together only
+ * when decode's caches fit the L3 (from_dram), MHA always.  Not measured on Intel's CPUs.
  * ATTN_BACKENDS_DECODE_FOUR_KEYS=1 takes the keys together in every call, =0 in none (read at every call;
  * the same bits either way). */
-static int four_keys(const ab_kvcache_params* p) {
-  const int rule = ab_cpu_isa_get() != AB_ISA_AVX2 || p->Hq == p->Hkv;
+static int four_keys(const ab_kvcache_params* p, int dram) {
+  const int rule = ab_cpu_isa_get() != AB_ISA_AVX2 || p->Hq == p->Hkv || !dram;
   return forced_or("ATTN_BACKENDS_DECODE_FOUR_KEYS", rule);
 }
 
@@ -560,7 +561,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, keys_next(dram), values_ahead(), pages_ahead(dram),
-                       bf && scores_by_head(), !bf && four_keys(p), !bf && pv_wide(), !bf && pv_pairs()};
+                       bf && scores_by_head(), !bf && four_keys(p, dram), !bf && pv_wide(), !bf && pv_pairs()};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));
