@@ -380,18 +380,29 @@ static inline __attribute__((always_inline)) void DC(key_scores)(const float* q,
   }
 }
 
+/* `call` with DT, the name it passes as its cache dtype, a constant for each of the three, so that the code
+ * it inlines is compiled for each (the out-of-line copies of step 1 below). */
+#define DC_PER_DTYPE(dt, call)          \
+  do {                                  \
+    if ((dt) == AB_DTYPE_F32) {         \
+      enum { DT = AB_DTYPE_F32 };       \
+      call;                             \
+    } else if ((dt) == AB_DTYPE_BF16) { \
+      enum { DT = AB_DTYPE_BF16 };      \
+      call;                             \
+    } else {                            \
+      enum { DT = AB_DTYPE_F16 };       \
+      call;                             \
+    }                                   \
+  } while (0)
+
 /* DC(key_scores) out of line, one copy per cache dtype, as DC(key_group_scores): inlined into DC(item),
  * whose registers are all taken, the four query rows' pointers lived on the stack and each FMA of
  * DC(dot4) waited behind a reload of its pointer (six loads more per eight elements of a key row). */
 static __attribute__((noinline)) void DC(key_scores_out)(const float* q, int64_t dpad, int64_t hg, int64_t G,
                                                         const void* kb, int64_t ko, int64_t ks2, int64_t D,
                                                         const int dt, float* s, const DC(pf) * f) {
-  if (dt == AB_DTYPE_F32)
-    DC(key_scores)(q, dpad, hg, G, kb, ko, ks2, D, AB_DTYPE_F32, s, f);
-  else if (dt == AB_DTYPE_BF16)
-    DC(key_scores)(q, dpad, hg, G, kb, ko, ks2, D, AB_DTYPE_BF16, s, f);
-  else
-    DC(key_scores)(q, dpad, hg, G, kb, ko, ks2, D, AB_DTYPE_F16, s, f);
+  DC_PER_DTYPE(dt, DC(key_scores)(q, dpad, hg, G, kb, ko, ks2, D, DT, s, f));
 }
 
 #ifdef DC_NK
@@ -441,12 +452,7 @@ static inline __attribute__((always_inline)) void DC(key_group_scores_as)(const 
 static __attribute__((noinline)) void DC(key_group_scores)(const float* q, int64_t dpad, int64_t hg, int64_t G,
                                                           const void* kb, const int64_t* ko4, int64_t ks2, int64_t D,
                                                           const int dt, float* s, const DC(pf) * f) {
-  if (dt == AB_DTYPE_F32)
-    DC(key_group_scores_as)(q, dpad, hg, G, kb, ko4, ks2, D, AB_DTYPE_F32, s, f);
-  else if (dt == AB_DTYPE_BF16)
-    DC(key_group_scores_as)(q, dpad, hg, G, kb, ko4, ks2, D, AB_DTYPE_BF16, s, f);
-  else
-    DC(key_group_scores_as)(q, dpad, hg, G, kb, ko4, ks2, D, AB_DTYPE_F16, s, f);
+  DC_PER_DTYPE(dt, DC(key_group_scores_as)(q, dpad, hg, G, kb, ko4, ks2, D, DT, s, f));
 }
 #endif
 
@@ -532,10 +538,10 @@ static inline __attribute__((always_inline)) void DC(pv_rows)(const int M, const
 /* O += P V for n rows that read the same value rows (a GQA group's, or the tokens of one MHA head),
  * accumulator rows as apart and P rows ps apart: four at a time (two vectors of D each), then the
  * rest with more vectors per row, so a lone row (MHA, one token) still has eight chains in flight. */
-static inline __attribute__((always_inline)) void DC(pv)(float* acc, int64_t n, int64_t as, const float* P,
-                                                        int64_t ps, const void* vb, const int64_t* vo, int64_t ho,
-                                                        int64_t nk, int64_t D, const int dt, const DC(kpf) * kp,
-                                                        int wide, const int eo) {
+static inline __attribute__((always_inline)) void DC(pv_as)(float* acc, int64_t n, int64_t as, const float* P,
+                                                           int64_t ps, const void* vb, const int64_t* vo, int64_t ho,
+                                                           int64_t nk, int64_t D, const int dt, const DC(kpf) * kp,
+                                                           int wide, const int eo) {
   int64_t r = 0;
 #if VLEN == 16
   /* with 32 registers, four vectors of D per row where D allows (run->pv_wide): half the passes over the
@@ -551,6 +557,17 @@ static inline __attribute__((always_inline)) void DC(pv)(float* acc, int64_t n, 
     case 1: DC(pv_rows)(1, 8, acc + r * as, as, P + r * ps, ps, vb, vo, ho, nk, D, dt, kp, eo); break;
     default: break;
   }
+}
+
+/* DC(pv_as) with eo (DC(pv_rows)) a constant in each copy, so that its loops are compiled for it. */
+static inline __attribute__((always_inline)) void DC(pv)(float* acc, int64_t n, int64_t as, const float* P,
+                                                        int64_t ps, const void* vb, const int64_t* vo, int64_t ho,
+                                                        int64_t nk, int64_t D, const int dt, const DC(kpf) * kp,
+                                                        int wide, int eo) {
+  if (eo)
+    DC(pv_as)(acc, n, as, P, ps, vb, vo, ho, nk, D, dt, kp, wide, 1);
+  else
+    DC(pv_as)(acc, n, as, P, ps, vb, vo, ho, nk, D, dt, kp, wide, 0);
 }
 
 /* ---- bfloat16 products (AVX512_BF16), for bfloat16 caches on CPUs that have it ----------------
@@ -1385,12 +1402,8 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         DC(kpf) kt = kp;
         for (int64_t h = 0; h < hg && !bf && mha_tokens; ++h, kt.base += ks2 * (int64_t)es) {
           const int64_t r = (ta - t0) * HG + h; /* token ta's row of head h; token t + 1's is HG rows on */
-          if (eo) /* a constant at each call, so that the loops are compiled for it */
-            DC(pv)(w->acc + r * dpad, tb - ta, HG * dpad, w->S + r * DC_CHUNK, HG * DC_CHUNK, vb, vo, h * vs2, nk, D,
-                   dt, &kt, run->pv_wide, 1);
-          else
-            DC(pv)(w->acc + r * dpad, tb - ta, HG * dpad, w->S + r * DC_CHUNK, HG * DC_CHUNK, vb, vo, h * vs2, nk, D,
-                   dt, &kt, run->pv_wide, 0);
+          DC(pv)(w->acc + r * dpad, tb - ta, HG * dpad, w->S + r * DC_CHUNK, HG * DC_CHUNK, vb, vo, h * vs2, nk, D, dt,
+                 &kt, run->pv_wide, eo);
         }
         for (int64_t j0 = 0, j1; j0 < nk && !mha_tokens; j0 = j1) { /* mha_tokens is never set with bf */
           j1 = DC(block_end)(run, j, j0, nk);
@@ -1406,12 +1419,8 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
                 continue;
               }
 #endif
-              if (eo)
-                DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK + j0, DC_CHUNK, vb, vo + j0, h * vs2, j1 - j0,
-                       D, dt, kr, run->pv_wide, 1);
-              else
-                DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK + j0, DC_CHUNK, vb, vo + j0, h * vs2, j1 - j0,
-                       D, dt, kr, run->pv_wide, 0);
+              DC(pv)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK + j0, DC_CHUNK, vb, vo + j0, h * vs2, j1 - j0,
+                     D, dt, kr, run->pv_wide, eo);
             }
         }
       }
