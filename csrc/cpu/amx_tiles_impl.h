@@ -18,8 +18,12 @@
 
 #define AMXS(name) AB_CAT(name, AB_AMX_SFX)
 
+#ifndef AMX_RC
 #define AMX_RC 32   /* query rows per chunk: two C tiles */
+#endif
+#ifndef AMX_NP
 #define AMX_NP 256  /* keys per forward panel: St 32 KiB, V^T panel 256 x Dv x 2 bytes */
+#endif
 #define AMX_BKB 64  /* keys per backward block */
 #define AMX_NVR (AMX_RC / VLEN)
 

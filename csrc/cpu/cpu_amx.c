@@ -7,7 +7,7 @@
  * (compiled here once more so the tile kernels can use their pieces), decode the AVX-512 one of
  * cpu_avx512.c.  Exports ab_cpu_amx (cpu_kernels.h).  The path is
  * selectable only where CPUID, XCR0 and the kernel's tile-data permission all say yes
- * (cpu_isa.c), and it is not the default: it has not been run on AMX hardware (docs/amx.md).
+ * (cpu_isa.c), and it is not the default: on AMX hardware it is correct but not faster than torch SDPA (docs/amx.md).
  * A compiler without AMX support builds an empty table, which dispatch reports as not built.
  */
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && \

@@ -18,12 +18,36 @@
 
 /* ---- the online softmax of one panel ------------------------------------------------------------ */
 
-/* Over St (nb keys x AMX_RC rows): m_new = max(m, max_j S), P = 2^((S - m_new) c) in place,
- * l = l alpha + sum_j P with alpha = 2^((m - m_new) c) written to arow; returns 1 if some alpha
- * may differ from 1.  c = log2(e) times the factor the scores still lack (c > 0).  NaN scores reach
- * m and l (the row is NaN at the end); a row that has seen no key keeps m = -inf and weights 0.
- * Two chains over keys: a single running max or sum would be latency-bound. */
-static int AMXS(softmax)(float* st, int64_t nb, float c, float* mrow, float* lrow, float* arow) {
+/* Two rows of weights as one row of VNNI-2 words (lo | hi << 16, rounded to `kind`) at dst.  With
+ * hw (AVX512_BF16, bfloat16 only) one vcvtne2ps2bf16 rounds both (to nearest even, as
+ * AMXS(half_bits) does; it treats float32 denormals as 0, and the forward's weights are 0 or at
+ * least 2^-125, never denormal) and one vpermw interleaves them; else AMXS(pair). */
+#if VLEN == 16 && !defined(AB_AMX_EMULATE)
+static const uint16_t AMXS(interleave)[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                              8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+#endif
+static inline void AMXS(store_pairs)(uint32_t* dst, vf lo, vf hi, int kind, int hw) {
+#if VLEN == 16 && !defined(AB_AMX_EMULATE)
+  if (hw) {
+    __m512i both; /* words 0-15: lo rounded, 16-31: hi rounded */
+    __asm__("vcvtne2ps2bf16 %2, %1, %0" : "=v"(both) : "v"((__m512)hi), "v"((__m512)lo));
+    _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(_mm512_loadu_si512(AMXS(interleave)), both));
+    return;
+  }
+#endif
+  (void)hw;
+  AMXS(vstore_u)(dst, AMXS(pair)(lo, hi, kind));
+}
+
+/* Over St (nb keys x AMX_RC rows): m_new = max(m, max_j S), P = 2^(S c - m_new c), l = l alpha +
+ * sum_j P with alpha = 2^((m - m_new) c) written to arow; returns 1 if some alpha may differ from
+ * 1.  c = log2(e) times the factor the scores still lack (c > 0).  P goes to st in place, or, with
+ * pw, straight to the B operand of O^T += V^T P^T: pairs of keys rounded to `kind`
+ * (AMXS(pack_keypairs)'s layout, zero up to nbp keys), so the weights are never stored as floats.
+ * NaN scores reach m and l (the row is NaN at the end); a row that has seen no key keeps m = -inf
+ * and weights 0.  Two chains over keys: a single running max or sum would be latency-bound. */
+static int AMXS(softmax)(float* st, int64_t nb, float c, float* mrow, float* lrow, float* arow, uint32_t* pw,
+                         int64_t nbp, int kind, int hw) {
   const vf cv = vset1(c), ninf = vset1(-__builtin_inff());
   int any = 0;
   for (int v = 0; v < AMX_NVR; ++v) {
@@ -38,6 +62,7 @@ static int AMXS(softmax)(float* st, int64_t nb, float c, float* mrow, float* lro
     if (j < nb) m0 = vmax(m0, vload(st + j * AMX_RC + o));
     const vf mx = vmax(m0, m1);
     const vf msafe = vselect(mx == ninf, vset1(0.0f), mx);
+    const vf mc = msafe * cv; /* S c - m c: one fused multiply-subtract per score */
     vf l0 = vload(lrow + o), l1 = vset1(0.0f), alpha = vset1(1.0f);
     if (!vall(mx == mold)) {
       alpha = AMXS(vexp2)((mold - msafe) * cv);
@@ -47,18 +72,28 @@ static int AMXS(softmax)(float* st, int64_t nb, float c, float* mrow, float* lro
     vstore(arow + o, alpha);
     vstore(mrow + o, mx);
     for (j = 0; j + 2 <= nb; j += 2) {
-      const vf e0 = AMXS(vexp2)((vload(st + j * AMX_RC + o) - msafe) * cv);
-      const vf e1 = AMXS(vexp2)((vload(st + (j + 1) * AMX_RC + o) - msafe) * cv);
-      vstore(st + j * AMX_RC + o, e0);
-      vstore(st + (j + 1) * AMX_RC + o, e1);
+      const vf e0 = AMXS(vexp2)(vload(st + j * AMX_RC + o) * cv - mc);
+      const vf e1 = AMXS(vexp2)(vload(st + (j + 1) * AMX_RC + o) * cv - mc);
+      if (pw) {
+        AMXS(store_pairs)(pw + (j / 2) * AMX_RC + o, e0, e1, kind, hw);
+      } else {
+        vstore(st + j * AMX_RC + o, e0);
+        vstore(st + (j + 1) * AMX_RC + o, e1);
+      }
       l0 += e0;
       l1 += e1;
     }
     if (j < nb) {
-      const vf e = AMXS(vexp2)((vload(st + j * AMX_RC + o) - msafe) * cv);
-      vstore(st + j * AMX_RC + o, e);
+      const vf e = AMXS(vexp2)(vload(st + j * AMX_RC + o) * cv - mc);
+      if (pw)
+        AMXS(store_pairs)(pw + (j / 2) * AMX_RC + o, e, vset1(0.0f), kind, hw);
+      else
+        vstore(st + j * AMX_RC + o, e);
       l0 += e;
+      j += 2;
     }
+    if (pw)
+      for (; j < nbp; j += 2) AMXS(vstore_u)(pw + (j / 2) * AMX_RC + o, (vu)vset1(0.0f));
     vstore(lrow + o, l0 + l1);
   }
   return any;
@@ -83,6 +118,7 @@ struct AMXS(fwd_ctx) {
   const ab_attn_params* p;
   const AMXS(fwd_ops) * ops;
   int kind;           /* 16-bit type of the P V product (and of flash's S) */
+  int hw_bf16;        /* round P to bfloat16 with vcvtne2ps2bf16 (AMXS(store_pairs)) */
   int prescale;       /* multiply the scores by scale before masking (softcap, float mask, scale <= 0) */
   float c;            /* the softmax's factor: log2(e), times scale unless prescaled */
   float msc;          /* the running max times msc is in natural units (for lse) */
@@ -208,15 +244,16 @@ static void AMXS(fwd_range)(int64_t begin, int64_t end, void* vctx) {
       ops->score_finish(ctx, &ch, j0, nb, sq, bias, st);
       const int structural = nrows < AMX_RC || j0 < ch.all_lo || j0 + nb > ch.all_hi;
       SYM(mask_scores)(p, &s, i0, nrows, j0, nb, lo, hi, structural, st, NULL, AMX_RC, 1.0);
-      if (AMXS(softmax)(st, nb, ctx->c, mrow, lrow, arow))
+      const int drop = p->dropout_p > 0; /* dropout scales the weights as floats before they are rounded */
+      if (AMXS(softmax)(st, nb, ctx->c, mrow, lrow, arow, drop ? NULL : pw, nbp, kind, ctx->hw_bf16))
         for (int64_t d = 0; d < Dvp; ++d)
           for (int64_t v = 0; v < AMX_RC; v += VLEN)
             vstore(ot + d * AMX_RC + v, vload(ot + d * AMX_RC + v) * vload(arow + v));
-      if (p->dropout_p > 0) { /* the sum l above is of the weights before dropout */
+      if (drop) { /* the sum l above is of the weights before dropout */
         SYM(drop_factors)(p, &s, i0, nrows, j0, nb, fd, AMX_RC);
         SYM(vmul)(st, fd, nb * AMX_RC);
+        AMXS(pack_keypairs)(st, nb, nbp, kind, pw);
       }
-      AMXS(pack_keypairs)(st, nb, nbp, kind, pw);
       AMXS(gemm16)(kind, Dvp, AMX_RC, nbp / 2, vt + t * Dvp * half, AMX_NP * 2, pw, AMX_RC * 4, ot, AMX_RC * 4, 1);
     }
     if (ctx->msc != 1.0f)
@@ -357,6 +394,9 @@ static void AMXS(fwd_init)(AMXS(fwd_ctx) * ctx, const ab_attn_params* p, const A
   ctx->p = p;
   ctx->ops = ops;
   ctx->kind = kind;
+#if VLEN == 16 && !defined(AB_AMX_EMULATE)
+  ctx->hw_bf16 = kind == AMX_BF16 && ab_cpu_features_get()->avx512_bf16;
+#endif
   ctx->st.err = err;
   atomic_init(&ctx->st.status, AB_OK);
   AMXS(fwd_scale)(p, ctx, scores_scaled);
