@@ -14,6 +14,8 @@ san=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/co
 tools=(memcheck racecheck initcheck synccheck)
 if [ $# -gt 0 ] && [[ " ${tools[*]} " == *" $1 "* ]]; then tools=("$1"); shift; fi
 out=${OUT:-benchmarks/results}
+# the interpreter: $PYTHON (gpu_session.sh passes its own), else python3 or python on the PATH
+py=${PYTHON:-$(command -v python3 || command -v python)}
 mkdir -p "$out"
 export PYTORCH_NO_CUDA_MEMORY_CACHING=1
 status=0
@@ -25,7 +27,7 @@ for tool in "${tools[@]}"; do
   log="$out/sanitize-$tool.log"
   start=$(date +%s)
   "$san" --tool "$tool" "${extra[@]}" --error-exitcode 99 --target-processes all \
-    python -m pytest -q -x -p no:cacheprovider -m cuda tests "$@" > "$log" 2>&1
+    "$py" -m pytest -q -x -p no:cacheprovider -m cuda tests "$@" > "$log" 2>&1
   rc=$?
   summary=$(grep -E "ERROR SUMMARY|RACECHECK SUMMARY" "$log" | tail -1)
   echo "gpu_sanitize: $tool rc=$rc in $(( $(date +%s) - start ))s: ${summary:-no summary} ($log)"

@@ -15,7 +15,7 @@
 #   bash benchmarks/gpu_session.sh mma        # the tensor-core decode attention (attend_mma_kernel, opt-in by
 #                                             # ATTN_BACKENDS_CUDA_DECODE_KERNEL=mma) against the default
 #                                             # one: KV-cache tests (both kernels), the decode benchmark in
-#                                             # CUDA graphs with each, memcheck and racecheck on the
+#                                             # CUDA graphs with each (the 16-bit caches it serves), memcheck and racecheck on the
 #                                             # tensor-core tests: about 7 minutes
 #   bash benchmarks/gpu_session.sh lease      # all of it, shortened, in one call of under 10 minutes:
 #                                             # CUDA tests (pytest-xdist), the decode benchmark (call
@@ -47,9 +47,7 @@ mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 ATTN_BACKENDS_CUDA_FLASH=1 ATTN_BACKENDS_CUDA_SAGE=1 ATTN_BACKENDS_CUDA_DECODE=1
 py=$(command -v python3 || command -v python)
-if ! command -v python > /dev/null; then # gpu_sanitize.sh calls `python`
-  mkdir -p /tmp/ab_bin && ln -sf "$py" /tmp/ab_bin/python && export PATH="/tmp/ab_bin:$PATH"
-fi
+export PYTHON="$py" # the interpreter gpu_sanitize.sh runs pytest with
 step() { echo "== $1 ($(date +%T))"; }
 
 step "machine"
@@ -152,7 +150,7 @@ case "$what" in
     for kernel in lanes mma; do
       step "decode benchmark in CUDA graphs, ATTN_BACKENDS_CUDA_DECODE_KERNEL=$kernel"
       ATTN_BACKENDS_CUDA_DECODE_KERNEL=$kernel timeout -k 5 90 "$py" benchmarks/bench_decode.py --device cuda \
-        --rounds 5 --graph --json "$out/decode_cuda_graph_$kernel.json" > "$out/decode_graph_$kernel.log" 2>&1 \
+        --dtypes bfloat16,float16 --rounds 5 --graph --json "$out/decode_cuda_graph_$kernel.json" > "$out/decode_graph_$kernel.log" 2>&1 \
         || status=1
       tail -9 "$out/decode_graph_$kernel.log"
     done
