@@ -576,8 +576,10 @@ def timed(fn, reps):
 
 def cuda_attention_kernel() -> str:
     """The CUDA decode kernel's attention for 16-bit calls (csrc/cuda/decode.cu variant_of): "mma" (tensor
-    cores) when ATTN_BACKENDS_CUDA_DECODE_KERNEL=mma, else "lanes"; float32 calls take "lanes"."""
-    return "mma" if os.environ.get("ATTN_BACKENDS_CUDA_DECODE_KERNEL") == "mma" else "lanes"
+    cores) or "lanes" as ATTN_BACKENDS_CUDA_DECODE_KERNEL forces, else "by rows" (mma where a KV head has
+    two query rows or more: GQA, several tokens; lanes for one-token MHA); float32 calls take "lanes"."""
+    env = os.environ.get("ATTN_BACKENDS_CUDA_DECODE_KERNEL")
+    return env if env in ("mma", "lanes") else "by rows"
 
 
 def as_graph(fn, calls):

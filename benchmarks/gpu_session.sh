@@ -12,11 +12,12 @@
 #   bash benchmarks/gpu_session.sh kv         # the KV-cache tests on CUDA, then the decode benchmark call by
 #                                             # call and in CUDA graphs (with auto's route for an int
 #                                             # cache_seqlens beside torch): about 5 minutes
-#   bash benchmarks/gpu_session.sh mma        # the tensor-core decode attention (attend_mma_kernel, opt-in by
-#                                             # ATTN_BACKENDS_CUDA_DECODE_KERNEL=mma) against the default
-#                                             # one: KV-cache tests (both kernels), the decode benchmark in
-#                                             # CUDA graphs with each (the 16-bit caches it serves), memcheck and racecheck on the
-#                                             # tensor-core tests: about 7 minutes
+#   bash benchmarks/gpu_session.sh mma        # the tensor-core decode attention (attend_mma_kernel) against
+#                                             # attend_kernel (ATTN_BACKENDS_CUDA_DECODE_KERNEL=mma / lanes)
+#                                             # and the default rule: KV-cache tests (both kernels), the
+#                                             # decode benchmark in CUDA graphs with each (the 16-bit
+#                                             # caches), memcheck and racecheck on the tensor-core tests:
+#                                             # about 4 minutes
 #   bash benchmarks/gpu_session.sh lease      # all of it, shortened, in one call of under 10 minutes:
 #                                             # CUDA tests (pytest-xdist), the decode benchmark (call
 #                                             # by call, in CUDA graphs, against cache length), HF
@@ -147,7 +148,7 @@ case "$what" in
     OMP_NUM_THREADS=2 timeout -k 10 170 "$py" -m pytest -q -p no:cacheprovider -n 8 --timeout 100 -m cuda \
       tests/test_kvcache_cuda_emu.py > "$out/tests_kv.log" 2>&1 || status=1
     grep -E "^(FAILED|ERROR)|passed|failed|error" "$out/tests_kv.log" | tail -15
-    for kernel in lanes mma; do
+    for kernel in lanes mma by_rows; do  # by_rows: neither forced, decode.cu's rule (variant_of)
       step "decode benchmark in CUDA graphs, ATTN_BACKENDS_CUDA_DECODE_KERNEL=$kernel"
       ATTN_BACKENDS_CUDA_DECODE_KERNEL=$kernel timeout -k 5 90 "$py" benchmarks/bench_decode.py --device cuda \
         --dtypes bfloat16,float16 --rounds 5 --graph --json "$out/decode_cuda_graph_$kernel.json" > "$out/decode_graph_$kernel.log" 2>&1 \

@@ -78,7 +78,8 @@ def decode(dev):
 @pytest.fixture(autouse=True)
 def _lanes_unless_asked(monkeypatch):
     """attend_kernel for every test here that does not ask for a kernel (`kernel`), whatever the
-    environment says: their split counts and launch labels are attend_kernel's."""
+    environment and the default rule say (decode.cu variant_of): their split counts and launch labels are
+    attend_kernel's."""
     monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "lanes")
 
 
@@ -88,8 +89,8 @@ KERNELS = ["lanes", "mma"]
 @pytest.fixture
 def kernel(request, monkeypatch):
     """The attention kernel decode.cu launches for a 16-bit call (ATTN_BACKENDS_CUDA_DECODE_KERNEL, read
-    at every call), parametrized indirectly: attend_kernel ("lanes", the default) or attend_mma_kernel
-    ("mma", tensor cores).  float32 calls take attend_kernel either way, so they are not run twice."""
+    at every call), parametrized indirectly: attend_kernel ("lanes") or attend_mma_kernel ("mma", tensor
+    cores); unset, decode.cu picks by the query rows of a KV head.  float32 calls take attend_kernel either way, so they are not run twice."""
     monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", request.param)
     return request.param
 
@@ -249,6 +250,38 @@ def test_the_tensor_core_attention_needs_the_shared_memory_of_its_stages(decode,
             assert any(want in label and (want != "attend_kernel" or "mma" not in label) for label in ran), ran
     finally:
         lib.ab_cuda_emu_set_device_cc(80)
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dev", ["emu"], indirect=True)
+def test_the_default_attention_follows_the_query_rows_of_a_kv_head(decode, gen, monkeypatch):
+    # unset (or any other value): 16-bit calls with at least 2 query rows per KV head (tokens x query heads
+    # of a KV head) take the tensor-core attention, the H200's faster one there; one row (MHA decode) and
+    # float32 keep attend_kernel; "lanes" and "mma" force one
+    lib = emulator()
+    for env in (None, "auto"):
+        if env is None:
+            monkeypatch.delenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL")
+        else:
+            monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", env)
+        for Sq, Hq, Hkv, dt, want in ((1, 4, 4, BF16, "attend_kernel"), (1, 4, 2, BF16, "attend_mma_kernel"),
+                                      (2, 2, 2, F16, "attend_mma_kernel"), (1, 8, 2, F32, "attend_kernel"),
+                                      (1, 2, 2, F16, "attend_kernel")):
+            lib.ab_cuda_emu_reset_launch_log()
+            call = Call(KV(B=1, Sq=Sq, Hq=Hq, Hkv=Hkv, D=32, S=40, snew=1, dtype=dt), gen)
+            call.check(*run(decode, call))
+            ran = launched(lib)
+            assert any(want in label and (want != "attend_kernel" or "mma" not in label) for label in ran), (
+                env, Sq, Hq, Hkv, dt, ran)
+    for env, want in (("lanes", "attend_kernel"), ("mma", "attend_mma_kernel")):
+        monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", env)
+        for Sq, Hq, Hkv in ((1, 4, 4), (1, 4, 2)):
+            lib.ab_cuda_emu_reset_launch_log()
+            call = Call(KV(B=1, Sq=Sq, Hq=Hq, Hkv=Hkv, D=32, S=40, snew=1, dtype=BF16), gen)
+            call.check(*run(decode, call))
+            ran = launched(lib)
+            assert any(want in label and (want != "attend_kernel" or "mma" not in label) for label in ran), (
+                env, Hq, Hkv, ran)
 
 
 @pytest.mark.cuda_emu

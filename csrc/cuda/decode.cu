@@ -42,10 +42,18 @@ int64_t capacity(const ab_kvcache_params* p) {
 }
 
 // The attention kernel of a call: attend_kernel (one lane per 8 elements of a key row, float32
-// arithmetic) or attend_mma_kernel (tensor cores, 16-bit caches only).  attend_mma_kernel is opt-in
-// until a GPU has timed it: ATTN_BACKENDS_CUDA_DECODE_KERNEL=mma, read at every call, asks for it
-// (any other value, or none, keeps attend_kernel).  A device whose shared memory per block is too
-// small for its stages keeps attend_kernel too.  The stage count is decided here, once per call.
+// arithmetic) or attend_mma_kernel (tensor cores, 16-bit caches only).  On the H200 (2026-12-04,
+// docs/benchmarks.md, "Third GPU run"), in CUDA graphs, attend_mma_kernel took 0.43-0.46x
+// attend_kernel's time where a KV head has 4 query rows (GQA 32/8, one token: 0.045 against 0.105 ms,
+// 0.057 against 0.129) and 1.22x it where it has one (MHA, one token: 0.078 against 0.064 ms): its cost
+// follows keys x KV heads (16 rows a block whatever the call has), attend_kernel's keys x query rows.
+// So by default 16-bit calls whose KV heads have at least kMmaMinRows query rows (tokens x the query
+// heads of a KV head) take attend_mma_kernel, the others attend_kernel.  ATTN_BACKENDS_CUDA_DECODE_KERNEL,
+// read at every call, forces one: "mma" or "lanes".  A device whose shared memory per block is too
+// small for attend_mma_kernel's stages keeps attend_kernel.  The stage count is decided here, once
+// per call.
+constexpr int64_t kMmaMinRows = 2;  // between the measured 1 (attend_kernel faster) and 4 (mma faster)
+
 struct Variant {
   bool mma;    // attend_mma_kernel, else attend_kernel
   int stages;  // attend_mma_kernel's stages (mma_stages)
@@ -74,7 +82,10 @@ Variant variant_of(const ab_kvcache_params* p) {
   const Variant lanes{false, 0};
   if (p->q.dtype != AB_DTYPE_F16 && p->q.dtype != AB_DTYPE_BF16) return lanes;
   const char* e = getenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL");
-  if (e == nullptr || strcmp(e, "mma") != 0) return lanes;
+  const bool want = e != nullptr && strcmp(e, "mma") == 0    ? true
+                    : e != nullptr && strcmp(e, "lanes") == 0 ? false
+                                                              : p->Sq * (p->Hq / p->Hkv) >= kMmaMinRows;
+  if (!want) return lanes;
   const int optin = device_smem_optin(), kd = mma_head_dim(p->D), stages = mma_stages(kd, optin);
   return (size_t)optin >= mma_smem_bytes(kd, stages) ? Variant{true, stages} : lanes;
 }
