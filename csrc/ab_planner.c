@@ -196,8 +196,8 @@ static void torch_first(const ab_call* c, ab_plan* plan) {
 }
 
 /* KV-cache calls on CUDA in 16-bit types: our CUDA decode kernel took 1.8-5.6x torch SDPA's time there
- * (H200, bfloat16, 2026-11-27: 0.18-0.56x torch's speed; docs/benchmarks.md, "GPU"; float32 ran 2.2-5.8x
- * faster than torch and keeps it).  So torch SDPA goes first for the calls it reads in place: a dense
+ * (H200, bfloat16, 2026-11-27: 0.18-0.56x torch's speed; 2026-12-04, with the tensor-core attention for
+ * GQA: 0.40-0.55x; docs/benchmarks.md, "GPU"; float32 ran 2.2-5.8x faster than torch and keeps it).  So torch SDPA goes first for the calls it reads in place: a dense
  * cache whose rows all hold the same number of tokens, known on the host (an int cache_seqlens), with no
  * leftpad, no window, and causal only for one query token (mask 0: no mask to build, no index value to
  * read, so no synchronisation and nothing gathered).  The rest (tensor lengths, block tables, lse,
@@ -210,7 +210,7 @@ static void torch_first_kv(const ab_call* c, ab_plan* plan) {
   push(plan, AB_BK_SDPA);
   snprintf(plan->note, sizeof plan->note,
            "torch SDPA first: our CUDA decode kernel measured slower than torch SDPA in %s (H200: "
-           "0.18-0.56x its speed, docs/benchmarks.md), and this call needs no mask",
+           "0.40-0.55x its speed, docs/benchmarks.md), and this call needs no mask",
            ab_dtype_name(c->dtype));
 }
 

@@ -21,8 +21,10 @@
 // queries (queries without rotary are the caller's 16-bit values, exact).  Everything else is
 // float32, as in attend_kernel; the scale multiplies the float32 score.
 //
-// Opt-in until a GPU has timed it (decode.cu variant_of: ATTN_BACKENDS_CUDA_DECODE_KERNEL=mma); the
-// CUDA emulator runs it in every CI run.
+// The default for 16-bit calls with two query rows or more per KV head since its H200 run of
+// 2026-12-04 (decode.cu variant_of: 2.2-2.3x attend_kernel's speed in GQA, yet 0.40-0.51x torch's,
+// bound by latency at 8 warps an SM; docs/benchmarks.md, "Third GPU run"); the CUDA emulator runs it
+// in every CI run.
 #ifndef AB_DECODE_MMA_KERNEL_CUH
 #define AB_DECODE_MMA_KERNEL_CUH
 
