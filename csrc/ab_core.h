@@ -257,6 +257,7 @@ typedef struct ab_cpu_features {
   char amx_state[112];
   char vendor[13];
   char brand[49];
+  int family, model; /* CPUID leaf 1's display family and model (AMD Zen 4: 25, Zen 5: 26); 0 off x86 */
   int64_t l3_bytes; /* the L3 a core sees (CPUID's cache parameters), bytes; 0 when CPUID does not say */
 } ab_cpu_features;
 

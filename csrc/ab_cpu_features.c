@@ -54,6 +54,11 @@ static void detect(ab_cpu_features* f) {
   f->vendor[12] = 0;
 
   __cpuid(1, a, b, c, d);
+  {
+    const unsigned int base = (a >> 8) & 0xf, ext = (a >> 20) & 0xff;
+    f->family = (int)(base == 0xf ? base + ext : base);
+    f->model = (int)(((base == 0x6 || base == 0xf) ? ((a >> 16) & 0xf) << 4 : 0) | ((a >> 4) & 0xf));
+  }
   const int osxsave = (c >> 27) & 1;
   unsigned long long xcr0 = osxsave ? read_xcr0() : 0;
   const int os_avx = (xcr0 & 0x6) == 0x6;       /* XMM and YMM state */

@@ -52,6 +52,14 @@ static PyObject* ab_py_cpu_features(PyObject* self, PyObject* unused) {
   if (dict_set_str(d, "amx_state", f->amx_state) < 0) goto fail;
   if (dict_set_str(d, "vendor", f->vendor) < 0) goto fail;
   if (dict_set_str(d, "brand", f->brand) < 0) goto fail;
+  for (int i = 0; i < 2; ++i) { /* CPUID's display family and model (0 off x86) */
+    PyObject* v = PyLong_FromLong(i ? f->model : f->family);
+    if (!v || PyDict_SetItemString(d, i ? "model" : "family", v) < 0) {
+      Py_XDECREF(v);
+      goto fail;
+    }
+    Py_DECREF(v);
+  }
   PyObject* l3 = PyLong_FromLongLong((long long)f->l3_bytes); /* 0: CPUID does not say */
   if (!l3 || PyDict_SetItemString(d, "l3_bytes", l3) < 0) {
     Py_XDECREF(l3);

@@ -135,6 +135,22 @@ def test_build_info_and_cpu_features():
         assert feats["avx2"], "AVX-512 without AVX2 means the OS-support check is wrong"
 
 
+def test_the_cpu_family_and_model_are_the_ones_linux_reports():
+    # family decides the decode kernel's head-by-head scores from DRAM on AMD (csrc/cpu/decode_cpu.c
+    # scores_by_head: off on Zen 5, family 26); Linux decodes the same CPUID leaf 1 for /proc/cpuinfo
+    feats = ab._C.cpu_features()
+    assert isinstance(feats["family"], int) and isinstance(feats["model"], int)
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+    except OSError:
+        pytest.skip("no /proc/cpuinfo here")
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    if "cpu family" not in info or "model" not in info:
+        pytest.skip("/proc/cpuinfo names no x86 family and model here")
+    assert (feats["family"], feats["model"]) == (int(info["cpu family"]), int(info["model"]))
+
+
 def test_the_l3_size_is_the_one_linux_reports():
     # l3_bytes (CPUID's cache parameters) decides the decode kernel's next-keys prefetch on AMD's AVX-512
     # path (csrc/cpu/decode_cpu.c keys_next); Linux reads the same CPUID leaves for sysfs

@@ -153,10 +153,17 @@ static int pages_ahead(int dram) { return forced_or("ATTN_BACKENDS_DECODE_PAGES_
  * time with a cache the L3 holds and, from DRAM, 0.79-1.03x dense (mostly 0.91-0.98) and 0.93-1.05x
  * over 16-key blocks in five runs (docs/benchmarks.md, "Step 1 head by head").
  * The key rows are then read a head at a time, a stride the hardware prefetchers follow poorly, which
- * the next chunk's keys asked for in step 3 (keys_next) cover from DRAM there; on other CPUs (Intel's
- * AVX-512 ones with AVX512_BF16) not measured, so off.  ATTN_BACKENDS_DECODE_SCORES_BY_HEAD=1 makes it
- * in every call with bfloat16 products, =0 in none (read at every call; the same bits either way). */
-static int scores_by_head(void) { return forced_or("ATTN_BACKENDS_DECODE_SCORES_BY_HEAD", amd_avx512()); }
+ * the next chunk's keys asked for in step 3 (keys_next) cover from DRAM there.  On a Zen 5 (family 26,
+ * 2 threads, 2026-12-04, five runs of `bench_decode.py --switch SCORES_BY_HEAD`): 0.89-0.92x the time
+ * from the L3, but from DRAM 1.05-1.18x dense and 1.09-1.22x over 16-key blocks (B=8 once 0.99 dense), so
+ * from DRAM it is off there and on later families, not measured (docs/benchmarks.md, "Decode on a Zen
+ * 5").  On other CPUs (Intel's AVX-512 ones with AVX512_BF16) not measured, so off.
+ * ATTN_BACKENDS_DECODE_SCORES_BY_HEAD=1 makes it in every call with bfloat16 products, =0 in none (read
+ * at every call; the same bits either way). */
+static int scores_by_head(int dram) {
+  return forced_or("ATTN_BACKENDS_DECODE_SCORES_BY_HEAD",
+                   amd_avx512() && !(dram && ab_cpu_features_get()->family >= 26));
+}
 
 /* Whether step 1 without bfloat16 products (float32 and float16 caches, and bfloat16 ones on CPUs without
  * AVX512_BF16) takes several keys at a time, GQA with G a multiple of four and MHA (decode_cpu_impl.h,
@@ -561,7 +568,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, keys_next(dram), values_ahead(), pages_ahead(dram),
-                       bf && scores_by_head(), !bf && four_keys(p, dram), !bf && pv_wide(), !bf && pv_pairs()};
+                       bf && scores_by_head(dram), !bf && four_keys(p, dram), !bf && pv_wide(), !bf && pv_pairs()};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));
