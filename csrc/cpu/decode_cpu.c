@@ -178,11 +178,16 @@ static int scores_by_head(int dram) {
  * an AVX2 CPU, 2026-12-02"): GQA from DRAM 1.01-1.10x the time in float32 and 1.04-1.26x in bfloat16 and
  * float16; GQA with the cache in the L2 or the L3 (64 to 4096 keys, the same cache every call, alternating
  * in one process) 0.88-0.97x in every dtype; MHA 0.93-1.03x.  So there GQA takes the keys together only
- * when decode's caches fit the L3 (from_dram), MHA always.  Not measured on Intel's CPUs.
+ * when decode's caches fit the L3 (from_dram), MHA always.
+ * On the AVX-512 path against key by key out of line (an AMD Zen 5, family 26, 2 threads, 2026-12-04,
+ * docs/benchmarks.md, "Decode on a Zen 5"): from DRAM, GQA 1.07-1.15x the time in float32 and float16,
+ * 0.97-1.11x in bfloat16 without its products, MHA 1.01-1.03x in float32 and 1.04-1.14x in the 2-byte
+ * types; from the L3 0.75-0.92x.  So there it takes the keys together only when the caches fit the L3,
+ * GQA and MHA.  Not measured on Intel's CPUs, nor on Zen 4 against key by key out of line.
  * ATTN_BACKENDS_DECODE_FOUR_KEYS=1 takes the keys together in every call, =0 in none (read at every call;
  * the same bits either way). */
 static int four_keys(const ab_kvcache_params* p, int dram) {
-  const int rule = ab_cpu_isa_get() != AB_ISA_AVX2 || p->Hq == p->Hkv || !dram;
+  const int rule = !dram || (ab_cpu_isa_get() == AB_ISA_AVX2 && p->Hq == p->Hkv);
   return forced_or("ATTN_BACKENDS_DECODE_FOUR_KEYS", rule);
 }
 
