@@ -102,6 +102,7 @@ _is_compiling = torch.compiler.is_compiling
 # the matrix units this CPU may use are fixed for the process
 CPU_UNITS = _C.cpu_units()
 CPU_VENDOR = _C.cpu_vendor()
+CPU_FAMILY = _C.cpu_features()["family"]  # CPUID's display family (AMD Zen 4: 25, Zen 5: 26)
 FEW_QUERIES = _C.FEW_QUERIES  # a dense call of at most this many query tokens has few_queries set
 
 
@@ -140,12 +141,12 @@ def new_call(device=0, cuda_cc=0, cuda_lib_ok=0, dtype=0, D=64, Dv=64, gqa=False
              mask_grad=False, causal=0, window=False, softcap=False, dropout=False, need_grad=False,
              deterministic=False, want_lse=False, varlen=0, mps_fix=None, requested=0, cpu_isa=None,
              cpu_units=None, cuda_smem=0, sinks=False, alibi=False, compiling=None, cpu_vendor=None,
-             few_queries=False) -> Call:
+             few_queries=False, cpu_family=None) -> Call:
     """The one constructor of the call descriptor (fields: csrc/ab_planner.h, AB_CALL_FIELDS).  Ids, not
     names: device (DEVICE_IDS), dtype (DTYPE_IDS), causal (CAUSAL_NAMES), requested (_names.ID).  Left as
-    None, mps_fix, cpu_isa, cpu_units and cpu_vendor are this process's; the rest default to a plain
+    None, mps_fix, cpu_isa, cpu_units, cpu_vendor and cpu_family are this process's; the rest default to a plain
     dense CPU float32 call of D=64 with more than FEW_QUERIES query tokens.  _dispatch passes every field
-    but cpu_vendor by position and few_queries by keyword (the per-call path).  While torch.compile
+    but cpu_vendor and cpu_family by position and few_queries by keyword (the per-call path).  While torch.compile
     traces, the fields as a plain tuple (dynamo cannot rebuild a struct sequence as a constant); build()
     turns it into a Call, and tuples and Calls of the same fields are equal keys.
     compiling: whether torch.compile traces, when the caller already knows (None: asked here)."""
@@ -155,7 +156,8 @@ def new_call(device=0, cuda_cc=0, cuda_lib_ok=0, dtype=0, D=64, Dv=64, gqa=False
                  softcap, dropout, need_grad, deterministic, want_lse, varlen,
                  settings["mps_fix"] if mps_fix is None else mps_fix, requested,
                  _cpu_isa_index() if cpu_isa is None else cpu_isa, CPU_UNITS if cpu_units is None else cpu_units,
-                 cuda_smem, sinks, alibi, CPU_VENDOR if cpu_vendor is None else cpu_vendor, few_queries))
+                 cuda_smem, sinks, alibi, CPU_VENDOR if cpu_vendor is None else cpu_vendor, few_queries,
+                 CPU_FAMILY if cpu_family is None else cpu_family))
 
 
 def _detect_providers() -> None:

@@ -736,6 +736,7 @@ static int cpu_call(ab_state* st, ab_call* c) {
   c->cpu_isa = (int32_t)ab_cpu_isa_get();
   c->cpu_units = ab_cpu_units_detect();
   c->cpu_vendor = (int32_t)ab_cpu_vendor_detect();
+  c->cpu_family = (int32_t)ab_cpu_features_get()->family;
   return 1;
 }
 

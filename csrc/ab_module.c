@@ -290,7 +290,8 @@ int ab_call_from_py(PyObject* obj, ab_call* c) {
   if ((int)c->device < 0 || c->device >= AB_DEV_COUNT || (int)c->dtype < 0 || c->dtype > AB_DTYPE_OTHER ||
       (int)c->causal < 0 || c->causal > 2 || c->mask < 0 || c->mask > 2 || c->requested < 0 ||
       c->requested >= AB_BK_COUNT ||
-      c->cpu_isa < 0 || c->cpu_isa >= AB_ISA_COUNT || c->cpu_vendor < 0 || c->cpu_vendor >= AB_VENDOR_COUNT) {
+      c->cpu_isa < 0 || c->cpu_isa >= AB_ISA_COUNT || c->cpu_vendor < 0 || c->cpu_vendor >= AB_VENDOR_COUNT ||
+      c->cpu_family < 0) {
     PyErr_SetString(PyExc_ValueError, "plan: a field of the call is out of range");
     return -1;
   }

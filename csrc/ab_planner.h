@@ -187,7 +187,8 @@ int ab_provider_available(int id, const char** why_not);
   X(int32_t, sinks, "attention sinks are given")                                                       \
   X(int32_t, alibi, "ALiBi slopes are given")                                                          \
   X(int32_t, cpu_vendor, "0 other, 1 Intel, 2 AMD (ab_cpu_vendor): who made the CPU")                   \
-  X(int32_t, few_queries, "a dense call of Sq <= AB_FEW_QUERIES query tokens (decode); 0 when packed")
+  X(int32_t, few_queries, "a dense call of Sq <= AB_FEW_QUERIES query tokens (decode); 0 when packed") \
+  X(int32_t, cpu_family, "CPUID's display family of the CPU (AMD Zen 4: 25, Zen 5: 26); 0 off x86")
 
 /* The query tokens up to which a dense call counts as decode (ab_call.few_queries): flash's CPU forward
  * hands a forward of so few tokens to the decode kernel (csrc/cpu/flash_cpu.c; for MHA always, with

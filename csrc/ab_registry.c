@@ -378,7 +378,12 @@ uint32_t ab_our_cpu_units(int isa, int dtype) {
  *   - the same path and CPU, bfloat16 forward, D >= 128, with a float attn_mask (HF's additive one):
  *     0.91-0.95 at S=1024..2048 (2026-11-27, after the mask's gathered loads; 0.79-0.81 before them),
  *     where a bool mask measured 1.00-1.07 and no mask 1.04-1.05 (those stay ours).
- * float16 stays ours everywhere (1.2-1.8x on the avx2 path, parity on AVX-512). */
+ * float16 stays ours everywhere (1.2-1.8x on the avx2 path, parity on AVX-512).
+ * On a Zen 5 (AMD family 26, 2 threads, 2026-12-04, docs/benchmarks.md "auto against torch on a Zen 5"),
+ * whose AVX-512 units are full width, our avx512 path measured 1.3-2.0x torch in every one of those rows
+ * (float32 forward D >= 128 1.91-2.02; bfloat16 forward+backward D >= 128 1.45-1.55, with a bool mask 1.31;
+ * bfloat16 forward with a float mask 1.71-1.80), and its avx2 path at parity with torch (1.00-1.15): so the
+ * avx512 rows hold on AMD CPUs below family 26 only (amd_family_below), the others on every family. */
 typedef struct torch_faster_row {
   uint32_t isas; /* bit (1 << ab_cpu_isa) per path the row was measured on */
   ab_dtype dtype;
@@ -387,18 +392,21 @@ typedef struct torch_faster_row {
   int32_t vendor;   /* ab_cpu_vendor the row was measured on; AB_VENDOR_OTHER: any */
   int masks;        /* the attn_mask kinds (ab_call.mask: bit 0 none, 1 bool, 2 float) it holds for; a mask
                        that needs a gradient never */
-  const char* what; /* for the plan's note */
+  int32_t amd_family_below; /* on an AMD CPU the row holds below this CPUID family only; 0: every family */
+  const char* what;         /* for the plan's note */
 } torch_faster_row;
 
 #define ISA_BIT(i) (1u << (i))
 static const torch_faster_row k_torch_faster[] = {
-    {0xffffffffu, AB_DTYPE_F32, 0, 128, AB_VENDOR_OTHER, 1, "a float32 forward at D >= 128"},
-    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_BF16, 0, 64, AB_VENDOR_OTHER, 1, "a bfloat16 forward at D >= 64 on the avx2 path"},
-    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_F32, 1, 128, AB_VENDOR_OTHER, 1,
+    {~ISA_BIT(AB_ISA_AVX512), AB_DTYPE_F32, 0, 128, AB_VENDOR_OTHER, 1, 0, "a float32 forward at D >= 128"},
+    {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_F32, 0, 128, AB_VENDOR_OTHER, 1, 26, "a float32 forward at D >= 128"},
+    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_BF16, 0, 64, AB_VENDOR_OTHER, 1, 0,
+     "a bfloat16 forward at D >= 64 on the avx2 path"},
+    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_F32, 1, 128, AB_VENDOR_OTHER, 1, 0,
      "a float32 forward+backward at D >= 128 on the avx2 path"},
-    {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_BF16, 1, 128, AB_VENDOR_AMD, 7,
+    {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_BF16, 1, 128, AB_VENDOR_AMD, 7, 26,
      "a bfloat16 forward+backward at D >= 128 on the avx512 path of an AMD CPU"},
-    {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_BF16, 0, 128, AB_VENDOR_AMD, 4,
+    {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_BF16, 0, 128, AB_VENDOR_AMD, 4, 26,
      "a bfloat16 forward at D >= 128 with a float attn_mask on the avx512 path of an AMD CPU"},
 };
 #undef ISA_BIT
@@ -411,7 +419,8 @@ const char* ab_torch_cpu_faster(const ab_call* c) {
   for (size_t i = 0; i < sizeof k_torch_faster / sizeof k_torch_faster[0]; ++i) {
     const torch_faster_row* r = &k_torch_faster[i];
     if ((r->isas >> c->cpu_isa & 1u) && r->dtype == c->dtype && r->need_grad == !!c->need_grad && c->D >= r->min_D &&
-        (r->vendor == AB_VENDOR_OTHER || r->vendor == c->cpu_vendor) && (r->masks >> c->mask & 1))
+        (r->vendor == AB_VENDOR_OTHER || r->vendor == c->cpu_vendor) && (r->masks >> c->mask & 1) &&
+        !(r->amd_family_below && c->cpu_vendor == AB_VENDOR_AMD && c->cpu_family >= r->amd_family_below))
       return r->what;
   }
   return NULL;

@@ -91,6 +91,18 @@ def isa(request):
 
 
 @pytest.fixture
+def torch_first_path():
+    # the CPU kernel path on which auto sends a float32 forward at D >= 128 with no mask to torch SDPA on
+    # every CPU (csrc/ab_registry.c, the torch-faster rows): avx2 where the CPU has it, else generic.  On the
+    # avx512 path that row does not hold on AMD's family 26 and later (our kernel measured 2x torch there).
+    before = _C.cpu_isa()
+    path = "avx2" if _C.cpu_isa_supported("avx2") else "generic"
+    assert _C.set_cpu_isa(path)
+    yield path
+    _C.set_cpu_isa(before)
+
+
+@pytest.fixture
 def hf_flash_reload():
     # transformers keeps the flash functions it loaded last (per implementation name) in module
     # globals; a test that wraps ours starts and ends with that cache empty, so it counts its own

@@ -350,7 +350,7 @@ def test_fast_path_keeps_a_plan_in_use_among_many_kinds_of_calls():
 
 @pytest.mark.parametrize("how", ["use_math", "process_default", "named_math", "float64", "torch_faster",
                                  "requires_grad", "mask_grad", "int_scale", "other_backend"])
-def test_fast_path_hands_back_what_is_not_flashs_plain_forward(how):
+def test_fast_path_hands_back_what_is_not_flashs_plain_forward(how, torch_first_path):
     q = torch.randn(1, 2, 6, 16)
     for _ in range(2):  # the second call would be served if the plan allowed it
         if how == "use_math":

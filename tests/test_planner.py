@@ -22,10 +22,12 @@ DT = {"float32": 0, "float16": 1, "bfloat16": 2, "float64": 3}
 
 def plan(device=CPU, cc=0, lib=1, dtype="float32", D=64, Dv=None, gqa=0, square=1, mask=0, mask_grad=0,
          causal=0, window=0, softcap=0, dropout=0, need_grad=0, deterministic=0, want_lse=0, varlen=0,
-         mps_fix=1, requested="auto", isa=2, units=0, smem=0, vendor=0, few=0):
+         mps_fix=1, requested="auto", isa=2, units=0, smem=0, vendor=0, few=0, family=25):
+    # family: CPUID's display family, 25 (AMD Zen 3 and Zen 4) unless a test says otherwise, whatever this CPU is
     call = _planner.new_call(device, cc, lib, DT[dtype], D, D if Dv is None else Dv, gqa, square, mask, mask_grad,
                              causal, window, softcap, dropout, need_grad, deterministic, want_lse, varlen, mps_fix,
-                             _names.ID[ab.resolve(requested)], isa, units, smem, cpu_vendor=vendor, few_queries=few)
+                             _names.ID[ab.resolve(requested)], isa, units, smem, cpu_vendor=vendor, few_queries=few,
+                             cpu_family=family)
     return _planner.build(call)
 
 
@@ -174,6 +176,25 @@ def test_torch_first_for_the_bfloat16_backward_on_amds_avx512_path():
         assert plan(dtype="bfloat16", D=128, need_grad=1, vendor=AMD, **kw).chosen == "flash", kw
 
 
+def test_zen_5_keeps_our_avx512_kernels_where_zen_4_sent_calls_to_torch():
+    # on a Zen 5 (AMD family 26: full-width AVX-512 units) our avx512 path measured 1.3-2.0x torch in every
+    # avx512 torch-faster row (csrc/ab_registry.c amd_family_below), its avx2 path at parity (those rows hold)
+    rows = (dict(dtype="float32", D=128), dict(dtype="float32", D=256), dict(dtype="bfloat16", D=128, need_grad=1),
+            dict(dtype="bfloat16", D=256, need_grad=1, mask=1), dict(dtype="bfloat16", D=128, mask=2))
+    for kw in rows:
+        assert plan(vendor=AMD, family=25, **kw).chosen == "sdpa", kw
+        for family in (26, 27):
+            p = plan(vendor=AMD, family=family, **kw)
+            assert p.chosen == "flash" and not p.note and p.call["cpu_family"] == family, (kw, family)
+    # the float32 forward row holds for every family on the other makers' CPUs and on the other paths
+    assert plan(dtype="float32", D=128, vendor=INTEL, family=26).chosen == "sdpa"
+    assert plan(dtype="float32", D=128, vendor=0, family=26).chosen == "sdpa"
+    for isa in range(len(ISAS)):
+        if isa != ISAS.index("avx512"):
+            assert plan(dtype="float32", D=128, vendor=AMD, family=26, isa=isa).chosen == "sdpa", ISAS[isa]
+    assert plan(dtype="bfloat16", D=128, vendor=AMD, family=26, isa=AVX2).chosen == "sdpa"
+
+
 def test_the_rows_measured_without_a_mask_leave_masked_calls_to_us():
     for kw in (dict(dtype="float32", D=128), dict(dtype="bfloat16", D=64, isa=AVX2),
                dict(dtype="float32", D=128, need_grad=1, isa=AVX2)):
@@ -199,7 +220,7 @@ def test_decode_calls_keep_our_kernel_where_long_queries_go_to_torch():
 
 
 @pytest.mark.parametrize("Sq", [1, 4, 5])
-def test_few_queries_is_sq_up_to_four_on_both_paths(Sq):
+def test_few_queries_is_sq_up_to_four_on_both_paths(Sq, torch_first_path):
     # the Python path's descriptor and the fast path's agree (else the fast path would never serve the call)
     q, k = torch.randn(1, 4, Sq, 128), torch.randn(1, 4, 300, 128)
     plan_ = ab.explain(q, k, k)
@@ -211,8 +232,18 @@ def test_few_queries_is_sq_up_to_four_on_both_paths(Sq):
     assert _C.fast_calls() - before == (Sq <= 4)  # the fast path serves our kernel's plans only
 
 
+def test_this_process_plans_as_its_descriptor_says():
+    # the planner end to end on this CPU's own path, vendor and family: what the described call plans (on a
+    # Zen 5's avx512 path, ours for the float32 forward at D >= 128; torch SDPA on the CPUs the row holds on)
+    q = torch.randn(1, 2, 8, 128)
+    want = plan(D=128, isa=_C.cpu_isa_index(), vendor=_planner.CPU_VENDOR, family=_planner.CPU_FAMILY,
+                units=_C.cpu_units())
+    assert ab.explain(q, q, q).chosen == want.chosen and ab.explain(q, q, q).note == want.note
+
+
 def test_the_vendor_reaches_the_call():
     assert _planner.new_call().cpu_vendor == _C.cpu_vendor()
+    assert _planner.new_call().cpu_family == _C.cpu_features()["family"] == _planner.CPU_FAMILY
     expect = {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}.get(_C.cpu_features()["vendor"], "other")
     assert _planner.VENDOR_NAMES[_C.cpu_vendor()] == expect
     with pytest.raises(ValueError, match="out of range"):
@@ -221,13 +252,13 @@ def test_the_vendor_reaches_the_call():
         _C.plan(_planner.new_call(mask=3))
 
 
-def test_torch_first_for_fma_calls_end_to_end():
+def test_torch_first_for_fma_calls_end_to_end(torch_first_path):
     q = torch.randn(1, 2, 8, 128)
     p = ab.explain(q, q, q)
     assert p.chosen == "sdpa" and p.note
     assert ab.explain(q, q, q, causal=True).chosen == "flash"
     # with a gradient: ours, but on the avx2 path, where torch's forward+backward measured faster at D >= 128
-    on_avx2 = _planner.ISA_NAMES[_planner.cpu_isa()] == "avx2"
+    on_avx2 = torch_first_path == "avx2"
     assert ab.explain(q.requires_grad_(), q, q).chosen == ("sdpa" if on_avx2 else "flash")
     qd = q.detach()
     assert ab.explain(qd[..., :64], qd[..., :64], qd[..., :64]).chosen == "flash"
