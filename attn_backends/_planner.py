@@ -144,11 +144,11 @@ def new_call(device=0, cuda_cc=0, cuda_lib_ok=0, dtype=0, D=64, Dv=64, gqa=False
              few_queries=False, cpu_family=None) -> Call:
     """The one constructor of the call descriptor (fields: csrc/ab_planner.h, AB_CALL_FIELDS).  Ids, not
     names: device (DEVICE_IDS), dtype (DTYPE_IDS), causal (CAUSAL_NAMES), requested (_names.ID).  Left as
-    None, mps_fix, cpu_isa, cpu_units, cpu_vendor and cpu_family are this process's; the rest default to a plain
-    dense CPU float32 call of D=64 with more than FEW_QUERIES query tokens.  _dispatch passes every field
-    but cpu_vendor and cpu_family by position and few_queries by keyword (the per-call path).  While torch.compile
-    traces, the fields as a plain tuple (dynamo cannot rebuild a struct sequence as a constant); build()
-    turns it into a Call, and tuples and Calls of the same fields are equal keys.
+    None, mps_fix, cpu_isa, cpu_units, cpu_vendor and cpu_family are this process's; the rest default to a
+    plain dense CPU float32 call of D=64 with more than FEW_QUERIES query tokens.  _dispatch passes every
+    field but cpu_vendor and cpu_family by position and few_queries by keyword (the per-call path).  While
+    torch.compile traces, the fields as a plain tuple (dynamo cannot rebuild a struct sequence as a
+    constant); build() turns it into a Call, and tuples and Calls of the same fields are equal keys.
     compiling: whether torch.compile traces, when the caller already knows (None: asked here)."""
     if compiling is None:
         compiling = _is_compiling()

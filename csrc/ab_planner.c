@@ -197,12 +197,13 @@ static void torch_first(const ab_call* c, ab_plan* plan) {
 
 /* KV-cache calls on CUDA in 16-bit types: our CUDA decode kernel took 1.8-5.6x torch SDPA's time there
  * (H200, bfloat16, 2026-11-27: 0.18-0.56x torch's speed; 2026-12-04, with the tensor-core attention for
- * GQA: 0.40-0.55x; docs/benchmarks.md, "GPU"; float32 ran 2.2-5.8x faster than torch and keeps it).  So torch SDPA goes first for the calls it reads in place: a dense
- * cache whose rows all hold the same number of tokens, known on the host (an int cache_seqlens), with no
- * leftpad, no window, and causal only for one query token (mask 0: no mask to build, no index value to
- * read, so no synchronisation and nothing gathered).  The rest (tensor lengths, block tables, lse,
- * softcap, sinks, ALiBi) keep the kernel: torch needs a mask or a gathered copy and host copies of
- * the index values there, and took 2.5-11.4x the kernel's time (H200, benchmarks/bench_kv_routes.py). */
+ * GQA: 0.40-0.55x; docs/benchmarks.md, "GPU"; float32 ran 2.2-5.8x faster than torch and keeps it).
+ * So torch SDPA goes first for the calls it reads in place: a dense cache whose rows all hold the same
+ * number of tokens, known on the host (an int cache_seqlens), with no leftpad, no window, and causal
+ * only for one query token (mask 0: no mask to build, no index value to read, so no synchronisation and
+ * nothing gathered).  The rest (tensor lengths, block tables, lse, softcap, sinks, ALiBi) keep the
+ * kernel: torch needs a mask or a gathered copy and host copies of the index values there, and took
+ * 2.5-11.4x the kernel's time (H200, benchmarks/bench_kv_routes.py). */
 static void torch_first_kv(const ab_call* c, ab_plan* plan) {
   if (c->device != AB_DEVICE_CUDA || (c->dtype != AB_DTYPE_F16 && c->dtype != AB_DTYPE_BF16) || c->mask ||
       plan->reason[AB_BK_SDPA][0] /* torch cannot serve it: lse, softcap, sinks, ALiBi */)

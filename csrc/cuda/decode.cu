@@ -45,13 +45,13 @@ int64_t capacity(const ab_kvcache_params* p) {
 // arithmetic) or attend_mma_kernel (tensor cores, 16-bit caches only).  On the H200 (2026-12-04,
 // docs/benchmarks.md, "Third GPU run"), in CUDA graphs, attend_mma_kernel took 0.43-0.45x
 // attend_kernel's time where a KV head has 4 query rows (GQA 32/8, one token, bfloat16: 0.045 against
-// 0.103 ms, 0.057 against 0.126) and 1.22x it where it has one (MHA, one token: 0.078 against
-// 0.064 ms): its cost follows keys x KV heads (16 rows a block whatever the call has), attend_kernel's keys x query rows.
-// So by default 16-bit calls whose KV heads have at least kMmaMinRows query rows (tokens x the query
-// heads of a KV head) take attend_mma_kernel, the others attend_kernel.
-// ATTN_BACKENDS_CUDA_DECODE_KERNEL, read at every call, forces one: "mma" or "lanes".  A device whose shared memory per block is too
-// small for attend_mma_kernel's stages keeps attend_kernel.  The stage count is decided here, once
-// per call.
+// 0.103 ms, 0.057 against 0.126) and 1.22x it where it has one (MHA, one token: 0.078 against 0.064
+// ms): its cost follows keys x KV heads (16 rows a block whatever the call has), attend_kernel's keys x
+// query rows.  So by default 16-bit calls whose KV heads have at least kMmaMinRows query rows (tokens x
+// the query heads of a KV head) take attend_mma_kernel, the others attend_kernel.
+// ATTN_BACKENDS_CUDA_DECODE_KERNEL, read at every call, forces one: "mma" or "lanes".  A device whose
+// shared memory per block is too small for attend_mma_kernel's stages keeps attend_kernel.  The stage
+// count is decided here, once per call.
 constexpr int64_t kMmaMinRows = 2;  // between the measured 1 (attend_kernel faster) and 4 (mma faster)
 
 struct Variant {
