@@ -32,6 +32,14 @@ static int dict_set_str(PyObject* d, const char* key, const char* value) {
   return rc;
 }
 
+static int dict_set_int(PyObject* d, const char* key, long long value) {
+  PyObject* v = PyLong_FromLongLong(value);
+  if (!v) return -1;
+  int rc = PyDict_SetItemString(d, key, v);
+  Py_DECREF(v);
+  return rc;
+}
+
 static int dict_set_bool(PyObject* d, const char* key, int value) {
   return PyDict_SetItemString(d, key, value ? Py_True : Py_False);
 }
@@ -52,20 +60,10 @@ static PyObject* ab_py_cpu_features(PyObject* self, PyObject* unused) {
   if (dict_set_str(d, "amx_state", f->amx_state) < 0) goto fail;
   if (dict_set_str(d, "vendor", f->vendor) < 0) goto fail;
   if (dict_set_str(d, "brand", f->brand) < 0) goto fail;
-  for (int i = 0; i < 2; ++i) { /* CPUID's display family and model (0 off x86) */
-    PyObject* v = PyLong_FromLong(i ? f->model : f->family);
-    if (!v || PyDict_SetItemString(d, i ? "model" : "family", v) < 0) {
-      Py_XDECREF(v);
-      goto fail;
-    }
-    Py_DECREF(v);
-  }
-  PyObject* l3 = PyLong_FromLongLong((long long)f->l3_bytes); /* 0: CPUID does not say */
-  if (!l3 || PyDict_SetItemString(d, "l3_bytes", l3) < 0) {
-    Py_XDECREF(l3);
+  /* CPUID's display family and model (0 off x86); the L3 one core sees (0: CPUID does not say) */
+  if (dict_set_int(d, "family", f->family) < 0 || dict_set_int(d, "model", f->model) < 0 ||
+      dict_set_int(d, "l3_bytes", (long long)f->l3_bytes) < 0)
     goto fail;
-  }
-  Py_DECREF(l3);
   return d;
 fail:
   Py_DECREF(d);
