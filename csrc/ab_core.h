@@ -263,6 +263,10 @@ typedef struct ab_cpu_features {
 
 const ab_cpu_features* ab_cpu_features_get(void);
 
+/* AMD's CPUID family of Zen 5: from it on, rules measured on Zen 4 (family 25) are not assumed to hold
+ * (the torch-faster rows' amd_family_below, csrc/ab_registry.c; decode's scores_by_head, decode_cpu.c). */
+#define AB_AMD_FAMILY_ZEN5 26
+
 /* Who made the CPU, from CPUID's vendor string: two makers' cores on the same ISA path can rank our
  * kernels and torch's differently (the planner's ab_call.cpu_vendor, ab_torch_cpu_faster), and can
  * want different prefetches (the decode kernel, csrc/cpu/decode_cpu.c). */

@@ -399,14 +399,15 @@ typedef struct torch_faster_row {
 #define ISA_BIT(i) (1u << (i))
 static const torch_faster_row k_torch_faster[] = {
     {~ISA_BIT(AB_ISA_AVX512), AB_DTYPE_F32, 0, 128, AB_VENDOR_OTHER, 1, 0, "a float32 forward at D >= 128"},
-    {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_F32, 0, 128, AB_VENDOR_OTHER, 1, 26, "a float32 forward at D >= 128"},
+    {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_F32, 0, 128, AB_VENDOR_OTHER, 1, AB_AMD_FAMILY_ZEN5,
+     "a float32 forward at D >= 128"},
     {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_BF16, 0, 64, AB_VENDOR_OTHER, 1, 0,
      "a bfloat16 forward at D >= 64 on the avx2 path"},
     {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_F32, 1, 128, AB_VENDOR_OTHER, 1, 0,
      "a float32 forward+backward at D >= 128 on the avx2 path"},
-    {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_BF16, 1, 128, AB_VENDOR_AMD, 7, 26,
+    {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_BF16, 1, 128, AB_VENDOR_AMD, 7, AB_AMD_FAMILY_ZEN5,
      "a bfloat16 forward+backward at D >= 128 on the avx512 path of an AMD CPU"},
-    {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_BF16, 0, 128, AB_VENDOR_AMD, 4, 26,
+    {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_BF16, 0, 128, AB_VENDOR_AMD, 4, AB_AMD_FAMILY_ZEN5,
      "a bfloat16 forward at D >= 128 with a float attn_mask on the avx512 path of an AMD CPU"},
 };
 #undef ISA_BIT

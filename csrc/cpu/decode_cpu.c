@@ -162,7 +162,7 @@ static int pages_ahead(int dram) { return forced_or("ATTN_BACKENDS_DECODE_PAGES_
  * at every call; the same bits either way). */
 static int scores_by_head(int dram) {
   return forced_or("ATTN_BACKENDS_DECODE_SCORES_BY_HEAD",
-                   amd_avx512() && !(dram && ab_cpu_features_get()->family >= 26));
+                   amd_avx512() && !(dram && ab_cpu_features_get()->family >= AB_AMD_FAMILY_ZEN5));
 }
 
 /* Whether step 1 without bfloat16 products (float32 and float16 caches, and bfloat16 ones on CPUs without
