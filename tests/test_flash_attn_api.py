@@ -56,6 +56,14 @@ def test_func_aligns_causal_and_windows_as_flash_attn(dtype, Sq, Sk, causal, win
     q = torch.randn(2, Sq, 4, 24, generator=g).to(dtype)
     k = torch.randn(2, Sk, 2, 24, generator=g).to(dtype)
     v = torch.randn(2, Sk, 2, 24, generator=g).to(dtype)
+    served = []  # the backend the plan gives each call, read off the call flash_attn_func makes
+    attention = ab.attention
+
+    def planned(*args, **kw):
+        served.append(ab.explain(*args, **kw).chosen)
+        return attention(*args, **kw)
+
+    monkeypatch.setattr(ab, "attention", planned)
     out, lse, none = fa.flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
     assert none is None and out.shape == (2, Sq, 4, 24) and lse.shape == (2, 4, Sq) and lse.dtype == torch.float32
     r_out, r_lse = ref_bshd(q, k, v, causal, window)
@@ -67,17 +75,7 @@ def test_func_aligns_causal_and_windows_as_flash_attn(dtype, Sq, Sk, causal, win
     assert (out[:, dead] == 0).all() and (lse[..., dead] == float("-inf")).all()
     # without return_attn_probs: the same output alone, bit for bit where the same backend serves both (on
     # CPUs where auto sends a call without lse to torch SDPA first, bfloat16 on AMX, the 2x rule instead)
-    served = []  # the backend the plan gives each call, read off the call flash_attn_func makes
-
-    def planned(*args, **kw):
-        served.append(ab.explain(*args, **kw).chosen)
-        return attention(*args, **kw)
-
-    attention = ab.attention
-    with monkeypatch.context() as m:
-        m.setattr(ab, "attention", planned)
-        fa.flash_attn_func(q, k, v, causal=causal, window_size=window, return_attn_probs=True)
-        alone = fa.flash_attn_func(q, k, v, causal=causal, window_size=window)
+    alone = fa.flash_attn_func(q, k, v, causal=causal, window_size=window)
     assert len(served) == 2
     if served[0] == served[1]:
         assert torch.equal(alone, out)
