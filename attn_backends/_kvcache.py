@@ -357,18 +357,22 @@ def _rows16(t: torch.Tensor) -> bool:
 _warned = set()
 _GRID_Y = 65535  # a CUDA grid's y dimension
 _KEYS_32 = 2**31  # the CUDA kernels count a row's keys in 32 bits
+_BLOCKS_32 = 2**31  # and attend_kernel names a paged cache's blocks in 32 bits
 
 
 def _cuda_kernel_takes(c: KVCall) -> bool:
     """Whether the CUDA decode kernel takes the call's sizes (csrc/cuda/decode.cu, ab_cuda_kvcache_fwd):
     its grids take B rows (the cache write's y) and Hkv times the row tiles of the query rows of a KV
     head (the attention's y), tiles of up to 8 rows as attend_kernel takes them (the tensor-core
-    attention's tiles of 16 need fewer), up to 65535 each; it counts a row's keys in 32 bits."""
+    attention's tiles of 16 need fewer), up to 65535 each; it counts a row's keys in 32 bits, and
+    names a paged cache's blocks in 32 bits (attend_kernel's look-ahead of the block table)."""
     B, Sq, Hq, _ = c.q.shape
     Hkv = c.k_cache.shape[2]
     rows = Sq * (Hq // Hkv)
     per_tile = 1 if rows <= 1 else 2 if rows <= 2 else 4 if rows <= 4 else 8
-    return B <= _GRID_Y and Hkv * -(-rows // per_tile) <= _GRID_Y and capacity(c.k_cache, c.block_table) < _KEYS_32
+    blocks = c.k_cache.shape[0] if c.block_table is not None else 0
+    return (B <= _GRID_Y and Hkv * -(-rows // per_tile) <= _GRID_Y and capacity(c.k_cache, c.block_table) < _KEYS_32
+            and blocks < _BLOCKS_32)
 
 
 # Whether calls on a GPU read their index values back to check them on the host first (below).

@@ -206,12 +206,14 @@ def test_every_kernel_variant_runs(decode, gen, monkeypatch):
     names = {F16: "__half", BF16: "__nv_bfloat16", F32: "float"}
     expect = set()
     for dt in (F16, BF16, F32):
-        # query rows per KV head 1, 2, 4 and 8: the four row tiles
+        # query rows per KV head 1, 2, 4 and 8: the four row tiles; dense and paged (attend_kernel<..., true>
+        # reads the block table a step ahead)
         for Sq, Hq, Hkv in ((1, 2, 2), (2, 2, 2), (1, 8, 2), (2, 4, 1)):
-            call = Call(KV(B=1, Sq=Sq, Hq=Hq, Hkv=Hkv, D=16, S=40, snew=1, dtype=dt), gen)
-            call.check(*run(decode, call, num_splits=2))
-            rows = min(8, Sq * Hq // Hkv)
-            expect.add(f"launch_attend<T = {names[dt]}, int kRows = {rows}>: attend_kernel<T, kRows>")
+            for block, paged in ((None, "false"), (16, "true")):
+                call = Call(KV(B=1, Sq=Sq, Hq=Hq, Hkv=Hkv, D=16, S=40, block=block, snew=1, dtype=dt), gen)
+                call.check(*run(decode, call, num_splits=2))
+                rows = min(8, Sq * Hq // Hkv)
+                expect.add(f"launch_attend<T = {names[dt]}, int kRows = {rows}>: attend_kernel<T, kRows, {paged}>")
         expect.add(f"run<T = {names[dt]}>: append_kernel<T>")
         expect.add(f"run<T = {names[dt]}>: merge_kernel<T>")
     # the tensor-core attention, 16-bit: head dims rounded up to 64, 128 and 256; 3 stages where the
@@ -573,21 +575,44 @@ def test_the_op_called_directly_gets_one_check_for_both_kernels(what, over, msg,
     assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1])
 
 
-@pytest.mark.parametrize("limit", ["grid", "keys"])
+@pytest.mark.cuda_emu
+def test_the_cuda_op_refuses_a_pool_of_2_31_blocks():
+    """attend_kernel keeps the blocks it reads a step ahead in 32 bits: a pool of 2**31 blocks (here a
+    stride-0 view, no memory behind it) is refused by the launcher with a clear error, not read at a
+    wrapped block id (attn_backends' own calls take the exact route before it: _cuda_kernel_takes)."""
+    from cuda_devices import emulation_default, set_emulation
+
+    pool = torch.zeros(1, 16, 2, 16).expand(2**31, 16, 2, 16)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    args = _op_args(k_cache=pool, v_cache=pool, k=None, v=None, block_table=table)
+    set_emulation(True)
+    try:
+        with pytest.raises(RuntimeError, match="paged caches of fewer than 2\\^31 blocks"):
+            torch.ops.attn_backends.kvcache_fwd(*args.values())
+    finally:
+        set_emulation(emulation_default())
+
+
+@pytest.mark.parametrize("limit", ["grid", "keys", "blocks"])
 @pytest.mark.parametrize("dev", [pytest.param("emu", marks=pytest.mark.cuda_emu)], indirect=True)
 def test_a_call_past_the_cuda_grids_takes_the_exact_route_over_the_gathered_cache(limit, decode, monkeypatch, gen):
     """The CUDA kernel's grids take B and Hkv * row tiles up to 65535 (a very long chunked prefill has
     more), and it counts a row's keys in 32 bits: a call past either takes the exact route over the
     gathered cache (torch ops, any dtype) instead of failing in the launcher or wrapping a key
-    offset.  The limits are lowered here so that a small call crosses them."""
+    offset; so does a paged pool of 2**31 blocks or more (attend_kernel names a block in 32 bits).  The
+    limits are lowered here so that a small call crosses them."""
     from attn_backends import _kvcache
 
-    call = Call(KV(B=2, Sq=3, Hq=4, Hkv=2, D=16, S=40, snew=3, causal=True), gen)
+    call = Call(KV(B=2, Sq=3, Hq=4, Hkv=2, D=16, S=40, snew=3, causal=True, block=16 if limit == "blocks" else None),
+                gen)
     want = cpu_kernel(decode, call)
     if limit == "grid":  # 2 KV heads x 1 row tile (6 rows a head, tiles of 8) = 2 > 1
         monkeypatch.setattr(_kvcache, "_GRID_Y", 1)
-    else:  # 40 positions a row
+    elif limit == "keys":  # 40 positions a row
         monkeypatch.setattr(_kvcache, "_KEYS_32", 40)
+    else:  # the pool's blocks
+        assert call.k_cache.shape[0] >= 6
+        monkeypatch.setattr(_kvcache, "_BLOCKS_32", call.k_cache.shape[0])
     emulator().ab_cuda_emu_reset_launch_log()
     out, lse = run(decode, call)
     ran = launched(emulator())

@@ -147,7 +147,7 @@ size_t workspace_for(const ab_kvcache_params* p, int64_t nsplit) {
   } while (0)
 
 // The shared check of a KV-cache call (csrc/ab_params.c: shapes, dtypes, devices, options), then this
-// kernel's own limits: head dims, 16-byte cache rows, one dtype for the rotary tables.
+// kernel's own limits: head dims, 16-byte cache rows, one dtype for the rotary tables, the pool's blocks.
 ab_status check_call(const ab_kvcache_params* p, ab_error* err) {
   TRY(ab_kvcache_params_check(p, AB_DEVICE_CUDA, err));
   if (p->D % kChunk || p->D > kMaxHeadDim)
@@ -166,6 +166,9 @@ ab_status check_call(const ab_kvcache_params* p, ab_error* err) {
   }
   if (p->rotary_cos.ndim && p->rotary_sin.dtype != p->rotary_cos.dtype)
     return ab_error_set(err, AB_ERR_UNSUPPORTED, "the CUDA decode kernel takes rotary_cos and rotary_sin of one dtype");
+  // attend_kernel keeps the blocks it looks up a step ahead in 32 bits (decode_kernel.cuh look_up)
+  if (paged(p) && p->k_cache.sizes[0] > INT32_MAX)
+    return ab_error_set(err, AB_ERR_UNSUPPORTED, "the CUDA decode kernel takes paged caches of fewer than 2^31 blocks");
   return AB_OK;
 }
 
@@ -282,7 +285,10 @@ template <typename T, int kRows>
 ab_status launch_attend(const DecodeParams& d, cudaStream_t stream, ab_error* err) {
   const size_t smem = sizeof(float) * (size_t)(kRows * d.D + kWarps * kRows * d.D + kWarps * kRows * 2 + 1);
   const dim3 grid((unsigned)(d.nsplit * d.B), (unsigned)(d.Hkv * d.row_tiles));
-  AB_LAUNCH(grid, kThreads, smem, stream, attend_kernel<T, kRows>)(d);
+  if (d.block_size > 0)
+    AB_LAUNCH(grid, kThreads, smem, stream, attend_kernel<T, kRows, true>)(d);
+  else
+    AB_LAUNCH(grid, kThreads, smem, stream, attend_kernel<T, kRows, false>)(d);
   return ab_cuda_check(cudaGetLastError(), "kvcache_fwd attention launch", err);
 }
 

@@ -170,19 +170,31 @@ struct Slot {
   int64_t first, at;
 };
 
-__device__ __forceinline__ Slot slot_of(const DecodeParams& p, int64_t b, int64_t row, int64_t pos) {
-  if (p.block_size == 0) return Slot{row, pos};
+// pos / block_size and pos % block_size (a paged cache's block and place in it)
+struct BlockPos {
   int64_t q, r;
+};
+
+__device__ __forceinline__ BlockPos block_pos(const DecodeParams& p, int64_t pos) {
   if (p.bs_fast) {
     const uint32_t x = (uint32_t)pos, qq = p.bs_mul ? __umulhi(x, p.bs_mul) >> p.bs_shift : x;
-    q = qq;
-    r = x - qq * (uint32_t)p.block_size;
-  } else {
-    q = pos / p.block_size;
-    r = pos % p.block_size;
+    return BlockPos{(int64_t)qq, (int64_t)(x - qq * (uint32_t)p.block_size)};
   }
-  const int64_t blk = index_at(p.block_table, b, q);
-  return blk < 0 || blk >= p.num_blocks ? Slot{-1, 0} : Slot{blk, r};
+  return BlockPos{pos / p.block_size, pos % p.block_size};
+}
+
+// The cache's first-dim index of position pos of batch row b: the row of a dense cache, the block the
+// table names in a paged one (a read of the table), -1 where it names none of the cache.
+__device__ __forceinline__ int64_t first_of(const DecodeParams& p, int64_t b, int64_t row, int64_t pos) {
+  if (p.block_size == 0) return row;
+  const int64_t blk = index_at(p.block_table, b, block_pos(p, pos).q);
+  return blk < 0 || blk >= p.num_blocks ? -1 : blk;
+}
+
+__device__ __forceinline__ Slot slot_of(const DecodeParams& p, int64_t b, int64_t row, int64_t pos) {
+  const int64_t first = first_of(p, b, row, pos);
+  if (p.block_size == 0 || first < 0) return Slot{first, first < 0 ? 0 : pos};
+  return Slot{first, block_pos(p, pos).r};
 }
 
 // Element offset of (slot s, head h, element 0) in a cache of strides cs, or -1 where s has no block.
@@ -323,19 +335,37 @@ template <typename T, int kRows> struct Unroll {
   static constexpr int value = (sizeof(T) == 4 || kRows >= 8) ? 2 : AB_DECODE_UNROLL16;
 };
 
-// The chunks cl of K and V of keys j0 + u * spread, u < U (zeros for a lane past the row's chunks);
-// have[u] = whether the key is one of the split's keys [.., ke) and in the cache; hole is set where
-// a key of the split lies in a block the block table does not name.
-template <typename T, int U>
+// The block each of keys j0 + u * spread (u < U) lies in, as first_of gives it (-1 where the table
+// names none of the cache), and -1 past the split's end [.., ke), where nothing is read.  A read of
+// the block table, which the keys' K and V loads wait on: attend_kernel looks a step's keys up a step
+// before it loads them (load_keys), so that the table's read overlaps a step's arithmetic instead of
+// preceding the loads.  A dense cache (kPaged false) reads no table and keeps nothing here.
+template <bool kPaged, int U>
+__device__ __forceinline__ void look_up(const DecodeParams& p, const Row& r, int64_t b, int64_t j0, int64_t spread,
+                                        int64_t ke, int32_t (&first)[U]) {
+  if constexpr (kPaged) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int64_t j = j0 + u * spread;
+      first[u] = j < ke ? (int32_t)first_of(p, b, r.row, j) : -1;  // decode.cu: num_blocks < 2^31
+    }
+  }
+}
+
+// The chunks cl of K and V of keys j0 + u * spread, u < U (zeros for a lane past the row's chunks), in
+// the blocks look_up found (kPaged) or in the row of a dense cache; have[u] = whether the key is one
+// of the split's keys [.., ke) and in the cache; hole is set where a key of the split lies in a block
+// the block table does not name.
+template <typename T, bool kPaged, int U>
 __device__ __forceinline__ void load_keys(const DecodeParams& p, const Row& r, int64_t b, int64_t hkv, int64_t j0,
-                                          int64_t spread, int64_t ke, int cl, bool has_chunk, Raw<T> (&kr)[U],
+                                          int64_t spread, int64_t ke, int cl, bool has_chunk, const int32_t (&first)[U], Raw<T> (&kr)[U],
                                           Raw<T> (&vr)[U], bool (&have)[U], bool& hole) {
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int64_t j = j0 + u * spread;
     int64_t ko = -1, vo = -1;
-    if (j < ke) {  // one block lookup for the key and its value
-      const Slot sl = slot_of(p, b, r.row, j);
+    if (j < ke) {  // one block for the key and its value
+      const Slot sl = kPaged ? Slot{first[u], block_pos(p, j).r} : slot_of(p, b, r.row, j);
       ko = slot_off(sl, p.ks, hkv);
       vo = slot_off(sl, p.vs, hkv);
     }
@@ -447,8 +477,12 @@ __device__ __forceinline__ void write_rows(const DecodeParams& p, const float* r
 // are out of range (possible only where the host did not check them: attn_backends/_kvcache.py
 // run_cuda_kernel) reads and writes no position outside the caches, and its rows come out NaN, out
 // and lse; so do the rows of a tile that would read a key in a block the block table does not name.
-template <typename T, int kRows>
-__global__ void __launch_bounds__(kThreads, AB_DECODE_MIN_BLOCKS) attend_kernel(const DecodeParams p) {
+// kPaged: the cache is paged (p.block_size > 0), its block table read a step ahead (look_up).  The
+// look-ahead takes registers: with one query row, 134-138 against 123-128 dense (ptxas, sm_90a), which
+// would leave 3 blocks an SM where the dense kernel has 4 (kBlocksPerSM in decode.cu), so the paged
+// one-row kernels are held to 4 blocks an SM (128 registers, 24-32 bytes of spills).
+template <typename T, int kRows, bool kPaged>
+__global__ void __launch_bounds__(kThreads, kPaged && kRows == 1 ? 4 : AB_DECODE_MIN_BLOCKS) attend_kernel(const DecodeParams p) {
   constexpr int U = Unroll<T, kRows>::value;
   extern __shared__ unsigned char smem_raw[];
   float* qs = reinterpret_cast<float*>(smem_raw);
@@ -509,13 +543,18 @@ __global__ void __launch_bounds__(kThreads, AB_DECODE_MIN_BLOCKS) attend_kernel(
   const int64_t mine = warp * (32 / L) + sub;  // this lane's first key in each step
   Raw<T> kr[U], vr[U];
   bool have[U], hole = false;
-  load_keys<T, U>(p, r, b, hkv, ks + mine, spread, ke, cl, has_chunk, kr, vr, have, hole);
+  int32_t first[U];
+  look_up<kPaged, U>(p, r, b, ks + mine, spread, ke, first);
+  load_keys<T, kPaged, U>(p, r, b, hkv, ks + mine, spread, ke, cl, has_chunk, first, kr, vr, have, hole);
+  look_up<kPaged, U>(p, r, b, ks + mine + step, spread, ke, first);
   for (int64_t base = ks; base < ke; base += step) {
     const int64_t j0 = base + mine;
-    // the next step's keys are requested before this one's arithmetic: their loads overlap it
+    // the next step's keys are requested before this one's arithmetic: their loads overlap it; the
+    // block table's entries of the step after are read now, for the next step's requests
     Raw<T> nk[U], nv[U];
     bool next_have[U];
-    load_keys<T, U>(p, r, b, hkv, j0 + step, spread, ke, cl, has_chunk, nk, nv, next_have, hole);
+    load_keys<T, kPaged, U>(p, r, b, hkv, j0 + step, spread, ke, cl, has_chunk, first, nk, nv, next_have, hole);
+    look_up<kPaged, U>(p, r, b, j0 + 2 * step, spread, ke, first);
     float kx[U][kChunk], vx[U][kChunk];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
