@@ -159,14 +159,31 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
     }
     return w;
   };
+  // The row's start is picked once (a key without one reads nothing: its chunks are zero-filled, their
+  // addresses those of the cache's first row, which every call with a key has); where the head dim
+  // fills kD (block-uniform) each chunk is then the copy alone, at a constant offset, without a
+  // 64-bit address and a branch per chunk.
+  constexpr uint32_t kVBytes = (uint32_t)(kStages * kMmaKeys * kLd * sizeof(T));  // sV - sK
+  const bool full = p.D == kD;
   auto load_tile = [&](const Where& w, int st) {
-    T* dk = sK + (st * kMmaKeys + my_key) * kLd;
-    T* dv = sV + (st * kMmaKeys + my_key) * kLd;
+    // this thread's chunks my_half, my_half + 2, ...: from here on at constant offsets
+    const uint32_t dk = ab_flash::smem_u32(sK + (st * kMmaKeys + my_key) * kLd + my_half * 8), dv = dk + kVBytes;
+    const bool valid = w.ko >= 0;
+    const T* kp = valid ? kc + w.ko + my_half * 8 : kc;
+    const T* vp = valid ? vc + w.vo + my_half * 8 : vc;
+    if (full) {
 #pragma unroll
-    for (int c = my_half; c < kChunks; c += 2) {
-      const bool valid = w.ko >= 0 && c * 8 < p.D;
-      ab_flash::cp_async_16(ab_flash::smem_u32(dk + c * 8), valid ? kc + w.ko + c * 8 : kc, valid);
-      ab_flash::cp_async_16(ab_flash::smem_u32(dv + c * 8), valid ? vc + w.vo + c * 8 : vc, valid);
+      for (int c = 0; c < kChunks; c += 2) {
+        ab_flash::cp_async_16(dk + c * 16, kp + c * 8, valid);
+        ab_flash::cp_async_16(dv + c * 16, vp + c * 8, valid);
+      }
+    } else {
+#pragma unroll
+      for (int c = 0; c < kChunks; c += 2) {
+        const bool in = valid && (c + my_half) * 8 < p.D;
+        ab_flash::cp_async_16(dk + c * 16, in ? kp + c * 8 : kp, in);
+        ab_flash::cp_async_16(dv + c * 16, in ? vp + c * 8 : vp, in);
+      }
     }
   };
 
