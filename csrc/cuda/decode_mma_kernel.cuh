@@ -215,25 +215,40 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
     next = lookup(i + kStages);  // read during this tile's arithmetic, used at the next iteration
     const uint32_t soff = (uint32_t)(i % kStages) * kStageBytes;
 
-    // S = Q K^T for this warp's 16 keys: s[nt] holds rows g, g + 8 and keys 8 nt + 2t, + 1
-    float s[2][4];
+    // S = Q K^T for this warp's 16 keys: s[nt] holds rows g, g + 8 and keys 8 nt + 2t, + 1.  Up to
+    // head dim 128 the k16 steps go into kChains independent accumulators (even steps, odd steps),
+    // added at the end: each mma waits on the one kChains steps before it, not on the last (the
+    // warps are few and wait on such chains, docs/decode.md); at 256 the registers are all taken.
+    constexpr int kChains = kD <= 128 ? 2 : 1;
+    float s[2][4], sc[kChains][2][4];
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+    for (int c = 0; c < kChains; ++c)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] = 0.0f;
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sc[c][nt][e] = 0.0f;
 #pragma unroll 4
     for (int kk = 0; kk < kD / 16; ++kk) {
+      float(&acc)[2][4] = sc[kk % kChains];
       uint32_t qa[4], kb[4];
       ab_flash::ldmatrix_x4(qa, q_addr + kk * 32);
       ab_flash::ldmatrix_x4(kb, k_addr0 + soff + kk * 32);
-      Ops::mma(s[0], qa, kb[0], kb[1]);
-      Ops::mma(s[1], qa, kb[2], kb[3]);
+      Ops::mma(acc[0], qa, kb[0], kb[1]);
+      Ops::mma(acc[1], qa, kb[2], kb[3]);
       if (q_split) {
         ab_flash::ldmatrix_x4(qa, qlo_addr + kk * 32);
-        Ops::mma(s[0], qa, kb[0], kb[1]);
-        Ops::mma(s[1], qa, kb[2], kb[3]);
+        Ops::mma(acc[0], qa, kb[0], kb[1]);
+        Ops::mma(acc[1], qa, kb[2], kb[3]);
       }
     }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = sc[0][nt][e];
+#pragma unroll
+        for (int c = 1; c < kChains; ++c) s[nt][e] += sc[c][nt][e];
+      }
 
     // scores as attend_kernel takes them (scale, softcap, ALiBi, in float32), then base 2; keys a
     // row does not see are -inf.  The online softmax per row, the row's max shared by its 4 lanes.
