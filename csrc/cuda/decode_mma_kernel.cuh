@@ -98,18 +98,39 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
   // and past D.  Unrotated queries are q's own 16-bit values: lo is 0 and its products are skipped.
   const bool q_split = p.rot_half > 0;
   const T* qd = static_cast<const T*>(p.q);
-  for (int e = tid; e < kMmaRows * kD; e += kThreads) {
-    const int rr = e / kD, d = e % kD;
-    float x = 0.0f;
-    if (rr < nr && d < p.D) {
-      const int64_t tq = (r0 + rr) / p.G, hq = hkv * p.G + (r0 + rr) % p.G;
-      const int64_t base = b * p.qs[0] + tq * p.qs[1] + hq * p.qs[2];
-      auto at = [&](int64_t i) { return to_f(qd[base + i * p.qs[3]]); };
-      x = q_split ? rotated(p, r.seq + (p.q_per_token ? tq : 0), d, at) : at(d);
+  auto q_at = [&](int rr) {  // element offset of query row r0 + rr of q
+    const int64_t tq = (r0 + rr) / p.G, hq = hkv * p.G + (r0 + rr) % p.G;
+    return b * p.qs[0] + tq * p.qs[1] + hq * p.qs[2];
+  };
+  if (!q_split) {
+    // every element this thread copies is loaded first, the loads in flight together, then stored:
+    // a loop of load-then-store waited for each load in turn (sQlo is not read: q_split is false)
+    constexpr int kPer = kMmaRows * kD / kThreads;
+    static_assert(kMmaRows * kD % kThreads == 0, "whole rounds of the block's threads");
+    T v[kPer];
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = tid + i * kThreads, rr = e / kD, d = e % kD;
+      v[i] = rr < nr && d < p.D ? qd[q_at(rr) + d * p.qs[3]] : from_f<T>(0.0f);
     }
-    const T hi = from_f<T>(x);
-    sQ[rr * kLd + d] = hi;
-    sQlo[rr * kLd + d] = from_f<T>(x - to_f(hi));
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int e = tid + i * kThreads;
+      sQ[e / kD * kLd + e % kD] = v[i];
+    }
+  } else {
+    for (int e = tid; e < kMmaRows * kD; e += kThreads) {
+      const int rr = e / kD, d = e % kD;
+      float x = 0.0f;
+      if (rr < nr && d < p.D) {
+        const int64_t base = q_at(rr);
+        auto at = [&](int64_t i) { return to_f(qd[base + i * p.qs[3]]); };
+        x = rotated(p, r.seq + (p.q_per_token ? (r0 + rr) / p.G : 0), d, at);
+      }
+      const T hi = from_f<T>(x);
+      sQ[rr * kLd + d] = hi;
+      sQlo[rr * kLd + d] = from_f<T>(x - to_f(hi));
+    }
   }
   if (tid == 0) *holes = 0;
   __syncthreads();  // holes is 0 before any copy can set it
