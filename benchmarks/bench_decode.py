@@ -11,7 +11,9 @@ of them alike; the table shows medians over rounds:
   - sdpa: torch.nn.functional.scaled_dot_product_attention on the dense equivalent, q (B, Hq, 1, D)
     and contiguous k, v (B, Hkv, Sk, D) with enable_gqa (the layout torch likes best);
   - GB/s = K and V bytes / time, and its % of the measured read bandwidth; ratio = sdpa / ours and
-    paged = paged / dense, each the median over rounds of the two times in the same round.
+    paged = paged / dense; each of the three the median over rounds of its value within one round
+    (the % since 2026-12-04: before, the median GB/s over the median probe, which a probe that moves
+    between rounds moves too).
 
 Every candidate reads a different copy of its cache than the call before it, with enough copies
 that they do not fit in the last-level cache, so each call streams from memory.  Shapes (issue
@@ -600,9 +602,10 @@ def as_graph(fn, calls):
 
 
 def measure(case: Case, rounds: int, probe, blocks):
-    """Medians over rounds of seconds per call for each candidate, of the read bandwidth, and of each
-    candidate's time over ours in the same round (a round's ratio cancels what drifts between rounds:
-    the machine's bandwidth moves by tens of percent here)."""
+    """Medians over rounds of seconds per call for each candidate, of the read bandwidth, of each
+    candidate's time over ours in the same round, and of each candidate's GB/s of K and V over the read
+    bandwidth of the same round (a round's ratio cancels what drifts between rounds: the machine's
+    bandwidth moves by tens of percent here)."""
     cands = {"ours": case.ours, "sdpa": case.torch_sdpa}
     for b in blocks:
         cands[f"paged{b}"] = case.paged_fn(b)
@@ -626,14 +629,15 @@ def measure(case: Case, rounds: int, probe, blocks):
         for name, fn in cands.items():
             times[name].append(timed(fn, reps) / per[name])
     ratios = {n: statistics.median(a / b for a, b in zip(t, times["ours"])) for n, t in times.items() if n != "ours"}
-    return {n: statistics.median(t) for n, t in times.items()}, statistics.median(bw), ratios
+    reads = {n: statistics.median(case.kv_bytes / a / r for a, r in zip(t, bw)) for n, t in times.items()}
+    return {n: statistics.median(t) for n, t in times.items()}, statistics.median(bw), ratios, reads
 
 
-def table_row(label, dtype, med, bw, kv_bytes, blocks, ratios):
+def table_row(label, dtype, med, bw, kv_bytes, blocks, ratios, reads):
     cells = [f"{label:<22}", f"{str(dtype)[6:]:<8}", f"{bw / 1e9:6.1f}"]
     for name in ["ours", "sdpa"] + [f"paged{b}" for b in blocks]:
         gbs = kv_bytes / med[name]
-        cells.append(f"{med[name] * 1e3:8.3f} {gbs / 1e9:6.1f} {100 * gbs / bw:4.0f}%")
+        cells.append(f"{med[name] * 1e3:8.3f} {gbs / 1e9:6.1f} {100 * reads[name]:4.0f}%")
     cells.append(f"{ratios['sdpa']:5.2f}x")
     cells += [f"{ratios[f'paged{b}']:5.2f}" for b in blocks]
     return "  ".join(cells)
@@ -643,7 +647,7 @@ def sweep(dtype, rounds, probe, lengths, out_dir, stem):
     rows = []
     for Sk in lengths:
         case = Case(1, 32, 8, Sk, dtype, blocks=(16,))
-        med, bw, _ = measure(case, rounds, probe, (16,))
+        med, bw, _, _ = measure(case, rounds, probe, (16,))
         rows.append(dict(Sk=Sk, dtype=str(dtype)[6:], ours_ms=med["ours"] * 1e3, paged16_ms=med["paged16"] * 1e3,
                          sdpa_ms=med["sdpa"] * 1e3, read_GBps=bw / 1e9, kv_bytes=case.kv_bytes))
         print(f"  Sk {Sk:>6}  ours {med['ours'] * 1e3:8.3f} ms  paged16 {med['paged16'] * 1e3:8.3f} ms  "
@@ -795,8 +799,8 @@ def main(argv=None):
                   f"CPU path {ab._C.cpu_isa()}, bfloat16 products {bf16_products()}")
     print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {where}"
           + (f", CUDA graphs of {GRAPH_CALLS} calls" if GRAPH else ""))
-    print("per candidate: ms per call, GB/s of K and V, % of the read bandwidth (medians over rounds); "
-          "ratio = sdpa / ours, paged = paged / dense time (medians of each round's ratio)")
+    print("per candidate: ms per call, GB/s of K and V (medians over rounds), % of the read bandwidth; "
+          "ratio = sdpa / ours, paged = paged / dense time (the % and the ratios: medians of each round's)")
     print(f"{'shape':<22}  {'dtype':<8}  {'read':>6}  {'ours':>21}  {'sdpa':>21}  {'paged16':>21}  {'paged256':>21}"
           f"  ratio  p16   p256")
     results = []
@@ -805,15 +809,16 @@ def main(argv=None):
             for label, B, Hq, Hkv, Sk in shapes:
                 case = Case(B, Hq, Hkv, Sk, dtype, blocks)
                 case.check()
-                med, bw, ratios = measure(case, rounds, probe, blocks)
-                print(table_row(label, dtype, med, bw, case.kv_bytes, blocks, ratios), flush=True)
+                med, bw, ratios, reads = measure(case, rounds, probe, blocks)
+                print(table_row(label, dtype, med, bw, case.kv_bytes, blocks, ratios, reads), flush=True)
                 if "auto_int" in med:
                     print(f"{'':<22}  auto, int cache_seqlens: {med['auto_int'] * 1e3:.3f} ms, "
                           f"{ratios['sdpa'] / ratios['auto_int']:.2f}x torch's speed", flush=True)
                 results.append(dict(shape=label, B=B, Hq=Hq, Hkv=Hkv, Sk=Sk, D=D, dtype=str(dtype)[6:],
                                     read_GBps=bw / 1e9, kv_bytes=case.kv_bytes,
                                     **{f"{n}_ms": t * 1e3 for n, t in med.items()},
-                                    **{f"{n}_over_ours": r for n, r in ratios.items()}))
+                                    **{f"{n}_over_ours": r for n, r in ratios.items()},
+                                    **{f"{n}_of_read": r for n, r in reads.items()}))
                 del case
         sweeps = {}
         if args.sweep:
