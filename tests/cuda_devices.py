@@ -62,6 +62,7 @@ def emulator():
     """The emulator's library (ctypes; the same instance the core loaded): its launch log, device."""
     lib = ctypes.CDLL(EMU_LIB)
     lib.ab_cuda_emu_launch_log.restype = ctypes.c_char_p
+    lib.ab_cuda_emu_launch_blocks.restype = ctypes.c_char_p
     lib.ab_cuda_emu_device_cc.restype = ctypes.c_int
     lib.ab_cuda_emu_set_device_cc.argtypes = [ctypes.c_int]
     lib.ab_cuda_emu_set_seed.argtypes = [ctypes.c_uint64]
@@ -73,6 +74,15 @@ def launched(lib) -> dict:
     """{kernel label: launches} since the last lib.ab_cuda_emu_reset_launch_log()."""
     out = {}
     for line in lib.ab_cuda_emu_launch_log().decode().splitlines():
+        label, n = line.rsplit("\t", 1)
+        out[label] = int(n)
+    return out
+
+
+def launched_blocks(lib) -> dict:
+    """{kernel label: blocks of all its launches} since the last lib.ab_cuda_emu_reset_launch_log()."""
+    out = {}
+    for line in lib.ab_cuda_emu_launch_blocks().decode().splitlines():
         label, n = line.rsplit("\t", 1)
         out[label] = int(n)
     return out

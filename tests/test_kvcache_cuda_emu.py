@@ -20,7 +20,7 @@ import attn_backends as ab
 from attn_backends import _C, _dispatch
 from attn_backends._testing import check_2x
 
-from cuda_devices import both, emulator, launched
+from cuda_devices import both, emulator, launched, launched_blocks
 from test_kvcache import BAD, KV, NAN_PLACES, Call, _base, check_nan_and_inf, kv_calls
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -284,6 +284,34 @@ def test_the_default_attention_follows_the_query_rows_of_a_kv_head(decode, gen, 
             ran = launched(lib)
             assert any(want in label and (want != "attend_kernel" or "mma" not in label) for label in ran), (
                 env, Hq, Hkv, ran)
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dev", ["emu"], indirect=True)
+@pytest.mark.parametrize("cc,B,D,S,blocks", [
+    (90, 16, 64, 2048, 256),  # 64 (batch row, KV head) blocks, 264 places: 4 splits (5 made 320: 1.2 waves)
+    (80, 28, 64, 768, 336),   # 112 blocks, 216 places: 3 splits, two waves of 4 tiles a block (2 made 224
+                              # blocks: two waves of 6 tiles, the second of 8 blocks)
+    (80, 2, 64, 768, 24),     # 8 blocks: 3 splits, the most 768 positions allow (256 each)
+    (80, 25, 256, 512, 100),  # head dim 256, 149 KiB a block: one an SM, 108 places: 100 blocks, no split
+])
+def test_the_tensor_core_attention_splits_in_whole_waves(decode, gen, monkeypatch, cc, B, D, S, blocks):
+    """attend_mma_kernel's blocks hold so much shared memory that an SM runs two (head dim 64: 78 KiB a
+    block) or one (head dim 256 on an A100): the launcher counts its splits so that the blocks fill
+    whole waves of the SMs' places (the emulated H100's 132 SMs, the A100's 108) rather than spill a few
+    into a second wave."""
+    monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "mma")
+    lib = emulator()
+    lib.ab_cuda_emu_set_device_cc(cc)
+    try:
+        lib.ab_cuda_emu_reset_launch_log()
+        call = Call(KV(B=B, Hq=16, Hkv=4, D=D, S=S, seqlens=S - 1, snew=1, dtype=BF16), gen)
+        call.check(*run(decode, call))
+        ran = launched_blocks(lib)
+    finally:
+        lib.ab_cuda_emu_set_device_cc(80)
+    assert sum(n for label, n in ran.items() if "attend_mma_kernel" in label) == blocks, ran
+    assert any("merge_kernel" in label for label in ran) == (blocks > B * 4), ran
 
 
 @pytest.mark.cuda_emu

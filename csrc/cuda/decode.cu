@@ -104,10 +104,43 @@ int64_t row_tiles(const ab_kvcache_params* p, Variant v) {
 // Splits of each row's key range: num_splits when given, else enough to give every SM kBlocksPerSM
 // blocks when (batch, KV head, row tile) blocks are fewer, each split keeping kMinSplitKeys keys of
 // the cache's capacity.  attend_mma_kernel's blocks hold 76-215 KiB of shared memory, so an SM runs
-// one or two of them at once: it aims for kMmaBlocksPerSM, with at least kMmaMinSplitKeys keys
-// (four of its tiles) a split.
-constexpr int64_t kMmaBlocksPerSM = 2;
+// one or two of them at once (mma_resident), and its splits are counted in whole waves instead
+// (mma_splits), with at least kMmaMinSplitKeys keys (four of its tiles) a split.
+constexpr int64_t kMmaBlocksPerSM = 2;  // mma_resident where the device does not say
 constexpr int64_t kMmaMinSplitKeys = 4 * kMmaKeys;
+
+// Blocks of attend_mma_kernel an SM holds at once.  Its shared memory binds: registers allow three or
+// more a block up to head dim 128 and two at 256 (ptxas, sm_90a), shared memory two (one at 256).
+int64_t mma_resident(const ab_kvcache_params* p, Variant v) {
+  int device = 0, per_sm = 0, reserved = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // a failed query is not the launch's error
+    return kMmaBlocksPerSM;
+  }
+  const int64_t n = (int64_t)((size_t)per_sm / (mma_smem_bytes(mma_head_dim(p->D), v.stages) + (size_t)reserved));
+  return n < 1 ? 1 : n;
+}
+
+// attend_mma_kernel's split count when its blocks are fewer than the SMs hold (slots): the count n
+// (up to `most`) that gives the least waves(n) x (tiles a block + 1), where waves(n) = ceil(blocks x n /
+// slots) and the 1 stands for a block's fixed cost (its queries, its epilogue); the smallest such n.
+// The blocks of a partial last wave run while most SMs idle: on the H200 (2026-12-04, Nsight Compute)
+// B=8 Hkv=8 over 2048 positions took 5 splits for 2 blocks an SM (320 blocks for 264 places: 1.2
+// waves), and 55 us where B=1 over 16384 positions, the same bytes in one wave, took 40; here 4.
+int64_t mma_splits(int64_t blocks, int64_t slots, int64_t capacity_keys, int64_t most) {
+  const int64_t tiles = (capacity_keys + kMmaKeys - 1) / kMmaKeys;
+  int64_t best = 1, best_cost = -1;
+  for (int64_t n = 1; n <= (most > 1 ? most : 1); ++n) {
+    const int64_t cost = (blocks * n + slots - 1) / slots * ((tiles + n - 1) / n + 1);
+    if (best_cost < 0 || cost < best_cost) {
+      best = n;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
 
 ab_status split_count(const ab_kvcache_params* p, Variant v, int64_t* nsplit, ab_error* err) {
   if (p->num_splits > 0) {
@@ -122,10 +155,12 @@ ab_status split_count(const ab_kvcache_params* p, Variant v, int64_t* nsplit, ab
   if (st != AB_OK) return st;
   const int64_t blocks = p->B * p->Hkv * row_tiles(p, v);
   int64_t n = 1;
-  const int64_t want = (v.mma ? kMmaBlocksPerSM : kBlocksPerSM) * sms;
-  if (blocks > 0 && blocks < want) {
-    n = (want + blocks - 1) / blocks;
-    const int64_t most = capacity(p) / (v.mma ? kMmaMinSplitKeys : kMinSplitKeys);
+  if (v.mma) {
+    const int64_t slots = mma_resident(p, v) * sms, most = capacity(p) / kMmaMinSplitKeys;
+    if (blocks > 0 && blocks < slots) n = mma_splits(blocks, slots, capacity(p), most < kMaxSplits ? most : kMaxSplits);
+  } else if (blocks > 0 && blocks < kBlocksPerSM * sms) {
+    n = (kBlocksPerSM * sms + blocks - 1) / blocks;
+    const int64_t most = capacity(p) / kMinSplitKeys;
     n = n < most ? n : most;
   }
   *nsplit = n < 1 ? 1 : n > kMaxSplits ? kMaxSplits : n;

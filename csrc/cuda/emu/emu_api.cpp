@@ -298,11 +298,16 @@ std::string g_log;  // the last launch_log() answer, kept alive for the caller
 // The table the core loads (csrc/ab_cuda_loader.c) when ATTN_BACKENDS_CUDA_EMULATE is on.
 extern "C" AB_EXPORT const ab_cuda_api* ab_cuda_emu_api_get(void) { return &kEmuApi; }
 
-// For tests (ctypes): the kernels launched since the last reset, "label\tcount" lines; the emulated
+// For tests (ctypes): the kernels launched since the last reset, "label\tcount" lines, and the blocks
+// they ran, "label\tblocks" lines (the decode launcher's split counts); the emulated
 // compute capability (80, 86, 89, 90: the opt-in shared memory the launchers check); the seed of the
 // warp order.
 extern "C" AB_EXPORT const char* ab_cuda_emu_launch_log(void) {
   g_log = ab_emu::launch_log();
+  return g_log.c_str();
+}
+extern "C" AB_EXPORT const char* ab_cuda_emu_launch_blocks(void) {
+  g_log = ab_emu::launch_blocks();
   return g_log.c_str();
 }
 extern "C" AB_EXPORT void ab_cuda_emu_reset_launch_log(void) { ab_emu::reset_launch_log(); }

@@ -25,6 +25,15 @@ Session& session() {
   return *s;
 }
 
+// Shared memory an SM holds for its blocks (the opt-in limit plus the 1 KiB the system keeps per block,
+// as the devices report it: an H100 228 KiB, an A100 164 KiB, sm_86 and sm_89 100 KiB).
+size_t sm_smem(int cc) {
+  if (cc == 90) return 233472;
+  if (cc == 86 || cc == 89 || cc / 10 == 12) return 102400;
+  if (cc == 80 || cc == 87) return 167936;
+  return 65536;
+}
+
 size_t optin_smem(int cc) {
   if (cc == 90) return 232448;                         // 227 KiB
   if (cc == 86 || cc == 89 || cc / 10 == 12) return 101376;  // 99 KiB
@@ -122,6 +131,8 @@ cudaError_t device_attribute(int* value, cudaDeviceAttr attr, int device) {
     case cudaDevAttrComputeCapabilityMajor: *value = s.cc / 10; return cudaSuccess;
     case cudaDevAttrComputeCapabilityMinor: *value = s.cc % 10; return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = (int)optin_smem(s.cc); return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = (int)sm_smem(s.cc); return cudaSuccess;
+    case cudaDevAttrReservedSharedMemoryPerBlock: *value = 1024; return cudaSuccess;
     // the SMs of an A100, an RTX A6000, an L40 and an H100 (the decode launcher sizes its splits by them)
     case cudaDevAttrMultiProcessorCount: *value = s.cc == 86 ? 84 : s.cc == 89 ? 142 : s.cc == 90 ? 132 : 108; return cudaSuccess;
   }
@@ -211,6 +222,7 @@ void launch(const void* fn, const char* name, const char* where, dim3 grid, dim3
   {
     std::lock_guard<std::mutex> lock(s.mu);
     s.log[label]++;
+    s.blocks[label] += (long)blocks;
   }
   install_fault_handlers();
   Grid L;
@@ -312,10 +324,19 @@ std::string launch_log() {
   return out;
 }
 
+std::string launch_blocks() {
+  Session& s = session();
+  std::lock_guard<std::mutex> lock(s.mu);
+  std::string out;
+  for (const auto& kv : s.blocks) out += kv.first + "\t" + std::to_string(kv.second) + "\n";
+  return out;
+}
+
 void reset_launch_log() {
   Session& s = session();
   std::lock_guard<std::mutex> lock(s.mu);
   s.log.clear();
+  s.blocks.clear();
 }
 
 }  // namespace ab_emu

@@ -131,7 +131,8 @@ struct Session {
   bool sticky = false;  // a kernel fault: every later launch and query fails, as on a device
   std::string failure;
   std::map<const void*, KernelAttr> attrs;
-  std::map<std::string, long> log;
+  std::map<std::string, long> log;     // launches per kernel label
+  std::map<std::string, long> blocks;  // blocks launched per kernel label
   int cc = 0;
   uint64_t seed = 0x5eed;
   uint64_t serial = 0;

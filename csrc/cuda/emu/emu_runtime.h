@@ -39,6 +39,8 @@ void set_seed(uint64_t seed);
 
 // Every kernel variant launched since the last reset: "name\tcount\n" lines, sorted.
 std::string launch_log();
+// "label\tblocks" lines: the blocks of every launch of each kernel since the last reset_launch_log()
+std::string launch_blocks();
 void reset_launch_log();
 
 }  // namespace ab_emu
