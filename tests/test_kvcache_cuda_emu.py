@@ -316,6 +316,25 @@ def test_the_tensor_core_attention_splits_in_whole_waves(decode, gen, monkeypatc
 
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
+@pytest.mark.parametrize("B,S,blocks", [
+    (50, 1024, 800),  # 100 blocks, 1728 places: 8 splits, the most 1024 positions allow (128 each)
+    (50, 4096, 1600),  # 16 splits of 4 tiles' keys, one wave (17 gives no block fewer keys; 18 two waves)
+])
+def test_the_lane_attention_splits_by_the_occupancy_the_runtime_gives(decode, gen, B, S, blocks):
+    """attend_kernel's split count fills whole waves of the places the runtime's occupancy gives
+    (cudaOccupancyMaxActiveBlocksPerMultiprocessor: on the H200 4 blocks an SM with one query row, 2 with
+    more, its registers binding; the emulator, which knows no registers, answers 16 for its 128 threads,
+    so 1728 places on the emulated A100's 108 SMs).  Before, it aimed at 4 blocks an SM rounding up."""
+    lib = emulator()
+    lib.ab_cuda_emu_reset_launch_log()
+    call = Call(KV(B=B, Hq=2, Hkv=2, D=16, S=S, seqlens=S - 1, snew=1, dtype=BF16), gen)
+    call.check(*run(decode, call))
+    ran = launched_blocks(lib)
+    assert sum(n for label, n in ran.items() if "attend_kernel" in label) == blocks, ran
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dev", ["emu"], indirect=True)
 def test_the_launcher_splits_a_long_cache_when_blocks_are_few(decode, gen):
     # one block (B = Hkv = 1) for the emulated A100's 108 SMs: split, keeping >= 128 positions a split
     lib = emulator()

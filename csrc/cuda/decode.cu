@@ -101,11 +101,18 @@ int64_t row_tiles(const ab_kvcache_params* p, Variant v) {
   return (p->Sq * (p->Hq / p->Hkv) + kr - 1) / kr;
 }
 
-// Splits of each row's key range: num_splits when given, else enough to give every SM kBlocksPerSM
-// blocks when (batch, KV head, row tile) blocks are fewer, each split keeping kMinSplitKeys keys of
-// the cache's capacity.  attend_mma_kernel's blocks hold 76-215 KiB of shared memory, so an SM runs
-// one or two of them at once (mma_resident), and its splits are counted in whole waves instead
-// (mma_splits), with at least kMmaMinSplitKeys keys (four of its tiles) a split.
+// attend_kernel's dynamic shared memory: q (kRows, D), the warps' accumulators (kWarps, kRows, D) and
+// their (max, sum) (kWarps, kRows, 2), float32, then one int.
+size_t lanes_smem(int rows, int64_t D) {
+  return sizeof(float) * (size_t)(rows * D + kWarps * rows * D + kWarps * rows * 2 + 1);
+}
+
+// Splits of each row's key range: num_splits when given, else, when the (batch, KV head, row tile)
+// blocks are fewer than the places the SMs have for them, the count that fills whole waves of those
+// places (whole_wave_splits), each split keeping kMinSplitKeys keys of the cache's capacity
+// (attend_kernel) or kMmaMinSplitKeys (attend_mma_kernel: four of its tiles).  The places: blocks an
+// SM holds at once (mma_resident, lanes_resident) times the SMs.  Where the device does not say,
+// attend_kernel aims at kBlocksPerSM blocks an SM, rounding up (the rule before 2026-12-04).
 constexpr int64_t kMmaBlocksPerSM = 2;  // mma_resident where the device does not say
 constexpr int64_t kMmaMinSplitKeys = 4 * kMmaKeys;
 
@@ -123,17 +130,53 @@ int64_t mma_resident(const ab_kvcache_params* p, Variant v) {
   return n < 1 ? 1 : n;
 }
 
-// attend_mma_kernel's split count when its blocks are fewer than the SMs hold (slots): the count n
-// (up to `most`) that gives the least waves(n) x (tiles a block + 1), where waves(n) = ceil(blocks x n /
-// slots) and the 1 stands for a block's fixed cost (its queries, its epilogue); the smallest such n.
-// The blocks of a partial last wave run while most SMs idle: on the H200 (2026-12-04, Nsight Compute)
-// B=8 Hkv=8 over 2048 positions took 5 splits for 2 blocks an SM (320 blocks for 264 places: 1.2
-// waves), and 55 us where B=1 over 16384 positions, the same bytes in one wave, took 40; here 4.
-int64_t mma_splits(int64_t blocks, int64_t slots, int64_t capacity_keys, int64_t most) {
-  const int64_t tiles = (capacity_keys + kMmaKeys - 1) / kMmaKeys;
+// Blocks of the attend_kernel instance a call launches that an SM holds at once (the occupancy the
+// runtime computes from its registers, threads and shared memory: with one query row 4, with 2-8
+// rows 2, ptxas sm_90a), 0 where the runtime does not say.
+template <typename T, int kRows, bool kPaged> int64_t lanes_occupancy(int64_t D) {
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, attend_kernel<T, kRows, kPaged>, kThreads, lanes_smem(kRows, D)) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+template <typename T, bool kPaged> int64_t lanes_occupancy_rows(int rows, int64_t D) {
+  switch (rows) {
+    case 1: return lanes_occupancy<T, 1, kPaged>(D);
+    case 2: return lanes_occupancy<T, 2, kPaged>(D);
+    case 4: return lanes_occupancy<T, 4, kPaged>(D);
+    default: return lanes_occupancy<T, kMaxRows, kPaged>(D);
+  }
+}
+
+template <typename T> int64_t lanes_occupancy_of(const ab_kvcache_params* p, Variant v) {
+  const int rows = rows_per_block(p, v);
+  return paged(p) ? lanes_occupancy_rows<T, true>(rows, p->D) : lanes_occupancy_rows<T, false>(rows, p->D);
+}
+
+int64_t lanes_resident(const ab_kvcache_params* p, Variant v) {
+  switch (p->q.dtype) {
+    case AB_DTYPE_F16: return lanes_occupancy_of<__half>(p, v);
+    case AB_DTYPE_BF16: return lanes_occupancy_of<__nv_bfloat16>(p, v);
+    default: return lanes_occupancy_of<float>(p, v);
+  }
+}
+
+// The split count (1 to `most`) that gives the least waves(n) x (units a block + 1) for `blocks`
+// blocks over `slots` places and a row of `keys` keys, where waves(n) = ceil(blocks x n / slots), a
+// unit is kMmaKeys keys (a tile of attend_mma_kernel) and the 1 stands for a block's fixed cost (its
+// queries, its epilogue); the smallest such n.  The blocks of a partial last wave run while most SMs
+// idle: on the H200 (2026-12-04, Nsight Compute) the tensor-core attention of B=8 Hkv=8 over 2048
+// positions took 5 splits for 2 blocks an SM (320 blocks for 264 places: 1.2 waves) and 55 us where
+// B=1 over 16384 positions, the same bytes in one wave, took 40; this count is 4.
+int64_t whole_wave_splits(int64_t blocks, int64_t slots, int64_t keys, int64_t most) {
+  const int64_t units = (keys + kMmaKeys - 1) / kMmaKeys;
   int64_t best = 1, best_cost = -1;
   for (int64_t n = 1; n <= (most > 1 ? most : 1); ++n) {
-    const int64_t cost = (blocks * n + slots - 1) / slots * ((tiles + n - 1) / n + 1);
+    const int64_t cost = (blocks * n + slots - 1) / slots * ((units + n - 1) / n + 1);
     if (best_cost < 0 || cost < best_cost) {
       best = n;
       best_cost = cost;
@@ -154,14 +197,15 @@ ab_status split_count(const ab_kvcache_params* p, Variant v, int64_t* nsplit, ab
                      err);
   if (st != AB_OK) return st;
   const int64_t blocks = p->B * p->Hkv * row_tiles(p, v);
+  const int64_t resident = v.mma ? mma_resident(p, v) : lanes_resident(p, v);
+  const int64_t most_keys = capacity(p) / (v.mma ? kMmaMinSplitKeys : kMinSplitKeys);
+  const int64_t most = most_keys < kMaxSplits ? most_keys : kMaxSplits;
   int64_t n = 1;
-  if (v.mma) {
-    const int64_t slots = mma_resident(p, v) * sms, most = capacity(p) / kMmaMinSplitKeys;
-    if (blocks > 0 && blocks < slots) n = mma_splits(blocks, slots, capacity(p), most < kMaxSplits ? most : kMaxSplits);
+  if (resident > 0) {
+    if (blocks > 0 && blocks < resident * sms) n = whole_wave_splits(blocks, resident * sms, capacity(p), most);
   } else if (blocks > 0 && blocks < kBlocksPerSM * sms) {
     n = (kBlocksPerSM * sms + blocks - 1) / blocks;
-    const int64_t most = capacity(p) / kMinSplitKeys;
-    n = n < most ? n : most;
+    n = n < most_keys ? n : most_keys;
   }
   *nsplit = n < 1 ? 1 : n > kMaxSplits ? kMaxSplits : n;
   return AB_OK;
@@ -318,7 +362,7 @@ DecodeParams fill_params(const ab_kvcache_params* p, Variant v, int64_t nsplit, 
 
 template <typename T, int kRows>
 ab_status launch_attend(const DecodeParams& d, cudaStream_t stream, ab_error* err) {
-  const size_t smem = sizeof(float) * (size_t)(kRows * d.D + kWarps * kRows * d.D + kWarps * kRows * 2 + 1);
+  const size_t smem = lanes_smem(kRows, d.D);
   const dim3 grid((unsigned)(d.nsplit * d.B), (unsigned)(d.Hkv * d.row_tiles));
   if (d.block_size > 0)
     AB_LAUNCH(grid, kThreads, smem, stream, attend_kernel<T, kRows, true>)(d);

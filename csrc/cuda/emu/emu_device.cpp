@@ -2,6 +2,7 @@
 // session of one launcher call (its device memory, its first failure), the emulated device (compute
 // capability, shared-memory limits, kernel attributes), the runtime API the launchers call, and
 // launches (checked as a device would, then run block by block, on the caller's pool when it has one).
+#include <algorithm>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -148,6 +149,26 @@ cudaError_t func_set_attribute(const void* fn, cudaFuncAttribute attr, int value
     return cudaErrorInvalidValue;
   }
   s.attrs[fn].max_dynamic_smem = value;
+  return cudaSuccess;
+}
+
+// Blocks of fn an SM holds at once, as cudaOccupancyMaxActiveBlocksPerMultiprocessor answers: bound by
+// the threads an SM runs (2048; 1536 on sm_86 and sm_89), its shared memory (sm_smem, 1 KiB kept per
+// block) and 32 blocks.  The emulator does not know a kernel's registers, which on a device often bind
+// first: its answer is an upper bound of the device's.  A block asking for more dynamic shared memory
+// than the kernel is allowed (cudaFuncSetAttribute) fits 0 times.
+cudaError_t occupancy(int* blocks, const void* fn, int threads, size_t smem) {
+  Session& s = session();
+  if (s.sticky) return s.last_error;
+  if (threads <= 0 || threads > 1024) return cudaErrorInvalidValue;
+  const auto it = s.attrs.find(fn);
+  const size_t allowed = it != s.attrs.end() && (size_t)it->second.max_dynamic_smem > kDefaultSmem
+                             ? (size_t)it->second.max_dynamic_smem
+                             : kDefaultSmem;
+  const size_t by_threads = (s.cc == 86 || s.cc == 89 ? 1536 : 2048) / round_up((size_t)threads, 32);
+  const size_t by_smem = sm_smem(s.cc) / (smem + 1024);
+  const size_t n = smem > allowed ? 0 : std::min<size_t>(std::min(by_threads, by_smem), 32);
+  *blocks = (int)n;
   return cudaSuccess;
 }
 

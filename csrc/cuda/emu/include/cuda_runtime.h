@@ -157,6 +157,7 @@ extern thread_local dim3 tls_block_dim, tls_grid_dim;
 cudaError_t get_device(int* device);
 cudaError_t device_attribute(int* value, cudaDeviceAttr attr, int device);
 cudaError_t func_set_attribute(const void* fn, cudaFuncAttribute attr, int value);
+cudaError_t occupancy(int* blocks, const void* fn, int threads, size_t smem);
 cudaError_t memset_async(void* p, int value, size_t n);
 cudaError_t get_last_error();
 const char* error_name(cudaError_t e);
@@ -232,6 +233,10 @@ inline cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int d
 }
 template <typename F> cudaError_t cudaFuncSetAttribute(F* fn, cudaFuncAttribute attr, int value) {
   return ab_emu::func_set_attribute(reinterpret_cast<const void*>(fn), attr, value);
+}
+template <typename F>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, F* fn, int threads, size_t smem) {
+  return ab_emu::occupancy(blocks, reinterpret_cast<const void*>(fn), threads, smem);
 }
 inline cudaError_t cudaMemsetAsync(void* p, int value, size_t n, cudaStream_t) {
   return ab_emu::memset_async(p, value, n);
