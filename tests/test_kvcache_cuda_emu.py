@@ -316,21 +316,28 @@ def test_the_tensor_core_attention_splits_in_whole_waves(decode, gen, monkeypatc
 
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
-@pytest.mark.parametrize("B,S,blocks", [
-    (50, 1024, 800),  # 100 blocks, 1728 places: 8 splits, the most 1024 positions allow (128 each)
-    (50, 4096, 1600),  # 16 splits of 4 tiles' keys, one wave (17 gives no block fewer keys; 18 two waves)
-])
-def test_the_lane_attention_splits_by_the_occupancy_the_runtime_gives(decode, gen, B, S, blocks):
+def test_the_lane_attention_splits_by_the_occupancy_the_runtime_gives(decode, gen):
     """attend_kernel's split count fills whole waves of the places the runtime's occupancy gives
     (cudaOccupancyMaxActiveBlocksPerMultiprocessor: on the H200 4 blocks an SM with one query row, 2 with
-    more, its registers binding; the emulator, which knows no registers, answers 16 for its 128 threads,
-    so 1728 places on the emulated A100's 108 SMs).  Before, it aimed at 4 blocks an SM rounding up."""
+    more, its registers binding; the emulator, which knows no registers, answers from threads and
+    shared memory: 16 blocks of 128 threads on the emulated A100's 108 SMs, 12 on sm_86's 84).  Before,
+    it aimed at 4 blocks an SM rounding up.  The launcher keeps the answers per device and asks again
+    when the device's compute capability changes (the emulator's devices do)."""
     lib = emulator()
-    lib.ab_cuda_emu_reset_launch_log()
-    call = Call(KV(B=B, Hq=2, Hkv=2, D=16, S=S, seqlens=S - 1, snew=1, dtype=BF16), gen)
-    call.check(*run(decode, call))
-    ran = launched_blocks(lib)
-    assert sum(n for label, n in ran.items() if "attend_kernel" in label) == blocks, ran
+    try:
+        for cc, S, blocks in (
+            (80, 1024, 800),  # 100 blocks, 1728 places: 8 splits, the most 1024 positions allow (128 each)
+            (80, 2048, 1600),  # 16 splits, one wave
+            (86, 2048, 800),  # 1008 places: 8 splits, one wave (10 would give no block fewer tiles)
+        ):
+            lib.ab_cuda_emu_set_device_cc(cc)
+            lib.ab_cuda_emu_reset_launch_log()
+            call = Call(KV(B=50, Hq=2, Hkv=2, D=16, S=S, seqlens=S - 1, snew=1, dtype=BF16), gen)
+            call.check(*run(decode, call))
+            ran = launched_blocks(lib)
+            assert sum(n for label, n in ran.items() if "attend_kernel" in label) == blocks, (cc, S, ran)
+    finally:
+        lib.ab_cuda_emu_set_device_cc(80)
 
 
 @pytest.mark.cuda_emu

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <atomic>
 #include <initializer_list>
 
 #include "ab_cuda_internal.h"
@@ -157,12 +158,34 @@ template <typename T> int64_t lanes_occupancy_of(const ab_kvcache_params* p, Var
   return paged(p) ? lanes_occupancy_rows<T, true>(rows, p->D) : lanes_occupancy_rows<T, false>(rows, p->D);
 }
 
+// lanes_resident's answers, kept so that a decode call does not ask the runtime each time: per device
+// (up to 16), dtype, rows per block, dense or paged and head dim / 8, the device's compute capability
+// << 8 | (answer + 1); 0 where not asked yet.  The capability is checked at every call: the emulator
+// stands for several devices in turn.
+constexpr int kOccDevices = 16, kOccDims = kMaxHeadDim / kChunk + 1;
+std::atomic<int> g_lanes_occ[kOccDevices][3][4][2][kOccDims];
+
 int64_t lanes_resident(const ab_kvcache_params* p, Variant v) {
-  switch (p->q.dtype) {
-    case AB_DTYPE_F16: return lanes_occupancy_of<__half>(p, v);
-    case AB_DTYPE_BF16: return lanes_occupancy_of<__nv_bfloat16>(p, v);
-    default: return lanes_occupancy_of<float>(p, v);
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
   }
+  const int cc = major * 10 + minor, rows = rows_per_block(p, v);
+  const int dt = p->q.dtype == AB_DTYPE_F16 ? 0 : p->q.dtype == AB_DTYPE_BF16 ? 1 : 2;
+  std::atomic<int>* slot = device >= 0 && device < kOccDevices && p->D % kChunk == 0 && p->D <= kMaxHeadDim
+                               ? &g_lanes_occ[device][dt][rows == 1 ? 0 : rows == 2 ? 1 : rows == 4 ? 2 : 3]
+                                             [paged(p) ? 1 : 0][p->D / kChunk]
+                               : nullptr;
+  const int known = slot ? slot->load(std::memory_order_relaxed) : 0;
+  if (known != 0 && known >> 8 == cc) return (known & 0xff) - 1;
+  const int64_t n = dt == 0 ? lanes_occupancy_of<__half>(p, v)
+                    : dt == 1 ? lanes_occupancy_of<__nv_bfloat16>(p, v)
+                              : lanes_occupancy_of<float>(p, v);
+  if (slot) slot->store(cc << 8 | (int)((n < 254 ? n : 254) + 1), std::memory_order_relaxed);
+  return n;
 }
 
 // The split count (1 to `most`) that gives the least waves(n) x (units a block + 1) for `blocks`
