@@ -148,9 +148,13 @@ case "$what" in
     OMP_NUM_THREADS=2 timeout -k 10 170 "$py" -m pytest -q -p no:cacheprovider -n 8 --timeout 100 -m cuda \
       tests/test_kvcache_cuda_emu.py > "$out/tests_kv.log" 2>&1 || status=1
     grep -E "^(FAILED|ERROR)|passed|failed|error" "$out/tests_kv.log" | tail -15
-    for kernel in lanes mma by_rows; do  # by_rows: neither forced, decode.cu's rule (variant_of)
+    # by_rows: neither forced, decode.cu's rule (variant_of); stages2: the rule with 2 stages at head dim
+    # 128 (ATTN_BACKENDS_CUDA_DECODE_STAGES=2: three blocks an SM without rotary tables, against two of 3)
+    for kernel in lanes mma by_rows stages2; do
       step "decode benchmark in CUDA graphs, ATTN_BACKENDS_CUDA_DECODE_KERNEL=$kernel"
-      ATTN_BACKENDS_CUDA_DECODE_KERNEL=$kernel timeout -k 5 90 "$py" benchmarks/bench_decode.py --device cuda \
+      stages=$([ "$kernel" = stages2 ] && echo 2 || echo "")
+      ATTN_BACKENDS_CUDA_DECODE_KERNEL=$kernel ATTN_BACKENDS_CUDA_DECODE_STAGES=$stages timeout -k 5 90 \
+        "$py" benchmarks/bench_decode.py --device cuda \
         --dtypes bfloat16,float16 --rounds 5 --graph --json "$out/decode_cuda_graph_$kernel.json" > "$out/decode_graph_$kernel.log" 2>&1 \
         || status=1
       tail -9 "$out/decode_graph_$kernel.log"

@@ -288,30 +288,56 @@ def test_the_default_attention_follows_the_query_rows_of_a_kv_head(decode, gen, 
 
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
-@pytest.mark.parametrize("cc,B,D,S,blocks", [
-    (90, 16, 64, 2048, 256),  # 64 (batch row, KV head) blocks, 264 places: 4 splits (5 made 320: 1.2 waves)
-    (80, 28, 64, 768, 336),   # 112 blocks, 216 places: 3 splits, two waves of 4 tiles a block (2 made 224
-                              # blocks: two waves of 6 tiles, the second of 8 blocks)
-    (80, 2, 64, 768, 24),     # 8 blocks: 3 splits, the most 768 positions allow (256 each)
-    (80, 25, 256, 512, 100),  # head dim 256, 149 KiB a block: one an SM, 108 places: 100 blocks, no split
+@pytest.mark.parametrize("cc,B,D,S,rotary,blocks", [
+    # 64 (batch row, KV head) blocks; with rotary tables (the queries' lo half too) 78 KiB a block, two an
+    # SM, 264 places: 4 splits (5 made 320: 1.2 waves); without them 75 KiB, three an SM, 396 places: 6
+    (90, 16, 64, 2048, "neox", 256),
+    (90, 16, 64, 2048, None, 384),
+    (80, 28, 64, 768, None, 336),   # 112 blocks, 216 places: 3 splits, two waves of 4 tiles a block (2
+                                    # made 224 blocks: two waves of 6 tiles, the second of 8 blocks)
+    (80, 2, 64, 768, None, 24),     # 8 blocks: 3 splits, the most 768 positions allow (256 each)
+    (80, 25, 256, 512, None, 100),  # head dim 256, 141 KiB a block: one an SM, 108 places: no split
 ])
-def test_the_tensor_core_attention_splits_in_whole_waves(decode, gen, monkeypatch, cc, B, D, S, blocks):
-    """attend_mma_kernel's blocks hold so much shared memory that an SM runs two (head dim 64: 78 KiB a
-    block) or one (head dim 256 on an A100): the launcher counts its splits so that the blocks fill
-    whole waves of the SMs' places (the emulated H100's 132 SMs, the A100's 108) rather than spill a few
-    into a second wave."""
+def test_the_tensor_core_attention_splits_in_whole_waves(decode, gen, monkeypatch, cc, B, D, S, rotary, blocks):
+    """attend_mma_kernel's blocks hold so much shared memory that an SM runs three, two (head dim 64: 75
+    or 78 KiB a block) or one (head dim 256 on an A100): the launcher counts its splits so that the
+    blocks fill whole waves of the SMs' places (the emulated H100's 132 SMs, the A100's 108) rather than
+    spill a few into a second wave."""
     monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "mma")
     lib = emulator()
     lib.ab_cuda_emu_set_device_cc(cc)
     try:
         lib.ab_cuda_emu_reset_launch_log()
-        call = Call(KV(B=B, Hq=16, Hkv=4, D=D, S=S, seqlens=S - 1, snew=1, dtype=BF16), gen)
+        call = Call(KV(B=B, Hq=16, Hkv=4, D=D, S=S, seqlens=S - 1, snew=1, rotary=rotary, dtype=BF16), gen)
         call.check(*run(decode, call))
         ran = launched_blocks(lib)
     finally:
         lib.ab_cuda_emu_set_device_cc(80)
     assert sum(n for label, n in ran.items() if "attend_mma_kernel" in label) == blocks, ran
     assert any("merge_kernel" in label for label in ran) == (blocks > B * 4), ran
+
+
+@pytest.mark.cuda_emu
+@pytest.mark.parametrize("dev", ["emu"], indirect=True)
+@pytest.mark.parametrize("forced,stages", [(None, 3), ("2", 2), ("3", 3), ("5", 3)])
+def test_the_tensor_core_attention_stages_can_be_forced(decode, gen, monkeypatch, forced, stages):
+    """ATTN_BACKENDS_CUDA_DECODE_STAGES=2 or 3 picks attend_mma_kernel's stages at head dim 128 (the
+    emulated sm_90 takes 3 by default); other values are ignored.  The result is the same call's."""
+    monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "mma")
+    if forced is not None:
+        monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_STAGES", forced)
+    lib = emulator()
+    lib.ab_cuda_emu_set_device_cc(90)
+    try:
+        lib.ab_cuda_emu_reset_launch_log()
+        call = Call(KV(B=2, Hq=8, Hkv=2, D=128, S=300, seqlens=290, snew=1, dtype=BF16), gen)
+        call.check(*run(decode, call))
+        ran = launched(lib)
+    finally:
+        lib.ab_cuda_emu_set_device_cc(80)
+    assert [label for label in ran if "attend_mma_kernel" in label] == [
+        f"{{anonymous}}::launch_attend_mma<T = __nv_bfloat16, int kD = 128, int kStages = {stages}>: "
+        "attend_mma_kernel<T, kD, kStages>"], ran
 
 
 @pytest.mark.cuda_emu

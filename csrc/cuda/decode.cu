@@ -58,6 +58,7 @@ constexpr int64_t kMmaMinRows = 2;  // between the measured 1 (attend_kernel fas
 struct Variant {
   bool mma;    // attend_mma_kernel, else attend_kernel
   int stages;  // attend_mma_kernel's stages (mma_stages)
+  bool lo;     // attend_mma_kernel: the queries' lo half in shared memory (rotary tables given)
 };
 
 int mma_head_dim(int64_t D) { return D <= 64 ? 64 : D <= 128 ? 128 : 256; }
@@ -65,10 +66,18 @@ int mma_head_dim(int64_t D) { return D <= 64 ? 64 : D <= 128 ? 128 : 256; }
 // attend_mma_kernel's stages at the head dim it is instantiated for (decode_mma_kernel.cuh), given
 // the shared memory the device lets a block have: 3 at 128 where two blocks of them fit an SM, and
 // 3 at 256 where one block of them fits (sm_90 both: one block an SM at 256 either way).
-int mma_stages(int kd, int optin) {
+// ATTN_BACKENDS_CUDA_DECODE_STAGES=2 or 3 (read at every call) forces a count at head dims 128 and 256
+// where it fits: on an sm_90, 2 stages at 128 without rotary tables are 73 KiB a block, three blocks
+// an SM (12 warps, one tile in flight each) against two of 3 stages (8 warps, two tiles in flight
+// each): the H200's profile (docs/decode.md) asks for more warps, the bytes in flight for the stages;
+// not measured, so the default stays 3.
+int mma_stages(int kd, int optin, bool lo) {
   if (kd == 64) return 4;
-  if (kd == 128) return (size_t)optin >= 2 * mma_smem_bytes(128, 3) ? 3 : 2;
-  return (size_t)optin >= mma_smem_bytes(256, 3) ? 3 : 2;
+  const char* e = getenv("ATTN_BACKENDS_CUDA_DECODE_STAGES");
+  const int forced = e != nullptr && (strcmp(e, "2") == 0 || strcmp(e, "3") == 0) ? e[0] - '0' : 0;
+  if (forced && (size_t)optin >= mma_smem_bytes(kd, forced, lo)) return forced;
+  if (kd == 128) return (size_t)optin >= 2 * mma_smem_bytes(128, 3, lo) ? 3 : 2;
+  return (size_t)optin >= mma_smem_bytes(256, 3, lo) ? 3 : 2;
 }
 
 int device_smem_optin() {
@@ -80,15 +89,16 @@ int device_smem_optin() {
 }
 
 Variant variant_of(const ab_kvcache_params* p) {
-  const Variant lanes{false, 0};
+  const Variant lanes{false, 0, false};
   if (p->q.dtype != AB_DTYPE_F16 && p->q.dtype != AB_DTYPE_BF16) return lanes;
   const char* e = getenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL");
   const bool want = e != nullptr && strcmp(e, "mma") == 0    ? true
                     : e != nullptr && strcmp(e, "lanes") == 0 ? false
                                                               : p->Sq * (p->Hq / p->Hkv) >= kMmaMinRows;
   if (!want) return lanes;
-  const int optin = device_smem_optin(), kd = mma_head_dim(p->D), stages = mma_stages(kd, optin);
-  return (size_t)optin >= mma_smem_bytes(kd, stages) ? Variant{true, stages} : lanes;
+  const bool lo = p->rotary_cos.ndim > 0;
+  const int optin = device_smem_optin(), kd = mma_head_dim(p->D), stages = mma_stages(kd, optin, lo);
+  return (size_t)optin >= mma_smem_bytes(kd, stages, lo) ? Variant{true, stages, lo} : lanes;
 }
 
 int rows_per_block(const ab_kvcache_params* p, Variant v) {
@@ -127,7 +137,8 @@ int64_t mma_resident(const ab_kvcache_params* p, Variant v) {
     (void)cudaGetLastError();  // a failed query is not the launch's error
     return kMmaBlocksPerSM;
   }
-  const int64_t n = (int64_t)((size_t)per_sm / (mma_smem_bytes(mma_head_dim(p->D), v.stages) + (size_t)reserved));
+  const size_t block = mma_smem_bytes(mma_head_dim(p->D), v.stages, v.lo) + (size_t)reserved;
+  const int64_t n = (int64_t)((size_t)per_sm / block);
   return n < 1 ? 1 : n;
 }
 
@@ -395,8 +406,8 @@ ab_status launch_attend(const DecodeParams& d, cudaStream_t stream, ab_error* er
 }
 
 template <typename T, int kD, int kStages>
-ab_status launch_attend_mma(const DecodeParams& d, cudaStream_t stream, ab_error* err) {
-  constexpr size_t smem = mma_smem_bytes(kD, kStages);
+ab_status launch_attend_mma(const DecodeParams& d, bool lo, cudaStream_t stream, ab_error* err) {
+  const size_t smem = mma_smem_bytes(kD, kStages, lo);
   TRY(ab_flash::prepare_smem(attend_mma_kernel<T, kD, kStages>, smem, "paged_attention", kD, err));
   const dim3 grid((unsigned)(d.nsplit * d.B), (unsigned)(d.Hkv * d.row_tiles));
   AB_LAUNCH(grid, kThreads, smem, stream, attend_mma_kernel<T, kD, kStages>)(d);
@@ -413,18 +424,18 @@ ab_status run(const ab_kvcache_params* p, Variant v, const DecodeParams& d, cuda
   if constexpr (sizeof(T) == 2) {
     if (v.mma) {
       switch (mma_head_dim(d.D)) {
-        case 64: TRY((launch_attend_mma<T, 64, 4>(d, stream, err))); break;
+        case 64: TRY((launch_attend_mma<T, 64, 4>(d, v.lo, stream, err))); break;
         case 128:
           if (v.stages == 3)
-            TRY((launch_attend_mma<T, 128, 3>(d, stream, err)));
+            TRY((launch_attend_mma<T, 128, 3>(d, v.lo, stream, err)));
           else
-            TRY((launch_attend_mma<T, 128, 2>(d, stream, err)));
+            TRY((launch_attend_mma<T, 128, 2>(d, v.lo, stream, err)));
           break;
         default:
           if (v.stages == 3)
-            TRY((launch_attend_mma<T, 256, 3>(d, stream, err)));
+            TRY((launch_attend_mma<T, 256, 3>(d, v.lo, stream, err)));
           else
-            TRY((launch_attend_mma<T, 256, 2>(d, stream, err)));
+            TRY((launch_attend_mma<T, 256, 2>(d, v.lo, stream, err)));
           break;
       }
     }

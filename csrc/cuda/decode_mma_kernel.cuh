@@ -42,13 +42,15 @@ static_assert(kMmaKeys == 16 * kWarps, "each warp takes 16 keys of a tile");
 // (sm_86 and sm_89: 99 KiB); 3 at 128 where two such blocks of 111 KiB fit an SM (sm_90: 227 KiB a
 // block), two tiles in flight per block at no cost in blocks per SM; 2 at 256, 135 KiB (sm_80 and
 // sm_90; decode.cu keeps attend_kernel where a device gives less).
-// Dynamic shared memory: the K and V stages, then Q (hi, lo), then one int; after the key loop the
-// warps' (O, max, sum) reuse the stages (mma_smem_bytes checks they fit).
+// Dynamic shared memory: the K and V stages, then Q's hi half, then one int (16 bytes), then Q's lo
+// half, which only rotated queries have (lo: rotary tables given; a call without them is launched
+// without it, which at head dim 64 lets an sm_90 hold three blocks instead of two); after the key loop
+// the warps' (O, max, sum) reuse the stages (the kernel checks they fit).
 __host__ __device__ constexpr size_t mma_stage_bytes(int kD, int stages) {
   return (size_t)stages * 2 * kMmaKeys * (kD + ab_flash::kSmemPad) * 2;
 }
-__host__ __device__ constexpr size_t mma_smem_bytes(int kD, int stages) {
-  return mma_stage_bytes(kD, stages) + (size_t)2 * kMmaRows * (kD + ab_flash::kSmemPad) * 2 + 16;
+__host__ __device__ constexpr size_t mma_smem_bytes(int kD, int stages, bool lo) {
+  return mma_stage_bytes(kD, stages) + (size_t)(lo ? 2 : 1) * kMmaRows * (kD + ab_flash::kSmemPad) * 2 + 16;
 }
 
 // hi and lo halves of a pair (lower column first): hi = (x0, x1) rounded to T, lo = the remainders
@@ -61,7 +63,7 @@ __device__ __forceinline__ void split_pack(float x0, float x1, uint32_t& hi, uin
 }
 
 // grid (nsplit * B, Hkv * row_tiles) with row_tiles = ceil(rows / 16), kThreads threads, dynamic
-// shared memory mma_smem_bytes(kD, kStages).  kD: the head dim rounded up to 64, 128 or 256
+// shared memory mma_smem_bytes(kD, kStages, rotary tables given).  kD: the head dim rounded up to 64, 128 or 256
 // (columns past D are zeros in Q, K and V).  Index values out of range, and keys in blocks the
 // table does not name, make rows NaN as in attend_kernel.
 template <typename T, int kD, int kStages>
@@ -81,9 +83,9 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);  // (kStages, kMmaKeys, kLd)
   T* sV = sK + kStages * kMmaKeys * kLd;
-  T* sQ = sV + kStages * kMmaKeys * kLd;   // (kMmaRows, kLd) hi, then lo
-  T* sQlo = sQ + kMmaRows * kLd;
-  int* holes = reinterpret_cast<int*>(sQlo + kMmaRows * kLd);
+  T* sQ = sV + kStages * kMmaKeys * kLd;   // (kMmaRows, kLd) hi
+  int* holes = reinterpret_cast<int*>(sQ + kMmaRows * kLd);
+  T* sQlo = reinterpret_cast<T*>(holes + 4);  // (kMmaRows, kLd) lo, with rotary tables only (q_split)
 
   const int64_t split = blockIdx.x % p.nsplit, b = blockIdx.x / p.nsplit;
   const int64_t hkv = blockIdx.y / p.row_tiles, r0 = (blockIdx.y % p.row_tiles) * kMmaRows;
@@ -213,7 +215,8 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
   // head dim); its 16 keys of V as O's B operand, .trans (two n8 tiles of the head dim per load).
   const int mi = lane >> 3, mr = lane & 7;
   const uint32_t q_addr = ab_flash::smem_u32(sQ + (mr + (mi & 1) * 8) * kLd + (mi >> 1) * 8);
-  const uint32_t qlo_addr = q_addr + kMmaRows * kRowBytes;
+  // (sQlo exists only with rotary tables: a call without them is launched without its bytes)
+  const uint32_t qlo_addr = q_split ? ab_flash::smem_u32(sQlo + (mr + (mi & 1) * 8) * kLd + (mi >> 1) * 8) : q_addr;
   const uint32_t k_addr0 = ab_flash::smem_u32(sK + (warp * 16 + mr + (mi >> 1) * 8) * kLd + (mi & 1) * 8);
   const uint32_t v_addr0 = ab_flash::smem_u32(sV + (warp * 16 + mr + (mi & 1) * 8) * kLd + (mi >> 1) * 8);
   constexpr uint32_t kStageBytes = kMmaKeys * kRowBytes;
