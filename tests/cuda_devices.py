@@ -70,19 +70,16 @@ def emulator():
     return lib
 
 
+def _counts(lines: bytes) -> dict:
+    """{label: n} of the emulator's "label\tn" lines."""
+    return {label: int(n) for label, n in (line.rsplit("\t", 1) for line in lines.decode().splitlines())}
+
+
 def launched(lib) -> dict:
     """{kernel label: launches} since the last lib.ab_cuda_emu_reset_launch_log()."""
-    out = {}
-    for line in lib.ab_cuda_emu_launch_log().decode().splitlines():
-        label, n = line.rsplit("\t", 1)
-        out[label] = int(n)
-    return out
+    return _counts(lib.ab_cuda_emu_launch_log())
 
 
 def launched_blocks(lib) -> dict:
     """{kernel label: blocks of all its launches} since the last lib.ab_cuda_emu_reset_launch_log()."""
-    out = {}
-    for line in lib.ab_cuda_emu_launch_blocks().decode().splitlines():
-        label, n = line.rsplit("\t", 1)
-        out[label] = int(n)
-    return out
+    return _counts(lib.ab_cuda_emu_launch_blocks())

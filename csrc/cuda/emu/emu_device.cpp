@@ -337,21 +337,17 @@ int device_cc() { return session().cc; }
 void set_device_cc(int cc) { session().cc = cc; }
 void set_seed(uint64_t seed) { session().seed = seed; }
 
-std::string launch_log() {
+// "label\tn" lines of one of the session's per-label counts (the launch log, the blocks launched)
+static std::string count_lines(const std::map<std::string, long> Session::*counts) {
   Session& s = session();
   std::lock_guard<std::mutex> lock(s.mu);
   std::string out;
-  for (const auto& kv : s.log) out += kv.first + "\t" + std::to_string(kv.second) + "\n";
+  for (const auto& kv : s.*counts) out += kv.first + "\t" + std::to_string(kv.second) + "\n";
   return out;
 }
 
-std::string launch_blocks() {
-  Session& s = session();
-  std::lock_guard<std::mutex> lock(s.mu);
-  std::string out;
-  for (const auto& kv : s.blocks) out += kv.first + "\t" + std::to_string(kv.second) + "\n";
-  return out;
-}
+std::string launch_log() { return count_lines(&Session::log); }
+std::string launch_blocks() { return count_lines(&Session::blocks); }
 
 void reset_launch_log() {
   Session& s = session();
