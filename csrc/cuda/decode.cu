@@ -83,8 +83,10 @@ int mma_stages(int kd, int optin, bool lo) {
 int device_smem_optin() {
   int device = 0, optin = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    (void)cudaGetLastError();  // a failed query is not the launch's error
     return 0;
+  }
   return optin;
 }
 
@@ -96,7 +98,7 @@ Variant variant_of(const ab_kvcache_params* p) {
                     : e != nullptr && strcmp(e, "lanes") == 0 ? false
                                                               : p->Sq * (p->Hq / p->Hkv) >= kMmaMinRows;
   if (!want) return lanes;
-  const bool lo = p->rotary_cos.ndim > 0;
+  const bool lo = p->rotary_cos.ndim > 0 && p->rotary_cos.sizes[1] > 0;  // the kernel's q_split (rot_half > 0)
   const int optin = device_smem_optin(), kd = mma_head_dim(p->D), stages = mma_stages(kd, optin, lo);
   return (size_t)optin >= mma_smem_bytes(kd, stages, lo) ? Variant{true, stages, lo} : lanes;
 }
@@ -128,7 +130,9 @@ constexpr int64_t kMmaBlocksPerSM = 2;  // mma_resident where the device does no
 constexpr int64_t kMmaMinSplitKeys = 4 * kMmaKeys;
 
 // Blocks of attend_mma_kernel an SM holds at once.  Its shared memory binds: registers allow three or
-// more a block up to head dim 128 and two at 256 (ptxas, sm_90a), shared memory two (one at 256).
+// more a block up to head dim 128 and two at 256 (ptxas, sm_90a: 128-166 and 246-255 registers), shared
+// memory two or three (one at 256).  Other architectures' register counts are not checked here: a build
+// whose registers bound tighter would get splits for more blocks than an SM holds.
 int64_t mma_resident(const ab_kvcache_params* p, Variant v) {
   int device = 0, per_sm = 0, reserved = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -407,8 +411,12 @@ ab_status launch_attend(const DecodeParams& d, cudaStream_t stream, ab_error* er
 
 template <typename T, int kD, int kStages>
 ab_status launch_attend_mma(const DecodeParams& d, bool lo, cudaStream_t stream, ab_error* err) {
-  const size_t smem = mma_smem_bytes(kD, kStages, lo);
-  TRY(ab_flash::prepare_smem(attend_mma_kernel<T, kD, kStages>, smem, "paged_attention", kD, err));
+  // the instance's limit (one per kernel and device) is the size with the lo half wherever that fits,
+  // whatever this call's: a call without it setting the smaller limit could otherwise fall between
+  // another thread's setting and its launch of a call with it
+  const size_t smem = mma_smem_bytes(kD, kStages, lo), most = mma_smem_bytes(kD, kStages, true);
+  const size_t limit = (size_t)device_smem_optin() >= most ? most : smem;
+  TRY(ab_flash::prepare_smem(attend_mma_kernel<T, kD, kStages>, limit, "paged_attention", kD, err));
   const dim3 grid((unsigned)(d.nsplit * d.B), (unsigned)(d.Hkv * d.row_tiles));
   AB_LAUNCH(grid, kThreads, smem, stream, attend_mma_kernel<T, kD, kStages>)(d);
   return ab_cuda_check(cudaGetLastError(), "kvcache_fwd attention launch", err);
