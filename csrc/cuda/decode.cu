@@ -80,14 +80,27 @@ int mma_stages(int kd, int optin, bool lo) {
   return (size_t)optin >= mma_smem_bytes(256, 3, lo) ? 3 : 2;
 }
 
+// The current device, and an attribute of a device (the current one by default): -1 where the runtime
+// does not say, its error cleared, since a failed query is not the launch's error (the launchers check
+// cudaGetLastError after each launch).
+int current_device() {
+  int device = 0;
+  if (cudaGetDevice(&device) == cudaSuccess) return device;
+  (void)cudaGetLastError();
+  return -1;
+}
+
+int device_attr(cudaDeviceAttr attr, int device = -1) {
+  int value = 0;
+  if (device < 0) device = current_device();
+  if (device >= 0 && cudaDeviceGetAttribute(&value, attr, device) == cudaSuccess) return value;
+  (void)cudaGetLastError();
+  return -1;
+}
+
 int device_smem_optin() {
-  int device = 0, optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    (void)cudaGetLastError();  // a failed query is not the launch's error
-    return 0;
-  }
-  return optin;
+  const int optin = device_attr(cudaDevAttrMaxSharedMemoryPerBlockOptin);
+  return optin > 0 ? optin : 0;
 }
 
 Variant variant_of(const ab_kvcache_params* p) {
@@ -134,13 +147,10 @@ constexpr int64_t kMmaMinSplitKeys = 4 * kMmaKeys;
 // memory two or three (one at 256).  Other architectures' register counts are not checked here: a build
 // whose registers bound tighter would get splits for more blocks than an SM holds.
 int64_t mma_resident(const ab_kvcache_params* p, Variant v) {
-  int device = 0, per_sm = 0, reserved = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device) != cudaSuccess) {
-    (void)cudaGetLastError();  // a failed query is not the launch's error
-    return kMmaBlocksPerSM;
-  }
+  const int device = current_device();
+  const int per_sm = device_attr(cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+  const int reserved = device_attr(cudaDevAttrReservedSharedMemoryPerBlock, device);
+  if (per_sm < 0 || reserved < 0) return kMmaBlocksPerSM;
   const size_t block = mma_smem_bytes(mma_head_dim(p->D), v.stages, v.lo) + (size_t)reserved;
   const int64_t n = (int64_t)((size_t)per_sm / block);
   return n < 1 ? 1 : n;
@@ -181,13 +191,10 @@ constexpr int kOccDevices = 16, kOccDims = kMaxHeadDim / kChunk + 1;
 std::atomic<int> g_lanes_occ[kOccDevices][3][4][2][kOccDims];
 
 int64_t lanes_resident(const ab_kvcache_params* p, Variant v) {
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return 0;
-  }
+  const int device = current_device();
+  const int major = device_attr(cudaDevAttrComputeCapabilityMajor, device);
+  const int minor = device_attr(cudaDevAttrComputeCapabilityMinor, device);
+  if (major < 0 || minor < 0) return 0;
   const int cc = major * 10 + minor, rows = rows_per_block(p, v);
   const int dt = p->q.dtype == AB_DTYPE_F16 ? 0 : p->q.dtype == AB_DTYPE_BF16 ? 1 : 2;
   std::atomic<int>* slot = device >= 0 && device < kOccDevices && p->D % kChunk == 0 && p->D <= kMaxHeadDim
