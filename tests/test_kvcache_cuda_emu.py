@@ -83,6 +83,16 @@ def _lanes_unless_asked(monkeypatch):
     monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "lanes")
 
 
+@pytest.fixture
+def emu_lib():
+    """The emulator's library with its launch log reset; the emulated device (tests set its compute
+    capability) back to the default sm_80 afterwards."""
+    lib = emulator()
+    lib.ab_cuda_emu_reset_launch_log()
+    yield lib
+    lib.ab_cuda_emu_set_device_cc(80)
+
+
 KERNELS = ["lanes", "mma"]
 
 
@@ -200,9 +210,8 @@ def test_random_calls_on_the_cuda_kernels(decode, kernel, case, seed, splits):
 
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
-def test_every_kernel_variant_runs(decode, gen, monkeypatch):
-    lib = emulator()
-    lib.ab_cuda_emu_reset_launch_log()
+def test_every_kernel_variant_runs(decode, gen, monkeypatch, emu_lib):
+    lib = emu_lib
     names = {F16: "__half", BF16: "__nv_bfloat16", F32: "float"}
     expect = set()
     for dt in (F16, BF16, F32):
@@ -219,17 +228,14 @@ def test_every_kernel_variant_runs(decode, gen, monkeypatch):
     # the tensor-core attention, 16-bit: head dims rounded up to 64, 128 and 256; 3 stages where the
     # device gives a block the shared memory (the emulated sm_90), else 2
     monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "mma")
-    try:
-        for dt in (F16, BF16):
-            for D, kd, stages, cc in ((16, 64, 4, 80), (72, 128, 2, 80), (72, 128, 3, 90),
-                                      (136, 256, 2, 80), (136, 256, 3, 90)):
-                lib.ab_cuda_emu_set_device_cc(cc)
-                call = Call(KV(B=1, Sq=2, Hq=4, Hkv=2, D=D, S=70, snew=1, dtype=dt), gen)
-                call.check(*run(decode, call, num_splits=2))
-                expect.add(f"launch_attend_mma<T = {names[dt]}, int kD = {kd}, int kStages = {stages}>: "
-                           "attend_mma_kernel<T, kD, kStages>")
-    finally:
-        lib.ab_cuda_emu_set_device_cc(80)
+    for dt in (F16, BF16):
+        for D, kd, stages, cc in ((16, 64, 4, 80), (72, 128, 2, 80), (72, 128, 3, 90),
+                                  (136, 256, 2, 80), (136, 256, 3, 90)):
+            lib.ab_cuda_emu_set_device_cc(cc)
+            call = Call(KV(B=1, Sq=2, Hq=4, Hkv=2, D=D, S=70, snew=1, dtype=dt), gen)
+            call.check(*run(decode, call, num_splits=2))
+            expect.add(f"launch_attend_mma<T = {names[dt]}, int kD = {kd}, int kStages = {stages}>: "
+                       "attend_mma_kernel<T, kD, kStages>")
     ran = launched(lib)
     missing = sorted(e for e in expect if not any(e in label for label in ran))
     assert not missing, f"not launched: {missing}\nlaunched: {sorted(ran)}"
@@ -237,21 +243,18 @@ def test_every_kernel_variant_runs(decode, gen, monkeypatch):
 
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
-def test_the_tensor_core_attention_needs_the_shared_memory_of_its_stages(decode, gen, monkeypatch):
+def test_the_tensor_core_attention_needs_the_shared_memory_of_its_stages(decode, gen, monkeypatch, emu_lib):
     # head dim 256 takes 148.5 KiB a block: an sm_86 gives 99 KiB, so attend_kernel serves the call there
     # (head dims up to 128 take 76.5 KiB and keep attend_mma_kernel)
     monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "mma")
-    lib = emulator()
+    lib = emu_lib
     lib.ab_cuda_emu_set_device_cc(86)
-    try:
-        for D, want in ((136, "attend_kernel"), (128, "attend_mma_kernel")):
-            lib.ab_cuda_emu_reset_launch_log()
-            call = Call(KV(B=1, Sq=1, Hq=4, Hkv=2, D=D, S=40, snew=1, dtype=BF16), gen)
-            call.check(*run(decode, call))
-            ran = launched(lib)
-            assert any(want in label and (want != "attend_kernel" or "mma" not in label) for label in ran), ran
-    finally:
-        lib.ab_cuda_emu_set_device_cc(80)
+    for D, want in ((136, "attend_kernel"), (128, "attend_mma_kernel")):
+        lib.ab_cuda_emu_reset_launch_log()
+        call = Call(KV(B=1, Sq=1, Hq=4, Hkv=2, D=D, S=40, snew=1, dtype=BF16), gen)
+        call.check(*run(decode, call))
+        ran = launched(lib)
+        assert any(want in label and (want != "attend_kernel" or "mma" not in label) for label in ran), ran
 
 
 @pytest.mark.cuda_emu
@@ -298,21 +301,17 @@ def test_the_default_attention_follows_the_query_rows_of_a_kv_head(decode, gen, 
     (80, 2, 64, 768, None, 24),     # 8 blocks: 3 splits, the most 768 positions allow (256 each)
     (80, 25, 256, 512, None, 100),  # head dim 256, 141 KiB a block: one an SM, 108 places: no split
 ])
-def test_the_tensor_core_attention_splits_in_whole_waves(decode, gen, monkeypatch, cc, B, D, S, rotary, blocks):
+def test_the_tensor_core_attention_splits_in_whole_waves(decode, gen, monkeypatch, emu_lib, cc, B, D, S, rotary,
+                                                          blocks):
     """attend_mma_kernel's blocks hold so much shared memory that an SM runs three, two (head dim 64: 75
     or 78 KiB a block) or one (head dim 256 on an A100): the launcher counts its splits so that the
     blocks fill whole waves of the SMs' places (the emulated H100's 132 SMs, the A100's 108) rather than
     spill a few into a second wave."""
     monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "mma")
-    lib = emulator()
-    lib.ab_cuda_emu_set_device_cc(cc)
-    try:
-        lib.ab_cuda_emu_reset_launch_log()
-        call = Call(KV(B=B, Hq=16, Hkv=4, D=D, S=S, seqlens=S - 1, snew=1, rotary=rotary, dtype=BF16), gen)
-        call.check(*run(decode, call))
-        ran = launched_blocks(lib)
-    finally:
-        lib.ab_cuda_emu_set_device_cc(80)
+    emu_lib.ab_cuda_emu_set_device_cc(cc)
+    call = Call(KV(B=B, Hq=16, Hkv=4, D=D, S=S, seqlens=S - 1, snew=1, rotary=rotary, dtype=BF16), gen)
+    call.check(*run(decode, call))
+    ran = launched_blocks(emu_lib)
     assert sum(n for label, n in ran.items() if "attend_mma_kernel" in label) == blocks, ran
     assert any("merge_kernel" in label for label in ran) == (blocks > B * 4), ran
 
@@ -320,21 +319,16 @@ def test_the_tensor_core_attention_splits_in_whole_waves(decode, gen, monkeypatc
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
 @pytest.mark.parametrize("forced,stages", [(None, 3), ("2", 2), ("3", 3), ("5", 3)])
-def test_the_tensor_core_attention_stages_can_be_forced(decode, gen, monkeypatch, forced, stages):
+def test_the_tensor_core_attention_stages_can_be_forced(decode, gen, monkeypatch, emu_lib, forced, stages):
     """ATTN_BACKENDS_CUDA_DECODE_STAGES=2 or 3 picks attend_mma_kernel's stages at head dim 128 (the
     emulated sm_90 takes 3 by default); other values are ignored.  The result is the same call's."""
     monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_KERNEL", "mma")
     if forced is not None:
         monkeypatch.setenv("ATTN_BACKENDS_CUDA_DECODE_STAGES", forced)
-    lib = emulator()
-    lib.ab_cuda_emu_set_device_cc(90)
-    try:
-        lib.ab_cuda_emu_reset_launch_log()
-        call = Call(KV(B=2, Hq=8, Hkv=2, D=128, S=300, seqlens=290, snew=1, dtype=BF16), gen)
-        call.check(*run(decode, call))
-        ran = launched(lib)
-    finally:
-        lib.ab_cuda_emu_set_device_cc(80)
+    emu_lib.ab_cuda_emu_set_device_cc(90)
+    call = Call(KV(B=2, Hq=8, Hkv=2, D=128, S=300, seqlens=290, snew=1, dtype=BF16), gen)
+    call.check(*run(decode, call))
+    ran = launched(emu_lib)
     assert [label for label in ran if "attend_mma_kernel" in label] == [
         f"{{anonymous}}::launch_attend_mma<T = __nv_bfloat16, int kD = 128, int kStages = {stages}>: "
         "attend_mma_kernel<T, kD, kStages>"], ran
@@ -342,28 +336,25 @@ def test_the_tensor_core_attention_stages_can_be_forced(decode, gen, monkeypatch
 
 @pytest.mark.cuda_emu
 @pytest.mark.parametrize("dev", ["emu"], indirect=True)
-def test_the_lane_attention_splits_by_the_occupancy_the_runtime_gives(decode, gen):
+def test_the_lane_attention_splits_by_the_occupancy_the_runtime_gives(decode, gen, emu_lib):
     """attend_kernel's split count fills whole waves of the places the runtime's occupancy gives
     (cudaOccupancyMaxActiveBlocksPerMultiprocessor: on the H200 4 blocks an SM with one query row, 2 with
     more, its registers binding; the emulator, which knows no registers, answers from threads and
     shared memory: 16 blocks of 128 threads on the emulated A100's 108 SMs, 12 on sm_86's 84).  Before,
     it aimed at 4 blocks an SM rounding up.  The launcher keeps the answers per device and asks again
     when the device's compute capability changes (the emulator's devices do)."""
-    lib = emulator()
-    try:
-        for cc, S, blocks in (
-            (80, 1024, 800),  # 100 blocks, 1728 places: 8 splits, the most 1024 positions allow (128 each)
-            (80, 2048, 1600),  # 16 splits, one wave
-            (86, 2048, 800),  # 1008 places: 8 splits, one wave (10 would give no block fewer tiles)
-        ):
-            lib.ab_cuda_emu_set_device_cc(cc)
-            lib.ab_cuda_emu_reset_launch_log()
-            call = Call(KV(B=50, Hq=2, Hkv=2, D=16, S=S, seqlens=S - 1, snew=1, dtype=BF16), gen)
-            call.check(*run(decode, call))
-            ran = launched_blocks(lib)
-            assert sum(n for label, n in ran.items() if "attend_kernel" in label) == blocks, (cc, S, ran)
-    finally:
-        lib.ab_cuda_emu_set_device_cc(80)
+    lib = emu_lib
+    for cc, S, blocks in (
+        (80, 1024, 800),  # 100 blocks, 1728 places: 8 splits, the most 1024 positions allow (128 each)
+        (80, 2048, 1600),  # 16 splits, one wave
+        (86, 2048, 800),  # 1008 places: 8 splits, one wave (10 would give no block fewer tiles)
+    ):
+        lib.ab_cuda_emu_set_device_cc(cc)
+        lib.ab_cuda_emu_reset_launch_log()
+        call = Call(KV(B=50, Hq=2, Hkv=2, D=16, S=S, seqlens=S - 1, snew=1, dtype=BF16), gen)
+        call.check(*run(decode, call))
+        ran = launched_blocks(lib)
+        assert sum(n for label, n in ran.items() if "attend_kernel" in label) == blocks, (cc, S, ran)
 
 
 @pytest.mark.cuda_emu
