@@ -152,6 +152,14 @@ cudaError_t func_set_attribute(const void* fn, cudaFuncAttribute attr, int value
   return cudaSuccess;
 }
 
+// The dynamic shared memory a block of fn may ask for: what cudaFuncSetAttribute allowed it, at least the
+// default 48 KiB.
+static size_t allowed_smem(const Session& s, const void* fn) {
+  const auto it = s.attrs.find(fn);
+  return it != s.attrs.end() && (size_t)it->second.max_dynamic_smem > kDefaultSmem ? (size_t)it->second.max_dynamic_smem
+                                                                                   : kDefaultSmem;
+}
+
 // Blocks of fn an SM holds at once, as cudaOccupancyMaxActiveBlocksPerMultiprocessor answers: bound by
 // the threads an SM runs (2048; 1536 on sm_86 and sm_89), its shared memory (sm_smem, 1 KiB kept per
 // block) and 32 blocks.  The emulator does not know a kernel's registers, which on a device often bind
@@ -161,10 +169,7 @@ cudaError_t occupancy(int* blocks, const void* fn, int threads, size_t smem) {
   Session& s = session();
   if (s.sticky) return s.last_error;
   if (threads <= 0 || threads > 1024) return cudaErrorInvalidValue;
-  const auto it = s.attrs.find(fn);
-  const size_t allowed = it != s.attrs.end() && (size_t)it->second.max_dynamic_smem > kDefaultSmem
-                             ? (size_t)it->second.max_dynamic_smem
-                             : kDefaultSmem;
+  const size_t allowed = allowed_smem(s, fn);
   const size_t by_threads = (s.cc == 86 || s.cc == 89 ? 1536 : 2048) / round_up((size_t)threads, 32);
   const size_t by_smem = sm_smem(s.cc) / (smem + 1024);
   const size_t n = smem > allowed ? 0 : std::min<size_t>(std::min(by_threads, by_smem), 32);
@@ -232,10 +237,7 @@ void launch(const void* fn, const char* name, const char* where, dim3 grid, dim3
   if (blocks == 0 || grid.x > 2147483647u || grid.y > 65535 || grid.z > 65535)
     return bad_launch(cudaErrorInvalidConfiguration,
                       format("a grid of %u x %u x %u blocks", grid.x, grid.y, grid.z));
-  const auto it = s.attrs.find(fn);
-  const size_t allowed = it != s.attrs.end() && (size_t)it->second.max_dynamic_smem > kDefaultSmem
-                             ? (size_t)it->second.max_dynamic_smem
-                             : kDefaultSmem;
+  const size_t allowed = allowed_smem(s, fn);
   if (smem > allowed)
     return bad_launch(cudaErrorInvalidValue,
                       format("%zu bytes of dynamic shared memory, the kernel is allowed %zu (cudaFuncSetAttribute)",
