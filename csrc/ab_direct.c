@@ -30,6 +30,7 @@
 #include "ab_module.h"
 #include "ab_shim.h"
 #include "cpu/decode_cpu.h"
+#include "cpu/decode_tune.h"
 #include "cuda/ab_cuda.h"
 
 static int small_int(PyObject* o, long long least, long long* x);
@@ -1290,6 +1291,70 @@ static PyObject* ab_py_kvcache_working_set(PyObject* self, PyObject* unused) {
   return PyLong_FromLongLong(ab_kvcache_cpu_working_set());
 }
 
+/* decode_tune_state() -> list of dicts: each kind of call whose prefetch requests the CPU decode kernel
+ * times (decode_tune.h): its kind, the rule's set and the switches timed (bits: 1 keys_next,
+ * 2 values_ahead, 4 pages_ahead), the arms, the arm kept (-1 before the first timing ends), whether its
+ * arms are being timed, its calls, its timings finished and each arm's calls. */
+static PyObject* ab_py_decode_tune_state(PyObject* self, PyObject* unused) {
+  (void)self;
+  (void)unused;
+  ab_decode_tune_report reports[64];
+  int n = ab_decode_tune_state(reports, 64);
+  if (n > 64) n = 64;
+  PyObject* list = PyList_New(0);
+  for (int i = 0; list && i < n; ++i) {
+    const ab_decode_tune_report* r = &reports[i];
+    PyObject* arm_calls = PyList_New(0);
+    for (int a = 0; arm_calls && a < r->arms; ++a) {
+      PyObject* x = PyLong_FromLongLong(r->arm_calls[a]);
+      if (!x || PyList_Append(arm_calls, x) < 0) Py_CLEAR(arm_calls);
+      Py_XDECREF(x);
+    }
+    PyObject* d = arm_calls ? Py_BuildValue(
+                                  "{s:i,s:i,s:i,s:i,s:i,s:i,s:I,s:I,s:i,s:i,s:O,s:L,s:L,s:N}", "isa", r->kind.isa,
+                                  "dtype", r->kind.dtype, "bf16_dot", r->kind.bf16_dot, "block_size", r->kind.block_size,
+                                  "group", r->kind.group, "one_token", r->kind.one_token, "rule", r->rule, "free",
+                                  r->free, "arms", r->arms, "chosen", r->chosen, "timing", r->timing ? Py_True : Py_False,
+                                  "calls", (long long)r->calls, "timings", (long long)r->timings, "arm_calls", arm_calls)
+                            : NULL;
+    if (!d || PyList_Append(list, d) < 0) Py_CLEAR(list);
+    Py_XDECREF(d);
+  }
+  return list;
+}
+
+static PyObject* ab_py_decode_tune_reset(PyObject* self, PyObject* unused) {
+  (void)self;
+  (void)unused;
+  ab_decode_tune_reset();
+  Py_RETURN_NONE;
+}
+
+/* decode_tune_choose(times, margin) -> int: ab_decode_tune_choose over rounds of arms' times (a list of
+ * rounds, each a list of the arms' times). */
+static PyObject* ab_py_decode_tune_choose(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject* rounds;
+  double margin;
+  if (!PyArg_ParseTuple(args, "O!d", &PyList_Type, &rounds, &margin)) return NULL;
+  const Py_ssize_t nr = PyList_Size(rounds);
+  Py_ssize_t arms = -1;
+  double times[64 * 8];
+  if (nr < 1 || nr > 64) return PyErr_Format(PyExc_ValueError, "decode_tune_choose: times needs 1 to 64 rounds, got %zd", nr);
+  for (Py_ssize_t r = 0; r < nr; ++r) {
+    PyObject* row = PyList_GetItem(rounds, r);
+    if (!PyList_Check(row) || (arms >= 0 && PyList_Size(row) != arms) || PyList_Size(row) < 1 ||
+        PyList_Size(row) > 8)
+      return PyErr_Format(PyExc_ValueError, "decode_tune_choose: each round of times must be a list of the same 1 to 8 arms");
+    arms = PyList_Size(row);
+    for (Py_ssize_t a = 0; a < arms; ++a) {
+      times[r * arms + a] = PyFloat_AsDouble(PyList_GetItem(row, a));
+      if (PyErr_Occurred()) return NULL;
+    }
+  }
+  return PyLong_FromLong(ab_decode_tune_choose((int)arms, (int)nr, times, margin));
+}
+
 /* set_kvcache_guards(guards, increment_version): kvcache()'s guards (set_fast_api's, less inference
  * mode), and torch._C._increment_version for the direct calls that write into a cache. */
 static PyObject* ab_py_set_kvcache_guards(PyObject* self, PyObject* args) {
@@ -1412,6 +1477,14 @@ PyMethodDef ab_direct_methods[] = {
     {"kvcache_working_set", ab_py_kvcache_working_set, METH_NOARGS,
      "kvcache_working_set() -> int: the K and V bytes the CPU decode kernel's last 64 calls read, each cache "
      "counted once at its latest call (decides the next-keys prefetch on AMD's AVX-512 path)."},
+    {"decode_tune_state", ab_py_decode_tune_state, METH_NOARGS,
+     "decode_tune_state() -> list of dicts: each kind of call whose prefetch requests the CPU decode kernel "
+     "chooses by timing (arms, the arm kept, calls per arm; docs/decode.md)."},
+    {"decode_tune_reset", ab_py_decode_tune_reset, METH_NOARGS,
+     "decode_tune_reset(): forgets the CPU decode kernel's timings of its prefetch requests."},
+    {"decode_tune_choose", ab_py_decode_tune_choose, METH_VARARGS,
+     "decode_tune_choose(times, margin) -> int: the arm the CPU decode kernel keeps from rounds of its arms' "
+     "times (a list of rounds, each a list of times; arm 0 the rule's own)."},
     {"set_kvcache_guards", ab_py_set_kvcache_guards, METH_VARARGS,
      "set_kvcache_guards(guards, increment_version): the guards of kvcache()'s fast path, and the version "
      "bump of a cache the direct calls write into."},

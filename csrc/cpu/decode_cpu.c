@@ -9,11 +9,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "ab_cpu.h"
 #include "ab_vec.h"
 #include "cpu_kernels.h"
 #include "decode_cpu.h"
+#include "decode_tune.h"
 
 #define MAX_SPLITS 256
 /* Splits chosen by the heuristic keep at least this many keys each: below it the merge and the
@@ -145,6 +147,38 @@ static int values_ahead(void) { return forced_or("ATTN_BACKENDS_DECODE_VALUES_AH
  * ATTN_BACKENDS_DECODE_PAGES_AHEAD=1 makes the request in every call, =0 in none (read at every call;
  * the same bits either way). */
 static int pages_ahead(int dram) { return forced_or("ATTN_BACKENDS_DECODE_PAGES_AHEAD", amd_avx512() && dram); }
+
+/* Whether the prefetch requests (keys_next, values_ahead, pages_ahead) are chosen by timing them against
+ * each other (decode_tune.h) instead of by the rules above: when the caches come from DRAM (from_dram),
+ * on every CPU.  The rules were each measured on one CPU in one state of its memory; on an AMD Zen 5
+ * guest whose memory moved between two states the best set moved with it (docs/benchmarks.md,
+ * "Prefetch requests chosen by measurement").  The rules' own set is one of the sets timed, and a set
+ * is kept only when it was faster in most rounds by AB_TUNE_MARGIN.  A switch forced by its variable is
+ * not timed.  ATTN_BACKENDS_DECODE_TUNE=1 times them in every call, =0 in none (read at every call; the
+ * same bits either way). */
+static int tune(int dram) { return forced_or("ATTN_BACKENDS_DECODE_TUNE", dram); }
+
+/* The prefetch switches that change what a call of p does, less those forced by their variable: the
+ * next chunk's keys except in MHA over a 2-byte cache (always asked for there), the chunk's values only
+ * in MHA of one token over a float32 cache (always asked for elsewhere), the pages of the chunk after
+ * next except where every tile takes the tiled products (decode_cpu_impl.h: k_next, v_ahead, touch). */
+static uint32_t tunable(const ab_kvcache_params* p, int bf) {
+  const int64_t G = p->Hq / p->Hkv;
+  uint32_t free = 0;
+  if (!(G == 1 && p->k_cache.dtype != AB_DTYPE_F32) && ab_env_switch("ATTN_BACKENDS_DECODE_KEYS_NEXT") < 0)
+    free |= AB_TUNE_KEYS_NEXT;
+  if (G == 1 && p->Sq == 1 && p->k_cache.dtype == AB_DTYPE_F32 &&
+      ab_env_switch("ATTN_BACKENDS_DECODE_VALUES_AHEAD") < 0)
+    free |= AB_TUNE_VALUES_AHEAD;
+  if ((bf || G < 16) && ab_env_switch("ATTN_BACKENDS_DECODE_PAGES_AHEAD") < 0) free |= AB_TUNE_PAGES_AHEAD;
+  return free;
+}
+
+static double seconds_now(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
 
 /* Whether step 1 with bfloat16 products goes head by head, each head's query rows kept in registers
  * while its key rows stream past, instead of key by key over all the item's heads, which reloads the
@@ -570,12 +604,25 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   ab_par_status st = {AB_OK, err};
   const int dram = from_dram(p, keys);
   const int64_t hg = heads_per_item(p, threads);
+  const uint32_t rule = (keys_next(dram) ? AB_TUNE_KEYS_NEXT : 0) | (values_ahead() ? AB_TUNE_VALUES_AHEAD : 0) |
+                        (pages_ahead(dram) ? AB_TUNE_PAGES_AHEAD : 0);
+  const ab_decode_tune_kind kind = {(int32_t)ab_cpu_isa_get(), (int32_t)p->k_cache.dtype, bf,
+                                    paged(p) ? (int32_t)p->k_cache.sizes[1] : 0,
+                                    (int32_t)(p->Hq / p->Hkv), p->Sq == 1};
+  ab_decode_tune_ticket ticket;
+  const uint32_t set = ab_decode_tune_begin(&kind, rule, tune(dram) ? tunable(p, bf) : 0, &ticket);
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
-                       bf, sink, &st, keys_next(dram), values_ahead(), pages_ahead(dram),
-                       bf && scores_by_head(dram), !bf && four_keys(p, dram), !bf && pv_wide(), !bf && pv_pairs()};
+                       bf, sink, &st, !!(set & AB_TUNE_KEYS_NEXT), !!(set & AB_TUNE_VALUES_AHEAD),
+                       !!(set & AB_TUNE_PAGES_AHEAD), bf && scores_by_head(dram), !bf && four_keys(p, dram),
+                       !bf && pv_wide(), !bf && pv_pairs()};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
+  const double t0 = ticket.round >= 0 ? seconds_now() : 0.0;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
+  if (ticket.round >= 0) {
+    const double bytes = 2.0 * (double)keys * (double)(p->Hkv * p->D) * (double)ab_dtype_size(p->k_cache.dtype);
+    ab_decode_tune_end(&ticket, (seconds_now() - t0) / (bytes > 0.0 ? bytes : 1.0));
+  }
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));
   return AB_OK;
 }
