@@ -709,13 +709,40 @@ def run_cpu_table(path, rounds, key, table, line, **record):
           f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}{line}")
     with torch.inference_mode():
         rows = table()
+    tuned = tune_report()
     if path:
         with open(path, "w") as f:
             json.dump(dict(machine=platform.platform(), processor=platform.processor(), cpu=cpu_name(), device="cpu",
                            threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
                            **record, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds=rounds,
-                           **{key: rows}), f, indent=1)
+                           **{key: rows}, tuned=tuned), f, indent=1)
         print(f"wrote {path}")
+
+
+TUNE_SWITCHES = ((1, "keys_next"), (2, "values_ahead"), (4, "pages_ahead"))
+
+
+def tune_report():
+    """The prefetch requests the CPU kernel kept for each kind of call it timed (csrc/cpu/decode_tune.c), printed
+    and returned as rows: the rule's set, the set kept, each arm's calls."""
+    rows = []
+    names = {0: "float32", 1: "float16", 2: "bfloat16"}  # csrc/ab_core.h ab_dtype
+    for k in ab._C.decode_tune_state():
+        def spell(bits):
+            return "+".join(n for b, n in TUNE_SWITCHES if bits & b) or "none"
+        kept = k["chosen"]
+        flip, i = 0, 0
+        for b, _ in TUNE_SWITCHES:  # arm a flips the timed switches of a's bits (decode_tune.h)
+            if k["free"] & b:
+                flip |= b if kept >= 0 and kept >> i & 1 else 0
+                i += 1
+        row = dict(dtype=names.get(k["dtype"], k["dtype"]), group=k["group"], block_size=k["block_size"],
+                   one_token=k["one_token"], rule=spell(k["rule"]), timed=spell(k["free"]),
+                   kept=spell(k["rule"] ^ flip) if kept >= 0 else None, timings=k["timings"], arm_calls=k["arm_calls"])
+        rows.append(row)
+        print(f"tuned: dtype {row['dtype']} G={row['group']} {'blocks of ' + str(row['block_size']) if row['block_size'] else 'dense'}: rule {row['rule']}, "
+              f"kept {row['kept']} ({row['timings']} timings, calls per arm {row['arm_calls']})")
+    return rows
 
 
 def main(argv=None):
@@ -828,6 +855,7 @@ def main(argv=None):
             for dtype in dtypes:
                 print(f"sweep {str(dtype)[6:]} (B=1 Hq=32 Hkv=8 D=128):")
                 sweeps[str(dtype)[6:]] = sweep(dtype, rounds, probe, lengths, out_dir or ".", stem)
+    tuned = tune_report() if DEVICE == "cpu" else []
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=platform.platform(), processor=platform.processor(), cpu=cpu_name(), device=DEVICE,
@@ -835,7 +863,8 @@ def main(argv=None):
                            cuda_attention_kernel=cuda_attention_kernel() if DEVICE == "cuda" else None,
                            threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
                            bf16_products=bf16_products() if DEVICE == "cpu" else None,
-                           date=time.strftime("%Y-%m-%d"), rounds=rounds, results=results, sweeps=sweeps), f, indent=1)
+                           date=time.strftime("%Y-%m-%d"), rounds=rounds, results=results, sweeps=sweeps, tuned=tuned),
+                      f, indent=1)
         print(f"wrote {args.json}")
 
 
