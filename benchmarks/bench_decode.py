@@ -484,13 +484,14 @@ class LayersCase:
         self.layer_bytes = 2 * B * Sk * Hkv * D * torch.finfo(dtype).bits // 8
         self.gqa = Hq != Hkv
 
-    def ours(self, keys_next):
+    def ours(self, keys_next, tune=None):
         def step():
-            # ATTN_BACKENDS_DECODE_KEYS_NEXT (csrc/cpu/decode_cpu.c keys_next) is read at every call
-            if keys_next is None:
-                os.environ.pop("ATTN_BACKENDS_DECODE_KEYS_NEXT", None)
-            else:
-                os.environ["ATTN_BACKENDS_DECODE_KEYS_NEXT"] = keys_next
+            # ATTN_BACKENDS_DECODE_KEYS_NEXT and _TUNE (csrc/cpu/decode_cpu.c keys_next, tune) are read at every call
+            for var, value in (("ATTN_BACKENDS_DECODE_KEYS_NEXT", keys_next), ("ATTN_BACKENDS_DECODE_TUNE", tune)):
+                if value is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = value
             for k, v in self.dense:
                 ab.attention_with_kvcache(self.q, k, v, cache_seqlens=self.seqlens, backend="paged_attention",
                                           strict=True)
@@ -509,16 +510,19 @@ class LayersCase:
         assert err < (2e-2 if self.q.dtype == torch.bfloat16 else 1e-4), f"decode differs from the reference by {err}"
 
     def candidates(self):
-        return {"auto": self.ours(None), "off": self.ours("0"), "on": self.ours("1"), "sdpa": self.torch_sdpa}
+        return {"auto": self.ours(None), "rules": self.ours(None, "0"), "off": self.ours("0", "0"),
+                "on": self.ours("1", "0"), "sdpa": self.torch_sdpa}
 
 
 def layers_table(layer_counts, dtypes, rounds):
     """Medians over interleaved rounds (the order turning each round) of one decode step per candidate."""
-    before = os.environ.get("ATTN_BACKENDS_DECODE_KEYS_NEXT")
-    print("ms per decode step (one token against every layer's cache); off/on: the next-keys prefetch forced "
-          "off/on, auto: the kernel's own choice; ratio = sdpa / auto")
-    print(f"{'layers':>6}  {'cache per layer':<20}  {'dtype':<8}  {'MiB':>5}  {'auto':>8}  {'off':>8}  {'on':>8}  "
-          f"{'sdpa':>8}  on/off  ratio")
+    variables = ("ATTN_BACKENDS_DECODE_KEYS_NEXT", "ATTN_BACKENDS_DECODE_TUNE")
+    before = {var: os.environ.get(var) for var in variables}
+    print("ms per decode step (one token against every layer's cache); auto: the kernel's own choice (from DRAM the "
+          "prefetch requests timed against each other), rules: the rules alone (ATTN_BACKENDS_DECODE_TUNE=0), "
+          "off/on: the rules with the next-keys prefetch forced off/on; ratio = sdpa / auto")
+    print(f"{'layers':>6}  {'cache per layer':<20}  {'dtype':<8}  {'MiB':>5}  {'auto':>8}  {'rules':>8}  {'off':>8}  "
+          f"{'on':>8}  {'sdpa':>8}  auto/rules  on/off  ratio")
     rows = []
     try:
         for dtype in dtypes:
@@ -539,16 +543,18 @@ def layers_table(layer_counts, dtypes, rounds):
                     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
                     mib = layers * case.layer_bytes / 2**20
                     print(f"{layers:>6}  {label:<20}  {str(dtype)[6:]:<8}  {mib:5.0f}  {med['auto']:8.3f}  "
-                          f"{med['off']:8.3f}  {med['on']:8.3f}  {med['sdpa']:8.3f}  {med['on'] / med['off']:5.2f}  "
+                          f"{med['rules']:8.3f}  {med['off']:8.3f}  {med['on']:8.3f}  {med['sdpa']:8.3f}  "
+                          f"{med['auto'] / med['rules']:10.2f}  {med['on'] / med['off']:6.2f}  "
                           f"{med['sdpa'] / med['auto']:5.2f}x", flush=True)
                     rows.append(dict(layers=layers, shape=label, B=B, Hq=Hq, Hkv=Hkv, Sk=Sk, D=D,
                                      dtype=str(dtype)[6:], MiB=mib, **{f"{n}_ms": t for n, t in med.items()}))
                     del case, cands
     finally:
-        if before is None:
-            os.environ.pop("ATTN_BACKENDS_DECODE_KEYS_NEXT", None)
-        else:
-            os.environ["ATTN_BACKENDS_DECODE_KEYS_NEXT"] = before
+        for var, value in before.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
     return rows
 
 
@@ -758,7 +764,7 @@ def main(argv=None):
                     "table instead of the decode shapes")
     ap.add_argument("--tokens-cache", type=int, default=4096, help="keys in the cache for --tokens")
     ap.add_argument("--layers", default=None, help="layer counts, e.g. 1,32: a model's decode step (one cache "
-                    "per layer, read in turn) instead of the decode shapes, with the next-keys prefetch off/on/auto")
+                    "per layer, read in turn) instead of the decode shapes: auto, the rules alone, the next-keys prefetch off/on")
     ap.add_argument("--small", action="store_true", help="small decode calls, the cache in the caches: ours "
                     "against torch SDPA on contiguous copies and on the cache's transposed view")
     ap.add_argument("--pool-layouts", action="store_true", help="our kernel over the decode shapes, dense "
