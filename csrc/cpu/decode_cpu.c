@@ -152,7 +152,7 @@ static int pages_ahead(int dram) { return forced_or("ATTN_BACKENDS_DECODE_PAGES_
  * each other (decode_tune.h) instead of by the rules above: when the caches come from DRAM (from_dram),
  * on every CPU.  The rules were each measured on one CPU in one state of its memory; on an AMD Zen 5
  * guest whose memory moved between two states the best set moved with it (docs/benchmarks.md,
- * "Prefetch requests chosen by measurement").  The rules' own set is one of the sets timed, and a set
+ * "Prefetch requests chosen by timing").  The rules' own set is one of the sets timed, and a set
  * is kept only when it was faster in most rounds by AB_TUNE_MARGIN.  A switch forced by its variable is
  * not timed.  ATTN_BACKENDS_DECODE_TUNE=1 times them in every call, =0 in none (read at every call; the
  * same bits either way). */

@@ -1,4 +1,4 @@
-/* decode_tune.c -- the CPU decode kernel's prefetch requests chosen by measurement (decode_tune.h).
+/* decode_tune.c -- the CPU decode kernel's prefetch requests chosen by timing (decode_tune.h).
  *
  * Each kind of call (decode_tune.h) has a slot: while it is being timed, its calls take the arms in turn
  * (arm = call % arms, AB_TUNE_ROUNDS rounds), each call's time per byte stored by round and arm; when

@@ -1,11 +1,12 @@
-/* decode_tune.h -- the CPU decode kernel's prefetch requests chosen by measurement (decode_tune.c).
+/* decode_tune.h -- the CPU decode kernel's prefetch requests chosen by timing (decode_tune.c).
  *
  * The kernel's prefetch switches (decode_cpu.c: keys_next, values_ahead, pages_ahead) change how fast
  * a call reads its cache from DRAM, never its bits.  Which set is fastest depends on the CPU and, on a
- * shared machine, on the memory system's state of the moment: on one AMD Zen 5 guest the same call
- * ran 15-20% faster without the requests while the memory answered fast and 5-15% faster with them
- * while it answered slowly (docs/benchmarks.md, "Prefetch requests chosen by measurement").  So for
- * calls whose caches come from DRAM the kernel times the sets against each other, a few calls each,
+ * shared machine, on the memory system's state of the moment: on one AMD Zen 5 guest dense bfloat16 GQA
+ * decode ran 10-20% faster without the next-keys and pages-ahead requests while the memory answered fast,
+ * and float32 GQA about 7% faster with the next keys while it answered slowly (docs/benchmarks.md,
+ * "Prefetch requests chosen by timing").  So for calls whose caches come from DRAM the kernel times the
+ * sets against each other, a few calls each,
  * and keeps the fastest for the next calls of the same kind, then times them again.
  *
  * Owner: the CPU decode kernel (decode_cpu.c is the only caller).  Thread-safe. */
