@@ -1336,23 +1336,41 @@ static PyObject* ab_py_decode_tune_choose(PyObject* self, PyObject* args) {
   (void)self;
   PyObject* rounds;
   double margin;
-  if (!PyArg_ParseTuple(args, "O!d", &PyList_Type, &rounds, &margin)) return NULL;
-  const Py_ssize_t nr = PyList_Size(rounds);
+  if (!PyArg_ParseTuple(args, "Od", &rounds, &margin)) return NULL;
+  /* tuples of floats made first: a float's __float__ then cannot change the lists under the loop */
+  PyObject* rows = PySequence_Tuple(rounds);
+  if (!rows) return NULL;
+  const Py_ssize_t nr = PyTuple_Size(rows);
   Py_ssize_t arms = -1;
   double times[64 * 8];
-  if (nr < 1 || nr > 64) return PyErr_Format(PyExc_ValueError, "decode_tune_choose: times needs 1 to 64 rounds, got %zd", nr);
-  for (Py_ssize_t r = 0; r < nr; ++r) {
-    PyObject* row = PyList_GetItem(rounds, r);
-    if (!PyList_Check(row) || (arms >= 0 && PyList_Size(row) != arms) || PyList_Size(row) < 1 ||
-        PyList_Size(row) > 8)
-      return PyErr_Format(PyExc_ValueError, "decode_tune_choose: each round of times must be a list of the same 1 to 8 arms");
-    arms = PyList_Size(row);
-    for (Py_ssize_t a = 0; a < arms; ++a) {
-      times[r * arms + a] = PyFloat_AsDouble(PyList_GetItem(row, a));
-      if (PyErr_Occurred()) return NULL;
-    }
+  PyObject* result = NULL;
+  if (nr < 1 || nr > 64) {
+    PyErr_Format(PyExc_ValueError, "decode_tune_choose: times needs 1 to 64 rounds, got %zd", nr);
+    goto done;
   }
-  return PyLong_FromLong(ab_decode_tune_choose((int)arms, (int)nr, times, margin));
+  for (Py_ssize_t r = 0; r < nr; ++r) {
+    PyObject* row = PySequence_Tuple(PyTuple_GetItem(rows, r));
+    if (!row) goto done;
+    const Py_ssize_t n = PyTuple_Size(row);
+    if ((arms >= 0 && n != arms) || n < 1 || n > 8) {
+      Py_DECREF(row);
+      PyErr_SetString(PyExc_ValueError, "decode_tune_choose: each round of times must hold the same 1 to 8 arms");
+      goto done;
+    }
+    arms = n;
+    for (Py_ssize_t a = 0; a < arms; ++a) {
+      times[r * arms + a] = PyFloat_AsDouble(PyTuple_GetItem(row, a));
+      if (PyErr_Occurred()) {
+        Py_DECREF(row);
+        goto done;
+      }
+    }
+    Py_DECREF(row);
+  }
+  result = PyLong_FromLong(ab_decode_tune_choose((int)arms, (int)nr, times, margin));
+done:
+  Py_DECREF(rows);
+  return result;
 }
 
 /* set_kvcache_guards(guards, increment_version): kvcache()'s guards (set_fast_api's, less inference

@@ -158,19 +158,25 @@ static int pages_ahead(int dram) { return forced_or("ATTN_BACKENDS_DECODE_PAGES_
  * same bits either way). */
 static int tune(int dram) { return forced_or("ATTN_BACKENDS_DECODE_TUNE", dram); }
 
-/* The prefetch switches that change what a call of p does, less those forced by their variable: the
- * next chunk's keys except in MHA over a 2-byte cache (always asked for there), the chunk's values only
- * in MHA of one token over a float32 cache (always asked for elsewhere), the pages of the chunk after
- * next except where every tile takes the tiled products (decode_cpu_impl.h: k_next, v_ahead, touch). */
-static uint32_t tunable(const ab_kvcache_params* p, int bf) {
-  const int64_t G = p->Hq / p->Hkv;
+/* The prefetch switches that change what a call of p does (hg KV heads per work item), less those forced
+ * by their variable (decode_cpu_impl.h: k_next, v_ahead, touch): the next chunk's keys and the pages of the
+ * chunk after next only where some tile takes the row path (with bfloat16 products, or fewer than
+ * AB_DECODE_TILED_ROWS rows per KV head: the tiled products ask for both whatever the switches say, and for
+ * no pages), the next keys not in MHA over a 2-byte cache (always asked for there); the chunk's values only
+ * in MHA of one token over a float32 cache (always asked for elsewhere). */
+static uint32_t tunable(const ab_kvcache_params* p, int bf, int64_t hg) {
+  const int64_t G = p->Hq / p->Hkv, HG = hg * G;
+  const int64_t tt = HG >= AB_DECODE_TILE_ROWS ? 1 : AB_DECODE_TILE_ROWS / HG; /* tokens per tile */
+  const int64_t first = p->Sq < tt ? p->Sq : tt, last = p->Sq % tt ? p->Sq % tt : first;
+  const int rows_path = bf || first * G < AB_DECODE_TILED_ROWS || last * G < AB_DECODE_TILED_ROWS;
   uint32_t free = 0;
-  if (!(G == 1 && p->k_cache.dtype != AB_DTYPE_F32) && ab_env_switch("ATTN_BACKENDS_DECODE_KEYS_NEXT") < 0)
+  if (rows_path && !(G == 1 && p->k_cache.dtype != AB_DTYPE_F32) &&
+      ab_env_switch("ATTN_BACKENDS_DECODE_KEYS_NEXT") < 0)
     free |= AB_TUNE_KEYS_NEXT;
   if (G == 1 && p->Sq == 1 && p->k_cache.dtype == AB_DTYPE_F32 &&
       ab_env_switch("ATTN_BACKENDS_DECODE_VALUES_AHEAD") < 0)
     free |= AB_TUNE_VALUES_AHEAD;
-  if ((bf || G < 16) && ab_env_switch("ATTN_BACKENDS_DECODE_PAGES_AHEAD") < 0) free |= AB_TUNE_PAGES_AHEAD;
+  if (rows_path && ab_env_switch("ATTN_BACKENDS_DECODE_PAGES_AHEAD") < 0) free |= AB_TUNE_PAGES_AHEAD;
   return free;
 }
 
@@ -610,7 +616,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
                                     paged(p) ? (int32_t)p->k_cache.sizes[1] : 0,
                                     (int32_t)(p->Hq / p->Hkv), p->Sq == 1};
   ab_decode_tune_ticket ticket;
-  const uint32_t set = ab_decode_tune_begin(&kind, rule, tune(dram) ? tunable(p, bf) : 0, &ticket);
+  const uint32_t set = ab_decode_tune_begin(&kind, rule, tune(dram) && keys > 0 ? tunable(p, bf, hg) : 0, &ticket);
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, !!(set & AB_TUNE_KEYS_NEXT), !!(set & AB_TUNE_VALUES_AHEAD),

@@ -100,6 +100,11 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t
 /* A work item is (batch row, group of hg KV heads, split of the key range); its query rows are the
  * Sq tokens x hg * G heads of the group (G = Hq / Hkv). */
 #define AB_DECODE_DPAD 16 /* q and accumulator rows are padded to a multiple of 16 floats (32 with bf16_dot) */
+#define AB_DECODE_TILE_ROWS 64 /* query rows per tile (tokens x the item's query heads), unless one token has more */
+/* rows per KV head (tokens of the tile x G) from which a tile without bfloat16 products takes the tiled
+ * products (decode_cpu_impl.h); avx2, B=1 Hq=32 Hkv=8 D=128 Sk=4096: 12 rows 1.0-1.5x the row path's time,
+ * 16 rows 0.7-1.1x (float32 about even), 24 rows 0.6-0.9x */
+#define AB_DECODE_TILED_ROWS 16
 
 typedef struct ab_decode_run {
   const ab_kvcache_params* p;

@@ -52,7 +52,7 @@
 #define DC(name) DC_CAT(name, AB_ISA_SFX)
 
 #define DC_CHUNK 32 /* keys per chunk: the scores of a tile (64 rows x 32 keys) are 8 KiB */
-#define DC_ROWS 64  /* query rows per tile, unless one token alone has more (G > 64) */
+#define DC_ROWS AB_DECODE_TILE_ROWS /* query rows per tile, unless one token alone has more (G > 64) */
 #define DC_NV (DC_CHUNK / VLEN)
 #define DC_KEYS_AHEAD 2 /* key rows prefetched ahead of the scores' loads */
 
@@ -911,8 +911,7 @@ typedef struct DC(tile) {
  *     rows (P^T read by row), the accumulators' running sum as in DC(pv).
  * The tile's rows are then head-major (row i of head h at h * rhp + i, rhp = the head's rows
  * padded to VLEN) rather than token-major.  Measured: docs/benchmarks.md, "Several query tokens". */
-#define DC_TILED_ROWS 16 /* avx2, B=1 Hq=32 Hkv=8 D=128 Sk=4096: 12 rows 1.0-1.5x the row path's time, 16 rows
-                           0.7-1.1x (float32 about even), 24 rows 0.6-0.9x */
+#define DC_TILED_ROWS AB_DECODE_TILED_ROWS
 
 /* The D elements of a cache row as float32 at dst (ab_vec_load_row), zeros from D to the next
  * multiple of VLEN (O += P V reads whole vectors). */

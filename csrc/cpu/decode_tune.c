@@ -32,6 +32,8 @@ typedef struct slot {
 
 static slot g_slots[SLOTS];
 static uint64_t g_uses;
+/* one count for every slot's timings: a ticket of a slot since given to another kind never matches */
+static uint64_t g_generations;
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static int same_kind(const slot* s, const ab_decode_tune_kind* k, uint32_t rule, uint32_t free) {
@@ -51,7 +53,7 @@ static void start_timing(slot* s) {
   s->timing = 1;
   s->given = 0;
   s->ended = 0;
-  s->generation++;
+  s->generation = ++g_generations;
   for (int i = 0; i < AB_TUNE_ROUNDS * MAX_ARMS; ++i) s->times[i] = 0.0;
 }
 
@@ -114,7 +116,8 @@ void ab_decode_tune_end(const ab_decode_tune_ticket* t, double seconds_per_byte)
   pthread_mutex_lock(&g_lock);
   slot* s = &g_slots[t->slot];
   if (s->used && s->timing && s->generation == t->generation) {
-    s->times[t->round * s->arms + t->arm] = seconds_per_byte > 0.0 ? seconds_per_byte : 1e-30;
+    /* a time that is not a positive number counts as missing (ab_decode_tune_choose skips it) */
+    s->times[t->round * s->arms + t->arm] = seconds_per_byte > 0.0 && seconds_per_byte < 1e300 ? seconds_per_byte : 0.0;
     if (++s->ended == (int64_t)s->arms * AB_TUNE_ROUNDS) {
       s->chosen = ab_decode_tune_choose(s->arms, AB_TUNE_ROUNDS, s->times, AB_TUNE_MARGIN);
       s->timing = 0;
@@ -139,7 +142,7 @@ int ab_decode_tune_choose(int arms, int rounds, const double* times, double marg
     int n = 0;
     for (int r = 0; r < rounds; ++r) {
       const double base = times[r * arms], mine = times[r * arms + a];
-      if (base > 0.0 && mine > 0.0) ratios[n++] = mine / base;
+      if (base > 0.0 && mine > 0.0 && base < 1e300 && mine < 1e300) ratios[n++] = mine / base;
     }
     if (!n) continue;
     qsort(ratios, (size_t)n, sizeof *ratios, by_value);
