@@ -725,7 +725,7 @@ def run_cpu_table(path, rounds, key, table, line, **record):
         print(f"wrote {path}")
 
 
-TUNE_SWITCHES = ((1, "keys_next"), (2, "values_ahead"), (4, "pages_ahead"))
+TUNE_SWITCHES = ((1, "keys_next"), (2, "values_ahead"), (4, "pages_ahead"), (8, "pv_keys"))
 
 
 def tune_report():

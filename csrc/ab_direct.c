@@ -1342,7 +1342,7 @@ static PyObject* ab_py_decode_tune_choose(PyObject* self, PyObject* args) {
   if (!rows) return NULL;
   const Py_ssize_t nr = PyTuple_Size(rows);
   Py_ssize_t arms = -1;
-  double times[64 * 8];
+  double times[64 * AB_TUNE_MAX_ARMS];
   PyObject* result = NULL;
   if (nr < 1 || nr > 64) {
     PyErr_Format(PyExc_ValueError, "decode_tune_choose: times needs 1 to 64 rounds, got %zd", nr);
@@ -1352,9 +1352,9 @@ static PyObject* ab_py_decode_tune_choose(PyObject* self, PyObject* args) {
     PyObject* row = PySequence_Tuple(PyTuple_GetItem(rows, r));
     if (!row) goto done;
     const Py_ssize_t n = PyTuple_Size(row);
-    if ((arms >= 0 && n != arms) || n < 1 || n > 8) {
+    if ((arms >= 0 && n != arms) || n < 1 || n > AB_TUNE_MAX_ARMS) {
       Py_DECREF(row);
-      PyErr_SetString(PyExc_ValueError, "decode_tune_choose: each round of times must hold the same 1 to 8 arms");
+      PyErr_SetString(PyExc_ValueError, "decode_tune_choose: each round of times must hold the same 1 to 16 arms");
       goto done;
     }
     arms = n;

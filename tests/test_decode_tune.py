@@ -10,9 +10,15 @@ import torch
 import attn_backends as ab
 from attn_backends import _C
 
-KEYS_NEXT, VALUES_AHEAD, PAGES_AHEAD = 1, 2, 4
+KEYS_NEXT, VALUES_AHEAD, PAGES_AHEAD, PV_KEYS = 1, 2, 4, 8
 ROUNDS, KEEP_CALLS = 4, 512  # csrc/cpu/decode_tune.h AB_TUNE_ROUNDS, AB_TUNE_KEEP_CALLS
-SWITCHES = ("KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD")
+SWITCHES = ("KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD", "PV_KEYS")
+
+
+def bf16_products():
+    # bfloat16 products where the CPU and the path have them (decode_cpu.c bf16_dot)
+    return (bool(_C.cpu_features().get("avx512_bf16")) and _C.cpu_isa() in ("avx512", "amx")
+            and os.environ.get("ATTN_BACKENDS_DECODE_BF16_DOT", "1") != "0")
 
 
 @pytest.fixture
@@ -91,7 +97,7 @@ def test_a_missing_time_skips_its_round():
     assert _C.decode_tune_choose([[1.0, 0.0]] * 4, 0.04) == 0  # never timed: never kept
 
 
-@pytest.mark.parametrize("times", [[], [[1.0, 2.0], [1.0]], [[1.0] * 9], ["x"]])
+@pytest.mark.parametrize("times", [[], [[1.0, 2.0], [1.0]], [[1.0] * 17], ["x"], 3])
 def test_choose_refuses_malformed_times(times):
     with pytest.raises((ValueError, TypeError)):
         _C.decode_tune_choose(times, 0.04)
@@ -104,10 +110,14 @@ def test_choose_refuses_malformed_times(times):
     (torch.float32, 8, 2, None, KEYS_NEXT | PAGES_AHEAD),  # GQA: the values are always asked for
     (torch.float32, 8, 2, 16, KEYS_NEXT | PAGES_AHEAD),
     (torch.bfloat16, 8, 2, None, KEYS_NEXT | PAGES_AHEAD),
-    (torch.float32, 4, 4, None, KEYS_NEXT | VALUES_AHEAD | PAGES_AHEAD),  # MHA of one token over float32
-    (torch.bfloat16, 4, 4, 32, PAGES_AHEAD),  # MHA over a 2-byte cache: the next keys are always asked for
+    # MHA of one token over float32: every switch, step 3's order too
+    (torch.float32, 4, 4, None, KEYS_NEXT | VALUES_AHEAD | PAGES_AHEAD | PV_KEYS),
+    # MHA over a 2-byte cache: the next keys are always asked for; step 3's order without bfloat16 products
+    (torch.bfloat16, 4, 4, 32, PAGES_AHEAD | PV_KEYS),
 ])
 def test_every_arm_is_timed_then_one_is_kept_with_the_same_bits(dtype, Hq, Hkv, block, free, isa, tuner, gen):
+    if dtype == torch.bfloat16 and bf16_products():
+        free &= ~PV_KEYS  # step 3 multiplies in bfloat16 pairs there, head by head
     call = decode_call(gen, dtype, Hq, Hkv, block)
     want = call()
     arms = 1 << bin(free).count("1")
@@ -162,10 +172,8 @@ def test_a_forced_switch_is_not_timed(tuner, monkeypatch, gen):
     (torch.float32, 4, 4, 2, KEYS_NEXT | PAGES_AHEAD),
 ])
 def test_only_switches_that_change_the_call_are_timed(dtype, Hq, Hkv, Sq, free, tuner, gen):
-    if free == "row path":  # bfloat16 products where the CPU and the path have them (decode_cpu.c bf16_dot)
-        products = (bool(_C.cpu_features().get("avx512_bf16")) and _C.cpu_isa() in ("avx512", "amx")
-                    and os.environ.get("ATTN_BACKENDS_DECODE_BF16_DOT", "1") != "0")
-        free = (KEYS_NEXT | PAGES_AHEAD) if products else 0
+    if free == "row path":  # the row path with bfloat16 products, else tiled
+        free = (KEYS_NEXT | PAGES_AHEAD) if bf16_products() else 0
     call = decode_call(gen, dtype, Hq, Hkv, B=1, S=200, Sq=Sq)
     call()
     state = _C.decode_tune_state()

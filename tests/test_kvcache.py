@@ -388,15 +388,18 @@ def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, heads, i
                                   # with its products), then three tiles of the row path (MHA of 32 heads)
                                   KV(B=1, Sq=9, Hq=16, Hkv=4, D=64, S=300, block=16, causal=True),
                                   KV(B=1, Sq=9, Hq=16, Hkv=4, D=64, S=300, dtype=torch.bfloat16),
-                                  KV(B=1, Sq=5, Hq=32, Hkv=32, D=32, S=200, block=16, causal=True)], ids=str)
-@pytest.mark.parametrize("switch", ["KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD"])
+                                  KV(B=1, Sq=5, Hq=32, Hkv=32, D=32, S=200, block=16, causal=True),
+                                  # one-token MHA whose D ends in a partial vector, over pages (PV_KEYS)
+                                  KV(B=2, Hq=6, Hkv=6, D=40, S=150, block=16, dtype=torch.float16)], ids=str)
+@pytest.mark.parametrize("switch", ["KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD", "PV_KEYS"])
 def test_the_prefetch_switches_leave_the_bits_alone(case, switch, isa, monkeypatch, gen):
     # step 3 asks for the next chunk's keys for every call on AMD's AVX-512 CPUs when decode's working set
     # passes half the L3 (csrc/cpu/decode_cpu.c keys_next), elsewhere only for MHA over a 2-byte cache; step 1
     # asks for the chunk's values for every call there (values_ahead), elsewhere all but float32 MHA; a line
     # of each page of the chunk after next is asked for there from DRAM (pages_ahead), which keeps three
-    # chunks' row offsets at once instead of two: the same sums either way, on every path, and the
-    # reference's (the cases are ones the general rules leave out: GQA, float32 MHA; paged and dense; tiles)
+    # chunks' row offsets at once instead of two; step 3 of one-token MHA key by key (pv_keys) reads the value
+    # rows in another order: the same sums either way, on every path, and the reference's (the cases are
+    # ones the general rules leave out: GQA, float32 MHA; paged and dense; tiles)
     call = Call(case, gen)
     results = []
     for on in ("0", "1"):

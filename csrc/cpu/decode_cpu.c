@@ -163,7 +163,8 @@ static int tune(int dram) { return forced_or("ATTN_BACKENDS_DECODE_TUNE", dram);
  * chunk after next only where some tile takes the row path (with bfloat16 products, or fewer than
  * AB_DECODE_TILED_ROWS rows per KV head: the tiled products ask for both whatever the switches say, and for
  * no pages), the next keys not in MHA over a 2-byte cache (always asked for there); the chunk's values only
- * in MHA of one token over a float32 cache (always asked for elsewhere). */
+ * in MHA of one token over a float32 cache (always asked for elsewhere); and step 3 key by key (pv_keys) in
+ * MHA of one token without bfloat16 products. */
 static uint32_t tunable(const ab_kvcache_params* p, int bf, int64_t hg) {
   const int64_t G = p->Hq / p->Hkv, HG = hg * G;
   const int64_t tt = HG >= AB_DECODE_TILE_ROWS ? 1 : AB_DECODE_TILE_ROWS / HG; /* tokens per tile */
@@ -177,6 +178,7 @@ static uint32_t tunable(const ab_kvcache_params* p, int bf, int64_t hg) {
       ab_env_switch("ATTN_BACKENDS_DECODE_VALUES_AHEAD") < 0)
     free |= AB_TUNE_VALUES_AHEAD;
   if (rows_path && ab_env_switch("ATTN_BACKENDS_DECODE_PAGES_AHEAD") < 0) free |= AB_TUNE_PAGES_AHEAD;
+  if (G == 1 && p->Sq == 1 && !bf && ab_env_switch("ATTN_BACKENDS_DECODE_PV_KEYS") < 0) free |= AB_TUNE_PV_KEYS;
   return free;
 }
 
@@ -245,6 +247,11 @@ static int pv_wide(void) { return forced_or("ATTN_BACKENDS_DECODE_PV_WIDE", 1); 
  * instructions, each column's sum the same.  ATTN_BACKENDS_DECODE_PV_PAIRS=0 keeps eight columns per load
  * (read at every call; the same bits either way). */
 static int pv_pairs(void) { return forced_or("ATTN_BACKENDS_DECODE_PV_PAIRS", 1); }
+
+/* Whether step 3 of one-token MHA without bfloat16 products goes key by key over the item's heads, the value
+ * rows in the cache's order, instead of head by head (decode_cpu_impl.h, DC(pv_keys)); the same bits.
+ * ATTN_BACKENDS_DECODE_PV_KEYS=1/0 forces it (read at every call). */
+static int pv_keys(void) { return forced_or("ATTN_BACKENDS_DECODE_PV_KEYS", 0); }
 
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
   if (!ab_kvcache_cpu_bf16_products(dt)) return INT64_MAX; /* the tiled products serve long queries */
@@ -611,7 +618,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   const int dram = from_dram(p, keys);
   const int64_t hg = heads_per_item(p, threads);
   const uint32_t rule = (keys_next(dram) ? AB_TUNE_KEYS_NEXT : 0) | (values_ahead() ? AB_TUNE_VALUES_AHEAD : 0) |
-                        (pages_ahead(dram) ? AB_TUNE_PAGES_AHEAD : 0);
+                        (pages_ahead(dram) ? AB_TUNE_PAGES_AHEAD : 0) | (!bf && pv_keys() ? AB_TUNE_PV_KEYS : 0);
   const ab_decode_tune_kind kind = {(int32_t)ab_cpu_isa_get(), (int32_t)p->k_cache.dtype, bf,
                                     paged(p) ? (int32_t)p->k_cache.sizes[1] : 0,
                                     (int32_t)(p->Hq / p->Hkv), p->Sq == 1};
@@ -621,7 +628,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
                        p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, !!(set & AB_TUNE_KEYS_NEXT), !!(set & AB_TUNE_VALUES_AHEAD),
                        !!(set & AB_TUNE_PAGES_AHEAD), bf && scores_by_head(dram), !bf && four_keys(p, dram),
-                       !bf && pv_wide(), !bf && pv_pairs()};
+                       !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS)};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   const double t0 = ticket.round >= 0 ? seconds_now() : 0.0;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));

@@ -570,6 +570,27 @@ static inline __attribute__((always_inline)) void DC(pv)(float* acc, int64_t n, 
     DC(pv_as)(acc, n, as, P, ps, vb, vo, ho, nk, D, dt, kp, wide, 0);
 }
 
+/* O += P V for the hg heads of one MHA token key by key (run->pv_keys): every head's row of key j, then key
+ * j + 1's, so the value rows stream past in the cache's own order (DC(pv) goes head by head: each head's
+ * rows of the chunk, a row of the cache apart).  The accumulators (hg rows, dpad apart) stay in L1 and are
+ * read and written at every key; each column's sum is DC(pv)'s, key after key, so the bits are the same.
+ * Meanwhile the next chunk's key rows of each head (kq; head h's hstep bytes on), key by key too. */
+static inline __attribute__((always_inline)) void DC(pv_keys)(float* acc, int64_t hg, int64_t dpad, const float* P,
+                                                             const void* vb, const int64_t* vo, int64_t hs,
+                                                             int64_t nk, int64_t D, const int dt, const DC(kpf) * kq,
+                                                             int64_t hstep) {
+  for (int64_t j = 0; j < nk; ++j)
+    for (int64_t h = 0; h < hg; ++h) {
+      if (kq && j < kq->n) SYM(pf_lines)(kq->base + h * hstep + kq->off[j] * kq->es, kq->bytes, 2);
+      const vf pj = vset1(P[h * DC_CHUNK + j]);
+      float* a = acc + h * dpad;
+      const int64_t o = vo[j] + h * hs;
+      int64_t d = 0;
+      for (; d + VLEN <= D; d += VLEN) vstore(a + d, vload(a + d) + pj * DC(ld)(vb, o + d, dt));
+      if (d < D) vstore(a + d, vload(a + d) + pj * DC(ld_tail)(vb, o + d, D - d, dt));
+    }
+}
+
 /* ---- bfloat16 products (AVX512_BF16), for bfloat16 caches on CPUs that have it ----------------
  *
  * vdpbf16ps multiplies pairs of bfloat16 and adds both products to a float32 lane: per 32 elements
@@ -1404,9 +1425,17 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
           DC(pv)(w->acc + r * dpad, tb - ta, HG * dpad, w->S + r * DC_CHUNK, HG * DC_CHUNK, vb, vo, h * vs2, nk, D, dt,
                  &kt, run->pv_wide, eo);
         }
+        /* MHA, one token saw the chunk, no bfloat16 products: key by key where run->pv_keys says so */
+        const int by_keys = run->pv_keys && G == 1 && !bf && !mha_tokens && tb - ta == 1 && !eo;
         for (int64_t j0 = 0, j1; j0 < nk && !mha_tokens; j0 = j1) { /* mha_tokens is never set with bf */
           j1 = DC(block_end)(run, j, j0, nk);
           DC(kpf) kq = DC(kpf_run)(kp, j0, j1);
+          if (by_keys) {
+            const int64_t r = (ta - t0) * HG;
+            DC(pv_keys)(w->acc + r * dpad, hg, dpad, w->S + r * DC_CHUNK + j0, vb, vo + j0, vs2, j1 - j0, D, dt, &kq,
+                        ks2 * (int64_t)es);
+            continue;
+          }
           for (int64_t h = 0; h < hg; ++h, kq.base += ks2 * (int64_t)es)
             for (int64_t t = ta; t < tb; ++t) {
               const int64_t r = (t - t0) * HG + h * G;

@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { SLOTS = 32, MAX_ARMS = 8 };
+enum { SLOTS = 32, MAX_ARMS = AB_TUNE_MAX_ARMS };
 
 typedef struct slot {
   ab_decode_tune_kind kind;
