@@ -390,7 +390,8 @@ def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, heads, i
                                   KV(B=1, Sq=9, Hq=16, Hkv=4, D=64, S=300, dtype=torch.bfloat16),
                                   KV(B=1, Sq=5, Hq=32, Hkv=32, D=32, S=200, block=16, causal=True),
                                   # one-token MHA whose D ends in a partial vector, over pages (PV_KEYS)
-                                  KV(B=2, Hq=6, Hkv=6, D=40, S=150, block=16, dtype=torch.float16)], ids=str)
+                                  KV(B=2, Hq=6, Hkv=6, D=40, S=150, block=16, dtype=torch.float16),
+                                  KV(B=2, Hq=6, Hkv=6, D=72, S=150, block=16, dtype=torch.bfloat16)], ids=str)
 @pytest.mark.parametrize("switch", ["KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD", "PV_KEYS"])
 def test_the_prefetch_switches_leave_the_bits_alone(case, switch, isa, monkeypatch, gen):
     # step 3 asks for the next chunk's keys for every call on AMD's AVX-512 CPUs when decode's working set

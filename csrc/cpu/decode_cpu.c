@@ -164,7 +164,15 @@ static int tune(int dram) { return forced_or("ATTN_BACKENDS_DECODE_TUNE", dram);
  * AB_DECODE_TILED_ROWS rows per KV head: the tiled products ask for both whatever the switches say, and for
  * no pages), the next keys not in MHA over a 2-byte cache (always asked for there); the chunk's values only
  * in MHA of one token over a float32 cache (always asked for elsewhere); and step 3 key by key (pv_keys) in
- * MHA of one token without bfloat16 products. */
+ * MHA of one token, but where step 3 takes value columns by pairs (eo_pairs). */
+static int pv_pairs(void);
+
+/* Whether step 3 takes a bfloat16 cache's value columns by pairs (decode_cpu_impl.h eo: the avx2 path, D a
+ * multiple of 16, pv_pairs), which step 3 key by key does not. */
+static int eo_pairs(const ab_kvcache_params* p) {
+  return ab_cpu_isa_get() == AB_ISA_AVX2 && p->k_cache.dtype == AB_DTYPE_BF16 && p->D % 16 == 0 && pv_pairs();
+}
+
 static uint32_t tunable(const ab_kvcache_params* p, int bf, int64_t hg) {
   const int64_t G = p->Hq / p->Hkv, HG = hg * G;
   const int64_t tt = HG >= AB_DECODE_TILE_ROWS ? 1 : AB_DECODE_TILE_ROWS / HG; /* tokens per tile */
@@ -178,7 +186,8 @@ static uint32_t tunable(const ab_kvcache_params* p, int bf, int64_t hg) {
       ab_env_switch("ATTN_BACKENDS_DECODE_VALUES_AHEAD") < 0)
     free |= AB_TUNE_VALUES_AHEAD;
   if (rows_path && ab_env_switch("ATTN_BACKENDS_DECODE_PAGES_AHEAD") < 0) free |= AB_TUNE_PAGES_AHEAD;
-  if (G == 1 && p->Sq == 1 && !bf && ab_env_switch("ATTN_BACKENDS_DECODE_PV_KEYS") < 0) free |= AB_TUNE_PV_KEYS;
+  if (G == 1 && p->Sq == 1 && !eo_pairs(p) && ab_env_switch("ATTN_BACKENDS_DECODE_PV_KEYS") < 0)
+    free |= AB_TUNE_PV_KEYS;
   return free;
 }
 
@@ -248,10 +257,14 @@ static int pv_wide(void) { return forced_or("ATTN_BACKENDS_DECODE_PV_WIDE", 1); 
  * (read at every call; the same bits either way). */
 static int pv_pairs(void) { return forced_or("ATTN_BACKENDS_DECODE_PV_PAIRS", 1); }
 
-/* Whether step 3 of one-token MHA without bfloat16 products goes key by key over the item's heads, the value
- * rows in the cache's order, instead of head by head (decode_cpu_impl.h, DC(pv_keys)); the same bits.
- * ATTN_BACKENDS_DECODE_PV_KEYS=1/0 forces it (read at every call). */
-static int pv_keys(void) { return forced_or("ATTN_BACKENDS_DECODE_PV_KEYS", 0); }
+/* Whether step 3 of one-token MHA goes key by key over the item's heads, the value rows in the cache's order,
+ * instead of head by head (decode_cpu_impl.h, DC(pv_keys), DC(pv_keys_bf); not where it takes value columns by
+ * pairs, eo_pairs); the same bits.  On an AMD Zen 5 (2 threads, B=4 Hq=Hkv=32 Sk=2048 D=128, from DRAM with the
+ * prefetch rules' set, 2026-12-05, docs/benchmarks.md "Step 3 key by key"): 0.87-0.92x the time in float32,
+ * 0.90-0.92x in float16, 0.89-0.96x in bfloat16 with its products, dense and over 16-key blocks; from the L3
+ * even.  So on by rule, and from DRAM one of the switches decode_tune times.  ATTN_BACKENDS_DECODE_PV_KEYS=1/0
+ * forces it (read at every call). */
+static int pv_keys(void) { return forced_or("ATTN_BACKENDS_DECODE_PV_KEYS", 1); }
 
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
   if (!ab_kvcache_cpu_bf16_products(dt)) return INT64_MAX; /* the tiled products serve long queries */
@@ -618,7 +631,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   const int dram = from_dram(p, keys);
   const int64_t hg = heads_per_item(p, threads);
   const uint32_t rule = (keys_next(dram) ? AB_TUNE_KEYS_NEXT : 0) | (values_ahead() ? AB_TUNE_VALUES_AHEAD : 0) |
-                        (pages_ahead(dram) ? AB_TUNE_PAGES_AHEAD : 0) | (!bf && pv_keys() ? AB_TUNE_PV_KEYS : 0);
+                        (pages_ahead(dram) ? AB_TUNE_PAGES_AHEAD : 0) | (pv_keys() ? AB_TUNE_PV_KEYS : 0);
   const ab_decode_tune_kind kind = {(int32_t)ab_cpu_isa_get(), (int32_t)p->k_cache.dtype, bf,
                                     paged(p) ? (int32_t)p->k_cache.sizes[1] : 0,
                                     (int32_t)(p->Hq / p->Hkv), p->Sq == 1};

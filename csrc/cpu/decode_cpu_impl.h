@@ -807,6 +807,31 @@ static inline __attribute__((always_inline)) void DC(pv_bf)(float* acc, int64_t 
   }
 }
 
+/* DC(pv_keys) on the bfloat16 path (one-token MHA, run->pv_keys): every head's pair of value rows of keys
+ * (j, j + 1), interleaved as DC(pvbf_rows) does, against its pair of P, then the next pair's; the
+ * accumulators (hg rows, dpad apart, permuted as DC(pvbf_rows) leaves them) in L1.  The same instruction on
+ * the same operands for each column and pair, in the same order: the same bits. */
+static inline __attribute__((always_inline)) void DC(pv_keys_bf)(float* acc, int64_t hg, int64_t dpad, const float* P,
+                                                                const uint16_t* vb, const int64_t* vo, int64_t hs,
+                                                                int64_t nk, int64_t D, const DC(kpf) * kq,
+                                                                int64_t hstep) {
+  const uint32_t* Pw = (const uint32_t*)P;
+  for (int64_t j = 0; j < nk; j += 2)
+    for (int64_t h = 0; h < hg; ++h) {
+      for (int64_t k = j; kq && k < j + 2 && k < kq->n; ++k)
+        SYM(pf_lines)(kq->base + h * hstep + kq->off[k] * kq->es, kq->bytes, 2);
+      const __m512i pw = _mm512_set1_epi32((int)Pw[h * DC_CHUNK + j / 2]);
+      float* a = acc + h * dpad;
+      const uint16_t *v0 = vb + vo[j] + h * hs, *v1 = j + 1 < nk ? vb + vo[j + 1] + h * hs : NULL;
+      for (int64_t d = 0; d < D; d += 32) {
+        const __mmask32 m = D - d >= 32 ? (__mmask32)~0u : (__mmask32)((1u << (D - d)) - 1);
+        const __m512i x = DC(ldbf)(v0 + d, m), y = v1 ? DC(ldbf)(v1 + d, m) : _mm512_setzero_si512();
+        _mm512_storeu_ps(a + d, DC(dpbf16)(_mm512_loadu_ps(a + d), _mm512_unpacklo_epi16(x, y), pw));
+        _mm512_storeu_ps(a + d + 16, DC(dpbf16)(_mm512_loadu_ps(a + d + 16), _mm512_unpackhi_epi16(x, y), pw));
+      }
+    }
+}
+
 /* An accumulator row back in column order (see above), in place, dpad a multiple of 32. */
 static inline void DC(bf_unpermute)(float* acc, int64_t dpad) {
   for (int64_t d = 0; d < dpad; d += 32) {
@@ -1425,13 +1450,20 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
           DC(pv)(w->acc + r * dpad, tb - ta, HG * dpad, w->S + r * DC_CHUNK, HG * DC_CHUNK, vb, vo, h * vs2, nk, D, dt,
                  &kt, run->pv_wide, eo);
         }
-        /* MHA, one token saw the chunk, no bfloat16 products: key by key where run->pv_keys says so */
-        const int by_keys = run->pv_keys && G == 1 && !bf && !mha_tokens && tb - ta == 1 && !eo;
+        /* MHA, one token saw the chunk: key by key where run->pv_keys says so */
+        const int by_keys = run->pv_keys && G == 1 && !mha_tokens && tb - ta == 1 && !eo;
         for (int64_t j0 = 0, j1; j0 < nk && !mha_tokens; j0 = j1) { /* mha_tokens is never set with bf */
           j1 = DC(block_end)(run, j, j0, nk);
           DC(kpf) kq = DC(kpf_run)(kp, j0, j1);
           if (by_keys) {
             const int64_t r = (ta - t0) * HG;
+#if DC_BF16
+            if (bf) { /* P in bfloat16 pairs: key j0's pair j0 / 2 floats on (j0 is even) */
+              DC(pv_keys_bf)(w->acc + r * dpad, hg, dpad, w->S + r * DC_CHUNK + j0 / 2, (const uint16_t*)vb, vo + j0,
+                             vs2, j1 - j0, D, &kq, ks2 * (int64_t)es);
+              continue;
+            }
+#endif
             DC(pv_keys)(w->acc + r * dpad, hg, dpad, w->S + r * DC_CHUNK + j0, vb, vo + j0, vs2, j1 - j0, D, dt, &kq,
                         ks2 * (int64_t)es);
             continue;
