@@ -148,8 +148,8 @@ static int values_ahead(void) { return forced_or("ATTN_BACKENDS_DECODE_VALUES_AH
  * the same bits either way). */
 static int pages_ahead(int dram) { return forced_or("ATTN_BACKENDS_DECODE_PAGES_AHEAD", amd_avx512() && dram); }
 
-/* Whether the prefetch requests (keys_next, values_ahead, pages_ahead) are chosen by timing them against
- * each other (decode_tune.h) instead of by the rules above: when the caches come from DRAM (from_dram),
+/* Whether the prefetch requests (keys_next, values_ahead, pages_ahead) and step 3's order in one-token MHA
+ * (pv_keys, below) are chosen by timing them against each other (decode_tune.h) instead of by their rules: when the caches come from DRAM (from_dram),
  * on every CPU.  The rules were each measured on one CPU in one state of its memory; on an AMD Zen 5
  * guest whose memory moved between two states the best set moved with it (docs/benchmarks.md,
  * "Prefetch requests chosen by timing").  The rules' own set is one of the sets timed, and a set
@@ -158,13 +158,6 @@ static int pages_ahead(int dram) { return forced_or("ATTN_BACKENDS_DECODE_PAGES_
  * same bits either way). */
 static int tune(int dram) { return forced_or("ATTN_BACKENDS_DECODE_TUNE", dram); }
 
-/* The prefetch switches that change what a call of p does (hg KV heads per work item), less those forced
- * by their variable (decode_cpu_impl.h: k_next, v_ahead, touch): the next chunk's keys and the pages of the
- * chunk after next only where some tile takes the row path (with bfloat16 products, or fewer than
- * AB_DECODE_TILED_ROWS rows per KV head: the tiled products ask for both whatever the switches say, and for
- * no pages), the next keys not in MHA over a 2-byte cache (always asked for there); the chunk's values only
- * in MHA of one token over a float32 cache (always asked for elsewhere); and step 3 key by key (pv_keys) in
- * MHA of one token, but where step 3 takes value columns by pairs (eo_pairs). */
 static int pv_pairs(void);
 
 /* Whether step 3 takes a bfloat16 cache's value columns by pairs (decode_cpu_impl.h eo: the avx2 path, D a
@@ -173,6 +166,13 @@ static int eo_pairs(const ab_kvcache_params* p) {
   return ab_cpu_isa_get() == AB_ISA_AVX2 && p->k_cache.dtype == AB_DTYPE_BF16 && p->D % 16 == 0 && pv_pairs();
 }
 
+/* The switches decode_tune times that change what a call of p does (hg KV heads per work item), less those forced
+ * by their variable (decode_cpu_impl.h: k_next, v_ahead, touch): the next chunk's keys and the pages of the
+ * chunk after next only where some tile takes the row path (with bfloat16 products, or fewer than
+ * AB_DECODE_TILED_ROWS rows per KV head: the tiled products ask for both whatever the switches say, and for
+ * no pages), the next keys not in MHA over a 2-byte cache (always asked for there); the chunk's values only
+ * in MHA of one token over a float32 cache (always asked for elsewhere); and step 3 key by key (pv_keys) in
+ * MHA of one token, but where step 3 takes value columns by pairs (eo_pairs). */
 static uint32_t tunable(const ab_kvcache_params* p, int bf, int64_t hg) {
   const int64_t G = p->Hq / p->Hkv, HG = hg * G;
   const int64_t tt = HG >= AB_DECODE_TILE_ROWS ? 1 : AB_DECODE_TILE_ROWS / HG; /* tokens per tile */
@@ -630,15 +630,15 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   ab_par_status st = {AB_OK, err};
   const int dram = from_dram(p, keys);
   const int64_t hg = heads_per_item(p, threads);
+  const int64_t G = p->Hq / p->Hkv, block_size = paged(p) ? p->k_cache.sizes[1] : 0;
   const uint32_t rule = (keys_next(dram) ? AB_TUNE_KEYS_NEXT : 0) | (values_ahead() ? AB_TUNE_VALUES_AHEAD : 0) |
                         (pages_ahead(dram) ? AB_TUNE_PAGES_AHEAD : 0) | (pv_keys() ? AB_TUNE_PV_KEYS : 0);
-  const ab_decode_tune_kind kind = {(int32_t)ab_cpu_isa_get(), (int32_t)p->k_cache.dtype, bf,
-                                    paged(p) ? (int32_t)p->k_cache.sizes[1] : 0,
-                                    (int32_t)(p->Hq / p->Hkv), p->Sq == 1};
+  const ab_decode_tune_kind kind = {(int32_t)ab_cpu_isa_get(), (int32_t)p->k_cache.dtype, bf, (int32_t)block_size,
+                                    (int32_t)G, p->Sq == 1};
   ab_decode_tune_ticket ticket;
   const uint32_t set = ab_decode_tune_begin(&kind, rule, tune(dram) && keys > 0 ? tunable(p, bf, hg) : 0, &ticket);
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
-                       p->Hq / p->Hkv, hg, nsplit, paged(p) ? p->k_cache.sizes[1] : 0, (int32_t)p->k_cache.dtype,
+                       G, hg, nsplit, block_size, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, !!(set & AB_TUNE_KEYS_NEXT), !!(set & AB_TUNE_VALUES_AHEAD),
                        !!(set & AB_TUNE_PAGES_AHEAD), bf && scores_by_head(dram), !bf && four_keys(p, dram),
                        !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS)};

@@ -127,7 +127,7 @@ typedef struct ab_decode_run {
   int32_t four_keys;      /* no bfloat16 products: step 1 takes keys four (AVX2: two) at a time (decode_cpu.c) */
   int32_t pv_wide;        /* no bfloat16 products: step 3 holds four vectors of D per row (decode_cpu.c) */
   int32_t pv_pairs;       /* AVX2, bfloat16 cache: step 3 converts sixteen columns per load, by pairs (decode_cpu.c) */
-  int32_t pv_keys;        /* no bfloat16 products, MHA of one token: step 3 goes key by key over the heads (decode_cpu.c) */
+  int32_t pv_keys;        /* MHA of one token: step 3 goes key by key over the heads (decode_cpu.c) */
 } ab_decode_run;
 
 typedef struct ab_decode_cpu_table {

@@ -581,7 +581,11 @@ static inline __attribute__((always_inline)) void DC(pv_keys)(float* acc, int64_
                                                              int64_t hstep) {
   for (int64_t j = 0; j < nk; ++j)
     for (int64_t h = 0; h < hg; ++h) {
-      if (kq && j < kq->n) SYM(pf_lines)(kq->base + h * hstep + kq->off[j] * kq->es, kq->bytes, 2);
+      if (kq) {
+        DC(kpf) kh = *kq;
+        kh.base += h * hstep;
+        DC(kpf_key)(&kh, j);
+      }
       const vf pj = vset1(P[h * DC_CHUNK + j]);
       float* a = acc + h * dpad;
       const int64_t o = vo[j] + h * hs;
@@ -818,8 +822,12 @@ static inline __attribute__((always_inline)) void DC(pv_keys_bf)(float* acc, int
   const uint32_t* Pw = (const uint32_t*)P;
   for (int64_t j = 0; j < nk; j += 2)
     for (int64_t h = 0; h < hg; ++h) {
-      for (int64_t k = j; kq && k < j + 2 && k < kq->n; ++k)
-        SYM(pf_lines)(kq->base + h * hstep + kq->off[k] * kq->es, kq->bytes, 2);
+      if (kq) {
+        DC(kpf) kh = *kq;
+        kh.base += h * hstep;
+        DC(kpf_key)(&kh, j);
+        DC(kpf_key)(&kh, j + 1);
+      }
       const __m512i pw = _mm512_set1_epi32((int)Pw[h * DC_CHUNK + j / 2]);
       float* a = acc + h * dpad;
       const uint16_t *v0 = vb + vo[j] + h * hs, *v1 = j + 1 < nk ? vb + vo[j + 1] + h * hs : NULL;
