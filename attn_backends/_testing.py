@@ -36,6 +36,18 @@ def cpu_isas() -> list:
     return [isa for isa in ("generic", "avx2", "avx512", "amx", "amx_emu") if _C.cpu_isa_supported(isa)]
 
 
+def decode_bf16_products(dtype) -> bool:
+    """Whether the CPU decode kernel multiplies a cache of `dtype` in bfloat16 on the current path
+    (csrc/cpu/decode_cpu.c, ab_kvcache_cpu_bf16_products): a bfloat16 cache, AVX512_BF16 on the CPU, the
+    avx512 or amx path, and ATTN_BACKENDS_DECODE_BF16_DOT not 0."""
+    import os
+
+    from . import _C
+
+    return (dtype == torch.bfloat16 and bool(_C.cpu_features().get("avx512_bf16"))
+            and _C.cpu_isa() in ("avx512", "amx") and os.environ.get("ATTN_BACKENDS_DECODE_BF16_DOT", "1") != "0")
+
+
 def visible(Sq: int, Sk: int, causal, window, device=None) -> torch.Tensor:
     """bool (Sq, Sk): key j is visible to query i under causal and window (docs/semantics.md)."""
     i = torch.arange(Sq, device=device).view(-1, 1)

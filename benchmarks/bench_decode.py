@@ -736,15 +736,9 @@ def tune_report():
     for k in ab._C.decode_tune_state():
         def spell(bits):
             return "+".join(n for b, n in TUNE_SWITCHES if bits & b) or "none"
-        kept = k["chosen"]
-        flip, i = 0, 0
-        for b, _ in TUNE_SWITCHES:  # arm a flips the timed switches of a's bits (decode_tune.h)
-            if k["free"] & b:
-                flip |= b if kept >= 0 and kept >> i & 1 else 0
-                i += 1
         row = dict(dtype=names.get(k["dtype"], k["dtype"]), group=k["group"], block_size=k["block_size"],
                    one_token=k["one_token"], rule=spell(k["rule"]), timed=spell(k["free"]),
-                   kept=spell(k["rule"] ^ flip) if kept >= 0 else None, timings=k["timings"], arm_calls=k["arm_calls"])
+                   kept=spell(k["kept"]) if k["chosen"] >= 0 else None, timings=k["timings"], arm_calls=k["arm_calls"])
         rows.append(row)
         print(f"tuned: dtype {row['dtype']} G={row['group']} {'blocks of ' + str(row['block_size']) if row['block_size'] else 'dense'}: rule {row['rule']}, "
               f"kept {row['kept']} ({row['timings']} timings, calls per arm {row['arm_calls']})")

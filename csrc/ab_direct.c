@@ -1293,8 +1293,8 @@ static PyObject* ab_py_kvcache_working_set(PyObject* self, PyObject* unused) {
 
 /* decode_tune_state() -> list of dicts: each kind of call whose prefetch requests the CPU decode kernel
  * times (decode_tune.h): its kind, the rule's set and the switches timed (bits: 1 keys_next,
- * 2 values_ahead, 4 pages_ahead), the arms, the arm kept (-1 before the first timing ends), whether its
- * arms are being timed, its calls, its timings finished and each arm's calls. */
+ * 2 values_ahead, 4 pages_ahead, 8 pv_keys), the arms, the arm kept (-1 before the first timing ends) and
+ * its set, whether its arms are being timed, its calls, its timings finished and each arm's calls. */
 static PyObject* ab_py_decode_tune_state(PyObject* self, PyObject* unused) {
   (void)self;
   (void)unused;
@@ -1311,11 +1311,12 @@ static PyObject* ab_py_decode_tune_state(PyObject* self, PyObject* unused) {
       Py_XDECREF(x);
     }
     PyObject* d = arm_calls ? Py_BuildValue(
-                                  "{s:i,s:i,s:i,s:i,s:i,s:i,s:I,s:I,s:i,s:i,s:O,s:L,s:L,s:N}", "isa", r->kind.isa,
+                                  "{s:i,s:i,s:i,s:i,s:i,s:i,s:I,s:I,s:I,s:i,s:i,s:O,s:L,s:L,s:N}", "isa", r->kind.isa,
                                   "dtype", r->kind.dtype, "bf16_dot", r->kind.bf16_dot, "block_size", r->kind.block_size,
                                   "group", r->kind.group, "one_token", r->kind.one_token, "rule", r->rule, "free",
-                                  r->free, "arms", r->arms, "chosen", r->chosen, "timing", r->timing ? Py_True : Py_False,
-                                  "calls", (long long)r->calls, "timings", (long long)r->timings, "arm_calls", arm_calls)
+                                  r->free, "kept", r->kept, "arms", r->arms, "chosen", r->chosen, "timing",
+                                  r->timing ? Py_True : Py_False, "calls", (long long)r->calls, "timings",
+                                  (long long)r->timings, "arm_calls", arm_calls)
                             : NULL;
     if (!d || PyList_Append(list, d) < 0) Py_CLEAR(list);
     Py_XDECREF(d);

@@ -1,7 +1,6 @@
 """The CPU decode kernel's prefetch requests chosen by timing (csrc/cpu/decode_tune.c): the choice from rounds of
 times, the arms each kind of call goes through, the switches timed, and the bits, which no arm may change."""
 
-import os
 import threading
 
 import pytest
@@ -9,16 +8,12 @@ import torch
 
 import attn_backends as ab
 from attn_backends import _C
+from attn_backends._testing import decode_bf16_products
 
 KEYS_NEXT, VALUES_AHEAD, PAGES_AHEAD, PV_KEYS = 1, 2, 4, 8
 ROUNDS, KEEP_CALLS = 4, 512  # csrc/cpu/decode_tune.h AB_TUNE_ROUNDS, AB_TUNE_KEEP_CALLS
 SWITCHES = ("KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD", "PV_KEYS")
 
-
-def bf16_products():
-    # bfloat16 products where the CPU and the path have them (decode_cpu.c bf16_dot)
-    return (bool(_C.cpu_features().get("avx512_bf16")) and _C.cpu_isa() in ("avx512", "amx")
-            and os.environ.get("ATTN_BACKENDS_DECODE_BF16_DOT", "1") != "0")
 
 
 @pytest.fixture
@@ -128,6 +123,9 @@ def test_every_arm_is_timed_then_one_is_kept_with_the_same_bits(dtype, Hq, Hkv, 
     assert kind["free"] == free and kind["arms"] == arms
     assert kind["group"] == Hq // Hkv and kind["block_size"] == (block or 0) and kind["one_token"] == 1
     assert kind["timings"] == 1 and not kind["timing"] and kind["chosen"] in range(arms)
+    # the kept set differs from the rule's only in timed switches, and only when an arm other than 0 was kept
+    assert (kind["kept"] ^ kind["rule"]) & ~free == 0
+    assert (kind["kept"] == kind["rule"]) == (kind["chosen"] == 0)
     assert kind["calls"] == arms * ROUNDS + 6
     # each arm ROUNDS times while timed; the kept one the calls after
     assert [n - (6 if a == kind["chosen"] else 0) for a, n in enumerate(kind["arm_calls"])] == [ROUNDS] * arms
@@ -173,7 +171,7 @@ def test_a_forced_switch_is_not_timed(tuner, monkeypatch, gen):
 ])
 def test_only_switches_that_change_the_call_are_timed(dtype, Hq, Hkv, Sq, free, tuner, gen):
     if free == "row path":  # the row path with bfloat16 products, else tiled
-        free = (KEYS_NEXT | PAGES_AHEAD) if bf16_products() else 0
+        free = (KEYS_NEXT | PAGES_AHEAD) if decode_bf16_products(dtype) else 0
     call = decode_call(gen, dtype, Hq, Hkv, B=1, S=200, Sq=Sq)
     call()
     state = _C.decode_tune_state()

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import attn_backends as ab
 from attn_backends import _C
-from attn_backends._testing import check_2x, reference_attention
+from attn_backends._testing import check_2x, decode_bf16_products, reference_attention
 
 BACKENDS = ["paged_attention", "flash", "math"]
 
@@ -593,11 +593,6 @@ def test_long_queries_go_to_flash_over_the_gathered_cache(gen):
     call.check(*call.run("paged_attention"))
 
 
-def _bf16_products(dtype) -> bool:
-    return (dtype == torch.bfloat16 and bool(_C.cpu_features().get("avx512_bf16"))
-            and _C.cpu_isa() in ("avx512", "amx") and os.environ.get("ATTN_BACKENDS_DECODE_BF16_DOT", "1") != "0")
-
-
 @pytest.mark.parametrize("block", [None, 16])
 def test_long_queries_stay_in_the_kernel_unless_it_multiplies_in_bfloat16(block, gen, monkeypatch):
     # 13 tokens x 4 query heads per KV head = 52 rows.  Tiles of many rows run the tiled products
@@ -610,7 +605,7 @@ def test_long_queries_stay_in_the_kernel_unless_it_multiplies_in_bfloat16(block,
     for dt, tid in ((torch.float32, 1), (torch.float16, 3), (torch.bfloat16, 2)):
         rows = [_C.kvcache_max_rows(tid, True, 2048), _C.kvcache_max_rows(tid, False, 2048),
                 _C.kvcache_max_rows(tid, True, 2047)]
-        assert rows == ([48, 64, 64] if _bf16_products(dt) else [huge] * 3), dt
+        assert rows == ([48, 64, 64] if decode_bf16_products(dt) else [huge] * 3), dt
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "0")
     assert _C.kvcache_max_rows(2, True, 4096) == huge
     monkeypatch.delenv("ATTN_BACKENDS_DECODE_BF16_DOT")
@@ -622,7 +617,7 @@ def test_long_queries_stay_in_the_kernel_unless_it_multiplies_in_bfloat16(block,
     for _ in range(2):  # planned, then the fast path's turn: it hands the call back when flash serves it
         out, lse = _fast(lambda: call.reset().run("paged_attention"))[0]
         call.check(out, lse)
-    assert len(flash_calls) == (2 if _bf16_products(case.dtype) and not block else 0)
+    assert len(flash_calls) == (2 if decode_bf16_products(case.dtype) and not block else 0)
 
 
 # tiles of >= 16 query rows per KV head (DC_TILED_ROWS): the tiled products, head-major rows, the

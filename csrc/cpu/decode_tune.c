@@ -167,6 +167,7 @@ int ab_decode_tune_state(ab_decode_tune_report* out, int most) {
       r->kind = s->kind;
       r->rule = s->rule;
       r->free = s->free;
+      r->kept = arm_set(s->rule, s->free, s->chosen >= 0 ? s->chosen : 0);
       r->arms = s->arms;
       r->chosen = s->chosen;
       r->timing = s->timing;

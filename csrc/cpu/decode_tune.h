@@ -1,13 +1,13 @@
 /* decode_tune.h -- the CPU decode kernel's prefetch requests chosen by timing (decode_tune.c).
  *
  * The kernel's prefetch switches (decode_cpu.c: keys_next, values_ahead, pages_ahead) and the order of
- * one-token MHA's step 3 (pv_keys) change how fast a call reads its cache from DRAM, never its bits.  Which set is fastest depends on the CPU and, on a
- * shared machine, on the memory system's state of the moment: on one AMD Zen 5 guest dense bfloat16 GQA
- * decode ran 10-20% faster without the next-keys and pages-ahead requests while the memory answered fast,
- * and float32 GQA about 7% faster with the next keys while it answered slowly (docs/benchmarks.md,
- * "Prefetch requests chosen by timing").  So for calls whose caches come from DRAM the kernel times the
- * sets against each other, a few calls each,
- * and keeps the fastest for the next calls of the same kind, then times them again.
+ * one-token MHA's step 3 (pv_keys) change how fast a call reads its cache from DRAM, never its bits.
+ * Which set is fastest depends on the CPU and, on a shared machine, on the memory system's state of the
+ * moment: on one AMD Zen 5 guest dense bfloat16 GQA decode ran 10-20% faster without the next-keys and
+ * pages-ahead requests while the memory answered fast, and float32 GQA about 7% faster with the next keys
+ * while it answered slowly (docs/benchmarks.md, "Prefetch requests chosen by timing").  So for calls whose
+ * caches come from DRAM the kernel times the sets against each other, a few calls each, keeps the fastest
+ * for the next calls of the same kind, then times them again.
  *
  * Owner: the CPU decode kernel (decode_cpu.c is the only caller).  Thread-safe. */
 #ifndef AB_DECODE_TUNE_H
@@ -56,10 +56,11 @@ void ab_decode_tune_end(const ab_decode_tune_ticket* t, double seconds_per_byte)
 int ab_decode_tune_choose(int arms, int rounds, const double* times, double margin);
 
 /* Each kind's state, for tests and reports: fills up to `most` entries and returns how many kinds have
- * one.  chosen: the arm kept (-1 before the first timing ends); timings: timings finished. */
+ * one.  chosen: the arm kept (-1 before the first timing ends), kept: its set (the rule's before then);
+ * timings: timings finished. */
 typedef struct ab_decode_tune_report {
   ab_decode_tune_kind kind;
-  uint32_t rule, free;
+  uint32_t rule, free, kept;
   int32_t arms, chosen, timing; /* timing: 1 while the arms are being timed */
   int64_t calls, timings, arm_calls[AB_TUNE_MAX_ARMS];
 } ab_decode_tune_report;
