@@ -193,6 +193,44 @@ static inline float vhmax(vf v) {
   return m;
 }
 
+/* The horizontal reductions of the softmax's per-row step, by halves: log2(VLEN) dependent steps
+ * where a lane-by-lane loop is a chain of VLEN - 1 (about 45 cycles of latency per row at VLEN 16,
+ * a fifth of the decode kernel's time with the cache in the L3).  vmax_lanes is vhmax for vectors
+ * without NaN lanes (the caller has checked: the order of the max is then free); vsum_lanes adds
+ * in a tree, so its bits differ from a lane-by-lane sum's in the last place; vany_lane is whether
+ * some lane of m is nonzero. */
+static inline float vmax_lanes(vf v) {
+#if VLEN == 16
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  for (int w = VLEN / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) v[i] = v[i + w] > v[i] ? v[i + w] : v[i];
+  return v[0];
+#endif
+}
+
+static inline float vsum_lanes(vf v) {
+#if VLEN == 16
+  return _mm512_reduce_add_ps((__m512)v);
+#elif VLEN == 8
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
+  return (v[0] + v[2]) + (v[1] + v[3]);
+#endif
+}
+
+static inline int vany_lane(vi m) {
+#if VLEN == 16
+  return _mm512_test_epi32_mask((__m512i)m, (__m512i)m) != 0;
+#elif VLEN == 8
+  return !_mm256_testz_si256((__m256i)m, (__m256i)m);
+#else
+  return (m[0] | m[1] | m[2] | m[3]) != 0;
+#endif
+}
+
 /* Loads n (<= VLEN) elements of any dtype at stride s into a vector as float32; the rest get pad. */
 static inline void ab_vec_load_row(const void* base, ab_dtype dt, int64_t off, int64_t n, int64_t s,
                                    float* dst) {

@@ -1037,14 +1037,12 @@ static inline void DC(softmax)(const DC(tile) * w, int64_t r0, int64_t nrows, fl
       mx = vmax(mx, x);
       nan |= x != x; /* a visible NaN score: the max above may drop it */
     }
-    int any_nan = 0;
-    for (int u = 0; u < VLEN; ++u) any_nan |= nan[u] != 0;
-    if (any_nan) { /* NaN in, NaN out, as the float64 reference does */
+    if (vany_lane(nan)) { /* NaN in, NaN out, as the float64 reference does */
       w->l[r] = __builtin_nanf("");
       memset(Sr, 0, DC_CHUNK * sizeof(float));
       continue;
     }
-    const float cm = vhmax(mx), m_old = w->m[r];
+    const float cm = vmax_lanes(mx), m_old = w->m[r];
     const float m_new = cm > m_old ? cm : m_old;
     if (m_new == -INFINITY) { /* nothing visible so far (or -inf scores): weights 0 */
       memset(Sr, 0, DC_CHUNK * sizeof(float));
@@ -1061,9 +1059,7 @@ static inline void DC(softmax)(const DC(tile) * w, int64_t r0, int64_t nrows, fl
       float* acc = w->acc + r * dpad;
       for (int64_t d = 0; d < dpad; d += VLEN) vstore(acc + d, vload(acc + d) * vset1(alpha));
     }
-    float total = 0.0f;
-    for (int u = 0; u < VLEN; ++u) total += sum[u];
-    w->l[r] = w->l[r] * alpha + total;
+    w->l[r] = w->l[r] * alpha + vsum_lanes(sum);
     w->m[r] = m_new;
   }
 }
