@@ -84,6 +84,8 @@ import torch
 import torch.nn.functional as F
 
 import attn_backends as ab
+from attn_backends._planner import DTYPE_NAMES
+from attn_backends._testing import decode_bf16_products
 
 SHAPES = [  # (label, B, Hq, Hkv, Sk)
     ("B1 GQA 32/8 Sk16384", 1, 32, 8, 16384),
@@ -559,11 +561,8 @@ def layers_table(layer_counts, dtypes, rounds):
 
 
 def bf16_products() -> str:
-    """Whether the CPU decode kernel multiplies a bfloat16 cache with AVX512_BF16 (docs/decode.md):
-    the CPU has it, the AVX-512 (or AMX) path runs, ATTN_BACKENDS_DECODE_BF16_DOT is not 0."""
-    on = (ab._C.cpu_features().get("avx512_bf16") and ab._C.cpu_isa() in ("avx512", "amx")
-          and os.environ.get("ATTN_BACKENDS_DECODE_BF16_DOT", "1") != "0")
-    return "on" if on else "off"
+    """Whether the CPU decode kernel multiplies a bfloat16 cache with AVX512_BF16 (docs/decode.md)."""
+    return "on" if decode_bf16_products(torch.bfloat16) else "off"
 
 
 def timed(fn, reps):
@@ -732,11 +731,10 @@ def tune_report():
     """The prefetch requests the CPU kernel kept for each kind of call it timed (csrc/cpu/decode_tune.c), printed
     and returned as rows: the rule's set, the set kept, each arm's calls."""
     rows = []
-    names = {0: "float32", 1: "float16", 2: "bfloat16"}  # csrc/ab_core.h ab_dtype
     for k in ab._C.decode_tune_state():
         def spell(bits):
             return "+".join(n for b, n in TUNE_SWITCHES if bits & b) or "none"
-        row = dict(dtype=names.get(k["dtype"], k["dtype"]), group=k["group"], block_size=k["block_size"],
+        row = dict(dtype=DTYPE_NAMES[k["dtype"]], group=k["group"], block_size=k["block_size"],
                    one_token=k["one_token"], rule=spell(k["rule"]), timed=spell(k["free"]),
                    kept=spell(k["kept"]) if k["chosen"] >= 0 else None, timings=k["timings"], arm_calls=k["arm_calls"])
         rows.append(row)

@@ -194,8 +194,8 @@ static inline float vhmax(vf v) {
 }
 
 /* The horizontal reductions of the softmax's per-row step, by halves: log2(VLEN) dependent steps
- * where a lane-by-lane loop is a chain of VLEN - 1 (about 45 cycles of latency per row at VLEN 16,
- * a fifth of the decode kernel's time with the cache in the L3).  vmax_lanes is vhmax for vectors
+ * where a lane-by-lane loop is a chain of VLEN - 1 (about 45 cycles of latency per row at VLEN 16; the
+ * softmax was a fifth of the decode kernel's time with the cache in the L3).  vmax_lanes is vhmax for vectors
  * without NaN lanes (the caller has checked: the order of the max is then free); vsum_lanes adds
  * in a tree, so its bits differ from a lane-by-lane sum's in the last place; vany_lane is whether
  * some lane of m is nonzero. */

@@ -106,11 +106,15 @@ int64_t ab_kvcache_cpu_working_set(void) {
   return total;
 }
 
-/* Whether decode's caches come from DRAM: its working set (note_call, this call included) is more
- * than half the L3. */
-static int from_dram(const ab_kvcache_params* p, int64_t keys) {
-  const double row_bytes = (double)(p->Hkv * p->D) * (double)ab_dtype_size(p->k_cache.dtype);
-  const int64_t working_set = note_call(p->k_cache.data, (int64_t)(2.0 * (double)keys * row_bytes));
+/* The K and V bytes a call reads: `keys` keys of every KV head. */
+static double kv_bytes(const ab_kvcache_params* p, int64_t keys) {
+  return 2.0 * (double)keys * (double)(p->Hkv * p->D) * (double)ab_dtype_size(p->k_cache.dtype);
+}
+
+/* Whether decode's caches come from DRAM: its working set (note_call, this call included, reading
+ * `bytes` of K and V) is more than half the L3. */
+static int from_dram(const ab_kvcache_params* p, double bytes) {
+  const int64_t working_set = note_call(p->k_cache.data, (int64_t)bytes);
   const int64_t l3 = ab_cpu_features_get()->l3_bytes;
   return 2 * working_set > (l3 > 0 ? l3 : (int64_t)32 << 20);
 }
@@ -175,7 +179,7 @@ static int eo_pairs(const ab_kvcache_params* p) {
  * MHA of one token, but where step 3 takes value columns by pairs (eo_pairs). */
 static uint32_t tunable(const ab_kvcache_params* p, int bf, int64_t hg) {
   const int64_t G = p->Hq / p->Hkv, HG = hg * G;
-  const int64_t tt = HG >= AB_DECODE_TILE_ROWS ? 1 : AB_DECODE_TILE_ROWS / HG; /* tokens per tile */
+  const int64_t tt = ab_decode_tile_tokens(HG);
   const int64_t first = p->Sq < tt ? p->Sq : tt, last = p->Sq % tt ? p->Sq % tt : first;
   const int rows_path = bf || first * G < AB_DECODE_TILED_ROWS || last * G < AB_DECODE_TILED_ROWS;
   uint32_t free = 0;
@@ -628,7 +632,8 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
     keys += end[b] - lo[b];
   }
   ab_par_status st = {AB_OK, err};
-  const int dram = from_dram(p, keys);
+  const double bytes = kv_bytes(p, keys);
+  const int dram = from_dram(p, bytes);
   const int64_t hg = heads_per_item(p, threads);
   const int64_t G = p->Hq / p->Hkv, block_size = paged(p) ? p->k_cache.sizes[1] : 0;
   const uint32_t rule = (keys_next(dram) ? AB_TUNE_KEYS_NEXT : 0) | (values_ahead() ? AB_TUNE_VALUES_AHEAD : 0) |
@@ -645,10 +650,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   const double t0 = ticket.round >= 0 ? seconds_now() : 0.0;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
-  if (ticket.round >= 0) {
-    const double bytes = 2.0 * (double)keys * (double)(p->Hkv * p->D) * (double)ab_dtype_size(p->k_cache.dtype);
-    ab_decode_tune_end(&ticket, (seconds_now() - t0) / (bytes > 0.0 ? bytes : 1.0));
-  }
+  if (ticket.round >= 0) ab_decode_tune_end(&ticket, (seconds_now() - t0) / (bytes > 0.0 ? bytes : 1.0));
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));
   return AB_OK;
 }

@@ -1223,7 +1223,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
   int64_t ks = ulo + chunks * s / run->nsplit * DC_CHUNK, ke = ulo + chunks * (s + 1) / run->nsplit * DC_CHUNK;
   ke = ke < uhi ? ke : uhi;
 
-  const int64_t tt = HG >= DC_ROWS ? 1 : DC_ROWS / HG; /* tokens per tile */
+  const int64_t tt = ab_decode_tile_tokens(HG);
   for (int64_t t0 = 0; t0 < Sq; t0 += tt) {
     const int64_t t1 = t0 + tt < Sq ? t0 + tt : Sq, nr = (t1 - t0) * HG;
     int64_t klo = ke, khi = ks;
@@ -1543,7 +1543,7 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   const ab_decode_run* run = (const ab_decode_run*)ctx;
   const ab_kvcache_params* p = run->p;
   const int64_t HG = run->hg * run->G, dpad = run->dpad;
-  const int64_t tokens = HG >= DC_ROWS ? 1 : DC_ROWS / HG, rows = tokens * HG;
+  const int64_t tokens = ab_decode_tile_tokens(HG), rows = tokens * HG;
   const int64_t prows = rows + run->hg * VLEN; /* rows of state with each head's padded to VLEN (tiled) */
   const size_t floats = (size_t)(prows * (dpad + 3) + rows * DC_CHUNK + DC_CHUNK * dpad +
                                  2 * DC_CHUNK * (rows + VLEN) + dpad * prows + 3 * (rows + VLEN));

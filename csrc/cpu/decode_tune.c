@@ -116,8 +116,7 @@ void ab_decode_tune_end(const ab_decode_tune_ticket* t, double seconds_per_byte)
   pthread_mutex_lock(&g_lock);
   slot* s = &g_slots[t->slot];
   if (s->used && s->timing && s->generation == t->generation) {
-    /* a time that is not a positive number counts as missing (ab_decode_tune_choose skips it) */
-    s->times[t->round * s->arms + t->arm] = seconds_per_byte > 0.0 && seconds_per_byte < 1e300 ? seconds_per_byte : 0.0;
+    s->times[t->round * s->arms + t->arm] = seconds_per_byte; /* not a positive number: ab_decode_tune_choose skips it */
     if (++s->ended == (int64_t)s->arms * AB_TUNE_ROUNDS) {
       s->chosen = ab_decode_tune_choose(s->arms, AB_TUNE_ROUNDS, s->times, AB_TUNE_MARGIN);
       s->timing = 0;
