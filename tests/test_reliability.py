@@ -160,6 +160,54 @@ def test_threads_with_different_backends_shapes_and_contexts(record_runner):
                 torch.testing.assert_close(a, b)
 
 
+def _kv_job(j):
+    """Decode call j of test_kvcache_calls_on_threads: its own caches (dense or 16-key pages under a
+    shuffled table), written in place by the call; three dtypes, GQA and MHA, 1-3 query tokens."""
+    g = torch.Generator().manual_seed(j)
+    dtype = (torch.float32, torch.bfloat16, torch.float16)[j % 3]
+    B, Hq, Hkv, D, S = 2, 8, (2, 8, 4)[j % 3], 64, 300 + 37 * j
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    q, k, v = rand(B, 1 + j % 3, Hq, D), rand(B, 2, Hkv, D), rand(B, 2, Hkv, D)
+    extra = {}
+    if j % 2:
+        nb = -(-S // 16)
+        shape = (B * nb, 16, Hkv, D)
+        extra["block_table"] = torch.randperm(B * nb, generator=g).view(B, nb).to(torch.int32)
+    else:
+        shape = (B, S, Hkv, D)
+    k_cache, v_cache = rand(*shape), rand(*shape)
+    out, lse = ab.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=torch.tensor(
+        [S // 2, S - 5], dtype=torch.int32), causal=True, return_softmax_lse=True, num_splits=2, **extra)
+    return out, lse, k_cache, v_cache
+
+
+@pytest.mark.parametrize("tune", ["0", "1"])
+def test_kvcache_calls_on_threads_match_the_same_calls_alone(monkeypatch, tune):
+    # decode serving several requests from threads at once: the kernel's shared state (the thread
+    # pool, the timings of its prefetch switches, ATTN_BACKENDS_DECODE_TUNE=1 times them in every call,
+    # the record of recent working sets) must not leak from one call into another: the same output,
+    # lse and cache writes, bit for bit, as each call run alone (a fixed split count)
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_TUNE", tune)
+    alone = [_kv_job(j) for j in range(12)]
+    order = [j for j in range(12) for _ in range(6)]
+    random.Random(1).shuffle(order)
+    threads = set()
+
+    def job(j):
+        threads.add(threading.get_ident())
+        return j, _kv_job(j)
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(job, order))
+    assert len(threads) > 1, "the calls did not run on several threads"
+    for j, got in results:
+        for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), got, alone[j]):
+            assert torch.equal(a, b), f"call {j}: {name} differs from the same call run alone"
+
+
 def test_use_context_does_not_leak_into_other_threads():
     q = torch.randn(1, 2, 8, 16)
     seen = {}
