@@ -1536,3 +1536,35 @@ def test_nan_and_inf_reach_the_rows_that_see_them(where, Sq, splits, gen):
     # docs/reliability.md: NaN in, NaN out, as the float64 reference does; a key no row may see
     # changes nothing.  One split and four (the merge of the splits carries it too).
     check_nan_and_inf(where, Sq, splits, gen)
+
+
+# ---- scores near float32's limits ----------------------------------------------------------------
+
+EXTREME_SCALES = [1e-39, 2.0**-133, 1e-41, 0.0]  # scaled scores of 0 to about 100
+
+
+def check_extreme_scale(scale, gen, dtype=torch.bfloat16, dev=lambda t: t, Hq=4, **kw):
+    """q near 1e10 and k near 1e30 under a tiny scale: q.k (up to about 1e41) is past float32's range,
+    the scaled scores (near 1) are not.  Out and lse finite and within bfloat16's rounding of the float64
+    reference (a scale of 0: every key weighs the same).  Once the bfloat16 products multiplied the
+    unscaled q.k and made every such row NaN."""
+    B, Sq, Hkv, D, S = 2, 1, 2, 64, 40
+    q = torch.randn(B, Sq, Hq, D, generator=gen, dtype=torch.float64) * 1e10
+    k = torch.randn(B, S, Hkv, D, generator=gen, dtype=torch.float64) * 1e30
+    v = torch.randn(B, S, Hkv, D, generator=gen, dtype=torch.float64)
+    q, k, v = (t.to(dtype).double() for t in (q, k, v))  # the reference sees the rounded values
+    out, lse = ab.attention_with_kvcache(dev(q.to(dtype)), dev(k.to(dtype)), dev(v.to(dtype)), softmax_scale=scale,
+                                         return_softmax_lse=True, **kw)
+    out, lse = out.cpu().double(), lse.cpu().double()
+    G = Hq // Hkv
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(G, 2)) * scale
+    ref = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.repeat_interleave(G, 2))
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all(), f"scale {scale}: non-finite out or lse"
+    assert (out - ref).abs().max() < 3e-2, f"scale {scale}: out off by {(out - ref).abs().max():.3g}"
+    assert (lse - s.logsumexp(-1)).abs().max() < 0.1, f"scale {scale}: lse off"
+
+
+@pytest.mark.parametrize("scale", EXTREME_SCALES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scores_past_float32_before_the_scale_stay_finite(scale, dtype, gen):
+    check_extreme_scale(scale, gen, dtype)

@@ -21,7 +21,8 @@ from attn_backends import _C, _dispatch
 from attn_backends._testing import check_2x
 
 from cuda_devices import both, emulator, launched, launched_blocks
-from test_kvcache import BAD, KV, NAN_PLACES, Call, _base, check_nan_and_inf, kv_calls
+from test_kvcache import (BAD, EXTREME_SCALES, KV, NAN_PLACES, Call, _base, check_extreme_scale, check_nan_and_inf,
+                          kv_calls)
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -193,6 +194,17 @@ def test_nan_and_inf_reach_the_rows_that_see_them(decode, kernel, where, Sq, spl
     # a row that saw no key; attend_kernel also made NaN of a row whose first visible score was -inf.
     check_nan_and_inf(where, Sq, splits, gen, dtype, decode, atol=1e-5 if dtype == F32 else 2e-2,
                       backend="paged_attention", strict=True)
+
+
+@pytest.mark.parametrize("dev", [pytest.param("emu", marks=pytest.mark.cuda_emu),
+                                 pytest.param("cuda", marks=pytest.mark.cuda)], indirect=True)
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+@pytest.mark.parametrize("scale", EXTREME_SCALES)
+def test_scores_past_float32_before_the_scale_stay_finite(decode, kernel, scale, gen):
+    # test_kvcache's case on both CUDA kernels (bfloat16, 2 and 4 query rows a KV head: the tensor-core
+    # attention takes both); its tensor-core attention once made these rows NaN
+    for Hq in (4, 8):
+        check_extreme_scale(scale, gen, torch.bfloat16, decode, Hq=Hq, backend="paged_attention", strict=True)
 
 
 @pytest.mark.fuzz

@@ -428,9 +428,24 @@ static void append(const ab_kvcache_params* p, float* row) {
   }
 }
 
+/* The power of two of the scale (2**e with e <= 0, the scale's own exponent below 1) that the bfloat16
+ * products' q is multiplied by before it is rounded: the product of q and k then stays within float32's range
+ * wherever the scaled score does (q near 1e10 and k near 1e30 under a scale of 1e-39 overflowed the unscaled
+ * product to inf, and the row to NaN).  Exact wherever q times 2**e stays a normal float, so q's bits are those
+ * of the unscaled rounding times 2**e, and the score times the rest of the scale (ab_decode_run.bf_scale) is the
+ * same float as the unscaled score times the scale: the same bits as before in every call whose scores did
+ * not overflow.  A scale of 1 or more keeps e = 0 (q times it could overflow where the score does not); a scale
+ * of 0 makes q 0. */
+static int bf_q_exp(double scale) {
+  if (scale == 0.0) return -400; /* q times 2**-400 is 0 (a finite q), so q.k is 0, not inf times 0 */
+  int x = 0;
+  frexp(scale, &x); /* |scale| = f * 2**x, f in [0.5, 1) */
+  return x - 1 < 0 ? x - 1 : 0;
+}
+
 /* q as float32 (B, Sq, Hq, dpad): rotated at its positions, times scale, pad lanes 0; with qb, also
- * as bfloat16 rotated but not scaled (rounded to nearest even once: the bfloat16 products). */
-static void prepare_q(const ab_kvcache_params* p, float* qf, uint16_t* qb, int64_t dpad) {
+ * as bfloat16 rotated and times 2**qexp (bf_q_exp), rounded to nearest even once: the bfloat16 products. */
+static void prepare_q(const ab_kvcache_params* p, float* qf, uint16_t* qb, int64_t dpad, int qexp) {
   const int per_token = q_rotates_per_token(p);
   for (int64_t b = 0; b < p->B; ++b)
     for (int64_t t = 0; t < p->Sq; ++t)
@@ -441,7 +456,7 @@ static void prepare_q(const ab_kvcache_params* p, float* qf, uint16_t* qb, int64
         if (p->rotary_cos.ndim) rotate(p, seqlen_of(p, b) + (per_token ? t : 0), row);
         if (qb) {
           uint16_t* rb = qb + ((b * p->Sq + t) * p->Hq + h) * dpad;
-          for (int64_t d = 0; d < dpad; ++d) rb[d] = d < p->D ? ab_f32_to_bf16(row[d]) : 0;
+          for (int64_t d = 0; d < dpad; ++d) rb[d] = d < p->D ? ab_f32_to_bf16(ldexpf(row[d], qexp)) : 0;
         }
         for (int64_t d = 0; d < p->D; ++d) row[d] *= (float)p->scale;
       }
@@ -623,7 +638,8 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   /* checks passed: from here on the cache changes */
   append(p, scratch_row);
   if (p->B == 0 || p->Sq == 0 || p->Hq == 0) return AB_OK;
-  prepare_q(p, (float*)ws, qb, dpad);
+  const int qexp = bf ? bf_q_exp(p->scale) : 0;
+  prepare_q(p, (float*)ws, qb, dpad, qexp);
   int64_t keys = 0;
   for (int64_t b = 0; b < p->B; ++b) {
     lo[b] = p->cache_leftpad.ndim ? index_at(&p->cache_leftpad, b, 0) : 0;
@@ -646,7 +662,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
                        G, hg, nsplit, block_size, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, !!(set & AB_TUNE_KEYS_NEXT), !!(set & AB_TUNE_VALUES_AHEAD),
                        !!(set & AB_TUNE_PAGES_AHEAD), bf && scores_by_head(dram), !bf && four_keys(p, dram),
-                       !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS)};
+                       !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS), (float)ldexp(p->scale, -qexp)};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   const double t0 = ticket.round >= 0 ? seconds_now() : 0.0;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));

@@ -600,9 +600,10 @@ static inline __attribute__((always_inline)) void DC(pv_keys)(float* acc, int64_
  * vdpbf16ps multiplies pairs of bfloat16 and adds both products to a float32 lane: per 32 elements
  * of a key row, one load and one instruction per query row instead of two conversions and two FMAs.
  * Its operands must both be bfloat16, so on this path:
- *   - q is rounded to bfloat16 once per call (decode_cpu.c: rotated in float32 first, not scaled,
- *     as flash-attn rounds it to q's dtype; a bfloat16 q without rotary is exact) and the scale
- *     multiplies the float32 score;
+ *   - q is rounded to bfloat16 once per call (decode_cpu.c: rotated in float32 first, as flash-attn
+ *     rounds it to q's dtype; a bfloat16 q without rotary is exact), times the scale's power of two
+ *     below 1 (exact: decode_cpu.c bf_q_exp, so that q.k stays within float32's range wherever the
+ *     score does), and the rest of the scale (run->bf_scale) multiplies the float32 score;
  *   - P is rounded to bfloat16 per chunk for O += P V (as the same-dtype reference and flash-attn
  *     round it), the accumulation stays float32.  A pair of keys (j, j + 1) is one instruction: the
  *     two value rows interleaved by unpacklo/hi_epi16 against the broadcast pair (P_j, P_j+1).  The
@@ -1353,7 +1354,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
                 const uint16_t* qh = run->qb + ((b * Sq + t) * p->Hq + (h0 + h) * G) * dpad;
                 float* sh = w->S + ((t - t0) * HG + h * G) * DC_CHUNK;
 #define DC_HEAD_SCORES(n)                                                                                      \
-  DC(head_scores_bf)(n, qh, dpad, G, (const uint16_t*)kb, ko, h * ks2, a, e, D, (float)p->scale, sh, vp, vo, \
+  DC(head_scores_bf)(n, qh, dpad, G, (const uint16_t*)kb, ko, h * ks2, a, e, D, run->bf_scale, sh, vp, vo, \
                      h * vs2, (const char*)kb, kao, nka, pa, pe, (int64_t)es)
                 switch ((D + 31) / 32) {
                   case 4: DC_HEAD_SCORES(4); break;
@@ -1420,7 +1421,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
 #if DC_BF16
             if (bf) {
               DC(key_scores_bf)(run->qb + ((b * Sq + t) * p->Hq + h0 * G) * dpad, dpad, hg, G, (const uint16_t*)kb,
-                                ko[jj - j], ks2, D, (float)p->scale, w->S + (t - t0) * HG * DC_CHUNK + (jj - j), fp);
+                                ko[jj - j], ks2, D, run->bf_scale, w->S + (t - t0) * HG * DC_CHUNK + (jj - j), fp);
               fp = NULL;
               continue;
             }

@@ -19,7 +19,8 @@
 // operands that are not the cache's own values are split in two, hi + lo (hi = x rounded to 16
 // bits, lo = the rest rounded), and both halves multiplied: P for O += P V always, and the rotated
 // queries (queries without rotary are the caller's 16-bit values, exact).  Everything else is
-// float32, as in attend_kernel; the scale multiplies the float32 score.
+// float32, as in attend_kernel; the scale multiplies the float32 score (bfloat16: q is multiplied by the
+// scale's power of two below 1 first, exactly, and the score by the rest).
 //
 // The default for 16-bit calls with two query rows or more per KV head since its H200 run of
 // 2026-12-04 (decode.cu variant_of: 2.2-2.3x attend_kernel's speed in GQA, yet 0.40-0.51x torch's,
@@ -27,6 +28,8 @@
 // in every CI run.
 #ifndef AB_DECODE_MMA_KERNEL_CUH
 #define AB_DECODE_MMA_KERNEL_CUH
+
+#include <type_traits>
 
 #include "decode_kernel.cuh"
 #include "flash_common.cuh"
@@ -99,6 +102,15 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
   // the queries, rotated at their positions (not scaled), as hi and lo halves; zeros past the rows
   // and past D.  Unrotated queries are q's own 16-bit values: lo is 0 and its products are skipped.
   const bool q_split = p.rot_half > 0;
+  // bfloat16: q times 2**qe, the scale's power of two below 1 (exact wherever the result stays a normal
+  // number), and the scores times sscale, the rest of the scale, so that q.k stays within float32's range
+  // wherever the scaled score does (q near 1e10 and k near 1e30 under a scale of 1e-39 overflowed the
+  // unscaled product, and the row became NaN); the CPU kernel does the same (decode_cpu.c, bf_q_exp).
+  // float16's q.k cannot overflow float32.  A scale of 0 makes q 0 (2**-400), so q.k is 0, not inf times 0.
+  const int qe = !std::is_same<T, __nv_bfloat16>::value || !isfinite(p.scale) ? 0
+                 : p.scale == 0.0f                                            ? -400
+                                                                              : min(0, ilogbf(p.scale));
+  const float sscale = ldexpf(p.scale, -qe);
   const T* qd = static_cast<const T*>(p.q);
   auto q_at = [&](int rr) {  // element offset of query row r0 + rr of q
     const int64_t tq = (r0 + rr) / p.G, hq = hkv * p.G + (r0 + rr) % p.G;
@@ -114,6 +126,7 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
     for (int i = 0; i < kPer; ++i) {
       const int e = tid + i * kThreads, rr = e / kD, d = e % kD;
       v[i] = rr < nr && d < p.D ? qd[q_at(rr) + d * p.qs[3]] : from_f<T>(0.0f);
+      if (qe) v[i] = from_f<T>(ldexpf(to_f(v[i]), qe));
     }
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
@@ -127,7 +140,7 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
       if (rr < nr && d < p.D) {
         const int64_t base = q_at(rr);
         auto at = [&](int64_t i) { return to_f(qd[base + i * p.qs[3]]); };
-        x = rotated(p, r.seq + (p.q_per_token ? (r0 + rr) / p.G : 0), d, at);
+        x = ldexpf(rotated(p, r.seq + (p.q_per_token ? (r0 + rr) / p.G : 0), d, at), qe);
       }
       const T hi = from_f<T>(x);
       sQ[rr * kLd + d] = hi;
@@ -290,7 +303,7 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
 #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) {
           const int j = jw + 8 * nt + 2 * t + (e & 1);
-          float x = shaped_score(p, rk[h], s[nt][e] * p.scale, j);
+          float x = shaped_score(p, rk[h], s[nt][e] * sscale, j);
           x = j >= rk[h].vlo && j < rk[h].vhi ? x * ab_flash::kLog2e : -INFINITY;
           s[nt][e] = x;
           mx = fmaxf(mx, x);
