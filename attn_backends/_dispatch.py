@@ -22,24 +22,7 @@ _deterministic = torch.are_deterministic_algorithms_enabled
 _is_compiling = torch.compiler.is_compiling
 cuda_device_info = _planner.cuda_device_info
 cuda_math_ready = _planner.cuda_math_ready
-
-
-def _static_int(x) -> int:
-    """A size as a Python int while torch.compile traces with dynamic shapes.
-
-    The planner's signature must be constants, but with dynamic shapes sizes are symbolic, and
-    neither int() nor bool() turns them into constants under dynamo.  Comparisons in control flow
-    do: each becomes a guard.  This bisection pins x to its value with ~40 guards, so the graph is
-    reused only for that value (head dims, in practice, never change).  Trace time only.
-    """
-    lo, hi = 0, 1 << 40
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if x <= mid:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
+_static_int = _planner.static_int
 
 
 _CAUSAL = _validate._CAUSAL

@@ -175,7 +175,7 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
         _tensor(name, c, 4, layout, dev, (dt,), f"{dt} like q")
         if c.stride(-1) != 1 and c.numel():
             raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {c.stride()}")
-        if c.is_neg() or c._is_zerotensor():  # the caches are read and written in place, as memory
+        if not _is_compiling() and (c.is_neg() or c._is_zerotensor()):  # read and written in place, as memory
             raise ValueError(f"{name} is a negative view or a zero tensor (its values are not its memory), which "
                              "a cache read and written in place cannot be: pass .resolve_neg() or .clone() of it")
     if v_cache.shape != k_cache.shape:
@@ -301,13 +301,15 @@ def signature(c: KVCall, backend, want_lse=True) -> _planner.Call:
     # every field by position (new_call's order): keywords cost a decode call microseconds
     return _planner.new_call(dev, cc, lib_ok, _planner.DTYPE_IDS[q.dtype], D, D, q.shape[2] != c.k_cache.shape[2],
                              False, 0 if in_place(c) else 1, False, 2 if c.causal else 0, c.wl >= 0 or c.wr >= 0,
-                             c.softcap > 0, False, False, False, bool(want_lse), 2, None, ID[requested], None, None,
-                             smem, c.sinks is not None, c.alibi is not None)
+                             c.softcap > 0, False, False, False, bool(want_lse), 2, None, ID[requested],
+                             _planner.cpu_isa(), None, smem, c.sinks is not None, c.alibi is not None)
 
 
 def choose(c: KVCall, backend, strict, want_lse=True) -> str:
     sig = signature(c, backend, want_lse)
     strict = bool(strict or _planner.STRICT)
+    if _is_compiling():  # planned at trace time (_planner.choose), the choice baked into the graph
+        return _planner.choose(sig, strict)
     chosen = _chosen[strict].get(sig)
     if chosen is None:
         chosen = _planner.choose(sig, strict)
@@ -333,17 +335,35 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, ca
 
 # ---- the decode kernel ---------------------------------------------------------------------------
 
+@torch.compiler.assume_constant_result
+def _emulating() -> bool:
+    """_C.cuda_emulation() as torch.compile reads it: once, at trace time."""
+    return bool(_C.cuda_emulation())
+
+
+@torch.compiler.assume_constant_result
+def _max_rows(dtype: int, in_place: bool, positions: int) -> int:
+    """_C.kvcache_max_rows as torch.compile reads it: at trace time, for the traced sizes."""
+    return _C.kvcache_max_rows(dtype, in_place, positions)
+
+
 def run_kernel(c: KVCall):
     """The CPU decode kernel: cache write and attention in one op.  Its checks of the index values
     come back as ValueError, like the host checks of the gathered paths."""
-    if c.q.is_cuda or _C.cuda_emulation():
+    compiling = _is_compiling()
+    if c.q.is_cuda or (_emulating() if compiling else _C.cuda_emulation()):
         return run_cuda_kernel(c)
     G = c.q.shape[2] // c.k_cache.shape[2]
     # more query rows per KV head than the kernel serves best (no limit with its tiled products; with
     # bfloat16 products one of its tiles, fewer over a long dense cache: csrc/cpu/decode_cpu.h
     # ab_kvcache_cpu_max_rows)
     in_place = c.block_table is None and c.batch_idx is None
-    if c.q.shape[1] * G > _C.kvcache_max_rows(_planner.DTYPE_IDS[c.q.dtype], in_place, c.k_cache.shape[1]):
+    rows, positions = c.q.shape[1] * G, c.k_cache.shape[1]
+    if compiling:
+        most = _max_rows(_planner.DTYPE_IDS[c.q.dtype], in_place, _planner.static_int(positions))
+    else:
+        most = _C.kvcache_max_rows(_planner.DTYPE_IDS[c.q.dtype], in_place, positions)
+    if rows > most:
         return run_gathered(c, _attend_flash)
     return _kernel_op(c)
 

@@ -137,6 +137,24 @@ def cuda_math_ready(index) -> str:
     return "" if ok else why
 
 
+def static_int(x) -> int:
+    """A size as a Python int while torch.compile traces with dynamic shapes.
+
+    The planner's signature must be constants, but with dynamic shapes sizes are symbolic, and
+    neither int() nor bool() turns them into constants under dynamo.  Comparisons in control flow
+    do: each becomes a guard.  This bisection pins x to its value with ~40 guards, so the graph is
+    reused only for that value (head dims, in practice, never change).  Trace time only.
+    """
+    lo, hi = 0, 1 << 40
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if x <= mid:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 def new_call(device=0, cuda_cc=0, cuda_lib_ok=0, dtype=0, D=64, Dv=64, gqa=False, square=True, mask=0,
              mask_grad=False, causal=0, window=False, softcap=False, dropout=False, need_grad=False,
              deterministic=False, want_lse=False, varlen=0, mps_fix=None, requested=0, cpu_isa=None,

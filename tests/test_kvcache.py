@@ -1568,3 +1568,38 @@ def check_extreme_scale(scale, gen, dtype=torch.bfloat16, dev=lambda t: t, Hq=4,
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_scores_past_float32_before_the_scale_stay_finite(scale, dtype, gen):
     check_extreme_scale(scale, gen, dtype)
+
+
+# ---- torch.compile ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,paged", [(torch.float32, False), (torch.bfloat16, True)])
+def test_decode_steps_compile_fullgraph_and_match_eager(dtype, paged):
+    # a decode loop under torch.compile(fullgraph=True): the checks and the plan run at trace time, the
+    # kernel is the op (its schema's Tensor(a!) tells the compiler about the cache write); each step's
+    # out, lse and both caches equal eager's bit for bit, and the lengths (a tensor) change without a
+    # recompile
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(3)
+    B, Hq, Hkv, D = 2, 8, 2, 64
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    k_cache, table = (rand(16, 16, Hkv, D), torch.randperm(16, generator=gen).view(B, 8).to(torch.int32)) if paged \
+        else (rand(B, 128, Hkv, D), None)
+    v_cache = rand(*k_cache.shape)
+
+    def step(q, kc, vc, k, v, lens):
+        return ab.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, block_table=table, causal=True,
+                                         return_softmax_lse=True)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    eager_caches, compiled_caches = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
+    lens = torch.tensor([50, 70], dtype=torch.int32)
+    for _ in range(3):
+        q, k, v = rand(B, 1, Hq, D), rand(B, 1, Hkv, D), rand(B, 1, Hkv, D)
+        want = step(q, *eager_caches, k, v, lens)
+        got = compiled(q, *compiled_caches, k, v, lens)
+        for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), (*got, *compiled_caches), (*want, *eager_caches)):
+            assert torch.equal(a, b), f"{name} differs from eager's"
+        lens = lens + 1
