@@ -122,6 +122,8 @@ struct AMXS(fwd_ctx) {
   int prescale;       /* multiply the scores by scale before masking (softcap, float mask, scale <= 0) */
   float c;            /* the softmax's factor: log2(e), times scale unless prescaled */
   float msc;          /* the running max times msc is in natural units (for lse) */
+  int qexp;           /* flash in bfloat16: Q's rows times 2**qexp when packed (AMXS(fwd_scale)) */
+  double scale;       /* what multiplies the product's scores: the call's scale over 2**qexp */
   int64_t nchunk;     /* chunks of AMX_RC rows per (batch, head) */
   int64_t Dp, Dvp;    /* head dims padded to 32 (flash's K rows; O^T rows) */
   int64_t kw;         /* 32-bit words per packed K row: Dp / 2 (flash) or Dq / 4 (sage int8) */
@@ -281,8 +283,11 @@ static void AMXS(flash_chunk_q)(const AMXS(fwd_ctx) * ctx, const SYM(chunk) * ch
   /* a chunk's rows as 16-bit rows, then their words transposed (one row at a time: r16 holds two) */
   for (int64_t r = 0; r < AMX_RC; ++r) {
     if (r < ch->nrows)
+    {
       AMXS(row16)(&p->q, ch->s.q + (ch->i0 + r) * ch->s.q_rs, p->D, Dp, ctx->kind, r16, tmp);
-    else
+      for (int64_t d = 0; ctx->qexp && d < p->D; ++d)
+        r16[d] = ab_f32_to_bf16(ldexpf(ab_bf16_to_f32(r16[d]), ctx->qexp));
+    } else
       memset(r16, 0, sizeof(uint16_t) * (size_t)Dp);
     const uint32_t* w = (const uint32_t*)(const void*)r16;
     for (int64_t k = 0; k < Dp / 2; ++k) qb[k * AMX_RC + r] = w[k];
@@ -303,7 +308,7 @@ static void AMXS(flash_score_finish)(const AMXS(fwd_ctx) * ctx, const SYM(chunk)
   (void)j0;
   (void)sq;
   (void)bias;
-  if (ctx->prescale) AMXS(vscale)(st, nb * AMX_RC, (float)ctx->p->scale);
+  if (ctx->prescale) AMXS(vscale)(st, nb * AMX_RC, (float)ctx->scale);
 }
 
 static const AMXS(fwd_ops) AMXS(flash_ops) = {AMXS(flash_chunk_q), AMXS(flash_score_tiles), AMXS(flash_score_finish)};
@@ -377,13 +382,25 @@ static void AMXS(flash_pack_k)(const AMXS(pack_ctx) * ctx, const SYM(seq) * s, i
 }
 
 /* The scale and the softmax factor: fold scale into the exponential's factor when the masking
- * does not need true scores (no softcap, no float mask) and scale > 0 keeps -inf and the max. */
+ * does not need true scores (no softcap, no float mask) and scale > 0 keeps -inf and the max.
+ * Flash in bfloat16 multiplies Q's rows by the scale's power of two below 1 when it packs them (exact
+ * wherever the result stays normal) and the scores by the rest, so that q.k stays within float32's range
+ * wherever the scaled score does (q near 1e10, k near 1e30 and a scale of 1e-39 made NaN rows); the same
+ * bits wherever the product fit, as the decode kernel does (decode_cpu.c, bf_q_exp).  A scale of 0 makes
+ * Q 0.  The backward is not changed yet (docs/reliability.md). */
 static void AMXS(fwd_scale)(const ab_attn_params* p, AMXS(fwd_ctx) * ctx, int scores_scaled) {
   const float log2e = 1.44269504088896341f;
+  ctx->qexp = 0;
+  if (!scores_scaled && ctx->kind == AMX_BF16) {
+    int x = 0;
+    frexp(p->scale, &x);
+    ctx->qexp = p->scale == 0.0 ? -400 : x - 1 < 0 ? x - 1 : 0;
+  }
+  ctx->scale = ldexp(p->scale, -ctx->qexp);
   ctx->prescale = !scores_scaled && (p->softcap > 0 || ab_mask_is_float(p) || !(p->scale > 0));
   const int folded = !scores_scaled && !ctx->prescale;
-  ctx->c = folded ? (float)(p->scale * 1.4426950408889634) : log2e;
-  ctx->msc = folded ? (float)p->scale : 1.0f;
+  ctx->c = folded ? (float)(ctx->scale * 1.4426950408889634) : log2e;
+  ctx->msc = folded ? (float)ctx->scale : 1.0f;
 }
 
 /* A forward's context before its layout is filled in: the call, the family's ops, the 16-bit type of
