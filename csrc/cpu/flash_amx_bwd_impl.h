@@ -73,7 +73,22 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   float* tmp2 = tmp + Dmax;
   int32_t* lo = (int32_t*)(tmp2 + Dmax + G);
   int32_t* hi = lo + AMX_RC;
-  const float scale = (float)p->scale, log2e = 1.44269504088896341f;
+  /* S^T = K Q^T from Q's rows times the scale's power of two below 1, then times the rest (scale), as the
+   * forward (AMXS(fwd_scale)): q.k past float32's range under a tiny scale stays finite; the same bits
+   * wherever the product fit.  dK's Q is the unscaled one. */
+  int qexp = 0;
+  if (p->scale == 0.0) {
+    qexp = -400;
+  } else {
+    int x = 0;
+    frexp(p->scale, &x);
+    qexp = x - 1 < 0 ? x - 1 : 0;
+  }
+  const float scale = (float)ldexp(p->scale, -qexp), log2e = 1.44269504088896341f;
+  /* dS (which carries the scale) times 2**-dexp before it is rounded to bfloat16 for dK and dQ, both
+   * times 2**dexp when stored: under a tiny scale dS is below bfloat16's normal range, which the tiles
+   * take as 0 (dQ and dK came out 0); exact wherever the values stay normal */
+  const int dexp = p->scale == 0.0 ? 0 : qexp < -126 ? -126 : qexp;
   ab_tilecfg cfg;
   ab_tilecfg_full(&cfg);
   AMX_CONFIG(&cfg);
@@ -99,8 +114,11 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
       for (int64_t c = 0; c * AMX_RC < Sq; ++c) {
         const int64_t i0 = c * AMX_RC, n = Sq - i0 < AMX_RC ? Sq - i0 : AMX_RC;
         AMXS(rows16)(&p->q, s.q + i0 * s.q_rs, s.q_rs, n, AMX_RC, D, Dp, rows, tmp);
-        AMXS(words_t)(rows, Dp, qt + c * (Dp / 2) * AMX_RC);
         AMXS(words_rowpairs)(rows, Dp, qv + c * (AMX_RC / 2) * Dp);
+        for (int64_t r = 0; qexp && r < n; ++r) /* S's Q: times 2**qexp, as the forward's (AMXS(fwd_scale)) */
+          for (int64_t d = 0; d < D; ++d)
+            rows[r * Dp + d] = ab_f32_to_bf16(ldexpf(ab_bf16_to_f32(rows[r * Dp + d]), qexp));
+        AMXS(words_t)(rows, Dp, qt + c * (Dp / 2) * AMX_RC);
         AMXS(rows16)(&p->dout, do_base + i0 * dos, dos, n, AMX_RC, Dv, Dvp, rows, tmp);
         AMXS(words_t)(rows, Dvp, dot + c * (Dvp / 2) * AMX_RC);
         AMXS(words_rowpairs)(rows, Dvp, dov + c * (AMX_RC / 2) * Dvp);
@@ -133,6 +151,7 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
           const float* pw = SYM(bwd_dropout)(p, &s, i0, nrows, j0, nb, AMX_RC, st, dpt, pd); /* the weights dV sees */
           /* dS = P (dP - delta); the float mask's gradient; softcap chain rule; scale */
           SYM(bwd_ds)(p, b, h, i0, nrows, j0, nb, AMX_RC, st, dpt, th, delta, 0, NULL);
+          for (int64_t x = 0; dexp && x < nb * AMX_RC; ++x) dpt[x] = ldexpf(dpt[x], -dexp);
           /* dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T on tiles */
           AMXS(pack_rows16)(pw, nb, nbp, AMX_BF16, pa);
           AMXS(pack_rows16)(dpt, nb, nbp, AMX_BF16, sa);
@@ -148,10 +167,11 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
       }
       for (int64_t i = 0; i < Sq; ++i) {
         const float* col = dqt + (i / AMX_RC) * Dp * AMX_RC + i % AMX_RC;
-        for (int64_t d = 0; d < D; ++d) tmp[d] = col[d * AMX_RC];
+        for (int64_t d = 0; d < D; ++d) tmp[d] = dexp ? ldexpf(col[d * AMX_RC], dexp) : col[d * AMX_RC];
         SYM(bwd_store_dq)(p, b, h, i, tmp);
       }
     }
+    for (int64_t x = 0; dexp && x < Sk * Dp; ++x) dk[x] = ldexpf(dk[x], dexp);
     SYM(bwd_store_dkdv)(p, b, hk, Sk, dk, Dp, dv, Dvp);
   }
   AMX_RELEASE();

@@ -387,7 +387,7 @@ static void AMXS(flash_pack_k)(const AMXS(pack_ctx) * ctx, const SYM(seq) * s, i
  * wherever the result stays normal) and the scores by the rest, so that q.k stays within float32's range
  * wherever the scaled score does (q near 1e10, k near 1e30 and a scale of 1e-39 made NaN rows); the same
  * bits wherever the product fit, as the decode kernel does (decode_cpu.c, bf_q_exp).  A scale of 0 makes
- * Q 0.  The backward is not changed yet (docs/reliability.md). */
+ * Q 0.  The backward (flash_amx_bwd_impl.h) multiplies S's Q the same way. */
 static void AMXS(fwd_scale)(const ab_attn_params* p, AMXS(fwd_ctx) * ctx, int scores_scaled) {
   const float log2e = 1.44269504088896341f;
   ctx->qexp = 0;
