@@ -59,4 +59,23 @@ static inline uint16_t ab_f32_to_f16(float f) {
   return (uint16_t)(sign | h);
 }
 
+/* The exponent e of the power of two below 1 in a softmax scale (2**e, e <= 0; the scale's own exponent
+ * where it is below 1), by which the kernels that multiply bfloat16 q by k (the decode kernel's bfloat16
+ * products, the AMX flash kernel) multiply q before the product, the score then times scale / 2**e: q.k
+ * stays within float32's range wherever the scaled score does (q near 1e10, k near 1e30 under a scale of
+ * 1e-39 overflowed the unscaled product), and where nothing leaves the normal range the bits are those of
+ * the unscaled product times the scale.  A scale of 1 or more keeps e = 0 (q times it could overflow where
+ * the score does not); a scale of 0 gives -400, which makes a finite q 0, so q.k is 0, not inf times 0. */
+static inline int ab_bf16_scale_exp(double scale) {
+  if (scale == 0.0) return -400;
+  int x = 0;
+  frexp(scale, &x); /* |scale| = f * 2**x, f in [0.5, 1) */
+  return x - 1 < 0 ? x - 1 : 0;
+}
+
+/* n bfloat16 values times 2**e, in place (exact wherever the results stay normal). */
+static inline void ab_bf16_row_ldexp(uint16_t* v, int64_t n, int e) {
+  for (int64_t i = 0; e && i < n; ++i) v[i] = ab_f32_to_bf16(ldexpf(ab_bf16_to_f32(v[i]), e));
+}
+
 #endif /* AB_HALF_H */

@@ -428,23 +428,9 @@ static void append(const ab_kvcache_params* p, float* row) {
   }
 }
 
-/* The power of two of the scale (2**e with e <= 0, the scale's own exponent below 1) that the bfloat16
- * products' q is multiplied by before it is rounded: the product of q and k then stays within float32's range
- * wherever the scaled score does (q near 1e10 and k near 1e30 under a scale of 1e-39 overflowed the unscaled
- * product to inf, and the row to NaN).  Exact wherever q times 2**e stays a normal float, so q's bits are those
- * of the unscaled rounding times 2**e, and the score times the rest of the scale (ab_decode_run.bf_scale) is the
- * same float as the unscaled score times the scale: the same bits as before in every call whose scores did
- * not overflow.  A scale of 1 or more keeps e = 0 (q times it could overflow where the score does not); a scale
- * of 0 makes q 0. */
-static int bf_q_exp(double scale) {
-  if (scale == 0.0) return -400; /* q times 2**-400 is 0 (a finite q), so q.k is 0, not inf times 0 */
-  int x = 0;
-  frexp(scale, &x); /* |scale| = f * 2**x, f in [0.5, 1) */
-  return x - 1 < 0 ? x - 1 : 0;
-}
-
 /* q as float32 (B, Sq, Hq, dpad): rotated at its positions, times scale, pad lanes 0; with qb, also
- * as bfloat16 rotated and times 2**qexp (bf_q_exp), rounded to nearest even once: the bfloat16 products. */
+ * as bfloat16 rotated and times 2**qexp (ab_bf16_scale_exp), rounded to nearest even once: the bfloat16
+ * products. */
 static void prepare_q(const ab_kvcache_params* p, float* qf, uint16_t* qb, int64_t dpad, int qexp) {
   const int per_token = q_rotates_per_token(p);
   for (int64_t b = 0; b < p->B; ++b)
@@ -638,7 +624,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   /* checks passed: from here on the cache changes */
   append(p, scratch_row);
   if (p->B == 0 || p->Sq == 0 || p->Hq == 0) return AB_OK;
-  const int qexp = bf ? bf_q_exp(p->scale) : 0;
+  const int qexp = bf ? ab_bf16_scale_exp(p->scale) : 0;
   prepare_q(p, (float*)ws, qb, dpad, qexp);
   int64_t keys = 0;
   for (int64_t b = 0; b < p->B; ++b) {

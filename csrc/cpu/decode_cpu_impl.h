@@ -602,7 +602,7 @@ static inline __attribute__((always_inline)) void DC(pv_keys)(float* acc, int64_
  * Its operands must both be bfloat16, so on this path:
  *   - q is rounded to bfloat16 once per call (decode_cpu.c: rotated in float32 first, as flash-attn
  *     rounds it to q's dtype; a bfloat16 q without rotary is exact), times the scale's power of two
- *     below 1 (exact: decode_cpu.c bf_q_exp, so that q.k stays within float32's range wherever the
+ *     below 1 (exact: ab_half.h ab_bf16_scale_exp, so that q.k stays within float32's range wherever the
  *     score does), and the rest of the scale (run->bf_scale) multiplies the float32 score;
  *   - P is rounded to bfloat16 per chunk for O += P V (as the same-dtype reference and flash-attn
  *     round it), the accumulation stays float32.  A pair of keys (j, j + 1) is one instruction: the

@@ -76,14 +76,7 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   /* S^T = K Q^T from Q's rows times the scale's power of two below 1, then times the rest (scale), as the
    * forward (AMXS(fwd_scale)): q.k past float32's range under a tiny scale stays finite; the same bits
    * wherever the product fit.  dK's Q is the unscaled one. */
-  int qexp = 0;
-  if (p->scale == 0.0) {
-    qexp = -400;
-  } else {
-    int x = 0;
-    frexp(p->scale, &x);
-    qexp = x - 1 < 0 ? x - 1 : 0;
-  }
+  const int qexp = ab_bf16_scale_exp(p->scale);
   const float scale = (float)ldexp(p->scale, -qexp), log2e = 1.44269504088896341f;
   /* dS (which carries the scale) times 2**-dexp before it is rounded to bfloat16 for dK and dQ, both
    * times 2**dexp when stored: under a tiny scale dS is below bfloat16's normal range, which the tiles
@@ -115,9 +108,7 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
         const int64_t i0 = c * AMX_RC, n = Sq - i0 < AMX_RC ? Sq - i0 : AMX_RC;
         AMXS(rows16)(&p->q, s.q + i0 * s.q_rs, s.q_rs, n, AMX_RC, D, Dp, rows, tmp);
         AMXS(words_rowpairs)(rows, Dp, qv + c * (AMX_RC / 2) * Dp);
-        for (int64_t r = 0; qexp && r < n; ++r) /* S's Q: times 2**qexp, as the forward's (AMXS(fwd_scale)) */
-          for (int64_t d = 0; d < D; ++d)
-            rows[r * Dp + d] = ab_f32_to_bf16(ldexpf(ab_bf16_to_f32(rows[r * Dp + d]), qexp));
+        for (int64_t r = 0; r < n; ++r) ab_bf16_row_ldexp(rows + r * Dp, D, qexp); /* S's Q, as the forward's */
         AMXS(words_t)(rows, Dp, qt + c * (Dp / 2) * AMX_RC);
         AMXS(rows16)(&p->dout, do_base + i0 * dos, dos, n, AMX_RC, Dv, Dvp, rows, tmp);
         AMXS(words_t)(rows, Dvp, dot + c * (Dvp / 2) * AMX_RC);

@@ -282,13 +282,12 @@ static void AMXS(flash_chunk_q)(const AMXS(fwd_ctx) * ctx, const SYM(chunk) * ch
   const int64_t Dp = ctx->Dp;
   /* a chunk's rows as 16-bit rows, then their words transposed (one row at a time: r16 holds two) */
   for (int64_t r = 0; r < AMX_RC; ++r) {
-    if (r < ch->nrows)
-    {
+    if (r < ch->nrows) {
       AMXS(row16)(&p->q, ch->s.q + (ch->i0 + r) * ch->s.q_rs, p->D, Dp, ctx->kind, r16, tmp);
-      for (int64_t d = 0; ctx->qexp && d < p->D; ++d)
-        r16[d] = ab_f32_to_bf16(ldexpf(ab_bf16_to_f32(r16[d]), ctx->qexp));
-    } else
+      ab_bf16_row_ldexp(r16, p->D, ctx->qexp);
+    } else {
       memset(r16, 0, sizeof(uint16_t) * (size_t)Dp);
+    }
     const uint32_t* w = (const uint32_t*)(const void*)r16;
     for (int64_t k = 0; k < Dp / 2; ++k) qb[k * AMX_RC + r] = w[k];
   }
@@ -386,16 +385,11 @@ static void AMXS(flash_pack_k)(const AMXS(pack_ctx) * ctx, const SYM(seq) * s, i
  * Flash in bfloat16 multiplies Q's rows by the scale's power of two below 1 when it packs them (exact
  * wherever the result stays normal) and the scores by the rest, so that q.k stays within float32's range
  * wherever the scaled score does (q near 1e10, k near 1e30 and a scale of 1e-39 made NaN rows); the same
- * bits wherever the product fit, as the decode kernel does (decode_cpu.c, bf_q_exp).  A scale of 0 makes
+ * bits wherever the product fit, as the decode kernel does (ab_half.h, ab_bf16_scale_exp).  A scale of 0 makes
  * Q 0.  The backward (flash_amx_bwd_impl.h) multiplies S's Q the same way. */
 static void AMXS(fwd_scale)(const ab_attn_params* p, AMXS(fwd_ctx) * ctx, int scores_scaled) {
   const float log2e = 1.44269504088896341f;
-  ctx->qexp = 0;
-  if (!scores_scaled && ctx->kind == AMX_BF16) {
-    int x = 0;
-    frexp(p->scale, &x);
-    ctx->qexp = p->scale == 0.0 ? -400 : x - 1 < 0 ? x - 1 : 0;
-  }
+  ctx->qexp = !scores_scaled && ctx->kind == AMX_BF16 ? ab_bf16_scale_exp(p->scale) : 0;
   ctx->scale = ldexp(p->scale, -ctx->qexp);
   ctx->prescale = !scores_scaled && (p->softcap > 0 || ab_mask_is_float(p) || !(p->scale > 0));
   const int folded = !scores_scaled && !ctx->prescale;

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kThreads) attend_mma_kernel(const DecodeParams
   // bfloat16: q times 2**qe, the scale's power of two below 1 (exact wherever the result stays a normal
   // number), and the scores times sscale, the rest of the scale, so that q.k stays within float32's range
   // wherever the scaled score does (q near 1e10 and k near 1e30 under a scale of 1e-39 overflowed the
-  // unscaled product, and the row became NaN); the CPU kernel does the same (decode_cpu.c, bf_q_exp).
+  // unscaled product, and the row became NaN); the CPU kernel does the same (ab_half.h, ab_bf16_scale_exp).
   // float16's q.k cannot overflow float32.  A scale of 0 makes q 0 (2**-400), so q.k is 0, not inf times 0.
   const int qe = !std::is_same<T, __nv_bfloat16>::value || !isfinite(p.scale) ? 0
                  : p.scale == 0.0f                                            ? -400
