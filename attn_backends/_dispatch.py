@@ -66,13 +66,15 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
         device = q.device
         dev = _DEVICE_IDS.get(device.type, 3)
         cc, lib_ok, _, smem = cuda_device_info(device.index) if dev == 1 else (0, 0, "", 0)
-    gqa, square, few = Hq != Hkv, Sq == Sk, Sq <= _FEW_QUERIES
+    gqa, square, few, capped, dropped = Hq != Hkv, Sq == Sk, Sq <= _FEW_QUERIES, softcap_f > 0, p > 0
     compiling = _is_compiling()
-    if compiling:
+    if compiling:  # with dynamic=True sizes and float arguments are symbolic: constants for the plan
         D, Dv = _static_int(D), _static_int(Dv)
         gqa = True if gqa else False  # noqa: SIM210 (a branch, not bool(): see _static_int)
         square = True if square else False  # noqa: SIM210
         few = True if few else False  # noqa: SIM210
+        capped = True if capped else False  # noqa: SIM210
+        dropped = True if dropped else False  # noqa: SIM210
     has_sinks = has_alibi = False
     if sinks is not None or alibi_slopes is not None:
         sinks, alibi_slopes, (has_sinks, has_alibi) = _sinks_alibi(q, B, Hq, sinks, alibi_slopes)
@@ -81,7 +83,7 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
     args = new_attn(Attn, (q, k, v, attn_mask, causal_i, scale_f, wl, wr, softcap_f, p, need_grad, bool(return_lse),
                            bool(deterministic), sinks, alibi_slopes, None, None, None, None, None, None, 0, 0))
     sig = _new_call(dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, gqa, square, mask_kind, mask_grad, causal_i,
-                    wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
+                    wl >= 0 or wr >= 0, capped, dropped, need_grad, bool(deterministic) or _deterministic(),
                     bool(return_lse), 0, _SETTINGS["mps_fix"], ID[requested], _cpu_isa(), _CPU_UNITS, smem,
                     has_sinks, has_alibi, compiling, few_queries=few)
     return args, sig
@@ -175,8 +177,15 @@ def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p
     device = q.device
     dev = _DEVICE_IDS.get(device.type, 3)
     cc, lib_ok, _, smem = cuda_device_info(device.index) if dev == 1 else (0, 0, "", 0)
-    sig = _new_call(dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, Hq != Hkv, max_q == max_k, 0, 0, causal_i,
-                    wl >= 0 or wr >= 0, softcap_f > 0, p > 0, need_grad, bool(deterministic) or _deterministic(),
+    gqa, square, capped, dropped = Hq != Hkv, max_q == max_k, softcap_f > 0, p > 0
+    if _is_compiling():  # constants for the plan, as in prepare()
+        D, Dv = _static_int(D), _static_int(Dv)
+        gqa = True if gqa else False  # noqa: SIM210 (a branch, not bool(): see _static_int)
+        square = True if square else False  # noqa: SIM210
+        capped = True if capped else False  # noqa: SIM210
+        dropped = True if dropped else False  # noqa: SIM210
+    sig = _new_call(dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, gqa, square, 0, 0, causal_i,
+                    wl >= 0 or wr >= 0, capped, dropped, need_grad, bool(deterministic) or _deterministic(),
                     bool(return_lse), 1, _SETTINGS["mps_fix"], ID[requested], _cpu_isa(), _CPU_UNITS, smem, *flags)
     args = new_attn(Attn, (q, k, v, None, causal_i, scale_f, wl, wr, softcap_f, p, need_grad, bool(return_lse),
                            bool(deterministic), sinks, alibi_slopes, cu_q, cu_k, hcu_q, hcu_k, len_q, len_k, max_q, max_k))

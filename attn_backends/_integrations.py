@@ -78,7 +78,7 @@ def _scale_beyond_kernels(scale, dtype) -> bool:
     """A scale our kernels reject (not finite, or beyond float32 for float32 scores) that torch takes."""
     if scale is None or isinstance(scale, bool) or not isinstance(scale, (int, float)):
         return False
-    return not math.isfinite(scale) or (dtype != torch.float64 and abs(scale) > _F32_MAX)
+    return not -math.inf < scale < math.inf or (dtype != torch.float64 and abs(scale) > _F32_MAX)
 
 
 def _torch_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
@@ -135,7 +135,13 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
                              scale=scale, enable_gqa=enable_gqa)
     nd = query.dim()
     call = (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    choice = _fused_choice_traced(*call) if _is_compiling() else _fused_choice(*call)
+    if _is_compiling():
+        # with dynamic=True the floats are symbolic, and a constant's arguments must not be: torch's
+        # selection (sdp_params) reads neither the scale nor dropout_p's value, only dropout_p > 0
+        choice = _fused_choice_traced(query, key, value, attn_mask, 0.5 if dropout_p > 0 else 0.0, is_causal, None,
+                                      enable_gqa)
+    else:
+        choice = _fused_choice(*call)
     if _scale_beyond_kernels(scale, query.dtype):
         return _with_strides(_torch_math(*call), _torch_strides(query, value, nd, choice))
     q, k, v, m = query, key, value, attn_mask

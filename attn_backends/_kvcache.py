@@ -244,7 +244,7 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
         scale = D ** -0.5
     else:
         scale = _real("softmax_scale", softmax_scale, "a float or None")
-        if not math.isfinite(scale):
+        if not -math.inf < scale < math.inf:  # math.isfinite breaks torch.compile(dynamic=True)'s graph
             raise ValueError(f"softmax_scale must be finite, got {scale}")
     causal = _flag("causal", causal, " (bottom-right aligned, as flash-attn)")
     wl, wr = window_pair(window_size)
@@ -253,7 +253,7 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
     cap = capacity(k_cache, block_table)
     wl, wr = (-1 if wl >= cap else wl), (-1 if wr >= cap else wr)
     softcap = _real("softcap", softcap, "a float")
-    if not (softcap >= 0.0 and math.isfinite(softcap)):
+    if not 0.0 <= softcap < math.inf:
         raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
     _float_range_error("softmax_scale", scale, dt)  # scores in float32: a factor past its range is inf there
     _float_range_error("softcap", softcap, dt)
@@ -297,11 +297,13 @@ def signature(c: KVCall, backend, want_lse=True) -> _planner.Call:
         cc, lib_ok, _, smem = _planner.cuda_device_info(q.device.index)
     else:
         cc, lib_ok, smem = 0, 0, 0
-    D = q.shape[3]
+    D, gqa, softcap = q.shape[3], q.shape[2] != c.k_cache.shape[2], c.softcap > 0
+    if _is_compiling():  # with dynamic=True sizes and floats are symbolic: constants for the plan (static_int)
+        D, gqa, softcap = _planner.static_int(D), True if gqa else False, True if softcap else False  # noqa: SIM210
     # every field by position (new_call's order): keywords cost a decode call microseconds
-    return _planner.new_call(dev, cc, lib_ok, _planner.DTYPE_IDS[q.dtype], D, D, q.shape[2] != c.k_cache.shape[2],
+    return _planner.new_call(dev, cc, lib_ok, _planner.DTYPE_IDS[q.dtype], D, D, gqa,
                              False, 0 if in_place(c) else 1, False, 2 if c.causal else 0, c.wl >= 0 or c.wr >= 0,
-                             c.softcap > 0, False, False, False, bool(want_lse), 2, None, ID[requested],
+                             softcap, False, False, False, bool(want_lse), 2, None, ID[requested],
                              _planner.cpu_isa(), None, smem, c.sinks is not None, c.alibi is not None)
 
 

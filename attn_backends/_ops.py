@@ -34,7 +34,14 @@ def grad_strides(t: torch.Tensor):
     """The strides the kernels give a gradient (csrc/torch_shim.cpp: grad_strides): the input's
     own when it is dense and non-overlapping, else contiguous."""
     sizes, strides = list(t.shape), list(t.stride())
-    order = sorted((d for d in range(t.dim()) if sizes[d] != 1), key=lambda d: strides[d])
+    order = [d for d in range(t.dim()) if sizes[d] != 1]
+    # by stride, stable: an insertion sort, not sorted(), whose keys torch.compile(dynamic=True) cannot
+    # sort when they are symbolic (each comparison here becomes a guard)
+    for i in range(1, len(order)):
+        j = i
+        while j > 0 and strides[order[j]] < strides[order[j - 1]]:
+            order[j - 1], order[j] = order[j], order[j - 1]
+            j -= 1
     expect, dense = 1, t.numel() > 0
     for d in order:
         if strides[d] != expect:

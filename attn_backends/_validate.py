@@ -172,7 +172,7 @@ def check_scale(scale, D: int, dtype=torch.float32) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     scale = float(scale)
-    if not math.isfinite(scale):
+    if not -math.inf < scale < math.inf:  # not math.isfinite: torch.compile(dynamic=True) cannot trace it
         raise ValueError(f"scale must be finite, got {scale}")
     _float_range_error("scale", scale, dtype)
     return scale
@@ -182,7 +182,7 @@ def check_softcap(softcap, dtype=torch.float32) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
     softcap = float(softcap)
-    if not (softcap >= 0.0 and math.isfinite(softcap)):
+    if not 0.0 <= softcap < math.inf:
         raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
     _float_range_error("softcap", softcap, dtype)
     return softcap

@@ -1603,3 +1603,33 @@ def test_decode_steps_compile_fullgraph_and_match_eager(dtype, paged):
         for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), (*got, *compiled_caches), (*want, *eager_caches)):
             assert torch.equal(a, b), f"{name} differs from eager's"
         lens = lens + 1
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_steps_compile_dynamic_fullgraph_and_match_eager(paged):
+    # torch.compile(dynamic=True): sizes and float arguments (softcap, softmax_scale) are symbolic while
+    # tracing; the checks and the plan still run at trace time without a graph break, and calls of
+    # other batch sizes and cache lengths equal eager's bit for bit
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(5)
+    Hq, Hkv, D = 4, 2, 32
+
+    def step(q, kc, vc, k, v, lens, table, softcap, scale):
+        return ab.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, block_table=table, causal=True,
+                                         softcap=softcap, softmax_scale=scale, return_softmax_lse=True)
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True, backend="aot_eager")
+    for B, blocks, softcap, scale in ((2, 6, 0.0, None), (3, 9, 30.0, 0.2), (5, 7, 0.0, 0.1)):
+        if paged:
+            k_cache = torch.randn(B * blocks, 16, Hkv, D, generator=gen).to(torch.bfloat16)
+            table = torch.randperm(B * blocks, generator=gen).view(B, blocks).to(torch.int32)
+        else:
+            k_cache, table = torch.randn(B, 16 * blocks, Hkv, D, generator=gen), None
+        v_cache = torch.randn(k_cache.shape, generator=gen).to(k_cache.dtype)
+        eager_caches, compiled_caches = (k_cache.clone(), v_cache.clone()), (k_cache.clone(), v_cache.clone())
+        lens = torch.randint(0, 16 * blocks - 2, (B,), generator=gen, dtype=torch.int32)
+        q, k, v = (torch.randn(B, n, H, D, generator=gen).to(k_cache.dtype) for n, H in ((2, Hq), (2, Hkv), (2, Hkv)))
+        want = step(q, *eager_caches, k, v, lens, table, softcap, scale)
+        got = compiled(q, *compiled_caches, k, v, lens, table, softcap, scale)
+        for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), (*got, *compiled_caches), (*want, *eager_caches)):
+            assert torch.equal(a, b), f"{name} differs from eager's (B={B}, softcap={softcap}, scale={scale})"

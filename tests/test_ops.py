@@ -97,6 +97,38 @@ def test_compile_dynamic_shapes_and_no_grad():
             torch.testing.assert_close(compiled(q, q, q), ab.attention(q, q, q, causal=True))
 
 
+def _fa(x, softcap, scale):
+    from attn_backends import flash_attn as fa
+
+    return fa.flash_attn_func(x.transpose(1, 2), x.transpose(1, 2), x.transpose(1, 2), softmax_scale=scale,
+                              causal=True, softcap=softcap)
+
+
+_DYNAMIC_CALLS = {
+    "attention": lambda x, sc, s: ab.attention(x, x, x, causal=True, softcap=sc, scale=s, window=(3, 0)),
+    "attention_dropout": lambda x, sc, s: ab.attention(x, x, x, scale=s, dropout_p=sc / 100).isfinite().all(),
+    "sdpa": lambda x, sc, s: ab.sdpa(x, x, x, is_causal=True, scale=s),
+    "sdpa_strided": lambda x, sc, s: ab.sdpa(*[x.reshape(1, x.shape[2], 2, 16).transpose(1, 2)] * 3, scale=s),
+    "flash_attn_func": _fa,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DYNAMIC_CALLS))
+def test_compile_dynamic_with_float_arguments(name):
+    # dynamic=True makes the float arguments (softcap, scale, dropout_p) symbolic as well as the sizes:
+    # the checks (no math.isfinite), the plan (constants by branches) and sdpa's output strides (no
+    # sorted() on strides) still trace in one graph, and each call equals eager's
+    torch._dynamo.reset()
+    f = _DYNAMIC_CALLS[name]
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=True)
+    for S, softcap, scale in ((5, 30.0, 0.2), (9, 20.0, 0.3), (17, 20.0, None)):
+        x = torch.randn(1, 2, S, 16)
+        with torch.no_grad():
+            want, got = f(x, softcap, scale), compiled(x, softcap, scale)
+        assert got.shape == want.shape and got.stride() == want.stride()
+        assert torch.equal(got, want), f"{name}: differs from eager (S={S}, softcap={softcap}, scale={scale})"
+
+
 def test_import_touches_no_cuda():
     code = (
         "import attn_backends as ab, torch\n"
