@@ -256,6 +256,8 @@ def test_huge_logits_do_not_overflow(Sq, Sk, D, magnitude, causal, backend, dtyp
        st.one_of(st.none(), st.tuples(st.integers(-1, 6), st.integers(-1, 6))),
        st.sampled_from(["auto", "flash_varlen", "math", "eager"]), st.integers(0, 3), st.booleans(),
        st.integers(0, 2**31 - 1))
+# a random run's case: rows that see one key each, lse = the score, 5 float32 ulps off in ours
+@example([(5, 2)], 1, 1, 64, torch.float32, "bottom_right", (0, 0), "auto", 0, False, 2)
 def test_random_packed_problems_match_reference(lens, Hkv, group, D, dtype, causal, window, backend, slack, grad,
                                                 seed):
     lens_q = [a for a, _ in lens]
@@ -271,7 +273,13 @@ def test_random_packed_problems_match_reference(lens, Hkv, group, D, dtype, caus
     r_out, r_lse = varlen_reference(*ref, cu_q, cu_k, causal=causal, window=window)
     d_out, d_lse = varlen_reference(*same, cu_q, cu_k, dtype=dtype, causal=causal, window=window)
     check_2x("out", out, r_out, d_out, 2, dtype)
-    check_2x("lse", lse, r_lse, d_lse, 2, dtype)
+    # a row that sees one key has lse = its score, whose float32 sum over D rounds by up to about
+    # eps * scale * sum_d |q_d k_d| in any order (a random run: D=64, one key per row, ours 1.16e-6
+    # off where torch's order happened to be 5e-8 off); the floor carries that rounding
+    qa, ka = q.detach().double().abs(), k.detach().double().abs().repeat_interleave(group, dim=1)
+    dots = torch.einsum("ihd,jhd->hij", qa, ka) if q.numel() and k.numel() else torch.zeros(1)
+    score_err = torch.finfo(torch.float32).eps * D ** -0.5 * float(dots.max()) if dtype != torch.float64 else 0.0
+    check_2x("lse", lse, r_lse, d_lse, 2, dtype, FLOORS[dtype] + score_err)
     if grad and out.numel():
         assume(r_out.requires_grad)
         gout = torch.randn(out.shape, generator=g).to(dtype)
