@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import attn_backends as ab
-from attn_backends._testing import make_packed, max_err
+from attn_backends._testing import FLOORS, make_packed, max_err
 
 ops = torch.ops.attn_backends
 CPU_BACKENDS = ["flash", "math", "eager", "sdpa", "flex"]
@@ -492,3 +492,25 @@ def test_bfloat16_products_past_float32_before_the_scale_stay_finite(isa, scale,
     for name, a, b in zip(("dq", "dk", "dv"), grads, ref_grads):
         assert torch.isfinite(a).all(), f"{isa}: non-finite {name}"
         assert (a.double() - b).abs().max() <= rel * b.abs().max(), f"{isa}: {name} off"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 4), (3, 8), (1, 2, 3, 8), (2, 2, 17, 8)])
+def test_torch_sdpa_backend_keeps_causal_rows_under_a_negative_scale(shape, dtype, gen):
+    # torch's fused CPU kernel (2.13) returns NaN rows for is_causal=True with a negative scale, and the
+    # right ones with the same mask given explicitly; our "sdpa" backend, which calls it, passes the mask
+    # then, so ab.sdpa and ab.attention equal torch's math backend there for every backend (a random run
+    # found a 2-D call: F.sdpa takes math for it, ours reshaped it to 4-D and met the fused kernel)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(*shape[:-2], n, shape[-1], generator=gen).to(dtype) for n in (shape[-2], 5, 5))
+    with sdpa_kernel(SDPBackend.MATH):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=-0.5)
+        ref64 = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True,
+                                                                 scale=-0.5)
+    assert not torch.isnan(want).any()
+    for backend in ("sdpa", "auto", "math"):
+        with ab.use(backend):
+            got = ab.sdpa(q, k, v, is_causal=True, scale=-0.5)
+        assert not torch.isnan(got).any(), f"{backend}: NaN rows"
+        assert max_err(got, ref64) <= 2 * max_err(want, ref64) + FLOORS[dtype], backend

@@ -14,13 +14,15 @@ from .. import _eager
 ORIGINAL_SDPA = torch.nn.functional.scaled_dot_product_attention
 
 
-def sdpa_mask(q, k, mask, causal, wl, wr):
+def sdpa_mask(q, k, mask, causal, wl, wr, scale=None):
     """(attn_mask, is_causal) for F.sdpa: its is_causal is top-left only, so bottom-right causal and
-    windows become an explicit bool mask, combined with the caller's mask."""
+    windows become an explicit bool mask, combined with the caller's mask.  So does top-left causal
+    under a negative scale: there torch's fused CPU kernel (2.13) returns NaN rows with is_causal=True
+    and the right values with the same mask given explicitly (tests/test_fidelity.py)."""
     Sq, Sk = q.shape[2], k.shape[2]
     if mask is not None and mask.dim() < 4:  # ours broadcasts any trailing shape; F.sdpa wants 2-D+
         mask = mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
-    if causal == 1 and mask is None and wl < 0 and wr < 0:
+    if causal == 1 and mask is None and wl < 0 and wr < 0 and not (scale is not None and scale < 0):
         return None, True
     vis = _eager.visible_keys(Sq, Sk, causal, wl, wr, q.device)
     if vis is None:
@@ -45,7 +47,7 @@ def runner(forced=None):
 
     def run(a):
         q, k = a.q, a.k
-        attn_mask, is_causal = sdpa_mask(q, k, a.mask, a.causal, a.wl, a.wr)
+        attn_mask, is_causal = sdpa_mask(q, k, a.mask, a.causal, a.wl, a.wr, a.scale)
         kwargs = dict(attn_mask=attn_mask, dropout_p=a.p, is_causal=is_causal, scale=a.scale,
                       enable_gqa=q.shape[1] != k.shape[1])
         if forced is None:
