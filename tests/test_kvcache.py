@@ -14,7 +14,7 @@ from typing import Optional
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attn_backends as ab
@@ -172,8 +172,10 @@ class Call:
                 v_cache[self.slot(b, p)] = self.v[b, t]
         return k_cache, v_cache
 
-    def reference(self, dtype):
-        """(out (B, Sq, Hq, D), lse (B, Hq, Sq)) of the call, computed in dtype over the expected cache."""
+    def reference(self, dtype, q_in_dtype=False):
+        """(out (B, Sq, Hq, D), lse (B, Hq, Sq)) of the call, computed in dtype over the expected cache.
+        q_in_dtype: the rotated q rounded to the call's dtype first, as flash-attn stores it (and as the
+        appended keys are, expected_caches)."""
         c = self.c
         k_cache, v_cache = self.expected_caches()
         outs, lses = [], []
@@ -186,7 +188,9 @@ class Call:
             q = self.q[b]
             if self.cos is not None:
                 pos = self.seq[b] + (torch.arange(c.Sq) if per_token else torch.zeros(c.Sq, dtype=torch.long))
-                q = self.rotate(q, pos, torch.float64 if dtype == torch.float64 else torch.float32)
+                q = self.rotate(q, pos, torch.float64 if dtype == torch.float64 and not q_in_dtype else torch.float32)
+                if q_in_dtype:
+                    q = q.to(c.dtype)
             qpos = torch.arange(c.Sq)[:, None] + end - c.Sq  # bottom-right: the last query sits at end - 1
             ok = torch.ones(c.Sq, len(keys), dtype=torch.bool)
             if c.causal:
@@ -227,12 +231,30 @@ class Call:
         assert out.shape == (c.B, c.Sq, c.Hq, c.D) and out.dtype == c.dtype
         ref_out, ref_lse = self.reference(torch.float64)
         same_out, same_lse = self.reference(c.dtype)
-        check_2x("out", out, ref_out, same_out, 2, c.dtype)
+        # with rotary in a 16-bit dtype, q rotated may be kept in float32 (the CUDA kernels, the CPU kernel
+        # without bfloat16 products) or rounded to the dtype as flash-attn stores it (the CPU kernel's
+        # bfloat16 products must: its q is a bfloat16 operand); either is the call's float64 reference then
+        # (a random run: one key, bfloat16, lse 4.9e-3 off the first where the rule allowed 3.5e-3,
+        # 1e-7 off the second)
+        refs = [(ref_out, ref_lse)]
+        if self.cos is not None and c.dtype in (torch.float16, torch.bfloat16):
+            refs.append(self.reference(torch.float64, q_in_dtype=True))
+
+        def check_any(name, ours, i, same):
+            for r in refs[1:]:
+                try:
+                    check_2x(name, ours, r[i], same, 2, c.dtype)
+                    return
+                except AssertionError:
+                    pass
+            check_2x(name, ours, refs[0][i], same, 2, c.dtype)
+
+        check_any("out", out, 0, same_out)
         dead = torch.isneginf(ref_lse)  # queries that see no key: exactly 0 and -inf
         assert (out.transpose(1, 2)[dead] == 0).all()
         if lse is not None:
             assert lse.shape == (c.B, c.Hq, c.Sq) and lse.dtype == torch.float32
-            check_2x("lse", lse, ref_lse, same_lse, 2, c.dtype)
+            check_any("lse", lse, 1, same_lse)
             assert torch.isneginf(lse[dead]).all()
         if self.sinks is not None:  # with sinks, such a query is 0 with lse = its head's sink
             alone = torch.isneginf(self.reference_without_sinks()[1])
@@ -1460,6 +1482,9 @@ def kv_calls(draw, backend):
 @pytest.mark.fuzz
 @settings(max_examples=max(5, settings.default.max_examples * 60 // 100))
 @given(st.sampled_from(BACKENDS).flatmap(lambda b: st.tuples(st.just(b), kv_calls(b))), st.integers(0, 2**31 - 1))
+# a random run's case: rotary in bfloat16, one key per row (the CPU kernel rounds the rotated q, Call.check_out)
+@example(("paged_attention", KV(B=1, Sq=2, Hq=2, Hkv=1, D=8, S=1, snew=1, seqlens="spread", rotary="neox", alibi="h",
+                                dtype=torch.bfloat16)), 824)
 def test_random_calls_match_the_reference_and_write_the_cache_where_flash_attn_does(drawn, seed):
     """Random mixes of every option (dense and paged caches, appended tokens, rotary, leftpad,
     batch_idx, causal, windows, softcap, ALiBi, sinks, three dtypes) against the float64 reference
