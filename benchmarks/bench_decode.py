@@ -248,13 +248,34 @@ class TokensCase:
                 "torch": self.torch_sdpa}
 
 
+# calls that take a CPU decode call's kind through the kernel's first timing of its prefetch requests
+# (csrc/cpu/decode_tune.h: up to AB_TUNE_MAX_ARMS = 16 sets, AB_TUNE_ROUNDS = 4 calls each, then
+# AB_TUNE_KEEP_CALLS = 512 calls take the set kept), with a few to spare
+TUNE_SETTLE_CALLS = 72
+
+
+def settle(fn, seconds=3.0):
+    """Warms a candidate past the CPU kernel's first timing (TUNE_SETTLE_CALLS calls, or `seconds`), as the
+    first steps of a decode loop do: the rounds then time the set kept, as the next 512 steps would.  (The
+    timing comes back every 512 calls; a round's few dozen calls would otherwise all fall into the first
+    one, whose calls try every set, and at 16 sets that costs float32 MHA 3-6%, docs/benchmarks.md.)"""
+    if DEVICE == "cuda":
+        return
+    end = time.perf_counter() + seconds
+    for _ in range(TUNE_SETTLE_CALLS):
+        fn()
+        if time.perf_counter() > end:
+            break
+
+
 def interleaved_rounds(cands, lead, rounds, seconds, least):
     """Seconds per call of each candidate (name -> fn) in each of `rounds` rounds in which every candidate
     runs in turn, each time `reps` calls: enough for about `seconds` of the `lead` candidate, at least
-    `least`.  Every candidate is warmed first."""
+    `least`.  Every candidate is warmed first, past the CPU kernel's first timing (settle)."""
     for fn in cands.values():
         fn()
         fn()
+        settle(fn)
     reps = max(least, int(seconds / max(timed(cands[lead], 1), 1e-7)))
     times = {n: [] for n in cands}
     for _ in range(rounds):
@@ -623,9 +644,11 @@ def measure(case: Case, rounds: int, probe, blocks):
                 cands[n], per[n] = as_graph(fn, GRAPH_CALLS), GRAPH_CALLS
             except RuntimeError as e:  # timed outside a graph then, and said so
                 print(f"  {n}: not captured in a CUDA graph ({str(e).splitlines()[0]}); timed call by call")
-    for fn in cands.values():  # warm-up: thread pool, allocator, page faults
+    for name, fn in cands.items():  # warm-up: thread pool, allocator, page faults
         fn()
         fn()
+        if name == "ours" or name.startswith("paged"):
+            settle(fn)  # past the kernel's first timing of its prefetch requests
     reps = max(1, int(0.05 / max(timed(cands["ours"], 1), 1e-6)))  # about 50 ms of calls per sample
     times = {n: [] for n in cands}
     bw = []
