@@ -341,14 +341,15 @@ class _Tiny(torch.nn.Module):
         return y.transpose(1, 2).reshape(2, 9, 32)
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
 @pytest.mark.parametrize("call", ["patched sdpa", "ab.attention"])
-def test_compile_models_fullgraph_forward_and_backward(call, spy):
+def test_compile_models_fullgraph_forward_and_backward(call, dynamic, spy):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Tiny("sdpa" if call == "patched sdpa" else "ab")
     x = torch.randn(2, 9, 32)
     with ab.patched_sdpa("flash"):
-        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager", dynamic=dynamic)
         out = compiled(x)
         grads = torch.autograd.grad(out.square().sum(), list(model.parameters()))
         assert spy  # traced through our router
