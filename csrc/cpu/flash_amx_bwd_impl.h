@@ -43,7 +43,8 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   const size_t nfl = (size_t)(n_kp + n_vp + n_kt + Skr * Dp + Skr * Dvp + n_qt + n_qv + n_dot + n_dov
                               + nch * Dp * AMX_RC + 3 * Sqp + 4 * n_blk + 2 * n_blk / 2 + n_blk / 2
                               + AMX_RC * Dmax / 2 + AMX_RC * Dmax / 2 + 2 * Dmax + 21 * G);
-  float* base = (float*)ab_scratch_alloc(sizeof(float) * nfl + sizeof(int32_t) * 2 * AMX_RC);
+  float* base = (float*)ab_scratch_alloc(sizeof(float) * nfl + sizeof(int32_t) * (3 + NDOM) * AMX_RC +
+                                         sizeof(float) * (2 * NDOM + 1) * AMX_RC);
   if (!base) {
     ab_par_fail(&ctx->st, AB_ERR_NOMEM, "flash (amx): out of memory for the backward scratch");
     return;
@@ -73,6 +74,11 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
   float* tmp2 = tmp + Dmax;
   int32_t* lo = (int32_t*)(tmp2 + Dmax + G);
   int32_t* hi = lo + AMX_RC;
+  int32_t* ndom = hi + AMX_RC;                        /* per row of a chunk: how many heavy keys (P > 1/NDOM) */
+  int32_t* jdom = ndom + AMX_RC;                      /* (AMX_RC x NDOM) those keys, */
+  float* pdom = (float*)(jdom + NDOM * AMX_RC);       /* their P */
+  float* tdom = pdom + NDOM * AMX_RC;                 /* and tanh of their softcap */
+  float* dsum = tdom + NDOM * AMX_RC;                 /* per row: the sum of its dS */
   /* S^T = K Q^T from Q's rows times the scale's power of two below 1, then times the rest (scale), as the
    * forward (AMXS(fwd_scale)): q.k past float32's range under a tiny scale stays finite; the same bits
    * wherever the product fit.  dK's Q is the unscaled one. */
@@ -120,6 +126,15 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
       for (int64_t i0 = 0; i0 < Sq; i0 += AMX_RC) {
         const int64_t c = i0 / AMX_RC, nrows = Sq - i0 < AMX_RC ? Sq - i0 : AMX_RC;
         int64_t jlo, jhi, all_lo, all_hi;
+        /* rows whose weight sits on a few keys: delta's rounding (O read as stored, in bfloat16) taken
+         * off their heavy keys' dS once the chunk is done, as the vector backward does (flash_bwd_impl.h,
+         * where the reason is); without it dq came out 6x torch's error at logits near 20 */
+        int heavy = 0;
+        for (int64_t r = 0; r < AMX_RC; ++r) {
+          ndom[r] = 0;
+          dsum[r] = 0.0f;
+          heavy |= r < nrows && p->stats.ndim && lsum[i0 + r] < LOG_NDOM && mx[i0 + r] < __builtin_inff();
+        }
         SYM(bwd_chunk_keys)(p, &s, i0, nrows, AMX_RC, lo, hi, &jlo, &jhi, &all_lo, &all_hi);
         /* key blocks start on a multiple of 32 (pairs of keys and whole tiles of K^T); the keys
          * before jlo in the first one are masked like any other invisible key */
@@ -139,9 +154,18 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
             for (int64_t j = 0; j < nb; ++j)
               vstore(st + j * AMX_RC + v, AMXS(vexp2)(((vload(st + j * AMX_RC + v) - mv) - lv) * vset1(log2e)));
           }
+          if (heavy)
+            for (int64_t j = 0; j < nb; ++j)
+              for (int64_t r = 0; r < nrows; ++r)
+                if (st[j * AMX_RC + r] > 1.0f / NDOM && ndom[r] < NDOM) {
+                  const int64_t slot = r * NDOM + ndom[r]++;
+                  jdom[slot] = (int32_t)(j0 + j);
+                  pdom[slot] = st[j * AMX_RC + r];
+                  tdom[slot] = softcap ? th[j * AMX_RC + r] : 0.0f;
+                }
           const float* pw = SYM(bwd_dropout)(p, &s, i0, nrows, j0, nb, AMX_RC, st, dpt, pd); /* the weights dV sees */
           /* dS = P (dP - delta); the float mask's gradient; softcap chain rule; scale */
-          SYM(bwd_ds)(p, b, h, i0, nrows, j0, nb, AMX_RC, st, dpt, th, delta, 0, NULL);
+          SYM(bwd_ds)(p, b, h, i0, nrows, j0, nb, AMX_RC, st, dpt, th, delta, heavy, dsum);
           for (int64_t x = 0; dexp && x < nb * AMX_RC; ++x) dpt[x] = ldexpf(dpt[x], -dexp);
           /* dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T on tiles */
           AMXS(pack_rows16)(pw, nb, nbp, AMX_BF16, pa);
@@ -153,6 +177,30 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
                           1);
           AMXS(gemm_bf16)(Dp, AMX_RC, nbp / 2, kt + j0 / 2, (Skr / 2) * 4, sb, AMX_RC * 4, dqt + c * Dp * AMX_RC,
                           AMX_RC * 4, 1);
+        }
+        /* the heavy keys' correction: dS at key j lacks -P_j e (e: the row's dS sum, less dlse), which dQ and
+         * dK get in float32 (times 2**-dexp, as the tiles' sums are until they are stored) */
+        const float sc = (float)ldexp(p->scale, -dexp);
+        for (int64_t r = 0; r < nrows && heavy; ++r) {
+          if (ndom[r] == 0) continue;
+          const int64_t i = i0 + r;
+          float e = dsum[r];
+          if (p->dlse.ndim) e -= SYM(bwd_dlse)(p, b, h, i);
+          ab_vec_load_row(p->q.data, p->q.dtype, s.q + i * s.q_rs, D, p->q.strides[p->q.ndim - 1], tmp);
+          for (int32_t u = 0; u < ndom[r]; ++u) {
+            const int64_t slot = r * NDOM + u, j = jdom[slot];
+            const float cf = -pdom[slot] * e;
+            if (p->dmask.ndim)
+              ((float*)p->dmask.data)[b * p->dmask.strides[0] + h * p->dmask.strides[1] + i * p->dmask.strides[2] +
+                                      j * p->dmask.strides[3]] += cf;
+            const float cv = cf * sc * (softcap ? 1.0f - tdom[slot] * tdom[slot] : 1.0f);
+            float* dqc = dqt + c * Dp * AMX_RC + r;
+            for (int64_t d = 0; d < D; ++d) {
+              union { uint32_t u; float f; } kv = {(uint32_t)kp[j * Dp + d] << 16};
+              dqc[d * AMX_RC] += cv * kv.f;
+              dk[j * Dp + d] += cv * tmp[d];
+            }
+          }
         }
         if (p->dmask.ndim) SYM(bwd_dmask_unseen)(p, b, h, i0, nrows, Sk, jlo, jhi);
       }
