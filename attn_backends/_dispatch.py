@@ -70,11 +70,7 @@ def prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softc
     compiling = _is_compiling()
     if compiling:  # with dynamic=True sizes and float arguments are symbolic: constants for the plan
         D, Dv = _static_int(D), _static_int(Dv)
-        gqa = True if gqa else False  # noqa: SIM210 (a branch, not bool(): see _static_int)
-        square = True if square else False  # noqa: SIM210
-        few = True if few else False  # noqa: SIM210
-        capped = True if capped else False  # noqa: SIM210
-        dropped = True if dropped else False  # noqa: SIM210
+        gqa, square, few, capped, dropped = _planner.static_flags(gqa, square, few, capped, dropped)
     has_sinks = has_alibi = False
     if sinks is not None or alibi_slopes is not None:
         sinks, alibi_slopes, (has_sinks, has_alibi) = _sinks_alibi(q, B, Hq, sinks, alibi_slopes)
@@ -180,10 +176,7 @@ def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p
     gqa, square, capped, dropped = Hq != Hkv, max_q == max_k, softcap_f > 0, p > 0
     if _is_compiling():  # constants for the plan, as in prepare()
         D, Dv = _static_int(D), _static_int(Dv)
-        gqa = True if gqa else False  # noqa: SIM210 (a branch, not bool(): see _static_int)
-        square = True if square else False  # noqa: SIM210
-        capped = True if capped else False  # noqa: SIM210
-        dropped = True if dropped else False  # noqa: SIM210
+        gqa, square, capped, dropped = _planner.static_flags(gqa, square, capped, dropped)
     sig = _new_call(dev, cc, lib_ok, _DTYPE_IDS[q.dtype], D, Dv, gqa, square, 0, 0, causal_i,
                     wl >= 0 or wr >= 0, capped, dropped, need_grad, bool(deterministic) or _deterministic(),
                     bool(return_lse), 1, _SETTINGS["mps_fix"], ID[requested], _cpu_isa(), _CPU_UNITS, smem, *flags)

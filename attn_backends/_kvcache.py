@@ -299,7 +299,7 @@ def signature(c: KVCall, backend, want_lse=True) -> _planner.Call:
         cc, lib_ok, smem = 0, 0, 0
     D, gqa, softcap = q.shape[3], q.shape[2] != c.k_cache.shape[2], c.softcap > 0
     if _is_compiling():  # with dynamic=True sizes and floats are symbolic: constants for the plan (static_int)
-        D, gqa, softcap = _planner.static_int(D), True if gqa else False, True if softcap else False  # noqa: SIM210
+        D, (gqa, softcap) = _planner.static_int(D), _planner.static_flags(gqa, softcap)
     # every field by position (new_call's order): keywords cost a decode call microseconds
     return _planner.new_call(dev, cc, lib_ok, _planner.DTYPE_IDS[q.dtype], D, D, gqa,
                              False, 0 if in_place(c) else 1, False, 2 if c.causal else 0, c.wl >= 0 or c.wr >= 0,

@@ -155,6 +155,13 @@ def static_int(x) -> int:
     return lo
 
 
+def static_flags(*flags) -> tuple:
+    """Flags (bool, or symbolic ones) as Python bools while torch.compile traces: with dynamic=True
+    comparisons of sizes and float arguments are symbolic, and bool() does not make them constants
+    under dynamo; a branch on each does (a guard, as in static_int).  Trace time only."""
+    return tuple(True if f else False for f in flags)  # noqa: SIM210
+
+
 def new_call(device=0, cuda_cc=0, cuda_lib_ok=0, dtype=0, D=64, Dv=64, gqa=False, square=True, mask=0,
              mask_grad=False, causal=0, window=False, softcap=False, dropout=False, need_grad=False,
              deterministic=False, want_lse=False, varlen=0, mps_fix=None, requested=0, cpu_isa=None,
