@@ -25,6 +25,7 @@ from . import _planner
 from ._names import ALL_NAMES, resolve
 from ._ops import grad_strides
 from ._providers import ORIGINAL_SDPA
+from ._validate import finite
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _F32_MAX = float(torch.finfo(torch.float32).max)
@@ -78,7 +79,7 @@ def _scale_beyond_kernels(scale, dtype) -> bool:
     """A scale our kernels reject (not finite, or beyond float32 for float32 scores) that torch takes."""
     if scale is None or isinstance(scale, bool) or not isinstance(scale, (int, float)):
         return False
-    return not -math.inf < scale < math.inf or (dtype != torch.float64 and abs(scale) > _F32_MAX)
+    return not finite(scale) or (dtype != torch.float64 and abs(scale) > _F32_MAX)
 
 
 def _torch_math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):

@@ -41,7 +41,7 @@ from ._names import ID, resolve
 from ._ops import ops
 from ._providers.ours import read_guards, read_ok
 from ._providers.torch_sdpa import ORIGINAL_SDPA
-from ._validate import _float_range_error, as_int, check_sinks
+from ._validate import _float_range_error, as_int, check_sinks, finite
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX = (torch.int32, torch.int64)
@@ -244,7 +244,7 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
         scale = D ** -0.5
     else:
         scale = _real("softmax_scale", softmax_scale, "a float or None")
-        if not -math.inf < scale < math.inf:  # math.isfinite breaks torch.compile(dynamic=True)'s graph
+        if not finite(scale):
             raise ValueError(f"softmax_scale must be finite, got {scale}")
     causal = _flag("causal", causal, " (bottom-right aligned, as flash-attn)")
     wl, wr = window_pair(window_size)
@@ -253,7 +253,7 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
     cap = capacity(k_cache, block_table)
     wl, wr = (-1 if wl >= cap else wl), (-1 if wr >= cap else wr)
     softcap = _real("softcap", softcap, "a float")
-    if not 0.0 <= softcap < math.inf:
+    if not (softcap >= 0.0 and finite(softcap)):
         raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
     _float_range_error("softmax_scale", scale, dt)  # scores in float32: a factor past its range is inf there
     _float_range_error("softcap", softcap, dt)

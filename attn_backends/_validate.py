@@ -160,6 +160,12 @@ def clamp_window(wl: int, wr: int, Sq: int, Sk: int) -> tuple[int, int]:
     return (-1 if wl >= span else wl), (-1 if wr >= span else wr)
 
 
+def finite(x: float) -> bool:
+    """math.isfinite, in a form torch.compile(dynamic=True) traces: there float arguments are symbolic,
+    and dynamo cannot trace math.isfinite on them (a graph break); comparisons it can."""
+    return -math.inf < x < math.inf
+
+
 def _float_range_error(name: str, val: float, dtype) -> None:
     if dtype != torch.float64 and abs(val) > F32_MAX:
         raise ValueError(f"{name} must be within float32's range (|{name}| <= {F32_MAX:.4g}) for {dtype} inputs, "
@@ -172,7 +178,7 @@ def check_scale(scale, D: int, dtype=torch.float32) -> float:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     scale = float(scale)
-    if not -math.inf < scale < math.inf:  # not math.isfinite: torch.compile(dynamic=True) cannot trace it
+    if not finite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     _float_range_error("scale", scale, dtype)
     return scale
@@ -182,7 +188,7 @@ def check_softcap(softcap, dtype=torch.float32) -> float:
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
         raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
     softcap = float(softcap)
-    if not 0.0 <= softcap < math.inf:
+    if not (softcap >= 0.0 and finite(softcap)):
         raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
     _float_range_error("softcap", softcap, dtype)
     return softcap
