@@ -88,6 +88,7 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
    * times 2**dexp when stored: under a tiny scale dS is below bfloat16's normal range, which the tiles
    * take as 0 (dQ and dK came out 0); exact wherever the values stay normal */
   const int dexp = p->scale == 0.0 ? 0 : qexp < -126 ? -126 : qexp;
+  const float dscale = (float)ldexp(p->scale, -dexp); /* the scale at that power: the heavy keys' correction */
   ab_tilecfg cfg;
   ab_tilecfg_full(&cfg);
   AMX_CONFIG(&cfg);
@@ -154,15 +155,7 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
             for (int64_t j = 0; j < nb; ++j)
               vstore(st + j * AMX_RC + v, AMXS(vexp2)(((vload(st + j * AMX_RC + v) - mv) - lv) * vset1(log2e)));
           }
-          if (heavy)
-            for (int64_t j = 0; j < nb; ++j)
-              for (int64_t r = 0; r < nrows; ++r)
-                if (st[j * AMX_RC + r] > 1.0f / NDOM && ndom[r] < NDOM) {
-                  const int64_t slot = r * NDOM + ndom[r]++;
-                  jdom[slot] = (int32_t)(j0 + j);
-                  pdom[slot] = st[j * AMX_RC + r];
-                  tdom[slot] = softcap ? th[j * AMX_RC + r] : 0.0f;
-                }
+          if (heavy) SYM(bwd_heavy_keys)(st, th, softcap, AMX_RC, nrows, j0, nb, ndom, jdom, pdom, tdom);
           const float* pw = SYM(bwd_dropout)(p, &s, i0, nrows, j0, nb, AMX_RC, st, dpt, pd); /* the weights dV sees */
           /* dS = P (dP - delta); the float mask's gradient; softcap chain rule; scale */
           SYM(bwd_ds)(p, b, h, i0, nrows, j0, nb, AMX_RC, st, dpt, th, delta, heavy, dsum);
@@ -178,27 +171,21 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
           AMXS(gemm_bf16)(Dp, AMX_RC, nbp / 2, kt + j0 / 2, (Skr / 2) * 4, sb, AMX_RC * 4, dqt + c * Dp * AMX_RC,
                           AMX_RC * 4, 1);
         }
-        /* the heavy keys' correction: dS at key j lacks -P_j e (e: the row's dS sum, less dlse), which dQ and
-         * dK get in float32 (times 2**-dexp, as the tiles' sums are until they are stored) */
-        const float sc = (float)ldexp(p->scale, -dexp);
+        /* the heavy keys' correction (SYM(bwd_heavy_row)), added to dQ^T and dK in float32 at the tiles' 2**-dexp */
         for (int64_t r = 0; r < nrows && heavy; ++r) {
           if (ndom[r] == 0) continue;
           const int64_t i = i0 + r;
-          float e = dsum[r];
-          if (p->dlse.ndim) e -= SYM(bwd_dlse)(p, b, h, i);
+          float cvs[NDOM];
+          const int n = SYM(bwd_heavy_row)(p, &s, b, h, i, r, dsum[r], mx[i], lsum[i], delta[i], ndom, jdom, pdom,
+                                           tdom, dscale, cvs);
           ab_vec_load_row(p->q.data, p->q.dtype, s.q + i * s.q_rs, D, p->q.strides[p->q.ndim - 1], tmp);
-          for (int32_t u = 0; u < ndom[r]; ++u) {
-            const int64_t slot = r * NDOM + u, j = jdom[slot];
-            const float cf = -pdom[slot] * e;
-            if (p->dmask.ndim)
-              ((float*)p->dmask.data)[b * p->dmask.strides[0] + h * p->dmask.strides[1] + i * p->dmask.strides[2] +
-                                      j * p->dmask.strides[3]] += cf;
-            const float cv = cf * sc * (softcap ? 1.0f - tdom[slot] * tdom[slot] : 1.0f);
-            float* dqc = dqt + c * Dp * AMX_RC + r;
+          float* dqc = dqt + c * Dp * AMX_RC + r;
+          for (int u = 0; u < n; ++u) {
+            const int64_t j = jdom[r * NDOM + u];
             for (int64_t d = 0; d < D; ++d) {
               union { uint32_t u; float f; } kv = {(uint32_t)kp[j * Dp + d] << 16};
-              dqc[d * AMX_RC] += cv * kv.f;
-              dk[j * Dp + d] += cv * tmp[d];
+              dqc[d * AMX_RC] += cvs[u] * kv.f;
+              dk[j * Dp + d] += cvs[u] * tmp[d];
             }
           }
         }

@@ -90,6 +90,46 @@ static void SYM(bwd_chunk_keys)(const ab_attn_params* p, const SYM(seq) * s, int
   }
 }
 
+/* The heavy keys (P > 1/NDOM) of a block of nb keys at j0, for rows [0, nrows) of a chunk of rc: each row's
+ * next slots (at most NDOM) get the key, its P (from P^T, st) and, with softcap, the tanh of its capped score
+ * (th).  The vector and AMX backwards' delta correction (SYM(bwd_heavy_row)). */
+static void SYM(bwd_heavy_keys)(const float* st, const float* th, int softcap, int64_t rc, int64_t nrows, int64_t j0,
+                                int64_t nb, int32_t* ndom, int32_t* jdom, float* pdom, float* tdom) {
+  for (int64_t j = 0; j < nb; ++j)
+    for (int64_t v = 0; v < rc; v += VLEN) {
+      if (vall(vload(st + j * rc + v) <= vset1(1.0f / NDOM))) continue;
+      for (int64_t r = v; r < v + VLEN && r < nrows; ++r)
+        if (st[j * rc + r] > 1.0f / NDOM && ndom[r] < NDOM) { /* fewer than NDOM can be */
+          const int64_t slot = r * NDOM + ndom[r]++;
+          jdom[slot] = (int32_t)(j0 + j);
+          pdom[slot] = st[j * rc + r];
+          tdom[slot] = softcap ? th[j * rc + r] : 0.0f;
+        }
+    }
+}
+
+/* Row i's (row r of its chunk) share of the delta correction, once the chunk's keys are done: delta's error
+ * e is the excess of the row's dS sum (dsum) over dlse (and a sink's share), and at each heavy key dS lacks
+ * -P e, which goes into the float mask's gradient here and, times `scale` and the softcap's chain rule, to
+ * cv[u] for the caller's dQ and dK (dq_i += cv k_j, dk_j += cv q_i).  Returns the row's heavy keys. */
+static int SYM(bwd_heavy_row)(const ab_attn_params* p, const SYM(seq) * s, int64_t b, int64_t h, int64_t i, int64_t r,
+                              float dsum, float mx, float lsum, float delta, const int32_t* ndom, const int32_t* jdom,
+                              const float* pdom, const float* tdom, float scale, float* cv) {
+  float e = dsum; /* delta's error: the row's dS sums to dlse, not 0, when lse has a gradient */
+  if (p->dlse.ndim) e -= SYM(bwd_dlse)(p, b, h, i);
+  /* with a sink the keys' dS sum to dlse + P_sink delta (the sink's own share is not a key's) */
+  if (s->sink != -__builtin_inff()) e -= expf((s->sink - mx) - lsum) * delta;
+  for (int32_t u = 0; u < ndom[r]; ++u) {
+    const int64_t slot = r * NDOM + u, j = jdom[slot];
+    const float c = -pdom[slot] * e; /* what dS at key j lacks */
+    if (p->dmask.ndim)
+      ((float*)p->dmask.data)[b * p->dmask.strides[0] + h * p->dmask.strides[1] + i * p->dmask.strides[2] +
+                              j * p->dmask.strides[3]] += c;
+    cv[u] = c * scale * (p->softcap > 0 ? 1.0f - tdom[slot] * tdom[slot] : 1.0f);
+  }
+  return ndom[r];
+}
+
 /* dS^T of a block of nb keys x rc rows in place of dP^T (dpt), from P^T (st): dS = P (dP - delta),
  * each row's sum of dS added to dsum when `heavy`; the float mask's gradient (dS as it is); then
  * the softcap chain rule (th: tanh of the capped scores) and the scale. */
@@ -294,18 +334,7 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
             for (int64_t j = 0; j < nb; ++j)
               vstore(st + j * rc + v, vexp_nonpos((vload(st + j * rc + v) - mv) - lv));
           }
-          if (heavy)
-            for (int64_t j = 0; j < nb; ++j)
-              for (int64_t v = 0; v < rc; v += VLEN) {
-                if (vall(vload(st + j * rc + v) <= vset1(1.0f / NDOM))) continue;
-                for (int64_t r = v; r < v + VLEN && r < nrows; ++r)
-                  if (st[j * rc + r] > 1.0f / NDOM && ndom[r] < NDOM) { /* fewer than NDOM can be */
-                    const int64_t slot = r * NDOM + ndom[r]++;
-                    jdom[slot] = (int32_t)(j0 + j);
-                    pdom[slot] = st[j * rc + r];
-                    tdom[slot] = softcap ? th[j * rc + r] : 0.0f;
-                  }
-              }
+          if (heavy) SYM(bwd_heavy_keys)(st, th, softcap, rc, nrows, j0, nb, ndom, jdom, pdom, tdom);
           /* dP^T = V dO^T */
           SYM(gemm_nv)(nb, nv, Dv, vp + j0 * Dvp, Dvp, 1, dot + i0 * Dvp, rc, dpt, rc, 0);
           const float* pw = SYM(bwd_dropout)(p, &s, i0, nrows, j0, nb, rc, st, dpt, pd); /* the weights dV sees */
@@ -319,17 +348,12 @@ static void SYM(bwd_range)(int64_t begin, int64_t end, void* vctx) {
         for (int64_t r = 0; r < nrows && heavy; ++r) {
           if (ndom[r] == 0) continue;
           const int64_t i = i0 + r;
-          float e = dsum[r]; /* delta's error: the row's dS sums to dlse, not 0, when lse has a gradient */
-          if (p->dlse.ndim) e -= SYM(bwd_dlse)(p, b, h, i);
-          /* with a sink the keys' dS sum to dlse + P_sink delta (the sink's own share is not a key's) */
-          if (s.sink != -__builtin_inff()) e -= expf((s.sink - mx[i]) - lsum[i]) * delta[i];
-          for (int32_t u = 0; u < ndom[r]; ++u) {
-            const int64_t slot = r * NDOM + u, j = jdom[slot];
-            const float c = -pdom[slot] * e; /* what dS at key j lacks */
-            if (want_dmask)
-              ((float*)p->dmask.data)[b * p->dmask.strides[0] + h * p->dmask.strides[1] + i * p->dmask.strides[2] +
-                                      j * p->dmask.strides[3]] += c;
-            const vf cv = vset1(c * scale * (softcap ? 1.0f - tdom[slot] * tdom[slot] : 1.0f));
+          float cvs[NDOM];
+          const int n = SYM(bwd_heavy_row)(p, &s, b, h, i, r, dsum[r], mx[i], lsum[i], delta[i], ndom, jdom, pdom,
+                                           tdom, scale, cvs);
+          for (int u = 0; u < n; ++u) {
+            const int64_t j = jdom[r * NDOM + u];
+            const vf cv = vset1(cvs[u]);
             for (int64_t d = 0; d < Dp; d += VLEN) {
               vstore(dq + i * Dp + d, vload(dq + i * Dp + d) + cv * vload(kp + j * Dp + d));
               vstore(dk + j * Dp + d, vload(dk + j * Dp + d) + cv * vload(qn + i * Dp + d));
