@@ -97,8 +97,9 @@ const char* kernel_name(Kernel k);
 
 // flash's stats (2, ..., lse's shape): each row's max and log sum, which the CPU forward writes and
 // the CPU backward reads (ab_core.h).  Where the flash kernel does not keep them (CUDA, and CPU
-// tensors under the CUDA emulation) they are filled as lse = max + 0, which those backwards do not
-// read, so that stats are always written, whichever backward later reads them.
+// tensors under the CUDA emulation) they are filled as lse = max + 0, whose values those backwards do
+// not read (the CUDA flash backward reads that they are given), so that stats are always written,
+// whichever backward later reads them.
 template <class Device>
 Tensor alloc_stats(const Tensor& q, const Tensor& lse, ab_attn_params& p) {
   std::vector<int64_t> sizes{2};

@@ -130,9 +130,11 @@ struct Cuda {
           err);
   }
 
-  // The CUDA flash forward does not write the row statistics yet, nor its backward read them.
+  // The CUDA flash forward does not write the row statistics yet (alloc_stats fills them from lse).  Its
+  // backward is handed them all the same: it reads only whether they are there (the forward's own
+  // stats: the call's keys are its rows' whole, so delta is summed from the keys; flash_bwd.cu).
   static bool stats_kept(const ab_attn_params&) { return false; }
-  static constexpr bool kReadsStats = false;
+  static constexpr bool kReadsStats = true;
 
   static void dropout_mask(const Tensor& rng, uint64_t seed, uint64_t offset, const int64_t* rng_dev,
                            double dropout_p, int64_t B, int64_t H, int64_t Sq, int64_t Sk, uint8_t* out) {

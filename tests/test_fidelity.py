@@ -373,7 +373,9 @@ def _alibi(Hq, Sq, Sk, offset, g):
     return (-slopes.view(Hq, 1, 1) * dist + offset + 0.5 * torch.randn(Hq, Sq, Sk, generator=g))[None]
 
 
-def _check_large(backend, dtype, Sq, Sk, D, kind, g, Hq=2, Hkv=1, layout="bhsd", grad_grow=True):
+def _check_large(backend, dtype, Sq, Sk, D, kind, g, Hq=2, Hkv=1, layout="bhsd", grad_grow=True, device="cpu"):
+    """One call with large logits or saturated rows (kind) under the rule; inputs drawn on the CPU from g, then
+    moved to `device` (test_cuda.py runs these on the GPU and the CUDA emulator)."""
     from attn_backends._testing import FLOORS, check_2x, out_and_grads_three_ways
 
     q = _layout(layout, 1, Hq, Sq, D, dtype, g)
@@ -390,8 +392,9 @@ def _check_large(backend, dtype, Sq, Sk, D, kind, g, Hq=2, Hkv=1, layout="bhsd",
             "scale2": dict(scale=2.0), "scale3.5": dict(scale=3.5),
             "scale4_causal": dict(scale=4.0, causal="bottom_right")}[kind]
     if "attn_mask" in opts:
-        opts["attn_mask"] = opts["attn_mask"].to(dtype)
-    gout = torch.randn(1, Hq, Sq, D, generator=g).to(dtype)
+        opts["attn_mask"] = opts["attn_mask"].to(dtype).to(device)
+    gout = torch.randn(1, Hq, Sq, D, generator=g).to(dtype).to(device)
+    q, k, v = (t.to(device) for t in (q, k, v))
     (out, lse, grads), (r_out, r_lse, r_grads), (d_out, d_lse, d_grads) = out_and_grads_three_ways(
         backend, q, k, v, gout, return_lse=True, **opts)
     # the floors of test_properties.py: a score's float32 rounding (q.k summed in float32, here and in

@@ -7,7 +7,11 @@
 //
 // One call, in stream order:
 //   1. (fast path) zero the float32 dQ accumulator in the workspace (cudaMemsetAsync).
-//   2. preprocess_kernel: delta_i = dout_i . out_i - dlse_i for every query row (one warp a row).
+//   2. delta_i for every query row: with the forward's stats (p->stats given: the call's keys are its
+//      rows' whole, as for autograd's calls) bwd_delta_kernel (flash_bwd_kernel.cuh) sums
+//      P'_ij dP_ij / Z_i - dlse_i from S and dP recomputed, since out is rounded to 16 bits; without
+//      them (the ring of attn_backends/_ring.py passes a block of keys and the whole row's out and
+//      lse) preprocess_kernel takes dout_i . out_i - dlse_i, so the call is exactly the block's share.
 //   3. bwd_dkv_kernel (flash_bwd_kernel.cuh): dK, dV, and on the fast path dQ by float32 atomics.
 //   4. fast path: convert_kernel writes dq = scale * accumulator in q's dtype;
 //      deterministic path (p->deterministic): bwd_dq_kernel computes dQ with no atomics instead.
@@ -108,7 +112,7 @@ template <typename T> __global__ void convert_kernel(const ConvArgs<T> a) {
 
 // The sinks' gradient (docs/semantics.md, "Attention sinks and ALiBi"): the sink's weight in row i
 // is exp(s_h - lse_i) (the forward's lse holds the sink), and d s_h = -sum_i exp(s_h - lse_i) delta_i
-// with delta_i = dout_i . out_i - dlse_i, the preprocessing kernel's.  Rows are addressed as
+// with delta_i = dout_i . out_i - dlse_i (step 2's).  Rows are addressed as
 // RowArgs (packed: rows [first, first + S) of the (Hq, Tq) lse, the ones some sequence holds).
 struct SinkArgs {
   const float* sinks;  // (Hq,) contiguous
@@ -167,46 +171,41 @@ size_t accum_bytes(const ab_attn_params* p) {
 template <typename T>
 ab_status run(int kD, BwdParams& bp, const ab_attn_params* p, const RowArgs& rows, cudaStream_t stream,
               ab_error* err) {
-  // 2. delta
-  PreArgs<T> pa;
-  pa.out = static_cast<const T*>(p->out.data);
-  pa.dout = static_cast<const T*>(p->dout.data);
-  pa.dlse = p->dlse.ndim ? static_cast<const float*>(p->dlse.data) : nullptr;
-  pa.delta = bp.delta;
+  // 2. delta: from dout . out without the forward's stats (with them, bwd_delta_kernel in bwd_launch)
   const FwdParams& f = bp.f;
-  pa.o_bs = f.o_bs, pa.o_hs = f.o_hs, pa.o_rs = f.o_rs;
-  pa.do_bs = bp.do_bs, pa.do_hs = bp.do_hs, pa.do_rs = bp.do_rs;
-  if (p->dlse.ndim) {
-    if (p->cu_seqlens_q)  // (Hq, Tq)
-      pa.dl_bs = 0, pa.dl_hs = ab_flash::eff_stride(p->dlse, 0), pa.dl_rs = ab_flash::eff_stride(p->dlse, 1);
-    else
-      pa.dl_bs = ab_flash::eff_stride(p->dlse, 0), pa.dl_hs = ab_flash::eff_stride(p->dlse, 1),
-      pa.dl_rs = ab_flash::eff_stride(p->dlse, 2);
-  } else {
-    pa.dl_bs = pa.dl_hs = pa.dl_rs = 0;
-  }
-  pa.de_bs = bp.de_bs, pa.de_hs = bp.de_hs, pa.de_rs = bp.de_rs;
-  pa.rows = rows;
-  pa.Dv = (int)p->Dv;
   const int64_t nrows = rows.nb * rows.H * rows.S;
-  if (nrows > 0) {
+  const bool whole_rows = p->stats.ndim > 0;
+  if (!whole_rows && nrows > 0) {
+    PreArgs<T> pa;
+    pa.out = static_cast<const T*>(p->out.data);
+    pa.dout = static_cast<const T*>(p->dout.data);
+    pa.dlse = bp.dlse;
+    pa.delta = bp.delta;
+    pa.o_bs = f.o_bs, pa.o_hs = f.o_hs, pa.o_rs = f.o_rs;
+    pa.do_bs = bp.do_bs, pa.do_hs = bp.do_hs, pa.do_rs = bp.do_rs;
+    pa.dl_bs = bp.dl_bs, pa.dl_hs = bp.dl_hs, pa.dl_rs = bp.dl_rs;
+    pa.de_bs = bp.de_bs, pa.de_hs = bp.de_hs, pa.de_rs = bp.de_rs;
+    pa.rows = rows;
+    pa.Dv = (int)p->Dv;
     AB_LAUNCH(grid_for(nrows, 8), 256, 0, stream, preprocess_kernel<T>)(pa);
     ab_status st = ab_cuda_check(cudaGetLastError(), "flash_bwd preprocess launch", err);
     if (st != AB_OK) return st;
   }
 
-  // 3. dK, dV (and dQ by atomics), or 4. the deterministic dQ kernel
+  // (2. with stats,) 3. dK, dV (and dQ by atomics), or 4. the deterministic dQ kernel
   const int64_t hkv = p->Hkv;
+  const int64_t q_tiles = (int64_t)f.m_blocks * p->Hq * p->B;
+  const int64_t row_blocks = whole_rows ? q_tiles : 0;
   const int64_t dkv_blocks = (int64_t)bp.n_blocks * hkv * p->B;
-  const int64_t dq_blocks = p->deterministic ? (int64_t)f.m_blocks * p->Hq * p->B : 0;
-  if (dkv_blocks > INT32_MAX || dq_blocks > INT32_MAX)
+  const int64_t dq_blocks = p->deterministic ? q_tiles : 0;
+  if (q_tiles > INT32_MAX || dkv_blocks > INT32_MAX)
     return ab_error_set(err, AB_ERR_UNSUPPORTED, "flash backward on CUDA: too many thread blocks for one grid");
   ab_status st;
   switch (kD) {
-    case 64: st = ab_flash::bwd_launch<T, 64>(bp, dkv_blocks, dq_blocks, stream, err); break;
-    case 128: st = ab_flash::bwd_launch<T, 128>(bp, dkv_blocks, dq_blocks, stream, err); break;
-    case 192: st = ab_flash::bwd_launch<T, 192>(bp, dkv_blocks, dq_blocks, stream, err); break;
-    case 256: st = ab_flash::bwd_launch<T, 256>(bp, dkv_blocks, dq_blocks, stream, err); break;
+    case 64: st = ab_flash::bwd_launch<T, 64>(bp, row_blocks, dkv_blocks, dq_blocks, stream, err); break;
+    case 128: st = ab_flash::bwd_launch<T, 128>(bp, row_blocks, dkv_blocks, dq_blocks, stream, err); break;
+    case 192: st = ab_flash::bwd_launch<T, 192>(bp, row_blocks, dkv_blocks, dq_blocks, stream, err); break;
+    case 256: st = ab_flash::bwd_launch<T, 256>(bp, row_blocks, dkv_blocks, dq_blocks, stream, err); break;
     default: return ab_error_set(err, AB_ERR_UNSUPPORTED, "flash backward on CUDA: no kernel for head dim %d", kD);
   }
   if (st != AB_OK) return st;
@@ -306,6 +305,13 @@ extern "C" ab_status ab_cuda_flash_bwd(const ab_attn_params* p, const int32_t* c
     bp.de_bs = p->Hq * p->Sq, bp.de_hs = p->Sq, bp.de_rs = 1;  // delta (B, Hq, Sq)
     bp.a_bs = p->Hq * p->Sq * p->D, bp.a_hs = p->Sq * p->D, bp.a_rs = p->D;  // accumulator (B, Hq, Sq, D)
     rows = RowArgs{p->B, p->Hq, p->Sq};
+  }
+  if (p->dlse.ndim) {
+    bp.dlse = static_cast<const float*>(p->dlse.data);
+    if (packed)  // (Hq, Tq), like lse
+      bp.dl_bs = 0, bp.dl_hs = eff_stride(p->dlse, 0), bp.dl_rs = eff_stride(p->dlse, 1);
+    else
+      bp.dl_bs = eff_stride(p->dlse, 0), bp.dl_hs = eff_stride(p->dlse, 1), bp.dl_rs = eff_stride(p->dlse, 2);
   }
   unsigned char* ws = static_cast<unsigned char*>(workspace);
   bp.delta = reinterpret_cast<float*>(ws);

@@ -25,7 +25,10 @@ struct BwdParams {
   int64_t dq_bs, dq_hs, dq_rs;
   int64_t dk_bs, dk_hs, dk_rs;
   int64_t dv_bs, dv_hs, dv_rs;
-  // workspace (float32, from torch's allocator): delta_i = dout_i . out_i - dlse_i per query row,
+  const float* dlse;  // the lse's gradient (like lse), or NULL
+  int64_t dl_bs, dl_hs, dl_rs;
+  // workspace (float32, from torch's allocator): delta_i (sum_j P'_ij dP_ij / Z_i, or dout_i . out_i,
+  // minus dlse_i) per query row,
   // laid out like lse; dq_accum (rows like delta, D columns) on the atomic path, else NULL
   float* delta;
   int64_t de_bs, de_hs, de_rs;
@@ -51,13 +54,14 @@ constexpr size_t bwd_smem_bytes(int kD) {
          (size_t)2 * kBwdBM * (kBwdBN + kSmemPad) * 2 + (size_t)2 * kBwdBM * sizeof(float);
 }
 
-// Launches the dK/dV kernel (dkv_blocks = n_blocks * Hkv * B thread blocks; with dq_accum set it
-// also adds dQ with float32 atomics) and, when dq_blocks > 0, the deterministic dQ kernel
-// (dq_blocks = m_blocks * Hq * B).  Defined in flash_bwd_kernel.cuh, instantiated in
-// flash_bwd_hdim*.cu.
+// Launches the delta kernel (row_blocks = m_blocks * Hq * B thread blocks, or 0 where the caller
+// filled delta from dout . out), the dK/dV kernel
+// (dkv_blocks = n_blocks * Hkv * B; with dq_accum set it also adds dQ with float32 atomics) and,
+// when dq_blocks > 0, the deterministic dQ kernel (dq_blocks = m_blocks * Hq * B).  Defined in
+// flash_bwd_kernel.cuh, instantiated in flash_bwd_hdim*.cu.
 template <typename T, int kD>
-ab_status bwd_launch(const BwdParams& p, int64_t dkv_blocks, int64_t dq_blocks, cudaStream_t stream,
-                     ab_error* err);
+ab_status bwd_launch(const BwdParams& p, int64_t row_blocks, int64_t dkv_blocks, int64_t dq_blocks,
+                     cudaStream_t stream, ab_error* err);
 
 }  // namespace ab_flash
 

@@ -4,7 +4,7 @@
 
 namespace ab_flash {
 
-template ab_status bwd_launch<__half, 128>(const BwdParams&, int64_t, int64_t, cudaStream_t, ab_error*);
-template ab_status bwd_launch<__nv_bfloat16, 128>(const BwdParams&, int64_t, int64_t, cudaStream_t, ab_error*);
+template ab_status bwd_launch<__half, 128>(const BwdParams&, int64_t, int64_t, int64_t, cudaStream_t, ab_error*);
+template ab_status bwd_launch<__nv_bfloat16, 128>(const BwdParams&, int64_t, int64_t, int64_t, cudaStream_t, ab_error*);
 
 }  // namespace ab_flash

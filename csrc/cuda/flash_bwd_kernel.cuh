@@ -4,8 +4,8 @@
 //
 // Nothing of the forward is stored but out and lse: each kernel recomputes the probabilities of a
 // (64 query x 64 key) tile from the saved lse, P = 2^(s log2(e) - lse log2(e)), exactly as the forward
-// computed them, and with delta_i = dout_i . out_i - dlse_i (a small preprocessing kernel in
-// flash_bwd.cu) forms
+// computed them, and with delta_i = sum_j P'_ij dP_ij - dlse_i (bwd_delta_kernel, below; or
+// dout_i . out_i - dlse_i, flash_bwd.cu's preprocess_kernel, for calls without the forward's stats) forms
 //   dP = dO V^T,   dS = P (keep dP / (1 - p) - delta) (1 - tanh^2 with softcap),   P' = keep P / (1 - p)
 //   dV += P'^T dO,  dK += scale dS^T Q,  dQ += scale dS K.
 // With attention sinks the forward's lse already holds the sink's term, so P needs nothing more;
@@ -14,7 +14,19 @@
 // these kernels (flash_bwd.cu, sinks_grad_kernel).
 // Every product is an mma.sync m16n8k16 with ldmatrix operands (fragment layouts: flash_common.cuh).
 //
-// Two kernels, 8 warps each:
+// delta_i is dout_i . out_i - dlse_i in exact arithmetic, but out is stored in 16 bits: on a saturated
+// row (one key's P near 1) dS = P (dP - delta) is a difference of nearly equal values, and out's
+// rounding became most of it (dq 0.147 from float64 against the rule's 0.060 on a bfloat16 call with
+// logits near 20; docs/reliability.md).  So when the call's keys are its rows' whole (the forward's
+// stats are passed, as autograd does), delta is the sum of the products the kernels see, dP and P' as
+// tile_ds computes them, and each row's dS sums to dlse as it must.  The price: S and dP once more
+// per tile (the CUDA math backward's pass 1 does the same, math_bwd.cu).  A call for a block of keys
+// (the ring's) keeps dout . out: that is the whole row's delta, the sum over the block's keys is not.
+//
+// Three kernels, 8 warps each:
+//   bwd_delta_kernel one block per (query tile, head, batch) walks the key tiles in order, recomputing
+//                   S and dP, and writes delta_i for the other two (in a fixed order: reproducible);
+//                   with the forward's stats only.
 //   bwd_dkv_kernel  one block per (key tile, KV head, batch).  K and V stay in shared memory; the
 //                   block walks the query heads of its KV head (GQA: their dK/dV contributions are
 //                   summed in registers, in a fixed order) and, for each, the query tiles that see
@@ -74,9 +86,9 @@ __device__ __forceinline__ float alibi_slope_log2(const FwdParams& p, int64_t b,
 }
 
 // Issues the loads of a query tile of head h (Q and dO by cp.async, one group committed) and fills
-// lse and delta of its rows (plain loads; rows past the end get lse = +inf, so P = 0 there).  The
-// caller waits and synchronises.
-template <typename T, int kD>
+// lse and delta of its rows (plain loads; rows past the end get lse = +inf, so P = 0 there; without
+// kDelta, for bwd_delta_kernel, delta is not read and is 0).  The caller waits and synchronises.
+template <typename T, int kD, bool kDelta = true>
 __device__ __forceinline__ void load_query_tile(const BwdParams& bp, const BwdSmem<T, kD>& sm, int64_t b, int h,
                                                 const Seq& sq, int row0, int tid) {
   const FwdParams& p = bp.f;
@@ -94,7 +106,7 @@ __device__ __forceinline__ void load_query_tile(const BwdParams& bp, const BwdSm
       const float lse = p.lse[b * p.l_bs + h * p.l_hs + (r0 + tid) * p.l_rs];
       // lse = -inf: the row saw no key; +inf makes every P of the row 2^-inf = 0 (never NaN)
       l = lse == -INFINITY ? INFINITY : lse * kLog2e;
-      d = bp.delta[b * bp.de_bs + h * bp.de_hs + (r0 + tid) * bp.de_rs];
+      if (kDelta) d = bp.delta[b * bp.de_bs + h * bp.de_hs + (r0 + tid) * bp.de_rs];
     }
     sm.lse[tid] = l;
     sm.delta[tid] = d;
@@ -108,10 +120,14 @@ __device__ __forceinline__ void load_query_tile(const BwdParams& bp, const BwdSm
 // the scores, so it enters P (as in the forward, after softcap) and nothing else.  A template flag,
 // so that calls without ALiBi keep the kernels' registers as they were (the D = 256 dK/dV kernel is
 // at the 255 limit: its ALiBi variant spills 20 bytes, docs/cuda.md).
-template <typename T, int kD, bool kWriteP, bool kAlibi>
+// kRowSum (bwd_delta_kernel): nothing is written; rowsum[r] and psum[r] (rows 16 (w & 3) + g + 8 r)
+// get this thread's shares of sum_j P_ij dP'_ij and of sum_j P_ij instead, with P and dP' (dP / (1 - p)
+// where kept, else 0) as the dS below reads them.
+template <typename T, int kD, bool kWriteP, bool kAlibi, bool kRowSum = false>
 __device__ __forceinline__ void tile_ds(const FwdParams& p, const BwdSmem<T, kD>& sm, int row0, int n0, int q_len,
                                         int k_len, bool need_mask, float slope_log2, uint64_t drop_row0,
-                                        uint64_t seed, uint64_t offset) {
+                                        uint64_t seed, uint64_t offset, float* rowsum = nullptr,
+                                        float* psum = nullptr) {
   using Ops = MmaOps<T>;
   using L = BwdLayout<kD>;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -191,11 +207,17 @@ __device__ __forceinline__ void tile_ds(const FwdParams& p, const BwdSmem<T, kD>
         }
         const bool kept = (keep >> (4 * nt + idx)) & 1u;
         const float dpz = kept ? dp[nt][idx] * p.rdrop : 0.0f;
+        if (kRowSum) {
+          rowsum[r] += pr * dpz;
+          psum[r] += pr;
+          continue;
+        }
         pv[e] = kept ? pr * p.rdrop : 0.0f;
         float ds = pr * (dpz - delta);
         if (p.softcap > 0.0f) ds *= 1.0f - th * th;
         dsv[e] = pr == 0.0f ? 0.0f : ds;  // hidden or underflowed keys contribute nothing
       }
+      if (kRowSum) continue;
       if (kWriteP) *reinterpret_cast<uint32_t*>(sm.p + row * L::kLdS + col) = Ops::pack(pv[0], pv[1]);
       *reinterpret_cast<uint32_t*>(sm.ds + row * L::kLdS + col) = Ops::pack(dsv[0], dsv[1]);
     }
@@ -279,6 +301,87 @@ __device__ __forceinline__ void store_acc_tile(T* base, int64_t row_stride, cons
         *reinterpret_cast<uint32_t*>(base + (int64_t)row * row_stride + col) =
             Ops::pack(acc[nt][2 * r] * mul, acc[nt][2 * r + 1] * mul);
     }
+  }
+}
+
+// delta_i = sum_j P'_ij dP_ij / Z_i - dlse_i (= dout_i . out_i - dlse_i before out's rounding) for the
+// rows of one query tile, Z_i = sum_j P_ij + the sink's weight: the P recomputed from the float32 lse
+// are the true ones times 2^(lse's rounding) (1 +- a few 1e-6 at logits near 30), and without Z a
+// one-hot row's dS = P (dP - P dP) kept that factor's distance from 1 times dP (dq 3e-4 where the
+// true one is 2e-11).  The key tiles the rows see, in order; each thread sums its elements of a row,
+// the row's four lanes and then its two warps (keys 0..31, 32..63 of each tile) are added in a fixed
+// order.  Every row of the tile is written, those that see no key too (delta = -dlse).
+template <typename T, int kD, bool kAlibi>
+__global__ void __launch_bounds__(kBwdThreads) bwd_delta_kernel(const BwdParams bp) {
+  const FwdParams& p = bp.f;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const BwdSmem<T, kD> sm(smem_raw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3, wm = warp & 3, wn = warp >> 2;
+
+  const int64_t bid = blockIdx.x;
+  const int m_block = (int)(bid % p.m_blocks);
+  const int64_t bh = bid / p.m_blocks;
+  const int h = (int)(bh % p.Hq);
+  const int64_t b = bh / p.Hq;
+  const int hk = h / p.group;
+  const Seq sq = seq_of(p, b);
+  const int row0 = m_block * kBwdBM;
+  if (row0 >= sq.q_len) return;
+  const int rows = min(kBwdBM, sq.q_len - row0);
+
+  int n_lo, hi_first, lo_last, n_hi;
+  row_range(p, row0, sq.q_len, sq.k_len, n_lo, hi_first);
+  row_range(p, row0 + rows - 1, sq.q_len, sq.k_len, lo_last, n_hi);
+  const int j_begin = n_lo / kBwdBN;
+  const int j_end = n_hi > n_lo ? (n_hi + kBwdBN - 1) / kBwdBN : j_begin;
+
+  uint64_t seed = 0, offset = 0;
+  if (p.dropout) ab_cuda_rng(p, seed, offset);
+  const uint64_t drop_row0 = ((uint64_t)b * p.Hq + h) * (uint64_t)p.Sq + (uint64_t)row0;
+  const float slope_log2 = kAlibi ? alibi_slope_log2(p, b, h) : 0.0f;
+  load_query_tile<T, kD, false>(bp, sm, b, h, sq, row0, tid);
+
+  float rowsum[2] = {0.0f, 0.0f}, psum[2] = {0.0f, 0.0f};
+  const T* kbase = static_cast<const T*>(p.k) + b * p.k_bs + hk * p.k_hs + sq.k_start * p.k_rs;
+  const T* vbase = static_cast<const T*>(p.v) + b * p.v_bs + hk * p.v_hs + sq.k_start * p.v_rs;
+  for (int j = j_begin; j < j_end; ++j) {
+    const int n0 = j * kBwdBN;
+    load_tile<T, kBwdBN, kD, kBwdThreads>(sm.k, kbase + (int64_t)n0 * p.k_rs, p.k_rs, sq.k_len - n0, p.D, tid);
+    load_tile<T, kBwdBN, kD, kBwdThreads>(sm.v, vbase + (int64_t)n0 * p.v_rs, p.v_rs, sq.k_len - n0, p.Dv, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    const bool need_mask = n0 < lo_last || n0 + kBwdBN > hi_first;
+    tile_ds<T, kD, false, kAlibi, true>(p, sm, row0, n0, sq.q_len, sq.k_len, need_mask, slope_log2, drop_row0, seed,
+                                        offset, rowsum, psum);
+    __syncthreads();  // K and V are refilled by the next iteration
+  }
+  cp_async_wait<0>();
+
+  // the row's four lanes (t), then its two warps (wn), through shared memory (sm.p is free here)
+  float* part = reinterpret_cast<float*>(sm.p);  // [2][kBwdBM] of rowsum, then [2][kBwdBM] of psum
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float x = rowsum[r], y = psum[r];
+    x += __shfl_xor_sync(0xffffffffu, x, 1);
+    y += __shfl_xor_sync(0xffffffffu, y, 1);
+    x += __shfl_xor_sync(0xffffffffu, x, 2);
+    y += __shfl_xor_sync(0xffffffffu, y, 2);
+    if (t == 0) {
+      part[wn * kBwdBM + 16 * wm + g + 8 * r] = x;
+      part[(2 + wn) * kBwdBM + 16 * wm + g + 8 * r] = y;
+    }
+  }
+  __syncthreads();
+  if (tid < rows) {
+    const int64_t r = sq.q_start + row0 + tid;
+    float z = part[2 * kBwdBM + tid] + part[3 * kBwdBM + tid];
+    // the sink's weight, as P is recomputed: 2^(sink log2(e) - lse log2(e)) (0 for a row that saw nothing)
+    if (p.sinks != nullptr) z += fast_exp2(p.sinks[h] * kLog2e - sm.lse[tid]);
+    float d = z > 0.0f ? (part[tid] + part[kBwdBM + tid]) / z : 0.0f;
+    if (bp.dlse != nullptr) d -= bp.dlse[b * bp.dl_bs + h * bp.dl_hs + r * bp.dl_rs];
+    bp.delta[b * bp.de_bs + h * bp.de_hs + r * bp.de_rs] = d;
   }
 }
 
@@ -431,14 +534,22 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_dq_kernel(const BwdParams bp)
 }
 
 template <typename T, int kD>
-ab_status bwd_launch(const BwdParams& p, int64_t dkv_blocks, int64_t dq_blocks, cudaStream_t stream, ab_error* err) {
+ab_status bwd_launch(const BwdParams& p, int64_t row_blocks, int64_t dkv_blocks, int64_t dq_blocks,
+                     cudaStream_t stream, ab_error* err) {
   constexpr size_t kSmem = bwd_smem_bytes(kD);
   const bool alibi = p.f.alibi != nullptr;
+  auto delta = alibi ? bwd_delta_kernel<T, kD, true> : bwd_delta_kernel<T, kD, false>;
   auto dkv = alibi ? bwd_dkv_kernel<T, kD, true> : bwd_dkv_kernel<T, kD, false>;
   auto dq = alibi ? bwd_dq_kernel<T, kD, true> : bwd_dq_kernel<T, kD, false>;
-  ab_status st = prepare_smem(dkv, kSmem, "flash backward", kD, err);
+  ab_status st = prepare_smem(delta, kSmem, "flash backward", kD, err);
   if (st != AB_OK) return st;
+  if ((st = prepare_smem(dkv, kSmem, "flash backward", kD, err)) != AB_OK) return st;
   if ((st = prepare_smem(dq, kSmem, "flash backward", kD, err)) != AB_OK) return st;
+  if (row_blocks > 0) {
+    AB_LAUNCH((unsigned)row_blocks, kBwdThreads, kSmem, stream, delta)(p);
+    st = ab_cuda_check(cudaGetLastError(), "flash_bwd delta launch", err);
+    if (st != AB_OK) return st;
+  }
   if (dkv_blocks > 0) {
     AB_LAUNCH((unsigned)dkv_blocks, kBwdThreads, kSmem, stream, dkv)(p);
     st = ab_cuda_check(cudaGetLastError(), "flash_bwd dkv launch", err);

@@ -6,16 +6,22 @@
 // Two kernels; every output element is written by one thread block, in a fixed order, with no
 // atomics, so the results are bitwise identical run after run (the reference needs no separate
 // deterministic mode):
-//   dq_kernel   one block per query row (b, h, i): recomputes p_j from the saved lse, reduces
-//               delta_i = sum_j p_j dP_j - dlse_i (kept in the workspace for dkv_kernel), writes the
-//               float mask's gradient dS_ij and dq_i = scale sum_j dx_j k_j.
+//   dq_kernel   one block per query row (b, h, i): recomputes p_j from the saved lse, reduces the row's
+//               sum of them, Z_i, and delta_i = sum_j p_j dP_j / Z_i - dlse_i (both kept in the
+//               workspace for dkv_kernel), writes the float mask's gradient dS_ij and
+//               dq_i = scale sum_j dx_j k_j.
 //   dkv_kernel  one block per key row (b, hk, j): over the query heads of KV head hk and their query
 //               rows in order, dv_j = sum_i p'_ij dout_i and dk_j = scale sum_i dx_ij q_i; so GQA's
 //               sum over the query heads of a group happens in one place, in a fixed order.
 // The formulas are the CPU twin's (csrc/cpu/math_cpu_impl.h):
-//   x_j = softcap tanh(scale q.k_j / softcap) + mask_ij;  p_j = exp(x_j - lse_i)
+//   x_j = softcap tanh(scale q.k_j / softcap) + mask_ij;  p_j = exp(x_j - lse_i) / Z_i
 //   dP_j = keep_ij / (1 - dropout_p) dout_i . v_j;  p'_j = keep_ij / (1 - dropout_p) p_j
 //   delta_i = sum_j p_j dP_j - dlse_i;  dS_j = p_j (dP_j - delta_i);  dx_j = dS_j (1 - tanh^2)
+// Z_i = sum_j exp(x_j - lse_i) is 1 but for lse's rounding to float32, which every p_j of the row
+// shares (a factor 1 +- a few 1e-6 at logits near 30): the CPU twin recomputes the softmax from the
+// scores instead; here dividing by Z_i does the same.  Without it a saturated row's dS = p (dP - p dP)
+// kept that factor's distance from 1 times dP, and dq reached 5x torch's float32 error (the CUDA
+// emulator, tests/test_cuda.py test_cuda_gradients_of_saturated_rows).
 // A row with lse = -inf (no visible key) gets zero gradient.  Scores and accumulation are float32
 // (float64 for float64 inputs), any strides, like the forward.  Clarity over speed.
 #include <cuda_bf16.h>
@@ -34,7 +40,7 @@ using namespace ab_math;
 
 struct BwdArgs {
   ab_attn_params p;
-  void* delta;  // (B, Hq, Sq) Acc: delta_i, written by dq_kernel, read by dkv_kernel
+  void* delta;  // (2, B, Hq, Sq) Acc: delta_i, then 1 / Z_i, written by dq_kernel, read by dkv_kernel
 };
 
 // Everything both kernels recompute for one (query row, key) pair.
@@ -56,10 +62,11 @@ template <typename T, typename Acc> struct Row {
   }
 };
 
-// q_i . k_j and dout_i . v_j, then the score, mask, probability and dropout of the pair.
+// q_i . k_j and dout_i . v_j, then the score, mask, probability (times inv_z: 1 / Z_i) and dropout
+// of the pair.
 template <typename T, typename Acc>
 __device__ __forceinline__ Pair<Acc> pair(const ab_attn_params& p, int64_t b, int64_t h, int64_t i, int64_t j,
-                                          Acc lse_i, const Row<T, Acc>& qr, const Row<T, Acc>& kr,
+                                          Acc lse_i, Acc inv_z, const Row<T, Acc>& qr, const Row<T, Acc>& kr,
                                           const Row<T, Acc>& dor, const Row<T, Acc>& vr, uint64_t seed,
                                           uint64_t offset, uint32_t threshold, Acc rdrop) {
   Pair<Acc> r = {0, 0, 0, 0};
@@ -76,7 +83,7 @@ __device__ __forceinline__ Pair<Acc> pair(const ab_attn_params& p, int64_t b, in
     x = (Acc)p.softcap * r.th;
   }
   if (has_mask && !bool_mask) x += (Acc)load_scalar(p.mask.data, p.mask.dtype, moff);
-  r.p = (Acc)exp((double)(x - lse_i));
+  r.p = (Acc)exp((double)(x - lse_i)) * inv_z;
   Acc dp = 0;
   for (int64_t d = 0; d < p.Dv; ++d) dp += dor[d] * vr[d];
   const bool keep = !(p.dropout_p > 0) ||
@@ -123,6 +130,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdArgs args) {
   Acc* dsc = dqrow + p.D;                         // (kThreads): dx * scale of a chunk of keys
   Acc* red = dsc + kThreads;                      // (kThreads / 32)
   Acc* delta_ws = static_cast<Acc*>(args.delta);
+  Acc* inv_ws = delta_ws + p.B * p.Hq * p.Sq;
 
   const T* qd = static_cast<const T*>(p.q.data);
   const T* kd = static_cast<const T*>(p.k.data);
@@ -159,20 +167,26 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdArgs args) {
     const int64_t kbase = b * p.k.strides[0] + hk * p.k.strides[1];
     const int64_t vbase = b * p.v.strides[0] + hk * p.v.strides[1];
     const Row<T, Acc> qr = {qrow, nullptr, 0, 0}, dor = {dorow, nullptr, 0, 0};
-    auto at = [&](int64_t j) {
+    auto at = [&](int64_t j, Acc inv_z) {
       const Row<T, Acc> kr = {nullptr, kd, kbase + j * p.k.strides[2], p.k.strides[3]};
       const Row<T, Acc> vr = {nullptr, vd, vbase + j * p.v.strides[2], p.v.strides[3]};
-      return pair<T, Acc>(p, b, h, i, j, lse_i, qr, kr, dor, vr, seed, offset, threshold, rdrop);
+      return pair<T, Acc>(p, b, h, i, j, lse_i, inv_z, qr, kr, dor, vr, seed, offset, threshold, rdrop);
     };
 
-    // Pass 1: delta_i = sum_j p_j dP_j - dlse_i.
-    Acc part = 0;
+    // Pass 1: Z_i = sum_j exp(x_j - lse_i) and delta_i = sum_j p_j dP_j / Z_i - dlse_i.
+    Acc part = 0, zpart = 0;
     for (int64_t j = lo + tid; j < hi; j += kThreads) {
-      const Pair<Acc> r = at(j);
+      const Pair<Acc> r = at(j, (Acc)1);
       part += r.p * r.dp;
+      zpart += r.p;
     }
-    const Acc delta = block_sum<Acc>(part, red) - dlse_i;
-    if (tid == 0) delta_ws[row] = delta;
+    const Acc pdp = block_sum<Acc>(part, red), z = block_sum<Acc>(zpart, red);
+    const Acc inv_z = z > 0 ? (Acc)1 / z : (Acc)0;
+    const Acc delta = pdp * inv_z - dlse_i;
+    if (tid == 0) {
+      delta_ws[row] = delta;
+      inv_ws[row] = inv_z;
+    }
 
     // Pass 2: dS, the mask's gradient, and dq_i += dx_j k_j a chunk of keys at a time.
     const int64_t mbase = want_dmask ? b * p.dmask.strides[0] + h * p.dmask.strides[1] + i * p.dmask.strides[2] : 0;
@@ -181,7 +195,7 @@ __global__ void __launch_bounds__(kThreads, 1) dq_kernel(const BwdArgs args) {
       Acc ds = 0;
       if (j < hi) {
         Acc dS;
-        ds = grad_score<Acc>(p, at(j), delta, &dS);
+        ds = grad_score<Acc>(p, at(j, inv_z), delta, &dS);
         if (want_dmask) store_scalar<Acc>(p.dmask, mbase + j * p.dmask.strides[3], dS);
       }
       dsc[tid] = ds;
@@ -212,6 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1) dkv_kernel(const BwdArgs args) {
   Acc* pdc = dvrow + p.Dv;                        // (kThreads): p' of a chunk of query rows
   Acc* dsc = pdc + kThreads;                      // (kThreads): dx * scale
   const Acc* delta_ws = static_cast<const Acc*>(args.delta);
+  const Acc* inv_ws = delta_ws + p.B * p.Hq * p.Sq;
 
   const T* qd = static_cast<const T*>(p.q.data);
   const T* kd = static_cast<const T*>(p.k.data);
@@ -253,9 +268,11 @@ __global__ void __launch_bounds__(kThreads, 1) dkv_kernel(const BwdArgs args) {
             const Row<T, Acc> qr = {nullptr, qd, qbase + i * p.q.strides[2], p.q.strides[3]};
             const Row<T, Acc> dor = {nullptr, dod, dobase + i * p.dout.strides[2], p.dout.strides[3]};
             const Row<T, Acc> kr = {krow, nullptr, 0, 0}, vr = {vrow, nullptr, 0, 0};
-            const Pair<Acc> r = pair<T, Acc>(p, b, h, i, j, lse_i, qr, kr, dor, vr, seed, offset, threshold, rdrop);
+            const int64_t row = (b * p.Hq + h) * p.Sq + i;
+            const Pair<Acc> r =
+                pair<T, Acc>(p, b, h, i, j, lse_i, inv_ws[row], qr, kr, dor, vr, seed, offset, threshold, rdrop);
             pd = r.pd;
-            ds = grad_score<Acc>(p, r, delta_ws[(b * p.Hq + h) * p.Sq + i], nullptr);
+            ds = grad_score<Acc>(p, r, delta_ws[row], nullptr);
           }
         }
         pdc[tid] = pd;
@@ -308,7 +325,7 @@ size_t acc_size(const ab_attn_params* p) { return p->q.dtype == AB_DTYPE_F64 ? s
 }  // namespace
 
 extern "C" size_t ab_cuda_math_bwd_workspace(const ab_attn_params* p) {
-  return (size_t)(p->B * p->Hq * p->Sq) * acc_size(p);
+  return (size_t)(2 * p->B * p->Hq * p->Sq) * acc_size(p);
 }
 
 extern "C" ab_status ab_cuda_math_bwd(const ab_attn_params* p, void* workspace, size_t workspace_bytes,
