@@ -210,6 +210,21 @@ def test_cuda_flash_fully_masked_rows_are_zero(dev):
 
 
 @pytest.mark.parametrize("dev", DEVICES, indirect=True)
+@pytest.mark.parametrize("grad", [False, True])
+def test_cuda_flash_takes_empty_views_of_any_strides(dev, grad):
+    # no key (Sk = 0) with v a strided view: torch's contiguous() keeps an empty view's strides, and the
+    # launcher refused it ("needs v's last dim contiguous"); a random problem on the emulator found it
+    q = dev(torch.randn(1, 2, 3, 32)).to(torch.bfloat16).requires_grad_(grad)
+    k = dev(torch.randn(1, 2, 0, 32)).to(torch.bfloat16).requires_grad_(grad)
+    v = dev(torch.randn(1, 2, 0, 64)).to(torch.bfloat16)[..., ::2].requires_grad_(grad)
+    out, lse = ab.attention(q, k, v, backend="flash", return_lse=True, strict=True)
+    assert torch.all(out == 0) and torch.all(lse == -math.inf)
+    if grad:
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+        assert torch.all(dq == 0) and dk.shape == k.shape and dv.shape == v.shape
+
+
+@pytest.mark.parametrize("dev", DEVICES, indirect=True)
 def test_cuda_flash_with_a_mask_falls_back(dev):
     q, k, v = (torch.randn(1, 2, 33, 64, device=dev.type, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))

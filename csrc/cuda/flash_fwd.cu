@@ -45,6 +45,9 @@ namespace ab_flash {
 int64_t eff_stride(const ab_tensor& t, int dim) { return t.sizes[dim] <= 1 ? 0 : t.strides[dim]; }
 
 ab_status check_layout(const ab_tensor& t, const char* who, const char* name, ab_error* err) {
+  // no element, nothing read or written: any strides (torch's contiguous() keeps an empty view's)
+  for (int d = 0; d < t.ndim; ++d)
+    if (t.sizes[d] == 0) return AB_OK;
   const int last = t.ndim - 1;
   if (t.sizes[last] > 1 && t.strides[last] != 1)
     return ab_error_set(err, AB_ERR_UNSUPPORTED,
