@@ -10,14 +10,16 @@ The profile in conftest.py is derandomized, so CI runs the same examples every t
 ATTN_BACKENDS_FUZZ_EXAMPLES sets the count and ATTN_BACKENDS_FUZZ_RANDOM=1 explores new ones.
 """
 
+import contextlib
 import math
 
 import pytest
 import torch
-from hypothesis import assume, example, given, note
+from hypothesis import assume, event, example, given, note
 from hypothesis import strategies as st
 
 import attn_backends as ab
+from attn_backends._planner import _env_flag
 from attn_backends._testing import (FLOORS, check_2x, flat_softmax_floor, keep_mask_for_next_call, make_packed, max_err,
                                     out_and_grads_three_ways, reference_attention, varlen_reference, visible)
 
@@ -25,6 +27,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without t
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 BACKENDS = ["auto", "math", "flash", "eager", "sdpa", "flex"]
+EMU_DTYPES = [torch.bfloat16, torch.float16, torch.bfloat16, torch.float16, torch.float32]
+EMU_BACKENDS = ["auto", "flash", "flash", "math"]  # the ones with CUDA kernels under the rule (sage has its own)
 LAYOUTS = ["contiguous", "bshd", "strided_d", "offset", "expand_batch", "expand_seq"]
 
 
@@ -54,27 +58,38 @@ def make(shape, layout, dtype, g):
     return rnd(*shape)
 
 
+def _share(n):
+    """n examples per 100 of the profile (the default run's budget; -m fuzz raises the profile)."""
+    from hypothesis import settings
+
+    return settings(max_examples=max(5, settings.default.max_examples * n // 100))
+
+
 @st.composite
-def problems(draw):
+def problems(draw, emulated=False):
+    """emulated: problems for the CUDA emulator (test_random_problems_on_the_cuda_emulator), smaller (it
+    runs a kernel ~1000x slower than a GPU), mostly in the 16-bit dtypes the CUDA flash kernels take."""
     dims = st.integers
-    B = draw(st.sampled_from([1, 1, 2, 3, 0]))
-    Hkv = draw(dims(1, 3))
-    Hq = Hkv * draw(dims(1, 3))
-    Sq = draw(st.one_of(st.just(1), dims(0, 40), dims(60, 140)))
-    Sk = draw(st.one_of(st.just(1), dims(0, 40), dims(60, 140)))
+    B = draw(st.sampled_from([1, 1, 2, 0] if emulated else [1, 1, 2, 3, 0]))
+    Hkv = draw(dims(1, 2 if emulated else 3))
+    Hq = Hkv * draw(dims(1, 2 if emulated else 3))
+    Sq = draw(st.one_of(st.just(1), dims(0, 40), dims(60, 80 if emulated else 140)))
+    Sk = draw(st.one_of(st.just(1), dims(0, 40), dims(60, 80 if emulated else 140)))
     D = draw(st.one_of(dims(1, 24), st.sampled_from([32, 40, 64, 96, 128, 160, 256])))
     Dv = draw(st.one_of(st.just(D), dims(1, 72)))
-    dtype = draw(st.sampled_from(DTYPES))
+    if emulated and draw(st.booleans()):  # what the CUDA flash kernels take: D = Dv, a multiple of 8, no mask
+        D = Dv = draw(st.sampled_from([32, 40, 64, 96, 128, 160, 256]))
+    dtype = draw(st.sampled_from(EMU_DTYPES if emulated else DTYPES))
     causal = draw(st.sampled_from([False, True, "bottom_right"]))
     window = draw(st.one_of(st.none(), st.tuples(dims(-1, 9), dims(-1, 9))))
-    mask = draw(st.sampled_from(["none", "none", "bool", "float", "bool_rows", "float_rows", "key_padding",
-                                 "keys_only", "per_head"]))
+    masks = ["bool", "float", "bool_rows", "float_rows", "key_padding", "keys_only", "per_head"]
+    mask = draw(st.sampled_from(["none"] * (len(masks) if emulated else 2) + masks))
     return dict(
         B=B, Hq=Hq, Hkv=Hkv, Sq=Sq, Sk=Sk, D=D, Dv=Dv, dtype=dtype, causal=causal, window=window, mask=mask,
         softcap=draw(st.sampled_from([0.0, 0.0, 2.5, 30.0])),
         scale=draw(st.one_of(st.none(), st.floats(0.01, 2.0))),
         layouts=[draw(st.sampled_from(LAYOUTS)) for _ in range(3)],
-        backend=draw(st.sampled_from(BACKENDS)),
+        backend=draw(st.sampled_from(EMU_BACKENDS if emulated else BACKENDS)),
         grad=draw(st.booleans()),
         return_lse=draw(st.booleans()),
         seed=draw(st.integers(0, 2**31 - 1)),
@@ -111,6 +126,37 @@ def allowed(p, mask):
 
 @given(problems())
 def test_random_problems_match_reference(p):
+    _check_problem(p)
+
+
+@contextlib.contextmanager
+def cuda_kernels(on=True):
+    """The CUDA kernels (flash forward and backward, flash_varlen, math), which only the CUDA emulator runs in
+    CI: CPU tensors, with the emulation and the opt-in CUDA flash kernels on; calls they do not serve fall
+    back as on a GPU.  A no-op when `on` is false."""
+    if not on:
+        yield
+        return
+    from cuda_devices import emulation_default, set_emulation
+
+    set_emulation(True)
+    ab._C.enable_cuda_flash(True)
+    try:
+        yield
+    finally:
+        ab._C.enable_cuda_flash(_env_flag("ATTN_BACKENDS_CUDA_FLASH"))
+        set_emulation(emulation_default())
+
+
+@pytest.mark.cuda_emu
+@_share(30)
+@given(problems(emulated=True))
+def test_random_problems_on_the_cuda_emulator(p):
+    with cuda_kernels():
+        _check_problem(p)
+
+
+def _check_problem(p):
     note(str(p))
     g = torch.Generator().manual_seed(p["seed"])
     dtype = p["dtype"]
@@ -123,6 +169,7 @@ def test_random_problems_match_reference(p):
     leaves = [t.detach().requires_grad_(p["grad"]) for t in (q, k, v)]
     kwargs = dict(opts, backend=p["backend"], return_lse=p["return_lse"])
     plan = ab.explain(*leaves, **kwargs)
+    event(f"ran {plan.chosen} on {plan.path}")  # --hypothesis-show-statistics: which kernels the draws reached
     res = ab.attention(*leaves, **kwargs)
     out, lse = res if p["return_lse"] else (res, None)
 
@@ -258,8 +305,15 @@ def test_huge_logits_do_not_overflow(Sq, Sk, D, magnitude, causal, backend, dtyp
        st.integers(0, 2**31 - 1))
 # a random run's case: rows that see one key each, lse = the score, 5 float32 ulps off in ours
 @example([(5, 2)], 1, 1, 64, torch.float32, "bottom_right", (0, 0), "auto", 0, False, 2)
-def test_random_packed_problems_match_reference(lens, Hkv, group, D, dtype, causal, window, backend, slack, grad,
-                                                seed):
+@pytest.mark.parametrize("emulated", [False, pytest.param(True, marks=pytest.mark.cuda_emu, id="cuda_emu")])
+def test_random_packed_problems_match_reference(emulated, lens, Hkv, group, D, dtype, causal, window, backend, slack,
+                                                grad, seed):
+    # emulated: on the CUDA kernels (cuda_kernels above), where flash_varlen takes the bfloat16 draws
+    with cuda_kernels(emulated):
+        _check_packed(lens, Hkv, group, D, dtype, causal, window, backend, slack, grad, seed)
+
+
+def _check_packed(lens, Hkv, group, D, dtype, causal, window, backend, slack, grad, seed):
     lens_q = [a for a, _ in lens]
     lens_k = [b for _, b in lens]
     g = torch.Generator().manual_seed(seed)
@@ -300,13 +354,6 @@ def test_random_packed_problems_match_reference(lens, Hkv, group, D, dtype, caus
 # test of this file with the long profile (conftest.py).
 
 F32_MAX = float(torch.finfo(torch.float32).max)
-
-
-def _share(n):
-    """n examples per 100 of the profile (the default run's budget; -m fuzz raises the profile)."""
-    from hypothesis import settings
-
-    return settings(max_examples=max(5, settings.default.max_examples * n // 100))
 
 
 MAGNITUDES = [1.0, 1e-3, 1e10, 1e18, 1e19, 1e30]
