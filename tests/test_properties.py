@@ -228,41 +228,43 @@ def pattern(t):
              min_size=1, max_size=3),
     st.integers(0, 2**31 - 1),
 )
-def test_nan_and_inf_reach_the_rows_that_see_them(B, H, Sq, Sk, D, dtype, causal, mask_kind, softcap, backend,
+@pytest.mark.parametrize("emulated", [False, pytest.param(True, marks=pytest.mark.cuda_emu, id="cuda_emu")])
+def test_nan_and_inf_reach_the_rows_that_see_them(emulated, B, H, Sq, Sk, D, dtype, causal, mask_kind, softcap, backend,
                                                   spots, seed):
     """NaN / inf in the inputs (docs/reliability.md): every output element that is non-finite in the
     reference restricted to what each row sees (only_visible) is non-finite in ours, of the same
     kind (NaN, +inf, -inf); ours may add non-finite elements only where a plain P.V (the reference,
     torch) has them too, i.e. a non-finite value spreading through 0 * NaN to a row of the same head
     that does not see it; every other element is finite and passes the 2x rule."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, Sq, D, generator=g).to(dtype)
-    k = torch.randn(B, H, Sk, D, generator=g).to(dtype)
-    v = torch.randn(B, H, Sk, D, generator=g).to(dtype)
-    mask = make_mask(mask_kind, B, H, Sq, Sk, dtype, g)
-    t = {"q": q, "k": k, "v": v}
-    for which, val, fr, fd in spots:
-        rows = Sq if which == "q" else Sk
-        t[which][int(fr * B) % B, int(fr * 7) % H, int(fr * rows), int(fd * D)] = val
-    note(f"spots={spots}")
-    opts = dict(causal=causal, attn_mask=mask, softcap=softcap)
-    out = ab.attention(q, k, v, backend=backend, **opts)
-    strict64, _ = reference_attention(q, k, v, only_visible=True, **opts)
-    strictd, _ = reference_attention(q, k, v, dtype=dtype, only_visible=True, **opts)
-    spread64, _ = reference_attention(q, k, v, **opts)
+    with cuda_kernels(emulated):  # emulated: on the CUDA kernels
+        g = torch.Generator().manual_seed(seed)
+        q = torch.randn(B, H, Sq, D, generator=g).to(dtype)
+        k = torch.randn(B, H, Sk, D, generator=g).to(dtype)
+        v = torch.randn(B, H, Sk, D, generator=g).to(dtype)
+        mask = make_mask(mask_kind, B, H, Sq, Sk, dtype, g)
+        t = {"q": q, "k": k, "v": v}
+        for which, val, fr, fd in spots:
+            rows = Sq if which == "q" else Sk
+            t[which][int(fr * B) % B, int(fr * 7) % H, int(fr * rows), int(fd * D)] = val
+        note(f"spots={spots}")
+        opts = dict(causal=causal, attn_mask=mask, softcap=softcap)
+        out = ab.attention(q, k, v, backend=backend, **opts)
+        strict64, _ = reference_attention(q, k, v, only_visible=True, **opts)
+        strictd, _ = reference_attention(q, k, v, dtype=dtype, only_visible=True, **opts)
+        spread64, _ = reference_attention(q, k, v, **opts)
 
-    po, ps = pattern(out), pattern(strict64)
-    must = ps.any(0)
-    # same kind as the reference, except that a NaN the row cannot see may still reach it through
-    # 0 * NaN in P.V (unspecified, as in a plain matmul) and win over an inf it does see
-    same_kind = (po == ps).all(0) | (torch.isnan(out) & torch.isnan(spread64))
-    assert bool(same_kind[must].all()), "a non-finite element of the reference differs in ours"
-    extra = po.any(0) & ~must
-    assert bool((~torch.isfinite(spread64))[extra].all()), "a non-finite value reached an element it cannot"
-    fin = ~po.any(0) & ~must
-    zero = torch.zeros((), dtype=torch.float64)
-    check_2x("finite part of out", torch.where(fin, out.double(), zero), torch.where(fin, strict64, zero),
-             torch.where(fin, strictd.double(), zero), 2, dtype, FLOORS[dtype])
+        po, ps = pattern(out), pattern(strict64)
+        must = ps.any(0)
+        # same kind as the reference, except that a NaN the row cannot see may still reach it through
+        # 0 * NaN in P.V (unspecified, as in a plain matmul) and win over an inf it does see
+        same_kind = (po == ps).all(0) | (torch.isnan(out) & torch.isnan(spread64))
+        assert bool(same_kind[must].all()), "a non-finite element of the reference differs in ours"
+        extra = po.any(0) & ~must
+        assert bool((~torch.isfinite(spread64))[extra].all()), "a non-finite value reached an element it cannot"
+        fin = ~po.any(0) & ~must
+        zero = torch.zeros((), dtype=torch.float64)
+        check_2x("finite part of out", torch.where(fin, out.double(), zero), torch.where(fin, strict64, zero),
+                 torch.where(fin, strictd.double(), zero), 2, dtype, FLOORS[dtype])
 
 
 # ---- huge logits in float16 ----------------------------------------------------------------------
@@ -271,26 +273,28 @@ def test_nan_and_inf_reach_the_rows_that_see_them(B, H, Sq, Sk, D, dtype, causal
 @given(st.integers(1, 40), st.integers(1, 90), st.sampled_from([16, 40, 64, 128]),
        st.floats(30.0, 250.0), st.sampled_from([False, True]), st.sampled_from(["auto", "math", "flash", "eager"]),
        st.sampled_from([torch.float16, torch.bfloat16]), st.integers(0, 2**31 - 1))
-def test_huge_logits_do_not_overflow(Sq, Sk, D, magnitude, causal, backend, dtype, seed):
+@pytest.mark.parametrize("emulated", [False, pytest.param(True, marks=pytest.mark.cuda_emu, id="cuda_emu")])
+def test_huge_logits_do_not_overflow(emulated, Sq, Sk, D, magnitude, causal, backend, dtype, seed):
     """q.k far beyond float16's 65504: the scores are computed in float32, so nothing overflows;
     the result is as close to ref64 as torch computing in float32 from the same inputs."""
-    g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(1, 2, Sq, D, generator=g) * magnitude).to(dtype)
-    k = (torch.randn(1, 2, Sk, D, generator=g) * magnitude).to(dtype)
-    v = torch.randn(1, 2, Sk, D, generator=g).to(dtype)
-    out, lse = ab.attention(q, k, v, causal=causal, backend=backend, return_lse=True)
-    assert torch.isfinite(out).all() and torch.isfinite(lse[lse > -math.inf]).all()
-    r64, l64 = reference_attention(q, k, v, causal=causal)
-    r32, l32 = reference_attention(q, k, v, causal=causal, dtype=torch.float32)
-    # a score's float32 rounding error is about eps * scale * sum_d |q_d k_d| (the scores here reach
-    # 1e5 and are summed along D in whatever order the kernel uses); it moves lse by as much and
-    # out by at most that times max|v|; on top, rounding the result to the input dtype
-    qa, ka = q.double().abs(), k.double().abs()
-    # (probabilistic bound for a sum of D terms: sqrt(D) * eps * scale * sum|q_d k_d|, scale = 1/sqrt(D))
-    score_err = torch.finfo(torch.float32).eps * float(torch.einsum("bhid,bhjd->bhij", qa, ka).amax())
-    out_floor = FLOORS[dtype] + max_err(r64.to(dtype), r64) + score_err * float(v.abs().amax())
-    check_2x("out", out, r64, r32, 2, dtype, out_floor)
-    check_2x("lse", lse, l64, l32, 2, dtype, FLOORS[dtype] + score_err)
+    with cuda_kernels(emulated):  # emulated: on the CUDA kernels
+        g = torch.Generator().manual_seed(seed)
+        q = (torch.randn(1, 2, Sq, D, generator=g) * magnitude).to(dtype)
+        k = (torch.randn(1, 2, Sk, D, generator=g) * magnitude).to(dtype)
+        v = torch.randn(1, 2, Sk, D, generator=g).to(dtype)
+        out, lse = ab.attention(q, k, v, causal=causal, backend=backend, return_lse=True)
+        assert torch.isfinite(out).all() and torch.isfinite(lse[lse > -math.inf]).all()
+        r64, l64 = reference_attention(q, k, v, causal=causal)
+        r32, l32 = reference_attention(q, k, v, causal=causal, dtype=torch.float32)
+        # a score's float32 rounding error is about eps * scale * sum_d |q_d k_d| (the scores here reach
+        # 1e5 and are summed along D in whatever order the kernel uses); it moves lse by as much and
+        # out by at most that times max|v|; on top, rounding the result to the input dtype
+        qa, ka = q.double().abs(), k.double().abs()
+        # (probabilistic bound for a sum of D terms: sqrt(D) * eps * scale * sum|q_d k_d|, scale = 1/sqrt(D))
+        score_err = torch.finfo(torch.float32).eps * float(torch.einsum("bhid,bhjd->bhij", qa, ka).amax())
+        out_floor = FLOORS[dtype] + max_err(r64.to(dtype), r64) + score_err * float(v.abs().amax())
+        check_2x("out", out, r64, r32, 2, dtype, out_floor)
+        check_2x("lse", lse, l64, l32, 2, dtype, FLOORS[dtype] + score_err)
 
 
 # ---- packed sequences ---------------------------------------------------------------------------
@@ -433,42 +437,46 @@ def _alibi_bias(Hq, Sq, Sk, offset, g):
        st.sampled_from([8, 16, 40, 96]), st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
        st.sampled_from(["softcap", "alibi", "scale"]), st.sampled_from([False, "bottom_right"]),
        st.sampled_from(LAYOUTS[:4]), st.sampled_from(["flash", "math", "eager"]), st.integers(0, 2**31 - 1))
-def test_large_logits_and_saturated_rows_keep_the_rule(group, Sq, Sk, D, dtype, kind, causal, layout, backend, seed):
+@pytest.mark.parametrize("emulated", [False, pytest.param(True, marks=pytest.mark.cuda_emu, id="cuda_emu")])
+def test_large_logits_and_saturated_rows_keep_the_rule(emulated, group, Sq, Sk, D, dtype, kind, causal, layout, backend, seed):
     """Logits up to ~100 (softcap 50 at scale up to 10, ALiBi biases with offsets up to +-100, scale 2 to
     4 at any D) and the nearly one-hot rows they make: the output within 2x, every gradient within 3x of
     torch's error in the same dtype (the backward used to take p from lse rounded to float32, and
     flash's delta from the output rounded to the input dtype)."""
-    g = torch.Generator().manual_seed(seed)
-    Hkv = 1
-    Hq = Hkv * group
-    if causal and Sk < Sq + 1:
-        causal = False  # bottom-right rows that see one key: the flat-softmax floor of the other property
-    q = make((1, Hq, Sq, D), layout, dtype, g)
-    k = make((1, Hkv, Sk, D), layout, dtype, g)
-    v = make((1, Hkv, Sk, D), layout, dtype, g)
-    r = torch.rand((), generator=g).item()
-    opts = {"softcap": dict(softcap=50.0, scale=2.0 + 8.0 * r),
-            "alibi": dict(attn_mask=_alibi_bias(Hq, Sq, Sk, [-100.0, -50.0, 0.0, 50.0, 100.0][int(5 * r)], g).to(dtype)),
-            "scale": dict(scale=2.0 + 2.0 * r)}[kind]
-    opts["causal"] = causal
-    note(f"opts={opts}")
-    gout = torch.randn(1, Hq, Sq, D, generator=g).to(dtype)
-    (out, _, ours), (r_out, _, refg), (d_out, _, sameg) = out_and_grads_three_ways(backend, q, k, v, gout, **opts)
-    # the floors of the first property: q.k summed in float32 (ours and torch's, each its own way) is
-    # rounded in proportion to scale * sqrt(D); the half-precision gradients keep the plain floor,
-    # since their saturated rows were the failure (delta read from O rounded to the input dtype)
-    eff = opts.get("scale", D ** -0.5)
-    grow = max(1.0, eff * D ** 0.5)
-    # a score plus an ALiBi bias of magnitude ~100 is rounded in float32 at that magnitude, by torch and by
-    # ours alike but at different points of each score's own rounding: half an ulp of the largest bias
-    # per weight, times the largest value, is each one's share of luck (a random call found ours at 2.4x
-    # torch's error there, both within that)
-    bias_floor = 0.0
-    if kind == "alibi":
-        bias_floor = torch.finfo(torch.float32).eps / 2 * float(opts["attn_mask"].double().abs().amax()) * _amax(v)
-    check_2x("out", out, r_out, d_out, 2, dtype, FLOORS[dtype] * grow + bias_floor)
-    for name, a, rr, ss in zip(("dq", "dk", "dv"), ours, refg, sameg):
-        check_2x(name, a, rr, ss, 3, dtype, FLOORS[dtype] * (grow if dtype == torch.float32 else 1.0) * max(1.0, _amax(rr)))
+    # the CUDA flash kernels take neither float32 nor a float mask (ALiBi as a bias here); the call is strict
+    assume(not (emulated and backend == "flash" and (dtype == torch.float32 or kind == "alibi")))
+    with cuda_kernels(emulated):  # emulated: on the CUDA kernels
+        g = torch.Generator().manual_seed(seed)
+        Hkv = 1
+        Hq = Hkv * group
+        if causal and Sk < Sq + 1:
+            causal = False  # bottom-right rows that see one key: the flat-softmax floor of the other property
+        q = make((1, Hq, Sq, D), layout, dtype, g)
+        k = make((1, Hkv, Sk, D), layout, dtype, g)
+        v = make((1, Hkv, Sk, D), layout, dtype, g)
+        r = torch.rand((), generator=g).item()
+        opts = {"softcap": dict(softcap=50.0, scale=2.0 + 8.0 * r),
+                "alibi": dict(attn_mask=_alibi_bias(Hq, Sq, Sk, [-100.0, -50.0, 0.0, 50.0, 100.0][int(5 * r)], g).to(dtype)),
+                "scale": dict(scale=2.0 + 2.0 * r)}[kind]
+        opts["causal"] = causal
+        note(f"opts={opts}")
+        gout = torch.randn(1, Hq, Sq, D, generator=g).to(dtype)
+        (out, _, ours), (r_out, _, refg), (d_out, _, sameg) = out_and_grads_three_ways(backend, q, k, v, gout, **opts)
+        # the floors of the first property: q.k summed in float32 (ours and torch's, each its own way) is
+        # rounded in proportion to scale * sqrt(D); the half-precision gradients keep the plain floor,
+        # since their saturated rows were the failure (delta read from O rounded to the input dtype)
+        eff = opts.get("scale", D ** -0.5)
+        grow = max(1.0, eff * D ** 0.5)
+        # a score plus an ALiBi bias of magnitude ~100 is rounded in float32 at that magnitude, by torch and by
+        # ours alike but at different points of each score's own rounding: half an ulp of the largest bias
+        # per weight, times the largest value, is each one's share of luck (a random call found ours at 2.4x
+        # torch's error there, both within that)
+        bias_floor = 0.0
+        if kind == "alibi":
+            bias_floor = torch.finfo(torch.float32).eps / 2 * float(opts["attn_mask"].double().abs().amax()) * _amax(v)
+        check_2x("out", out, r_out, d_out, 2, dtype, FLOORS[dtype] * grow + bias_floor)
+        for name, a, rr, ss in zip(("dq", "dk", "dv"), ours, refg, sameg):
+            check_2x(name, a, rr, ss, 3, dtype, FLOORS[dtype] * (grow if dtype == torch.float32 else 1.0) * max(1.0, _amax(rr)))
 
 
 @_share(25)
