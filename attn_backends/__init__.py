@@ -172,7 +172,8 @@ def attention_varlen(
         q: (total_q, Hq, D): the query rows of every sequence, one after another.
         k: (total_k, Hkv, D); v: (total_k, Hkv, Dv).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,): sequence b is rows cu[b] .. cu[b+1].  Checked
-            on the host: start at 0, never decrease, end at the total, same batch for q and k.
+            on the host: start at 0, never decrease, end at the total, same batch for q and k (under
+            torch.compile, by the kernel's op when it runs: nothing is read on the host while tracing).
         max_seqlen_q, max_seqlen_k: upper bounds of the lengths (a longer sequence is an error).
         Other arguments as in ``attention``; causal, window and ALiBi align per sequence
         (alibi_slopes (B, Hq): one row per sequence).

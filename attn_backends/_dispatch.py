@@ -155,10 +155,14 @@ def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p
     from . import _varlen
 
     Tq, Hq, D, Tk, Hkv, Dv = _varlen.check_qkv(q, k, v)
-    hcu_q, hcu_k, B, len_q, len_k = _varlen.check_cu_seqlens(cu_q, cu_k, max_q, max_k, Tq, Tk, q.device)
-    # the kernels and the padding get the real longest sequence, not the caller's bound: work scales
-    # with the data, and the result does not depend on how loose the bound is
-    max_q, max_k = _varlen.longest(len_q), _varlen.longest(len_k)
+    if _is_compiling():  # no host read of cu_seqlens: the caller's bounds (attention_varlen below)
+        hcu_q, hcu_k, B, max_q, max_k = _varlen.traced_cu_seqlens(cu_q, cu_k, max_q, max_k, q.device)
+        len_q = len_k = None
+    else:
+        hcu_q, hcu_k, B, len_q, len_k = _varlen.check_cu_seqlens(cu_q, cu_k, max_q, max_k, Tq, Tk, q.device)
+        # the kernels and the padding get the real longest sequence, not the caller's bound: work scales
+        # with the data, and the result does not depend on how loose the bound is
+        max_q, max_k = _varlen.longest(len_q), _varlen.longest(len_k)
     causal_i = _validate.check_causal(causal)
     wl, wr = _validate.clamp_window(*_validate.check_window(window), max_q, max_k) if window is not None else (-1, -1)
     scale_f = _validate.check_scale(scale, D, q.dtype)
@@ -187,7 +191,21 @@ def prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p
 
 def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window, softcap,
                      return_lse, strict, deterministic=False, sinks=None, alibi_slopes=None):
+    call = (q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window, softcap, return_lse,
+            strict, deterministic, sinks, alibi_slopes)
+    if _is_compiling() and (not isinstance(dropout_p, (int, float)) or dropout_p):
+        return _eager_varlen(*call)  # dropout numbers rows by the longest sequence, which the trace does not know
     args, sig = prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window,
                                softcap, return_lse, deterministic, sinks, alibi_slopes)
-    out, lse = _runner(sig, strict)(args)
+    runner = _runner(sig, strict)
+    if _is_compiling() and runner is not RUNNERS[_FLASH_VARLEN]:
+        return _eager_varlen(*call)  # the others pad by the lengths on the host (_varlen.pad)
+    out, lse = runner(args)
     return (out, lse) if return_lse else out
+
+
+@torch.compiler.disable(reason="a packed call that reads cu_seqlens on the host (docs/architecture.md)")
+def _eager_varlen(*call):
+    """attention_varlen run eagerly under torch.compile: the graph breaks here, as for any such call before
+    the flash_varlen kernel was traced (the calls with dropout, and those planned to another backend)."""
+    return attention_varlen(*call)

@@ -129,6 +129,80 @@ def test_compile_dynamic_with_float_arguments(name):
         assert torch.equal(got, want), f"{name}: differs from eager (S={S}, softcap={softcap}, scale={scale})"
 
 
+def _packed(lens_q, lens_k, g):
+    cq, ck = (torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32) for lens in (lens_q, lens_k))
+    q = torch.randn(int(cq[-1]), 4, 16, generator=g).requires_grad_()
+    k, v = (torch.randn(int(ck[-1]), 2, 16, generator=g).requires_grad_() for _ in range(2))
+    return q, k, v, cq, ck
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compile_traces_packed_calls_in_one_graph(dynamic):
+    # attention_varlen read cu_seqlens on the host (checks, lengths) and broke the graph there; traced, the
+    # flash_varlen kernel takes the caller's bounds and checks cu_seqlens in its op.  Forward, lse and
+    # gradients equal eager's bit for bit, loose bounds included; cu_seqlens_q may be cu_seqlens_k
+    def f(q, k, v, cq, ck, mq, mk):
+        return ab.attention_varlen(q, k, v, cq, ck, mq, mk, causal="bottom_right", window=(3, 1), softcap=20.0,
+                                   return_lse=True)
+
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager", dynamic=dynamic)
+    for lens_q, lens_k, slack in (([3, 5], [3, 5], 0), ([4, 9, 2], [4, 12, 2], 7), ([1, 1], [70, 3], 1000)):
+        q, k, v, cq, ck = _packed(lens_q, lens_k, g)
+        if lens_q == lens_k:
+            ck = cq
+        args = (q, k, v, cq, ck, max(lens_q) + slack, max(lens_k) + slack)
+        (out, lse), (w_out, w_lse) = compiled(*args), f(*args)
+        assert torch.equal(out, w_out) and torch.equal(lse, w_lse)
+        gout = torch.randn(out.shape, generator=g)
+        got = torch.autograd.grad((out * gout).sum() + lse.sum(), (q, k, v))
+        want = torch.autograd.grad((w_out * gout).sum() + w_lse.sum(), (q, k, v))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_compile_packed_calls_off_the_flash_varlen_kernel_run_eagerly():
+    # a packed call planned to another backend (padding by the lengths on the host) or with dropout (rows
+    # numbered by the longest sequence) breaks the graph, as before, and equals eager
+    g = torch.Generator().manual_seed(1)
+    q, k, v, cq, ck = _packed([3, 6], [5, 2], g)
+    for kw in (dict(backend="math"), dict(backend="eager"), dict(dropout_p=0.3)):
+        torch._dynamo.reset()
+        f = lambda q, k, v: ab.attention_varlen(q, k, v, cq, ck, 6, 5, causal=True, **kw)  # noqa: E731
+        torch.manual_seed(5)
+        got = torch.compile(f, backend="aot_eager")(q, k, v)
+        torch.manual_seed(5)
+        assert torch.equal(got, f(q, k, v)), kw
+        with pytest.raises(torch._dynamo.exc.Unsupported):
+            torch._dynamo.reset()
+            torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+
+
+def test_compile_packed_calls_check_cu_seqlens_in_the_op():
+    # traced, the values of cu_seqlens are checked when the op runs (in C), with the same arguments named
+    g = torch.Generator().manual_seed(2)
+    q, k, v, _, _ = _packed([3, 5], [3, 5], g)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, cu, m: ab.attention_varlen(q, k, v, cu, cu, m, m), fullgraph=True,
+                             backend="aot_eager")
+    for cu, m, msg in (([0, 3, 7], 8, r"cu_seqlens_q\[-1\] = 7"), ([0, 5, 8], 4, "max_seqlen"),
+                       ([1, 3, 8], 8, r"cu_seqlens_q\[0\] must be 0")):
+        with pytest.raises(RuntimeError, match=msg):
+            compiled(q, torch.tensor(cu, dtype=torch.int32), m)
+
+
+@pytest.mark.parametrize("backend", ["flash", "math"])
+def test_compile_self_attention_passes_one_tensor_three_times(backend):
+    # ab.attention(x, x, x) with a gradient: dynamo refuses an autograd Function given one tensor twice
+    # ("duplicate tensor input") and fullgraph=True failed; repeats now go in as views of themselves
+    torch._dynamo.reset()
+    x = torch.randn(1, 2, 5, 16, requires_grad=True)
+    compiled = torch.compile(lambda x: ab.attention(x, x, x, backend=backend), fullgraph=True, backend="aot_eager")
+    (got,) = torch.autograd.grad(compiled(x).square().sum(), x)
+    (want,) = torch.autograd.grad(ab.attention(x, x, x, backend=backend).square().sum(), x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)  # dq + dk + dv summed in another order
+
+
 def test_import_touches_no_cuda():
     code = (
         "import attn_backends as ab, torch\n"

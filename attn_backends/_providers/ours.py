@@ -34,8 +34,19 @@ def _no_grad_call(fwd_op, *args):
         return fwd_op(*args)
 
 
+def _untied(q, k, v):
+    """q, k, v for an autograd Function under torch.compile, which refuses a tensor passed twice (dynamo's
+    "duplicate tensor input": self-attention's ab.attention(x, x, x)): a repeat as a view of itself, the
+    same values, its gradient flowing to the same tensor.  Eager calls take them as they are."""
+    if not _is_compiling():
+        return q, k, v
+    return q, k.view_as(k) if k is q else k, v.view_as(v) if v is q or v is k else v
+
+
 def _run_kernel(fwd_op, function, a, q, k, v, sinks):
     """One of our dense kernels: the autograd Function when a gradient is needed, else the op."""
+    if a.need_grad:
+        q, k, v = _untied(q, k, v)
     rng = draw_rng_state(q) if a.p > 0 else None
     args = (q, k, v, a.mask, rng, a.causal, a.scale, a.wl, a.wr, a.softcap, a.p)
     if sinks is not None or a.alibi is not None:
@@ -189,7 +200,7 @@ def _run_flash_varlen(a):
     if sinks is not None or a.alibi is not None or device_cu:
         args += (sinks, a.alibi, *device_cu)
     if a.need_grad:
-        res = _ops.FlashVarlenFunction.apply(*args, a.det)
+        res = _ops.FlashVarlenFunction.apply(*_untied(q, k, v), *args[3:], a.det)
     else:
         res = _no_grad_call(_ops.ops.flash_varlen_fwd.default, *args)
     return res[0], res[1]
