@@ -304,6 +304,59 @@ __device__ __forceinline__ void store_acc_tile(T* base, int64_t row_stride, cons
   }
 }
 
+// A query tile's walk over the key tiles its rows see, as the delta and dQ kernels take it (one block per
+// (query tile, head, batch), block index m_block + m_blocks (h + Hq b)).
+struct RowTile {
+  int64_t b;
+  int h, hk;
+  Seq sq;
+  int row0, rows;
+  int lo_last, hi_first;  // the last row's first key, the first row's end: tiles inside both need no mask
+  int j_begin, j_end;     // the key tiles some row sees
+  uint64_t seed, offset, drop_row0;
+  float slope_log2;       // ALiBi's, base 2 (0 without)
+  __device__ __forceinline__ bool need_mask(int n0) const { return n0 < lo_last || n0 + kBwdBN > hi_first; }
+};
+
+// This block's tile; false when it lies past its sequence's end (a packed sequence shorter than max_seqlen_q).
+template <bool kAlibi>
+__device__ __forceinline__ bool row_tile(const FwdParams& p, RowTile& rt) {
+  const int64_t bid = blockIdx.x;
+  const int m_block = (int)(bid % p.m_blocks);
+  const int64_t bh = bid / p.m_blocks;
+  rt.h = (int)(bh % p.Hq);
+  rt.b = bh / p.Hq;
+  rt.hk = rt.h / p.group;
+  rt.sq = seq_of(p, rt.b);
+  rt.row0 = m_block * kBwdBM;
+  if (rt.row0 >= rt.sq.q_len) return false;
+  rt.rows = min(kBwdBM, rt.sq.q_len - rt.row0);
+  int n_lo, n_hi;
+  row_range(p, rt.row0, rt.sq.q_len, rt.sq.k_len, n_lo, rt.hi_first);
+  row_range(p, rt.row0 + rt.rows - 1, rt.sq.q_len, rt.sq.k_len, rt.lo_last, n_hi);
+  rt.j_begin = n_lo / kBwdBN;
+  rt.j_end = n_hi > n_lo ? (n_hi + kBwdBN - 1) / kBwdBN : rt.j_begin;
+  rt.seed = rt.offset = 0;
+  if (p.dropout) ab_cuda_rng(p, rt.seed, rt.offset);
+  rt.drop_row0 = ((uint64_t)rt.b * p.Hq + rt.h) * (uint64_t)p.Sq + (uint64_t)rt.row0;
+  rt.slope_log2 = kAlibi ? alibi_slope_log2(p, rt.b, rt.h) : 0.0f;
+  return true;
+}
+
+// K and V of the key tile at n0 into shared memory, waited for and visible to the block.
+template <typename T, int kD>
+__device__ __forceinline__ void load_key_tile(const FwdParams& p, const BwdSmem<T, kD>& sm, const RowTile& rt, int n0,
+                                              int tid) {
+  const int64_t r0 = rt.sq.k_start + n0;
+  load_tile<T, kBwdBN, kD, kBwdThreads>(sm.k, static_cast<const T*>(p.k) + rt.b * p.k_bs + rt.hk * p.k_hs + r0 * p.k_rs,
+                                        p.k_rs, rt.sq.k_len - n0, p.D, tid);
+  load_tile<T, kBwdBN, kD, kBwdThreads>(sm.v, static_cast<const T*>(p.v) + rt.b * p.v_bs + rt.hk * p.v_hs + r0 * p.v_rs,
+                                        p.v_rs, rt.sq.k_len - n0, p.Dv, tid);
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+}
+
 // delta_i = sum_j P'_ij dP_ij / Z_i - dlse_i (= dout_i . out_i - dlse_i before out's rounding) for the
 // rows of one query tile, Z_i = sum_j P_ij + the sink's weight: the P recomputed from the float32 lse
 // are the true ones times 2^(lse's rounding) (1 +- a few 1e-6 at logits near 30), and without Z a
@@ -319,42 +372,17 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_delta_kernel(const BwdParams 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3, wm = warp & 3, wn = warp >> 2;
 
-  const int64_t bid = blockIdx.x;
-  const int m_block = (int)(bid % p.m_blocks);
-  const int64_t bh = bid / p.m_blocks;
-  const int h = (int)(bh % p.Hq);
-  const int64_t b = bh / p.Hq;
-  const int hk = h / p.group;
-  const Seq sq = seq_of(p, b);
-  const int row0 = m_block * kBwdBM;
-  if (row0 >= sq.q_len) return;
-  const int rows = min(kBwdBM, sq.q_len - row0);
-
-  int n_lo, hi_first, lo_last, n_hi;
-  row_range(p, row0, sq.q_len, sq.k_len, n_lo, hi_first);
-  row_range(p, row0 + rows - 1, sq.q_len, sq.k_len, lo_last, n_hi);
-  const int j_begin = n_lo / kBwdBN;
-  const int j_end = n_hi > n_lo ? (n_hi + kBwdBN - 1) / kBwdBN : j_begin;
-
-  uint64_t seed = 0, offset = 0;
-  if (p.dropout) ab_cuda_rng(p, seed, offset);
-  const uint64_t drop_row0 = ((uint64_t)b * p.Hq + h) * (uint64_t)p.Sq + (uint64_t)row0;
-  const float slope_log2 = kAlibi ? alibi_slope_log2(p, b, h) : 0.0f;
-  load_query_tile<T, kD, false>(bp, sm, b, h, sq, row0, tid);
+  RowTile rt;
+  if (!row_tile<kAlibi>(p, rt)) return;
+  const int rows = rt.rows;
+  load_query_tile<T, kD, false>(bp, sm, rt.b, rt.h, rt.sq, rt.row0, tid);
 
   float rowsum[2] = {0.0f, 0.0f}, psum[2] = {0.0f, 0.0f};
-  const T* kbase = static_cast<const T*>(p.k) + b * p.k_bs + hk * p.k_hs + sq.k_start * p.k_rs;
-  const T* vbase = static_cast<const T*>(p.v) + b * p.v_bs + hk * p.v_hs + sq.k_start * p.v_rs;
-  for (int j = j_begin; j < j_end; ++j) {
+  for (int j = rt.j_begin; j < rt.j_end; ++j) {
     const int n0 = j * kBwdBN;
-    load_tile<T, kBwdBN, kD, kBwdThreads>(sm.k, kbase + (int64_t)n0 * p.k_rs, p.k_rs, sq.k_len - n0, p.D, tid);
-    load_tile<T, kBwdBN, kD, kBwdThreads>(sm.v, vbase + (int64_t)n0 * p.v_rs, p.v_rs, sq.k_len - n0, p.Dv, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    const bool need_mask = n0 < lo_last || n0 + kBwdBN > hi_first;
-    tile_ds<T, kD, false, kAlibi, true>(p, sm, row0, n0, sq.q_len, sq.k_len, need_mask, slope_log2, drop_row0, seed,
-                                        offset, rowsum, psum);
+    load_key_tile<T, kD>(p, sm, rt, n0, tid);
+    tile_ds<T, kD, false, kAlibi, true>(p, sm, rt.row0, n0, rt.sq.q_len, rt.sq.k_len, rt.need_mask(n0), rt.slope_log2,
+                                        rt.drop_row0, rt.seed, rt.offset, rowsum, psum);
     __syncthreads();  // K and V are refilled by the next iteration
   }
   cp_async_wait<0>();
@@ -375,7 +403,8 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_delta_kernel(const BwdParams 
   }
   __syncthreads();
   if (tid < rows) {
-    const int64_t r = sq.q_start + row0 + tid;
+    const int64_t r = rt.sq.q_start + rt.row0 + tid, b = rt.b;
+    const int h = rt.h;
     float z = part[2 * kBwdBM + tid] + part[3 * kBwdBM + tid];
     // the sink's weight, as P is recomputed: 2^(sink log2(e) - lse log2(e)) (0 for a row that saw nothing)
     if (p.sinks != nullptr) z += fast_exp2(p.sinks[h] * kLog2e - sm.lse[tid]);
@@ -482,28 +511,9 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_dq_kernel(const BwdParams bp)
   const BwdSmem<T, kD> sm(smem_raw);
   const int tid = threadIdx.x, warp = tid >> 5, wn = warp >> 2;
 
-  const int64_t bid = blockIdx.x;
-  const int m_block = (int)(bid % p.m_blocks);
-  const int64_t bh = bid / p.m_blocks;
-  const int h = (int)(bh % p.Hq);
-  const int64_t b = bh / p.Hq;
-  const int hk = h / p.group;
-  const Seq sq = seq_of(p, b);
-  const int row0 = m_block * kBwdBM;
-  if (row0 >= sq.q_len) return;
-  const int rows = min(kBwdBM, sq.q_len - row0);
-
-  int n_lo, hi_first, lo_last, n_hi;
-  row_range(p, row0, sq.q_len, sq.k_len, n_lo, hi_first);
-  row_range(p, row0 + rows - 1, sq.q_len, sq.k_len, lo_last, n_hi);
-  const int j_begin = n_lo / kBwdBN;
-  const int j_end = n_hi > n_lo ? (n_hi + kBwdBN - 1) / kBwdBN : j_begin;
-
-  uint64_t seed = 0, offset = 0;
-  if (p.dropout) ab_cuda_rng(p, seed, offset);
-  const uint64_t drop_row0 = ((uint64_t)b * p.Hq + h) * (uint64_t)p.Sq + (uint64_t)row0;
-  const float slope_log2 = kAlibi ? alibi_slope_log2(p, b, h) : 0.0f;
-  load_query_tile<T, kD>(bp, sm, b, h, sq, row0, tid);
+  RowTile rt;
+  if (!row_tile<kAlibi>(p, rt)) return;
+  load_query_tile<T, kD>(bp, sm, rt.b, rt.h, rt.sq, rt.row0, tid);
 
   float acc[kD / 16][4];
 #pragma unroll
@@ -511,26 +521,20 @@ __global__ void __launch_bounds__(kBwdThreads) bwd_dq_kernel(const BwdParams bp)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[i][e] = 0.0f;
 
-  const T* kbase = static_cast<const T*>(p.k) + b * p.k_bs + hk * p.k_hs + sq.k_start * p.k_rs;
-  const T* vbase = static_cast<const T*>(p.v) + b * p.v_bs + hk * p.v_hs + sq.k_start * p.v_rs;
-  for (int j = j_begin; j < j_end; ++j) {  // in order: the sum's order never changes
+  for (int j = rt.j_begin; j < rt.j_end; ++j) {  // in order: the sum's order never changes
     const int n0 = j * kBwdBN;
-    load_tile<T, kBwdBN, kD, kBwdThreads>(sm.k, kbase + (int64_t)n0 * p.k_rs, p.k_rs, sq.k_len - n0, p.D, tid);
-    load_tile<T, kBwdBN, kD, kBwdThreads>(sm.v, vbase + (int64_t)n0 * p.v_rs, p.v_rs, sq.k_len - n0, p.Dv, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    const bool need_mask = n0 < lo_last || n0 + kBwdBN > hi_first;
-    tile_ds<T, kD, false, kAlibi>(p, sm, row0, n0, sq.q_len, sq.k_len, need_mask, slope_log2, drop_row0, seed,
-                                  offset);
+    load_key_tile<T, kD>(p, sm, rt, n0, tid);
+    tile_ds<T, kD, false, kAlibi>(p, sm, rt.row0, n0, rt.sq.q_len, rt.sq.k_len, rt.need_mask(n0), rt.slope_log2,
+                                  rt.drop_row0, rt.seed, rt.offset);
     __syncthreads();
     tile_dq<T, kD, kD / 16>(acc, sm, wn * (kD / 2));
     __syncthreads();
   }
   cp_async_wait<0>();
 
-  store_acc_tile<T, kD / 16>(static_cast<T*>(bp.dq) + b * bp.dq_bs + h * bp.dq_hs + (sq.q_start + row0) * bp.dq_rs,
-                             bp.dq_rs, acc, bp.scale, 0, rows, wn * (kD / 2), p.D);
+  store_acc_tile<T, kD / 16>(
+      static_cast<T*>(bp.dq) + rt.b * bp.dq_bs + rt.h * bp.dq_hs + (rt.sq.q_start + rt.row0) * bp.dq_rs, bp.dq_rs, acc,
+      bp.scale, 0, rt.rows, wn * (kD / 2), p.D);
 }
 
 template <typename T, int kD>
