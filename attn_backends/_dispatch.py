@@ -204,7 +204,7 @@ def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout
     return (out, lse) if return_lse else out
 
 
-@torch.compiler.disable(reason="a packed call that reads cu_seqlens on the host (docs/architecture.md)")
+@torch.compiler.disable  # (no reason= argument: torch 2.10, the oldest torch we take, may not have it)
 def _eager_varlen(*call):
     """attention_varlen run eagerly under torch.compile: the graph breaks here, as for any such call before
     the flash_varlen kernel was traced (the calls with dropout, and those planned to another backend)."""
