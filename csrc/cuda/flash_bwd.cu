@@ -52,35 +52,27 @@ struct RowArgs {
   int64_t nb, H, S;
 };
 
-template <typename T> struct PreArgs {
-  const T* out;
-  const T* dout;
-  const float* dlse;  // optional
-  float* delta;
-  int64_t o_bs, o_hs, o_rs, do_bs, do_hs, do_rs, dl_bs, dl_hs, dl_rs, de_bs, de_hs, de_rs;
-  RowArgs rows;
-  int Dv;
-};
-
 template <typename T> __device__ __forceinline__ float to_f(T x);
 template <> __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 template <> __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 
-// delta_i = sum_d dout_id out_id - dlse_i: one warp per row, lanes over the head dim.
-template <typename T> __global__ void preprocess_kernel(const PreArgs<T> a) {
+// delta_i = sum_d dout_id out_id - dlse_i: one warp per row, lanes over the head dim (out, dout, dlse
+// and delta as the backward's parameters address them).
+template <typename T> __global__ void preprocess_kernel(const BwdParams bp, const RowArgs rows) {
+  const FwdParams& f = bp.f;
   const int lane = threadIdx.x & 31;
   const int64_t warps = (int64_t)gridDim.x * (blockDim.x / 32);
-  const int64_t total = a.rows.nb * a.rows.H * a.rows.S;
+  const int64_t total = rows.nb * rows.H * rows.S;
   for (int64_t row = blockIdx.x * (int64_t)(blockDim.x / 32) + (threadIdx.x >> 5); row < total; row += warps) {
-    const int64_t i = row % a.rows.S, bh = row / a.rows.S, h = bh % a.rows.H, b = bh / a.rows.H;
-    const T* o = a.out + b * a.o_bs + h * a.o_hs + i * a.o_rs;
-    const T* d = a.dout + b * a.do_bs + h * a.do_hs + i * a.do_rs;
+    const int64_t i = row % rows.S, bh = row / rows.S, h = bh % rows.H, b = bh / rows.H;
+    const T* o = static_cast<const T*>(f.out) + b * f.o_bs + h * f.o_hs + i * f.o_rs;
+    const T* d = static_cast<const T*>(bp.dout) + b * bp.do_bs + h * bp.do_hs + i * bp.do_rs;
     float acc = 0.0f;
-    for (int c = lane; c < a.Dv; c += 32) acc += to_f(o[c]) * to_f(d[c]);
+    for (int c = lane; c < f.Dv; c += 32) acc += to_f(o[c]) * to_f(d[c]);
     for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
     if (lane == 0) {
-      if (a.dlse != nullptr) acc -= a.dlse[b * a.dl_bs + h * a.dl_hs + i * a.dl_rs];
-      a.delta[b * a.de_bs + h * a.de_hs + i * a.de_rs] = acc;
+      if (bp.dlse != nullptr) acc -= bp.dlse[b * bp.dl_bs + h * bp.dl_hs + i * bp.dl_rs];
+      bp.delta[b * bp.de_bs + h * bp.de_hs + i * bp.de_rs] = acc;
     }
   }
 }
@@ -176,18 +168,7 @@ ab_status run(int kD, BwdParams& bp, const ab_attn_params* p, const RowArgs& row
   const int64_t nrows = rows.nb * rows.H * rows.S;
   const bool whole_rows = p->stats.ndim > 0;
   if (!whole_rows && nrows > 0) {
-    PreArgs<T> pa;
-    pa.out = static_cast<const T*>(p->out.data);
-    pa.dout = static_cast<const T*>(p->dout.data);
-    pa.dlse = bp.dlse;
-    pa.delta = bp.delta;
-    pa.o_bs = f.o_bs, pa.o_hs = f.o_hs, pa.o_rs = f.o_rs;
-    pa.do_bs = bp.do_bs, pa.do_hs = bp.do_hs, pa.do_rs = bp.do_rs;
-    pa.dl_bs = bp.dl_bs, pa.dl_hs = bp.dl_hs, pa.dl_rs = bp.dl_rs;
-    pa.de_bs = bp.de_bs, pa.de_hs = bp.de_hs, pa.de_rs = bp.de_rs;
-    pa.rows = rows;
-    pa.Dv = (int)p->Dv;
-    AB_LAUNCH(grid_for(nrows, 8), 256, 0, stream, preprocess_kernel<T>)(pa);
+    AB_LAUNCH(grid_for(nrows, 8), 256, 0, stream, preprocess_kernel<T>)(bp, rows);
     ab_status st = ab_cuda_check(cudaGetLastError(), "flash_bwd preprocess launch", err);
     if (st != AB_OK) return st;
   }
