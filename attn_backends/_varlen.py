@@ -49,9 +49,13 @@ def check_qkv(q, k, v):
 MAX_SEQLEN = 2**31 - 1
 
 
-def _check_cu_args(cu_q, cu_k, max_q, max_k, device):
-    """cu_seqlens' types, dtypes, shapes and devices, and max_seqlen as non-negative ints: what can be
-    checked without reading the values.  Returns [max_q, max_k] as ints."""
+def traced_cu_seqlens(cu_q, cu_k, max_q, max_k, device=None):
+    """What can be checked of cu_seqlens without reading their values (types, dtypes, shapes, devices;
+    max_seqlen as non-negative ints), as torch.compile traces it: no value is read on the host (that would
+    break the graph), so the lengths are not known and max_seqlen stays the caller's bound, as flash-attn
+    takes it; the kernel's op checks the values in C when it runs (csrc/ab_params.c, check_cu).  Eager
+    calls go on to check_cu_seqlens' checks of the values.  Returns (the cu_seqlens as the op takes them:
+    contiguous int32 on the CPU, batch, max_q, max_k)."""
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
         if not isinstance(cu, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -76,16 +80,17 @@ def _check_cu_args(cu_q, cu_k, max_q, max_k, device):
             raise ValueError(f"{name} = {m} is larger than any sequence int32 cu_seqlens can describe; it must be "
                              f"at most 2**31 - 1 (it is an upper bound of the sequence lengths)")
         maxima.append(m)
-    return maxima
+    host_q = cu_q.detach().to("cpu").contiguous()
+    host_k = cu_k.detach().to("cpu").contiguous()
+    return host_q, host_k, cu_q.shape[0] - 1, *maxima
 
 
 def check_cu_seqlens(cu_q, cu_k, max_q, max_k, Tq, Tk, device=None):
     """Validates cu_seqlens on the host; returns (host int32 copies, batch, lengths q, lengths k).
 
-    cu_seqlens may live on the CPU or on q's device (they are copied to the host once, here)."""
-    max_q, max_k = _check_cu_args(cu_q, cu_k, max_q, max_k, device)
-    host_q = cu_q.detach().to("cpu").contiguous()
-    host_k = cu_k.detach().to("cpu").contiguous()
+    cu_seqlens may live on the CPU or on q's device (they are copied to the host once, by
+    traced_cu_seqlens, whose checks come first)."""
+    host_q, host_k, B, max_q, max_k = traced_cu_seqlens(cu_q, cu_k, max_q, max_k, device)
     lens = []
     for name, cu, total, mx in (("cu_seqlens_q", host_q, Tq, max_q), ("cu_seqlens_k", host_k, Tk, max_k)):
         if cu.numel() <= _LIST_CHECK:
@@ -105,18 +110,7 @@ def check_cu_seqlens(cu_q, cu_k, max_q, max_k, Tq, Tk, device=None):
             raise ValueError(f"sequence {b} has {int(d[b])} rows in {name}, more than "
                              f"max_seqlen_{name[-1]} = {mx}")
         lens.append(d)
-    return host_q, host_k, host_q.numel() - 1, lens[0], lens[1]
-
-
-def traced_cu_seqlens(cu_q, cu_k, max_q, max_k, device=None):
-    """check_cu_seqlens as torch.compile traces it: no value is read on the host (that would break the
-    graph), so the lengths are not known and max_seqlen stays the caller's bound, as flash-attn takes
-    it; the kernel's op checks the values in C when it runs (csrc/ab_params.c, check_cu).  Returns (the
-    cu_seqlens as the op takes them: contiguous int32 on the CPU, batch, max_q, max_k)."""
-    max_q, max_k = _check_cu_args(cu_q, cu_k, max_q, max_k, device)
-    host_q = cu_q.detach().to("cpu").contiguous()
-    host_k = cu_k.detach().to("cpu").contiguous()
-    return host_q, host_k, cu_q.shape[0] - 1, max_q, max_k
+    return host_q, host_k, B, lens[0], lens[1]
 
 
 # cu_seqlens up to this length are checked as one list of Python ints (one host read instead of about
