@@ -12,7 +12,7 @@ import os
 import pytest
 
 import attn_backends as ab
-from attn_backends import _dispatch
+from attn_backends import _dispatch, _planner
 
 EMU_LIB = os.path.join(os.path.dirname(ab.__file__), "libattn_backends_cuda_emu.so")
 
@@ -31,7 +31,25 @@ def set_emulation(on: bool) -> None:
 
 
 def emulation_default() -> bool:
-    return os.environ.get("ATTN_BACKENDS_CUDA_EMULATE", "").strip().lower() in ("1", "true", "yes", "on")
+    """The process's emulation setting (ATTN_BACKENDS_CUDA_EMULATE, read as the library reads it)."""
+    return _planner._env_flag("ATTN_BACKENDS_CUDA_EMULATE")
+
+
+@contextlib.contextmanager
+def cuda_kernels(on=True):
+    """The CUDA kernels (flash forward and backward, flash_varlen, sage, math) for CPU tensors: the emulation
+    and the opt-in CUDA flash kernels on, both back to the process's settings after; calls the kernels do
+    not serve fall back as on a GPU.  A no-op when `on` is false."""
+    if not on:
+        yield
+        return
+    set_emulation(True)
+    ab._C.enable_cuda_flash(True)
+    try:
+        yield
+    finally:
+        ab._C.enable_cuda_flash(_planner._env_flag("ATTN_BACKENDS_CUDA_FLASH"))
+        set_emulation(emulation_default())
 
 
 class Device:

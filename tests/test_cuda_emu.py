@@ -16,11 +16,10 @@ import pytest
 import torch
 
 import attn_backends as ab
-from attn_backends import _planner
 from attn_backends._ops import ops
 from attn_backends._testing import check_2x, check_out_and_grads_2x, keep_mask_for_next_call, reference_attention
 
-from cuda_devices import emulator, launched, set_emulation
+from cuda_devices import cuda_kernels, emulator, launched, set_emulation
 from test_sage import check_sage
 
 pytestmark = pytest.mark.cuda_emu
@@ -28,16 +27,13 @@ pytestmark = pytest.mark.cuda_emu
 
 @pytest.fixture
 def emu():
-    set_emulation(True)
-    ab._C.enable_cuda_flash(True)
-    lib = emulator()
-    lib.ab_cuda_emu_reset_launch_log()
-    try:
-        yield lib
-    finally:
-        lib.ab_cuda_emu_set_device_cc(80)
-        ab._C.enable_cuda_flash(_planner._env_flag("ATTN_BACKENDS_CUDA_FLASH"))  # as at import
-        set_emulation(_planner._env_flag("ATTN_BACKENDS_CUDA_EMULATE"))
+    with cuda_kernels():
+        lib = emulator()
+        lib.ab_cuda_emu_reset_launch_log()
+        try:
+            yield lib
+        finally:
+            lib.ab_cuda_emu_set_device_cc(80)
 
 
 def selftest(lib, which):

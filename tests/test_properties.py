@@ -10,7 +10,6 @@ The profile in conftest.py is derandomized, so CI runs the same examples every t
 ATTN_BACKENDS_FUZZ_EXAMPLES sets the count and ATTN_BACKENDS_FUZZ_RANDOM=1 explores new ones.
 """
 
-import contextlib
 import math
 
 import pytest
@@ -19,9 +18,10 @@ from hypothesis import assume, event, example, given, note
 from hypothesis import strategies as st
 
 import attn_backends as ab
-from attn_backends._planner import _env_flag
 from attn_backends._testing import (FLOORS, check_2x, flat_softmax_floor, keep_mask_for_next_call, make_packed, max_err,
                                     out_and_grads_three_ways, reference_attention, varlen_reference, visible)
+
+from cuda_devices import cuda_kernels
 
 pytestmark = [pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"), pytest.mark.fuzz]
 
@@ -127,25 +127,6 @@ def allowed(p, mask):
 @given(problems())
 def test_random_problems_match_reference(p):
     _check_problem(p)
-
-
-@contextlib.contextmanager
-def cuda_kernels(on=True):
-    """The CUDA kernels (flash forward and backward, flash_varlen, math), which only the CUDA emulator runs in
-    CI: CPU tensors, with the emulation and the opt-in CUDA flash kernels on; calls they do not serve fall
-    back as on a GPU.  A no-op when `on` is false."""
-    if not on:
-        yield
-        return
-    from cuda_devices import emulation_default, set_emulation
-
-    set_emulation(True)
-    ab._C.enable_cuda_flash(True)
-    try:
-        yield
-    finally:
-        ab._C.enable_cuda_flash(_env_flag("ATTN_BACKENDS_CUDA_FLASH"))
-        set_emulation(emulation_default())
 
 
 @pytest.mark.cuda_emu
@@ -312,7 +293,7 @@ def test_huge_logits_do_not_overflow(emulated, Sq, Sk, D, magnitude, causal, bac
 @pytest.mark.parametrize("emulated", [False, pytest.param(True, marks=pytest.mark.cuda_emu, id="cuda_emu")])
 def test_random_packed_problems_match_reference(emulated, lens, Hkv, group, D, dtype, causal, window, backend, slack,
                                                 grad, seed):
-    # emulated: on the CUDA kernels (cuda_kernels above), where flash_varlen takes the bfloat16 draws
+    # emulated: on the CUDA kernels (cuda_devices.cuda_kernels), where flash_varlen takes the bfloat16 draws
     with cuda_kernels(emulated):
         _check_packed(lens, Hkv, group, D, dtype, causal, window, backend, slack, grad, seed)
 
