@@ -168,6 +168,21 @@ def test_the_planner_weighs_the_emulated_devices_shared_memory(emu):
         ab._dispatch.reset_caches()
 
 
+def test_a_faulting_call_leaves_the_planners_device_queries_working(emu):
+    # a kernel fault made the emulated device sticky past the end of its call, so the planner's query of
+    # its shared memory failed and read as "not known": after a faulting self-test, the emulated sm_86
+    # still planned the backward at head dim 192 on flash (test_the_planner_weighs_... failed when run
+    # after one)
+    assert selftest(emu, "oob_store")[0] == -1
+    q = torch.randn(1, 1, 8, 192, dtype=torch.bfloat16, requires_grad=True)
+    emu.ab_cuda_emu_set_device_cc(86)
+    ab._dispatch.reset_caches()
+    try:
+        assert "this device allows 101376" in ab.explain(q, q, q, backend="flash").reasons["flash"]
+    finally:
+        ab._dispatch.reset_caches()
+
+
 def test_the_switch_routes_through_the_planner_and_says_so(emu):
     q, k, v = (torch.randn(1, 2, 20, 64, dtype=torch.bfloat16) for _ in range(3))
     plan = ab.explain(q, k, v, backend="flash")

@@ -305,6 +305,10 @@ void session_end() {
   for (const Buffer& b : s.buffers) munmap(b.map, b.map_len);
   s.buffers.clear();
   s.pool = nullptr;
+  // a fault is the call's (its context's), not the device's: the planner's queries between calls
+  // (shared memory, compute capability) would otherwise fail after it and read as "not known"
+  s.last_error = cudaSuccess;
+  s.sticky = false;
   s.call.unlock();
 }
 
