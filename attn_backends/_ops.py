@@ -298,6 +298,7 @@ def _make_varlen_autograd(bwd_op, flash=True):
             if sinks is not None:
                 rest[11] = dsinks
             return (dq, dk, dv, *rest)
+        grad_out = _grad_out(grad_out, out, False)  # None where only lse reaches the loss
         dq, dk, dv, dsinks = bwd_op(grad_out, q, k, v, out, lse, grad_lse, cu_q, cu_k, *ctx.args, rng_state,
                                     *ctx.opts, deterministic_backward(ctx), stats, sinks, alibi, *ctx.cu_device)
         if sinks is not None:
