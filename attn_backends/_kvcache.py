@@ -600,7 +600,14 @@ def gather(c: KVCall, rows: _Rows):
     end = torch.tensor(rows.end, dtype=torch.int64, device=dev).view(B, 1, 1)
     lo = torch.tensor(rows.lo, dtype=torch.int64, device=dev).view(B, 1, 1)
     ii = torch.arange(Sq, device=dev).view(1, Sq, 1) + end - Sq  # the query's position
-    vis = ((j >= lo) & (j < end)).expand(B, Sq, S)
+    own = (j >= lo) & (j < end)  # (B, 1, S): the row's own tokens
+    if any(rows.lo) or min(rows.end, default=S) < S:
+        # Values past a row's end or before its leftpad are not the row's (an uninitialised or reused
+        # cache holds anything there, NaN included): zeros in their place, as flash-attn never reads
+        # them and the decode kernels skip them, since a 0 weight times NaN would still be NaN.  A copy;
+        # the caller's cache is left as it is.  A key there only gives a score the mask hides.
+        V = torch.where(own.view(B, S, 1, 1), V, V.new_zeros(()))
+    vis = own.expand(B, Sq, S)
     if c.causal:
         vis = vis & (j <= ii)
     if c.wl >= 0:

@@ -1563,6 +1563,65 @@ def test_nan_and_inf_reach_the_rows_that_see_them(where, Sq, splits, gen):
     check_nan_and_inf(where, Sq, splits, gen)
 
 
+# ---- garbage outside the rows ---------------------------------------------------------------------
+
+GARBAGE_CASES = [
+    KV(B=3, Sq=1, Hq=4, Hkv=2, D=64, S=90, snew=1, leftpad=True, causal=True),  # decode
+    KV(B=2, Sq=40, Hq=4, Hkv=1, D=32, S=120, block=16, snew=8, causal=True, dtype=torch.bfloat16),  # long queries
+    KV(B=3, Sq=3, Hq=8, Hkv=2, D=64, S=64, batch_idx=True, snew=2, window=(9, 0), alibi="h", leftpad=True),
+    KV(B=2, Sq=20, Hq=2, Hkv=2, D=16, S=70, block=32, leftpad=True, softcap=3.0, sinks=True),
+]
+
+
+def owned_positions(call: Call) -> torch.Tensor:
+    """bool over the caches' first two dims: the positions some row attends to or writes, [cache_leftpad,
+    cache_seqlens + new) of its cache row or blocks."""
+    c = call.c
+    own = torch.zeros(call.k_cache.shape[:2], dtype=torch.bool)
+    for b in range(c.B):
+        for p in range(call.lo[b], call.seq[b] + c.snew):
+            if call.block_table is not None:
+                own[int(call.block_table[b, p // c.block]), p % c.block] = True
+            else:
+                own[int(call.batch_idx[b]) if call.batch_idx is not None else b, p] = True
+    return own
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def check_garbage_outside_rows(case, gen, run):
+    """NaN and infs in every cache position no row owns (an uninitialised cache, pages reused from freed
+    memory): out, lse and the caches' owned positions bit for bit those of the same call with finite values
+    there, the garbage left as it was.  flash-attn never reads those positions."""
+    call = Call(case, gen)
+    own = owned_positions(call)
+    assert (~own).any() and own.any()
+    want_out, want_lse = run(call)
+    want_caches = (call.k_cache.clone(), call.v_cache.clone())
+    call.reset()
+    junk = torch.tensor([math.nan, math.inf, -math.inf], dtype=case.dtype)
+    n = int((~own).sum())
+    call.k_cache[~own] = junk[torch.arange(n) % 3].view(n, 1, 1).expand(n, *call.k_cache.shape[2:])
+    call.v_cache[~own] = junk[(torch.arange(n) + 1) % 3].view(n, 1, 1).expand(n, *call.v_cache.shape[2:])
+    garbage = (call.k_cache.clone(), call.v_cache.clone())
+    out, lse = run(call)
+    assert torch.isfinite(out).all(), "garbage outside the rows reached the output"
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    for got, want, before in zip((call.k_cache, call.v_cache), want_caches, garbage):
+        assert torch.equal(_bits(got[own]), _bits(want[own]))
+        assert torch.equal(_bits(got[~own]), _bits(before[~own]))
+
+
+@pytest.mark.parametrize("backend", ["auto", "paged_attention", "flash", "math", "eager"])
+@pytest.mark.parametrize("case", GARBAGE_CASES, ids=str)
+def test_garbage_outside_the_rows_changes_nothing(case, backend, gen):
+    # flash, math and eager over the gathered cache (and auto, paged_attention and flash where they take that
+    # route: long queries) once multiplied a value past a row's end by its 0 weight: NaN there made the row NaN
+    check_garbage_outside_rows(case, gen, lambda call: call.run(backend))
+
+
 # ---- scores near float32's limits ----------------------------------------------------------------
 
 EXTREME_SCALES = [1e-39, 2.0**-133, 1e-41, 0.0]  # scaled scores of 0 to about 100

@@ -21,8 +21,8 @@ from attn_backends import _C, _dispatch
 from attn_backends._testing import check_2x
 
 from cuda_devices import both, emulator, launched, launched_blocks
-from test_kvcache import (BAD, EXTREME_SCALES, KV, NAN_PLACES, Call, _base, check_extreme_scale, check_nan_and_inf,
-                          kv_calls)
+from test_kvcache import (BAD, EXTREME_SCALES, GARBAGE_CASES, KV, NAN_PLACES, Call, _base, check_extreme_scale,
+                          check_garbage_outside_rows, check_nan_and_inf, kv_calls)
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -164,6 +164,13 @@ def test_matches_the_reference_and_the_cpu_kernel_and_writes_the_cache(decode, k
     check_2x("out against the CPU kernel", out, ref_out, cpu_out, 2, case.dtype)
     check_2x("lse against the CPU kernel", lse, ref_lse, cpu_lse, 2, case.dtype)
     assert torch.equal(call.k_cache, cpu_caches[0]) and torch.equal(call.v_cache, cpu_caches[1])
+
+
+@pytest.mark.parametrize("dev, case, kernel", both_kernels(GARBAGE_CASES, GARBAGE_CASES), indirect=["dev", "kernel"])
+def test_garbage_outside_the_rows_changes_nothing(decode, kernel, case, gen):
+    # test_kvcache's case on the CUDA kernels: NaN and infs where no row reads (past a row's end, before its
+    # leftpad, unused blocks) give the bits of finite values there
+    check_garbage_outside_rows(case, gen, lambda call: run(decode, call))
 
 
 @pytest.mark.parametrize("dev, case, kernel", both_kernels(SPLIT_CASES, SPLIT_CASES), indirect=["dev", "kernel"])
