@@ -6,7 +6,9 @@ softmax denominator.  The merge rescales both to the common denominator in float
     lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
 
 computed around m = max(lse_a, lse_b) so nothing overflows.  A part with lse = -inf (no visible
-key) weighs 0; when both are -inf the row stays fully masked: out 0, lse -inf.
+key) weighs 0; when both are -inf the row stays fully masked: out 0, lse -inf.  A NaN lse makes the
+row's out and lse NaN (the split-KV kernels' rule); an lse of +inf gives lse +inf, out NaN, as
+torch.logaddexp and the float64 reference's softmax do.
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torc
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)  # both parts empty: keep exp() finite
     wa, wb = torch.exp(la - m), torch.exp(lb - m)
     total = wa + wb
-    seen = total > 0
+    seen = total != 0  # NaN too: a NaN lse gives NaN, as torch.logaddexp does, not the empty row's -inf
     safe = torch.where(seen, total, torch.ones_like(total))  # no log(0) or 1/0, whose gradients are NaN
     # a row no part saw: lse -inf, and no gradient through it (0/0 in log's backward made it NaN)
     lse = torch.where(seen, m + torch.log(safe), torch.full_like(total, float("-inf")))
+    lse = torch.where(torch.isposinf(m), m, lse)  # an lse of +inf stays +inf (out is NaN: inf - inf)
     inv = torch.where(seen, 1.0 / safe, torch.zeros_like(total))
     out = (out_a.to(acc) * (wa * inv).unsqueeze(-1) + out_b.to(acc) * (wb * inv).unsqueeze(-1)).to(out_a.dtype)
     return out, lse

@@ -37,6 +37,22 @@ def test_fully_masked_parts_weigh_nothing():
     assert torch.equal(out, empty_out) and torch.isneginf(lse).all()
 
 
+@pytest.mark.parametrize("other", [0.0, float("-inf"), float("nan")])
+def test_a_nan_or_infinite_lse_is_not_taken_for_an_empty_part(other):
+    # a NaN lse (a NaN score among a part's keys) made lse -inf, the marker of a row that saw no key, with
+    # out NaN; torch.logaddexp and the split-KV kernels' merge give NaN
+    out_a, out_b = torch.randn(3, 8), torch.randn(3, 8)
+    lse_a = torch.tensor([float("nan"), float("inf"), 0.5])
+    lse_b = torch.full((3,), other)
+    want = torch.logaddexp(lse_a, lse_b)
+    for args in ((out_a, lse_a, out_b, lse_b), (out_b, lse_b, out_a, lse_a)):  # either order
+        out, lse = ab.merge_attention_states(*args)
+        assert torch.allclose(lse, want, equal_nan=True, rtol=1e-6), (lse, want)
+        assert torch.isnan(out[:2]).all()  # NaN in, NaN out; inf - inf in the weights of the second row
+        assert torch.isnan(out[2]).all() == (other != other)
+        assert torch.isfinite(out[2]).all() == (other == other)
+
+
 def test_large_lse_stays_finite_and_exact():
     out_a, out_b = torch.randn(4, 8), torch.randn(4, 8)
     lse_a = torch.full((4,), 1e4)
