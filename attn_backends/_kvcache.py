@@ -169,6 +169,8 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
         raise TypeError(f"q must be float16, bfloat16, float32 or float64, got {q.dtype}")
     dev, dt = q.device, q.dtype
     B, Sq, Hq, D = q.shape
+    if D < 1:
+        raise ValueError(f"q's head dim (its last dim, D) must be at least 1, got shape {tuple(q.shape)}")
     paged = block_table is not None
     layout = "(num_blocks, block_size, Hkv, D)" if paged else "(B_cache, S_cache, Hkv, D)"
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -259,6 +261,8 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
     _float_range_error("softcap", softcap, dt)
     rotary_interleaved = _flag("rotary_interleaved", rotary_interleaved)
     num_splits = max(_int("num_splits", num_splits), 0)  # as flash-attn: 0 or less picks the count
+    if num_splits >= 2**31:  # flash-attn's is a C int; ours are capped at the keys anyway
+        raise ValueError(f"num_splits must be below 2**31 (0 picks the count), got {num_splits}")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, sinks)):
         raise RuntimeError("attention_with_kvcache has no backward (inference only): call it under "
                            "torch.no_grad() or torch.inference_mode(), or with tensors that do not require grad")
@@ -677,7 +681,7 @@ def _attend_flash(c: KVCall, rows: _Rows):
             0.0, c.sinks, c.alibi)
     with _below_autograd():
         out, lse = ops.flash_fwd(*args)[:2]
-    return out.transpose(1, 2), lse
+    return out.transpose(1, 2).contiguous(), lse  # flash-attn's out: callers view it as (B, Sq, Hq * D)
 
 
 def _exact_dtype(device) -> torch.dtype:
@@ -714,7 +718,7 @@ def _attend_exact(c: KVCall, rows: _Rows):
     p = e / torch.where(dead, torch.ones_like(denom), denom)
     lse = torch.where(dead, torch.full_like(denom, -math.inf), m + torch.log(denom)).squeeze(-1)
     out = torch.einsum("bhts,bshd->bthd", p, Vr)
-    return out.to(c.q.dtype), lse.float()
+    return out.to(c.q.dtype).contiguous(), lse.float()  # as _attend_flash's
 
 
 def _flash_hands_to_decode(c: KVCall) -> bool:
@@ -779,7 +783,7 @@ def run_sdpa(c: KVCall):
     # torch's own function (ORIGINAL_SDPA: not a patched one), over (B, H, S, D) views of the cache
     out = ORIGINAL_SDPA(q.transpose(1, 2), c.k_cache[:B, :S].transpose(1, 2), c.v_cache[:B, :S].transpose(1, 2),
                         scale=c.scale, enable_gqa=Hq != c.k_cache.shape[2])
-    return out.transpose(1, 2), None
+    return out.transpose(1, 2).contiguous(), None  # as _attend_flash's (a copy only where Sq > 1)
 
 
 RUNNERS = {

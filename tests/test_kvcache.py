@@ -229,6 +229,9 @@ class Call:
         """check() without lse, for a route that returns none (torch SDPA's)."""
         c = self.c
         assert out.shape == (c.B, c.Sq, c.Hq, c.D) and out.dtype == c.dtype
+        assert out.is_contiguous(), f"out strides {out.stride()}: flash-attn's callers view it as (B, Sq, Hq * D)"
+        if lse is not None:
+            assert lse.shape == (c.B, c.Hq, c.Sq) and lse.dtype == torch.float32
         ref_out, ref_lse = self.reference(torch.float64)
         same_out, same_lse = self.reference(c.dtype)
         # with rotary in a 16-bit dtype, q rotated may be kept in float32 (the CUDA kernels, the CPU kernel
@@ -1323,6 +1326,8 @@ BAD = [
     ("block table dtype", lambda c: dict(block_table=c.block_table.float()), TypeError, r"block_table must be int32"),
     ("head dims", lambda c: dict(q=torch.randn(2, 1, 4, 8)), ValueError, r"k_cache's head dim \(16\) must equal q's \(8\)"),
     ("heads", lambda c: dict(q=torch.randn(2, 1, 3, 16)), ValueError, r"multiple of the cache's key/value heads"),
+    ("empty head dim", lambda c: dict(q=torch.randn(2, 1, 4, 0)), ValueError, r"q's head dim .* must be at least 1"),
+    ("splits past a C int", lambda c: dict(num_splits=2**70), ValueError, r"num_splits must be below 2\*\*31"),
     ("rotary without k", lambda c: dict(k=None, v=None, rotary_cos=torch.ones(40, 4), rotary_sin=torch.ones(40, 4)),
      ValueError, r"rotary_cos and rotary_sin need the new k and v"),
     ("rotary too wide", lambda c: dict(rotary_cos=torch.ones(40, 9), rotary_sin=torch.ones(40, 9)), ValueError,
