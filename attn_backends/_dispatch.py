@@ -15,6 +15,7 @@ import torch
 from . import _C, _kvcache, _planner, _validate
 from ._names import ID, resolve
 from ._providers import RUNNERS, Attn, direct_guards, new_attn
+from ._providers.ours import run_composite
 
 _DTYPE_IDS = _planner.DTYPE_IDS
 _DEVICE_IDS = _planner.DEVICE_IDS
@@ -107,6 +108,7 @@ def reset_caches() -> None:
     """Forgets every plan and every fallback already reported (tests; after changing providers)."""
     for d in (*_chosen, *_kvcache._chosen):
         d.clear()
+    _transform_warned.clear()
     _C.forget()
     _planner._plans.clear()
     _planner._warned.clear()
@@ -135,11 +137,49 @@ def _arm_fast_path(sig, chosen) -> None:
         _C.remember(sig, _FLASH_VARLEN)  # and attention_varlen's these
 
 
+# ---- forward-mode AD and functorch transforms --------------------------------------------------------
+# The kernels are custom ops with a backward only: under forward-mode AD (torch.autograd.forward_ad,
+# torch.func.jvp / jacfwd) their outputs carried no tangent (a silent 0), and functorch's grad (and vmap
+# of a call that needs a gradient) refused their autograd.Function.  Such calls run the eager composite
+# (plain aten ops, the same semantics), which every transform differentiates and batches.
+_forward_ad = torch.autograd.forward_ad
+_functorch_layer = torch._C._functorch.peek_interpreter_stack
+_BY_ID = {i: name for name, i in ID.items()}
+_TRANSFORM_OK = (ID["auto"], ID["eager"])
+_transform_warned: set = set()
+
+
+def transformed(need_grad: bool = True) -> bool:
+    """Whether forward-mode AD (a dual level) is active, or a functorch transform (grad, vmap) with a gradient
+    to take (the ops' autograd.Function has no functorch rules; a forward alone under vmap runs the op, a
+    loop over the batch); never while torch.compile traces (AOTAutograd differentiates its graph, through
+    the ops' backward)."""
+    return not _is_compiling() and (_forward_ad._current_level >= 0 or
+                                     (need_grad and _functorch_layer() is not None))
+
+
+def _transform_runner(sig, strict):
+    """The runner under a transform: the aten composite (eager's semantics), or torch SDPA where it was asked
+    for; a kernel asked for by name falls back to it with one warning, or raises when strict."""
+    if sig.requested == ID["sdpa"]:
+        return RUNNERS[ID["sdpa"]]  # torch's own, as torch runs it under the transform
+    if sig.requested not in _TRANSFORM_OK:
+        name = _BY_ID[sig.requested]
+        why = "forward-mode AD and functorch transforms (jvp, jacfwd, grad, vmap) need plain torch ops"
+        if strict or _planner.STRICT:
+            raise RuntimeError(f"attn_backends: {name!r} cannot serve this call: {why}; the 'eager' backend can")
+        if name not in _transform_warned:
+            _transform_warned.add(name)
+            _planner.logger.warning("attn_backends: %r cannot serve this call: %s; using 'eager' instead", name, why)
+    return run_composite
+
+
 def attention(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse, strict,
               deterministic=False, sinks=None, alibi_slopes=None):
     args, sig = prepare(q, k, v, backend, causal, attn_mask, dropout_p, scale, window, softcap, return_lse,
                         deterministic, sinks, alibi_slopes)
-    out, lse = _runner(sig, strict)(args)
+    runner = _transform_runner(sig, strict) if transformed(sig.need_grad) else _runner(sig, strict)
+    out, lse = runner(args)
     return (out, lse) if return_lse else out
 
 
@@ -197,7 +237,7 @@ def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout
         return _eager_varlen(*call)  # dropout numbers rows by the longest sequence, which the trace does not know
     args, sig = prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window,
                                softcap, return_lse, deterministic, sinks, alibi_slopes)
-    runner = _runner(sig, strict)
+    runner = _transform_runner(sig, strict) if transformed(sig.need_grad) else _runner(sig, strict)
     if _is_compiling() and runner is not RUNNERS[_FLASH_VARLEN]:
         return _eager_varlen(*call)  # the others pad by the lengths on the host (_varlen.pad)
     out, lse = runner(args)

@@ -127,8 +127,37 @@ def _with_strides(out: torch.Tensor, strides: tuple) -> torch.Tensor:
     return torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device).copy_(out)
 
 
+def _autocast_dtype(query):
+    """The dtype autocast gives F.sdpa's floating arguments here, or None when it is off for query's device
+    (torch lists scaled_dot_product_attention as lower-precision on CPU and CUDA)."""
+    if not isinstance(query, torch.Tensor):
+        return None
+    dev = query.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+
+
+def _autocast_cast(t, dtype, dev):
+    """As autocast's cast: floating tensors on its device other than float64 to its dtype."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.device.type == dev:
+        return t.to(dtype)
+    return t
+
+
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
          *, backend=None):
+    from . import _dispatch
+
+    cast = _autocast_dtype(query)
+    if cast is not None:
+        # what F.sdpa computes under autocast: its floating arguments cast first, then the call as such (with
+        # autocast off, so that no op inside it is cast again)
+        dev = query.device.type
+        query, key, value, attn_mask = (_autocast_cast(t, cast, dev) for t in (query, key, value, attn_mask))
+        with torch.autocast(dev, enabled=False):
+            return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend)
+    if _dispatch.transformed():  # forward-mode AD, vmap, grad: torch's own, as the patch promises
+        return ORIGINAL_SDPA(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                             scale=scale, enable_gqa=enable_gqa)
     from . import attention
 
     if not _servable(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):

@@ -116,6 +116,25 @@ def test_sdpa_raises_what_torch_raises(call):
     assert str(ours.value) == str(theirs.value)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("mask", [None, "float", "bool"])
+def test_sdpa_under_autocast_casts_as_torch(dtype, mask, gen):
+    # torch casts F.sdpa's floating arguments to the autocast dtype (float64 excepted); ours returned float32
+    q, k, v = (torch.randn(2, 4, 9, 16, generator=gen) for _ in range(3))
+    m = {None: None, "float": torch.randn(9, 9, generator=gen), "bool": torch.rand(9, 9, generator=gen) > 0.3}[mask]
+    with torch.autocast("cpu", dtype=dtype):
+        theirs = ORIGINAL_SDPA(q, k, v, attn_mask=m, is_causal=m is None)
+        ours = ab.sdpa(q, k, v, attn_mask=m, is_causal=m is None)
+        with ab.patched_sdpa():
+            patched = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=m is None)
+        kept = ab.sdpa(q.double(), k.double(), v.double(), is_causal=True)  # float64 is not cast
+    assert ours.dtype == patched.dtype == theirs.dtype == dtype and kept.dtype == torch.float64
+    cast = [t.to(dtype) for t in (q, k, v)]
+    want = ORIGINAL_SDPA(*cast, attn_mask=m.to(dtype) if mask == "float" else m, is_causal=m is None)
+    assert torch.equal(ours, ab.sdpa(*cast, attn_mask=m.to(dtype) if mask == "float" else m, is_causal=m is None))
+    torch.testing.assert_close(ours, want, atol=2e-2, rtol=2e-2)
+
+
 def test_sdpa_mask_with_is_causal_behaves_as_torch():
     q, k, v = (torch.randn(2, 4, 5, 8) for _ in range(3))
     m = torch.rand(5, 5) > 0.2

@@ -329,3 +329,83 @@ def test_inputs_are_never_modified(backend, gen):
     (out.sum() + lse[torch.isfinite(lse)].sum()).backward()
     for a, b in zip(before, (q, k, v, mask)):
         assert torch.equal(a, b.detach())
+
+
+# ---- forward-mode AD and functorch transforms ----------------------------------------------------------
+# The kernels' ops have a backward only: under forward-mode AD their outputs carried no tangent (jvp gave a
+# silent 0) and functorch's grad refused their autograd.Function; such calls run the aten composite
+# (_dispatch.transformed).  The references: torch's math SDPA and reverse-mode autograd through our kernels.
+
+def _math_sdpa(q, k, v, **kw):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+
+
+@pytest.mark.parametrize("backend", ["auto", "flash", "math", "eager"])
+def test_forward_mode_ad_gives_the_tangent(backend, gen):
+    q, k, v, t = (torch.randn(2, 4, 5, 8, generator=gen, dtype=torch.float64) for _ in range(4))
+    mask = torch.rand(2, 1, 5, 5, generator=gen) > 0.3
+    want = torch.func.jvp(lambda q: _math_sdpa(q, k, v, attn_mask=mask), (q,), (t,))[1]
+    got = torch.func.jvp(lambda q: ab.attention(q, k, v, attn_mask=mask, backend=backend), (q,), (t,))[1]
+    assert torch.allclose(got, want, atol=1e-12, rtol=1e-10)
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        out = ab.attention(fwAD.make_dual(q, t), k, v, attn_mask=mask, backend=backend)
+        tangent = fwAD.unpack_dual(out).tangent
+    assert tangent is not None and torch.allclose(tangent, want, atol=1e-12, rtol=1e-10)
+
+
+def test_jacfwd_matches_reverse_mode(gen):
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=gen, dtype=torch.float64) for _ in range(3))
+    fwd = torch.func.jacfwd(lambda q: ab.attention(q, k, v, causal=True))(q)
+    rev = torch.func.jacrev(lambda q: ab.attention(q, k, v, causal=True))(q)
+    assert fwd.abs().max() > 0 and torch.allclose(fwd, rev, atol=1e-12)
+
+
+def test_functorch_grad_and_per_sample_gradients(gen):
+    from attn_backends.flash_attn import flash_attn_func
+
+    q, k, v = (torch.randn(5, 2, 4, 8, generator=gen) for _ in range(3))
+    per_sample = torch.func.vmap(torch.func.grad(lambda q, k, v: ab.attention(q[None], k[None], v[None],
+                                                                             causal=True).sum()))
+    got = per_sample(q, k, v)
+    leaves = q.clone().requires_grad_()
+    ab.attention(leaves, k, v, causal=True).sum().backward()  # the samples are independent
+    assert torch.allclose(got, leaves.grad, atol=1e-5)
+    qf = q.transpose(1, 2)  # flash-attn's (B, S, H, D)
+    g = torch.func.grad(lambda x: flash_attn_func(x, qf, qf).sum())(qf)
+    x = qf.clone().requires_grad_()
+    flash_attn_func(x, qf, qf).sum().backward()
+    assert torch.allclose(g, x.grad, atol=1e-5)
+
+
+def test_packed_calls_under_forward_mode_ad(gen):
+    q, k, v, cu_q, cu_k = make_packed([3, 0, 5], [4, 2, 6], 2, 1, 8, 8, torch.float64, gen)
+    t = torch.randn(q.shape, generator=gen, dtype=torch.float64)
+    got = torch.func.jvp(lambda q: ab.attention_varlen(q, k, v, cu_q, cu_k, 5, 6, causal=True), (q,), (t,))[1]
+    want = torch.func.jvp(lambda q: varlen_reference(q, k, v, cu_q, cu_k, causal=True)[0], (q,), (t,))[1]
+    assert torch.allclose(got, want, atol=1e-12, rtol=1e-10)
+
+
+def test_a_kernel_named_under_a_transform_falls_back_once_or_raises_when_strict(caplog, gen):
+    q, t = (torch.randn(1, 2, 3, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    with pytest.raises(RuntimeError, match="'flash' cannot serve this call: forward-mode AD"):
+        torch.func.jvp(lambda q: ab.attention(q, q, q, backend="flash", strict=True), (q,), (t,))
+    from attn_backends import _dispatch
+
+    _dispatch.reset_caches()
+    with caplog.at_level("WARNING", logger="attn_backends"):
+        for _ in range(2):
+            torch.func.jvp(lambda q: ab.attention(q, q, q, backend="sage"), (q,), (t,))
+    assert sum("'sage' cannot serve this call: forward-mode AD" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_vmap_of_a_forward_keeps_the_kernel(gen):
+    # no gradient to take: the op runs under vmap (torch loops over the batch), as before
+    q = torch.randn(3, 2, 2, 6, 16, generator=gen)
+    got = torch.func.vmap(lambda x: ab.attention(x, x, x, causal=True))(q)
+    want = torch.stack([ab.attention(x, x, x, causal=True) for x in q])
+    assert torch.allclose(got, want, atol=1e-6)

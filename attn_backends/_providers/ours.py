@@ -89,10 +89,19 @@ _function_mode = torch._C._is_torch_function_mode_enabled
 _inference_mode = torch.is_inference_mode_enabled
 _tracing_state = torch._C._get_tracing_state
 _functorch_layer = torch._C._functorch.peek_interpreter_stack
+_forward_ad = torch.autograd.forward_ad
+
+
+def _dual_level() -> bool:
+    """Forward-mode AD active (torch.autograd.forward_ad.dual_level): its dual tensors are plain tensors
+    that need no gradient, and the ops would drop their tangents (_dispatch.transformed)."""
+    return _forward_ad._current_level >= 0
+
+
 # each returns something false when no mode, transform or trace is active.  read_guards: the calls that
 # may run in inference mode (attention_with_kvcache's direct call and fast path, _kvcache.py);
 # direct_guards: direct_ok's and ab.attention's fast path, which leave inference mode to the op
-read_guards = (_dispatch_modes, _function_mode, _tracing_state, _functorch_layer)
+read_guards = (_dispatch_modes, _function_mode, _tracing_state, _functorch_layer, _dual_level)
 direct_guards = read_guards + (_inference_mode,)
 
 
@@ -114,7 +123,8 @@ def direct_ok(q, k, v, mask) -> bool:
     eager calls)."""
     return (not _is_compiling() and q.__class__ is _Tensor and k.__class__ is _Tensor and v.__class__ is _Tensor
             and (mask is None or mask.__class__ is _Tensor) and not _dispatch_modes() and not _function_mode()
-            and not _inference_mode() and _tracing_state() is None and _functorch_layer() is None)
+            and not _inference_mode() and _tracing_state() is None and _functorch_layer() is None
+            and not _dual_level())
 
 
 _FLASH_OP, _MATH_OP = _ops.ops.flash_fwd.default, _ops.ops.math_fwd.default
@@ -246,6 +256,20 @@ def _run_eager_dense(a):
 
 
 _run_eager_packed = packed.padded(_run_eager_dense)
+
+
+def _run_composite_dense(a):
+    return _eager.attention(a.q, a.k, a.v, a.mask, a.causal, a.scale, a.wl, a.wr, a.softcap, a.p, sinks=a.sinks,
+                            alibi=a.alibi)
+
+
+_run_composite_packed = packed.padded(_run_composite_dense)
+
+
+def run_composite(a):
+    """The aten composite (_eager.attention) on every device, the kernels left out: what forward-mode AD and
+    functorch's transforms run (_dispatch.transformed), since they differentiate and batch plain ops only."""
+    return _run_composite_dense(a) if a.cu_q is None else _run_composite_packed(a)
 
 
 def run_eager(a):
