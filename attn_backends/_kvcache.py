@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import numbers
 import operator
 from typing import NamedTuple, Optional
 
@@ -42,6 +41,7 @@ from ._ops import ops
 from ._providers.ours import read_guards, read_ok
 from ._providers.torch_sdpa import ORIGINAL_SDPA
 from ._validate import _float_range_error, as_int, check_sinks, finite
+from ._validate import as_real as _real, is_bool as _is_bool, type_name as _kind
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _INDEX = (torch.int32, torch.int64)
@@ -102,17 +102,6 @@ def _index(name, t, B, device):
         raise ValueError(f"{name} must have shape (B,) = ({B},), got {tuple(t.shape)}")
 
 
-def _kind(x) -> str:
-    """A value's type for an error message, qualified outside the builtins (numpy.bool, not bool)."""
-    t = type(x)
-    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
-
-
-def _is_bool(x) -> bool:
-    return (isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool"))
-            or (isinstance(x, torch.Tensor) and x.dtype == torch.bool))
-
-
 def _int(name, x, least=None):
     """An integer argument as flash-attn takes it (_validate.as_int: a Python or NumPy int, or a 0-d
     integer tensor; bools are refused), at least `least`."""
@@ -127,14 +116,6 @@ def window_pair(window_size) -> tuple:
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
     return max(_int("window_size[0]", window_size[0]), -1), max(_int("window_size[1]", window_size[1]), -1)
-
-
-def _real(name, x, what):
-    """A float argument: a Python or NumPy real, or a 0-d real tensor (flash-attn takes them all)."""
-    if _is_bool(x) or not (isinstance(x, numbers.Real) or isinstance(x, torch.Tensor) and x.ndim == 0
-                           and not x.is_complex()):
-        raise TypeError(f"{name} must be {what}, got {_kind(x)}")
-    return float(x)
 
 
 def _flag(name, x, what=""):

@@ -8,6 +8,7 @@ The C core checks again at the op boundary (direct torch.ops calls), with Runtim
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 
 import torch
@@ -116,6 +117,29 @@ def check_causal(causal) -> int:
         ) from None
 
 
+def type_name(x) -> str:
+    """A value's type for an error message, qualified outside the builtins (numpy.bool, not bool)."""
+    t = type(x)
+    return t.__name__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__name__}"
+
+
+def is_bool(x) -> bool:
+    """True/False, a NumPy bool or a bool tensor."""
+    return (isinstance(x, bool) or (type(x).__module__ == "numpy" and type(x).__name__ in ("bool_", "bool"))
+            or (isinstance(x, torch.Tensor) and x.dtype == torch.bool))
+
+
+def as_real(name: str, x, what: str) -> float:
+    """A float argument as a Python float: a Python or NumPy real, or a 0-d real tensor, as F.sdpa and
+    flash-attn take them (bools are refused)."""
+    if is_bool(x) or not (isinstance(x, numbers.Real) or isinstance(x, torch.Tensor) and x.ndim == 0
+                          and not x.is_complex()):
+        raise TypeError(f"{name} must be {what}, got {type_name(x)}")
+    if isinstance(x, torch.Tensor) and x.device.type == "meta":
+        raise ValueError(f"{name} must hold a value, got a tensor on the meta device")
+    return float(x)
+
+
 def as_int(val, name: str) -> int:
     """val as a Python int: an int, a numpy integer, or a 0-d integer tensor (flash-attn's own tests pass
     window sizes as tensors).  bool is not an int here."""
@@ -175,9 +199,7 @@ def _float_range_error(name: str, val: float, dtype) -> None:
 def check_scale(scale, D: int, dtype=torch.float32) -> float:
     if scale is None:
         return 1.0 / math.sqrt(D)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    scale = float(scale)
+    scale = as_real("scale", scale, "a float or None")
     if not finite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
     _float_range_error("scale", scale, dtype)
@@ -185,9 +207,7 @@ def check_scale(scale, D: int, dtype=torch.float32) -> float:
 
 
 def check_softcap(softcap, dtype=torch.float32) -> float:
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float, got {type(softcap).__name__}")
-    softcap = float(softcap)
+    softcap = as_real("softcap", softcap, "a float")
     if not (softcap >= 0.0 and finite(softcap)):
         raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
     _float_range_error("softcap", softcap, dtype)
@@ -195,9 +215,7 @@ def check_softcap(softcap, dtype=torch.float32) -> float:
 
 
 def check_dropout(dropout_p) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
-    dropout_p = float(dropout_p)
+    dropout_p = as_real("dropout_p", dropout_p, "a float")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     return dropout_p

@@ -80,12 +80,32 @@ def test_bad_mask(mask, exc, match):
         (dict(causal=2), ValueError, r"causal must be"),
         (dict(scale=math.nan), ValueError, r"scale must be finite, got nan"),
         (dict(scale="x"), TypeError, r"scale must be a float or None, got str"),
+        (dict(scale=True), TypeError, r"scale must be a float or None, got bool"),
+        (dict(scale=torch.ones(2)), TypeError, r"scale must be a float or None, got torch.Tensor"),
+        (dict(softcap=torch.tensor(True)), TypeError, r"softcap must be a float, got torch.Tensor"),
+        (dict(dropout_p=1j), TypeError, r"dropout_p must be a float, got complex"),
         (dict(backend="flash_attn_9"), ValueError, r"unknown backend 'flash_attn_9'; valid names are: auto, flash, flash_attn, .*math"),
         (dict(backend=3), TypeError, r"backend must be a str, got int"),
     ],
 )
 def test_bad_options(kwargs, exc, match):
     raises(exc, match, ab.attention, *qkv(), **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "tensor"])
+def test_float_options_as_numpy_scalars_and_0d_tensors(kind):
+    # F.sdpa takes them (and window sides were taken so); scale, softcap and dropout_p raised TypeError
+    import numpy as np
+
+    wrap = {"numpy": np.float32, "tensor": torch.tensor}[kind]
+    q, k, v = qkv()
+    for name, value in (("scale", 0.25), ("softcap", 3.0)):
+        got = ab.attention(q, k, v, backend="flash", **{name: wrap(value)})
+        assert torch.equal(got, ab.attention(q, k, v, backend="flash", **{name: float(wrap(value))})), name
+    torch.manual_seed(0)
+    got = ab.attention(q, k, v, backend="math", dropout_p=wrap(0.25))
+    torch.manual_seed(0)
+    assert torch.equal(got, ab.attention(q, k, v, backend="math", dropout_p=float(wrap(0.25))))
 
 
 def test_resolve():
