@@ -1,6 +1,7 @@
 /* math_cpu_impl.h -- body of the math (exact reference) CPU kernel, written once for both
- * accumulation types.  math_cpu.c includes it twice: ACC = float (float16, bfloat16 and float32
- * inputs) and ACC = double (float64 inputs, so gradcheck sees float64 all the way through).
+ * accumulation types.  math_cpu.c includes it twice: ACC = float (float16 and bfloat16 inputs) and
+ * ACC = double (float32 and float64 inputs: exact to the output's rounding, and gradcheck sees float64
+ * all the way through; math_cpu.c exact_in_double).
  * SFX(name) gives each copy its own symbol names; ACC_EXP is the libm exp of that precision (the
  * scores themselves, their softcap and lse are computed in double).  No include guard on purpose.
  *
