@@ -178,6 +178,12 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
                                  f"got {tuple(t.shape)}")
         if v.shape != k.shape:
             raise ValueError(f"v must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            shared = [d for d in range(3) if c.stride(d) == 0 and c.shape[d] > 1] if k.shape[1] else []
+            if shared:  # as ab_kvcache_params_check (csrc/ab_params.c); torch refuses such writes too
+                raise ValueError(f"{name} is written in place (k and v are given) but has a zero stride in dim "
+                                 f"{shared[0]}: an expanded view, whose positions share memory; pass a cache that "
+                                 "owns its memory")
     seqlens, seqlen = None, -1
     if cache_seqlens is None:
         if k is not None:

@@ -403,6 +403,16 @@ ab_status ab_kvcache_params_check(const ab_kvcache_params* p, ab_device_type dev
     AB_TRY(want_dtype(err, "v", &p->v_new, dt));
     if (!p->cache_seqlens.ndim && p->cache_seqlen < 0)
       return ab_error_set(err, AB_ERR_INVALID, "cache_seqlens is required when k and v are given (where to write them)");
+    /* an expanded cache (a zero stride over several rows, positions or heads) is one memory for many
+     * positions: a write there would land in all of them, so it is refused as torch refuses such writes */
+    const ab_tensor* caches[2] = {&p->k_cache, &p->v_cache};
+    for (int c = 0; c < 2 && p->k_new.sizes[1] > 0; ++c)
+      for (int d = 0; d < 3; ++d)
+        if (caches[c]->strides[d] == 0 && caches[c]->sizes[d] > 1)
+          return ab_error_set(err, AB_ERR_INVALID,
+                              "%s is written in place (k and v are given) but has a zero stride in dim %d: an "
+                              "expanded view, whose positions share memory; pass a cache that owns its memory",
+                              c ? "v_cache" : "k_cache", d);
   }
   if ((p->rotary_cos.ndim > 0) != (p->rotary_sin.ndim > 0))
     return ab_error_set(err, AB_ERR_INVALID, "rotary_cos and rotary_sin must be given together");

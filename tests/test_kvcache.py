@@ -712,6 +712,21 @@ def test_opcheck(gen):
     torch.library.opcheck(torch.ops.attn_backends.kvcache_fwd.default, args)
 
 
+def test_the_op_refuses_to_write_an_expanded_cache(gen):
+    # the op called directly checks as the Python layer does (csrc/ab_params.c): a zero stride over several
+    # positions of a cache that k and v would be written into; nothing written
+    call = Call(KV(B=2, Sq=1, Hq=4, Hkv=2, D=32, S=40, snew=1), gen)
+    shared = call.v_cache[:, :1].expand(call.v_cache.shape)
+    with pytest.raises(RuntimeError, match=r"v_cache is written in place .* zero stride in dim 1"):
+        torch.ops.attn_backends.kvcache_fwd(call.q, call.k_cache, shared, call.k, call.v, None, None,
+                                            call.cache_seqlens, -1, None, None, None, None, 0.2, False, -1, -1,
+                                            0.0, True, 0)
+    assert torch.equal(call.k_cache, call.before[0]) and torch.equal(call.v_cache, call.before[1])
+    # read only (no new k, v): an expanded cache is read in place
+    out = ab.attention_with_kvcache(call.q, call.k_cache, shared, cache_seqlens=call.cache_seqlens)
+    assert out.shape == call.q.shape
+
+
 DIRECT_CASES = CASES + [
     KV(B=3, Sq=1, Hq=8, Hkv=2, D=64, S=120, block=16, dtype=torch.float16),
     KV(B=2, Sq=2, Hq=4, Hkv=2, D=48, S=64, batch_idx=True, causal=True, softcap=3.0),
@@ -1351,6 +1366,9 @@ BAD = [
     ("causal type", lambda c: dict(causal="yes"), TypeError, r"causal must be a bool .*, got str"),
     ("strided cache", lambda c: dict(k_cache=c.k_cache.transpose(2, 3).contiguous().transpose(2, 3)), ValueError,
      r"k_cache must have a contiguous last dimension"),
+    # an expanded cache: a write there lands in every position that shares the memory (it was done silently)
+    ("expanded cache", lambda c: dict(v_cache=c.v_cache[:, :1].expand(c.v_cache.shape)), ValueError,
+     r"v_cache is written in place \(k and v are given\) but has a zero stride in dim 1"),
 ]
 
 
