@@ -235,8 +235,10 @@ def patched_sdpa(backend: str = "auto"):
 # ---- argparse -----------------------------------------------------------------------------------
 
 def _backend_arg(value: str) -> str:
+    from ._transformers import continuous_batching
+
     try:
-        return _resolve_any(value)
+        return value if continuous_batching(value) else _resolve_any(value)  # a "paged|" name: as given
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -314,7 +316,11 @@ def apply_args(args, *more, for_hf: bool = False) -> str:
                 return value
         return default
 
-    name = _resolve_any(flag("attn_implementation", "auto"))
+    from ._transformers import continuous_batching
+
+    given = flag("attn_implementation", "auto")
+    batching = continuous_batching(given)  # "paged|eager", ...: the planner's choice, as "auto"
+    name = "auto" if batching else _resolve_any(given)
     if name == "auto":  # no choice on the command line: ATTN_BACKENDS_BACKEND still decides
         name = _planner.ENV_BACKEND
     _planner.set_process_default(name)
@@ -326,5 +332,5 @@ def apply_args(args, *more, for_hf: bool = False) -> str:
         from . import _transformers
 
         _transformers.register()
-        return _transformers.hf_name(name)
+        return _transformers.hf_name(given if batching else name)
     return name

@@ -63,9 +63,24 @@ ALIASES = {_old_name(c): c for c in CANONICAL if _old_name(c) != NAMES[c]}
 _BY_HF_NAME = {**{n: c for c, n in NAMES.items()}, **ALIASES}
 
 
+def continuous_batching(backend) -> bool:
+    """Whether backend is one of transformers' continuous-batching names, "paged|" and an implementation
+    ("paged|eager", "paged|sdpa", "paged|flash_attention_2"): ValueError where the rest is no name we take."""
+    if not (isinstance(backend, str) and backend.startswith("paged|")):
+        return False
+    rest = backend[len("paged|"):]
+    if _BY_HF_NAME.get(rest) is None:
+        resolve(rest)
+    return True
+
+
 def hf_name(backend: str) -> str:
     """The attn_implementation registered for any accepted backend name (ours, HF's own names such
-    as "sdpa" or "flash_attention_2", or a registered attn_implementation, old spellings included)."""
+    as "sdpa" or "flash_attention_2", or a registered attn_implementation, old spellings included).
+    transformers' continuous-batching names ("paged|eager", ...) give FLASH_API, the one name of ours its
+    generate_batch takes (it runs its paged cache on our flash-attn functions)."""
+    if continuous_batching(backend):
+        return FLASH_API
     canonical = _BY_HF_NAME.get(backend) if isinstance(backend, str) else None
     return NAMES[canonical if canonical is not None else resolve(backend)]
 

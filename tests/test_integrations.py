@@ -343,6 +343,40 @@ def test_apply_args_with_hf_argument_parser_hands_back_the_hf_name():
         _planner.settings["mps_fix"] = True
 
 
+def test_continuous_batching_names_give_the_name_generate_batch_takes():
+    # "paged|eager" (transformers' continuous-batching spelling, which its generate_batch still takes) was an
+    # unknown backend to hf_name and to apply_args, so a script that added our flags stopped parsing it
+    transformers = pytest.importorskip("transformers")
+    from dataclasses import dataclass, field
+    from typing import Optional
+
+    from attn_backends import _planner, _transformers
+
+    for name in ("paged|eager", "paged|sdpa", "paged|flash_attention_2", "paged|attn_backends_fa"):
+        assert ab.hf_name(name) == _transformers.FLASH_API
+    with pytest.raises(ValueError, match="unknown backend 'bogus'"):
+        ab.hf_name("paged|bogus")
+
+    @dataclass
+    class ModelArguments:
+        attn_implementation: Optional[str] = field(default=None, metadata={"help": "attention"})
+
+    parser = transformers.HfArgumentParser(ModelArguments)
+    ab.add_argparse_args(parser)
+    try:
+        model_args, extra = parser.parse_args_into_dataclasses(["--attn_implementation", "paged|eager"])
+        assert model_args.attn_implementation == "paged|eager"
+        hf = ab.apply_args(model_args, extra, for_hf=True)
+        assert hf == _transformers.FLASH_API and hf in transformers.AttentionInterface._global_mapping
+        assert _planner.default_backend() == "auto"
+        plain = ab.add_argparse_args(argparse.ArgumentParser())
+        assert ab.apply_args(plain.parse_args(["--attn_implementation", "paged|sdpa"])) == "auto"
+        with pytest.raises(SystemExit):
+            plain.parse_args(["--attn_implementation", "paged|bogus"])
+    finally:
+        _planner.set_process_default("auto")
+
+
 # ---- torch.compile -----------------------------------------------------------------------------
 
 class _Tiny(torch.nn.Module):
