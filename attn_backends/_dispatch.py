@@ -15,7 +15,7 @@ import torch
 from . import _C, _kvcache, _planner, _validate
 from ._names import ID, resolve
 from ._providers import RUNNERS, Attn, direct_guards, new_attn
-from ._providers.ours import run_composite
+from ._providers.ours import dual_level, run_composite
 
 _DTYPE_IDS = _planner.DTYPE_IDS
 _DEVICE_IDS = _planner.DEVICE_IDS
@@ -142,7 +142,6 @@ def _arm_fast_path(sig, chosen) -> None:
 # torch.func.jvp / jacfwd) their outputs carried no tangent (a silent 0), and functorch's grad (and vmap
 # of a call that needs a gradient) refused their autograd.Function.  Such calls run the eager composite
 # (plain aten ops, the same semantics), which every transform differentiates and batches.
-_forward_ad = torch.autograd.forward_ad
 _functorch_layer = torch._C._functorch.peek_interpreter_stack
 _BY_ID = {i: name for name, i in ID.items()}
 _TRANSFORM_OK = (ID["auto"], ID["eager"])
@@ -154,8 +153,7 @@ def transformed(need_grad: bool = True) -> bool:
     to take (the ops' autograd.Function has no functorch rules; a forward alone under vmap runs the op, a
     loop over the batch); never while torch.compile traces (AOTAutograd differentiates its graph, through
     the ops' backward)."""
-    return not _is_compiling() and (_forward_ad._current_level >= 0 or
-                                     (need_grad and _functorch_layer() is not None))
+    return not _is_compiling() and (dual_level() or (need_grad and _functorch_layer() is not None))
 
 
 def _transform_runner(sig, strict):

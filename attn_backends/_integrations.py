@@ -316,10 +316,10 @@ def apply_args(args, *more, for_hf: bool = False) -> str:
                 return value
         return default
 
-    from ._transformers import continuous_batching
+    from . import _transformers
 
     given = flag("attn_implementation", "auto")
-    batching = continuous_batching(given)  # "paged|eager", ...: the planner's choice, as "auto"
+    batching = _transformers.continuous_batching(given)  # "paged|eager", ...: the planner's choice, as "auto"
     name = "auto" if batching else _resolve_any(given)
     if name == "auto":  # no choice on the command line: ATTN_BACKENDS_BACKEND still decides
         name = _planner.ENV_BACKEND
@@ -329,8 +329,6 @@ def apply_args(args, *more, for_hf: bool = False) -> str:
     if flag("patch_sdpa", False):
         patch_sdpa(name)
     if for_hf:
-        from . import _transformers
-
         _transformers.register()
         return _transformers.hf_name(given if batching else name)
     return name

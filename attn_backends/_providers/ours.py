@@ -92,7 +92,7 @@ _functorch_layer = torch._C._functorch.peek_interpreter_stack
 _forward_ad = torch.autograd.forward_ad
 
 
-def _dual_level() -> bool:
+def dual_level() -> bool:
     """Forward-mode AD active (torch.autograd.forward_ad.dual_level): its dual tensors are plain tensors
     that need no gradient, and the ops would drop their tangents (_dispatch.transformed)."""
     return _forward_ad._current_level >= 0
@@ -101,7 +101,7 @@ def _dual_level() -> bool:
 # each returns something false when no mode, transform or trace is active.  read_guards: the calls that
 # may run in inference mode (attention_with_kvcache's direct call and fast path, _kvcache.py);
 # direct_guards: direct_ok's and ab.attention's fast path, which leave inference mode to the op
-read_guards = (_dispatch_modes, _function_mode, _tracing_state, _functorch_layer, _dual_level)
+read_guards = (_dispatch_modes, _function_mode, _tracing_state, _functorch_layer, dual_level)
 direct_guards = read_guards + (_inference_mode,)
 
 
@@ -124,7 +124,7 @@ def direct_ok(q, k, v, mask) -> bool:
     return (not _is_compiling() and q.__class__ is _Tensor and k.__class__ is _Tensor and v.__class__ is _Tensor
             and (mask is None or mask.__class__ is _Tensor) and not _dispatch_modes() and not _function_mode()
             and not _inference_mode() and _tracing_state() is None and _functorch_layer() is None
-            and not _dual_level())
+            and not dual_level())
 
 
 _FLASH_OP, _MATH_OP = _ops.ops.flash_fwd.default, _ops.ops.math_fwd.default
@@ -241,28 +241,25 @@ def run_math(a):
     return _run_math_dense(a) if a.cu_q is None else _run_math_packed(a)
 
 
+def _run_composite_dense(a):
+    return _eager.attention(a.q, a.k, a.v, a.mask, a.causal, a.scale, a.wl, a.wr, a.softcap, a.p, sinks=a.sinks,
+                            alibi=a.alibi)
+
+
 def _run_eager_dense(a):
     """HF's eager, our way: the math kernel where this device has one, else the aten composite."""
     q = a.q
     if q.is_cpu:
         return _run_math_dense(a)
     if a.sinks is not None or a.alibi is not None:  # the CUDA math kernel takes neither
-        return _eager.attention(q, a.k, a.v, a.mask, a.causal, a.scale, a.wl, a.wr, a.softcap, a.p,
-                                sinks=a.sinks, alibi=a.alibi)
+        return _run_composite_dense(a)
     if q.is_cuda and not a.need_grad:
         if not _planner.cuda_math_ready(q.device.index):
             return _run_math_dense(a)
-    return _eager.attention(q, a.k, a.v, a.mask, a.causal, a.scale, a.wl, a.wr, a.softcap, a.p)
+    return _run_composite_dense(a)
 
 
 _run_eager_packed = packed.padded(_run_eager_dense)
-
-
-def _run_composite_dense(a):
-    return _eager.attention(a.q, a.k, a.v, a.mask, a.causal, a.scale, a.wl, a.wr, a.softcap, a.p, sinks=a.sinks,
-                            alibi=a.alibi)
-
-
 _run_composite_packed = packed.padded(_run_composite_dense)
 
 

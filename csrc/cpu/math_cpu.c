@@ -34,8 +34,8 @@ const ab_cpu_pool ab_cpu_pool_serial = {serial_parallel_for, 1};
  * 3.5x torch's own float32 error (q, k of standard deviation 2, D = 64, 1000 keys; gradients up to 6x), past
  * DESIGN.md's rule for the reference every backend is checked against; in double they are exact to the
  * output's rounding.  The cost: forward 1.2-2.5x, backward 1.8-2.9x the float path's time (a noisy 2-core
- * Zen 4, 2026-12-05: B=1 H=8 S=1024 and B=4 H=8 S=256, D=64, causal; docs/semantics.md).  For 16-bit inputs the rule's baseline is the 16-bit computation, which float meets
- * with room to spare. */
+ * Zen 4, 2026-12-05: B=1 H=8 S=1024 and B=4 H=8 S=256, D=64, causal; docs/semantics.md).  For 16-bit
+ * inputs the rule's baseline is the 16-bit computation, which float meets with room to spare. */
 static int exact_in_double(const ab_attn_params* p) {
   return p->q.dtype == AB_DTYPE_F64 || p->q.dtype == AB_DTYPE_F32;
 }
