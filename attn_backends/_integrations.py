@@ -17,6 +17,7 @@ import contextlib
 import functools
 import math
 import sys
+import threading
 import warnings
 
 import torch
@@ -56,6 +57,9 @@ def _servable(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
             return False
     if enable_gqa and nd < 3:
         return False  # torch indexes the head dim (-3), which (L, E) inputs lack: IndexError
+    if enable_gqa and nd >= 4 and query.shape[-3] == 0:
+        return False  # no heads: torch returns the empty result, but its backend selection (torch._fused_sdp_choice,
+        # asked below for the output's strides) divides by the head count and kills the process (SIGFPE)
     if attn_mask is not None:
         if is_causal or type(attn_mask) is not T or attn_mask.device != query.device:
             return False
@@ -221,15 +225,34 @@ def unpatch_sdpa() -> None:
     _patched["router"] = None
 
 
+# the open patched_sdpa blocks, oldest first: [what the block found, its router].  Blocks of several threads
+# may close in any order; one that closes while a later one is still open hands it what it found, so that
+# the last to close restores what was there before the first (a plain save and restore put the first
+# block's router back for good when the first closed before the second)
+_blocks: list = []
+_blocks_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def patched_sdpa(backend: str = "auto"):
-    previous = torch.nn.functional.scaled_dot_product_attention
-    patch_sdpa(backend)
+    router = _router(resolve(backend))
+    with _blocks_lock:
+        block = [torch.nn.functional.scaled_dot_product_attention, router]
+        _blocks.append(block)
+        _patched["router"] = router
+        torch.nn.functional.scaled_dot_product_attention = router
     try:
         yield
     finally:
-        torch.nn.functional.scaled_dot_product_attention = previous
-        _patched["router"] = previous if getattr(previous, "__attn_backends__", None) else None
+        with _blocks_lock:
+            i = next(i for i, b in enumerate(_blocks) if b is block)
+            del _blocks[i]
+            if i < len(_blocks):  # a block opened after this one is still open: it keeps its router
+                _blocks[i][0] = block[0]
+            else:
+                previous = block[0]
+                torch.nn.functional.scaled_dot_product_attention = previous
+                _patched["router"] = previous if getattr(previous, "__attn_backends__", None) else None
 
 
 # ---- argparse -----------------------------------------------------------------------------------

@@ -116,6 +116,28 @@ def test_sdpa_raises_what_torch_raises(call):
     assert str(ours.value) == str(theirs.value)
 
 
+def test_sdpa_with_no_heads_and_enable_gqa_returns_what_torch_returns():
+    # 4-D inputs with 0 heads and enable_gqa=True: torch's F.sdpa returns the empty result, but its
+    # backend selection (torch._fused_sdp_choice, which ab.sdpa asks for the output's strides) divides
+    # by the head count: the process died of SIGFPE.  Run in a child so that a crash fails the test
+    code = """
+import torch, torch.nn.functional as F
+import attn_backends as ab
+from attn_backends._providers import ORIGINAL_SDPA
+q, k = torch.randn(2, 0, 5, 8), torch.randn(2, 0, 7, 8)
+for kw in (dict(), dict(is_causal=True), dict(attn_mask=torch.ones(5, 7, dtype=torch.bool))):
+    want = ORIGINAL_SDPA(q, k, k, enable_gqa=True, **kw)
+    for got in (ab.sdpa(q, k, k, enable_gqa=True, **kw), ab._integrations.sdpa(q, k, k, enable_gqa=True, backend="flash", **kw)):
+        assert got.shape == want.shape and got.stride() == want.stride() and got.dtype == want.dtype
+    with ab.patched_sdpa("flash"):
+        got = F.scaled_dot_product_attention(q, k, k, enable_gqa=True, **kw)
+    assert got.shape == want.shape
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", (res.returncode, res.stderr[-2000:])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mask", [None, "float", "bool"])
 def test_sdpa_under_autocast_casts_as_torch(dtype, mask, gen):
@@ -177,6 +199,40 @@ def test_patch_and_unpatch_restore_the_same_object():
             assert F.scaled_dot_product_attention.__attn_backends__ == "math"
         assert F.scaled_dot_product_attention is outer
     assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+def test_patched_sdpa_blocks_of_two_threads_closing_out_of_order_restore_torch():
+    # thread A opens a block, thread B opens one, A closes first, then B: every block is closed, so
+    # torch's function must be back (a plain save and restore left A's router patched in for good),
+    # and B's router stays in place while B's block is still open
+    import threading
+
+    a_in, b_in, a_out = (threading.Event() for _ in range(3))
+    seen = {}
+
+    def a():
+        with ab.patched_sdpa("flash"):
+            a_in.set()
+            b_in.wait(30)
+        a_out.set()
+
+    def b():
+        a_in.wait(30)
+        with ab.patched_sdpa("math"):
+            b_in.set()
+            a_out.wait(30)
+            seen["inside_b"] = getattr(F.scaled_dot_product_attention, "__attn_backends__", None)
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert seen["inside_b"] == "math"
+        assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    finally:
+        ab.unpatch_sdpa()
 
 
 def test_patched_sdpa_routes_to_the_named_backend(spy):
