@@ -157,7 +157,9 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _exchange(grad, ctx.g), None
+        # through the autograd.Function again, so that the gradient is itself differentiable (double
+        # backward, create_graph=True): the adjoint of the exchange is the same exchange
+        return _AllToAll.apply(grad, ctx.g), None
 
 
 def all_gather_dim(x: torch.Tensor, g: Group) -> list:

@@ -352,7 +352,26 @@ class RingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = backward(dout, q, k, v, out, lse, dlse, ctx.cfg)
-        return dq, dk, dv, None
+        # create_graph=True with something that requires grad: the ring's backward (our kernels and
+        # collectives) is not itself differentiable, so a second derivative would silently be 0; the
+        # gradients returned then raise a clear error if anything differentiates them
+        recorded = [t for t in (q, k, v, dout, dlse) if t is not None and t.requires_grad]
+        with torch.no_grad():
+            if dout is None:
+                dout = torch.zeros_like(out)
+            grads = backward(dout, q, k, v, out, lse, dlse, ctx.cfg)
+        if torch.is_grad_enabled() and recorded:
+            grads = _no_second_derivative(grads, recorded)
+        return (*grads, None)
+
+
+def _no_second_derivative(grads, recorded):
+    """grads, unchanged in value, behind a node that raises when differentiated.  The node hangs off
+    what the backward was recorded for (an exact 0: the sum of an empty slice of each), so that a
+    second derivative towards any of them reaches it and raises instead of silently being 0."""
+    anchor = sum(t.flatten()[:0].sum() for t in recorded)
+    return torch._C._functions.DelayedError(
+        b"ring attention (attn_backends.distributed.ring_attention, ring_attention_varlen) has no second "
+        b"derivative: its backward is a second ring pass of our kernels, which autograd cannot differentiate. "
+        b"Use ulysses_attention (any order), or take the gradient without create_graph=True",
+        len(grads))(*(g + anchor.to(g.dtype) for g in grads))

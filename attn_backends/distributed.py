@@ -113,7 +113,22 @@ class _Unshard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         g, layout, dim = ctx.args
-        return _local_rows(_cp.all_reduce_sum(grad, g), g, layout, dim), None, None, None
+        return _SumLocalRows.apply(grad, g, layout, dim), None, None, None
+
+
+class _SumLocalRows(torch.autograd.Function):
+    """unshard's backward (the gradient summed over ranks, then this rank's rows) as a function of its
+    own, so that it is differentiable too (create_graph=True): its adjoint is unshard."""
+
+    @staticmethod
+    def forward(ctx, grad, g, layout, dim):
+        ctx.args = (g, layout, dim)
+        return _local_rows(_cp.all_reduce_sum(grad, g), g, layout, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, layout, dim = ctx.args
+        return _Unshard.apply(grad, g, layout, dim), None, None, None
 
 
 # ---- the checks both attention schemes share ------------------------------------------------------
@@ -275,6 +290,7 @@ def ulysses_attention(
                 if n % 2:
                     raise ValueError(f"{name}: a zigzag shard holds two equal chunks, so its local length must be "
                                      f"even, got {n}")
+        _check_backend_name(backend)
         fields = _fields(q, opts)
     except (TypeError, ValueError) as e:
         error = e
@@ -289,6 +305,16 @@ def ulysses_attention(
     qh, kh, vh = (_to_heads(t, g, layout) for t in (q, k, v))
     out = _dispatch.attention(qh, kh, vh, backend, causal, None, 0.0, scale_f, window, softcap_f, False, False)
     return _to_rows(out, g, layout)
+
+
+def _check_backend_name(backend) -> None:
+    """Ulysses hands backend to ab.attention only after its first all_to_all: a name one rank alone gets
+    wrong must fail before the exchanges, in agree, or the other ranks wait in the second all_to_all
+    until the group's timeout."""
+    if backend is not None:
+        from . import _names
+
+        _names.resolve(backend)
 
 
 def _order(layout: str, W: int) -> list:
@@ -425,13 +451,27 @@ class _UnshardRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, g, dim, order, mine):
-        ctx.args = (g, dim, mine)
+        ctx.args = (g, dim, order, mine)
         return torch.cat(_cp.all_gather_dim(x, g), dim).index_select(dim, order)
 
     @staticmethod
     def backward(ctx, grad):
-        g, dim, mine = ctx.args
-        return _cp.all_reduce_sum(grad, g).index_select(dim, mine), None, None, None, None
+        g, dim, order, mine = ctx.args
+        return _SumRows.apply(grad, g, dim, order, mine), None, None, None, None
+
+
+class _SumRows(torch.autograd.Function):
+    """_UnshardRows' backward as a function of its own, differentiable (its adjoint is _UnshardRows)."""
+
+    @staticmethod
+    def forward(ctx, grad, g, dim, order, mine):
+        ctx.args = (g, dim, order, mine)
+        return _cp.all_reduce_sum(grad, g).index_select(dim, mine)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g, dim, order, mine = ctx.args
+        return _UnshardRows.apply(grad, g, dim, order, mine), None, None, None, None
 
 
 def _varlen_options(q, k, v, cu_seqlens, max_seqlen, causal, scale, window, softcap, layout, g):
@@ -561,6 +601,7 @@ def ulysses_attention_varlen(
         if opts[1] % g.world:
             raise ValueError(f"q: Ulysses splits the heads over the {g.world} ranks of the group, so q's heads "
                              f"({opts[1]}) must be divisible by {g.world} (ring_attention_varlen has no such limit)")
+        _check_backend_name(backend)
         fields = _fields(q, opts, _cu_fields(lengths, max_seqlen), packed=True)
     except (TypeError, ValueError) as e:
         error = e

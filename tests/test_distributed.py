@@ -232,6 +232,16 @@ def _errors(W, rank):
         # Ulysses splits heads: 3 heads do not divide over 2 or 4 ranks
     q3 = abd.shard(torch.randn(1, 3, 2 * n, 8))
     _raises(ValueError, "q:", "heads (3)", f"divisible by {W}")(lambda: abd.ulysses_attention(q3, q3, q3))
+    # a backend name one rank alone gets wrong: Ulysses used to check it only after its first all_to_all,
+    # so that rank raised and the others waited in the second one until the group's timeout
+    cu2 = torch.tensor([0, 2 * n], dtype=torch.int32)
+    pl2 = abd.shard_varlen(torch.randn(2 * n, 4, 8), cu2)
+    for call in (lambda b: abd.ulysses_attention(ql, ql, ql, backend=b),
+                 lambda b: abd.ulysses_attention_varlen(pl2, pl2, pl2, cu2, 2 * n, backend=b)):
+        if rank == 1:
+            _raises(ValueError, "unknown backend 'nonsense'")(lambda: call("nonsense"))
+        else:
+            _raises(RuntimeError, "rank 1", "rejected")(lambda: call("flash"))
     # ranks in different calls
     if rank == 0:
         _raises(RuntimeError, "not all in the same call")(lambda: abd.ring_attention(ql, ql, ql))
@@ -274,6 +284,45 @@ def _example(W, rank):
                 assert all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(one, cp)), (scheme, one, cp)
 
 
+def _double_backward(W, rank):
+    """create_graph=True, then a gradient of the gradient (gradient penalties): Ulysses and unshard give
+    the float64 reference's second derivative; the ring, whose backward autograd cannot differentiate,
+    raises a clear error naming itself instead of a silent 0 (it gave 0 before), and its first-order
+    gradients under create_graph=True are unchanged."""
+    from attn_backends import distributed as abd
+
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(1, 4, 4 * W, 8, generator=g) for _ in range(3))
+    w = torch.randn(1, 4, 4 * W, 8, generator=g)
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    r_out, _ = reference_attention(*ref, causal=True)
+    (r_dq,) = torch.autograd.grad(r_out.square().sum(), ref[0], create_graph=True)
+    r_dk2 = torch.autograd.grad(r_dq.square().sum(), ref[1])[0]
+    # Ulysses: exact to second order (every rank's penalty is its rows of dq)
+    leaves = [abd.shard(t).requires_grad_() for t in (q, k, v)]
+    out = abd.ulysses_attention(*leaves, causal=True)
+    (dq,) = torch.autograd.grad(out.square().sum(), leaves[0], create_graph=True)
+    (dk2,) = torch.autograd.grad(dq.square().sum(), leaves[1])
+    assert max_err(abd.unshard(dk2), r_dk2) <= 1e-4 * r_dk2.abs().max().item(), (max_err(abd.unshard(dk2), r_dk2),)
+    # unshard: d/dx of (d/dx sum over ranks of sum(unshard(x)^3)) summed = 6 W x
+    x = abd.shard(q).requires_grad_()
+    (gx,) = torch.autograd.grad(abd.unshard(x).pow(3).sum(), x, create_graph=True)
+    (gx2,) = torch.autograd.grad(gx.sum(), x)
+    assert torch.allclose(gx2, 6 * W * x.detach(), rtol=1e-5, atol=1e-5)
+    # the ring: first order unchanged under create_graph, a second derivative raises (loss quadratic
+    # in out, and linear: then only the saved q, k, v connect the gradient to the graph)
+    for loss in (lambda o: o.square().sum(), lambda o: (o * abd.shard(w)).sum()):
+        leaves = [abd.shard(t).requires_grad_() for t in (q, k, v)]
+        out = abd.ring_attention(*leaves, causal=True)
+        dq, dk, dv = torch.autograd.grad(loss(out), leaves, create_graph=True)
+        plain = [abd.shard(t).requires_grad_() for t in (q, k, v)]
+        want = torch.autograd.grad(loss(abd.ring_attention(*plain, causal=True)), plain)
+        for a, b in zip((dq, dk, dv), want):
+            assert torch.equal(a.detach(), b)
+        _raises(RuntimeError, "ring attention", "no second derivative")(
+            lambda: torch.autograd.grad(dq.square().sum() + (leaves[1] * 0).sum(), leaves[1]))
+
+
 f32, bf16 = torch.float32, torch.bfloat16
 CASES = {
     "ring-zigzag-float32": _attention_case("ring"),
@@ -306,6 +355,7 @@ CASES = {
                                                               dtype=bf16, Hkv=1),
     "shard-unshard-round-trips": _round_trips,
     "errors": _errors,
+    "double-backward": _double_backward,
     "example-train-gpt-same-loss-curve": _example,
 }
 
