@@ -73,9 +73,23 @@ static inline int ab_bf16_scale_exp(double scale) {
   return x - 1 < 0 ? x - 1 : 0;
 }
 
+/* x times 2**e, ldexpf's result: within float32's normal exponents (-126 <= e <= 127) a multiply by the
+ * exact power of two, which rounds once as ldexpf does (also inf, NaN, overflow and subnormal results), so
+ * the bits are the same; a call of the library's ldexpf cost about 1 ns an element, a fifth of a small
+ * decode call (q's rows). */
+static inline float ab_ldexpf(float x, int e) {
+  if (e >= -126 && e <= 127) {
+    float f;
+    const uint32_t b = (uint32_t)(e + 127) << 23;
+    memcpy(&f, &b, sizeof f);
+    return x * f;
+  }
+  return ldexpf(x, e);
+}
+
 /* n bfloat16 values times 2**e, in place (exact wherever the results stay normal). */
 static inline void ab_bf16_row_ldexp(uint16_t* v, int64_t n, int e) {
-  for (int64_t i = 0; e && i < n; ++i) v[i] = ab_f32_to_bf16(ldexpf(ab_bf16_to_f32(v[i]), e));
+  for (int64_t i = 0; e && i < n; ++i) v[i] = ab_f32_to_bf16(ab_ldexpf(ab_bf16_to_f32(v[i]), e));
 }
 
 #endif /* AB_HALF_H */

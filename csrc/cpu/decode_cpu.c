@@ -442,7 +442,7 @@ static void prepare_q(const ab_kvcache_params* p, float* qf, uint16_t* qb, int64
         if (p->rotary_cos.ndim) rotate(p, seqlen_of(p, b) + (per_token ? t : 0), row);
         if (qb) {
           uint16_t* rb = qb + ((b * p->Sq + t) * p->Hq + h) * dpad;
-          for (int64_t d = 0; d < dpad; ++d) rb[d] = d < p->D ? ab_f32_to_bf16(ldexpf(row[d], qexp)) : 0;
+          for (int64_t d = 0; d < dpad; ++d) rb[d] = d < p->D ? ab_f32_to_bf16(ab_ldexpf(row[d], qexp)) : 0;
         }
         for (int64_t d = 0; d < p->D; ++d) row[d] *= (float)p->scale;
       }

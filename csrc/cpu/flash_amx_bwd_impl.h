@@ -159,7 +159,7 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
           const float* pw = SYM(bwd_dropout)(p, &s, i0, nrows, j0, nb, AMX_RC, st, dpt, pd); /* the weights dV sees */
           /* dS = P (dP - delta); the float mask's gradient; softcap chain rule; scale */
           SYM(bwd_ds)(p, b, h, i0, nrows, j0, nb, AMX_RC, st, dpt, th, delta, heavy, dsum);
-          for (int64_t x = 0; dexp && x < nb * AMX_RC; ++x) dpt[x] = ldexpf(dpt[x], -dexp);
+          for (int64_t x = 0; dexp && x < nb * AMX_RC; ++x) dpt[x] = ab_ldexpf(dpt[x], -dexp);
           /* dV += P^T dO, dK += dS^T Q, dQ^T += K^T dS^T on tiles */
           AMXS(pack_rows16)(pw, nb, nbp, AMX_BF16, pa);
           AMXS(pack_rows16)(dpt, nb, nbp, AMX_BF16, sa);
@@ -193,11 +193,11 @@ static void AMXS(bwd_range)(int64_t begin, int64_t end, void* vctx) {
       }
       for (int64_t i = 0; i < Sq; ++i) {
         const float* col = dqt + (i / AMX_RC) * Dp * AMX_RC + i % AMX_RC;
-        for (int64_t d = 0; d < D; ++d) tmp[d] = dexp ? ldexpf(col[d * AMX_RC], dexp) : col[d * AMX_RC];
+        for (int64_t d = 0; d < D; ++d) tmp[d] = dexp ? ab_ldexpf(col[d * AMX_RC], dexp) : col[d * AMX_RC];
         SYM(bwd_store_dq)(p, b, h, i, tmp);
       }
     }
-    for (int64_t x = 0; dexp && x < Sk * Dp; ++x) dk[x] = ldexpf(dk[x], dexp);
+    for (int64_t x = 0; dexp && x < Sk * Dp; ++x) dk[x] = ab_ldexpf(dk[x], dexp);
     SYM(bwd_store_dkdv)(p, b, hk, Sk, dk, Dp, dv, Dvp);
   }
   AMX_RELEASE();
