@@ -65,7 +65,11 @@ _BY_HF_NAME = {**{n: c for c, n in NAMES.items()}, **ALIASES}
 
 def continuous_batching(backend) -> bool:
     """Whether backend is one of transformers' continuous-batching names, "paged|" and an implementation
-    ("paged|eager", "paged|sdpa", "paged|flash_attention_2"): ValueError where the rest is no name we take."""
+    ("paged|eager", "paged|sdpa", "paged|flash_attention_2"), or FLASH_API itself (with or without the
+    prefix): every one of them is FLASH_API for transformers, on the default backend.  ValueError where
+    the rest is no name we take."""
+    if backend in (FLASH_API, "paged|" + FLASH_API):
+        return True
     if not (isinstance(backend, str) and backend.startswith("paged|")):
         return False
     rest = backend[len("paged|"):]

@@ -148,6 +148,21 @@ def test_hf_name_for_every_accepted_name():
         ab.hf_name("flash_attn_9")
 
 
+def test_the_flash_api_name_is_taken_by_hf_name_and_the_flags():
+    # attn_backends_flash_attention_2 is registered and documented as an attn_implementation: the name
+    # helpers give it back (as they do for the continuous-batching names it stands for), not "unknown backend"
+    import argparse
+
+    api = _transformers.FLASH_API
+    assert ab.hf_name(api) == ab.hf_name("paged|" + api) == ab.hf_name("paged|eager") == api
+    parser = ab.add_argparse_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--attn_implementation", api])
+    try:
+        assert ab.apply_args(args, for_hf=True) == api
+    finally:
+        ab.apply_args(argparse.Namespace(attn_implementation="auto"))
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "mpt", "gpt_oss"])
 def test_every_name_is_taken_for_models_that_refuse_sdpa(arch):
     names = ab.register_transformers()
