@@ -41,6 +41,16 @@ def test_torch_flash_on_cpu(case, gen):
     check_against_reference(case, named("_native_flash"), grad=True, check_lse=False, generator=gen)
 
 
+# a last dim that is not contiguous: torch's fused CPU kernel refuses it ("No available kernel"), so the
+# runner copies those operands (DESIGN.md section 3: any strides, the last dim too)
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("case", [Case(B=1, Hq=2, Hkv=2, Sq=8, Sk=12, D=64, layout="strided_d"),
+                                  Case(B=1, Hq=2, Hkv=2, Sq=17, Sk=9, D=40, layout="strided_d", causal="bottom_right",
+                                       mask="bool_rows")], ids=str)
+def test_torch_flash_on_cpu_with_a_strided_last_dim(case, gen):
+    check_against_reference(case, named("_native_flash"), grad=True, check_lse=False, generator=gen)
+
+
 FLEX_CASES = [
     Case(B=2, Hq=4, Hkv=2, Sq=9, Sk=13, D=16, causal=True, softcap=4.0),
     Case(B=1, Hq=2, Hkv=2, Sq=9, Sk=13, D=16, causal="bottom_right", mask="bool_rows", window=(3, 1)),

@@ -477,3 +477,29 @@ def test_the_op_refuses_sinks_of_the_wrong_shape(gen):
         ops.flash_fwd(q, k, v, None, None, 0, 0.3, -1, -1, 0.0, 0.0, None, torch.zeros(2, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="sage takes no sinks"):
         ops.sage_fwd(q, k, v, None, None, 0, 0.3, -1, -1, 0.0, 0.0, torch.zeros(2), None)
+
+
+@pytest.mark.parametrize("backend", ["flash", "auto"])
+def test_compiled_fullgraph_with_sinks_that_need_a_gradient(backend, gen):
+    # the sinks' cast for the kernels asked _C.cuda_emulation(), a builtin dynamo cannot trace: with
+    # fullgraph=True the call raised, without it a graph break
+    q = torch.randn(2, 4, 19, 40, generator=gen, requires_grad=True)
+    k = torch.randn(2, 2, 27, 40, generator=gen, requires_grad=True)
+    v = torch.randn(2, 2, 27, 24, generator=gen, requires_grad=True)
+    sinks = _sinks(4, gen)
+    slopes = _slopes("bh", 2, 4, gen)
+
+    def f(q, k, v, sinks):
+        return ab.attention(q, k, v, backend=backend, causal="bottom_right", sinks=sinks, alibi_slopes=slopes,
+                            softcap=4.0, return_lse=True)
+
+    torch._dynamo.reset()
+    out, lse = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, sinks)
+    ref_out, ref_lse = f(q, k, v, sinks)
+    go, gl = torch.randn(out.shape, generator=gen), torch.randn(lse.shape, generator=gen)
+    got = torch.autograd.grad([out, lse], [q, k, v, sinks], [go, gl])
+    want = torch.autograd.grad([ref_out, ref_lse], [q, k, v, sinks], [go, gl])
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -63,12 +63,18 @@ def _cuda_qkv(q, k, v):
     return _ops.cuda_layout(q), _ops.cuda_layout(k), _ops.cuda_layout(v)
 
 
+@torch.compiler.assume_constant_result
+def _emulating() -> bool:
+    """_C.cuda_emulation() as torch.compile reads it: once, at trace time (dynamo cannot trace the builtin)."""
+    return bool(_C.cuda_emulation())
+
+
 def _kernel_sinks(a):
     """The sinks as the flash kernels take them: float32 and contiguous for the CUDA kernels (and on the
     CPU under the CUDA emulation, which runs them), forward and backward; the CPU kernels read any dtype.
     With a gradient the cast is part of the graph, so the sinks' gradient comes back in their dtype."""
     sinks = a.sinks
-    if sinks is None or (a.need_grad and not (a.q.is_cuda or _C.cuda_emulation())):
+    if sinks is None or (a.need_grad and not (a.q.is_cuda or _emulating())):
         return sinks
     return sinks.float().contiguous()
 

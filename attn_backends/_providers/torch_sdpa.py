@@ -52,9 +52,14 @@ def runner(forced=None):
                       enable_gqa=q.shape[1] != k.shape[1])
         if forced is None:
             return ORIGINAL_SDPA(q, k, a.v, **kwargs), None
+        v = a.v
+        if forced != "MATH":
+            # torch's fused kernels refuse a last dim that is not contiguous ("No available kernel"), where
+            # every backend takes any strides (DESIGN.md section 3: copy if you must): copy those operands
+            q, k, v = (t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous() for t in (q, k, v))
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel(getattr(SDPBackend, forced)):
-            return ORIGINAL_SDPA(q, k, a.v, **kwargs), None
+            return ORIGINAL_SDPA(q, k, v, **kwargs), None
 
     return run
