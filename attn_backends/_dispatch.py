@@ -116,7 +116,9 @@ def reset_caches() -> None:
 
 def _runner(sig, strict):
     """The runner for a call descriptor: the plan cache (one dict lookup), else the planner."""
-    strict = strict or _planner.STRICT
+    # bool(): _chosen is indexed by it, and a strict that is not a bool (1, "yes", a tensor) is read by its
+    # truth, as the KV-cache and explain paths read it (it used to raise "tuple indices must be integers")
+    strict = bool(strict or _planner.STRICT)
     chosen = None if _is_compiling() else _chosen[strict].get(sig)
     if chosen is None:
         chosen = ID[_planner.choose(sig, strict)]

@@ -137,6 +137,8 @@ def _autocast_dtype(query):
     if not isinstance(query, torch.Tensor):
         return None
     dev = query.device.type
+    if not torch.amp.is_autocast_available(dev):
+        return None  # a device autocast does not know (meta): F.sdpa casts nothing there, and asking raises
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
 
 

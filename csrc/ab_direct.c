@@ -1131,7 +1131,8 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   PyObject* win = args[KV_WINDOW];
   long long wl, wr, splits;
   if (!PyTuple_CheckExact(win) || PyTuple_Size(win) != 2 || !small_int(PyTuple_GetItem(win, 0), -1, &wl) ||
-      !small_int(PyTuple_GetItem(win, 1), -1, &wr) || !small_int(args[KV_SPLITS], 0, &splits))
+      !small_int(PyTuple_GetItem(win, 1), -1, &wr) || !small_int(args[KV_SPLITS], 0, &splits) ||
+      splits >= (1LL << 31)) /* _kvcache.check's error (flash-attn's num_splits is a C int) */
     Py_RETURN_NONE;
   double softcap;
   if (!softcap_arg(args[KV_SOFTCAP], &softcap)) Py_RETURN_NONE;

@@ -487,3 +487,13 @@ def test_train_gpt_example_runs(argv, tmp_path):
 
     curve = json.load(open(log))["loss"]
     assert len(curve) == 6 and all(x == x for x in curve)
+
+
+def test_sdpa_on_meta_tensors_works_as_torch_does():
+    # ab.sdpa asked autocast about the meta device, which raised "unknown device type for autocast"
+    q = torch.randn(2, 3, 5, 8, device="meta")
+    want = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    out = ab.sdpa(q, q, q, is_causal=True)
+    assert out.device.type == "meta" and out.shape == want.shape
+    with ab.patched_sdpa("auto"):
+        assert F.scaled_dot_product_attention(q[0], q[0], q[0]).shape == (3, 5, 8)

@@ -1740,3 +1740,13 @@ def test_decode_steps_compile_dynamic_fullgraph_and_match_eager(paged):
         got = compiled(q, *compiled_caches, k, v, lens, table, softcap, scale)
         for name, a, b in zip(("out", "lse", "k_cache", "v_cache"), (*got, *compiled_caches), (*want, *eager_caches)):
             assert torch.equal(a, b), f"{name} differs from eager's (B={B}, softcap={softcap}, scale={scale})"
+
+
+def test_kvcache_fast_path_rejects_num_splits_past_int32_as_the_python_path_does():
+    q, kc, vc = torch.randn(1, 1, 2, 8), torch.randn(1, 16, 2, 8), torch.randn(1, 16, 2, 8)
+    ab._dispatch.reset_caches()
+    with pytest.raises(ValueError, match="num_splits"):
+        ab.attention_with_kvcache(q, kc, vc, cache_seqlens=4, num_splits=2**31)
+    ab.attention_with_kvcache(q, kc, vc, cache_seqlens=4)  # the plan is cached: the C fast path serves the next
+    with pytest.raises(ValueError, match="num_splits"):
+        ab.attention_with_kvcache(q, kc, vc, cache_seqlens=4, num_splits=2**31)

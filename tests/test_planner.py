@@ -211,7 +211,9 @@ def test_decode_calls_keep_our_kernel_where_long_queries_go_to_torch():
         p = plan(few=1, square=0, **kw)
         assert p.chosen == "flash" and not p.note, kw
         assert "Sq <= 4 (decode)" in p.describe_call()
-        assert plan(few=1, square=0, Dv=kw["D"] // 2, **kw).chosen == "sdpa", kw  # Dv != D: flash's tiles, not decode
+        # Dv != D: flash's tiles, not decode; and no torch row either, because torch's fused CPU kernel takes one
+        # head dim and runs such a call on its math path (3.3x our flash's time at Sq=1 Sk=4096 H=32 D=128 Dv=64)
+        assert plan(few=1, square=0, Dv=kw["D"] // 2, **kw).chosen == "flash", kw
     # a call that needs a gradient keeps flash's own forward (its backward reads the row statistics): the rows
     # measured with a backward still hold for it
     for kw in (dict(dtype="float32", D=128, need_grad=1, isa=AVX2),
@@ -939,3 +941,12 @@ def test_a_malformed_call_descriptor_is_refused():
         _C.plan((0,) * (len(_planner.FIELDS) - 2))  # a signature of the old, shorter layout
     with pytest.raises(ValueError, match="out of range"):
         _C.plan(_planner.new_call(device=9))
+
+
+def test_auto_keeps_our_kernel_for_dv_other_than_d():
+    # torch's fused CPU kernel takes one head dim for q, k and v; with Dv != D torch runs its math path (2.8x our
+    # flash's time, float32 D=128 Dv=64), where auto's "torch faster" rows sent the call
+    q, k = torch.randn(1, 2, 64, 128), torch.randn(1, 2, 64, 128)
+    v = torch.randn(1, 2, 64, 64)
+    assert int(torch._fused_sdp_choice(q, k, v)) == 0  # torch: math
+    assert ab.explain(q, k, v).chosen == "flash"

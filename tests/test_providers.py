@@ -2,6 +2,7 @@
 CPU; the wrappers for optional packages map layouts and flags correctly (checked against stand-in
 modules that implement each package's documented semantics with the float64 reference)."""
 
+import logging
 import math
 import sys
 import types
@@ -207,3 +208,23 @@ def test_sageattention_wrapper(monkeypatch):
     out, lse = _providers.packages.run_sage_pkg(_providers.Attn(q, q, q, None, 1, 0.125))
     assert lse is None and seen == dict(layout="HND", causal=True, scale=0.125)
     assert (out.double() - reference_attention(q, q, q, causal=True, scale=0.125)[0]).abs().max() < 1e-5
+
+
+def test_native_flash_on_cpu_does_not_take_dropout(caplog):
+    # torch's fused CPU kernel refuses dropout: the plan used to choose it and torch raised "No available kernel"
+    q, k, v = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(3))
+    assert ab.explain(q, k, v, backend="_native_flash", dropout_p=0.2).chosen != "_native_flash"
+    ab._dispatch.reset_caches()
+    with caplog.at_level(logging.WARNING, logger="attn_backends"):
+        ab.attention(q, k, v, backend="_native_flash", dropout_p=0.2).sum().backward()
+    assert any("_native_flash" in r.getMessage() and "dropout" in r.getMessage() for r in caplog.records)
+    with pytest.raises(RuntimeError, match="cannot serve"):
+        ab.attention(q, k, v, backend="_native_flash", dropout_p=0.2, strict=True)
+
+
+def test_native_flash_takes_a_head_dim_of_one_with_a_stride():
+    q = torch.randn(1, 2, 5, 2)[..., ::2]  # last dim 1, stride 2: torch's fused kernel refused it
+    k, v = torch.randn(1, 2, 7, 1), torch.randn(1, 2, 7, 1)
+    out = ab.attention(q, k, v, backend="_native_flash", strict=True)
+    ref = ab.attention(q.double(), k.double(), v.double(), backend="math")
+    assert (out.double() - ref).abs().max().item() < 1e-5

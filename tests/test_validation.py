@@ -178,3 +178,14 @@ def test_dropout_mask_op_rejects_bad_arguments():
         ops.dropout_mask(rng, 1, -1, 2, 2, 0.5)
     with pytest.raises(RuntimeError, match=r"rng_state must be an int64 tensor"):
         ops.dropout_mask(rng.float(), 1, 1, 2, 2, 0.5)
+
+
+def test_strict_that_is_not_a_bool_is_read_by_its_truth():
+    # it used to raise "tuple indices must be integers or slices, not str" (strict="yes") or IndexError (strict=2)
+    q = torch.randn(1, 2, 4, 8)
+    for strict in ("yes", 2, 1, None, 0):
+        ab.attention(q, q, q, backend="flash", strict=strict)
+        ab.attention_varlen(q[0], q[0], q[0], torch.tensor([0, 2], dtype=torch.int32),
+                            torch.tensor([0, 2], dtype=torch.int32), 2, 2, strict=strict)
+    with pytest.raises(RuntimeError, match="cannot serve"):
+        ab.attention(q, q, q, backend="flash_varlen", strict="yes")  # truthy: raises instead of falling back

@@ -55,8 +55,10 @@ def runner(forced=None):
         v = a.v
         if forced != "MATH":
             # torch's fused kernels refuse a last dim that is not contiguous ("No available kernel"), where
-            # every backend takes any strides (DESIGN.md section 3: copy if you must): copy those operands
-            q, k, v = (t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous() for t in (q, k, v))
+            # every backend takes any strides (DESIGN.md section 3: copy if you must): copy those operands.
+            # A last dim of size 1 counts too (torch checks the stride alone), and contiguous() may leave such
+            # a view as it is (its stride does not count for is_contiguous()): clone to contiguous strides
+            q, k, v = (t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format) for t in (q, k, v))
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         with sdpa_kernel(getattr(SDPBackend, forced)):
