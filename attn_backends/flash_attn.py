@@ -33,6 +33,7 @@ Decided here, where flash-attn does not say or where its kernel departs from its
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Tuple
 
 import torch
@@ -60,6 +61,26 @@ def _bottom_right_window(Sq: int, Sk: int, wl: int, wr: int, device) -> torch.Te
     return visible_keys(Sq, Sk, 0, wl, wr, device, bottom_right=True)
 
 
+# Our checks name our arguments; these functions' callers know flash-attn's: an error about one of the two
+# that differ names it as the caller wrote it (the messages begin with the argument's name)
+_THEIR_NAMES = (("scale ", "softmax_scale "), ("sinks ", "s_aux "))
+
+
+def _flash_attn_names(fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (TypeError, ValueError) as e:
+            msg = str(e)
+            for ours, theirs in _THEIR_NAMES:
+                if msg.startswith(ours) and type(e) in (TypeError, ValueError):
+                    raise type(e)(theirs + msg[len(ours):]) from None
+            raise
+
+    return call
+
+
 def _dense_layout(q, k, v):
     """flash-attn's (B, S, H, D) layout, checked before the tensors are viewed in ours."""
     for name, t, want in (("q", q, "(batch, seqlen_q, nheads, headdim)"), ("k", k, "(batch, seqlen_k, nheads_k, headdim)"),
@@ -79,6 +100,7 @@ def _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slope
     return opts, (wl, wr), causal
 
 
+@_flash_attn_names
 def flash_attn_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -161,6 +183,7 @@ def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor, lens: torch.Te
     return cache.reshape(nb * bs, *cache.shape[2:])[idx.to(cache.device)]
 
 
+@_flash_attn_names
 def flash_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -239,6 +262,7 @@ def _varlen_by_sequence(attention, q, k, v, cq, ck, window, want, opts):
     return out
 
 
+@_flash_attn_names
 def flash_attn_with_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -130,6 +130,32 @@ def test_func_takes_flash_attn_positional_order_and_bad_input_names_the_argument
         fa.flash_attn_func(q, k, v, window_size=(1.5, 0))
 
 
+
+def test_errors_name_softmax_scale_and_s_aux_as_the_caller_wrote_them():
+    # our checks say "scale" and "sinks"; a flash-attn caller passed softmax_scale and s_aux (until 2026-12-06
+    # the errors named ours)
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 5, 2, 8, generator=g)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    calls = {"func": lambda **kw: fa.flash_attn_func(q, q, q, **kw),
+             "varlen": lambda **kw: fa.flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 5, 5, **kw),
+             "qkvpacked": lambda **kw: fa.flash_attn_qkvpacked_func(torch.stack([q, q, q], 2), **kw)}
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match=r"^softmax_scale must be finite"):
+            call(softmax_scale=float("nan"))
+        with pytest.raises(TypeError, match=r"^softmax_scale must be a float"):
+            call(softmax_scale="x")
+        with pytest.raises(ValueError, match=r"^s_aux must have shape \(Hq,\)"):
+            call(s_aux=torch.randn(3))
+        with pytest.raises(TypeError, match=r"^s_aux must be floating"):
+            call(s_aux=torch.zeros(2, dtype=torch.int32))
+    kc = torch.randn(1, 8, 2, 8, generator=g)
+    with pytest.raises(ValueError, match=r"^s_aux must have shape"):
+        fa.flash_attn_with_kvcache(q[:, :1], kc, kc, cache_seqlens=4, s_aux=torch.randn(3))
+    # the other messages are left as they are
+    with pytest.raises(ValueError, match="window_size must be a pair"):
+        fa.flash_attn_func(q, q, q, window_size=3)
+
 def test_signatures_are_flash_attn_2s():
     # transformers reads the parameter names (inspect.signature) to decide what to pass: flash-attn
     # 2's names in its order, then our two keywords
