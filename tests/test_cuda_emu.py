@@ -231,6 +231,22 @@ def test_the_environment_variable_turns_it_on_and_the_report_says_so():
                for line in lines), res.stdout
 
 
+
+def test_settings_that_are_not_integers_keep_the_defaults_and_say_so():
+    # strtoull read "junk" as 0: seed 0 and compute capability 0 (48 KiB of shared memory), without a word
+    env = dict(os.environ, ATTN_BACKENDS_CUDA_EMULATE="1", ATTN_BACKENDS_CUDA_EMULATE_SEED="junk",
+               ATTN_BACKENDS_CUDA_EMULATE_SM="8x")
+    code = ("import torch, attn_backends as ab\n"
+            "q = torch.randn(1, 2, 20, 64, dtype=torch.bfloat16)\n"
+            "ref = ab.attention(q.double(), q.double(), q.double(), backend='math')\n"
+            "out = ab.attention(q, q, q, backend='flash', strict=True)\n"
+            "print(float((out.double() - ref).abs().max()))\n")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert float(res.stdout.split()[-1]) < 2e-2, res.stdout
+    for name, value in (("ATTN_BACKENDS_CUDA_EMULATE_SEED", "junk"), ("ATTN_BACKENDS_CUDA_EMULATE_SM", "8x")):
+        assert f"{name}={value} is not a non-negative integer; the default is kept" in res.stderr, res.stderr
+
 def test_fully_masked_rows_and_nan_stay_where_they_are(emu):
     # the epilogue's special cases through the emulated kernels: no visible key -> 0 and lse -inf
     q = torch.randn(1, 2, 40, 64, dtype=torch.float16)

@@ -14,13 +14,27 @@
 namespace ab_emu {
 namespace detail {
 
+// An integer setting (decimal, or hex with 0x): a value that is not one leaves the default, with a line on
+// stderr naming the variable (strtoull read "junk" as 0: seed 0, compute capability 0).
+static bool env_integer(const char* name, unsigned long long* out) {
+  const char* text = getenv(name);
+  if (!text || !*text) return false;
+  char* end = nullptr;
+  const unsigned long long v = strtoull(text, &end, 0);
+  if (*end != '\0' || text[0] == '-') {
+    fprintf(stderr, "attn_backends: %s=%s is not a non-negative integer; the default is kept\n", name, text);
+    return false;
+  }
+  *out = v;
+  return true;
+}
+
 Session& session() {
   static Session* s = [] {
     Session* x = new Session();
-    const char* sm = getenv("ATTN_BACKENDS_CUDA_EMULATE_SM");
-    x->cc = sm && *sm ? atoi(sm) : 80;
-    const char* seed = getenv("ATTN_BACKENDS_CUDA_EMULATE_SEED");
-    if (seed && *seed) x->seed = strtoull(seed, nullptr, 0);
+    unsigned long long v = 0;
+    x->cc = env_integer("ATTN_BACKENDS_CUDA_EMULATE_SM", &v) && v <= 1000 ? (int)v : 80;
+    if (env_integer("ATTN_BACKENDS_CUDA_EMULATE_SEED", &v)) x->seed = v;
     return x;
   }();
   return *s;
