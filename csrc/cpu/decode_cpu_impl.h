@@ -125,6 +125,18 @@ static inline float DC(hsum)(vf v) {
 #endif
 }
 
+#if VLEN == 16 || VLEN == 8
+/* Four floats of w to s[0], s[st], s[2 st], s[3 st]. */
+static inline __attribute__((always_inline)) void DC(store4)(__m128 w, float* s, int64_t st) {
+  float out[4];
+  _mm_storeu_ps(out, w);
+  s[0] = out[0];
+  s[st] = out[1];
+  s[2 * st] = out[2];
+  s[3 * st] = out[3];
+}
+#endif
+
 #if VLEN == 16
 /* DC(hsum4) in parts (AVX-512).  DC(lanes4): four rows' chains to one vector whose 128-bit lane L
  * holds the rows' sums of their lane L elements, [r0, r1, r2, r3], each (e0 + e2) + (e1 + e3).
@@ -143,13 +155,7 @@ static inline __attribute__((always_inline)) __m512 DC(lanes4)(__m512 a0, __m512
 
 static inline __attribute__((always_inline)) void DC(sums4)(__m512 y, float scale, float* s, int64_t st) {
   const __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)));
-  const __m128 w = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)), _mm_set1_ps(scale));
-  float out[4];
-  _mm_storeu_ps(out, w);
-  s[0] = out[0];
-  s[st] = out[1];
-  s[2 * st] = out[2];
-  s[3 * st] = out[3];
+  DC(store4)(_mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)), _mm_set1_ps(scale)), s, st);
 }
 
 static inline __attribute__((always_inline)) void DC(sums4x4)(__m512 y0, __m512 y1, __m512 y2, __m512 y3, float scale,
@@ -178,16 +184,8 @@ static inline void DC(hsum4)(vf a0, vf a1, vf a2, vf a3, float scale, float* s, 
   const __m256 x23 = _mm256_add_ps(_mm256_unpacklo_ps((__m256)a2, (__m256)a3), _mm256_unpackhi_ps((__m256)a2, (__m256)a3));
   const __m256 y = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(_mm256_castps_pd(x01), _mm256_castps_pd(x23))),
                                  _mm256_castpd_ps(_mm256_unpackhi_pd(_mm256_castps_pd(x01), _mm256_castps_pd(x23))));
-  const __m128 w = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1)), _mm_set1_ps(scale));
-#endif
-#if VLEN == 8
-  float out[4];
-  _mm_storeu_ps(out, w);
-  s[0] = out[0];
-  s[st] = out[1];
-  s[2 * st] = out[2];
-  s[3 * st] = out[3];
-#elif VLEN != 16
+  DC(store4)(_mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1)), _mm_set1_ps(scale)), s, st);
+#else
   s[0] = DC(hsum)(a0) * scale;
   s[st] = DC(hsum)(a1) * scale;
   s[2 * st] = DC(hsum)(a2) * scale;
