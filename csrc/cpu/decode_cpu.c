@@ -212,12 +212,17 @@ static double seconds_now(void) {
  * 2 threads, 2026-12-04, five runs of `bench_decode.py --switch SCORES_BY_HEAD`): 0.89-0.92x the time
  * from the L3, but from DRAM 1.05-1.18x dense and 1.09-1.22x over 16-key blocks (B=8 once 0.99 dense), so
  * from DRAM it is off there and on later families, not measured (docs/benchmarks.md, "Decode on a Zen
- * 5").  On other CPUs (Intel's AVX-512 ones with AVX512_BF16) not measured, so off.
+ * 5").  Nor from DRAM over a paged cache whose blocks hold fewer keys than a chunk (AB_DECODE_CHUNK), so
+ * that a chunk's rows jump to another block in its middle: on the Zen 4, blocks of 16 under a shuffled
+ * block_table, head by head took 1.03-1.08x the time of key by key in 11 of 12 comparisons (0.98 in the
+ * other; blocks of 32 0.93-1.06, even; docs/benchmarks.md, "Step 1 key by key over small blocks").
+ * On other CPUs (Intel's AVX-512 ones with AVX512_BF16) not measured, so off.
  * ATTN_BACKENDS_DECODE_SCORES_BY_HEAD=1 makes it in every call with bfloat16 products, =0 in none (read
  * at every call; the same bits either way). */
-static int scores_by_head(int dram) {
+static int scores_by_head(int dram, int64_t block_size) {
+  const int small_blocks = block_size > 0 && block_size < AB_DECODE_CHUNK;
   return forced_or("ATTN_BACKENDS_DECODE_SCORES_BY_HEAD",
-                   amd_avx512() && !(dram && ab_cpu_features_get()->family >= AB_AMD_FAMILY_ZEN5));
+                   amd_avx512() && !(dram && (ab_cpu_features_get()->family >= AB_AMD_FAMILY_ZEN5 || small_blocks)));
 }
 
 /* Whether step 1 without bfloat16 products (float32 and float16 caches, and bfloat16 ones on CPUs without
@@ -647,7 +652,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        G, hg, nsplit, block_size, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, !!(set & AB_TUNE_KEYS_NEXT), !!(set & AB_TUNE_VALUES_AHEAD),
-                       !!(set & AB_TUNE_PAGES_AHEAD), bf && scores_by_head(dram), !bf && four_keys(p, dram),
+                       !!(set & AB_TUNE_PAGES_AHEAD), bf && scores_by_head(dram, block_size), !bf && four_keys(p, dram),
                        !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS), (float)ldexp(p->scale, -qexp)};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   const double t0 = ticket.round >= 0 ? seconds_now() : 0.0;

@@ -99,6 +99,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t
 
 /* A work item is (batch row, group of hg KV heads, split of the key range); its query rows are the
  * Sq tokens x hg * G heads of the group (G = Hq / Hkv). */
+#define AB_DECODE_CHUNK 32 /* keys per chunk of a work item (decode_cpu_impl.h DC_CHUNK) */
 #define AB_DECODE_DPAD 16 /* q and accumulator rows are padded to a multiple of 16 floats (32 with bf16_dot) */
 #define AB_DECODE_TILE_ROWS 64 /* query rows per tile (tokens x the item's query heads), unless one token has more */
 /* Query tokens per tile of a work item of HG query heads: as many as keep its rows within AB_DECODE_TILE_ROWS,

@@ -51,7 +51,7 @@
 #define DC_CAT(a, b) DC_CAT2(a, b)
 #define DC(name) DC_CAT(name, AB_ISA_SFX)
 
-#define DC_CHUNK 32 /* keys per chunk: the scores of a tile (64 rows x 32 keys) are 8 KiB */
+#define DC_CHUNK AB_DECODE_CHUNK /* keys per chunk: the scores of a tile (64 rows x 32 keys) are 8 KiB */
 #define DC_ROWS AB_DECODE_TILE_ROWS /* query rows per tile, unless one token alone has more (G > 64) */
 #define DC_NV (DC_CHUNK / VLEN)
 #define DC_KEYS_AHEAD 2 /* key rows prefetched ahead of the scores' loads */
