@@ -145,9 +145,13 @@ static void why_not(const ab_call* c, int id, char* out, size_t n) {
   if (c->alibi && !(f & AB_F_ALIBI)) WHY("no ALiBi (alibi_slopes)");
   if ((c->sinks || c->alibi) && c->need_grad && !(f & AB_F_SINKS_ALIBI_GRAD))
     WHY("its backward takes no attention sinks or ALiBi (forward only), and this call needs a gradient");
-  if (c->device == AB_DEVICE_MPS && c->mps_fix && c->mask && !c->need_grad && is_torch_sdpa(id))
-    WHY("torch SDPA on MPS gives NaN with an attention mask in evaluation "
-        "(ATTN_BACKENDS_DISABLE_MPS_FIX=1 or --disable_mps_fix uses it anyway)");
+  /* bottom-right causal and windows reach torch SDPA as an explicit bool mask (torch_sdpa.py sdpa_mask),
+   * whose rows may see no key at all (Sq > Sk): the same NaN as a caller's mask.  A KV-cache call's mask
+   * field already counts them. */
+  if (c->device == AB_DEVICE_MPS && c->mps_fix && !c->need_grad && is_torch_sdpa(id) &&
+      (c->mask || (c->varlen != 2 && (c->causal == AB_CAUSAL_BOTTOM_RIGHT || c->window))))
+    WHY("torch SDPA on MPS gives NaN with an attention mask in evaluation, bottom-right causal and windows "
+        "included (ATTN_BACKENDS_DISABLE_MPS_FIX=1 or --disable_mps_fix uses it anyway)");
   if (k->why_not) {
     k->why_not(c, out, n); /* the kernel family's own limits (head dims, shared memory, ...) */
     if (out[0]) return;

@@ -342,6 +342,29 @@ def test_mps_padding_mask_in_evaluation_goes_to_eager(caplog):
     assert plan(device=MPS, requested="math").chosen == "eager"
 
 
+@pytest.mark.parametrize("call", [dict(causal=2, square=0), dict(causal=2), dict(window=1), dict(causal=1, window=1)],
+                         ids=["bottom_right", "bottom_right_square", "window", "top_left_window"])
+def test_mps_calls_that_torch_sdpa_gets_as_a_mask_go_to_eager_in_evaluation(call):
+    # the sdpa runner passes bottom-right causal and windows as an explicit bool mask (sdpa_mask), with rows
+    # that see no key when Sq > Sk: they went to torch SDPA on MPS, where such a mask gives NaN
+    p = plan(device=MPS, **call)
+    assert p.chosen == "eager" and p.reasons["sdpa"].startswith("torch SDPA on MPS gives NaN")
+    assert plan(device=MPS, mps_fix=0, **call).chosen == "sdpa"  # --disable_mps_fix
+    assert plan(device=MPS, need_grad=1, **call).chosen == "sdpa"  # training is not affected
+    assert plan(device=MPS, causal=1, square=0).chosen == "sdpa"  # top-left causal stays is_causal: no mask
+    # the call as it arrives from a tensor: only the device is faked (a meta tensor read as MPS)
+    from attn_backends import _dispatch
+
+    q, k = torch.empty(1, 2, 8, 16, device="meta"), torch.empty(1, 2, 4, 16, device="meta")
+    real = _dispatch._DEVICE_IDS
+    try:
+        _dispatch._DEVICE_IDS = {**real, "meta": MPS}
+        assert ab.explain(q, k, k, causal="bottom_right").chosen == "eager"
+        assert ab.explain(q, k, k, causal=True).chosen == "sdpa"
+    finally:
+        _dispatch._DEVICE_IDS = real
+
+
 def test_other_devices_use_eager():
     p = plan(device=OTHER, mask=2, causal=1)
     assert p.chosen == "eager"
