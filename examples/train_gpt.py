@@ -5,7 +5,7 @@ backend chosen by a flag, as a training script passes --attn_implementation thro
     python examples/train_gpt.py --attn_implementation flash_attention_2 --steps 50
     python examples/train_gpt.py --attention_call sdpa --patch_sdpa   # model calls F.sdpa, patched
     torchrun --nproc_per_node 2 examples/train_gpt.py --context_parallel 2   # each sequence over 2 ranks
-    python examples/train_gpt.py --steps 200 --generate 200          # then decode through a paged KV cache
+    python examples/train_gpt.py --steps 200 --generate 100          # then decode through a paged KV cache
 
 Prints the backend name as given, the name it resolves to and the backend that actually runs the
 model's attention (the planner's choice, with the reason when it falls back), then the loss,
@@ -20,7 +20,8 @@ gradients are averaged across ranks, so the loss curve is the one process's (doc
 
 --generate N then writes N characters after a prompt, one token per step through
 ab.attention_with_kvcache over a paged KV cache (pages of 16 positions, in shuffled order), and
-checks the first step's logits against the model's full forward.
+checks the first step's logits against the model's full forward.  The prompt and the N characters
+must fit in --block (the model's learned positions); that is checked before training starts.
 """
 
 from __future__ import annotations
@@ -278,6 +279,13 @@ def main(argv=None):
     text = load_corpus()
     chars = sorted(set(text))
     data = torch.tensor([chars.index(c) for c in text], dtype=torch.long)
+    if args.generate:  # checked before training, not after it: generate() cannot go past the block
+        known = sum(c in chars for c in args.prompt)
+        if not known:
+            ap.error(f"--prompt {args.prompt!r} has no character of the training text")
+        if known + args.generate > args.block:
+            ap.error(f"--prompt ({known} characters) + --generate {args.generate} exceed --block {args.block}: "
+                     f"generate at most {args.block - known}, or raise --block")
     n_train = int(0.9 * len(data))
     train, val = data[:n_train], data[n_train:]
     gen = torch.Generator().manual_seed(args.seed)

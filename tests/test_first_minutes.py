@@ -127,6 +127,26 @@ def test_banner_says_when_the_flag_does_not_reach_torchs_own_sdpa(example, capsy
     assert torch.nn.functional.scaled_dot_product_attention is ab._providers.ORIGINAL_SDPA
 
 
+def test_generate_past_the_block_is_refused_before_training(example, capsys):
+    # the docstring's `--steps 200 --generate 200` trained for 200 steps, then raised ValueError in
+    # generate(): the prompt (10 characters) + 200 tokens exceed the default block of 128
+    with pytest.raises(SystemExit) as exit_:
+        run_example(example, capsys, TINY + ["--generate", "200"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert "exceed --block 16" in captured.err and "step" not in captured.out
+    with pytest.raises(SystemExit):
+        run_example(example, capsys, TINY + ["--generate", "5", "--prompt", "\u2603\u2603"])
+    assert "has no character of the training text" in capsys.readouterr().err
+
+
+def test_the_docstrings_generate_invocation_runs_at_the_default_block(example, capsys):
+    n = re.search(r"--generate (\d+)", example.__doc__).group(1)
+    small = ["--steps", "1", "--batch", "2", "--layers", "1", "--dim", "32", "--heads", "2", "--kv_heads", "1"]
+    out = run_example(example, capsys, small + ["--generate", n])
+    assert f"generate: {n} tokens in" in out
+
+
 # ---- import from a source tree without _C ---------------------------------------------------------
 
 def python_without_install_hooks(code, cwd, first_on_path=()):
