@@ -747,7 +747,7 @@ def run_cpu_table(path, rounds, key, table, line, **record):
         print(f"wrote {path}")
 
 
-TUNE_SWITCHES = ((1, "keys_next"), (2, "values_ahead"), (4, "pages_ahead"), (8, "pv_keys"))
+TUNE_SWITCHES = ((1, "keys_next"), (2, "values_ahead"), (4, "pages_ahead"), (8, "pv_keys"), (16, "scores_by_head"))
 
 
 def tune_report():

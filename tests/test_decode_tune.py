@@ -10,9 +10,15 @@ import attn_backends as ab
 from attn_backends import _C
 from attn_backends._testing import decode_bf16_products
 
-KEYS_NEXT, VALUES_AHEAD, PAGES_AHEAD, PV_KEYS = 1, 2, 4, 8
+KEYS_NEXT, VALUES_AHEAD, PAGES_AHEAD, PV_KEYS, SCORES_BY_HEAD = 1, 2, 4, 8, 16
 ROUNDS, KEEP_CALLS = 4, 512  # csrc/cpu/decode_tune.h AB_TUNE_ROUNDS, AB_TUNE_KEEP_CALLS
-SWITCHES = ("KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD", "PV_KEYS")
+SWITCHES = ("KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD", "PV_KEYS", "SCORES_BY_HEAD")
+
+
+def by_head(dtype, G, D=64):
+    """SCORES_BY_HEAD where the kernel can take step 1 head by head (bfloat16 products, G a multiple of four,
+    D <= 128), else 0."""
+    return SCORES_BY_HEAD if decode_bf16_products(dtype) and G % 4 == 0 and D <= 128 else 0
 
 
 
@@ -105,6 +111,7 @@ def test_choose_refuses_malformed_times(times):
     (torch.float32, 8, 2, None, KEYS_NEXT | PAGES_AHEAD),  # GQA: the values are always asked for
     (torch.float32, 8, 2, 16, KEYS_NEXT | PAGES_AHEAD),
     (torch.bfloat16, 8, 2, None, KEYS_NEXT | PAGES_AHEAD),
+    (torch.bfloat16, 8, 2, 16, KEYS_NEXT | PAGES_AHEAD),
     # MHA of one token over float32: every switch, step 3's order too
     (torch.float32, 4, 4, None, KEYS_NEXT | VALUES_AHEAD | PAGES_AHEAD | PV_KEYS),
     # MHA over a 2-byte cache: the next keys are always asked for; step 3's order (with bfloat16 products too)
@@ -113,6 +120,7 @@ def test_choose_refuses_malformed_times(times):
 def test_every_arm_is_timed_then_one_is_kept_with_the_same_bits(dtype, Hq, Hkv, block, free, isa, tuner, gen):
     if dtype == torch.bfloat16 and isa == "avx2":
         free &= ~PV_KEYS  # step 3 takes a bfloat16 cache's value columns by pairs there, head by head
+    free |= by_head(dtype, Hq // Hkv)  # step 1's order, with bfloat16 products
     call = decode_call(gen, dtype, Hq, Hkv, block)
     want = call()
     arms = 1 << bin(free).count("1")
@@ -171,7 +179,7 @@ def test_a_forced_switch_is_not_timed(tuner, monkeypatch, gen):
 ])
 def test_only_switches_that_change_the_call_are_timed(dtype, Hq, Hkv, Sq, free, tuner, gen):
     if free == "row path":  # the row path with bfloat16 products, else tiled
-        free = (KEYS_NEXT | PAGES_AHEAD) if decode_bf16_products(dtype) else 0
+        free = (KEYS_NEXT | PAGES_AHEAD | by_head(dtype, Hq // Hkv)) if decode_bf16_products(dtype) else 0
     call = decode_call(gen, dtype, Hq, Hkv, B=1, S=200, Sq=Sq)
     call()
     state = _C.decode_tune_state()

@@ -152,8 +152,9 @@ static int values_ahead(void) { return forced_or("ATTN_BACKENDS_DECODE_VALUES_AH
  * the same bits either way). */
 static int pages_ahead(int dram) { return forced_or("ATTN_BACKENDS_DECODE_PAGES_AHEAD", amd_avx512() && dram); }
 
-/* Whether the prefetch requests (keys_next, values_ahead, pages_ahead) and step 3's order in one-token MHA
- * (pv_keys, below) are chosen by timing them against each other (decode_tune.h) instead of by their rules: when the caches come from DRAM (from_dram),
+/* Whether the prefetch requests (keys_next, values_ahead, pages_ahead), step 3's order in one-token MHA
+ * (pv_keys, below) and step 1's with bfloat16 products (scores_by_head) are chosen by timing them against each
+ * other (decode_tune.h) instead of by their rules: when the caches come from DRAM (from_dram),
  * on every CPU.  The rules were each measured on one CPU in one state of its memory; on an AMD Zen 5
  * guest whose memory moved between two states the best set moved with it (docs/benchmarks.md,
  * "Prefetch requests chosen by timing").  The rules' own set is one of the sets timed, and a set
@@ -175,8 +176,9 @@ static int eo_pairs(const ab_kvcache_params* p) {
  * chunk after next only where some tile takes the row path (with bfloat16 products, or fewer than
  * AB_DECODE_TILED_ROWS rows per KV head: the tiled products ask for both whatever the switches say, and for
  * no pages), the next keys not in MHA over a 2-byte cache (always asked for there); the chunk's values only
- * in MHA of one token over a float32 cache (always asked for elsewhere); and step 3 key by key (pv_keys) in
- * MHA of one token, but where step 3 takes value columns by pairs (eo_pairs). */
+ * in MHA of one token over a float32 cache (always asked for elsewhere); step 3 key by key (pv_keys) in
+ * MHA of one token, but where step 3 takes value columns by pairs (eo_pairs); and step 1 head by head
+ * (scores_by_head) where the kernel can take it: bfloat16 products, G a multiple of four, D <= 128. */
 static uint32_t tunable(const ab_kvcache_params* p, int bf, int64_t hg) {
   const int64_t G = p->Hq / p->Hkv, HG = hg * G;
   const int64_t tt = ab_decode_tile_tokens(HG);
@@ -192,6 +194,8 @@ static uint32_t tunable(const ab_kvcache_params* p, int bf, int64_t hg) {
   if (rows_path && ab_env_switch("ATTN_BACKENDS_DECODE_PAGES_AHEAD") < 0) free |= AB_TUNE_PAGES_AHEAD;
   if (G == 1 && p->Sq == 1 && !eo_pairs(p) && ab_env_switch("ATTN_BACKENDS_DECODE_PV_KEYS") < 0)
     free |= AB_TUNE_PV_KEYS;
+  if (bf && G % 4 == 0 && p->D <= 128 && ab_env_switch("ATTN_BACKENDS_DECODE_SCORES_BY_HEAD") < 0)
+    free |= AB_TUNE_SCORES_BY_HEAD;
   return free;
 }
 
@@ -214,11 +218,13 @@ static double seconds_now(void) {
  * from DRAM it is off there and on later families, not measured (docs/benchmarks.md, "Decode on a Zen
  * 5").  Nor from DRAM over a paged cache whose blocks hold fewer keys than a chunk (AB_DECODE_CHUNK), so
  * that a chunk's rows jump to another block in its middle: on the Zen 4, blocks of 16 under a shuffled
- * block_table, head by head took 1.03-1.08x the time of key by key in 11 of 12 comparisons (0.98 in the
- * other; blocks of 32 0.93-1.06, even; docs/benchmarks.md, "Step 1 key by key over small blocks").
- * On other CPUs (Intel's AVX-512 ones with AVX512_BF16) not measured, so off.
- * ATTN_BACKENDS_DECODE_SCORES_BY_HEAD=1 makes it in every call with bfloat16 products, =0 in none (read
- * at every call; the same bits either way). */
+ * block_table, head by head took 1.03-1.08x the time of key by key while the memory answered slowly (11 of
+ * 12 comparisons), but 0.94-1.00x while it answered fast, where dense caches took 0.87-0.92x with it
+ * (docs/benchmarks.md, "Step 1's order over small blocks, chosen by timing").  So from DRAM this rule is only
+ * the first guess: the order is one of the switches decode_tune times (tunable).
+ * On other CPUs (Intel's AVX-512 ones with AVX512_BF16) not measured, so off by rule, and timed from DRAM.
+ * ATTN_BACKENDS_DECODE_SCORES_BY_HEAD=1 makes it in every call with bfloat16 products, =0 in none (then not
+ * timed; read at every call; the same bits either way). */
 static int scores_by_head(int dram, int64_t block_size) {
   const int small_blocks = block_size > 0 && block_size < AB_DECODE_CHUNK;
   return forced_or("ATTN_BACKENDS_DECODE_SCORES_BY_HEAD",
@@ -644,7 +650,8 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   const int64_t hg = heads_per_item(p, threads);
   const int64_t G = p->Hq / p->Hkv, block_size = paged(p) ? p->k_cache.sizes[1] : 0;
   const uint32_t rule = (keys_next(dram) ? AB_TUNE_KEYS_NEXT : 0) | (values_ahead() ? AB_TUNE_VALUES_AHEAD : 0) |
-                        (pages_ahead(dram) ? AB_TUNE_PAGES_AHEAD : 0) | (pv_keys() ? AB_TUNE_PV_KEYS : 0);
+                        (pages_ahead(dram) ? AB_TUNE_PAGES_AHEAD : 0) | (pv_keys() ? AB_TUNE_PV_KEYS : 0) |
+                        (bf && scores_by_head(dram, block_size) ? AB_TUNE_SCORES_BY_HEAD : 0);
   const ab_decode_tune_kind kind = {(int32_t)ab_cpu_isa_get(), (int32_t)p->k_cache.dtype, bf, (int32_t)block_size,
                                     (int32_t)G, p->Sq == 1};
   ab_decode_tune_ticket ticket;
@@ -652,7 +659,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        G, hg, nsplit, block_size, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, !!(set & AB_TUNE_KEYS_NEXT), !!(set & AB_TUNE_VALUES_AHEAD),
-                       !!(set & AB_TUNE_PAGES_AHEAD), bf && scores_by_head(dram, block_size), !bf && four_keys(p, dram),
+                       !!(set & AB_TUNE_PAGES_AHEAD), bf && !!(set & AB_TUNE_SCORES_BY_HEAD), !bf && four_keys(p, dram),
                        !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS), (float)ldexp(p->scale, -qexp)};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   const double t0 = ticket.round >= 0 ? seconds_now() : 0.0;

@@ -59,6 +59,7 @@ static void start_timing(slot* s) {
 
 uint32_t ab_decode_tune_begin(const ab_decode_tune_kind* kind, uint32_t rule, uint32_t free, ab_decode_tune_ticket* t) {
   free &= AB_TUNE_ALL;
+  while (1 << __builtin_popcount(free) > MAX_ARMS) free &= free - 1; /* never more arms than a slot holds */
   t->slot = -1;
   t->arm = 0;
   t->round = -1;

@@ -1,7 +1,8 @@
 /* decode_tune.h -- the CPU decode kernel's prefetch requests chosen by timing (decode_tune.c).
  *
- * The kernel's prefetch switches (decode_cpu.c: keys_next, values_ahead, pages_ahead) and the order of
- * one-token MHA's step 3 (pv_keys) change how fast a call reads its cache from DRAM, never its bits.
+ * The kernel's prefetch switches (decode_cpu.c: keys_next, values_ahead, pages_ahead), the order of
+ * one-token MHA's step 3 (pv_keys) and of step 1 with bfloat16 products (scores_by_head) change how fast a
+ * call reads its cache from DRAM, never its bits.
  * Which set is fastest depends on the CPU and, on a shared machine, on the memory system's state of the
  * moment: on one AMD Zen 5 guest dense bfloat16 GQA decode ran 10-20% faster without the next-keys and
  * pages-ahead requests while the memory answered fast, and float32 GQA about 7% faster with the next keys
@@ -19,9 +20,17 @@
 extern "C" {
 #endif
 
-/* The switches a set holds (bits of a uint32_t): the three prefetch requests, and step 3 key by key in
- * one-token MHA (decode_cpu.c pv_keys), which changes the order the value rows are read in, not the bits. */
-enum { AB_TUNE_KEYS_NEXT = 1, AB_TUNE_VALUES_AHEAD = 2, AB_TUNE_PAGES_AHEAD = 4, AB_TUNE_PV_KEYS = 8, AB_TUNE_ALL = 15 };
+/* The switches a set holds (bits of a uint32_t): the three prefetch requests, step 3 key by key in
+ * one-token MHA (decode_cpu.c pv_keys) and step 1 head by head with bfloat16 products (scores_by_head), which
+ * change the order the rows are read in, not the bits. */
+enum {
+  AB_TUNE_KEYS_NEXT = 1,
+  AB_TUNE_VALUES_AHEAD = 2,
+  AB_TUNE_PAGES_AHEAD = 4,
+  AB_TUNE_PV_KEYS = 8,
+  AB_TUNE_SCORES_BY_HEAD = 16,
+  AB_TUNE_ALL = 31
+};
 enum { AB_TUNE_MAX_ARMS = 16 };
 /* Calls of each set per round of timing, rounds per timing, calls between timings, and the margin a set
  * must beat the rule's own by (the median of its per-round ratios below 1 - margin). */
