@@ -56,8 +56,8 @@ the table's order, or where a chunk jumps.
     python benchmarks/bench_decode.py --pool-layouts --json benchmarks/results/decode_pool_layouts.json
 
 --switch NAME times our kernel alone with one of its switches (ATTN_BACKENDS_DECODE_<NAME>, docs/environment.md)
-forced off and on in turn, in one process: over the decode shapes' caches, dense and as 16-key blocks under a
-shuffled table, and over one cache the L3 holds; on / off is the median of each round's ratio.
+forced off and on in turn, in one process: over the decode shapes' caches, dense and as 16- and 256-key blocks
+under a shuffled table, and over one cache the L3 holds; on / off is the median of each round's ratio.
     python benchmarks/bench_decode.py --switch SCORES_BY_HEAD --json benchmarks/results/decode_switch.json
 
 --device cuda times our CUDA decode kernel (csrc/cuda/decode.cu, on by default since its H200 run and
@@ -434,8 +434,8 @@ def pool_layouts_table(dtypes, rounds, shapes):
 
 
 def switch_table(switch, dtypes, rounds, shapes):
-    """--switch NAME: our kernel over the decode shapes' caches (dense, and 16-key blocks shuffled; a new copy
-    per call as in the main table) and over one cache the L3 holds (B=1 Hq=32 Hkv=8 Sk=1024, the same copy
+    """--switch NAME: our kernel over the decode shapes' caches (dense, and 16- and 256-key blocks shuffled; a new
+    copy per call as in the main table) and over one cache the L3 holds (B=1 Hq=32 Hkv=8 Sk=1024, the same copy
     every call), with ATTN_BACKENDS_DECODE_<NAME> forced to 0 and to 1 in turn, in one process; on / off is
     the median of each round's ratio.  The two settings' bits are checked equal first."""
     var = "ATTN_BACKENDS_DECODE_" + switch
@@ -451,6 +451,7 @@ def switch_table(switch, dtypes, rounds, shapes):
                 pools = {"dense": [(k, v, None) for k, v in dense]}
                 if len(dense) > 1:
                     pools["p16"] = [paged_copy(k, v, 16, gen) for k, v in dense]
+                    pools["p256"] = [paged_copy(k, v, 256, gen) for k, v in dense]
                 for cache, seq in pools.items():
                     turn = [0]
 
