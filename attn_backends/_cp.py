@@ -48,6 +48,11 @@ def resolve_group(group) -> Group:
         raise RuntimeError("group: torch.distributed is not initialized; call "
                            "torch.distributed.init_process_group(...) first (torchrun sets up its environment)")
     pg = dist.group.WORLD if group is None else group
+    non_member = getattr(dist.GroupMember, "NON_GROUP_MEMBER", None)
+    if non_member is not None and (pg is non_member or (type(pg) is int and pg == non_member)):
+        # what new_group returns to a process outside the group (an int in recent torch)
+        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of the group it "
+                         "was given")
     if not isinstance(pg, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     rank = dist.get_rank(pg)
@@ -100,7 +105,10 @@ def agree(g: Group, what: str, fields, error: Exception | None = None) -> None:
     a hang."""
     if fields is not None and len(fields) > FIELDS_MAX - 2:
         raise AssertionError("agree: too many fields")
-    call_id = {"ring_attention": 1, "ulysses_attention": 2, "unshard": 3}.get(what, 9)
+    # one id per public call: the packed variants have their own (and more fields), so a rank in
+    # unshard and another in unshard_varlen cannot pass here on one side and raise on the other
+    call_id = {"ring_attention": 1, "ulysses_attention": 2, "unshard": 3, "ring_attention_varlen": 4,
+               "ulysses_attention_varlen": 5, "unshard_varlen": 6}.get(what, 9)
     head = [1.0 if error is not None else 0.0, float(call_id)]
     values = [float(v) for _, v in fields] if fields is not None else []
     header = torch.tensor(head + values + [0.0] * (FIELDS_MAX - len(head) - len(values)), dtype=torch.float64,
@@ -120,8 +128,8 @@ def agree(g: Group, what: str, fields, error: Exception | None = None) -> None:
     others = {int(row[1]) for row in rows}
     if len(others) > 1:
         raise RuntimeError(f"{what}: the ranks of the group are not all in the same call (one is in "
-                           "ring_attention, another in ulysses_attention or unshard); every rank must make the "
-                           "same calls in the same order")
+                           "ring_attention, another in ulysses_attention or unshard, or their packed variants); "
+                           "every rank must make the same calls in the same order")
     for i, (name, _) in enumerate(fields):
         col = [row[2 + i] for row in rows]
         if any(c != col[0] and not (math.isnan(c) and math.isnan(col[0])) for c in col):

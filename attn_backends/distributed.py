@@ -23,6 +23,7 @@ calls in the same order (as with any collective), the backward included.  Dropou
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Optional, Tuple, Union
 
 import torch
@@ -402,7 +403,9 @@ def _all_pieces(lengths, layout, W) -> torch.Tensor:
 
 
 def _cu_fields(lengths, max_seqlen):
-    cu_sum = sum((i + 1) * L for i, L in enumerate(lengths))  # cu_seqlens must be the same everywhere
+    # cu_seqlens must be the same everywhere: a CRC-32 of the lengths (exact in a float64), since a
+    # weighted sum let different batches of one total pass ([4, 8, 4] and [8, 0, 8])
+    cu_sum = zlib.crc32(b"".join(int(L).to_bytes(8, "little") for L in lengths))
     return [("the number of sequences (cu_seqlens)", len(lengths)), ("cu_seqlens (a checksum)", cu_sum),
             ("max_seqlen", max_seqlen if max_seqlen is not None else -1)]
 
@@ -440,7 +443,7 @@ def unshard_varlen(x_local: torch.Tensor, cu_seqlens: torch.Tensor, *, group=Non
         fields += _cu_fields(lengths, None)
     except (TypeError, ValueError) as e:
         error = e
-    _cp.agree(g, "unshard", fields, error)
+    _cp.agree(g, "unshard_varlen", fields, error)
     rows = _all_pieces(lengths, layout, g.world).to(x_local.device)
     mine = _piece_rows(lengths, layout, g.rank, g.world).to(x_local.device)
     return _UnshardRows.apply(x_local, g, dim, torch.argsort(rows), mine)
@@ -541,7 +544,7 @@ def ring_attention_varlen(
                          + _cu_fields(lengths, max_seqlen), packed=True)
     except (TypeError, ValueError, RuntimeError) as e:
         error = e
-    _cp.agree(g, "ring_attention", fields, error)
+    _cp.agree(g, "ring_attention_varlen", fields, error)
     _, Hq, T, D, Hkv, _, Dv, causal_i, wl, wr, scale_f, softcap_f, layout = opts
     cfg = _ring.Config(g, layout, "flash", causal_i, scale_f, -1, -1, softcap_f, 0, 0,
                        deterministic=torch.are_deterministic_algorithms_enabled(), cu=cu_chunk,
@@ -605,7 +608,7 @@ def ulysses_attention_varlen(
         fields = _fields(q, opts, _cu_fields(lengths, max_seqlen), packed=True)
     except (TypeError, ValueError) as e:
         error = e
-    _cp.agree(g, "ulysses_attention", fields, error)
+    _cp.agree(g, "ulysses_attention_varlen", fields, error)
     _, Hq, T, D, Hkv, _, Dv, causal_i, wl, wr, scale_f, softcap_f, layout = opts
     W = g.world
     if Hkv % W:

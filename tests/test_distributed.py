@@ -204,6 +204,8 @@ def _raises(exc, *fragments):
 
 
 def _errors(W, rank):
+    import torch.distributed as dist
+
     from attn_backends import distributed as abd
 
     n = 2 * W
@@ -254,6 +256,23 @@ def _errors(W, rank):
     pl = abd.shard_varlen(torch.randn(4 * n, 4, 8), cu)
     _raises(ValueError, "window")(lambda: abd.ring_attention_varlen(pl, pl, pl, cu, 3 * n, window=(2, 0)))
     _raises(ValueError, "max_seqlen")(lambda: abd.ring_attention_varlen(pl, pl, pl, cu, 2))
+    # a dense call on one rank and its packed variant on the others: every rank raises (the packed calls
+    # shared the dense ones' ids, so rank 0 passed the check and waited in the collective until the timeout)
+    pairs = ((lambda: abd.unshard(pl, dim=0), lambda: abd.unshard_varlen(pl, cu, dim=0)),
+             (lambda: abd.ring_attention(ql, ql, ql), lambda: abd.ring_attention_varlen(pl, pl, pl, cu, 3 * n)),
+             (lambda: abd.ulysses_attention(ql, ql, ql), lambda: abd.ulysses_attention_varlen(pl, pl, pl, cu, 3 * n)))
+    for dense, packed in pairs:
+        _raises(RuntimeError, "not all in the same call")(dense if rank == 0 else packed)
+    # batches of one total whose lengths differ across ranks ([n, 2n, n] and [2n, 0, 2n]: a weighted sum of the
+    # lengths, the check before, could not tell them apart, and the ring ran)
+    mine = torch.tensor([0, n, 3 * n, 4 * n] if rank == 0 else [0, 2 * n, 2 * n, 4 * n], dtype=torch.int32)
+    pm = abd.shard_varlen(torch.randn(4 * n, 4, 8), mine)
+    _raises(ValueError, "disagree on cu_seqlens")(lambda: abd.ring_attention_varlen(pm, pm, pm, mine, 2 * n))
+    # a process outside the group it is given: named as such (torch hands it an int, not a ProcessGroup)
+    sub = dist.new_group([1])
+    if rank != 1:
+        _raises(ValueError, "not a member of the group")(lambda: abd.ring_attention(ql, ql, ql, group=sub))
+        _raises(ValueError, "not a member of the group")(lambda: abd.shard(q, group=sub))
     # after all that the group still works
     out = abd.ring_attention(ql, ql, ql, causal=True)
     ref, _ = reference_attention(q, q, q, causal=True)
