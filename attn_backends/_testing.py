@@ -58,10 +58,11 @@ def visible(Sq: int, Sk: int, causal, window, device=None) -> torch.Tensor:
         ok &= j <= ii
     if window is not None:
         left, right = window
+        # as distances, so that a side near 2**63 (wider than any sequence) cannot wrap ii +- side
         if left >= 0:
-            ok &= j >= ii - left
+            ok &= j - ii >= -left
         if right >= 0:
-            ok &= j <= ii + right
+            ok &= j - ii <= right
     return ok
 
 

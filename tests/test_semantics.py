@@ -63,6 +63,21 @@ def test_window_past_the_last_key_masks_rows():
     assert torch.isfinite(lse[:, :, :2]).all()
 
 
+def test_the_references_visibility_takes_window_sides_wider_than_any_sequence():
+    # the tests' own mask (attn_backends/_testing.visible): a side near 2**63 hides nothing, as an unbounded
+    # one (ii + side wrapped to a negative number before, hiding every key), and the result is the kernel's
+    from attn_backends._testing import visible
+
+    huge = 2**63 - 1
+    for causal in (False, True, "bottom_right"):
+        assert torch.equal(visible(5, 7, causal, (huge, huge)), visible(5, 7, causal, None))
+        assert torch.equal(visible(5, 7, causal, (huge, 0)), visible(5, 7, causal, (-1, 0)))
+    q, k, v = (torch.randn(1, 2, 5, 8, dtype=torch.float64) for _ in range(3))
+    out = attn(q, k, v, window=(huge, huge))
+    ref, _ = reference_attention(q, k, v, window=(huge, huge))
+    assert torch.allclose(out, ref, atol=1e-12, rtol=0)
+
+
 # ---- empty shapes ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(
