@@ -141,7 +141,8 @@ def _cu_from_positions(position_ids):
 def _varlen_from_padding(q, k, v, mask, causal, sinks, kw):
     """transformers' flash_attention_2 path on a padding mask (B, Sk), True/1 = token: the real
     tokens of each row become one packed sequence, padded rows of the output are 0.  The mask pads
-    the keys; it pads the queries too only in causal calls (self-attention, the last Sq positions):
+    the keys; it pads the queries too in causal calls (self-attention, the last Sq positions) and in
+    self-attention (Sq = Sk) with a window or ALiBi, whose positions must match the keys' on either side:
     a call without causality may be cross-attention, whose queries are the decoder's and all real
     (transformers' flash path takes the encoder's mask for them and zeroes the decoder's rows past
     the encoder's length; sdpa attends them), so there every query attends its row's real keys."""
@@ -155,7 +156,9 @@ def _varlen_from_padding(q, k, v, mask, causal, sinks, kw):
     idx_k = keep.flatten().nonzero().flatten()
     kk = k.transpose(1, 2).reshape(B * Sk, *k.shape[1::2])[idx_k]
     vv = v.transpose(1, 2).reshape(B * Sk, *v.shape[1::2])[idx_k]
-    if Sq == Sk and causal:
+    if Sq == Sk and (causal or kw.get("window") is not None or kw.get("alibi_slopes") is not None):
+        # self-attention whose scores depend on positions (causal, a window, ALiBi): the queries are
+        # packed as the keys, so each sequence's query i and key i are one token, whichever side pads
         idx_q, cu_q, lens_q = idx_k, cu_k, lens_k
     elif Sq == 1 or not causal:  # every query
         idx_q = torch.arange(B * Sq, device=q.device)

@@ -213,17 +213,23 @@ def test_varlen_name_unpads_a_padded_batch(arch, gen, spy):
     assert ("attention" if arch == "t5" else "attention_varlen") in spy
 
 
-@pytest.mark.parametrize("arch", ["modernbert", "bart"])
-def test_varlen_name_keeps_the_masks_semantics_where_transformers_flash_path_differs(arch, gen):
+@pytest.mark.parametrize("arch, side", [("modernbert", "right"), ("modernbert", "left"), ("bart", "right")])
+def test_varlen_name_keeps_the_masks_semantics_where_transformers_flash_path_differs(arch, side, gen):
     """ModernBERT's bidirectional sliding window (the sliding_window keyword is flash's, |i - j| < it: the
-    model passes its window + 1) and BART's cross-attention over a padded encoder, whose decoder queries
-    are all real (transformers' flash path takes the encoder's padding for them and zeroes the decoder's
-    rows past each encoder row's length): the varlen name matches eager in float64 there."""
+    model passes its window + 1), right- and left-padded (a window is counted in token positions, so the
+    queries are packed as the keys: before, a left-padded row's queries kept their padded positions against
+    the packed keys), and BART's cross-attention over a padded encoder, whose decoder queries are all real
+    (transformers' flash path takes the encoder's padding for them and zeroes the decoder's rows past each
+    encoder row's length): the varlen name matches eager in float64 there."""
     ab.register_transformers()
     ids = torch.randint(3, V, (3, 20), generator=gen)
     mask = torch.ones_like(ids)
-    mask[0, -8:] = 0
-    mask[2, -3:] = 0
+    if side == "left":
+        mask[0, :8] = 0
+        mask[2, :3] = 0
+    else:
+        mask[0, -8:] = 0
+        mask[2, -3:] = 0
     kw = dict(input_ids=ids, attention_mask=mask)
     if arch == "bart":  # a shorter decoder input than the encoder's, unpadded
         kw.update(decoder_input_ids=torch.randint(3, V, (3, 12), generator=gen), use_cache=False)
