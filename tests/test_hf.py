@@ -248,6 +248,34 @@ def test_varlen_name_keeps_the_masks_semantics_where_transformers_flash_path_dif
     check_2x("logits", x[keep], x64[keep], x32[keep], 2, torch.float32)
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("extra", ["window", "alibi"])
+def test_varlen_name_on_a_padded_batch_counts_positions_in_tokens(extra, side, gen):
+    # bidirectional self-attention whose scores depend on distance (a sliding window, ALiBi), under the
+    # varlen name's padding mask: each row's real rows equal attention over its real tokens alone, whichever
+    # side pads (the queries used to keep their padded positions: left padding broke the window, right
+    # padding ALiBi, whose alignment is bottom-right)
+    from attn_backends import _transformers
+
+    class Module(torch.nn.Module):
+        is_causal = False
+
+    B, H, S, D = 2, 2, 9, 16
+    q, k, v = (torch.randn(B, H, S, D, generator=gen, dtype=torch.float64) for _ in range(3))
+    mask = torch.ones(B, S, dtype=torch.long)
+    mask[1, :3] = 0 if side == "left" else 1
+    if side == "right":
+        mask[1, -3:] = 0
+    slopes = torch.rand(H, generator=gen) + 0.5  # float32, as flash-attn takes them
+    kw = {"sliding_window": 3} if extra == "window" else {"alibi_slopes": slopes}
+    out = _transformers._forward("flash_varlen", Module(), q, k, v, mask, 0.0, None, False, dict(kw))
+    for b in range(B):
+        real = mask[b].bool()
+        opt = dict(window=(2, 2)) if extra == "window" else dict(alibi_slopes=slopes)
+        ref, _ = reference_attention(q[b:b + 1, :, real], k[b:b + 1, :, real], v[b:b + 1, :, real], **opt)
+        assert torch.allclose(out[b, real].transpose(0, 1), ref[0], atol=1e-12, rtol=0), (b, side, extra)
+
+
 @pytest.mark.parametrize("arch", ["gpt_oss", "granite_swa", "mimo_v2_flash"])
 def test_flash_api_name_serves_models_that_list_their_flash_kernels(arch, gen, monkeypatch, hf_flash_reload):
     # these models list flash-attn 3/4 builds (they take sinks) in _compatible_flash_implementations, and
