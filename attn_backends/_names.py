@@ -19,7 +19,7 @@ _BY_NAME = {n: name for name, aliases in _NAMES for n in (name, *aliases)}
 
 def resolve(name: str) -> str:
     """Canonical name for any accepted name; ValueError listing the valid names otherwise."""
-    canonical = _BY_NAME.get(name)
+    canonical = _BY_NAME.get(name) if name.__class__ is str else None
     if canonical is not None:
         return canonical
     if not isinstance(name, str):

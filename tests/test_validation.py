@@ -86,6 +86,9 @@ def test_bad_mask(mask, exc, match):
         (dict(dropout_p=1j), TypeError, r"dropout_p must be a float, got complex"),
         (dict(backend="flash_attn_9"), ValueError, r"unknown backend 'flash_attn_9'; valid names are: auto, flash, flash_attn, .*math"),
         (dict(backend=3), TypeError, r"backend must be a str, got int"),
+        # unhashable: the name table's lookup raised "unhashable type" before the check
+        (dict(backend=["flash"]), TypeError, r"backend must be a str, got list"),
+        (dict(backend={"flash": 1}), TypeError, r"backend must be a str, got dict"),
     ],
 )
 def test_bad_options(kwargs, exc, match):
