@@ -263,15 +263,14 @@ def test_varlen_name_on_a_padded_batch_counts_positions_in_tokens(extra, side, g
     B, H, S, D = 2, 2, 9, 16
     q, k, v = (torch.randn(B, H, S, D, generator=gen, dtype=torch.float64) for _ in range(3))
     mask = torch.ones(B, S, dtype=torch.long)
-    mask[1, :3] = 0 if side == "left" else 1
-    if side == "right":
-        mask[1, -3:] = 0
+    mask[1, slice(None, 3) if side == "left" else slice(-3, None)] = 0
     slopes = torch.rand(H, generator=gen) + 0.5  # float32, as flash-attn takes them
-    kw = {"sliding_window": 3} if extra == "window" else {"alibi_slopes": slopes}
-    out = _transformers._forward("flash_varlen", Module(), q, k, v, mask, 0.0, None, False, dict(kw))
+    # HF's sliding_window counts the query itself: 3 is |i - j| <= 2
+    kw, opt = (({"sliding_window": 3}, dict(window=(2, 2))) if extra == "window"
+               else ({"alibi_slopes": slopes}, dict(alibi_slopes=slopes)))
+    out = _transformers._forward("flash_varlen", Module(), q, k, v, mask, 0.0, None, False, kw)
     for b in range(B):
         real = mask[b].bool()
-        opt = dict(window=(2, 2)) if extra == "window" else dict(alibi_slopes=slopes)
         ref, _ = reference_attention(q[b:b + 1, :, real], k[b:b + 1, :, real], v[b:b + 1, :, real], **opt)
         assert torch.allclose(out[b, real].transpose(0, 1), ref[0], atol=1e-12, rtol=0), (b, side, extra)
 
