@@ -4,6 +4,7 @@ Hostile arguments get an error naming the argument; integer arguments come as in
 or 0-d integer tensors; packed calls cost what their real lengths cost, whatever bound they name.
 """
 
+import contextlib
 import math
 import re
 
@@ -360,6 +361,96 @@ def test_op_called_directly_has_a_double_backward(gen):
     (g,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
     (h,) = torch.autograd.grad(g.sum(), k)
     assert bool(h.abs().max() > 0)
+
+
+@pytest.mark.parametrize("backend, opts", [
+    (backend, opts) for backend in ("sdpa", "_native_flash", "_native_math")
+    for opts in (dict(), dict(mask="float", causal="bottom_right"), dict(mask="bool", window=(3, 1)))
+    if not (backend == "_native_flash" and opts.get("mask") == "float")])  # no mask gradient there: refused
+def test_double_backward_through_torch_sdpa(backend, opts, gen):
+    # torch's fused CPU kernel has no derivative of its backward: a gradient of a gradient raised
+    # "derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented", and
+    # `auto` serves some training calls through torch SDPA
+    from attn_backends._testing import check_2x, reference_attention
+
+    B, Hq, Sq, Sk, D = 2, 4, 9, 11, 16
+    Hkv = Hq if backend == "_native_flash" else 2  # torch's flash kernel takes no GQA
+    q, k, v = qkv(B, Hq, Hkv, Sq, Sk, D, g=gen)
+    opts = dict(opts)
+    kind = opts.pop("mask", None)
+    leaves = [q, k, v]
+    if kind == "float":
+        m = torch.randn(B, 1, Sq, Sk, generator=gen).masked_fill(torch.rand(B, 1, Sq, Sk, generator=gen) < 0.2,
+                                                                 -math.inf)
+        m[:, :, :, -1] = 0.0  # bottom-right causal leaves every row its last key: no NaN rows in torch
+        leaves.append(m)
+    elif kind == "bool":
+        opts["attn_mask"] = torch.rand(B, 1, Sq, Sk, generator=gen) > 0.3
+        opts["attn_mask"][..., :] |= torch.eye(Sq, Sk, dtype=torch.bool)  # every row sees a key in its window
+    w = torch.randn(B, Hq, Sq, D, generator=gen)
+    u = torch.zeros(B, Hq, Sq)
+    r = [torch.randn(t.shape, generator=gen) for t in leaves]
+
+    def with_lse(fn):
+        return lambda *xs: (fn(*xs), torch.zeros(B, Hq, Sq, dtype=xs[0].dtype))
+
+    def ours(*xs):
+        mask = xs[3] if len(xs) > 3 else opts.get("attn_mask")
+        return ab.attention(*xs[:3], backend=backend, strict=True, **dict(opts, attn_mask=mask))
+
+    def ref(dtype):
+        def fn(*xs):
+            mask = xs[3] if len(xs) > 3 else opts.get("attn_mask")
+            return reference_attention(*xs[:3], dtype=dtype, **dict(opts, attn_mask=mask))[0]
+        return fn
+
+    got = _second_order(with_lse(ours), [t.clone().requires_grad_() for t in leaves], w, u, r)
+    r64 = _second_order(with_lse(ref(torch.float64)), [t.double().requires_grad_() for t in leaves], w.double(),
+                        u.double(), [t.double() for t in r])
+    r32 = _second_order(with_lse(ref(torch.float32)), [t.clone().requires_grad_() for t in leaves], w, u, r)
+    for order, a, b, c in zip(("first", "second"), got, r64, r32):
+        for name, x, y, z in zip(("q", "k", "v", "mask"), a, b, c):
+            assert bool(x.abs().max() > 0), f"{order} d{name} is zero"
+            check_2x(f"{order} d{name}", x, y, z, 3, torch.float32, 1e-5 * max(1.0, float(y.abs().max())))
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "_native_flash"])
+def test_torch_sdpa_first_order_is_torch_own(backend, gen):
+    # the node that gives torch SDPA its second derivative runs torch's own forward and backward otherwise:
+    # the same bits as calling torch, retain_graph honoured, dropout's mask the same in forward and backward
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (t.requires_grad_() for t in qkv(2, 4, 4 if backend == "_native_flash" else 2, 33, 40, 64, g=gen))
+    m = torch.randn(33, 40, generator=gen, requires_grad=backend == "sdpa")  # flash: no mask gradient
+    out = ab.attention(q, k, v, attn_mask=m, backend=backend, strict=True)
+    g = torch.randn(out.shape, generator=gen)
+    wrt = (q, k, v, m) if m.requires_grad else (q, k, v)
+    got = torch.autograd.grad(out, wrt, g)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if backend == "_native_flash" else contextlib.nullcontext():
+        want_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+    want = torch.autograd.grad(want_out, wrt, g)
+    assert torch.equal(out, want_out)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+    loss = ab.attention(q, k, v, backend=backend, strict=True).square().sum()
+    loss.backward(retain_graph=True)
+    once = q.grad.clone()
+    loss.backward()  # the second pass through the kept graph
+    assert torch.allclose(q.grad, 2 * once)
+    if backend != "sdpa":
+        return  # torch's flash kernel on the CPU has no dropout: the planner refuses such calls
+
+    torch.manual_seed(5)
+    out = ab.attention(q, k, v, backend=backend, strict=True, dropout_p=0.5)
+    (dv,) = torch.autograd.grad(out.sum(), v, create_graph=False)
+    torch.manual_seed(5)
+    want_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5, enable_gqa=True)
+    assert torch.equal(out, want_out)
+    assert torch.equal(dv, torch.autograd.grad(want_out.sum(), v)[0])
+    # a second derivative with dropout cannot redraw torch's mask: a clear error, not a wrong value
+    out = ab.attention(q, k, v, backend=backend, strict=True, dropout_p=0.5)
+    with pytest.raises(RuntimeError, match="second derivative through torch SDPA with dropout_p > 0"):
+        torch.autograd.grad(out.square().sum(), q, create_graph=True)
 
 
 # ---- precision with large logits and saturated rows ----------------------------------------------

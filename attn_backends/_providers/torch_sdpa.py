@@ -7,7 +7,9 @@ import math
 
 import torch
 
-from .. import _eager
+from .. import _eager, _ops
+
+_is_compiling = torch.compiler.is_compiling
 
 # torch's own function, captured before anyone (ab.patch_sdpa included) can replace it: the sdpa
 # backends call this, so a patched F.scaled_dot_product_attention never calls itself
@@ -42,10 +44,47 @@ def sdpa_mask(q, k, mask, causal, wl, wr, scale=None):
     return combined, False
 
 
+class _SecondOrder(torch.autograd.Function):
+    """An identity on torch SDPA's output that gives it a second derivative.  torch's fused kernels (its CPU
+    flash, CUDA flash, efficient and cuDNN) have a backward that autograd cannot differentiate, so a
+    gradient of a gradient raised in torch.  This node passes the gradient on to torch's own backward
+    (the same bits, torch's graph and memory); when autograd records the backward (create_graph=True with
+    an input that requires grad) it gives the gradient of q, k, v (and a float mask) from the eager
+    composite instead, as for our kernels (_ops.composite_backward), whose own autograd then gives the
+    second derivative, and torch's backward gets none.  docs/semantics.md, "Double backward"."""
+
+    @staticmethod
+    def forward(ctx, opts, out, q, k, v, mask):
+        ctx.opts = opts
+        ctx.save_for_backward(q, k, v, mask)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, mask = ctx.saved_tensors
+        if not _ops.records_graph(q, k, v, mask):
+            return None, grad_out, None, None, None, None
+        causal, scale, wl, wr, p = ctx.opts
+        if p > 0:
+            raise RuntimeError("attn_backends: a second derivative through torch SDPA with dropout_p > 0 is not "
+                               "available (the composite cannot redraw torch's dropout mask); name backend='flash' "
+                               "or 'math', or take the gradient without create_graph=True")
+        dq, dk, dv, dmask, _ = _ops.composite_backward(q, k, v, mask, None, (causal, scale, wl, wr, 0.0, 0.0),
+                                                       grad_out, None)
+        return None, None, dq, dk, dv, dmask if mask is not None and mask.dtype != torch.bool else None
+
+
 def runner(forced=None):
-    """The runner of torch SDPA, with SDPBackend.<forced> when given."""
+    """The runner of torch SDPA, with SDPBackend.<forced> when given.  A call that needs a gradient gets
+    _SecondOrder on its output (not while torch.compile traces: AOTAutograd differentiates torch's ops)."""
 
     def run(a):
+        out, _ = plain(a)
+        if a.need_grad and not _is_compiling():
+            out = _SecondOrder.apply((a.causal, a.scale, a.wl, a.wr, a.p), out, a.q, a.k, a.v, a.mask)
+        return out, None
+
+    def plain(a):
         q, k = a.q, a.k
         attn_mask, is_causal = sdpa_mask(q, k, a.mask, a.causal, a.wl, a.wr, a.scale)
         kwargs = dict(attn_mask=attn_mask, dropout_p=a.p, is_causal=is_causal, scale=a.scale,
