@@ -275,11 +275,18 @@ def _resolve_any(value: str) -> str:
     return _BY_HF_NAME.get(value) or resolve(value)
 
 
+def _parser_frame(filename: str) -> bool:
+    """Whether a frame of this file is the parser's rather than the script's: argparse, this module, or
+    transformers' HfArgumentParser (whose parse_args_into_dataclasses calls argparse)."""
+    return filename in (argparse.__file__, __file__) or filename.replace("\\", "/").endswith(
+        "transformers/hf_argparser.py")
+
+
 def _outside_argparse() -> int:
-    """The stacklevel of the first frame outside argparse and this module: the script's parse_args
+    """The stacklevel of the first frame outside the parser (_parser_frame): the script's parse_args
     call, so that the warning shows the user's line (and the default filters show it)."""
     level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename in (argparse.__file__, __file__):
+    while frame is not None and _parser_frame(frame.f_code.co_filename):
         level, frame = level + 1, frame.f_back
     return level
 

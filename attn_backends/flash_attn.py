@@ -75,7 +75,8 @@ def _flash_attn_names(fn):
             msg = str(e)
             for ours, theirs in _THEIR_NAMES:
                 if msg.startswith(ours) and type(e) in (TypeError, ValueError):
-                    raise type(e)(theirs + msg[len(ours):]) from None
+                    rest = msg[len(ours):].replace(f"|{ours.strip()}|", f"|{theirs.strip()}|")
+                    raise type(e)(theirs + rest) from None
             raise
 
     return call

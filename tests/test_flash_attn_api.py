@@ -145,6 +145,8 @@ def test_errors_name_softmax_scale_and_s_aux_as_the_caller_wrote_them():
             call(softmax_scale=float("nan"))
         with pytest.raises(TypeError, match=r"^softmax_scale must be a float"):
             call(softmax_scale="x")
+        with pytest.raises(ValueError, match=r"^softmax_scale must be within float32's range \(\|softmax_scale\| <="):
+            call(softmax_scale=1e39)
         with pytest.raises(ValueError, match=r"^s_aux must have shape \(Hq,\)"):
             call(s_aux=torch.randn(3))
         with pytest.raises(TypeError, match=r"^s_aux must be floating"):

@@ -352,6 +352,23 @@ def test_deprecation_notice_shows_once_under_default_filters(tmp_path):
     assert f"{script}:4: FutureWarning" in res.stderr
 
 
+def test_deprecation_notice_points_at_the_script_under_hf_argument_parser(tmp_path):
+    # HfArgumentParser.parse_args_into_dataclasses calls argparse: the notice used to point into transformers
+    script = tmp_path / "train_hf.py"
+    script.write_text("import dataclasses, transformers, attn_backends as ab\n"
+                      "@dataclasses.dataclass\n"
+                      "class Args:\n"
+                      "    lr: float = 1e-3\n"
+                      "parser = ab.add_argparse_args(transformers.HfArgumentParser(Args))\n"
+                      "args, extra = parser.parse_args_into_dataclasses(['--use_flash_attention'])\n"
+                      "print(extra.attn_implementation)\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "flash"
+    assert f"{script}:6: FutureWarning: --use_flash_attention is deprecated" in res.stderr, res.stderr
+
+
 def test_argparse_on_a_parser_that_already_has_attn_implementation():
     parser = argparse.ArgumentParser()
     parser.add_argument("--attn_implementation", "--attn-implementation", dest="attn_impl", default=None)
