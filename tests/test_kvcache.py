@@ -374,6 +374,97 @@ def test_the_bf16_products_switch_takes_effect(monkeypatch, gen):
     assert not torch.equal(outs[0], outs[1])
 
 
+def _bf16_products_or_skip():
+    if not (_C.cpu_features().get("avx512_bf16") and _C.cpu_isa_supported("avx512")):
+        pytest.skip("this CPU has no AVX512_BF16: the bfloat16 products do not run")
+
+
+def _sdpa_bshd(q, k, v, scale=None):
+    """torch SDPA in the cache's (B, S, H, D) layout: the 2x rule's yardstick."""
+    out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def _ref64(q, k, v, scale=None):
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    G = q.shape[2] // k.shape[2]
+    kk, vv = (t.double().repeat_interleave(G, 2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * scale
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv)
+
+
+@pytest.mark.parametrize("on", ["1", "0"])
+def test_bf16_products_weigh_values_by_the_rounded_weights(on, monkeypatch):
+    # P is rounded to bfloat16 for P V; the output used to be divided by the sum of the unrounded P, so
+    # keys of equal scores, all rounded the same way, scaled the whole output: value rows all 1000 gave
+    # 1004 (torch, and the exact result, 1000).  The weights P V applies now sum to 1.
+    if on == "1":
+        _bf16_products_or_skip()
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", on)
+    D, Sk = 32, 64
+    sc = torch.full((Sk,), -60.0)
+    sc[0], sc[1:32], sc[32] = 0.0, -2.0, 0.1  # chunk 0: its max and 31 keys at -2; chunk 1: a larger score
+    k = torch.zeros(1, Sk, 1, D)
+    k[0, :, 0, 0] = sc
+    q = torch.zeros(1, 1, 1, D)
+    q[..., 0] = 1.0
+    v = torch.full((1, Sk, 1, D), 1000.0)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa("avx512" if _C.cpu_isa_supported("avx512") else before)
+    try:
+        with torch.no_grad():
+            for splits in (1, 2):
+                out = ab.attention_with_kvcache(q, k, v, softmax_scale=1.0, num_splits=splits)
+                assert torch.equal(out, torch.full_like(out, 1000.0)), (splits, out.flatten()[:4])
+            out = ab.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=1.0)
+            assert torch.equal(out, torch.full_like(out, 1000.0))
+    finally:
+        _C.set_cpu_isa(before)
+
+
+def test_bf16_products_keep_a_q_that_bfloat16_would_flush(monkeypatch, gen):
+    # q near 1e-37 (a normal bfloat16) against keys near 1e37: scores of order 1.  q times 2**qexp became a
+    # bfloat16 subnormal, which vdpbf16ps reads as 0: the output was 0.17 off where torch's is 8.5e-4.
+    # Such a call now runs the float32 products.
+    _bf16_products_or_skip()
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "1")
+    q = (torch.randn(1, 1, 4, 64, generator=gen) * 1e-37).bfloat16()
+    k = (torch.randn(1, 256, 4, 64, generator=gen) * 1e37).bfloat16()
+    v = torch.randn(1, 256, 4, 64, generator=gen).bfloat16()
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa("avx512")
+    try:
+        with torch.no_grad():
+            for splits in (1, 3):
+                out = ab.attention_with_kvcache(q, k, v, num_splits=splits)
+                check_2x(f"out, {splits} splits", out, _ref64(q, k, v), _sdpa_bshd(q, k, v), 2, torch.bfloat16,
+                         1e-3)
+    finally:
+        _C.set_cpu_isa(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_splits_merge_without_the_lse_rounding(dtype, monkeypatch):
+    # scores near 3000 that float32 holds exactly: each split's float32 lse is off by |lse| 2**-24, and
+    # the merge weighed the splits by exp(lse_s - max): 2.3e-6 off with 8 splits where one split is 1.1e-7
+    # and torch 8.9e-8.  The merge now weighs them by each split's own sum and running max.
+    torch.manual_seed(0)
+    B, Sk, H, D = 1, 4096, 1, 64
+    q = torch.ones(B, 1, H, D)
+    k = torch.zeros(B, Sk, H, D)
+    k[..., 0] = 3000.0 + torch.randint(-3, 1, (B, Sk, H)).float()
+    v = torch.randn(B, Sk, H, D)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    ref = _ref64(q, k, v, scale=1.0)
+    with torch.no_grad():
+        for splits in (1, 8):
+            out = ab.attention_with_kvcache(q, k, v, softmax_scale=1.0, num_splits=splits)
+            check_2x(f"out, {splits} splits", out, ref, _sdpa_bshd(q, k, v, scale=1.0), 2, dtype,
+                     1e-6 if dtype == torch.float32 else 1e-3)
+
+
 @pytest.mark.parametrize("heads", [(8, 2), (4, 4)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("block", [16, 48])

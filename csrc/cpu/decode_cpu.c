@@ -441,9 +441,13 @@ static void append(const ab_kvcache_params* p, float* row) {
 
 /* q as float32 (B, Sq, Hq, dpad): rotated at its positions, times scale, pad lanes 0; with qb, also
  * as bfloat16 rotated and times 2**qexp (ab_bf16_scale_exp), rounded to nearest even once: the bfloat16
- * products. */
-static void prepare_q(const ab_kvcache_params* p, float* qf, uint16_t* qb, int64_t dpad, int qexp) {
+ * products.  Returns whether that bfloat16 q lost an element: one that is not 0 but whose bfloat16 value
+ * is subnormal or 0 (vdpbf16ps takes bfloat16 subnormals as 0), so that the caller runs the float32
+ * products instead (a q near 1e-37, or near 1 under a scale near 1e-38, against keys near 1e37: scores of
+ * order 1 that the bfloat16 products made 0). */
+static int prepare_q(const ab_kvcache_params* p, float* qf, uint16_t* qb, int64_t dpad, int qexp) {
   const int per_token = q_rotates_per_token(p);
+  int lost = 0;
   for (int64_t b = 0; b < p->B; ++b)
     for (int64_t t = 0; t < p->Sq; ++t)
       for (int64_t h = 0; h < p->Hq; ++h) {
@@ -453,10 +457,14 @@ static void prepare_q(const ab_kvcache_params* p, float* qf, uint16_t* qb, int64
         if (p->rotary_cos.ndim) rotate(p, seqlen_of(p, b) + (per_token ? t : 0), row);
         if (qb) {
           uint16_t* rb = qb + ((b * p->Sq + t) * p->Hq + h) * dpad;
-          for (int64_t d = 0; d < dpad; ++d) rb[d] = d < p->D ? ab_f32_to_bf16(ab_ldexpf(row[d], qexp)) : 0;
+          for (int64_t d = 0; d < dpad; ++d) {
+            rb[d] = d < p->D ? ab_f32_to_bf16(ab_ldexpf(row[d], qexp)) : 0;
+            lost |= row[d] != 0.0f && (rb[d] & 0x7f80u) == 0; /* a subnormal or 0 from a value that is not 0 */
+          }
         }
         for (int64_t d = 0; d < p->D; ++d) row[d] *= (float)p->scale;
       }
+  return lost;
 }
 
 /* The most splits of each row's key range the cache allows (each keeps MIN_SPLIT_KEYS keys), at least 1. */
@@ -557,10 +565,14 @@ static void merge(int64_t begin, int64_t end, void* ctx) {
     for (int64_t t = 0; t < p->Sq; ++t) {
       /* split s of this row */
 #define PART(s) (run->part + (((b * ns + (s)) * p->Sq + t) * p->Hq + hq) * stride)
+      /* split s wrote its lse at [dpad], its running max m_s at [dpad + 1] and its sum l_s at [dpad + 2]
+       * (DC(item)): the weights are l_s exp(m_s - m), not exp(lse_s - max lse), whose float32 lse carries
+       * a rounding error of |lse| 2**-24 into every weight (with scores near 3000, 3e-6 on the output
+       * where one split gives 1e-7) */
       float m = -INFINITY;
       int nan = 0; /* a split that saw a NaN score makes the row NaN */
       for (int64_t s = 0; s < ns; ++s) {
-        m = PART(s)[dpad] > m ? PART(s)[dpad] : m;
+        if (PART(s)[dpad + 2] > 0.0f) m = PART(s)[dpad + 1] > m ? PART(s)[dpad + 1] : m;
         nan |= PART(s)[dpad] != PART(s)[dpad];
       }
       if (nan) {
@@ -571,13 +583,14 @@ static void merge(int64_t begin, int64_t end, void* ctx) {
         continue;
       }
       float total = 0.0f;
-      for (int64_t s = 0; s < ns; ++s) total += PART(s)[dpad] == -INFINITY ? 0.0f : expf(PART(s)[dpad] - m);
+      for (int64_t s = 0; s < ns; ++s)
+        total += PART(s)[dpad + 2] > 0.0f ? PART(s)[dpad + 2] * expf(PART(s)[dpad + 1] - m) : 0.0f;
       memset(acc, 0, (size_t)dpad * sizeof(float));
       if (total > 0.0f)
         for (int64_t s = 0; s < ns; ++s) {
           const float* o = PART(s);
-          if (o[dpad] == -INFINITY) continue;
-          const float w = expf(o[dpad] - m) / total;
+          if (!(o[dpad + 2] > 0.0f)) continue;
+          const float w = o[dpad + 2] * expf(o[dpad + 1] - m) / total;
           for (int64_t d = 0; d < p->D; ++d) acc[d] += w * o[d];
         }
 #undef PART
@@ -599,7 +612,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   const int threads = pool ? pool->num_threads : 1;
   const int64_t nsplit = ab_kvcache_cpu_splits(call, threads);
   size_t part_at, idx_at, values_at;
-  const int bf = bf16_dot(call);
+  int bf = bf16_dot(call);
   const size_t need = workspace_layout(call, nsplit, bf, &part_at, &idx_at, &values_at);
   if (!workspace || workspace_bytes < need)
     return ab_error_set(err, AB_ERR_INVALID, "the decode kernel needs %zu bytes of workspace, got %zu", need,
@@ -636,7 +649,9 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   append(p, scratch_row);
   if (p->B == 0 || p->Sq == 0 || p->Hq == 0) return AB_OK;
   const int qexp = bf ? ab_bf16_scale_exp(p->scale) : 0;
-  prepare_q(p, (float*)ws, qb, dpad, qexp);
+  /* a q the bfloat16 products would lose part of goes to the float32 products (same workspace: its dpad,
+   * a multiple of 32, is one of 16 too) */
+  if (prepare_q(p, (float*)ws, qb, dpad, qexp)) bf = 0;
   int64_t keys = 0;
   for (int64_t b = 0; b < p->B; ++b) {
     lo[b] = p->cache_leftpad.ndim ? index_at(&p->cache_leftpad, b, 0) : 0;

@@ -114,7 +114,8 @@ typedef struct ab_decode_run {
   const ab_kvcache_params* p;
   const float* qf;        /* (B, Sq, Hq, dpad) float32: q rotated and multiplied by scale; pad = 0 */
   const uint16_t* qb;     /* bf16_dot only: (B, Sq, Hq, dpad) bfloat16, q rotated (not scaled); pad = 0 */
-  float* part;            /* (B, nsplit, Sq, Hq, dpad + 16): each split's out, lse at [dpad]; NULL if nsplit 1 */
+  float* part;            /* (B, nsplit, Sq, Hq, dpad + 16): each split's out, lse at [dpad], running max at [dpad + 1]
+                             and sum at [dpad + 2] (decode_cpu.c merge); NULL if nsplit 1 */
   const int64_t* lo;      /* (B,) first key position of the row (cache_leftpad) */
   const int64_t* end;     /* (B,) one past the last key (cache_seqlens + Snew) */
   const int64_t* row;     /* (B,) dense cache row; unused when paged */

@@ -769,12 +769,19 @@ static inline __attribute__((always_inline)) void DC(head_scores_bf)(const int N
 }
 
 /* The P rows of n query rows (row stride DC_CHUNK floats) as bfloat16 pairs (P_2i, P_2i+1), written
- * over the first half of each row: word i of row r is then the pair for keys 2i and 2i + 1. */
-static inline void DC(p_to_bf16)(float* P, int64_t n) {
+ * over the first half of each row: word i of row r is then the pair for keys 2i and 2i + 1.  The rounded
+ * weights' sum is added to lb[r]: the output is divided by it rather than by l (the unrounded sum, which
+ * lse keeps), so that the weights P V applies sum to 1.  Divided by l, rounding P (up to 2**-8 of each
+ * weight, the same way for keys of equal scores) scaled the whole output: value rows of 1000 gave 996
+ * or 1004 where the exact result, and torch's, is 1000. */
+static inline void DC(p_to_bf16)(float* P, int64_t n, float* lb) {
+  const __m512i hi_half = _mm512_set1_epi32((int)0xffff0000u);
   for (int64_t r = 0; r < n; ++r) {
     float* row = P + r * DC_CHUNK;
     const __m512i x = DC(cvt2bf16)(_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16));
     _mm512_storeu_si512((void*)row, x);
+    lb[r] += _mm512_reduce_add_ps(
+        _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), _mm512_castsi512_ps(_mm512_and_si512(x, hi_half))));
   }
 }
 
@@ -980,6 +987,7 @@ static inline void DC(touch_pages)(const char* base, const int64_t* off, int64_t
  * visible keys [vlo, vhi) and key 0's distance from the row's query (d0). */
 typedef struct DC(tile) {
   float *acc, *S, *m, *l, *slope, *mb; /* mb: a chunk's mask values (DC(mask_rows), DC(mask_tile)) */
+  float* lb; /* with bfloat16 products: the sum of the weights as rounded for P V (DC(p_to_bf16)) */
   float *kv, *st, *qt, *vlo, *vhi, *d0;
   int64_t *tlo, *thi;
 } DC(tile);
@@ -1094,6 +1102,7 @@ static inline void DC(softmax)(const DC(tile) * w, int64_t r0, int64_t nrows, fl
       for (int64_t d = 0; d < dpad; d += VLEN) vstore(acc + d, vload(acc + d) * vset1(alpha));
     }
     w->l[r] = w->l[r] * alpha + vsum_lanes(sum);
+    w->lb[r] *= alpha; /* DC(p_to_bf16) adds the chunk's rounded weights */
     w->m[r] = m_new;
   }
 }
@@ -1303,6 +1312,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
     for (int64_t r = 0; r < nrows; ++r) {
       w->m[r] = -INFINITY;
       w->l[r] = 0.0f;
+      w->lb[r] = 0.0f;
       if (alibi) {
         const ab_tensor* a = &p->alibi_slopes;
         const int64_t hq = h0 * G + (tiled ? r / rhp * G + r % rhp % G : r % HG);
@@ -1480,7 +1490,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
          * block, DC(block_end)); meanwhile the next chunk's key rows of each head (DC(kpf)) */
         const DC(kpf) kp = {(const char*)kb, nko, k_next ? nje - jn : 0, D * (int64_t)es, (int64_t)es};
 #if DC_BF16
-        if (bf && tb > ta) DC(p_to_bf16)(w->S + (ta - t0) * HG * DC_CHUNK, (tb - ta) * HG);
+        if (bf && tb > ta) DC(p_to_bf16)(w->S + (ta - t0) * HG * DC_CHUNK, (tb - ta) * HG, w->lb + (ta - t0) * HG);
 #endif
         DC(kpf) kt = kp;
         for (int64_t h = 0; h < hg && !bf && mha_tokens; ++h, kt.base += ks2 * (int64_t)es) {
@@ -1546,8 +1556,10 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       const int64_t r = tiled ? i % HG / G * rhp + (t - t0) * G + i % G : i;
       float* acc = w->acc + r * dpad;
       const float l = w->l[r];
-      /* a row that saw a NaN score (l NaN) writes NaN, out and lse; one that saw no key, 0 and -inf */
-      const float inv = l != l ? l : l > 0.0f ? 1.0f / l : 0.0f;
+      /* a row that saw a NaN score (l NaN) writes NaN, out and lse; one that saw no key, 0 and -inf; with
+       * bfloat16 products the weights are those P V applied, rounded (DC(p_to_bf16)) */
+      const float ln = bf && w->lb[r] > 0.0f ? w->lb[r] : l;
+      const float inv = l != l ? l : ln > 0.0f ? 1.0f / ln : 0.0f;
       for (int64_t d = 0; d < dpad; d += VLEN) vstore(acc + d, vload(acc + d) * vset1(inv));
 #if DC_BF16
       if (bf) DC(bf_unpermute)(acc, dpad);
@@ -1568,6 +1580,8 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         float* part = run->part + (((b * run->nsplit + s) * Sq + t) * p->Hq + hq) * (dpad + 16);
         memcpy(part, acc, (size_t)D * sizeof(float));
         part[dpad] = lse;
+        part[dpad + 1] = w->m[r]; /* the merge weighs the splits by l exp(m - max m): decode_cpu.c merge */
+        part[dpad + 2] = l;
       }
     }
   }
@@ -1579,7 +1593,7 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   const int64_t HG = run->hg * run->G, dpad = run->dpad;
   const int64_t tokens = ab_decode_tile_tokens(HG), rows = tokens * HG;
   const int64_t prows = rows + run->hg * VLEN; /* rows of state with each head's padded to VLEN (tiled) */
-  const size_t floats = (size_t)(prows * (dpad + 3) + rows * DC_CHUNK + DC_CHUNK * dpad +
+  const size_t floats = (size_t)(prows * (dpad + 4) + rows * DC_CHUNK + DC_CHUNK * dpad +
                                  2 * DC_CHUNK * (rows + VLEN) + dpad * prows + 3 * (rows + VLEN));
   char* buf = (char*)ab_scratch_alloc(floats * sizeof(float) + 2 * (size_t)tokens * sizeof(int64_t) + 64);
   if (!buf) {
@@ -1592,7 +1606,8 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   w.m = w.S + rows * DC_CHUNK;
   w.l = w.m + prows;
   w.slope = w.l + prows;
-  w.kv = w.slope + prows;
+  w.lb = w.slope + prows;
+  w.kv = w.lb + prows;
   w.st = w.kv + DC_CHUNK * dpad;
   w.qt = w.st + DC_CHUNK * (rows + VLEN);
   w.vlo = w.qt + dpad * prows;
