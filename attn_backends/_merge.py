@@ -6,7 +6,7 @@ softmax denominator.  The merge rescales both to the common denominator in float
     lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
 
 computed around m = max(lse_a, lse_b) so nothing overflows.  A part with lse = -inf (no visible
-key) weighs 0; when both are -inf the row stays fully masked: out 0, lse -inf.  A NaN lse makes the
+key) weighs 0, whatever its out holds (NaN included); when both are -inf the row stays fully masked: out 0, lse -inf.  A NaN lse makes the
 row's out and lse NaN (the split-KV kernels' rule); an lse of +inf gives lse +inf, out NaN, as
 torch.logaddexp and the float64 reference's softmax do.
 """
@@ -55,5 +55,9 @@ def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torc
     lse = torch.where(seen, m + torch.log(safe), torch.full_like(total, float("-inf")))
     lse = torch.where(torch.isposinf(m), m, lse)  # an lse of +inf stays +inf (out is NaN: inf - inf)
     inv = torch.where(seen, 1.0 / safe, torch.zeros_like(total))
-    out = (out_a.to(acc) * (wa * inv).unsqueeze(-1) + out_b.to(acc) * (wb * inv).unsqueeze(-1)).to(out_a.dtype)
+    # an empty part's out is whatever its producer left (NaN from a kernel that divides 0 by 0): it weighs
+    # 0, so it is taken as 0 first (0 * NaN would make the row NaN, and its gradient too)
+    oa = torch.where((wa == 0).unsqueeze(-1), 0.0, out_a.to(acc))
+    ob = torch.where((wb == 0).unsqueeze(-1), 0.0, out_b.to(acc))
+    out = (oa * (wa * inv).unsqueeze(-1) + ob * (wb * inv).unsqueeze(-1)).to(out_a.dtype)
     return out, lse

@@ -37,6 +37,21 @@ def test_fully_masked_parts_weigh_nothing():
     assert torch.equal(out, empty_out) and torch.isneginf(lse).all()
 
 
+def test_an_empty_part_weighs_nothing_whatever_its_out_holds():
+    # a producer may leave NaN in an empty part's out (0 / 0): with weight 0 it used to make the row NaN
+    out_a = torch.randn(1, 2, 3, 8, requires_grad=True)
+    lse_a = torch.randn(1, 2, 3)
+    junk = torch.full((1, 2, 3, 8), float("nan"), requires_grad=True)
+    empty = torch.full((1, 2, 3), float("-inf"))
+    for args in ((out_a, lse_a, junk, empty), (junk, empty, out_a, lse_a)):
+        out, lse = ab.merge_attention_states(*args)
+        assert torch.equal(out, out_a) and torch.equal(lse, lse_a)
+        ga, gj = torch.autograd.grad(out.sum(), (out_a, junk))
+        assert torch.equal(ga, torch.ones_like(ga)) and torch.equal(gj, torch.zeros_like(gj))
+    out, lse = ab.merge_attention_states(junk, empty, junk, empty)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
 @pytest.mark.parametrize("other", [0.0, float("-inf"), float("nan")])
 def test_a_nan_or_infinite_lse_is_not_taken_for_an_empty_part(other):
     # a NaN lse (a NaN score among a part's keys) made lse -inf, the marker of a row that saw no key, with
