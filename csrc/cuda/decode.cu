@@ -261,7 +261,8 @@ size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
 size_t workspace_for(const ab_kvcache_params* p, int64_t nsplit) {
   if (nsplit <= 1) return 0;
   const size_t rows = (size_t)(p->B * nsplit * p->Sq * p->Hq);
-  return align256(rows * (size_t)p->D * sizeof(float)) + align256(rows * sizeof(float));
+  return align256(rows * (size_t)p->D * sizeof(float)) + align256(rows * sizeof(float)) +
+         align256(rows * 2 * sizeof(float));
 }
 
 #define TRY(expr)               \
@@ -394,6 +395,7 @@ DecodeParams fill_params(const ab_kvcache_params* p, Variant v, int64_t nsplit, 
     d.part = static_cast<float*>(workspace);
     const size_t rows = (size_t)(p->B * nsplit * p->Sq * p->Hq);
     d.part_lse = reinterpret_cast<float*>(static_cast<char*>(workspace) + align256(rows * (size_t)p->D * sizeof(float)));
+    d.part_ml = reinterpret_cast<float*>(reinterpret_cast<char*>(d.part_lse) + align256(rows * sizeof(float)));
   }
   d.scale = (float)p->scale;
   d.softcap = (float)p->softcap;

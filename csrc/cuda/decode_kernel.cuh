@@ -79,6 +79,8 @@ struct DecodeParams {
   int64_t ls[3];
   float* part;                          // (B, nsplit, Sq, Hq, D) split outputs, normalised
   float* part_lse;                      // (B, nsplit, Sq, Hq)
+  float* part_ml;                       // (B, nsplit, Sq, Hq, 2): each split's running max (natural units)
+                                        // and sum, what merge_kernel weighs the splits by
   float scale, softcap;
   int32_t causal;
   int64_t wl, wr;
@@ -431,7 +433,14 @@ __device__ __forceinline__ void write_rows(const DecodeParams& p, const float* r
       sum += red_ml[(w * kRows + rr) * 2 + 1] * a[w];
     }
     // a row that saw no key: out exactly 0, lse -inf (the sink's logit with a sink)
-    float lse = sum > 0.0f ? (kBase2 ? mx * 0.6931471805599453f : mx) + logf(sum) : -INFINITY;
+    const float mx_e = kBase2 ? mx * 0.6931471805599453f : mx;
+    float lse = sum > 0.0f ? mx_e + logf(sum) : -INFINITY;
+    if (p.nsplit > 1) {  // the split's (max, sum): merge_kernel weighs by them rather than by the rounded lse
+      const int64_t t = (r0 + rr) / p.G, hq = hkv * p.G + (r0 + rr) % p.G;
+      const int64_t at = ((b * p.nsplit + split) * p.Sq + t) * p.Hq + hq;
+      p.part_ml[at * 2] = mx_e;
+      p.part_ml[at * 2 + 1] = sum;
+    }
     float scale = sum > 0.0f ? 1.0f / sum : 0.0f;
     if (p.nsplit == 1) {
       float factor;
@@ -699,11 +708,16 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const DecodeParams p) {
     // split s of this row at first + s * stride
     const int64_t first = (b * p.nsplit * p.Sq + t) * p.Hq + hq, stride = p.Sq * p.Hq;
     const float ls = tid < p.nsplit ? p.part_lse[first + tid * stride] : -INFINITY;
+    // split s's running max and sum (write_rows): the weights are l_s exp(m_s - max m), not exp(lse_s - max
+    // lse), whose float32 lse carries a rounding error of |lse| 2**-24 into every weight (the CPU merge's
+    // rule, csrc/cpu/decode_cpu.c merge)
+    const float ms = tid < p.nsplit ? p.part_ml[(first + tid * stride) * 2] : -INFINITY;
+    const float lsum = tid < p.nsplit ? p.part_ml[(first + tid * stride) * 2 + 1] : 0.0f;
     // a split that saw a NaN score makes the row NaN; so do index values out of range (attend_kernel)
     const float nan_seen = block_sum(ls != ls ? 1.0f : 0.0f, red);
     const bool nan = nan_seen > 0.0f || !row_of(p, b).ok;
-    const float mx = block_max(ls, red);
-    const float e = mx != -INFINITY && ls != -INFINITY && ls == ls ? expf(ls - mx) : 0.0f;
+    const float mx = block_max(lsum > 0.0f ? ms : -INFINITY, red);
+    const float e = mx != -INFINITY && lsum > 0.0f && ls == ls ? lsum * expf(ms - mx) : 0.0f;
     const float total = block_sum(e, red);
     if (tid < p.nsplit) weight[tid] = total > 0.0f ? e / total : 0.0f;
     float factor;
