@@ -395,6 +395,12 @@ def test_functorch_grad_and_per_sample_gradients(gen):
     x = qf.clone().requires_grad_()
     flash_attn_func(x, qf, qf).sum().backward()
     assert torch.allclose(g, x.grad, atol=1e-5)
+    # torch's own route under the transform, as torch runs it there (its second-derivative node, which
+    # functorch would refuse, stays out of transforms)
+    g = torch.func.grad(lambda x: ab.attention(x, k, v, backend="sdpa", strict=True).sum())(q)
+    x = q.clone().requires_grad_()
+    torch.nn.functional.scaled_dot_product_attention(x, k, v).sum().backward()
+    assert torch.allclose(g, x.grad, atol=1e-6)
 
 
 def test_packed_calls_under_forward_mode_ad(gen):

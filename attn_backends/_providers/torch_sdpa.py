@@ -10,6 +10,8 @@ import torch
 from .. import _eager, _ops
 
 _is_compiling = torch.compiler.is_compiling
+_functorch_layer = torch._C._functorch.peek_interpreter_stack
+_forward_ad = torch.autograd.forward_ad
 
 # torch's own function, captured before anyone (ab.patch_sdpa included) can replace it: the sdpa
 # backends call this, so a patched F.scaled_dot_product_attention never calls itself
@@ -76,11 +78,13 @@ class _SecondOrder(torch.autograd.Function):
 
 def runner(forced=None):
     """The runner of torch SDPA, with SDPBackend.<forced> when given.  A call that needs a gradient gets
-    _SecondOrder on its output (not while torch.compile traces: AOTAutograd differentiates torch's ops)."""
+    _SecondOrder on its output; not while torch.compile traces (AOTAutograd differentiates torch's ops), nor
+    under functorch's transforms or forward-mode AD, which run torch's own as torch runs it there (an
+    autograd.Function without functorch rules would refuse them)."""
 
     def run(a):
         out, _ = plain(a)
-        if a.need_grad and not _is_compiling():
+        if a.need_grad and not _is_compiling() and _functorch_layer() is None and _forward_ad._current_level < 0:
             out = _SecondOrder.apply((a.causal, a.scale, a.wl, a.wr, a.p), out, a.q, a.k, a.v, a.mask)
         return out, None
 
