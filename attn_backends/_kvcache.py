@@ -270,8 +270,8 @@ def in_place(c: KVCall) -> bool:
     """Whether attending to the cache as a dense call needs neither a mask nor the index values: a
     dense cache whose rows all hold the same, host-known number of tokens (an int cache_seqlens or
     none), without leftpad, window or ALiBi, causal only for one query token (then bottom-right causal
-    hides nothing).  The call descriptor's mask field is 0 then.  (The CPU fast path, csrc/ab_direct.c,
-    keys its plans with mask 0 and want_lse 1 whatever the call: on the CPU neither changes the plan.)"""
+    hides nothing).  The call descriptor's mask field is 0 then (the CPU fast path, csrc/ab_direct.c
+    ab_py_kvcache, computes it the same way)."""
     return (c.seqlens is None and c.block_table is None and c.batch_idx is None and c.leftpad is None
             and c.wl < 0 and c.wr < 0 and c.alibi is None and (not c.causal or c.q.shape[1] == 1))
 

@@ -1205,7 +1205,10 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   c.causal = causal ? AB_CAUSAL_BOTTOM_RIGHT : AB_CAUSAL_NONE;
   c.window = wl >= 0 || wr >= 0;
   c.softcap = softcap > 0;
-  c.want_lse = 1; /* with mask 0: a KV-cache plan's key (ab_py_remember) */
+  c.want_lse = want_lse;
+  /* _kvcache.in_place: attending to the cache as a dense call needs no mask (the descriptor's mask 0) */
+  c.mask = !(!seq_tensor && !paged && !ix[1] && !ix[2] && wl < 0 && wr < 0 && args[KV_ALIBI] == Py_None &&
+             (!causal || tq->sizes[1] == 1));
   c.varlen = 2;
   c.requested = requested;
   c.sinks = args[KV_SINKS] != Py_None;
@@ -1421,13 +1424,12 @@ static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   if (!PyArg_ParseTuple(args, "Oi", &call, &chosen)) return NULL;
   ab_call c;
   if (ab_call_from_py(call, &c) < 0) return NULL;
-  /* A KV-cache call's plan on the CPU depends on neither lse nor its mask field (what a dense attention
-   * of the cache would need): both decide only whether torch SDPA may serve it, and on the CPU it serves
-   * no KV-cache call (ab_registry.c).  So one plan, kept under want_lse 1 and mask 0, serves the call with
-   * and without them (ab_py_kvcache looks it up so; only plans of paged_attention under auto or its own
-   * name are remembered). */
-  if (c.varlen == 2) c.want_lse = 1, c.mask = 0;
-  const int cpu = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !(c.mask && c.varlen) &&
+  /* A KV-cache call is kept under its own want_lse and mask fields (ab_py_kvcache builds them as
+   * _kvcache.signature does): on the CPU neither changes the plan, but the Python path logs each
+   * descriptor once, so the fast path serves only a descriptor the Python path planned and logged (until
+   * 2026-12-06 one plan under want_lse 1 and mask 0 served them all, and the other variants' INFO line
+   * never came).  Only plans of paged_attention under auto or its own name are remembered. */
+  const int cpu = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !(c.mask && c.varlen == 1) &&
                   !c.mask_grad && !c.dropout && !c.need_grad && !c.cuda_smem;
   if (cpu && remembered(st, &c) < 0) {
     int slot = st->n_remembered;

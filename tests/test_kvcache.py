@@ -1021,11 +1021,36 @@ def test_the_fast_path_serves_plain_calls_with_the_python_paths_bits(case, gen):
     py = _kvcache.attention_with_kvcache(*args, **python_path, softmax_scale=None, return_softmax_lse=True)
     assert torch.equal(out, py[0]) and torch.equal(lse, py[1]) and torch.equal(out, first[0])
     call.check(out, lse)
+    # without lse the call is another descriptor: the Python path plans and logs it once, then C serves it
+    assert not _fast(lambda: ab.attention_with_kvcache(*args, **kw))[1]
     scaled, served = _fast(lambda: ab.attention_with_kvcache(*args, **kw, softmax_scale=0.3))
     assert served and torch.equal(scaled, _kvcache.attention_with_kvcache(
         *args, **python_path, softmax_scale=0.3, return_softmax_lse=False))
     with torch.inference_mode():
         assert _fast(lambda: ab.attention_with_kvcache(*args, **kw))[1]
+
+
+def test_the_fast_path_serves_only_descriptors_the_python_path_logged(caplog, gen):
+    # one plan kept under lse and "no mask" used to serve every variant of the call from C, so a call without
+    # lse, or with tensor lengths (a mask to a dense attention), never got its INFO line
+    ab._dispatch.reset_caches()
+    caplog.set_level(logging.INFO, logger="attn_backends")
+    q, kc, vc = torch.randn(2, 1, 4, 16, generator=gen), torch.randn(2, 32, 2, 16, generator=gen), \
+        torch.randn(2, 32, 2, 16, generator=gen)
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    calls = [dict(return_softmax_lse=True), dict(), dict(cache_seqlens=lens)]
+    with torch.no_grad():
+        for kw in calls:
+            caplog.clear()
+            _, served = _fast(lambda: ab.attention_with_kvcache(q, kc, vc, **kw))
+            logged = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+            assert not served and len(logged) == 1 and "paged_attention serves" in logged[0], (kw, logged)
+            assert ("lse" in logged[0].split("(requested")[0]) == bool(kw.get("return_softmax_lse"))
+            assert ("no mask needed" in logged[0]) == ("cache_seqlens" not in kw)
+        for kw in calls:  # each planned once: C serves them now, and nothing more is logged
+            caplog.clear()
+            assert _fast(lambda: ab.attention_with_kvcache(q, kc, vc, **kw))[1]
+            assert not [r for r in caplog.records if r.levelno == logging.INFO]
 
 
 def test_the_fast_path_takes_a_modules_parameters_as_sinks_and_slopes(gen):
