@@ -6,9 +6,9 @@ softmax denominator.  The merge rescales both to the common denominator in float
     lse = log(exp(lse_a) + exp(lse_b)),   out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b
 
 computed around m = max(lse_a, lse_b) so nothing overflows.  A part with lse = -inf (no visible
-key) weighs 0, whatever its out holds (NaN included); when both are -inf the row stays fully masked: out 0, lse -inf.  A NaN lse makes the
-row's out and lse NaN (the split-KV kernels' rule); an lse of +inf gives lse +inf, out NaN, as
-torch.logaddexp and the float64 reference's softmax do.
+key) weighs 0, whatever its out holds (NaN included); when both are -inf the row stays fully masked:
+out 0, lse -inf.  A NaN lse makes the row's out and lse NaN (the split-KV kernels' rule); an lse of
++inf gives lse +inf, out NaN, as torch.logaddexp and the float64 reference's softmax do.
 """
 
 from __future__ import annotations
