@@ -780,8 +780,10 @@ static inline void DC(p_to_bf16)(float* P, int64_t n, float* lb) {
     float* row = P + r * DC_CHUNK;
     const __m512i x = DC(cvt2bf16)(_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16));
     _mm512_storeu_si512((void*)row, x);
-    lb[r] += _mm512_reduce_add_ps(
-        _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)), _mm512_castsi512_ps(_mm512_and_si512(x, hi_half))));
+    /* the pairs' low words (key 2i) shifted up and the high words (key 2i + 1) masked: the float32 values */
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(x, hi_half));
+    lb[r] += _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
   }
 }
 
