@@ -122,7 +122,9 @@ def _runner(sig, strict):
     chosen = None if _is_compiling() else _chosen[strict].get(sig)
     if chosen is None:
         chosen = ID[_planner.choose(sig, strict)]
-        if len(_chosen[strict]) < 65536 and not _is_compiling():
+        # _is_compiling() first: dynamo would otherwise guard the graph on the dict's length, and every eager
+        # call of a new kind (one more plan) would recompile every compiled caller
+        if not _is_compiling() and len(_chosen[strict]) < 65536:
             _chosen[strict][sig] = chosen
             _arm_fast_path(sig, chosen)
     elif sig.device == _CPU and not (sig.need_grad or sig.mask_grad or sig.dropout):
@@ -235,6 +237,10 @@ def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout
             strict, deterministic, sinks, alibi_slopes)
     if _is_compiling() and (not isinstance(dropout_p, (int, float)) or dropout_p):
         return _eager_varlen(*call)  # dropout numbers rows by the longest sequence, which the trace does not know
+    if _is_compiling() and (isinstance(max_q, torch.Tensor) or isinstance(max_k, torch.Tensor)):
+        # a 0-d tensor bound has no value while tracing: read eagerly (with fullgraph=True dynamo captured it as
+        # an unbacked SymInt, which the op's `int max_seqlen_q` refused: BackendCompilerFailed)
+        return _eager_varlen(*call)
     args, sig = prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window,
                                softcap, return_lse, deterministic, sinks, alibi_slopes)
     runner = _transform_runner(sig, strict) if transformed(sig.need_grad) else _runner(sig, strict)

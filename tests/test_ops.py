@@ -295,3 +295,76 @@ def test_compile_fullgraph_inside_use():
     with ab.use("sdpa"):
         out = compiled(q, k, v)
     torch.testing.assert_close(out, ab.attention(q, k, v))
+
+
+def test_eager_calls_of_new_kinds_do_not_recompile_a_compiled_caller():
+    # the plan cache's length was read before the compiling check, so dynamo guarded every graph on it: each
+    # eager call of a new kind recompiled the compiled callers, and fullgraph=True failed at the recompile limit
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("aot_eager")
+    f = torch.compile(lambda q, k, v: ab.attention(q, k, v, causal=True), backend=cnt, fullgraph=True)
+    q = torch.randn(1, 2, 8, 16)
+    with torch.no_grad():
+        want = f(q, q, q)
+        for backend in ("math", "flash", "eager", "sdpa", "flex"):
+            for causal in (False, "bottom_right"):
+                ab.attention(q, q, q, backend=backend, causal=causal)
+                assert torch.equal(f(q, q, q), want)
+    assert cnt.frame_count == 1
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "_native_math", "flash"])
+def test_compile_dynamic_gqa_through_torch_sdpa(backend):
+    # under dynamic=True, Hq != Hkv is a SymBool, which F.sdpa's enable_gqa refused: the torch routes broke the
+    # graph (fullgraph=True raised)
+    torch._dynamo.reset()
+    f = torch.compile(lambda q, k, v: ab.attention(q, k, v, backend=backend, causal=True), backend="aot_eager",
+                      fullgraph=True, dynamic=True)
+    for S in (16, 24):
+        q, k, v = torch.randn(2, 8, S, 32), torch.randn(2, 2, S, 32), torch.randn(2, 2, S, 32)
+        with torch.no_grad():
+            torch.testing.assert_close(f(q, k, v), ab.attention(q, k, v, backend=backend, causal=True), atol=1e-6,
+                                       rtol=0)
+
+
+def test_compile_decode_loop_with_an_int_cache_seqlens_does_not_recompile_each_step():
+    # the op's `int cache_seqlen` specialized the graph on its value: one recompile per decode step, and
+    # FailOnRecompileLimitHit under fullgraph=True after eight; while compiling, the int goes in as a tensor
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("aot_eager")
+
+    def step(q, kc, vc, k, v, n):
+        return ab.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=n, causal=True)
+
+    compiled = torch.compile(step, backend=cnt, fullgraph=True, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.zeros(1, 64, 2, 16), torch.zeros(1, 64, 2, 16)
+    kc_e, vc_e = kc.clone(), vc.clone()
+    for n in range(12):
+        q, k, v = (torch.randn(1, 1, 2, 16, generator=g) for _ in range(3))
+        with torch.no_grad():
+            got, want = compiled(q, kc, vc, k, v, n), step(q, kc_e, vc_e, k, v, n)
+        assert torch.equal(got, want) and torch.equal(kc, kc_e) and torch.equal(vc, vc_e)
+    assert cnt.frame_count <= 2
+
+
+def test_compile_varlen_with_0d_tensor_bounds_matches_eager():
+    # a 0-d tensor max_seqlen (allowed) became an unbacked SymInt under the trace, which the op's int refused:
+    # BackendCompilerFailed; such bounds now take the graph break to the eager path
+    torch._dynamo.reset()
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(8, 4, 16, generator=g), torch.randn(8, 2, 16, generator=g), torch.randn(8, 2, 16, generator=g)
+    m = torch.tensor(5)
+
+    def f(q, k, v, m):
+        return ab.attention_varlen(q, k, v, cu, cu, m, m, causal=True)
+
+    with torch.no_grad():
+        assert torch.equal(torch.compile(f, backend="aot_eager")(q, k, v, m), f(q, k, v, m))
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, m)

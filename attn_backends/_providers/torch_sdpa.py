@@ -92,7 +92,9 @@ def runner(forced=None):
         q, k = a.q, a.k
         attn_mask, is_causal = sdpa_mask(q, k, a.mask, a.causal, a.wl, a.wr, a.scale)
         kwargs = dict(attn_mask=attn_mask, dropout_p=a.p, is_causal=is_causal, scale=a.scale,
-                      enable_gqa=q.shape[1] != k.shape[1])
+                      # a Python bool (a branch: a guard) where dynamic=True makes the comparison a SymBool,
+                      # which F.sdpa's enable_gqa refuses
+                      enable_gqa=True if q.shape[1] != k.shape[1] else False)  # noqa: SIM210
         if forced is None:
             return ORIGINAL_SDPA(q, k, a.v, **kwargs), None
         v = a.v
