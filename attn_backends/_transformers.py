@@ -230,6 +230,13 @@ def _forward(backend, module, query, key, value, attention_mask, dropout, scalin
     """(B, Sq, Hq, Dv) attention output for one HF attention call; see ``_make_forward``."""
     varlen_name = backend == "flash_varlen"
     sinks, bias, softcap, sw, deterministic, packed, alibi = _read_kwargs(module, kw, varlen_name, attention_mask)
+    dev = query.device.type
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        # as HF's sdpa (F.sdpa is an autocast op) and flash paths (get_target_dtype) do: under autocast, a
+        # float32 model's q and k come out of RoPE in float32 beside a bfloat16 v; all run in autocast's dtype
+        cast = torch.get_autocast_dtype(dev)
+        query, key, value = (t.to(cast) if t.is_floating_point() and t.dtype != torch.float64 else t
+                             for t in (query, key, value))
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     if backend == "auto":
@@ -350,6 +357,32 @@ def _make_mask(base):
     return attn_backends_mask
 
 
+# transformers' mask functions whose pattern the attention function receives otherwise: causality
+# (is_causal), a window (sliding_window) and packing (position_ids, which the varlen name reads)
+_EXPRESSIBLE = frozenset({
+    "causal_mask_function", "bidirectional_mask_function", "sliding_window_overlay.<locals>.inner_mask",
+    "sliding_window_bidirectional_overlay.<locals>.inner_mask", "packed_sequence_mask_function.<locals>.inner_mask",
+})
+
+
+def _flash_expressible(fn) -> bool:
+    """Whether an HF mask function is causality or bidirectionality, and-ed with windows and packing only."""
+    if fn is None:
+        return True
+    name = getattr(fn, "__qualname__", "")
+    if getattr(fn, "__module__", None) != "transformers.masking_utils":
+        return False
+    if name in _EXPRESSIBLE:
+        return True
+    if name in ("and_masks.<locals>.and_mask", "remap_positions_for_packed_sequence.<locals>.inner_mask"):
+        inner = []
+        for cell in fn.__closure__ or ():
+            v = cell.cell_contents
+            inner.extend(v if isinstance(v, tuple) else [v] if callable(v) else [])
+        return bool(inner) and all(_flash_expressible(f) for f in inner)
+    return False  # or_mask (a pattern widened), chunked_overlay, blockwise_overlay, anything else
+
+
 def _varlen_mask(**kwargs):
     """The varlen name's mask: what transformers' flash path reads (flash_attention_mask: the 2D
     padding mask, or None), and sdpa's mask where that cannot express the call: a cache (static
@@ -357,6 +390,10 @@ def _varlen_mask(**kwargs):
     cache, causality, the window and packing (position_ids) are the attention function's."""
     from transformers.masking_utils import flash_attention_mask, sdpa_mask
 
+    if kwargs.get("use_vmap", False) or not _flash_expressible(kwargs.get("mask_function")):
+        # a pattern beyond causality, windows and packing (Gemma 3's and PaliGemma's bidirectional image
+        # blocks, Llama 4's chunks, or_mask_function/and_mask_function): only the full mask holds it
+        return sdpa_mask(**kwargs)
     padding = flash_attention_mask(**kwargs)
     if padding is not None:
         return padding
@@ -445,6 +482,14 @@ def _let_models_with_flash_lists_take_flash_api(fau) -> None:
     generic = _generic_flash_kernels(fau)
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        supports = getattr(self, "_supports_flash_attn", None)  # transformers 5's flag; 4's was _2's
+        supports = getattr(self, "_supports_flash_attn_2", True) if supports is None else supports
+        if attn_implementation in (FLASH_API, "paged|" + FLASH_API) and not supports:
+            # transformers' own check for flash_attention_N (_flash_attn_can_dispatch) reads the name with a
+            # regex that FLASH_API does not match: its flash path would silently drop what such a model needs
+            # (T5's position_bias, Gemma 3's bidirectional image blocks, Llama 4's chunks)
+            raise ValueError(f"{type(self).__name__} does not support Flash Attention, so it cannot use "
+                             f"{FLASH_API!r} (transformers' flash path); use 'attn_backends_fa' or 'attn_backends'")
         listed = getattr(self, "_compatible_flash_implementations", None)
         if (attn_implementation not in (FLASH_API, "paged|" + FLASH_API) or not listed
                 or FLASH_API in listed or not generic.intersection(listed)):

@@ -557,3 +557,56 @@ def test_alibi_slopes_from_a_model_reach_the_kernel(padded, gen):
     r64, _ = reference_attention(q, kk, vv, causal=True, alibi_slopes=slopes, dtype=torch.float64)
     r32, _ = reference_attention(q, kk, vv, causal=True, alibi_slopes=slopes, dtype=torch.float32)
     check_2x("out", out, r64.transpose(1, 2), r32.transpose(1, 2), 2, torch.float32)
+
+
+@pytest.mark.parametrize("impl", ["attn_backends", "attn_backends_fa_varlen"])
+def test_autocast_with_a_float32_model(impl, gen):
+    # Trainer(bf16=True)'s setting: under autocast a float32 model's q and k leave RoPE in float32 beside a
+    # bfloat16 v; the names raised "q, k and v must have the same dtype".  They run in autocast's dtype, as
+    # HF's sdpa (an autocast op) and flash paths do.
+    ab.register_transformers()
+    ref = _model("llama", "eager").double()
+    ids = torch.randint(1, V, (2, 9), generator=gen)
+    with torch.no_grad():
+        want64 = ref(input_ids=ids).logits
+    outs = {}
+    for name in ("sdpa", impl):
+        model = _model("llama", name, like=ref.float())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=ids).logits
+        logits.float().square().mean().backward()
+        assert all(p.grad is not None and bool(p.grad.isfinite().all()) for p in model.parameters() if p.requires_grad)
+        outs[name] = logits.detach()
+    assert outs[impl].dtype == outs["sdpa"].dtype
+    check_2x("logits under autocast", outs[impl].double(), want64, outs["sdpa"].double(), 2, torch.bfloat16)
+
+
+def test_flash_api_name_refuses_models_without_flash_support():
+    # transformers checks flash support only for names matching flash_attention_N: T5 took the flash-path name
+    # and its flash path dropped the position bias (logits 0.18 off eager)
+    ab.register_transformers()
+    with pytest.raises(ValueError, match="does not support Flash Attention.*'attn_backends_fa'"):
+        _model("t5", "attn_backends_flash_attention_2")
+    _model("llama", "attn_backends_flash_attention_2")  # a model that supports it still takes it
+
+
+def test_varlen_name_keeps_mask_patterns_beyond_causal_and_windows(gen):
+    # Llama 4's chunked attention reaches the mask function as a chunked overlay, not use_vmap: the varlen
+    # name dropped it and ran plain causal attention (logits 0.24 off sdpa)
+    ab.register_transformers()
+    T = transformers
+    if not hasattr(T, "Llama4TextConfig"):
+        pytest.skip("this transformers has no Llama 4")
+    cfg = T.Llama4TextConfig(vocab_size=V, hidden_size=32, intermediate_size=64, intermediate_size_mlp=64,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                             num_local_experts=1, num_experts_per_tok=1, attention_chunk_size=4, moe_layers=[],
+                             interleave_moe_layer_step=0, layer_types=["chunked_attention", "full_attention"],
+                             no_rope_layers=[1, 0])
+    torch.manual_seed(0)
+    model = T.Llama4ForCausalLM._from_config(cfg, attn_implementation="sdpa").eval()
+    ids = torch.randint(3, V, (2, 11), generator=gen)
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        model.set_attn_implementation("attn_backends_fa_varlen")
+        got = model(input_ids=ids).logits
+    assert (got - want).abs().max() < 1e-5
