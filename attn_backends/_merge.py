@@ -55,9 +55,10 @@ def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torc
     lse = torch.where(seen, m + torch.log(safe), torch.full_like(total, float("-inf")))
     lse = torch.where(torch.isposinf(m), m, lse)  # an lse of +inf stays +inf (out is NaN: inf - inf)
     inv = torch.where(seen, 1.0 / safe, torch.zeros_like(total))
-    # an empty part's out is whatever its producer left (NaN from a kernel that divides 0 by 0): it weighs
-    # 0, so it is taken as 0 first (0 * NaN would make the row NaN, and its gradient too)
-    oa = torch.where((wa == 0).unsqueeze(-1), 0.0, out_a.to(acc))
-    ob = torch.where((wb == 0).unsqueeze(-1), 0.0, out_b.to(acc))
+    # an empty part's (lse -inf) out is whatever its producer left (NaN from a kernel that divides 0 by 0): it
+    # weighs 0, so it is taken as 0 first (0 * NaN would make the row NaN, and its gradient too); a part whose
+    # weight merely underflows keeps its out, NaN included
+    oa = torch.where(torch.isneginf(la).unsqueeze(-1), 0.0, out_a.to(acc))
+    ob = torch.where(torch.isneginf(lb).unsqueeze(-1), 0.0, out_b.to(acc))
     out = (oa * (wa * inv).unsqueeze(-1) + ob * (wb * inv).unsqueeze(-1)).to(out_a.dtype)
     return out, lse

@@ -447,10 +447,53 @@ def test_torch_sdpa_first_order_is_torch_own(backend, gen):
     want_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5, enable_gqa=True)
     assert torch.equal(out, want_out)
     assert torch.equal(dv, torch.autograd.grad(want_out.sum(), v)[0])
-    # a second derivative with dropout cannot redraw torch's mask: a clear error, not a wrong value
+    # with dropout the composite cannot redraw torch's mask: the gradients are torch's own to second order (its
+    # math kernel serves dropout on the CPU and has a derivative)
+    torch.manual_seed(6)
     out = ab.attention(q, k, v, backend=backend, strict=True, dropout_p=0.5)
-    with pytest.raises(RuntimeError, match="second derivative through torch SDPA with dropout_p > 0"):
-        torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    (gq,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    (h,) = torch.autograd.grad(gq.square().sum(), k)
+    torch.manual_seed(6)
+    want_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5, enable_gqa=True)
+    (want_gq,) = torch.autograd.grad(want_out.square().sum(), q, create_graph=True)
+    assert torch.equal(gq, want_gq) and torch.equal(h, torch.autograd.grad(want_gq.square().sum(), k)[0])
+
+
+def test_torch_sdpa_output_behaves_as_torchs_in_place_and_under_saved_tensor_hooks(gen):
+    # the second-derivative node returned a view made in a custom Function, which refused an in-place change at
+    # once (torch refuses it only at a backward that needs the output), and it saved q, k, v a second time
+    q, k, v = (t.requires_grad_() for t in qkv(1, 2, 2, 8, 8, 16, g=gen))
+    out = ab.attention(q, k, v, backend="sdpa", strict=True)
+    out.add_(1)  # no backward follows: fine, as on torch's output
+    torch.manual_seed(3)
+    out = ab.attention(q, k, v, backend="sdpa", strict=True, dropout_p=0.1)
+    out.mul_(2)  # torch's math kernel (dropout on the CPU) does not need its output: the backward runs
+    (got,) = torch.autograd.grad(out.sum(), v)
+    torch.manual_seed(3)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    want.mul_(2)
+    assert torch.equal(got, torch.autograd.grad(want.sum(), v)[0])
+
+    def packs(fn):
+        n = [0]
+
+        def pack(t):
+            n[0] += 1
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+        return n[0]
+
+    assert packs(lambda: ab.attention(q, k, v, backend="sdpa", strict=True, causal=True)) == \
+        packs(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    # an input changed in place before a recorded backward: an error, as a saved tensor's would be
+    x = q.detach().clone().requires_grad_()
+    y = x * 1.0
+    out = ab.attention(y, k, v, backend="sdpa", strict=True)
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified"):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
 
 
 # ---- precision with large logits and saturated rows ----------------------------------------------

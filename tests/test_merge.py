@@ -50,6 +50,10 @@ def test_an_empty_part_weighs_nothing_whatever_its_out_holds():
         assert torch.equal(ga, torch.ones_like(ga)) and torch.equal(gj, torch.zeros_like(gj))
     out, lse = ab.merge_attention_states(junk, empty, junk, empty)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    # a part that saw keys but whose weight underflows keeps its NaN (0 * NaN), as the float64 reference does
+    out, _ = ab.merge_attention_states(torch.tensor([[float("nan"), 1.0]]), torch.tensor([-200.0]),
+                                       torch.tensor([[2.0, 3.0]]), torch.tensor([0.0]))
+    assert torch.isnan(out[0, 0]) and out[0, 1] == 3.0
 
 
 @pytest.mark.parametrize("other", [0.0, float("-inf"), float("nan")])

@@ -10,6 +10,9 @@ import torch
 from .. import _eager, _ops
 
 _is_compiling = torch.compiler.is_compiling
+# whether the running backward keeps its graph (retain_graph=True); private to torch, hence the fallback
+# (keep: the inputs then live as long as the node, never shorter than a kept graph needs)
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
 _functorch_layer = torch._C._functorch.peek_interpreter_stack
 _forward_ad = torch.autograd.forward_ad
 
@@ -58,19 +61,31 @@ class _SecondOrder(torch.autograd.Function):
     @staticmethod
     def forward(ctx, opts, out, q, k, v, mask):
         ctx.opts = opts
-        ctx.save_for_backward(q, k, v, mask)
-        return out.view_as(out)
+        # the inputs as references, not through save_for_backward: torch's node saves them already, and saving
+        # them again ran saved-tensor hooks twice (save_on_cpu copied q, k and v to the host twice); their
+        # versions are checked as save_for_backward would, and they go when the backward frees the graph
+        ctx.inputs = (q, k, v, mask)
+        ctx.versions = tuple(t._version if t is not None else 0 for t in ctx.inputs)
+        # a new tensor on out's memory and version counter, not a view: an in-place change to it is what it is
+        # on torch's own output (refused at backward only where torch's node saved out; a view made in a custom
+        # Function refused it at once)
+        return out.detach()
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, mask = ctx.saved_tensors
-        if not _ops.records_graph(q, k, v, mask):
-            return None, grad_out, None, None, None, None
+        inputs, versions = ctx.inputs, ctx.versions
+        if not _keep_graph():
+            ctx.inputs = None
+        q, k, v, mask = inputs
         causal, scale, wl, wr, p = ctx.opts
-        if p > 0:
-            raise RuntimeError("attn_backends: a second derivative through torch SDPA with dropout_p > 0 is not "
-                               "available (the composite cannot redraw torch's dropout mask); name backend='flash' "
-                               "or 'math', or take the gradient without create_graph=True")
+        # with dropout the composite cannot redraw torch's mask: torch's own backward then, as torch has it (its
+        # math kernel's has a derivative; its fused kernels' raise torch's error)
+        if p > 0 or not _ops.records_graph(q, k, v, mask):
+            return None, grad_out, None, None, None, None
+        for name, t, seen in zip(("q", "k", "v", "attn_mask"), inputs, versions):
+            if t is not None and t._version != seen:
+                raise RuntimeError(f"attn_backends: {name} was modified in place after the attention call that "
+                                   "needs it for its gradient (as torch's saved tensors report)")
         dq, dk, dv, dmask, _ = _ops.composite_backward(q, k, v, mask, None, (causal, scale, wl, wr, 0.0, 0.0),
                                                        grad_out, None)
         return None, None, dq, dk, dv, dmask if mask is not None and mask.dtype != torch.bool else None
