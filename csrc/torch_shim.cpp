@@ -359,6 +359,9 @@ extern "C" ab_cpu_pool ab_shim_cpu_pool(void) { return ab_shim::torch_pool(); }
   "Tensor? stats=None, Tensor? sinks=None, Tensor? alibi_slopes=None) "                             \
   "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)"
 
+/* max_seqlen of the packed ops is SymInt: the kernels read the value (a plain int here), but under
+ * torch.compile(dynamic=True) an int argument specialized the graph on each distinct value (one recompile
+ * per max_seqlen, FailOnRecompileLimitHit under fullgraph=True after eight); the fake kernels never read it. */
 STABLE_TORCH_LIBRARY(attn_backends, m) {
   m.def("math_fwd" AB_DENSE_FWD_ARGS);
   m.def("math_bwd" AB_DENSE_BWD_ARGS);
@@ -369,21 +372,21 @@ STABLE_TORCH_LIBRARY(attn_backends, m) {
   m.def("flash_bwd" AB_DENSE_BWD_ARGS);
   m.def(
       "flash_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, Tensor? rng_state, int causal, float scale, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? rng_state, int causal, float scale, "
       "int window_left, int window_right, float softcap, float dropout_p, Tensor? sinks=None, "
       "Tensor? alibi_slopes=None, Tensor? cu_seqlens_q_device=None, Tensor? cu_seqlens_k_device=None) "
       "-> (Tensor out, Tensor lse, Tensor stats)");
   m.def(
       "flash_varlen_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor? grad_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, "
-      "int max_seqlen_k, Tensor? rng_state, int causal, float scale, int window_left, "
+      "Tensor? grad_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, SymInt max_seqlen_q, "
+      "SymInt max_seqlen_k, Tensor? rng_state, int causal, float scale, int window_left, "
       "int window_right, float softcap, float dropout_p, bool deterministic=False, Tensor? stats=None, "
       "Tensor? sinks=None, Tensor? alibi_slopes=None, Tensor? cu_seqlens_q_device=None, "
       "Tensor? cu_seqlens_k_device=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dsinks)");
   m.def("sage_fwd" AB_DENSE_FWD_ARGS);
   m.def(
       "sage_varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, Tensor? rng_state, int causal, float scale, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? rng_state, int causal, float scale, "
       "int window_left, int window_right, float softcap, float dropout_p, Tensor? sinks=None, "
       "Tensor? alibi_slopes=None, Tensor? cu_seqlens_q_device=None, Tensor? cu_seqlens_k_device=None) "
       "-> (Tensor out, Tensor lse)");

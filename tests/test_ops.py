@@ -368,3 +368,28 @@ def test_compile_varlen_with_0d_tensor_bounds_matches_eager():
         assert torch.equal(torch.compile(f, backend="aot_eager")(q, k, v, m), f(q, k, v, m))
     with pytest.raises(torch._dynamo.exc.Unsupported):
         torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v, m)
+
+
+def test_compile_dynamic_varlen_does_not_recompile_per_max_seqlen():
+    # the packed ops took max_seqlen as `int`: under dynamic=True each distinct value specialized the graph, and
+    # fullgraph=True failed at the recompile limit; the schemas take SymInt now (csrc/torch_shim.cpp)
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    cnt = CompileCounterWithBackend("aot_eager")
+
+    def fn(q, k, v, cu, m):
+        return ab.attention_varlen(q, k, v, cu, cu, m, m, causal=True)
+
+    compiled = torch.compile(fn, backend=cnt, fullgraph=True, dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    for n in range(3, 14):
+        cu = torch.tensor([0, n, 2 * n + 1], dtype=torch.int32)
+        x = torch.randn(2 * n + 1, 2, 16, generator=g, requires_grad=True)
+        out = compiled(x, x, x, cu, n + 1)
+        (gx,) = torch.autograd.grad(out.square().sum(), x)
+        y = x.detach().clone().requires_grad_()
+        want = fn(y, y, y, cu, n + 1)
+        assert torch.equal(out, want)
+        torch.testing.assert_close(gx, torch.autograd.grad(want.square().sum(), y)[0])
+    assert cnt.frame_count <= 2
