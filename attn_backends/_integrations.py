@@ -23,6 +23,7 @@ import warnings
 import torch
 
 from . import _planner
+from ._autocast import autocast_cast, autocast_dtype
 from ._names import ALL_NAMES, resolve
 from ._ops import grad_strides
 from ._providers import ORIGINAL_SDPA
@@ -131,34 +132,16 @@ def _with_strides(out: torch.Tensor, strides: tuple) -> torch.Tensor:
     return torch.empty_strided(out.shape, strides, dtype=out.dtype, device=out.device).copy_(out)
 
 
-def _autocast_dtype(query):
-    """The dtype autocast gives F.sdpa's floating arguments here, or None when it is off for query's device
-    (torch lists scaled_dot_product_attention as lower-precision on CPU and CUDA)."""
-    if not isinstance(query, torch.Tensor):
-        return None
-    dev = query.device.type
-    if not torch.amp.is_autocast_available(dev):
-        return None  # a device autocast does not know (meta): F.sdpa casts nothing there, and asking raises
-    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-
-
-def _autocast_cast(t, dtype, dev):
-    """As autocast's cast: floating tensors on its device other than float64 to its dtype."""
-    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64 and t.device.type == dev:
-        return t.to(dtype)
-    return t
-
-
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False,
          *, backend=None):
     from . import _dispatch
 
-    cast = _autocast_dtype(query)
+    cast = autocast_dtype(query)
     if cast is not None:
         # what F.sdpa computes under autocast: its floating arguments cast first, then the call as such (with
         # autocast off, so that no op inside it is cast again)
         dev = query.device.type
-        query, key, value, attn_mask = (_autocast_cast(t, cast, dev) for t in (query, key, value, attn_mask))
+        query, key, value, attn_mask = (autocast_cast(t, cast, dev) for t in (query, key, value, attn_mask))
         with torch.autocast(dev, enabled=False):
             return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend=backend)
     if _dispatch.transformed():  # forward-mode AD, vmap, grad: torch's own, as the patch promises

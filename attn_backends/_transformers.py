@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from ._autocast import autocast_cast, autocast_dtype
 from ._names import CANONICAL, resolve
 
 logger = logging.getLogger("attn_backends")
@@ -230,13 +231,11 @@ def _forward(backend, module, query, key, value, attention_mask, dropout, scalin
     """(B, Sq, Hq, Dv) attention output for one HF attention call; see ``_make_forward``."""
     varlen_name = backend == "flash_varlen"
     sinks, bias, softcap, sw, deterministic, packed, alibi = _read_kwargs(module, kw, varlen_name, attention_mask)
-    dev = query.device.type
-    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+    cast = autocast_dtype(query)
+    if cast is not None:
         # as HF's sdpa (F.sdpa is an autocast op) and flash paths (get_target_dtype) do: under autocast, a
         # float32 model's q and k come out of RoPE in float32 beside a bfloat16 v; all run in autocast's dtype
-        cast = torch.get_autocast_dtype(dev)
-        query, key, value = (t.to(cast) if t.is_floating_point() and t.dtype != torch.float64 else t
-                             for t in (query, key, value))
+        query, key, value = (autocast_cast(t, cast, query.device.type) for t in (query, key, value))
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     if backend == "auto":

@@ -8,13 +8,13 @@ import math
 import torch
 
 from .. import _eager, _ops
+from .ours import dual_level
 
 _is_compiling = torch.compiler.is_compiling
 # whether the running backward keeps its graph (retain_graph=True); private to torch, hence the fallback
 # (keep: the inputs then live as long as the node, never shorter than a kept graph needs)
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)
 _functorch_layer = torch._C._functorch.peek_interpreter_stack
-_forward_ad = torch.autograd.forward_ad
 
 # torch's own function, captured before anyone (ab.patch_sdpa included) can replace it: the sdpa
 # backends call this, so a patched F.scaled_dot_product_attention never calls itself
@@ -99,7 +99,7 @@ def runner(forced=None):
 
     def run(a):
         out, _ = plain(a)
-        if a.need_grad and not _is_compiling() and _functorch_layer() is None and _forward_ad._current_level < 0:
+        if a.need_grad and not _is_compiling() and _functorch_layer() is None and not dual_level():
             out = _SecondOrder.apply((a.causal, a.scale, a.wl, a.wr, a.p), out, a.q, a.k, a.v, a.mask)
         return out, None
 
