@@ -272,12 +272,28 @@ def _second_order(fn, leaves, w, u, r):
         [s if s is not None else torch.zeros_like(x) for s, x in zip(second, leaves)]
 
 
+def _check_second_order(ours, ref, leaves, w, u, r, zero_if_ref_zero=False):
+    """First and second derivatives of ours (_second_order) against ref(float64) by the 2x rule, ref(float32) the
+    yardstick; each must be nonzero (or zero where the float64 one is, with zero_if_ref_zero)."""
+    from attn_backends._testing import check_2x
+
+    got = _second_order(ours, [t.clone().requires_grad_() for t in leaves], w, u, r)
+    r64 = _second_order(ref(torch.float64), [t.double().requires_grad_() for t in leaves], w.double(), u.double(),
+                        [t.double() for t in r])
+    r32 = _second_order(ref(torch.float32), [t.clone().requires_grad_() for t in leaves], w, u, r)
+    for order, a, b, c in zip(("first", "second"), got, r64, r32):
+        for name, x, y, z in zip(("q", "k", "v", "mask"), a, b, c):
+            assert bool(x.abs().max() > 0) or (zero_if_ref_zero and bool(y.abs().max() == 0)), \
+                f"{order} d{name} is zero"
+            check_2x(f"{order} d{name}", x, y, z, 3, torch.float32, 1e-5 * max(1.0, float(y.abs().max())))
+
+
 @pytest.mark.parametrize("backend", ["flash", "math", "eager"])
 @pytest.mark.parametrize("opts", [dict(), dict(causal=True, softcap=5.0), dict(mask="float", causal="bottom_right"),
                                   dict(mask="bool", window=(3, 1)), dict(dropout_p=0.3)])
 def test_double_backward_matches_reference(backend, opts, gen):
     # it used to be silently zero (torch only warned that math_bwd had no autograd kernel)
-    from attn_backends._testing import check_2x, keep_mask_for_next_call, reference_attention
+    from attn_backends._testing import keep_mask_for_next_call, reference_attention
 
     B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 9, 11, 16
     q, k, v = qkv(B, Hq, Hkv, Sq, Sk, D, g=gen)
@@ -309,14 +325,7 @@ def test_double_backward_matches_reference(backend, opts, gen):
             return reference_attention(*xs[:3], dtype=dtype, keep=keep, dropout_p=p, **dict(opts, attn_mask=mask))
         return fn
 
-    got = _second_order(ours, [t.clone().requires_grad_() for t in leaves], w, u, r)
-    r64 = _second_order(ref(torch.float64), [t.double().requires_grad_() for t in leaves], w.double(), u.double(),
-                        [t.double() for t in r])
-    r32 = _second_order(ref(torch.float32), [t.clone().requires_grad_() for t in leaves], w, u, r)
-    for order, a, b, c in zip(("first", "second"), got, r64, r32):
-        for name, x, y, z in zip(("q", "k", "v", "mask"), a, b, c):
-            assert bool(x.abs().max() > 0) or bool(y.abs().max() == 0), f"{order} d{name} is zero"
-            check_2x(f"{order} d{name}", x, y, z, 3, torch.float32, 1e-5 * max(1.0, float(y.abs().max())))
+    _check_second_order(ours, ref, leaves, w, u, r, zero_if_ref_zero=True)
 
 
 def test_math_float64_passes_gradgradcheck(gen):
@@ -333,25 +342,17 @@ def test_math_float64_passes_gradgradcheck(gen):
 
 @pytest.mark.parametrize("backend", ["flash_varlen", "math", "eager"])
 def test_varlen_double_backward_matches_padded_reference(backend, gen):
-    from attn_backends._testing import check_2x, varlen_reference
+    from attn_backends._testing import varlen_reference
 
     q, k, v, cu_q, cu_k = make_packed([3, 0, 6], [5, 2, 6], 4, 2, 16, 16, torch.float32, gen)
     w = torch.randn(q.shape[0], 4, 16, generator=gen)
     u = torch.randn(4, q.shape[0], generator=gen)
     r = [torch.randn(t.shape, generator=gen) for t in (q, k, v)]
     opts = dict(causal="bottom_right", softcap=4.0)
-    got = _second_order(lambda *xs: ab.attention_varlen(*xs, cu_q, cu_k, 9, 9, backend=backend, strict=True,
+    _check_second_order(lambda *xs: ab.attention_varlen(*xs, cu_q, cu_k, 9, 9, backend=backend, strict=True,
                                                         return_lse=True, **opts),
-                        [t.clone().requires_grad_() for t in (q, k, v)], w, u, r)
-    r64 = _second_order(lambda *xs: varlen_reference(*xs, cu_q, cu_k, **opts),
-                        [t.double().requires_grad_() for t in (q, k, v)], w.double(), u.double(),
-                        [t.double() for t in r])
-    r32 = _second_order(lambda *xs: varlen_reference(*xs, cu_q, cu_k, dtype=torch.float32, **opts),
-                        [t.clone().requires_grad_() for t in (q, k, v)], w, u, r)
-    for order, a, b, c in zip(("first", "second"), got, r64, r32):
-        for name, x, y, z in zip(("q", "k", "v"), a, b, c):
-            assert bool(x.abs().max() > 0), f"{order} d{name} is zero"
-            check_2x(f"{order} d{name}", x, y, z, 3, torch.float32, 1e-5 * max(1.0, float(y.abs().max())))
+                        lambda dtype: lambda *xs: varlen_reference(*xs, cu_q, cu_k, dtype=dtype, **opts),
+                        [q, k, v], w, u, r)
 
 
 def test_op_called_directly_has_a_double_backward(gen):
@@ -371,7 +372,7 @@ def test_double_backward_through_torch_sdpa(backend, opts, gen):
     # torch's fused CPU kernel has no derivative of its backward: a gradient of a gradient raised
     # "derivative for aten::_scaled_dot_product_flash_attention_for_cpu_backward is not implemented", and
     # `auto` serves some training calls through torch SDPA
-    from attn_backends._testing import check_2x, reference_attention
+    from attn_backends._testing import reference_attention
 
     B, Hq, Sq, Sk, D = 2, 4, 9, 11, 16
     Hkv = Hq if backend == "_native_flash" else 2  # torch's flash kernel takes no GQA
@@ -404,14 +405,7 @@ def test_double_backward_through_torch_sdpa(backend, opts, gen):
             return reference_attention(*xs[:3], dtype=dtype, **dict(opts, attn_mask=mask))[0]
         return fn
 
-    got = _second_order(with_lse(ours), [t.clone().requires_grad_() for t in leaves], w, u, r)
-    r64 = _second_order(with_lse(ref(torch.float64)), [t.double().requires_grad_() for t in leaves], w.double(),
-                        u.double(), [t.double() for t in r])
-    r32 = _second_order(with_lse(ref(torch.float32)), [t.clone().requires_grad_() for t in leaves], w, u, r)
-    for order, a, b, c in zip(("first", "second"), got, r64, r32):
-        for name, x, y, z in zip(("q", "k", "v", "mask"), a, b, c):
-            assert bool(x.abs().max() > 0), f"{order} d{name} is zero"
-            check_2x(f"{order} d{name}", x, y, z, 3, torch.float32, 1e-5 * max(1.0, float(y.abs().max())))
+    _check_second_order(with_lse(ours), lambda dtype: with_lse(ref(dtype)), leaves, w, u, r)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "_native_flash"])

@@ -337,36 +337,40 @@ def test_apply_args_without_the_flag_keeps_the_environment_backend():
     assert res.stdout.split() == ["math", "math", "flash", "flash"]
 
 
-def test_deprecation_notice_shows_once_under_default_filters(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text("import argparse, attn_backends as ab\n"
-                      "parser = ab.add_argparse_args(argparse.ArgumentParser())\n"
-                      "for _ in range(3):\n"
-                      "    args = parser.parse_args(['--use_flash_attention'])\n"
-                      "print(args.attn_implementation)\n")
+def _run_script_under_default_filters(script, text):
+    """Writes text to script and runs it with Python's default warning filters (no PYTHONWARNINGS); asserts it
+    exits 0 and printed "flash"; returns its stderr."""
+    script.write_text(text)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
     res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "flash"
-    assert res.stderr.count("--use_flash_attention is deprecated; use --attn_implementation flash") == 1
-    assert f"{script}:4: FutureWarning" in res.stderr
+    return res.stderr
+
+
+def test_deprecation_notice_shows_once_under_default_filters(tmp_path):
+    script = tmp_path / "train.py"
+    stderr = _run_script_under_default_filters(script, "import argparse, attn_backends as ab\n"
+                                               "parser = ab.add_argparse_args(argparse.ArgumentParser())\n"
+                                               "for _ in range(3):\n"
+                                               "    args = parser.parse_args(['--use_flash_attention'])\n"
+                                               "print(args.attn_implementation)\n")
+    assert stderr.count("--use_flash_attention is deprecated; use --attn_implementation flash") == 1
+    assert f"{script}:4: FutureWarning" in stderr
 
 
 def test_deprecation_notice_points_at_the_script_under_hf_argument_parser(tmp_path):
     # HfArgumentParser.parse_args_into_dataclasses calls argparse: the notice used to point into transformers
     script = tmp_path / "train_hf.py"
-    script.write_text("import dataclasses, transformers, attn_backends as ab\n"
-                      "@dataclasses.dataclass\n"
-                      "class Args:\n"
-                      "    lr: float = 1e-3\n"
-                      "parser = ab.add_argparse_args(transformers.HfArgumentParser(Args))\n"
-                      "args, extra = parser.parse_args_into_dataclasses(['--use_flash_attention'])\n"
-                      "print(extra.attn_implementation)\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip() == "flash"
-    assert f"{script}:6: FutureWarning: --use_flash_attention is deprecated" in res.stderr, res.stderr
+    stderr = _run_script_under_default_filters(
+        script, "import dataclasses, transformers, attn_backends as ab\n"
+                "@dataclasses.dataclass\n"
+                "class Args:\n"
+                "    lr: float = 1e-3\n"
+                "parser = ab.add_argparse_args(transformers.HfArgumentParser(Args))\n"
+                "args, extra = parser.parse_args_into_dataclasses(['--use_flash_attention'])\n"
+                "print(extra.attn_implementation)\n")
+    assert f"{script}:6: FutureWarning: --use_flash_attention is deprecated" in stderr, stderr
 
 
 def test_argparse_on_a_parser_that_already_has_attn_implementation():
