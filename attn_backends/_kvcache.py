@@ -442,14 +442,8 @@ def _kernel_op(c: KVCall):
         args = (c.q, c.k_cache, c.v_cache, c.k, c.v, c.cos, c.sin, c.seqlens, c.seqlen, c.batch_idx, c.leftpad,
                 c.block_table, c.alibi, c.scale, c.causal, c.wl, c.wr, c.softcap, c.interleaved, c.num_splits,
                 c.sinks)
-        if _is_compiling():  # the schema's Tensor(a!) tells the compiler about the write
-            if c.seqlens is None and c.seqlen >= 0:
-                # an int cache_seqlens as the same lengths in a tensor (the kernel's results and writes are
-                # bitwise the same): the op's `int cache_seqlen` would specialize the graph on its value, one
-                # recompile per decode step (and a failure under fullgraph=True after the recompile limit)
-                lens = torch.full((c.q.shape[0],), c.seqlen, dtype=torch.int32, device=c.q.device)
-                args = args[:7] + (lens, -1) + args[9:]
-            return ops.kvcache_fwd(*args)
+        if _is_compiling():  # the schema's Tensor(a!) tells the compiler about the write (and its SymInt
+            return ops.kvcache_fwd(*args)  # cache_seqlen keeps an int cache_seqlens from specializing the graph)
         with _below_autograd():
             res = ops.kvcache_fwd(*args)
         if c.k is not None:

@@ -359,9 +359,10 @@ extern "C" ab_cpu_pool ab_shim_cpu_pool(void) { return ab_shim::torch_pool(); }
   "Tensor? stats=None, Tensor? sinks=None, Tensor? alibi_slopes=None) "                             \
   "-> (Tensor dq, Tensor dk, Tensor dv, Tensor dmask, Tensor dsinks)"
 
-/* max_seqlen of the packed ops is SymInt: the kernels read the value (a plain int here), but under
- * torch.compile(dynamic=True) an int argument specialized the graph on each distinct value (one recompile
- * per max_seqlen, FailOnRecompileLimitHit under fullgraph=True after eight); the fake kernels never read it. */
+/* max_seqlen of the packed ops and kvcache_fwd's cache_seqlen are SymInt: the kernels read the value (a
+ * plain int here), but under torch.compile(dynamic=True) an int argument specialized the graph on each
+ * distinct value (one recompile per max_seqlen, or per decode step with an int cache_seqlens;
+ * FailOnRecompileLimitHit under fullgraph=True after eight); the fake kernels never read it. */
 STABLE_TORCH_LIBRARY(attn_backends, m) {
   m.def("math_fwd" AB_DENSE_FWD_ARGS);
   m.def("math_bwd" AB_DENSE_BWD_ARGS);
@@ -393,7 +394,7 @@ STABLE_TORCH_LIBRARY(attn_backends, m) {
   m.def("dropout_mask(Tensor rng_state, int B, int H, int Sq, int Sk, float dropout_p) -> Tensor");
   m.def(
       "kvcache_fwd(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
-      "Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_seqlens, int cache_seqlen, "
+      "Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_seqlens, SymInt cache_seqlen, "
       "Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, Tensor? alibi_slopes, "
       "float scale, bool causal, int window_left, int window_right, float softcap, "
       "bool rotary_interleaved, int num_splits, Tensor? sinks=None) -> (Tensor out, Tensor lse)");
