@@ -21,7 +21,7 @@ from attn_backends import _C, _dispatch
 from attn_backends._testing import check_2x
 
 from cuda_devices import both, emulator, launched, launched_blocks
-from test_kvcache import (BAD, EXTREME_SCALES, GARBAGE_CASES, KV, NAN_PLACES, Call, _base, check_extreme_scale,
+from test_kvcache import (BAD, EXTREME_SCALES, GARBAGE_CASES, KV, NAN_PLACES, Call, _base, _ref64, check_extreme_scale,
                           check_garbage_outside_rows, check_nan_and_inf, kv_calls)
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -723,8 +723,7 @@ def test_splits_merge_without_the_lse_rounding(decode):
     k = torch.zeros(B, Sk, H, D)
     k[..., 0] = 3000.0 + torch.randint(-3, 1, (B, Sk, H), generator=g).float()
     v = torch.randn(B, Sk, H, D, generator=g)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double())
-    ref = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), v.double())
+    ref = _ref64(q, k, v, scale=1.0)
     torch_out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                                                  v.transpose(1, 2), scale=1.0).transpose(1, 2)
     lib = emulator() if decode.emulated else None
