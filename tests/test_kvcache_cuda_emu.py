@@ -21,8 +21,8 @@ from attn_backends import _C, _dispatch
 from attn_backends._testing import check_2x
 
 from cuda_devices import both, emulator, launched, launched_blocks
-from test_kvcache import (BAD, EXTREME_SCALES, GARBAGE_CASES, KV, NAN_PLACES, Call, _base, _ref64, check_extreme_scale,
-                          check_garbage_outside_rows, check_nan_and_inf, kv_calls)
+from test_kvcache import (BAD, EXTREME_SCALES, GARBAGE_CASES, KV, NAN_PLACES, Call, _base, _ref64, _sdpa_bshd,
+                          check_extreme_scale, check_garbage_outside_rows, check_nan_and_inf, kv_calls)
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -736,3 +736,28 @@ def test_splits_merge_without_the_lse_rounding(decode):
         if lib is not None:
             assert any("merge_kernel" in label for label in launched(lib)) == (splits > 1)
         check_2x(f"out, {splits} splits", out, ref, torch_out, 2, F32, 1e-6)
+
+
+@pytest.mark.parametrize("dev", [pytest.param("emu", marks=pytest.mark.cuda_emu),
+                                 pytest.param("cuda", marks=pytest.mark.cuda)], indirect=True)
+@pytest.mark.parametrize("kernel", KERNELS, indirect=True)
+def test_a_q_that_the_scale_makes_subnormal(decode, kernel, gen):
+    # test_kvcache's bfloat16 case (q near 1e-37 against keys near 1e37: scores of order 1) on both CUDA
+    # kernels: q times 2**qe (the scale's power of two) is a bfloat16 subnormal here, which the CPU's
+    # vdpbf16ps reads as 0.  The tensor-core products must keep it; the emulator does, and a GPU run
+    # (-m cuda) checks the hardware.  4 query rows a KV head: the tensor-core attention takes them.
+    q = (torch.randn(1, 1, 8, 64, generator=gen) * 1e-37).bfloat16()
+    k = (torch.randn(1, 256, 2, 64, generator=gen) * 1e37).bfloat16()
+    v = torch.randn(1, 256, 2, 64, generator=gen).bfloat16()
+    assert bool(((q.float() / 8).bfloat16().float().abs() < torch.finfo(torch.float32).tiny).any())
+    lib = emulator() if decode.emulated else None
+    for splits in (1, 3):
+        if lib is not None:
+            lib.ab_cuda_emu_reset_launch_log()
+        with torch.no_grad():
+            out = ab.attention_with_kvcache(decode(q), decode(k), decode(v), num_splits=splits,
+                                            backend="paged_attention", strict=True).cpu()
+        if lib is not None:  # the kernel asked for ran
+            assert any(("attend_mma" in label) == (kernel == "mma") and "attend_" in label
+                       for label in launched(lib)), launched(lib)
+        check_2x(f"out, {splits} splits", out, _ref64(q, k, v), _sdpa_bshd(q, k, v), 2, BF16, 1e-3)
