@@ -251,6 +251,14 @@ def _backend_arg(value: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _backend_arg_or_value_error(value: str) -> str:
+    """_backend_arg for add_argparse_args' default: the same names, a ValueError for others."""
+    try:
+        return _backend_arg(value)
+    except argparse.ArgumentTypeError as e:
+        raise ValueError(f"default: {e}") from None
+
+
 def _resolve_any(value: str) -> str:
     """Canonical name for any accepted name, or for an attn_implementation we register with HF."""
     from ._transformers import _BY_HF_NAME
@@ -305,8 +313,10 @@ def add_argparse_args(parser: argparse.ArgumentParser, default: str = "auto", *,
     if "--attn_implementation" in add:
         names = ", ".join(ALL_NAMES)
         group.add_argument("--attn_implementation", "--attn-implementation", type=_backend_arg,
-                           default=resolve(default), metavar="NAME",
-                           help=f"attention backend, any of (case-insensitive): {names} (default: %(default)s)")
+                           default=_backend_arg_or_value_error(default), metavar="NAME",
+                           help=f"attention backend, any of (case-insensitive): {names}; also the names "
+                                "registered with HF transformers (attn_backends_*) and its continuous-batching "
+                                "names, paged|eager, paged|sdpa or paged|<one of ours> (default: %(default)s)")
     if "--use_flash_attention" in add:
         group.add_argument("--use_flash_attention", "--use_flash_attention_2", action=_UseFlashAttention, dest=dest,
                            help="deprecated: same as --attn_implementation flash")
@@ -334,8 +344,9 @@ def apply_args(args, *more, for_hf: bool = False) -> str:
     from . import _transformers
 
     given = flag("attn_implementation", "auto")
-    batching = _transformers.continuous_batching(given)  # "paged|eager", ...: the planner's choice, as "auto"
-    name = "auto" if batching else _resolve_any(given)
+    # "paged|eager", ...: the planner's choice, as "auto"; "paged|math": math (batching_backend)
+    batching = _transformers.batching_backend(given)
+    name = batching if batching is not None else _resolve_any(given)
     if name == "auto":  # no choice on the command line: ATTN_BACKENDS_BACKEND still decides
         name = _planner.ENV_BACKEND
     _planner.set_process_default(name)
@@ -345,5 +356,5 @@ def apply_args(args, *more, for_hf: bool = False) -> str:
         patch_sdpa(name)
     if for_hf:
         _transformers.register()
-        return _transformers.hf_name(given if batching else name)
+        return _transformers.hf_name(given if batching is not None else name)
     return name

@@ -64,19 +64,31 @@ ALIASES = {_old_name(c): c for c in CANONICAL if _old_name(c) != NAMES[c]}
 _BY_HF_NAME = {**{n: c for c, n in NAMES.items()}, **ALIASES}
 
 
+_PAGED = "paged|"
+
+
 def continuous_batching(backend) -> bool:
-    """Whether backend is one of transformers' continuous-batching names, "paged|" and an implementation
-    ("paged|eager", "paged|sdpa", "paged|flash_attention_2"), or FLASH_API itself (with or without the
-    prefix): every one of them is FLASH_API for transformers, on the default backend.  ValueError where
-    the rest is no name we take."""
-    if backend in (FLASH_API, "paged|" + FLASH_API):
-        return True
-    if not (isinstance(backend, str) and backend.startswith("paged|")):
-        return False
-    rest = backend[len("paged|"):]
-    if _BY_HF_NAME.get(rest) is None:
-        resolve(rest)
-    return True
+    """Whether backend is one of transformers' continuous-batching names, "paged|" (any case) and an
+    implementation ("paged|eager", "paged|sdpa", "paged|flash_attention_2", or one of ours:
+    "paged|math"), or FLASH_API itself (with or without the prefix): every one of them is FLASH_API for
+    transformers (batching_backend says on which backend).  ValueError where the rest is no name we take."""
+    return batching_backend(backend) is not None
+
+
+def batching_backend(backend):
+    """For a continuous-batching name (continuous_batching), the backend its attention runs on: the
+    canonical name of ours after "paged|" ("paged|math": math), else "auto" (transformers' own names and
+    FLASH_API: the planner's choice); None for any other name.  ValueError where the rest is no name we
+    take."""
+    if backend in (FLASH_API, _PAGED + FLASH_API):
+        return "auto"
+    if not (isinstance(backend, str) and backend[:len(_PAGED)].lower() == _PAGED):
+        return None
+    rest = backend[len(_PAGED):]
+    if rest.lower() in (FLASH_API, "eager", "sdpa") or rest.lower().startswith("flash_attention_"):
+        return "auto"  # transformers' own paged names: the paged path, not a backend
+    canonical = _BY_HF_NAME.get(rest)
+    return canonical if canonical is not None else resolve(rest)
 
 
 def hf_name(backend: str) -> str:
@@ -445,6 +457,7 @@ def _register_flash_api(AttentionInterface, AttentionMaskInterface) -> bool:
         fau._lazy_imports = _lazy_imports
     AttentionInterface.register(FLASH_API, flash_attention_forward)
     AttentionMaskInterface.register(FLASH_API, flash_attention_mask)
+    _target_dtype_without_linear_layers()
     # releases that still name the paged flash path "paged|<flash name>" (5.17; 5.2x drops the prefix):
     # continuous batching switches the model to "paged|" + FLASH_API, whose forward is transformers' own
     # paged flash forward, calling our pair through the loader above
@@ -452,6 +465,81 @@ def _register_flash_api(AttentionInterface, AttentionMaskInterface) -> bool:
         AttentionInterface.register("paged|" + FLASH_API, AttentionInterface._global_mapping["paged|flash_attention_2"])
     _let_models_with_flash_lists_take_flash_api(fau)
     return True
+
+
+def _ours(module) -> bool:
+    return getattr(getattr(module, "config", None), "_attn_implementation", None) in (FLASH_API, "paged|" + FLASH_API)
+
+
+def _target_dtype_without_linear_layers() -> None:
+    """transformers' flash path casts a float32 query to the dtype of the attention module's first
+    nn.Linear (integrations/flash_attention.py get_target_dtype): a module without one (GPT-2's Conv1D)
+    raised StopIteration, which generate_batch swallowed into empty results.  For FLASH_API such a module
+    gets the dtype of its first floating parameter (the model's), or no cast; other names as before."""
+    try:
+        import transformers.integrations.flash_attention as fa_mod
+    except ImportError:
+        return
+    original = getattr(fa_mod, "get_target_dtype", None)
+    if original is None or getattr(original, "_attn_backends", False):
+        return
+
+    def get_target_dtype(query, module):
+        try:
+            return original(query, module)
+        except StopIteration:
+            if not _ours(module):
+                raise
+            return next((t.dtype for t in module.parameters() if t.is_floating_point()), None)
+
+    get_target_dtype._attn_backends = True
+    get_target_dtype.__wrapped__ = original
+    fa_mod.get_target_dtype = get_target_dtype
+
+
+def _supports_flash(model) -> bool:
+    supports = getattr(model, "_supports_flash_attn", None)  # transformers 5's flag; 4's was _2's
+    return getattr(model, "_supports_flash_attn_2", True) if supports is None else bool(supports)
+
+
+def _let_continuous_batching_take_our_names() -> None:
+    """transformers' continuous batching (generate_batch) takes "paged|eager", "sdpa" and flash names only
+    (its paged cache needs their masks or cu_seqlens), and refused every other name of ours: a script that
+    batched with "sdpa" broke once --attn_implementation went through ab.apply_args.  A model on one of
+    our names is switched, as transformers switches sdpa to flash-attn, to FLASH_API (transformers' paged
+    flash path on our functions, which run on the default backend: ab.use, apply_args), or to its own
+    "paged|eager" where the model does not support flash; one warning says which, and the model gets its
+    name back afterwards (transformers' _original_attn_impl)."""
+    try:
+        from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+    except ImportError:
+        return
+    switch = getattr(ContinuousBatchingManager, "switch_to_cb_friendly_attn", None)
+    if switch is None or getattr(switch, "_attn_backends", False):
+        return
+
+    def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
+        given = getattr(model.config, "_attn_implementation", None)
+        canonical = _BY_HF_NAME.get(given) if isinstance(given, str) else None
+        if canonical is None:
+            return switch(self, model, *args, **kwargs)
+        from ._planner import default_backend
+
+        target = FLASH_API if _supports_flash(model) else "paged|eager"
+        runs = f"on the default backend {default_backend()!r}" if target == FLASH_API else "on transformers' eager"
+        logger.warning("attn_backends: continuous batching takes %r as %r (its paged cache takes flash "
+                       "implementations, 'sdpa' and 'paged|eager' only); attention runs %s", given, target, runs)
+        model.set_attn_implementation(target)
+        try:
+            switch(self, model, *args, **kwargs)
+        except BaseException:
+            model.set_attn_implementation(given)
+            raise
+        self._original_attn_impl = given  # restored when the manager stops
+
+    switch_to_cb_friendly_attn._attn_backends = True
+    switch_to_cb_friendly_attn.__wrapped__ = switch
+    ContinuousBatchingManager.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
 
 
 def _generic_flash_kernels(fau) -> set:
@@ -481,14 +569,13 @@ def _let_models_with_flash_lists_take_flash_api(fau) -> None:
     generic = _generic_flash_kernels(fau)
 
     def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
-        supports = getattr(self, "_supports_flash_attn", None)  # transformers 5's flag; 4's was _2's
-        supports = getattr(self, "_supports_flash_attn_2", True) if supports is None else supports
-        if attn_implementation in (FLASH_API, "paged|" + FLASH_API) and not supports:
+        if attn_implementation in (FLASH_API, "paged|" + FLASH_API) and not _supports_flash(self):
             # transformers' own check for flash_attention_N (_flash_attn_can_dispatch) reads the name with a
             # regex that FLASH_API does not match: its flash path would silently drop what such a model needs
             # (T5's position_bias, Gemma 3's bidirectional image blocks, Llama 4's chunks)
             raise ValueError(f"{type(self).__name__} does not support Flash Attention, so it cannot use "
-                             f"{FLASH_API!r} (transformers' flash path); use 'attn_backends_fa' or 'attn_backends'")
+                             f"{FLASH_API!r} (transformers' flash path); use 'attn_backends_fa' or 'attn_backends' "
+                             "(continuous batching then runs transformers' own 'paged|eager')")
         listed = getattr(self, "_compatible_flash_implementations", None)
         if (attn_implementation not in (FLASH_API, "paged|" + FLASH_API) or not listed
                 or FLASH_API in listed or not generic.intersection(listed)):
@@ -522,5 +609,6 @@ def register() -> dict:
             raise RuntimeError(f"attn_backends: {hf!r} would not be taken by transformers as a plain name")
         AttentionInterface.register(hf, _make_forward(canonical))
         AttentionMaskInterface.register(hf, masks[canonical == "flash_varlen"])
-    _register_flash_api(AttentionInterface, AttentionMaskInterface)
+    if _register_flash_api(AttentionInterface, AttentionMaskInterface):
+        _let_continuous_batching_take_our_names()
     return dict(NAMES)

@@ -409,6 +409,71 @@ def test_hf_generate_on_the_flash_api_name_matches_sdpa():
     assert max_err(a[mask.bool()], b[mask.bool()]) < 1e-5
 
 
+def test_hf_flash_api_name_runs_a_model_without_linear_layers_in_float32(hf_flash_reload):
+    # transformers' flash path casts a float32 query to the dtype of the attention module's first nn.Linear:
+    # GPT-2 (Conv1D) raised StopIteration, and generate_batch swallowed it into empty results
+    transformers = pytest.importorskip("transformers")
+    from attn_backends import _transformers
+
+    ab.register_transformers()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                                                 bos_token_id=0, eos_token_id=0)).eval()
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        want = model(ids).logits
+        model.set_attn_implementation(_transformers.FLASH_API)
+        got = model(ids).logits
+    assert got.dtype == torch.float32 and max_err(got, want) < 1e-5
+
+
+def _tiny_generate_batch(transformers, model, prompts, **kw):
+    from attn_backends._testing import continuous_batching_config
+
+    gen_cfg = transformers.GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb_cfg = continuous_batching_config(16, num_blocks=32, max_batch_tokens=64, auto_switch_to_flash=False, **kw)
+    out = model.generate_batch(inputs=prompts, generation_config=gen_cfg, continuous_batching_config=cb_cfg)
+    return {k: (r.generated_tokens, r.error) for k, r in out.items()}
+
+
+@pytest.mark.parametrize("name", ["attn_backends", "attn_backends_torch", "attn_backends_paged", "attn_backends_math"])
+def test_hf_continuous_batching_takes_our_other_names(name, hf_flash_reload, caplog):
+    # generate_batch takes "paged|eager", "sdpa" and flash names only, and refused every other name of ours
+    # ("Implementation attn_backends is not supported for continuous batching"): a batching script broke
+    # once --attn_implementation went through ab.apply_args.  Such a model runs on FLASH_API (one warning),
+    # and gets its name back afterwards.
+    transformers = pytest.importorskip("transformers")
+    from attn_backends import _transformers
+
+    ab.register_transformers()
+    model = _tiny_llama(transformers)
+    prompts = [[1, 5, 9, 3], [7, 8]]
+    model.set_attn_implementation("paged|eager")
+    want = _tiny_generate_batch(transformers, model, prompts)
+    model.set_attn_implementation(name)
+    caplog.set_level(logging.WARNING, logger="attn_backends")
+    assert _tiny_generate_batch(transformers, model, prompts) == want
+    assert model.config._attn_implementation == name
+    said = [r.getMessage() for r in caplog.records if "continuous batching takes" in r.getMessage()]
+    assert len(said) == 1 and repr(_transformers.FLASH_API) in said[0], said
+
+
+def test_hf_continuous_batching_on_a_model_without_flash_support_takes_paged_eager(hf_flash_reload, caplog):
+    transformers = pytest.importorskip("transformers")
+    ab.register_transformers()
+    model = _tiny_llama(transformers)
+    model._supports_flash_attn = False  # as T5, Doge, ...: FLASH_API is refused for such a model
+    prompts = [[1, 5, 9, 3], [7, 8]]
+    model.set_attn_implementation("paged|eager")
+    want = _tiny_generate_batch(transformers, model, prompts)
+    model.set_attn_implementation("attn_backends")
+    caplog.set_level(logging.WARNING, logger="attn_backends")
+    assert _tiny_generate_batch(transformers, model, prompts) == want
+    assert model.config._attn_implementation == "attn_backends"
+    assert any("as 'paged|eager'" in r.getMessage() for r in caplog.records)
+
+
 def test_register_keeps_other_loaders_and_is_idempotent():
     pytest.importorskip("transformers")
     import transformers.modeling_flash_attention_utils as fau

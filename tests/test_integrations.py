@@ -454,6 +454,31 @@ def test_continuous_batching_names_give_the_name_generate_batch_takes():
         _planner.set_process_default("auto")
 
 
+def test_paged_prefix_keeps_our_backend_and_takes_any_case():
+    # "paged|math" gave FLASH_API on the planner's choice: the backend named after the prefix was dropped
+    # without a word; "Paged|eager" was refused (names are case-insensitive); add_argparse_args refused a
+    # default the flag itself takes ("paged|eager", "attn_backends_paged")
+    pytest.importorskip("transformers")
+    from attn_backends import _planner, _transformers
+
+    try:
+        parser = ab.add_argparse_args(argparse.ArgumentParser())
+        assert ab.apply_args(parser.parse_args(["--attn_implementation", "paged|math"]),
+                             for_hf=True) == _transformers.FLASH_API
+        assert _planner.default_backend() == "math"
+        assert ab.apply_args(parser.parse_args(["--attn_implementation", "Paged|eager"]),
+                             for_hf=True) == _transformers.FLASH_API
+        assert _planner.default_backend() == "auto"  # transformers' own paged names: the planner's choice
+        for default, want in (("paged|eager", "paged|eager"), ("attn_backends_paged", "paged_attention"),
+                              ("math", "math")):
+            assert ab.add_argparse_args(argparse.ArgumentParser(), default=default).parse_args(
+                []).attn_implementation == want
+        with pytest.raises(ValueError, match="default: unknown backend 'bogus'"):
+            ab.add_argparse_args(argparse.ArgumentParser(), default="bogus")
+    finally:
+        _planner.set_process_default("auto")
+
+
 # ---- torch.compile -----------------------------------------------------------------------------
 
 class _Tiny(torch.nn.Module):
