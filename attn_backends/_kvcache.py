@@ -111,6 +111,32 @@ def _int(name, x, least=None):
     return x
 
 
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two positions of t may share memory: its dims of size > 1 by stride, each stride must pass the
+    furthest element the smaller ones reach (csrc/ab_params.c, the same rule).  A zero stride fails it."""
+    reach = 0
+    for stride, size in sorted((t.stride(d), t.shape[d]) for d in range(t.dim()) if t.shape[d] > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+def _byte_span(t: torch.Tensor) -> tuple:
+    lo = t.data_ptr()
+    return lo, lo + t.element_size() * (1 + sum(st * (n - 1) for st, n in zip(t.stride(), t.shape)))
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b are views of one storage whose byte ranges meet (not read while tracing)."""
+    if _is_compiling() or a.numel() == 0 or b.numel() == 0 or a._is_zerotensor() or b._is_zerotensor():
+        return False  # a zero tensor has no memory
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    return a0 < b1 and b0 < a1
+
+
 def window_pair(window_size) -> tuple:
     """flash-attn's window_size as (left, right): a pair of ints, any negative side unbounded (-1)."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
@@ -184,6 +210,13 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
                 raise ValueError(f"{name} is written in place (k and v are given) but has a zero stride in dim "
                                  f"{shared[0]}: an expanded view, whose positions share memory; pass a cache that "
                                  "owns its memory")
+            if k.shape[1] and not _is_compiling() and overlaps_itself(c):  # as ab_kvcache_params_check (eager)
+                raise ValueError(f"{name} is written in place (k and v are given) but its strides {c.stride()} "
+                                 "make positions share memory (an overlapping view); pass a cache that owns its "
+                                 "memory")
+        # new rows that are a view of a cache (tokens moved within it: a speculative rollback) are read
+        # before any is written, as if copied first (row by row, a write landed on a row still to be read)
+        k, v = (t.clone() if _shares_memory(t, k_cache) or _shares_memory(t, v_cache) else t for t in (k, v))
     seqlens, seqlen = None, -1
     if cache_seqlens is None:
         if k is not None:
@@ -241,6 +274,10 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
     # then never add a side near 2**63 to a position)
     cap = capacity(k_cache, block_table)
     wl, wr = (-1 if wl >= cap else wl), (-1 if wr >= cap else wr)
+    snew = k.shape[1] if k is not None else 0
+    if seqlen > cap - snew:  # as the kernels word it; checked here, as past int64 it cannot reach them
+        raise ValueError(f"cache_seqlens = {seqlen} is outside the cache: with {snew} new tokens it must be in "
+                         f"[0, {cap - snew}]")
     softcap = _real("softcap", softcap, "a float")
     if not (softcap >= 0.0 and finite(softcap)):
         raise ValueError(f"softcap must be >= 0 and finite (0 disables it), got {softcap}")
@@ -250,7 +287,9 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
     num_splits = max(_int("num_splits", num_splits), 0)  # as flash-attn: 0 or less picks the count
     if num_splits >= 2**31:  # flash-attn's is a C int; ours are capped at the keys anyway
         raise ValueError(f"num_splits must be below 2**31 (0 picks the count), got {num_splits}")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, sinks)):
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v, sinks,
+                                                                                   rotary_cos, rotary_sin,
+                                                                                   alibi_slopes)):
         raise RuntimeError("attention_with_kvcache has no backward (inference only): call it under "
                            "torch.no_grad() or torch.inference_mode(), or with tensors that do not require grad")
     return KVCall(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens, seqlen, cache_batch_idx,

@@ -137,7 +137,10 @@ def as_real(name: str, x, what: str) -> float:
         raise TypeError(f"{name} must be {what}, got {type_name(x)}")
     if isinstance(x, torch.Tensor) and x.device.type == "meta":
         raise ValueError(f"{name} must hold a value, got a tensor on the meta device")
-    return float(x)
+    try:
+        return float(x)
+    except OverflowError:  # an int past float's range (10**400): inf, which the callers' range checks name
+        return math.inf if x > 0 else -math.inf
 
 
 def as_int(val, name: str) -> int:

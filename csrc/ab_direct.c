@@ -1136,9 +1136,14 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
     Py_RETURN_NONE;
   double softcap;
   if (!softcap_arg(args[KV_SOFTCAP], &softcap)) Py_RETURN_NONE;
-  PyObject* grad_checked[6] = {q, kc, vc}; /* the tensors _kvcache.check wants no gradient for */
+  PyObject* grad_checked[9] = {q, kc, vc}; /* the tensors _kvcache.check wants no gradient for */
   int n_grad = 3;
   if (args[KV_SINKS] != Py_None) grad_checked[n_grad++] = args[KV_SINKS];
+  if (args[KV_ALIBI] != Py_None) grad_checked[n_grad++] = args[KV_ALIBI];
+  if (has_rot) {
+    grad_checked[n_grad++] = cos;
+    grad_checked[n_grad++] = sin;
+  }
   if (has_new) {
     grad_checked[n_grad++] = kn;
     grad_checked[n_grad++] = vn;

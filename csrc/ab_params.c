@@ -366,6 +366,30 @@ static ab_status want_device(ab_error* err, const char* name, const ab_tensor* t
                       kernel_name(device), kernel_name(device));
 }
 
+/* Whether two positions of a view may share memory: its dims of size > 1 in order of stride, each stride
+ * must pass the furthest element the smaller ones reach (a zero stride fails; _kvcache.overlaps_itself,
+ * the same rule).  A cache written in place must not: a write would land on other positions too. */
+static int overlaps_itself(const ab_tensor* t) {
+  int64_t st[AB_MAX_DIMS], n[AB_MAX_DIMS];
+  int k = 0;
+  for (int d = 0; d < t->ndim; ++d) {
+    if (t->sizes[d] <= 1) continue;
+    int i = k++;
+    for (; i > 0 && st[i - 1] > t->strides[d]; --i) { /* insertion by stride */
+      st[i] = st[i - 1];
+      n[i] = n[i - 1];
+    }
+    st[i] = t->strides[d];
+    n[i] = t->sizes[d];
+  }
+  int64_t reach = 0;
+  for (int i = 0; i < k; ++i) {
+    if (st[i] <= reach) return 1;
+    reach += st[i] * (n[i] - 1);
+  }
+  return 0;
+}
+
 /* The decode kernels' one check of a KV-cache call (decode_cpu.h) for a device's kernel (CPU or CUDA):
  * shapes, dtypes, devices and options, everything but the values of the index tensors, which the
  * kernels check where they read them.  A direct call of the kvcache_fwd op reaches the kernels with
@@ -406,13 +430,19 @@ ab_status ab_kvcache_params_check(const ab_kvcache_params* p, ab_device_type dev
     /* an expanded cache (a zero stride over several rows, positions or heads) is one memory for many
      * positions: a write there would land in all of them, so it is refused as torch refuses such writes */
     const ab_tensor* caches[2] = {&p->k_cache, &p->v_cache};
-    for (int c = 0; c < 2 && p->k_new.sizes[1] > 0; ++c)
+    for (int c = 0; c < 2 && p->k_new.sizes[1] > 0; ++c) {
       for (int d = 0; d < 3; ++d)
         if (caches[c]->strides[d] == 0 && caches[c]->sizes[d] > 1)
           return ab_error_set(err, AB_ERR_INVALID,
                               "%s is written in place (k and v are given) but has a zero stride in dim %d: an "
                               "expanded view, whose positions share memory; pass a cache that owns its memory",
                               c ? "v_cache" : "k_cache", d);
+      if (overlaps_itself(caches[c]))
+        return ab_error_set(err, AB_ERR_INVALID,
+                            "%s is written in place (k and v are given) but its strides make positions share "
+                            "memory (an overlapping view); pass a cache that owns its memory",
+                            c ? "v_cache" : "k_cache");
+    }
   }
   if ((p->rotary_cos.ndim > 0) != (p->rotary_sin.ndim > 0))
     return ab_error_set(err, AB_ERR_INVALID, "rotary_cos and rotary_sin must be given together");

@@ -818,6 +818,56 @@ def test_the_op_refuses_to_write_an_expanded_cache(gen):
     assert out.shape == call.q.shape
 
 
+@pytest.mark.parametrize("backend", ["auto", "paged_attention", "flash", "math"])
+@pytest.mark.parametrize("step", [-1, 1])
+def test_new_rows_that_are_a_view_of_the_cache(backend, step):
+    # tokens moved within a cache (a speculative rollback): new k, v that are views of cache positions next
+    # to the ones written.  Row by row, the kernel overwrote a row before reading it ([12, 12] for [12, 16]);
+    # math raised torch's "single memory location" error after k_cache was written.  Now as if copied first.
+    kc = torch.arange(64.).view(1, 8, 2, 4)
+    vc = -torch.arange(64.).view(1, 8, 2, 4)
+    at, src = 4, 4 + step
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k[:, at:at + 2], want_v[:, at:at + 2] = kc[:, src:src + 2], vc[:, src:src + 2]
+    q = torch.randn(1, 1, 2, 4)
+    with torch.no_grad():
+        out = ab.attention_with_kvcache(q, kc, vc, kc[:, src:src + 2], vc[:, src:src + 2], cache_seqlens=at,
+                                        backend=backend)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    check_2x("out", out, _ref64(q, want_k[:, :at + 2], want_v[:, :at + 2]),
+             _sdpa_bshd(q, want_k[:, :at + 2], want_v[:, :at + 2]), 2, torch.float32)
+    # the op called directly (the kernel's own copy): k from the positions before, v from the ones written
+    kc2, vc2 = kc.clone(), vc.clone()
+    torch.ops.attn_backends.kvcache_fwd(q, kc2, vc2, kc2[:, 5:7], kc2[:, 6:8], None, None, None, 6, None, None,
+                                        None, None, 0.5, False, -1, -1, 0.0, True, 0)
+    assert torch.equal(kc2[:, 6:8], kc[:, 5:7]) and torch.equal(vc2[:, 6:8], kc[:, 6:8])
+
+
+@pytest.mark.parametrize("backend", ["auto", "math"])
+def test_an_overlapping_cache_is_not_written(backend):
+    # strides that make positions share memory (not only a zero stride): the backends wrote different
+    # contents; refused now, nothing written
+    mem = torch.zeros(64)
+    kc = mem.as_strided((1, 8, 2, 4), (32, 4, 1, 1))
+    vc = torch.zeros(1, 8, 2, 4)
+    with pytest.raises(ValueError, match="k_cache is written in place .* overlapping view"):
+        with torch.no_grad():
+            ab.attention_with_kvcache(torch.randn(1, 1, 2, 4), kc, vc, torch.ones(1, 1, 2, 4), torch.ones(1, 1, 2, 4),
+                                      cache_seqlens=2, backend=backend)
+    assert not mem.any() and not vc.any()
+    with pytest.raises(RuntimeError, match="k_cache is written in place .* overlapping view"):
+        torch.ops.attn_backends.kvcache_fwd(torch.randn(1, 1, 2, 4), kc, vc, torch.ones(1, 1, 2, 4),
+                                            torch.ones(1, 1, 2, 4), None, None, None, 2, None, None, None, None, 0.5,
+                                            False, -1, -1, 0.0, True, 0)
+    assert not mem.any()
+    # a packed kv cache (k and v interleaved in one tensor) does not overlap itself
+    kv = torch.zeros(1, 8, 2, 2, 4)
+    with torch.no_grad():
+        ab.attention_with_kvcache(torch.randn(1, 1, 2, 4), kv[:, :, 0], kv[:, :, 1], torch.ones(1, 1, 2, 4),
+                                  torch.full((1, 1, 2, 4), 2.0), cache_seqlens=2, backend=backend)
+    assert kv[0, 2, 0].eq(1).all() and kv[0, 2, 1].eq(2).all()
+
+
 DIRECT_CASES = CASES + [
     KV(B=3, Sq=1, Hq=8, Hkv=2, D=64, S=120, block=16, dtype=torch.float16),
     KV(B=2, Sq=2, Hq=4, Hkv=2, D=48, S=64, batch_idx=True, causal=True, softcap=3.0),
@@ -1540,6 +1590,41 @@ def test_a_call_that_needs_a_gradient_raises(gen):
         ab.attention_with_kvcache(q.requires_grad_(), kc, vc)
     with torch.no_grad():
         ab.attention_with_kvcache(q, kc, vc)
+
+
+@pytest.mark.parametrize("backend", ["auto", "math"])
+@pytest.mark.parametrize("which", ["rotary_cos", "rotary_sin", "alibi_slopes"])
+def test_rotary_tables_or_slopes_that_need_a_gradient_raise(backend, which):
+    # the no-backward check looked at q, the caches, k, v and sinks only: on math the cache write was
+    # recorded by autograd (k_cache then required grad and every later call raised), on auto the
+    # slopes' gradient was silently dropped
+    q, kc, vc = torch.randn(1, 1, 2, 8), torch.zeros(1, 8, 2, 8), torch.zeros(1, 8, 2, 8)
+    args = dict(rotary_cos=torch.ones(8, 4), rotary_sin=torch.zeros(8, 4), alibi_slopes=torch.ones(2))
+    args[which].requires_grad_()
+    for _ in range(2):  # the second call on the C fast path, where the first armed it
+        with pytest.raises(RuntimeError, match="no backward"):
+            ab.attention_with_kvcache(q, kc, vc, torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8), cache_seqlens=0,
+                                      backend=backend, **args)
+        assert not kc.any() and not kc.requires_grad and kc.grad_fn is None
+        args[which] = args[which].detach()
+        with torch.no_grad():
+            ab.attention_with_kvcache(q, kc.zero_(), vc, torch.randn(1, 1, 2, 8), torch.randn(1, 1, 2, 8),
+                                      cache_seqlens=0, backend=backend, **args)
+        kc.zero_()
+        args[which].requires_grad_()
+
+
+@pytest.mark.parametrize("backend", ["auto", "math"])
+def test_ints_past_the_float_and_int64_ranges_name_their_argument(backend):
+    # cache_seqlens = 2**63 raised OverflowError on the kernel's paths, softcap or softmax_scale = 10**400
+    # on every backend: neither named the argument
+    q, kc, vc = _tiny()
+    with pytest.raises(ValueError, match=r"cache_seqlens = 9223372036854775808 is outside the cache"):
+        ab.attention_with_kvcache(q, kc, vc, cache_seqlens=2**63, backend=backend)
+    with pytest.raises(ValueError, match="softcap must be >= 0 and finite"):
+        ab.attention_with_kvcache(q, kc, vc, softcap=10**400, backend=backend)
+    with pytest.raises(ValueError, match="softmax_scale must be finite"):
+        ab.attention_with_kvcache(q, kc, vc, softmax_scale=10**400, backend=backend)
 
 
 # ---- the example -------------------------------------------------------------------------------

@@ -413,6 +413,57 @@ static void copy_row(char* dst, const char* src, int64_t n, int64_t st, size_t e
   for (int64_t d = 0; d < n; ++d) memcpy(dst + (size_t)d * es, src + (size_t)(d * st) * es, es);
 }
 
+/* The bytes a view spans, [*lo, *hi); 0 for a view without elements. */
+static int byte_span(const ab_tensor* t, const char** lo, const char** hi) {
+  int64_t far = 0;
+  for (int d = 0; d < t->ndim; ++d) {
+    if (t->sizes[d] == 0) return 0;
+    far += t->strides[d] * (t->sizes[d] - 1);
+  }
+  *lo = (const char*)t->data;
+  *hi = *lo + (size_t)(far + 1) * ab_dtype_size(t->dtype);
+  return 1;
+}
+
+static int spans_meet(const ab_tensor* a, const ab_tensor* b) {
+  const char *a0, *a1, *b0, *b1;
+  return byte_span(a, &a0, &a1) && byte_span(b, &b0, &b1) && a0 < b1 && b0 < a1;
+}
+
+/* Whether the new k or v shares bytes with a cache (a view of it). */
+static int new_rows_meet_caches(const ab_kvcache_params* p) {
+  return spans_meet(&p->k_new, &p->k_cache) || spans_meet(&p->k_new, &p->v_cache) ||
+         spans_meet(&p->v_new, &p->k_cache) || spans_meet(&p->v_new, &p->v_cache);
+}
+
+/* *out as *p with the new k and v copied to one malloc'd block (contiguous, bit for bit); returns the
+ * block for the caller to free, NULL when out of memory. */
+static void* stage_new_rows(const ab_kvcache_params* p, ab_kvcache_params* out) {
+  *out = *p;
+  const size_t es = ab_dtype_size(p->k_new.dtype);
+  const int64_t n = p->k_new.sizes[0] * p->k_new.sizes[1] * p->k_new.sizes[2] * p->k_new.sizes[3];
+  char* block = (char*)malloc((size_t)(2 * n > 0 ? 2 * n : 1) * es);
+  if (!block) return NULL;
+  ab_tensor* dst[2] = {&out->k_new, &out->v_new};
+  for (int i = 0; i < 2; ++i) {
+    const ab_tensor src = *dst[i];
+    char* base = block + (size_t)(i * n) * es;
+    const int64_t* sz = src.sizes;
+    int64_t at = 0;
+    for (int64_t b = 0; b < sz[0]; ++b)
+      for (int64_t t = 0; t < sz[1]; ++t)
+        for (int64_t h = 0; h < sz[2]; ++h, at += sz[3])
+          copy_row(base + (size_t)at * es, (const char*)src.data + (size_t)ab_off4(&src, b, t, h, 0) * es, sz[3],
+                   src.strides[3], es);
+    dst[i]->data = base;
+    dst[i]->strides[3] = 1;
+    dst[i]->strides[2] = sz[3];
+    dst[i]->strides[1] = sz[2] * sz[3];
+    dst[i]->strides[0] = sz[1] * sz[2] * sz[3];
+  }
+  return block;
+}
+
 /* The new keys (rotated) and values into the cache, at cache_seqlens[b] + t.  Values and unrotated
  * keys are copied bit for bit. */
 static void append(const ab_kvcache_params* p, float* row) {
@@ -645,8 +696,17 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
     sink[h] = p->sinks.ndim ? (float)ab_load_scalar(p->sinks.data, p->sinks.dtype, h * p->sinks.strides[0])
                             : -INFINITY;
 
+  /* new rows that are a view of a cache (tokens moved within it: a speculative rollback) are read before
+   * any is written, as if copied first: row by row, a write landed on a row still to be read */
+  ab_kvcache_params staged_p;
+  void* staged = NULL;
+  if (p->k_new.ndim && new_rows_meet_caches(p)) {
+    staged = stage_new_rows(p, &staged_p);
+    if (!staged) return ab_error_set(err, AB_ERR_NOMEM, "out of memory while copying the new k and v");
+  }
   /* checks passed: from here on the cache changes */
-  append(p, scratch_row);
+  append(staged ? &staged_p : p, scratch_row);
+  free(staged);
   if (p->B == 0 || p->Sq == 0 || p->Hq == 0) return AB_OK;
   const int qexp = bf ? ab_bf16_scale_exp(p->scale) : 0;
   /* a q the bfloat16 products would lose part of goes to the float32 products (same workspace: its dpad,
