@@ -289,15 +289,17 @@ def flash_attn_with_kvcache(
     backend: Optional[str] = "auto",
 ):
     """flash-attn's ``flash_attn_with_kvcache``: ``ab.attention_with_kvcache`` with flash-attn's
-    positional order (docs/decode.md)."""
+    positional order (docs/decode.md).  As flash-attn's, it has no backward and runs without a graph
+    whatever its inputs require (ab.attention_with_kvcache raises for a call that needs a gradient)."""
     from . import attention_with_kvcache
 
-    return attention_with_kvcache(
-        q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
-        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
-        softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-        rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
-        return_softmax_lse=return_softmax_lse, backend=backend, sinks=s_aux)
+    with torch.no_grad():
+        return attention_with_kvcache(
+            q, k_cache, v_cache, k, v, rotary_cos=rotary_cos, rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+            cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table,
+            softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+            rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes, num_splits=num_splits,
+            return_softmax_lse=return_softmax_lse, backend=backend, sinks=s_aux)
 
 
 # ---- the packed forms: views of the packed tensor, so gradients reach it ----------------------

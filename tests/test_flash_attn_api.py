@@ -273,6 +273,22 @@ def test_with_kvcache_is_attention_with_kvcache_in_flash_attn_order():
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the same writes into the caches
 
 
+def test_with_kvcache_runs_without_a_graph_as_flash_attn_does():
+    # flash-attn's has no backward and runs whatever its inputs require; ours raised "no backward" for a
+    # decode loop outside torch.no_grad() (q from a Linear that requires grad)
+    g = torch.Generator().manual_seed(3)
+    proj = torch.nn.Linear(64, 64)
+    q = proj(torch.randn(2, 1, 64, generator=g)).view(2, 1, 4, 16)
+    kc, vc = torch.zeros(2, 32, 2, 16), torch.zeros(2, 32, 2, 16)
+    k, v = torch.randn(2, 1, 2, 16, generator=g), torch.randn(2, 1, 2, 16, generator=g)
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = fa.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=3, causal=True)
+    assert not out.requires_grad and not kc.requires_grad
+    with torch.no_grad():
+        want = ab.attention_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=3, causal=True)
+    assert torch.equal(out, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
 # ---- transformers' flash path on these functions ----------------------------------------------
 
 def _tiny_llama(transformers):
