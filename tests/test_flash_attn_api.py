@@ -252,6 +252,29 @@ def test_varlen_reads_a_paged_cache_through_block_table(block):
         fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 9, block_table=table_k)
 
 
+@pytest.mark.parametrize("spare", ["q", "k", "both"])
+def test_varlen_takes_rows_past_the_last_sequence(spare, gen):
+    # a fixed-size buffer (static shapes): flash-attn takes rows past cu_seqlens[-1] and leaves their output
+    # unspecified; ours refused it ("cu_seqlens_q[-1] = 9 must equal the number of packed rows, 16")
+    q, k, v, cu_q, cu_k = make_packed([4, 5], [6, 3], 4, 2, 16, 16, torch.float32, generator=gen)
+    extra_q, extra_k = (7 if spare != "k" else 0), (5 if spare != "q" else 0)
+    qp = torch.cat([q, torch.randn(extra_q, 4, 16, generator=gen)]).requires_grad_()
+    kp, vp = (torch.cat([t, torch.randn(extra_k, 2, 16, generator=gen)]).requires_grad_() for t in (k, v))
+    out, lse, _ = fa.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 5, 6, causal=True, return_attn_probs=True)
+    want, want_lse, _ = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 6, causal=True, return_attn_probs=True)
+    assert out.shape == qp.shape and lse.shape == (4, qp.shape[0])
+    assert torch.equal(out[:9], want) and torch.equal(lse[:, :9], want_lse)
+    assert not out[9:].any() and bool((lse[:, 9:] == float("-inf")).all())
+    dq, dk, dv = torch.autograd.grad(out.square().sum(), (qp, kp, vp))
+    q2, k2, v2 = (t.clone().requires_grad_() for t in (q, k, v))
+    wq, wk, wv = torch.autograd.grad(fa.flash_attn_varlen_func(q2, k2, v2, cu_q, cu_k, 5, 6, causal=True).square().sum(),
+                                     (q2, k2, v2))
+    assert torch.equal(dq[:9], wq) and torch.equal(dk[:9], wk) and torch.equal(dv[:9], wv)
+    assert not dq[9:].any() and not dk[9:].any() and not dv[9:].any()
+    with pytest.raises(ValueError, match="cu_seqlens_q"):  # fewer rows than the sequences need: still refused
+        fa.flash_attn_varlen_func(q[:8], k, v, cu_q, cu_k, 5, 6, causal=True)
+
+
 # ---- flash_attn_with_kvcache ------------------------------------------------------------------
 
 def test_with_kvcache_is_attention_with_kvcache_in_flash_attn_order():
@@ -558,8 +581,9 @@ def test_every_path_checks_its_arguments_as_the_packed_path_does():
     q, k, v, cu_q, cu_k = make_packed([2, 4], [3, 5], 2, 2, 8, 8, torch.float32, generator=g)
     # the non-causal window with Sq != Sk goes sequence by sequence: the same checks first
     for kw in ({"window_size": (1, 1)}, {}):
-        with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 4 must equal the number of packed rows, 6"):
-            fa.flash_attn_varlen_func(q, k, v, torch.tensor([0, 2, 4], dtype=torch.int32), cu_k, 4, 5, **kw)
+        # (fewer: spare rows, which flash-attn takes; test_varlen_takes_rows_past_the_last_sequence)
+        with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] = 8 must equal the number of packed rows, 6"):
+            fa.flash_attn_varlen_func(q, k, v, torch.tensor([0, 2, 8], dtype=torch.int32), cu_k, 6, 5, **kw)
         with pytest.raises(ValueError, match="must be non-decreasing"):
             fa.flash_attn_varlen_func(q, k, v, torch.tensor([0, 5, 4, 6], dtype=torch.int32),
                                       torch.tensor([0, 3, 5, 8], dtype=torch.int32), 5, 5, **kw)
