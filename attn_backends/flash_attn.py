@@ -257,6 +257,12 @@ def flash_attn_varlen_func(
         return out, lse, None
     opts, (wl, wr), causal = _options(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                                       deterministic, s_aux, backend)
+    if _is_compiling() and (block_table is not None or not causal and (wl >= 0 or wr >= 0)):
+        # these read cu_seqlens on the host (the pages, the lengths sequence by sequence): traced, inductor
+        # failed to compile them (NameError in its generated code); they run eagerly, a graph break
+        return _eager_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                             softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                             return_attn_probs, block_table, s_aux=s_aux, backend=backend)
     if block_table is not None:
         lens_k = _check_pages(k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               q.shape[0] if isinstance(q, torch.Tensor) and q.dim() else 0)
@@ -276,6 +282,11 @@ def flash_attn_varlen_func(
         opts["window"] = (wl, wr)
     res = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, return_lse=want, **opts)
     return (res[0], res[1], None) if want else res
+
+
+@torch.compiler.disable
+def _eager_varlen(*args, **kwargs):
+    return flash_attn_varlen_func(*args, **kwargs)
 
 
 def _varlen_by_sequence(attention, q, k, v, cq, ck, window, want, opts):

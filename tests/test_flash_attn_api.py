@@ -275,6 +275,21 @@ def test_varlen_takes_rows_past_the_last_sequence(spare, gen):
         fa.flash_attn_varlen_func(q[:8], k, v, cu_q, cu_k, 5, 6, causal=True)
 
 
+def test_varlen_paths_that_read_the_lengths_compile_with_inductor():
+    # a paged call, and a window without causal where a sequence's query and key lengths differ, read
+    # cu_seqlens on the host: inductor failed on them ("NameError: name 's25' is not defined" in its code)
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(9, 4, 16, generator=g), torch.randn(12, 2, 16, generator=g), torch.randn(12, 2, 16, generator=g)
+    cu_q, cu_k = torch.tensor([0, 4, 9], dtype=torch.int32), torch.tensor([0, 5, 12], dtype=torch.int32)
+    window = torch.compile(lambda *a: fa.flash_attn_varlen_func(*a, cu_q, cu_k, 5, 7, window_size=(2, 2)))
+    assert torch.equal(window(q, k, v), fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 7, window_size=(2, 2)))
+    kc, table = paged(k, cu_k, 4, torch.Generator().manual_seed(1))
+    vc, _ = paged(v, cu_k, 4, torch.Generator().manual_seed(1))
+    pages = torch.compile(lambda *a: fa.flash_attn_varlen_func(*a, cu_q, cu_k, 5, 7, causal=True, block_table=table))
+    assert torch.equal(pages(q, kc, vc), fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 7, causal=True))
+
+
 # ---- flash_attn_with_kvcache ------------------------------------------------------------------
 
 def test_with_kvcache_is_attention_with_kvcache_in_flash_attn_order():
