@@ -262,6 +262,8 @@ def main(argv=None):
                     help="after training, write this many characters through a paged KV cache")
     ap.add_argument("--prompt", default="attention ", help="what --generate starts from")
     args = ap.parse_args(argv)
+    if args.generate < 0:
+        ap.error(f"--generate takes a number of characters, 0 or more, got {args.generate}")
     if args.context_parallel > 1:
         if args.dropout > 0:
             ap.error("--dropout is not supported with --context_parallel (docs/distributed.md)")

@@ -99,6 +99,14 @@ def test_example_help_shows_the_whole_description(example, capsys):
     assert "--attn_implementation flash_attention_2 --steps 50" in out
 
 
+def test_example_refuses_a_negative_generate(example, capsys):
+    # it printed "-5 tokens in 0.67s (-7 tokens/s)"
+    with pytest.raises(SystemExit) as exit_:
+        example.main(["--generate", "-5"])
+    assert exit_.value.code == 2
+    assert "--generate takes a number of characters, 0 or more, got -5" in capsys.readouterr().err
+
+
 def test_banner_shows_the_name_as_typed_its_resolution_and_what_runs(example, capsys):
     out = run_example(example, capsys, TINY + ["--attn_implementation", "flash_attention_2"])
     banner = out.splitlines()[0]
