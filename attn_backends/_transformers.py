@@ -480,21 +480,30 @@ def _target_dtype_without_linear_layers() -> None:
         import transformers.integrations.flash_attention as fa_mod
     except ImportError:
         return
-    original = getattr(fa_mod, "get_target_dtype", None)
+
+    def wrap(original):
+        def get_target_dtype(query, module):
+            try:
+                return original(query, module)
+            except StopIteration:
+                if not _ours(module):
+                    raise
+                return next((t.dtype for t in module.parameters() if t.is_floating_point()), None)
+        return get_target_dtype
+
+    _wrap_once(fa_mod, "get_target_dtype", wrap)
+
+
+def _wrap_once(owner, name, wrap) -> None:
+    """owner.name replaced by wrap(original), once (the wrapper is marked, __wrapped__ keeps the original);
+    nothing where this transformers release has no such attribute."""
+    original = getattr(owner, name, None)
     if original is None or getattr(original, "_attn_backends", False):
         return
-
-    def get_target_dtype(query, module):
-        try:
-            return original(query, module)
-        except StopIteration:
-            if not _ours(module):
-                raise
-            return next((t.dtype for t in module.parameters() if t.is_floating_point()), None)
-
-    get_target_dtype._attn_backends = True
-    get_target_dtype.__wrapped__ = original
-    fa_mod.get_target_dtype = get_target_dtype
+    wrapper = wrap(original)
+    wrapper._attn_backends = True
+    wrapper.__wrapped__ = original
+    setattr(owner, name, wrapper)
 
 
 def _supports_flash(model) -> bool:
@@ -514,32 +523,28 @@ def _let_continuous_batching_take_our_names() -> None:
         from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
     except ImportError:
         return
-    switch = getattr(ContinuousBatchingManager, "switch_to_cb_friendly_attn", None)
-    if switch is None or getattr(switch, "_attn_backends", False):
-        return
 
-    def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
-        given = getattr(model.config, "_attn_implementation", None)
-        canonical = _BY_HF_NAME.get(given) if isinstance(given, str) else None
-        if canonical is None:
-            return switch(self, model, *args, **kwargs)
-        from ._planner import default_backend
+    def wrap(switch):
+        def switch_to_cb_friendly_attn(self, model, *args, **kwargs):
+            given = getattr(model.config, "_attn_implementation", None)
+            if not isinstance(given, str) or _BY_HF_NAME.get(given) is None:
+                return switch(self, model, *args, **kwargs)
+            from ._planner import default_backend
 
-        target = FLASH_API if _supports_flash(model) else "paged|eager"
-        runs = f"on the default backend {default_backend()!r}" if target == FLASH_API else "on transformers' eager"
-        logger.warning("attn_backends: continuous batching takes %r as %r (its paged cache takes flash "
-                       "implementations, 'sdpa' and 'paged|eager' only); attention runs %s", given, target, runs)
-        model.set_attn_implementation(target)
-        try:
-            switch(self, model, *args, **kwargs)
-        except BaseException:
-            model.set_attn_implementation(given)
-            raise
-        self._original_attn_impl = given  # restored when the manager stops
+            target = FLASH_API if _supports_flash(model) else "paged|eager"
+            runs = f"on the default backend {default_backend()!r}" if target == FLASH_API else "on transformers' eager"
+            logger.warning("attn_backends: continuous batching takes %r as %r (its paged cache takes flash "
+                           "implementations, 'sdpa' and 'paged|eager' only); attention runs %s", given, target, runs)
+            model.set_attn_implementation(target)
+            try:
+                switch(self, model, *args, **kwargs)
+            except BaseException:
+                model.set_attn_implementation(given)
+                raise
+            self._original_attn_impl = given  # restored when the manager stops
+        return switch_to_cb_friendly_attn
 
-    switch_to_cb_friendly_attn._attn_backends = True
-    switch_to_cb_friendly_attn.__wrapped__ = switch
-    ContinuousBatchingManager.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn
+    _wrap_once(ContinuousBatchingManager, "switch_to_cb_friendly_attn", wrap)
 
 
 def _generic_flash_kernels(fau) -> set:
