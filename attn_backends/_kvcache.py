@@ -128,8 +128,8 @@ def _byte_span(t: torch.Tensor) -> tuple:
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a and b are views of one storage whose byte ranges meet (not read while tracing)."""
-    if _is_compiling() or a.numel() == 0 or b.numel() == 0 or a._is_zerotensor() or b._is_zerotensor():
+    """Whether a and b are views of one storage whose byte ranges meet (eager only)."""
+    if a.numel() == 0 or b.numel() == 0 or a._is_zerotensor() or b._is_zerotensor():
         return False  # a zero tensor has no memory
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return False
@@ -216,7 +216,9 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
                                  "memory")
         # new rows that are a view of a cache (tokens moved within it: a speculative rollback) are read
         # before any is written, as if copied first (row by row, a write landed on a row still to be read)
-        k, v = (t.clone() if _shares_memory(t, k_cache) or _shares_memory(t, v_cache) else t for t in (k, v))
+        # (while tracing, the memory cannot be asked about: both are copied, a few rows)
+        k, v = (t.clone() if _is_compiling() or _shares_memory(t, k_cache) or _shares_memory(t, v_cache) else t
+                for t in (k, v))
     seqlens, seqlen = None, -1
     if cache_seqlens is None:
         if k is not None:

@@ -184,15 +184,17 @@ def _gather_pages(cache: torch.Tensor, block_table: torch.Tensor, lens: torch.Te
     return cache.reshape(nb * bs, *cache.shape[2:])[idx.to(cache.device)]
 
 
-def _spare_rows(q, k, cu_q, cu_k, paged):
+def _spare_rows(q, k, v, cu_q, cu_k, paged):
     """(rows of q, rows of k) the sequences use, where q (or k, unpaged) holds rows past the last sequence
     (cu_seqlens[-1] below its length: flash-attn takes such a buffer); None otherwise, or where the
     arguments are for the checks to refuse.  Not read while tracing."""
     if _is_compiling() or not all(isinstance(t, torch.Tensor) for t in (q, k, cu_q, cu_k)):
         return None
     if q.dim() != 3 or any(c.dim() != 1 or not c.numel() or c.dtype not in (torch.int32, torch.int64)
-                           for c in (cu_q, cu_k)):
+                           or c.device.type == "meta" for c in (cu_q, cu_k)):
         return None
+    if not paged and (not isinstance(v, torch.Tensor) or v.shape[:1] != k.shape[:1]):
+        return None  # k and v of different lengths: the checks' error
     nq, nk = int(cu_q[-1]), int(cu_k[-1])
     tk = k.shape[0] if not paged and k.dim() == 3 else None
     if nq < 0 or nq > q.shape[0] or tk is not None and (nk < 0 or nk > tk):
@@ -239,7 +241,7 @@ def flash_attn_varlen_func(
         if res is not None:
             return (res[0], res[1], None) if return_attn_probs else res
 
-    spare = _spare_rows(q, k, cu_seqlens_q, cu_seqlens_k, block_table is not None)
+    spare = _spare_rows(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table is not None)
     if spare is not None:
         # rows past the last sequence (a fixed-size buffer): flash-attn takes them and leaves their output
         # unspecified; here the call runs on the used rows, and the spare ones get out 0, lse -inf

@@ -273,6 +273,10 @@ def test_varlen_takes_rows_past_the_last_sequence(spare, gen):
     assert not dq[9:].any() and not dk[9:].any() and not dv[9:].any()
     with pytest.raises(ValueError, match="cu_seqlens_q"):  # fewer rows than the sequences need: still refused
         fa.flash_attn_varlen_func(q[:8], k, v, cu_q, cu_k, 5, 6, causal=True)
+    with pytest.raises(ValueError, match="k and v must have the same number of rows"):  # spare rows in k alone
+        fa.flash_attn_varlen_func(q, torch.cat([k, k[:2]]), v, cu_q, cu_k, 5, 6, causal=True)
+    with pytest.raises(ValueError, match="cu_seqlens_q must be on the CPU or on q's device"):
+        fa.flash_attn_varlen_func(qp, kp, vp, cu_q.to("meta"), cu_k, 5, 6, causal=True)
 
 
 def test_varlen_paths_that_read_the_lengths_compile_with_inductor():
