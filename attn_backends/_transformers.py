@@ -80,7 +80,7 @@ def batching_backend(backend):
     canonical name of ours after "paged|" ("paged|math": math), else "auto" (transformers' own names and
     FLASH_API: the planner's choice); None for any other name.  ValueError where the rest is no name we
     take."""
-    if backend in (FLASH_API, _PAGED + FLASH_API):
+    if backend in FLASH_API_NAMES:
         return "auto"
     if not (isinstance(backend, str) and backend[:len(_PAGED)].lower() == _PAGED):
         return None
@@ -422,6 +422,7 @@ def _varlen_mask(**kwargs):
 # its continuous batching treats the model as flash ("...flash...2": its decode fast path through
 # flash_attn_with_kvcache and a block table, which transformers enables on CUDA and XPU only).
 FLASH_API = "attn_backends_flash_attention_2"
+FLASH_API_NAMES = (FLASH_API, _PAGED + FLASH_API)  # the name, and as releases that keep "paged|" spell it
 
 
 def _flash_api_functions(fau):
@@ -440,21 +441,20 @@ def _register_flash_api(AttentionInterface, AttentionMaskInterface) -> bool:
         from transformers.integrations.flash_attention import flash_attention_forward
         from transformers.masking_utils import flash_attention_mask
 
-        loader = fau._lazy_imports
-        fau._pad_input, fau._unpad_input  # noqa: B018 (present, or this release differs)
+        fau._lazy_imports, fau._pad_input, fau._unpad_input  # noqa: B018 (present, or this release differs)
     except (ImportError, AttributeError) as e:
         logger.warning("attn_backends: %r is not registered: this transformers release differs from the one "
                        "it was written for (%s)", FLASH_API, e)
         return False
-    if not getattr(loader, "_attn_backends", False):
+
+    def wrap(loader):
         def _lazy_imports(implementation, *args, **kwargs):
-            if implementation in (FLASH_API, "paged|" + FLASH_API):
+            if implementation in FLASH_API_NAMES:
                 return _flash_api_functions(fau)
             return loader(implementation, *args, **kwargs)
+        return _lazy_imports
 
-        _lazy_imports._attn_backends = True
-        _lazy_imports.__wrapped__ = loader
-        fau._lazy_imports = _lazy_imports
+    _wrap_once(fau, "_lazy_imports", wrap)
     AttentionInterface.register(FLASH_API, flash_attention_forward)
     AttentionMaskInterface.register(FLASH_API, flash_attention_mask)
     _target_dtype_without_linear_layers()
@@ -468,7 +468,7 @@ def _register_flash_api(AttentionInterface, AttentionMaskInterface) -> bool:
 
 
 def _ours(module) -> bool:
-    return getattr(getattr(module, "config", None), "_attn_implementation", None) in (FLASH_API, "paged|" + FLASH_API)
+    return getattr(getattr(module, "config", None), "_attn_implementation", None) in FLASH_API_NAMES
 
 
 def _target_dtype_without_linear_layers() -> None:
@@ -568,38 +568,37 @@ def _let_models_with_flash_lists_take_flash_api(fau) -> None:
         from transformers.modeling_utils import PreTrainedModel
     except ImportError:
         return
-    check = PreTrainedModel._check_and_adjust_attn_implementation
-    if getattr(check, "_attn_backends", False):
-        return
-    generic = _generic_flash_kernels(fau)
 
-    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
-        if attn_implementation in (FLASH_API, "paged|" + FLASH_API) and not _supports_flash(self):
-            # transformers' own check for flash_attention_N (_flash_attn_can_dispatch) reads the name with a
-            # regex that FLASH_API does not match: its flash path would silently drop what such a model needs
-            # (T5's position_bias, Gemma 3's bidirectional image blocks, Llama 4's chunks)
-            raise ValueError(f"{type(self).__name__} does not support Flash Attention, so it cannot use "
-                             f"{FLASH_API!r} (transformers' flash path); use 'attn_backends_fa' or 'attn_backends' "
-                             "(continuous batching then runs transformers' own 'paged|eager')")
-        listed = getattr(self, "_compatible_flash_implementations", None)
-        if (attn_implementation not in (FLASH_API, "paged|" + FLASH_API) or not listed
-                or FLASH_API in listed or not generic.intersection(listed)):
-            return check(self, attn_implementation, *args, **kwargs)
-        had, old = "_compatible_flash_implementations" in self.__dict__, self.__dict__.get(
-            "_compatible_flash_implementations")
-        self.__dict__["_compatible_flash_implementations"] = [*listed, FLASH_API]
-        try:
-            return check(self, attn_implementation, *args, **kwargs)
-        finally:
-            if had:
-                self.__dict__["_compatible_flash_implementations"] = old
-            else:
-                del self.__dict__["_compatible_flash_implementations"]
+    def wrap(check):
+        generic = _generic_flash_kernels(fau)
 
-    _check_and_adjust_attn_implementation._attn_backends = True
-    _check_and_adjust_attn_implementation.__wrapped__ = check
-    _check_and_adjust_attn_implementation.__doc__ = check.__doc__
-    PreTrainedModel._check_and_adjust_attn_implementation = _check_and_adjust_attn_implementation
+        def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+            if attn_implementation in FLASH_API_NAMES and not _supports_flash(self):
+                # transformers' own check for flash_attention_N (_flash_attn_can_dispatch) reads the name with a
+                # regex that FLASH_API does not match: its flash path would silently drop what such a model needs
+                # (T5's position_bias, Gemma 3's bidirectional image blocks, Llama 4's chunks)
+                raise ValueError(f"{type(self).__name__} does not support Flash Attention, so it cannot use "
+                                 f"{FLASH_API!r} (transformers' flash path); use 'attn_backends_fa' or "
+                                 "'attn_backends' (continuous batching then runs transformers' own 'paged|eager')")
+            listed = getattr(self, "_compatible_flash_implementations", None)
+            if (attn_implementation not in FLASH_API_NAMES or not listed
+                    or FLASH_API in listed or not generic.intersection(listed)):
+                return check(self, attn_implementation, *args, **kwargs)
+            had, old = "_compatible_flash_implementations" in self.__dict__, self.__dict__.get(
+                "_compatible_flash_implementations")
+            self.__dict__["_compatible_flash_implementations"] = [*listed, FLASH_API]
+            try:
+                return check(self, attn_implementation, *args, **kwargs)
+            finally:
+                if had:
+                    self.__dict__["_compatible_flash_implementations"] = old
+                else:
+                    del self.__dict__["_compatible_flash_implementations"]
+
+        _check_and_adjust_attn_implementation.__doc__ = check.__doc__
+        return _check_and_adjust_attn_implementation
+
+    _wrap_once(PreTrainedModel, "_check_and_adjust_attn_implementation", wrap)
 
 
 def register() -> dict:
