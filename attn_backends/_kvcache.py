@@ -277,7 +277,7 @@ def check(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cach
     cap = capacity(k_cache, block_table)
     wl, wr = (-1 if wl >= cap else wl), (-1 if wr >= cap else wr)
     snew = k.shape[1] if k is not None else 0
-    if seqlen > cap - snew:  # as the kernels word it; checked here, as past int64 it cannot reach them
+    if seqlen > cap - snew:  # an int's range, here only (past int64 it cannot reach the kernels); as they word it
         raise ValueError(f"cache_seqlens = {seqlen} is outside the cache: with {snew} new tokens it must be in "
                          f"[0, {cap - snew}]")
     softcap = _real("softcap", softcap, "a float")
@@ -530,12 +530,9 @@ def host_rows(c: KVCall) -> _Rows:
     qspan = Sq if per_token else min(Sq, 1)
     for b in range(B):
         n = seq[b]
-        if n < 0 or n + snew > cap:
-            if c.seqlens is not None:
-                raise ValueError(f"cache_seqlens[{b}] = {n} is outside the cache: with {snew} new tokens it must be "
-                                 f"in [0, {cap - snew}] (the cache holds {cap} positions per row)")
-            raise ValueError(f"cache_seqlens = {n} is outside the cache: with {snew} new tokens it must be in "
-                             f"[0, {cap - snew}]")
+        if n < 0 or n + snew > cap:  # a tensor's value (check() refused an int one)
+            raise ValueError(f"cache_seqlens[{b}] = {n} is outside the cache: with {snew} new tokens it must be "
+                             f"in [0, {cap - snew}] (the cache holds {cap} positions per row)")
         if not 0 <= lo[b] <= n:
             raise ValueError(f"cache_leftpad[{b}] = {lo[b]} must be in [0, cache_seqlens[{b}] = {n}]")
         if c.batch_idx is not None and not 0 <= row[b] < c.k_cache.shape[0]:
