@@ -239,7 +239,8 @@ def attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout
         return _eager_varlen(*call)  # dropout numbers rows by the longest sequence, which the trace does not know
     if _is_compiling() and (isinstance(max_q, torch.Tensor) or isinstance(max_k, torch.Tensor)):
         # a 0-d tensor bound has no value while tracing: read eagerly (with fullgraph=True dynamo captured it as
-        # an unbacked SymInt, which the op's `int max_seqlen_q` refused: BackendCompilerFailed)
+        # an unbacked SymInt, which the op's `int max_seqlen_q` refused: BackendCompilerFailed; the schema takes
+        # SymInt since, and without this graph break such a call traced whole in a trial, not yet adopted)
         return _eager_varlen(*call)
     args, sig = prepare_varlen(q, k, v, cu_q, cu_k, max_q, max_k, backend, causal, dropout_p, scale, window,
                                softcap, return_lse, deterministic, sinks, alibi_slopes)
