@@ -56,8 +56,9 @@ the table's order, or where a chunk jumps.
     python benchmarks/bench_decode.py --pool-layouts --json benchmarks/results/decode_pool_layouts.json
 
 --switch NAME times our kernel alone with one of its switches (ATTN_BACKENDS_DECODE_<NAME>, docs/environment.md)
-forced off and on in turn, in one process: over the decode shapes' caches, dense and as 16- and 256-key blocks
-under a shuffled table, and over one cache the L3 holds; on / off is the median of each round's ratio.
+forced off or on call by call, drawn at random, in one process: over the decode shapes' caches, dense and as 16-
+and 256-key blocks under a shuffled table, and over one cache the L3 holds; on / off is the ratio of the medians
+(200 calls per --rounds), with its spread over eight slices of the calls.
     python benchmarks/bench_decode.py --switch SCORES_BY_HEAD --json benchmarks/results/decode_switch.json
 
 --device cuda times our CUDA decode kernel (csrc/cuda/decode.cu, on by default since its H200 run and
@@ -77,6 +78,7 @@ import csv
 import json
 import os
 import platform
+import random
 import statistics
 import time
 
@@ -433,14 +435,50 @@ def pool_layouts_table(dtypes, rounds, shapes):
     return rows
 
 
+SWITCH_CALLS_PER_ROUND = 200  # --switch: calls per --rounds, both settings together
+SLICES = 8  # --switch: the calls cut into this many consecutive slices, each slice's ratio printed as a spread
+
+
+def shuffled_calls(cands, calls, before=None, seed=0):
+    """Seconds of each call of each candidate (name -> fn): `calls` calls in all, each one's candidate drawn at
+    random (before(name), untimed, first).  Rounds of a few dozen calls per candidate in a fixed order (the
+    other tables) let what drifts within a round, or follows a candidate's place in it, fall on one of them:
+    drawn call by call, both see the same machine (docs/benchmarks.md, "Switches timed call by call").  Every
+    candidate is warmed first, past the kernel's first timing (settle)."""
+    for name, fn in cands.items():
+        if before:
+            before(name)
+        fn()
+        settle(fn)
+    rng = random.Random(seed)
+    names = list(cands)
+    times = {n: [] for n in names}
+    for _ in range(calls):
+        name = rng.choice(names)
+        if before:
+            before(name)
+        t = time.perf_counter()
+        cands[name]()
+        times[name].append(time.perf_counter() - t)
+    return times
+
+
+def slice_ratios(a, b):
+    """The ratio of the medians of a and b over each of SLICES consecutive slices of the calls (in order)."""
+    return [statistics.median(a[i * len(a) // SLICES:(i + 1) * len(a) // SLICES])
+            / statistics.median(b[i * len(b) // SLICES:(i + 1) * len(b) // SLICES]) for i in range(SLICES)]
+
+
 def switch_table(switch, dtypes, rounds, shapes):
     """--switch NAME: our kernel over the decode shapes' caches (dense, and 16- and 256-key blocks shuffled; a new
     copy per call as in the main table) and over one cache the L3 holds (B=1 Hq=32 Hkv=8 Sk=1024, the same copy
-    every call), with ATTN_BACKENDS_DECODE_<NAME> forced to 0 and to 1 in turn, in one process; on / off is
-    the median of each round's ratio.  The two settings' bits are checked equal first."""
+    every call), with ATTN_BACKENDS_DECODE_<NAME> forced to 0 or to 1 call by call, drawn at random
+    (shuffled_calls), in one process; on / off is the ratio of the medians.  The two settings' bits are checked
+    equal first."""
     var = "ATTN_BACKENDS_DECODE_" + switch
-    print(f"one query token, ms per call with {var}=0 and =1; on / off: the median of each round's ratio")
-    print(f"{'shape':<24}  {'dtype':<8}  {'cache':<6}  {'off':>8}  {'on':>8}  {'on/off':>6}")
+    print(f"one query token, ms per call with {var}=0 and =1, the calls shuffled (shuffled_calls); on / off: the "
+          f"ratio of the medians, and its least and greatest over {SLICES} slices of the calls in their order")
+    print(f"{'shape':<24}  {'dtype':<8}  {'cache':<6}  {'off':>8}  {'on':>8}  {'on/off':>6}  slices")
     rows = []
     resident = ("B1 GQA 32/8 Sk1024 (L3)", 1, 32, 8, 1024)
     saved = os.environ.get(var)
@@ -457,7 +495,7 @@ def switch_table(switch, dtypes, rounds, shapes):
 
                     def caller(on, seq=seq, turn=turn):
                         def run():
-                            os.environ[var] = on
+                            os.environ[var] = on  # set again untimed by shuffled_calls
                             turn[0] += 1
                             k, v, table = seq[turn[0] % len(seq)]
                             return ab.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table,
@@ -470,13 +508,16 @@ def switch_table(switch, dtypes, rounds, shapes):
                         turn[0] = -1
                         outs.append(fn())
                     assert torch.equal(outs[0], outs[1]), f"{label} {cache}: the switch changed the bits"
-                    times = interleaved_rounds(cands, "off", rounds, 0.05, 1)
+                    times = shuffled_calls(cands, SWITCH_CALLS_PER_ROUND * rounds,
+                                           lambda name: os.environ.__setitem__(var, "1" if name == "on" else "0"))
                     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
-                    ratio = statistics.median(a / b for a, b in zip(times["on"], times["off"]))
+                    ratio = med["on"] / med["off"]
+                    spread = slice_ratios(times["on"], times["off"])
                     print(f"{label:<24}  {str(dtype)[6:]:<8}  {cache:<6}  {med['off']:8.3f}  {med['on']:8.3f}  "
-                          f"{ratio:6.3f}", flush=True)
+                          f"{ratio:6.3f}  {min(spread):.3f}-{max(spread):.3f}", flush=True)
                     rows.append(dict(shape=label, B=B, Hq=Hq, Hkv=Hkv, Sk=Sk, D=D, dtype=str(dtype)[6:], cache=cache,
-                                     off_ms=med["off"], on_ms=med["on"], on_over_off=ratio))
+                                     off_ms=med["off"], on_ms=med["on"], on_over_off=ratio,
+                                     on_over_off_slices=spread, calls=[len(times["off"]), len(times["on"])]))
                 del pools, dense
     finally:
         if saved is None:
