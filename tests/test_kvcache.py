@@ -508,15 +508,20 @@ def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, heads, i
                                   # one-token MHA whose D ends in a partial vector, over pages (PV_KEYS)
                                   KV(B=2, Hq=6, Hkv=6, D=40, S=150, block=16, dtype=torch.float16),
                                   KV(B=2, Hq=6, Hkv=6, D=72, S=150, block=16, dtype=torch.bfloat16)], ids=str)
-@pytest.mark.parametrize("switch", ["KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD", "PV_KEYS"])
+@pytest.mark.parametrize("switch", ["KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD", "PV_KEYS", "SOFTMAX_KEYS"])
 def test_the_prefetch_switches_leave_the_bits_alone(case, switch, isa, monkeypatch, gen):
     # step 3 asks for the next chunk's keys for every call on AMD's AVX-512 CPUs when decode's working set
     # passes half the L3 (csrc/cpu/decode_cpu.c keys_next), elsewhere only for MHA over a 2-byte cache; step 1
     # asks for the chunk's values for every call there (values_ahead), elsewhere all but float32 MHA; a line
     # of each page of the chunk after next is asked for there from DRAM (pages_ahead), which keeps three
     # chunks' row offsets at once instead of two; step 3 of one-token MHA key by key (pv_keys) reads the value
-    # rows in another order: the same sums either way, on every path, and the reference's (the cases are
-    # ones the general rules leave out: GQA, float32 MHA; paged and dense; tiles)
+    # rows in another order; with bfloat16 products and step 1 head by head, the softmax asks for part of the
+    # next chunk's keys instead of step 3 (softmax_keys, on here with the next keys and step 1 head by head
+    # forced): the same sums either way, on every path, and the reference's (the cases are ones the general
+    # rules leave out: GQA, float32 MHA; paged and dense; tiles)
+    if switch == "SOFTMAX_KEYS":
+        monkeypatch.setenv("ATTN_BACKENDS_DECODE_KEYS_NEXT", "1")
+        monkeypatch.setenv("ATTN_BACKENDS_DECODE_SCORES_BY_HEAD", "1")
     call = Call(case, gen)
     results = []
     for on in ("0", "1"):

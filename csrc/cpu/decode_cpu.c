@@ -281,6 +281,20 @@ static int pv_pairs(void) { return forced_or("ATTN_BACKENDS_DECODE_PV_PAIRS", 1)
  * forces it (read at every call). */
 static int pv_keys(void) { return forced_or("ATTN_BACKENDS_DECODE_PV_KEYS", 1); }
 
+/* Whether the softmax (step 2) asks for the next chunk's key rows of the work item's first heads (3 of 8), which
+ * step 3 then leaves out, where the next keys are asked for at all (keys_next) and step 1 goes head by head with
+ * bfloat16 products (scores_by_head; decode_cpu_impl.h DC(softmax)).  Between step 1's requests (the chunk's
+ * values) and step 3's (the next keys) the softmax asked for nothing, and the memory waited on it: from DRAM,
+ * the softmax left out took 0.88-0.90x the time, where steps 1 and 3 replaced by register loops over the same
+ * rows took 0.98-1.01x.  On an AMD Zen 4 (family 25, AVX-512 path, 2026-12-06, docs/benchmarks.md "The
+ * softmax's wait from DRAM"), bfloat16 GQA decode from DRAM (Hq=32 Hkv=8 D=128, B=1 Sk=16384 and B=8 Sk=2048)
+ * took 0.96-0.97x the time with it on two threads and 0.97x on one, dense, and 0.98x over 256-key blocks; a
+ * cache the L3 holds makes no next-key requests.  Not measured on other CPUs, so off there.  ATTN_BACKENDS_DECODE_SOFTMAX_KEYS=1 makes it in every call where the next keys are asked for, =0
+ * in none (read at every call; the same bits either way). */
+static int softmax_keys(void) {
+  return forced_or("ATTN_BACKENDS_DECODE_SOFTMAX_KEYS", amd_avx512() && ab_cpu_features_get()->family < AB_AMD_FAMILY_ZEN5);
+}
+
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
   if (!ab_kvcache_cpu_bf16_products(dt)) return INT64_MAX; /* the tiled products serve long queries */
   if (!in_place || positions < 2048) return 64;
@@ -735,7 +749,8 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
                        G, hg, nsplit, block_size, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, !!(set & AB_TUNE_KEYS_NEXT), !!(set & AB_TUNE_VALUES_AHEAD),
                        !!(set & AB_TUNE_PAGES_AHEAD), bf && !!(set & AB_TUNE_SCORES_BY_HEAD), !bf && four_keys(p, dram),
-                       !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS), (float)ldexp(p->scale, -qexp)};
+                       !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS), bf && softmax_keys(),
+                       (float)ldexp(p->scale, -qexp)};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   const double t0 = ticket.round >= 0 ? seconds_now() : 0.0;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));

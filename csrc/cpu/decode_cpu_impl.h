@@ -1050,13 +1050,23 @@ static int64_t DC(mask_rows)(const ab_kvcache_params* p, int64_t b, int64_t hq0,
 
 /* The rows of one token for one chunk: softcap, ALiBi, the mask (mb: DC(mask_rows), row i at
  * mb + i * mrs; NULL without one) and visibility on the raw scores St (rows of DC_CHUNK, keys [a, e)
- * of the chunk visible), then the online softmax, leaving P in St. */
+ * of the chunk visible), then the online softmax, leaving P in St.
+ * With kq (run->softmax_keys; else NULL): the next chunk's key rows of the item's first nh heads (heads
+ * hstep bytes apart), which step 3 then leaves out, asked for a few at a time between the rows, so that
+ * the memory is not idle while the softmax computes. */
+#define DC_SOFTMAX_KEYS_HEADS(hg) ((3 * (hg) + 7) / 8) /* 3 of 8 heads, at least 1: chosen by timing, decode_cpu.c */
 static inline void DC(softmax)(const DC(tile) * w, int64_t r0, int64_t nrows, float* St, int64_t a, int64_t e,
                                float cap, int alibi, float dist0, const vf* lanes, int64_t dpad, const float* mb,
-                               int64_t mrs, int mbool) {
+                               int64_t mrs, int mbool, const DC(kpf) * kq, int64_t nh, int64_t hstep) {
   const vf lane0 = vset1((float)a), lane1 = vset1((float)e);
+  const int64_t nq = kq ? nh * kq->n : 0; /* key rows asked for here */
   for (int64_t i = 0; i < nrows; ++i) {
     const int64_t r = r0 + i;
+    for (int64_t x = i * nq / nrows; x < (i + 1) * nq / nrows; ++x) { /* row i's share, head by head */
+      DC(kpf) kh = *kq;
+      kh.base += x / kq->n * hstep;
+      DC(kpf_key)(&kh, x % kq->n);
+    }
     float* Sr = St + i * DC_CHUNK;
     if (w->l[r] != w->l[r]) { /* a NaN score seen: the row stays NaN (the end writes it so) */
       memset(Sr, 0, DC_CHUNK * sizeof(float));
@@ -1477,7 +1487,11 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
           }
         }
 
-        /* 2. softcap, ALiBi, visibility and the online softmax, per token */
+        /* 2. softcap, ALiBi, visibility and the online softmax, per token; with run->softmax_keys (bfloat16
+         * products, step 1 head by head), the first token's rows ask for the next chunk's key rows of the first
+         * sh heads, which step 3 leaves out */
+        const DC(kpf) kp = {(const char*)kb, nko, k_next ? nje - jn : 0, D * (int64_t)es, (int64_t)es};
+        const int64_t sh = run->softmax_keys && by_head && kp.n > 0 ? DC_SOFTMAX_KEYS_HEADS(hg) : 0;
         for (int64_t t = ta; t < tb; ++t) {
           const int64_t a = w->tlo[t - t0] > j ? w->tlo[t - t0] : j;
           const int64_t e = w->thi[t - t0] < je ? w->thi[t - t0] : je;
@@ -1485,12 +1499,12 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
           const float dist0 = (float)(j - (t + kv_end - Sq)); /* key position - query position, lane 0 */
           const int64_t mrs = p->mask.ndim ? DC(mask_rows)(p, b, h0 * G, t, j, a - j, e - j, HG, w->mb) : 0;
           DC(softmax)(w, (t - t0) * HG, HG, w->S + (t - t0) * HG * DC_CHUNK, a - j, e - j, cap, alibi, dist0, lanes,
-                      dpad, p->mask.ndim ? w->mb : NULL, mrs, p->mask.dtype == AB_DTYPE_BOOL);
+                      dpad, p->mask.ndim ? w->mb : NULL, mrs, p->mask.dtype == AB_DTYPE_BOOL, sh && t == ta ? &kp : NULL,
+                      sh, ks2 * (int64_t)es);
         }
 
         /* 3. O += P V, head by head, for the tokens that saw a key (a paged cache's chunk block by
          * block, DC(block_end)); meanwhile the next chunk's key rows of each head (DC(kpf)) */
-        const DC(kpf) kp = {(const char*)kb, nko, k_next ? nje - jn : 0, D * (int64_t)es, (int64_t)es};
 #if DC_BF16
         if (bf && tb > ta) DC(p_to_bf16)(w->S + (ta - t0) * HG * DC_CHUNK, (tb - ta) * HG, w->lb + (ta - t0) * HG);
 #endif
@@ -1521,7 +1535,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
           for (int64_t h = 0; h < hg; ++h, kq.base += ks2 * (int64_t)es)
             for (int64_t t = ta; t < tb; ++t) {
               const int64_t r = (t - t0) * HG + h * G;
-              const DC(kpf)* kr = t == ta ? &kq : NULL;
+              const DC(kpf)* kr = t == ta && h >= sh ? &kq : NULL; /* heads < sh: asked for in step 2 */
 #if DC_BF16
               if (bf) { /* P in bfloat16 pairs (DC(p_to_bf16)): key j0's pair j0 / 2 floats on (j0 is even) */
                 DC(pv_bf)(w->acc + r * dpad, G, dpad, w->S + r * DC_CHUNK + j0 / 2, (const uint16_t*)vb, vo + j0,
