@@ -1488,10 +1488,10 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         }
 
         /* 2. softcap, ALiBi, visibility and the online softmax, per token; with run->softmax_keys (bfloat16
-         * products, step 1 head by head), the first token's rows ask for the next chunk's key rows of the first
-         * sh heads, which step 3 leaves out */
+         * products) in GQA, the first token's rows ask for the next chunk's key rows of the first sh heads,
+         * which step 3 leaves out */
         const DC(kpf) kp = {(const char*)kb, nko, k_next ? nje - jn : 0, D * (int64_t)es, (int64_t)es};
-        const int64_t sh = run->softmax_keys && by_head && kp.n > 0 ? DC_SOFTMAX_KEYS_HEADS(hg) : 0;
+        const int64_t sh = run->softmax_keys && G > 1 && !mha_tokens && kp.n > 0 ? DC_SOFTMAX_KEYS_HEADS(hg) : 0;
         for (int64_t t = ta; t < tb; ++t) {
           const int64_t a = w->tlo[t - t0] > j ? w->tlo[t - t0] : j;
           const int64_t e = w->thi[t - t0] < je ? w->thi[t - t0] : je;
