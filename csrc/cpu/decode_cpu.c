@@ -289,12 +289,13 @@ static int pv_keys(void) { return forced_or("ATTN_BACKENDS_DECODE_PV_KEYS", 1); 
  * (family 25, AVX-512 path, 2026-12-06, docs/benchmarks.md "The softmax's wait from DRAM"), bfloat16 GQA decode
  * from DRAM (Hq=32 Hkv=8 D=128, B=1 Sk=16384 and B=8 Sk=2048) took 0.96-0.97x the time with it on two threads
  * and 0.97x on one, dense, 0.95-0.98x over 256-key blocks and 0.97-0.98x over 16-key blocks (step 1 key by key
- * there); a cache the L3 holds makes no next-key requests (forced on, 1.01-1.02x the time).  Without bfloat16 products (float32 GQA) 1.00-1.01x: not there.  Not
- * measured on other CPUs, so off there.  ATTN_BACKENDS_DECODE_SOFTMAX_KEYS=1 makes it in every call with
- * bfloat16 products where the next keys are asked for, =0 in none (read at every call; the same bits either
- * way). */
+ * there); a cache the L3 holds makes no next-key requests (forced on, 1.01-1.02x the time).  Without bfloat16
+ * products (float32 GQA) 1.00-1.01x: not there.  Not measured on other CPUs, so off there.
+ * ATTN_BACKENDS_DECODE_SOFTMAX_KEYS=1 makes it in every call with bfloat16 products where the next keys are
+ * asked for, =0 in none (read at every call; the same bits either way). */
 static int softmax_keys(void) {
-  return forced_or("ATTN_BACKENDS_DECODE_SOFTMAX_KEYS", amd_avx512() && ab_cpu_features_get()->family < AB_AMD_FAMILY_ZEN5);
+  return forced_or("ATTN_BACKENDS_DECODE_SOFTMAX_KEYS",
+                   amd_avx512() && ab_cpu_features_get()->family < AB_AMD_FAMILY_ZEN5);
 }
 
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {

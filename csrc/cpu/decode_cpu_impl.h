@@ -1491,7 +1491,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
          * products) in GQA, the first token's rows ask for the next chunk's key rows of the first sh heads,
          * which step 3 leaves out */
         const DC(kpf) kp = {(const char*)kb, nko, k_next ? nje - jn : 0, D * (int64_t)es, (int64_t)es};
-        const int64_t sh = run->softmax_keys && G > 1 && !mha_tokens && kp.n > 0 ? DC_SOFTMAX_KEYS_HEADS(hg) : 0;
+        const int64_t sh = run->softmax_keys && G > 1 && kp.n > 0 ? DC_SOFTMAX_KEYS_HEADS(hg) : 0;
         for (int64_t t = ta; t < tb; ++t) {
           const int64_t a = w->tlo[t - t0] > j ? w->tlo[t - t0] : j;
           const int64_t e = w->thi[t - t0] < je ? w->thi[t - t0] : je;
@@ -1499,8 +1499,8 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
           const float dist0 = (float)(j - (t + kv_end - Sq)); /* key position - query position, lane 0 */
           const int64_t mrs = p->mask.ndim ? DC(mask_rows)(p, b, h0 * G, t, j, a - j, e - j, HG, w->mb) : 0;
           DC(softmax)(w, (t - t0) * HG, HG, w->S + (t - t0) * HG * DC_CHUNK, a - j, e - j, cap, alibi, dist0, lanes,
-                      dpad, p->mask.ndim ? w->mb : NULL, mrs, p->mask.dtype == AB_DTYPE_BOOL, sh && t == ta ? &kp : NULL,
-                      sh, ks2 * (int64_t)es);
+                      dpad, p->mask.ndim ? w->mb : NULL, mrs, p->mask.dtype == AB_DTYPE_BOOL,
+                      sh && t == ta ? &kp : NULL, sh, ks2 * (int64_t)es);
         }
 
         /* 3. O += P V, head by head, for the tokens that saw a key (a paged cache's chunk block by
