@@ -493,23 +493,23 @@ def switch_table(switch, dtypes, rounds, shapes):
                 for cache, seq in pools.items():
                     turn = [0]
 
-                    def caller(on, seq=seq, turn=turn):
-                        def run():
-                            os.environ[var] = on  # set again untimed by shuffled_calls
-                            turn[0] += 1
-                            k, v, table = seq[turn[0] % len(seq)]
-                            return ab.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table,
-                                                             backend="paged_attention", strict=True)
-                        return run
+                    def run(seq=seq, turn=turn):  # the setting is the variable's, set before the call
+                        turn[0] += 1
+                        k, v, table = seq[turn[0] % len(seq)]
+                        return ab.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table,
+                                                         backend="paged_attention", strict=True)
 
-                    cands = {"off": caller("0"), "on": caller("1")}
+                    def setting(name):
+                        os.environ[var] = "1" if name == "on" else "0"
+
+                    cands = {"off": run, "on": run}
                     outs = []
-                    for fn in cands.values():
+                    for name, fn in cands.items():
+                        setting(name)
                         turn[0] = -1
                         outs.append(fn())
                     assert torch.equal(outs[0], outs[1]), f"{label} {cache}: the switch changed the bits"
-                    times = shuffled_calls(cands, SWITCH_CALLS_PER_ROUND * rounds,
-                                           lambda name: os.environ.__setitem__(var, "1" if name == "on" else "0"))
+                    times = shuffled_calls(cands, SWITCH_CALLS_PER_ROUND * rounds, setting)
                     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
                     ratio = med["on"] / med["off"]
                     spread = slice_ratios(times["on"], times["off"])
