@@ -153,6 +153,28 @@ static inline __attribute__((always_inline)) __m512 DC(lanes4)(__m512 a0, __m512
                        _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))));
 }
 
+/* DC(rows4): four rows' vectors reduced together, each to its max (mx; no NaN lanes, so the order is free)
+ * or its sum, in DC(lanes4)'s order, which is vsum_lanes' (ab_vec.h): the same bits as a row alone, for about
+ * the cross-lane steps of one row (the softmax's per-row reductions were a serial chain, DC(softmax)). */
+static inline __attribute__((always_inline)) void DC(rows4)(__m512 a0, __m512 a1, __m512 a2, __m512 a3, int mx,
+                                                           float* out) {
+  __m512 y;
+  if (mx) {
+    const __m512 x01 = _mm512_max_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 x23 = _mm512_max_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    y = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))),
+                      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))));
+    const __m256 z =
+        _mm256_max_ps(_mm512_castps512_ps256(y), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)));
+    _mm_storeu_ps(out, _mm_max_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)));
+    return;
+  }
+  y = DC(lanes4)(a0, a1, a2, a3);
+  const __m256 z =
+      _mm256_add_ps(_mm512_castps512_ps256(y), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)));
+}
+
 static inline __attribute__((always_inline)) void DC(sums4)(__m512 y, float scale, float* s, int64_t st) {
   const __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)));
   DC(store4)(_mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)), _mm_set1_ps(scale)), s, st);
@@ -1051,71 +1073,110 @@ static int64_t DC(mask_rows)(const ab_kvcache_params* p, int64_t b, int64_t hq0,
 /* The rows of one token for one chunk: softcap, ALiBi, the mask (mb: DC(mask_rows), row i at
  * mb + i * mrs; NULL without one) and visibility on the raw scores St (rows of DC_CHUNK, keys [a, e)
  * of the chunk visible), then the online softmax, leaving P in St.
+ * Rows go DC_SM_ROWS at a time (four on the AVX-512 path), branch-free over the group: their maxima and
+ * their sums are reduced together (DC(rows4)), so the cross-lane steps of four rows overlap instead of making
+ * one chain per row; the transforms (softcap, ALiBi, mask) go first, in place, only where there are any, so
+ * the group's loop stays small enough to unroll into registers.  On a Zen 4 (2026-12-06, calls drawn at
+ * random against the row-by-row loop), bfloat16 GQA decode from the L3 took 0.97-0.98x the time, from DRAM
+ * 0.99-1.01x; float32 0.99-1.01x (docs/benchmarks.md, "The softmax four rows at a time").
  * With kq (run->softmax_keys; else NULL): the next chunk's key rows of the item's first nh heads (heads
  * hstep bytes apart), which step 3 then leaves out, asked for a few at a time between the rows, so that
  * the memory is not idle while the softmax computes. */
 #define DC_SOFTMAX_KEYS_HEADS(hg) ((3 * (hg) + 7) / 8) /* 3 of 8 heads, at least 1: chosen by timing, decode_cpu.c */
+#if VLEN == 16
+#define DC_SM_ROWS 4
+#else
+#define DC_SM_ROWS 1
+#endif
 static inline void DC(softmax)(const DC(tile) * w, int64_t r0, int64_t nrows, float* St, int64_t a, int64_t e,
                                float cap, int alibi, float dist0, const vf* lanes, int64_t dpad, const float* mb,
                                int64_t mrs, int mbool, const DC(kpf) * kq, int64_t nh, int64_t hstep) {
-  const vf lane0 = vset1((float)a), lane1 = vset1((float)e);
+  const vf lane0 = vset1((float)a), lane1 = vset1((float)e), ninf = vset1(-INFINITY);
   const int64_t nq = kq ? nh * kq->n : 0; /* key rows asked for here */
-  for (int64_t i = 0; i < nrows; ++i) {
-    const int64_t r = r0 + i;
-    for (int64_t x = i * nq / nrows; x < (i + 1) * nq / nrows; ++x) { /* row i's share, head by head */
+  if (cap > 0 || alibi || mb) /* the score's transforms, in place, so that the loop below stays small */
+    for (int64_t i = 0; i < nrows; ++i)
+      for (int v = 0; v < DC_NV; ++v) {
+        vf x = vload(St + i * DC_CHUNK + v * VLEN);
+        if (cap > 0) x = vset1(cap) * vtanh(x * vset1(1.0f / cap));
+        if (alibi) {
+          vf dist = vset1(dist0) + lanes[v];
+          dist = vselect(dist < vset1(0.0f), -dist, dist);
+          x -= vset1(w->slope[r0 + i]) * dist;
+        }
+        if (mb) { /* the mask, as flash applies it: a bool one hides the key, a float one is added */
+          const vf mv = vload(mb + i * mrs + v * VLEN);
+          x = mbool ? vselect(mv < vset1(0.0f), ninf, x) : x + mv;
+        }
+        vstore(St + i * DC_CHUNK + v * VLEN, x);
+      }
+  for (int64_t i0 = 0; i0 < nrows; i0 += DC_SM_ROWS) {
+    const int n = nrows - i0 < DC_SM_ROWS ? (int)(nrows - i0) : DC_SM_ROWS;
+    for (int64_t x = nq ? i0 * nq / nrows : 0; x < (nq ? (i0 + n) * nq / nrows : 0); ++x) { /* the rows' share */
       DC(kpf) kh = *kq;
       kh.base += x / kq->n * hstep;
       DC(kpf_key)(&kh, x % kq->n);
     }
-    float* Sr = St + i * DC_CHUNK;
-    if (w->l[r] != w->l[r]) { /* a NaN score seen: the row stays NaN (the end writes it so) */
-      memset(Sr, 0, DC_CHUNK * sizeof(float));
-      continue;
-    }
-    vf mx = vset1(-INFINITY);
-    vi nan = {0};
-    for (int v = 0; v < DC_NV; ++v) {
-      vf x = vload(Sr + v * VLEN);
-      if (cap > 0) x = vset1(cap) * vtanh(x * vset1(1.0f / cap));
-      if (alibi) {
-        vf dist = vset1(dist0) + lanes[v];
-        dist = vselect(dist < vset1(0.0f), -dist, dist);
-        x -= vset1(w->slope[r]) * dist;
+    /* branch-free over the DC_SM_ROWS rows (past n: row 0 again, left out below) */
+    vf xs[DC_SM_ROWS][DC_NV], mx[DC_SM_ROWS], sum[DC_SM_ROWS];
+    int nan[DC_SM_ROWS];
+    float cm[DC_SM_ROWS], sm[DC_SM_ROWS], m_new[DC_SM_ROWS];
+#pragma GCC unroll 4
+    for (int k = 0; k < DC_SM_ROWS; ++k) {
+      const float* Sr = St + (i0 + (k < n ? k : 0)) * DC_CHUNK;
+      vi nv = {0};
+      mx[k] = ninf;
+      for (int v = 0; v < DC_NV; ++v) {
+        const vf x = vselect((lanes[v] >= lane0) & (lanes[v] < lane1), vload(Sr + v * VLEN), ninf);
+        xs[k][v] = x;
+        mx[k] = vmax(mx[k], x);
+        nv |= x != x; /* a visible NaN score: the max above may drop it */
       }
-      if (mb) { /* the mask, as flash applies it: a bool one hides the key, a float one is added */
-        const vf mv = vload(mb + i * mrs + v * VLEN);
-        x = mbool ? vselect(mv < vset1(0.0f), vset1(-INFINITY), x) : x + mv;
+      nan[k] = vany_lane(nv);
+    }
+#if DC_SM_ROWS == 4
+    DC(rows4)((__m512)mx[0], (__m512)mx[1], (__m512)mx[2], (__m512)mx[3], 1, cm);
+#else
+    cm[0] = vmax_lanes(mx[0]);
+#endif
+    int live = 0; /* bit k: row k takes the softmax */
+#pragma GCC unroll 4
+    for (int k = 0; k < DC_SM_ROWS; ++k) {
+      const int64_t r = r0 + i0 + (k < n ? k : 0);
+      m_new[k] = cm[k] > w->m[r] ? cm[k] : w->m[r];
+      /* not: a NaN score seen before (the row stays NaN; the end writes it so) or now, or nothing visible so
+       * far (or -inf scores: weights 0) */
+      live |= (k < n && w->l[r] == w->l[r] && !nan[k] && m_new[k] != -INFINITY) << k;
+      const vf base = vset1(live >> k & 1 ? m_new[k] : 0.0f);
+      sum[k] = vset1(0.0f);
+      for (int v = 0; v < DC_NV; ++v) {
+        const vf x = vexp_nonpos(xs[k][v] - base);
+        if (k < n) vstore(St + (i0 + k) * DC_CHUNK + v * VLEN, x);
+        sum[k] += x;
       }
-      x = vselect((lanes[v] >= lane0) & (lanes[v] < lane1), x, vset1(-INFINITY));
-      vstore(Sr + v * VLEN, x);
-      mx = vmax(mx, x);
-      nan |= x != x; /* a visible NaN score: the max above may drop it */
     }
-    if (vany_lane(nan)) { /* NaN in, NaN out, as the float64 reference does */
-      w->l[r] = __builtin_nanf("");
-      memset(Sr, 0, DC_CHUNK * sizeof(float));
-      continue;
+#if DC_SM_ROWS == 4
+    DC(rows4)((__m512)sum[0], (__m512)sum[1], (__m512)sum[2], (__m512)sum[3], 0, sm);
+#else
+    sm[0] = vsum_lanes(sum[0]);
+#endif
+    for (int k = 0; k < n; ++k) {
+      const int64_t r = r0 + i0 + k;
+      float* Sr = St + (i0 + k) * DC_CHUNK;
+      if (!(live >> k & 1)) {
+        if (nan[k]) w->l[r] = __builtin_nanf(""); /* NaN in, NaN out, as the float64 reference does */
+        memset(Sr, 0, DC_CHUNK * sizeof(float));
+        continue;
+      }
+      const float m_old = w->m[r];
+      const float alpha = m_old == -INFINITY ? 0.0f : expf(m_old - m_new[k]);
+      if (alpha != 1.0f) {
+        float* acc = w->acc + r * dpad;
+        for (int64_t d = 0; d < dpad; d += VLEN) vstore(acc + d, vload(acc + d) * vset1(alpha));
+      }
+      w->l[r] = w->l[r] * alpha + sm[k];
+      w->lb[r] *= alpha; /* DC(p_to_bf16) adds the chunk's rounded weights */
+      w->m[r] = m_new[k];
     }
-    const float cm = vmax_lanes(mx), m_old = w->m[r];
-    const float m_new = cm > m_old ? cm : m_old;
-    if (m_new == -INFINITY) { /* nothing visible so far (or -inf scores): weights 0 */
-      memset(Sr, 0, DC_CHUNK * sizeof(float));
-      continue;
-    }
-    vf sum = vset1(0.0f);
-    for (int v = 0; v < DC_NV; ++v) {
-      const vf x = vexp_nonpos(vload(Sr + v * VLEN) - vset1(m_new));
-      vstore(Sr + v * VLEN, x);
-      sum += x;
-    }
-    const float alpha = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
-    if (alpha != 1.0f) {
-      float* acc = w->acc + r * dpad;
-      for (int64_t d = 0; d < dpad; d += VLEN) vstore(acc + d, vload(acc + d) * vset1(alpha));
-    }
-    w->l[r] = w->l[r] * alpha + vsum_lanes(sum);
-    w->lb[r] *= alpha; /* DC(p_to_bf16) adds the chunk's rounded weights */
-    w->m[r] = m_new;
   }
 }
 
