@@ -508,7 +508,8 @@ def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, heads, i
                                   # one-token MHA whose D ends in a partial vector, over pages (PV_KEYS)
                                   KV(B=2, Hq=6, Hkv=6, D=40, S=150, block=16, dtype=torch.float16),
                                   KV(B=2, Hq=6, Hkv=6, D=72, S=150, block=16, dtype=torch.bfloat16)], ids=str)
-@pytest.mark.parametrize("switch", ["KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD", "PV_KEYS", "SOFTMAX_KEYS"])
+@pytest.mark.parametrize("switch", ["KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD", "PV_KEYS", "SOFTMAX_KEYS",
+                                    "KEYS_AHEAD"])
 def test_the_prefetch_switches_leave_the_bits_alone(case, switch, isa, monkeypatch, gen):
     # step 3 asks for the next chunk's keys for every call on AMD's AVX-512 CPUs when decode's working set
     # passes half the L3 (csrc/cpu/decode_cpu.c keys_next), elsewhere only for MHA over a 2-byte cache; step 1
@@ -516,10 +517,11 @@ def test_the_prefetch_switches_leave_the_bits_alone(case, switch, isa, monkeypat
     # of each page of the chunk after next is asked for there from DRAM (pages_ahead), which keeps three
     # chunks' row offsets at once instead of two; step 3 of one-token MHA key by key (pv_keys) reads the value
     # rows in another order; with bfloat16 products in GQA, the softmax asks for part of the next chunk's keys
-    # instead of step 3 (softmax_keys; here with the next keys forced, step 1 head by head and key by key):
-    # the same sums either way, on every path, and the reference's (the cases are ones the general rules
-    # leave out: GQA, float32 MHA; paged and dense; tiles)
-    orders = ("1", "0") if switch == "SOFTMAX_KEYS" else (None,)
+    # instead of step 3 (softmax_keys; here with the next keys forced, step 1 head by head and key by key);
+    # step 1 asks for the key row two keys ahead, except from the L3 of a Zen 4 (keys_ahead; step 1 head by
+    # head and key by key): the same sums either way, on every path, and the
+    # reference's (the cases are ones the general rules leave out: GQA, float32 MHA; paged and dense; tiles)
+    orders = ("1", "0") if switch in ("SOFTMAX_KEYS", "KEYS_AHEAD") else (None,)
     if switch == "SOFTMAX_KEYS":
         monkeypatch.setenv("ATTN_BACKENDS_DECODE_KEYS_NEXT", "1")
     call = Call(case, gen)

@@ -298,6 +298,19 @@ static int softmax_keys(void) {
                    amd_avx512() && ab_cpu_features_get()->family < AB_AMD_FAMILY_ZEN5);
 }
 
+/* Whether step 1 asks for the key row two keys ahead into L1 (decode_cpu_impl.h, DC(head_scores_bf) and
+ * DC_KEY_PF).  From DRAM it pays: forced off, bfloat16 GQA took 1.02x the time dense and 1.15-1.16x over 16-key
+ * blocks, float32 GQA 0.99-1.08x (a Zen 4).  With a cache the L3 holds (from_dram), where the hardware's own
+ * prefetchers find the rows in time, the request only takes load slots: on an AMD Zen 4 (family 25, AVX-512
+ * path, 2026-12-06, docs/benchmarks.md, "Step 1's key requests from the L3"), decode from the L3 ran 1.04-1.08x
+ * as fast without it in bfloat16 (GQA and MHA) and 1.04-1.11x in float32, on two threads and one.  Not
+ * measured on other CPUs, so on there.  ATTN_BACKENDS_DECODE_KEYS_AHEAD=1 makes it in every call, =0 in none
+ * (read at every call; the same bits either way). */
+static int keys_ahead(int dram) {
+  return forced_or("ATTN_BACKENDS_DECODE_KEYS_AHEAD",
+                   dram || !(amd_avx512() && ab_cpu_features_get()->family < AB_AMD_FAMILY_ZEN5));
+}
+
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
   if (!ab_kvcache_cpu_bf16_products(dt)) return INT64_MAX; /* the tiled products serve long queries */
   if (!in_place || positions < 2048) return 64;
@@ -752,7 +765,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
                        G, hg, nsplit, block_size, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, !!(set & AB_TUNE_KEYS_NEXT), !!(set & AB_TUNE_VALUES_AHEAD),
                        !!(set & AB_TUNE_PAGES_AHEAD), bf && !!(set & AB_TUNE_SCORES_BY_HEAD), !bf && four_keys(p, dram),
-                       !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS), bf && softmax_keys(),
+                       !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS), bf && softmax_keys(), keys_ahead(dram),
                        (float)ldexp(p->scale, -qexp)};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   const double t0 = ticket.round >= 0 ? seconds_now() : 0.0;

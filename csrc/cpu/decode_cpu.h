@@ -134,6 +134,7 @@ typedef struct ab_decode_run {
   int32_t pv_pairs;       /* AVX2, bfloat16 cache: step 3 converts sixteen columns per load, by pairs (decode_cpu.c) */
   int32_t pv_keys;        /* MHA of one token: step 3 goes key by key over the heads (decode_cpu.c) */
   int32_t softmax_keys;   /* step 2 asks for part of the next chunk's key rows (decode_cpu.c) */
+  int32_t keys_ahead;     /* step 1 asks for the key row two keys ahead into L1 (decode_cpu.c) */
   float bf_scale;         /* bf16_dot only: what multiplies a float32 score, the scale over the power of two
                              q was multiplied by before its rounding (ab_half.h, ab_bf16_scale_exp) */
 } ab_decode_run;

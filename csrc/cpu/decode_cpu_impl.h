@@ -13,9 +13,10 @@
  * paged cache is read in the same chunks, with the same sums, as a dense one:
  *   1. scores, key by key in the cache's order: each key row is loaded once (converted to float32
  *      in registers) and dotted with four query rows at a time (q is float32, already rotated and
- *      scaled, in L1); the key row two keys ahead and the chunk's value rows are prefetched head
- *      by head between the dot products (DC(pf)), and where run->pages_ahead says so, one line of
- *      each 4 KiB page of the chunk after next first (DC(touch_pages));
+ *      scaled, in L1); the key row two keys ahead (where run->keys_ahead says so) and the chunk's
+ *      value rows are prefetched head by head between the dot products (DC(pf)), and where
+ *      run->pages_ahead says so, one line of each 4 KiB page of the chunk after next first
+ *      (DC(touch_pages));
  *   2. softcap, ALiBi and the visibility of each key to each row, then the online softmax per row
  *      (running max m, sum l, the accumulator rescaled by exp(m_old - m_new)), vectorized over the
  *      chunk's keys;
@@ -1471,7 +1472,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
                 float* sh = w->S + ((t - t0) * HG + h * G) * DC_CHUNK;
 #define DC_HEAD_SCORES(n)                                                                                      \
   DC(head_scores_bf)(n, qh, dpad, G, (const uint16_t*)kb, ko, h * ks2, a, e, D, run->bf_scale, sh, vp, vo, \
-                     h * vs2, (const char*)kb, kao, nka, pa, pe, (int64_t)es)
+                     h * vs2, run->keys_ahead ? (const char*)kb : NULL, kao, nka, pa, pe, (int64_t)es)
                 switch ((D + 31) / 32) {
                   case 4: DC_HEAD_SCORES(4); break;
                   case 3: DC_HEAD_SCORES(3); break;
@@ -1493,7 +1494,8 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
 #define DC_KEY_PF(f, jj)                                                                                   \
   DC(pf) f = {NULL, v_ahead ? (const char*)vb + vo[(jj) - j] * (int64_t)es : NULL, ks2 * (int64_t)es,       \
               vs2 * (int64_t)es, D * (int64_t)es};                                                         \
-  if ((jj) + DC_KEYS_AHEAD < je)                                                                            \
+  if (!run->keys_ahead) {                                                                                   \
+  } else if ((jj) + DC_KEYS_AHEAD < je)                                                                     \
     f.k = (const char*)kb + ko[(jj) + DC_KEYS_AHEAD - j] * (int64_t)es;                                     \
   else if ((jj) + DC_KEYS_AHEAD - je < nje - jn)                                                            \
     f.k = (const char*)kb + nko[(jj) + DC_KEYS_AHEAD - je] * (int64_t)es;
