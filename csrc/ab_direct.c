@@ -1300,6 +1300,36 @@ static PyObject* ab_py_kvcache_working_set(PyObject* self, PyObject* unused) {
   return PyLong_FromLongLong(ab_kvcache_cpu_working_set());
 }
 
+/* decode_q_bf16(row: bytes of float32, qexp) -> (bytes of bfloat16, lost): the current CPU path's rounding of
+ * a q row for the decode kernel's bfloat16 products (ab_kvcache_cpu_q_bf16, decode_cpu.h), for tests. */
+static PyObject* ab_py_decode_q_bf16(PyObject* self, PyObject* args) {
+  (void)self;
+  PyObject* row;
+  int qexp;
+  if (!PyArg_ParseTuple(args, "Si", &row, &qexp)) return NULL;
+  char* data;
+  Py_ssize_t nbytes;
+  if (PyBytes_AsStringAndSize(row, &data, &nbytes) < 0) return NULL;
+  if (nbytes % 4) {
+    PyErr_Format(PyExc_ValueError, "decode_q_bf16: row has %zd bytes, not a whole number of float32", nbytes);
+    return NULL;
+  }
+  const Py_ssize_t n = nbytes / 4;
+  float* in = (float*)PyMem_Malloc((size_t)(n ? n : 1) * sizeof(float));
+  uint16_t* out = (uint16_t*)PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint16_t));
+  if (!in || !out) {
+    PyMem_Free(in);
+    PyMem_Free(out);
+    return PyErr_NoMemory();
+  }
+  memcpy(in, data, (size_t)nbytes);
+  const int lost = ab_kvcache_cpu_q_bf16(in, out, n, qexp);
+  PyObject* r = Py_BuildValue("(y#N)", (const char*)out, n * 2, PyBool_FromLong(lost));
+  PyMem_Free(in);
+  PyMem_Free(out);
+  return r;
+}
+
 /* decode_tune_state() -> list of dicts: each kind of call whose prefetch requests the CPU decode kernel
  * times (decode_tune.h): its kind, the rule's set and the switches timed (bits: 1 keys_next,
  * 2 values_ahead, 4 pages_ahead, 8 pv_keys), the arms, the arm kept (-1 before the first timing ends) and
@@ -1501,6 +1531,9 @@ PyMethodDef ab_direct_methods[] = {
     {"kvcache_max_rows", ab_py_kvcache_max_rows, METH_VARARGS,
      "kvcache_max_rows(dtype, in_place, positions) -> int: the query rows per KV head up to which the CPU decode "
      "kernel serves a call (more go to flash over the cache)."},
+    {"decode_q_bf16", ab_py_decode_q_bf16, METH_VARARGS,
+     "decode_q_bf16(row, qexp) -> (bytes, lost): float32 bytes times 2**qexp rounded to bfloat16 by the current "
+     "CPU path's decode kernel, and whether a nonzero element came out subnormal or 0 (tests)."},
     {"kvcache_working_set", ab_py_kvcache_working_set, METH_NOARGS,
      "kvcache_working_set() -> int: the K and V bytes the CPU decode kernel's last 64 calls read, each cache "
      "counted once at its latest call (decides the next-keys prefetch on AMD's AVX-512 path)."},

@@ -379,6 +379,42 @@ def _bf16_products_or_skip():
         pytest.skip("this CPU has no AVX512_BF16: the bfloat16 products do not run")
 
 
+def _q_bf16_reference(x, qexp):
+    """x (float32) times 2**qexp, once rounded to float32, then to bfloat16 by bits: nearest even, a NaN
+    quieted with its payload kept (ab_half.h ab_f32_to_bf16); as int64 words."""
+    y = torch.tensor([math.ldexp(float(v), qexp) if math.isfinite(v) else float(v) for v in x.tolist()],
+                     dtype=torch.float64).to(torch.float32)
+    y = torch.where(torch.isnan(x), x, y)  # a NaN keeps its payload
+    bits = y.view(torch.int32).long() & 0xFFFFFFFF
+    nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+    return torch.where(nan, ((bits >> 16) | 0x40) & 0xFFFF, rounded), y
+
+
+@pytest.mark.parametrize("specials", [True, False], ids=["specials", "normal"])
+@pytest.mark.parametrize("qexp", [0, -3, -126, -140, 5])
+@pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 128, 161])
+def test_q_rounds_to_bfloat16_as_its_bits_say(n, qexp, specials, isa, gen):
+    # the decode kernel's bfloat16 products take q times 2**qexp rounded to bfloat16 once (prepare_q): 32
+    # elements a step on the AVX-512 path, one at a time elsewhere; every path rounds to nearest even (ties
+    # both ways), quiets a NaN keeping its payload, and says whether an element that is not 0 came out
+    # subnormal or 0 (then the float32 products run and the rounded row is not read: there a subnormal may
+    # come out as 0)
+    x = torch.randn(n, generator=gen) * torch.exp2(torch.randint(-20, 20, (n,), generator=gen).float())
+    bits = x.view(torch.int32)
+    special = [0x3F808000, 0x3F818000, 0x7F800001, 0xFFC12345, 0x7F800000, 0xFF800000, 0x80000000, 0x00000000,
+               0x00400000, 0x00000001, 0x0B800000, 0x7F7FFFFF]
+    for i, word in enumerate(special[:n] if specials else []):
+        bits[(i * 7) % n] = word - (1 << 32) if word >= 1 << 31 else word
+    expect, y = _q_bf16_reference(x, qexp)
+    raw, lost = _C.decode_q_bf16(x.numpy().tobytes(), qexp)
+    got = torch.frombuffer(bytearray(raw), dtype=torch.int16).long() & 0xFFFF if n else torch.zeros(0).long()
+    subnormal = (y != 0) & (y.abs() < torch.finfo(torch.float32).tiny)
+    assert lost == bool(((x != 0) & ((expect & 0x7F80) == 0)).any())
+    assert torch.equal(got[~subnormal], expect[~subnormal])
+    assert (((got == expect) | ((got & 0x7FFF) == 0))[subnormal]).all()
+
+
 def _sdpa_bshd(q, k, v, scale=None):
     """torch SDPA in the cache's (B, S, H, D) layout: the 2x rule's yardstick."""
     out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),

@@ -311,6 +311,10 @@ static int keys_ahead(int dram) {
                    dram || !(amd_avx512() && ab_cpu_features_get()->family < AB_AMD_FAMILY_ZEN5));
 }
 
+int ab_kvcache_cpu_q_bf16(const float* row, uint16_t* rb, int64_t n, int qexp) {
+  return decode_table()->q_bf16(row, rb, n, qexp);
+}
+
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
   if (!ab_kvcache_cpu_bf16_products(dt)) return INT64_MAX; /* the tiled products serve long queries */
   if (!in_place || positions < 2048) return 64;
@@ -536,13 +540,7 @@ static int prepare_q(const ab_kvcache_params* p, float* qf, uint16_t* qb, int64_
         memset(row, 0, (size_t)dpad * sizeof(float));
         ab_vec_load_row(p->q.data, p->q.dtype, ab_off4(&p->q, b, t, h, 0), p->D, p->q.strides[3], row);
         if (p->rotary_cos.ndim) rotate(p, seqlen_of(p, b) + (per_token ? t : 0), row);
-        if (qb) {
-          uint16_t* rb = qb + ((b * p->Sq + t) * p->Hq + h) * dpad;
-          for (int64_t d = 0; d < dpad; ++d) {
-            rb[d] = d < p->D ? ab_f32_to_bf16(ab_ldexpf(row[d], qexp)) : 0;
-            lost |= row[d] != 0.0f && (rb[d] & 0x7f80u) == 0; /* a subnormal or 0 from a value that is not 0 */
-          }
-        }
+        if (qb) lost |= decode_table()->q_bf16(row, qb + ((b * p->Sq + t) * p->Hq + h) * dpad, dpad, qexp);
         for (int64_t d = 0; d < p->D; ++d) row[d] *= (float)p->scale;
       }
   return lost;

@@ -143,7 +143,15 @@ typedef struct ab_decode_cpu_table {
   const char* isa;
   /* items [begin, end) of (B * Hkv / hg * nsplit): attention of one (batch, head group, split) */
   void (*attend)(int64_t begin, int64_t end, void* run);
+  /* n floats of a q row (zero past D) times 2**qexp, rounded to bfloat16 to nearest even (NaN quieted), into
+   * rb; returns whether an element that is not 0 came out subnormal or 0, where the caller runs the float32
+   * products and rb is not read (prepare_q in decode_cpu.c; on the AVX-512 path vcvtne2ps2bf16, which takes a
+   * subnormal input as 0: such an input is lost either way) */
+  int (*q_bf16)(const float* row, uint16_t* rb, int64_t n, int qexp);
 } ab_decode_cpu_table;
+
+/* The current path's q_bf16 on n floats (tests: _C.decode_q_bf16). */
+int ab_kvcache_cpu_q_bf16(const float* row, uint16_t* rb, int64_t n, int qexp);
 
 /* A row's (out, lse) over its keys, joined by the sink s of its head (s = -inf: none): returns the
  * lse with the sink and sets *factor, what out is multiplied by (exp(lse - new lse)).  Applied once

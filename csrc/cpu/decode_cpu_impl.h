@@ -921,6 +921,36 @@ static inline void DC(bf_unpermute)(float* acc, int64_t dpad) {
 #define DC_BF16 0
 #endif
 
+/* ab_decode_cpu_table.q_bf16 (decode_cpu.h): with AVX512_BF16 32 elements a step (the same bits as
+ * ab_f32_to_bf16 of ab_ldexpf, but for a subnormal input, 0 here: lost either way), else element by element.
+ * q of B=8 Hq=32 D=128 (32768 elements) took about 28 us a call element by element on a Zen 4 (SSE2, the
+ * generic build), a tenth of a bfloat16 decode call over 128 keys. */
+static int DC(q_bf16)(const float* row, uint16_t* rb, int64_t n, int qexp) {
+  int64_t d = 0;
+  int lost = 0;
+#if DC_BF16
+  if (ab_cpu_features_get()->avx512_bf16 && qexp >= -126 && qexp <= 127) { /* ab_ldexpf's exact multiply */
+    const __m512 f = _mm512_set1_ps(ab_ldexpf(1.0f, qexp)), zero = _mm512_setzero_ps();
+    const __m512i ex = _mm512_set1_epi16(0x7f80);
+    __mmask32 l = 0;
+    for (; d + 32 <= n; d += 32) {
+      const __m512 lo = _mm512_loadu_ps(row + d), hi = _mm512_loadu_ps(row + d + 16);
+      const __m512i x = DC(cvt2bf16)(_mm512_mul_ps(lo, f), _mm512_mul_ps(hi, f));
+      _mm512_storeu_si512((void*)(rb + d), x);
+      const __mmask32 nz = (__mmask32)_mm512_cmp_ps_mask(lo, zero, _CMP_NEQ_UQ) |
+                           (__mmask32)_mm512_cmp_ps_mask(hi, zero, _CMP_NEQ_UQ) << 16;
+      l |= nz & ~_mm512_test_epi16_mask(x, ex);
+    }
+    lost = l != 0;
+  }
+#endif
+  for (; d < n; ++d) {
+    rb[d] = ab_f32_to_bf16(ab_ldexpf(row[d], qexp));
+    lost |= row[d] != 0.0f && (rb[d] & 0x7f80u) == 0; /* a subnormal or 0 from a value that is not 0 */
+  }
+  return lost;
+}
+
 /* The chunk of keys that starts at j: it ends at *je (at most DC_CHUNK keys, within khi), the K
  * and V rows of its keys (head h0) at ko[i] and vo[i], i < *je - j.  A chunk may span pages of a
  * paged cache: one block_table lookup per page it touches, then the rows of the page by stride,
@@ -1716,4 +1746,4 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   ab_scratch_free(buf);
 }
 
-const ab_decode_cpu_table DC(ab_decode_cpu) = {AB_ISA_NAME, DC(attend)};
+const ab_decode_cpu_table DC(ab_decode_cpu) = {AB_ISA_NAME, DC(attend), DC(q_bf16)};
