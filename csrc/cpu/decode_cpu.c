@@ -763,7 +763,8 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
                        G, hg, nsplit, block_size, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, !!(set & AB_TUNE_KEYS_NEXT), !!(set & AB_TUNE_VALUES_AHEAD),
                        !!(set & AB_TUNE_PAGES_AHEAD), bf && !!(set & AB_TUNE_SCORES_BY_HEAD), !bf && four_keys(p, dram),
-                       !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS), bf && softmax_keys(), keys_ahead(dram),
+                       !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS), bf && softmax_keys(),
+                       keys_ahead(dram),
                        (float)ldexp(p->scale, -qexp)};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   const double t0 = ticket.round >= 0 ? seconds_now() : 0.0;
