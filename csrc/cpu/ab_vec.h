@@ -197,8 +197,7 @@ static inline float vhmax(vf v) {
  * where a lane-by-lane loop is a chain of VLEN - 1 (about 45 cycles of latency per row at VLEN 16; the
  * softmax was a fifth of the decode kernel's time with the cache in the L3).  vmax_lanes is vhmax for vectors
  * without NaN lanes (the caller has checked: the order of the max is then free); vsum_lanes adds
- * in a tree (on AVX-512 within 128-bit lanes first), so its bits differ from a lane-by-lane sum's in the
- * last place; vany_lane is whether
+ * in a tree, so its bits differ from a lane-by-lane sum's in the last place; vany_lane is whether
  * some lane of m is nonzero. */
 static inline float vmax_lanes(vf v) {
 #if VLEN == 16
@@ -212,14 +211,7 @@ static inline float vmax_lanes(vf v) {
 
 static inline float vsum_lanes(vf v) {
 #if VLEN == 16
-  /* in each 128-bit lane L, T_L = (e0 + e2) + (e1 + e3); then (T0 + T2) + (T1 + T3): the order in which the
-   * decode kernel's softmax sums four rows at once (decode_cpu_impl.h DC(rows4)), so a row has the same
-   * bits whether it was summed alone or with three others */
-  __m512 x = (__m512)v;
-  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0x4E));
-  x = _mm512_add_ps(x, _mm512_permute_ps(x, 0xB1));
-  const __m256 z = _mm256_add_ps(_mm512_castps512_ps256(x), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)));
+  return _mm512_reduce_add_ps((__m512)v);
 #elif VLEN == 8
   __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));

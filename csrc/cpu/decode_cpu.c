@@ -50,6 +50,9 @@ static int bf16_dot(const ab_kvcache_params* p) { return ab_kvcache_cpu_bf16_pro
 /* The AVX-512 path of an AMD CPU (Zen 4), where the prefetch rules below were measured. */
 static int amd_avx512(void) { return ab_cpu_isa_get() == AB_ISA_AVX512 && ab_cpu_vendor_detect() == AB_VENDOR_AMD; }
 
+/* That path on a Zen 4 (before family 26), the only AMD CPU the rules that name it were measured on. */
+static int amd_zen4_avx512(void) { return amd_avx512() && ab_cpu_features_get()->family < AB_AMD_FAMILY_ZEN5; }
+
 /* A prefetch rule's answer: the switch name's 0 or 1 when it is set to one, else the rule's. */
 static int forced_or(const char* name, int rule) {
   const int forced = ab_env_switch(name);
@@ -294,8 +297,7 @@ static int pv_keys(void) { return forced_or("ATTN_BACKENDS_DECODE_PV_KEYS", 1); 
  * ATTN_BACKENDS_DECODE_SOFTMAX_KEYS=1 makes it in every call with bfloat16 products where the next keys are
  * asked for, =0 in none (read at every call; the same bits either way). */
 static int softmax_keys(void) {
-  return forced_or("ATTN_BACKENDS_DECODE_SOFTMAX_KEYS",
-                   amd_avx512() && ab_cpu_features_get()->family < AB_AMD_FAMILY_ZEN5);
+  return forced_or("ATTN_BACKENDS_DECODE_SOFTMAX_KEYS", amd_zen4_avx512());
 }
 
 /* Whether step 1 asks for the key row two keys ahead into L1 (decode_cpu_impl.h, DC(head_scores_bf) and
@@ -307,8 +309,7 @@ static int softmax_keys(void) {
  * measured on other CPUs, so on there.  ATTN_BACKENDS_DECODE_KEYS_AHEAD=1 makes it in every call, =0 in none
  * (read at every call; the same bits either way). */
 static int keys_ahead(int dram) {
-  return forced_or("ATTN_BACKENDS_DECODE_KEYS_AHEAD",
-                   dram || !(amd_avx512() && ab_cpu_features_get()->family < AB_AMD_FAMILY_ZEN5));
+  return forced_or("ATTN_BACKENDS_DECODE_KEYS_AHEAD", dram || !amd_zen4_avx512());
 }
 
 int ab_kvcache_cpu_q_bf16(const float* row, uint16_t* rb, int64_t n, int qexp) {

@@ -147,38 +147,44 @@ static inline __attribute__((always_inline)) void DC(store4)(__m128 w, float* s,
  * floats, s[r * st + key]: a quarter of the cross-lane steps and stores per key (step 1 head by head,
  * bfloat16 GQA decode from the L3 of a Zen 4 0.93-0.95x the time on one core, DC(head_scores_bf); and
  * DC(dot4xk)). */
+/* a + b, or max(a, b) where mx (a constant wherever it is inlined) */
+static inline __attribute__((always_inline)) __m512 DC(op)(__m512 a, __m512 b, int mx) {
+  return mx ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b);
+}
+static inline __attribute__((always_inline)) __m128 DC(op128)(__m128 a, __m128 b, int mx) {
+  return mx ? _mm_max_ps(a, b) : _mm_add_ps(a, b);
+}
+
+/* DC(lanes4)'s tree with DC(op) */
+static inline __attribute__((always_inline)) __m512 DC(tree4)(__m512 a0, __m512 a1, __m512 a2, __m512 a3, int mx) {
+  const __m512 x01 = DC(op)(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1), mx);
+  const __m512 x23 = DC(op)(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3), mx);
+  return DC(op)(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))),
+                _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))), mx);
+}
+
 static inline __attribute__((always_inline)) __m512 DC(lanes4)(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-  const __m512 x01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const __m512 x23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))),
-                       _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))));
+  return DC(tree4)(a0, a1, a2, a3, 0);
+}
+
+/* One DC(tree4) vector's four results, (L0 op L2) op (L1 op L3). */
+static inline __attribute__((always_inline)) __m128 DC(fold4)(__m512 y, int mx) {
+  const __m256 lo = _mm512_castps512_ps256(y), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1));
+  const __m256 z = mx ? _mm256_max_ps(lo, hi) : _mm256_add_ps(lo, hi);
+  return DC(op128)(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1), mx);
 }
 
 /* DC(rows4): four rows' vectors reduced together, each to its max (mx; no NaN lanes, so the order is free)
- * or its sum, in DC(lanes4)'s order, which is vsum_lanes' (ab_vec.h): the same bits as a row alone, for about
- * the cross-lane steps of one row (the softmax's per-row reductions were a serial chain, DC(softmax)). */
+ * or its sum, to out[0..3]: each row's result comes from its own vector alone, in the same order whatever
+ * the others (so a row has the same bits in any group), for about the cross-lane steps of one row (the
+ * softmax's per-row reductions were a serial chain, DC(softmax)). */
 static inline __attribute__((always_inline)) void DC(rows4)(__m512 a0, __m512 a1, __m512 a2, __m512 a3, int mx,
                                                            float* out) {
-  __m512 y;
-  if (mx) {
-    const __m512 x01 = _mm512_max_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 x23 = _mm512_max_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    y = _mm512_max_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))),
-                      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(x01), _mm512_castps_pd(x23))));
-    const __m256 z =
-        _mm256_max_ps(_mm512_castps512_ps256(y), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)));
-    _mm_storeu_ps(out, _mm_max_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)));
-    return;
-  }
-  y = DC(lanes4)(a0, a1, a2, a3);
-  const __m256 z =
-      _mm256_add_ps(_mm512_castps512_ps256(y), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)));
-  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)));
+  _mm_storeu_ps(out, DC(fold4)(DC(tree4)(a0, a1, a2, a3, mx), mx));
 }
 
 static inline __attribute__((always_inline)) void DC(sums4)(__m512 y, float scale, float* s, int64_t st) {
-  const __m256 z = _mm256_add_ps(_mm512_castps512_ps256(y), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(y), 1)));
-  DC(store4)(_mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(z), _mm256_extractf128_ps(z, 1)), _mm_set1_ps(scale)), s, st);
+  DC(store4)(_mm_mul_ps(DC(fold4)(y, 0), _mm_set1_ps(scale)), s, st);
 }
 
 static inline __attribute__((always_inline)) void DC(sums4x4)(__m512 y0, __m512 y1, __m512 y2, __m512 y3, float scale,
@@ -1524,10 +1530,9 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
 #define DC_KEY_PF(f, jj)                                                                                   \
   DC(pf) f = {NULL, v_ahead ? (const char*)vb + vo[(jj) - j] * (int64_t)es : NULL, ks2 * (int64_t)es,       \
               vs2 * (int64_t)es, D * (int64_t)es};                                                         \
-  if (!run->keys_ahead) {                                                                                   \
-  } else if ((jj) + DC_KEYS_AHEAD < je)                                                                     \
+  if (run->keys_ahead && (jj) + DC_KEYS_AHEAD < je)                                                        \
     f.k = (const char*)kb + ko[(jj) + DC_KEYS_AHEAD - j] * (int64_t)es;                                     \
-  else if ((jj) + DC_KEYS_AHEAD - je < nje - jn)                                                            \
+  else if (run->keys_ahead && (jj) + DC_KEYS_AHEAD - je < nje - jn)                                         \
     f.k = (const char*)kb + nko[(jj) + DC_KEYS_AHEAD - je] * (int64_t)es;
 #ifdef DC_NK
         /* DC_NK keys at a time (DC(key_group_scores)) where each token sees all of them or none */
