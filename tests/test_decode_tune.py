@@ -8,7 +8,7 @@ import torch
 
 import attn_backends as ab
 from attn_backends import _C
-from attn_backends._testing import decode_bf16_products
+from attn_backends._testing import decode_bf16_products, decode_tiles
 
 KEYS_NEXT, VALUES_AHEAD, PAGES_AHEAD, PV_KEYS, SCORES_BY_HEAD = 1, 2, 4, 8, 16
 ROUNDS, KEEP_CALLS = 4, 512  # csrc/cpu/decode_tune.h AB_TUNE_ROUNDS, AB_TUNE_KEEP_CALLS
@@ -121,6 +121,8 @@ def test_every_arm_is_timed_then_one_is_kept_with_the_same_bits(dtype, Hq, Hkv, 
     if dtype == torch.bfloat16 and isa == "avx2":
         free &= ~PV_KEYS  # step 3 takes a bfloat16 cache's value columns by pairs there, head by head
     free |= by_head(dtype, Hq // Hkv)  # step 1's order, with bfloat16 products
+    if decode_tiles(dtype, Hq // Hkv, 64):
+        free = PAGES_AHEAD  # on tiles only the pages ahead change what a call does (decode_cpu.c tunable)
     call = decode_call(gen, dtype, Hq, Hkv, block)
     want = call()
     arms = 1 << bin(free).count("1")
@@ -180,6 +182,8 @@ def test_a_forced_switch_is_not_timed(tuner, monkeypatch, gen):
 def test_only_switches_that_change_the_call_are_timed(dtype, Hq, Hkv, Sq, free, tuner, gen):
     if free == "row path":  # the row path with bfloat16 products, else tiled
         free = (KEYS_NEXT | PAGES_AHEAD | by_head(dtype, Hq // Hkv)) if decode_bf16_products(dtype) else 0
+        if decode_tiles(dtype, Hq // Hkv, 64, Sq):
+            free = PAGES_AHEAD  # on tiles only the pages ahead change what a call does (decode_cpu.c tunable)
     call = decode_call(gen, dtype, Hq, Hkv, B=1, S=200, Sq=Sq)
     call()
     state = _C.decode_tune_state()

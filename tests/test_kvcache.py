@@ -348,6 +348,7 @@ def test_bfloat16_caches_with_and_without_the_bf16_products(case, products, monk
     if products == "bf16_dot" and not _C.cpu_features().get("avx512_bf16"):
         pytest.skip("this CPU has no AVX512_BF16")
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "1" if products == "bf16_dot" else "0")
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX", "0")  # the vector products (tiles: test_tiles_*)
     before = _C.cpu_isa()
     assert _C.set_cpu_isa("avx512" if _C.cpu_isa_supported("avx512") else before)
     try:
@@ -362,6 +363,7 @@ def test_the_bf16_products_switch_takes_effect(monkeypatch, gen):
     if not (_C.cpu_features().get("avx512_bf16") and _C.cpu_isa_supported("avx512")):
         pytest.skip("this CPU has no AVX512_BF16")
     call = Call(KV(B=2, Hq=8, Hkv=2, D=128, S=300, seqlens=None, dtype=torch.bfloat16), gen)
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX", "0")  # the vector products (tiles: test_tiles_*)
     before = _C.cpu_isa()
     assert _C.set_cpu_isa("avx512")
     try:
@@ -372,6 +374,129 @@ def test_the_bf16_products_switch_takes_effect(monkeypatch, gen):
     finally:
         _C.set_cpu_isa(before)
     assert not torch.equal(outs[0], outs[1])
+
+
+# ---- steps 1 and 3 on AMX tiles (csrc/cpu/decode_cpu_impl.h, "Tiles") -----------------------------------
+# The AMX paths' decode kernel takes one-token GQA calls over a bfloat16 cache (2 to 16 query heads per KV head,
+# D a multiple of 32 up to 256) on tiles; amx_emu runs the same code on emulated tiles on every CPU, amx on
+# real ones where the CPU has them.  ATTN_BACKENDS_DECODE_AMX=1 takes them whatever the working set.
+
+TILE_ISAS = [i for i in ("amx_emu", "amx") if _C.cpu_isa_supported(i)]
+
+TILE_CASES = [
+    # G = 4, lengths 0, full and random: chunks that end past 16 and before it
+    KV(B=3, Hq=8, Hkv=2, D=128, S=300, dtype=torch.bfloat16),
+    # pages of 16 under a shuffled table: each 16 keys one tile straight from its page
+    KV(B=2, Hq=32, Hkv=8, D=128, S=200, block=16, dtype=torch.bfloat16),
+    # G = 5; pages of 48 and leftpads: tiles whose keys straddle two pages, chunks that start inside a page
+    KV(B=3, Hq=10, Hkv=2, D=64, S=150, block=48, leftpad=True, snew=1, causal=True, dtype=torch.bfloat16),
+    # G = 16, D = 256, a new key rotated into the cache first
+    KV(B=1, Hq=16, Hkv=1, D=256, S=70, seqlens=60, rotary="neox", snew=1, dtype=torch.bfloat16),
+    # G = 2, D = 32, rows picked by cache_batch_idx; softcap, ALiBi and sinks in the softmax between the tiles
+    KV(B=2, Hq=4, Hkv=2, D=32, S=90, batch_idx=True, softcap=3.0, alibi="bh", sinks=True, dtype=torch.bfloat16),
+    # G = 3, D = 96 (three blocks of 32), a window
+    KV(B=2, Hq=12, Hkv=4, D=96, S=130, window=(40, 0), causal=True, leftpad=True, dtype=torch.bfloat16),
+]
+
+
+@pytest.fixture(params=TILE_ISAS)
+def tiles(request, monkeypatch):
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX", "1")
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa(before)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("case", TILE_CASES, ids=str)
+def test_tiles_match_the_reference(case, splits, tiles, gen):
+    call = Call(case, gen)
+    call.check(*call.run("paged_attention", num_splits=splits))
+
+
+def test_tiles_take_the_calls_they_serve_and_only_those(tiles, monkeypatch, gen):
+    # on the emulated tiles the lse bits differ from those of the vector kernel (ATTN_BACKENDS_DECODE_AMX=0: the
+    # float32 products there); a call the tiles do not serve (two tokens, MHA, float16, D = 72) gives the vector
+    # kernel's bits whatever the switch says.  On real tiles (amx) the served call is not checked: on the one
+    # Xeon measured, tdpbf16ps gave the bits of the vector path's vdpbf16ps and its reduction
+    served = KV(B=2, Hq=8, Hkv=2, D=128, S=300, seqlens=None, dtype=torch.bfloat16)
+    others = [KV(B=2, Sq=2, Hq=8, Hkv=2, D=128, S=300, dtype=torch.bfloat16),
+              KV(B=2, Hq=4, Hkv=4, D=64, S=100, dtype=torch.bfloat16),
+              KV(B=2, Hq=8, Hkv=2, D=64, S=100, dtype=torch.float16),
+              KV(B=2, Hq=8, Hkv=2, D=72, S=100, dtype=torch.bfloat16)]
+    for case in [served] + others:
+        call = Call(case, gen)
+        outs = []
+        for on in ("1", "0"):
+            monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX", on)
+            outs.append(call.reset().run("paged_attention"))
+        same = torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][0], outs[1][0])
+        if case is not served or tiles == "amx_emu":
+            assert same == (case is not served), case
+
+
+@pytest.mark.parametrize("block", [16, 48])
+def test_tiles_give_a_paged_cache_the_dense_bits(block, tiles, gen):
+    # a tile of 16 keys comes straight from one page or, straddling two, through scratch: the same rows either
+    # way, so the same bits as the dense cache; leftpads start chunks at odd keys inside a page
+    dtype, B, (Hq, Hkv), D, nb = torch.bfloat16, 3, (8, 2), 64, 9
+    S = nb * block
+    q = torch.randn(B, 1, Hq, D, generator=gen).to(dtype)
+    k = torch.randn(B, S, Hkv, D, generator=gen).to(dtype)
+    v = torch.randn(B, S, Hkv, D, generator=gen).to(dtype)
+    perm = torch.randperm(B * nb, generator=gen)
+    table = perm.view(B, nb).to(torch.int32)
+    pk = torch.empty(B * nb, block, Hkv, D, dtype=dtype)
+    pv = torch.empty_like(pk)
+    pk[perm] = k.reshape(B * nb, block, Hkv, D)
+    pv[perm] = v.reshape(B * nb, block, Hkv, D)
+    seqlens = torch.tensor([S, 37, 5 * block + 3], dtype=torch.int32)
+    leftpad = torch.tensor([0, 9, 17], dtype=torch.int32)
+    for splits in (1, 3):
+        kw = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, num_splits=splits, return_softmax_lse=True,
+                  backend="paged_attention", strict=True)
+        with torch.inference_mode():
+            dense = ab.attention_with_kvcache(q, k, v, **kw)
+            paged = ab.attention_with_kvcache(q, pk, pv, block_table=table, **kw)
+        assert torch.equal(dense[0], paged[0]) and torch.equal(dense[1], paged[1])
+        ref = _ref64(q, k, v)  # row 0 sees the whole cache
+        assert (dense[0][0].double() - ref[0]).abs().max() < 2e-2
+
+
+def test_tiles_weigh_values_by_the_rounded_weights(tiles):
+    # as test_bf16_products_weigh_values_by_the_rounded_weights, two query heads per KV head: value rows of
+    # 1000 under weights that bfloat16 rounds give exactly 1000
+    D, Sk = 32, 64
+    sc = torch.full((Sk,), -60.0)
+    sc[0], sc[1:32], sc[32] = 0.0, -2.0, 0.1
+    k = torch.zeros(1, Sk, 1, D)
+    k[0, :, 0, 0] = sc
+    q = torch.zeros(1, 1, 2, D)
+    q[..., 0] = 1.0
+    v = torch.full((1, Sk, 1, D), 1000.0)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    with torch.no_grad():
+        for splits in (1, 2):
+            out = ab.attention_with_kvcache(q, k, v, softmax_scale=1.0, num_splits=splits)
+            assert torch.equal(out, torch.full_like(out, 1000.0)), (splits, out.flatten()[:4])
+
+
+def test_tiles_keep_a_q_that_bfloat16_would_flush(tiles, gen):
+    # a q whose bfloat16 times 2**qexp would be subnormal (read as 0 by the tiles as by vdpbf16ps) goes to the
+    # float32 products, on tiles' paths too
+    q = (torch.randn(1, 1, 8, 64, generator=gen) * 1e-37).bfloat16()
+    k = (torch.randn(1, 256, 2, 64, generator=gen) * 1e37).bfloat16()
+    v = torch.randn(1, 256, 2, 64, generator=gen).bfloat16()
+    with torch.no_grad():
+        out = ab.attention_with_kvcache(q, k, v)
+    ref = _ref64(q, k, v)
+    assert (out.double() - ref).abs().max() < 2e-2
+
+
+def test_tiles_leave_garbage_outside_the_rows_alone(tiles, gen):
+    check_garbage_outside_rows(KV(B=3, Hq=8, Hkv=2, D=64, S=90, block=16, snew=1, leftpad=True, causal=True,
+                                  dtype=torch.bfloat16), gen, lambda call: call.run("paged_attention"))
 
 
 def _bf16_products_or_skip():
@@ -438,6 +563,7 @@ def test_bf16_products_weigh_values_by_the_rounded_weights(on, monkeypatch):
     if on == "1":
         _bf16_products_or_skip()
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", on)
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX", "0")  # the vector products (tiles: test_tiles_*)
     D, Sk = 32, 64
     sc = torch.full((Sk,), -60.0)
     sc[0], sc[1:32], sc[32] = 0.0, -2.0, 0.1  # chunk 0: its max and 31 keys at -2; chunk 1: a larger score
@@ -466,6 +592,7 @@ def test_bf16_products_keep_a_q_that_bfloat16_would_flush(monkeypatch, gen):
     # Such a call now runs the float32 products.
     _bf16_products_or_skip()
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "1")
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX", "0")  # the vector products (tiles: test_tiles_*)
     q = (torch.randn(1, 1, 4, 64, generator=gen) * 1e-37).bfloat16()
     k = (torch.randn(1, 256, 4, 64, generator=gen) * 1e37).bfloat16()
     v = torch.randn(1, 256, 4, 64, generator=gen).bfloat16()
@@ -632,6 +759,7 @@ def test_step_1_head_by_head_leaves_the_bits_alone(case, splits, monkeypatch, ge
     if not (_C.cpu_features().get("avx512_bf16") and _C.cpu_isa_supported("avx512")):
         pytest.skip("this CPU has no AVX512_BF16: no bfloat16 products to reorder")
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "1")
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX", "0")  # the vector products: step 1's order is theirs
     call = Call(case, gen)
     call.check(*_same_bits_off_and_on(call, "SCORES_BY_HEAD", "avx512", splits, monkeypatch))
 

@@ -4,8 +4,9 @@
  *
  * bfloat16 flash forward and backward, float16 forward (on AMX-FP16 CPUs) and sage run on tiles
  * (flash_amx_{fwd,bwd}_impl.h, sage_amx_impl.h); every other call runs the AVX-512 vector kernels
- * (compiled here once more so the tile kernels can use their pieces), decode the AVX-512 one of
- * cpu_avx512.c.  Exports ab_cpu_amx (cpu_kernels.h).  The path is
+ * (compiled here once more so the tile kernels can use their pieces); decode is the AVX-512 kernel
+ * compiled here once more, with its steps 1 and 3 on tiles for the calls decode_cpu.c's amx_tiles admits
+ * (ab_decode_cpu_amx_vec; decode_cpu_impl.h, "Tiles").  Exports ab_cpu_amx (cpu_kernels.h).  The path is
  * selectable only where CPUID, XCR0 and the kernel's tile-data permission all say yes
  * (cpu_isa.c), and it is not the default: on AMX hardware it is correct but not faster than torch SDPA (docs/amx.md).
  * A compiler without AMX support builds an empty table, which dispatch reports as not built.
@@ -17,7 +18,8 @@
 #define AB_AMX_SFX _amx
 #define AB_AMX_NAME "amx"
 #define AB_AMX_SAGE_NAME "amx_int8"
-#define AB_DECODE_TABLE ab_decode_cpu_avx512
+#define AB_ISA_DECODE 1
+#define AB_DECODE_TABLE ab_decode_cpu_amx_vec
 #define AB_TABLE ab_cpu_amx
 #include "cpu_isa_impl.h"
 #else

@@ -2,8 +2,9 @@
  * instructions (ab_amx.h), built with the generic flags, so their tiling, packing and indexing run
  * and are tested on any CPU.  Selected only by ATTN_BACKENDS_CPU_ISA=amx_emu or
  * _C.set_cpu_isa("amx_emu") (the tests): it computes what the real path computes, slowly.
- * Calls the tiles do not serve (float32 flash, float16 backward) run the generic vector kernels,
- * decode the generic one of cpu_generic.c.  Exports ab_cpu_amx_emu (cpu_kernels.h).
+ * Calls the tiles do not serve (float32 flash, float16 backward) run the generic vector kernels;
+ * decode is the generic kernel compiled here once more, with its steps 1 and 3 on the emulated tiles
+ * for the calls decode_cpu.c's amx_tiles admits.  Exports ab_cpu_amx_emu (cpu_kernels.h).
  */
 #define AB_AMX_EMULATE 1
 #define AB_ISA_SFX _amx_emu_vec
@@ -11,7 +12,8 @@
 #define AB_AMX_SFX _amx_emu
 #define AB_AMX_NAME "amx_emu"
 #define AB_AMX_SAGE_NAME "amx_emu"
-#define AB_DECODE_TABLE ab_decode_cpu_generic
+#define AB_ISA_DECODE 1
+#define AB_DECODE_TABLE ab_decode_cpu_amx_emu_vec
 #define AB_TABLE ab_cpu_amx_emu
 #include "cpu_isa_impl.h"
 

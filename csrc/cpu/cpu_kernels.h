@@ -36,8 +36,8 @@ typedef struct ab_cpu_kernels {
   size_t (*sage_workspace_size)(const ab_attn_params* p);
   ab_status (*sage_fwd)(const ab_attn_params* p, void* workspace, size_t workspace_bytes, const ab_cpu_pool* pool,
                         ab_error* err);
-  /* the KV-cache decode kernel this path runs (the AMX paths run a vector one: decode has no tile
-   * kernel) */
+  /* the KV-cache decode kernel this path runs (the AMX paths: their vector one with steps 1 and 3 on
+   * tiles where decode_cpu.c's amx_tiles admits a call) */
   const struct ab_decode_cpu_table* decode;
   double (*fma_rate)(double seconds); /* float32 flop/s of one thread on this path */
 } ab_cpu_kernels;

@@ -25,14 +25,24 @@
  * rows' softmax state and accumulators per tile. */
 #define MAX_ITEM_ROWS 64
 
-/* The decode kernel of the running path, from its table (cpu_<isa>.c): the AMX paths have none of
- * their own (decode streams K and V once: no tile reuse to gain) and list the vector one they are
- * built on, AVX-512 for amx and generic for amx_emu. */
-static const ab_decode_cpu_table* decode_table(void) { return ab_cpu_kernels_get()->decode; }
-
 int ab_env_switch(const char* name) {
   const char* env = getenv(name);
   return env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0) ? env[0] == '1' : -1;
+}
+
+/* The decode kernel of the running path, from its table (cpu_<isa>.c).  The AMX paths' kernels are their
+ * vector one (AVX-512 for amx, generic for amx_emu) with steps 1 and 3 on tiles for the calls amx_tiles
+ * admits.  The avx512 path of a CPU whose AMX tiles are usable decodes with the amx path's kernel too
+ * (ATTN_BACKENDS_DECODE_AMX=0, read at every call, keeps it on its own): on an Intel Xeon with AMX, the
+ * products are what holds bfloat16 GQA decode back (docs/decode.md, "Tiles"). */
+static const ab_decode_cpu_table* decode_table(void) {
+  const ab_cpu_kernels* k = ab_cpu_kernels_get();
+  if (ab_cpu_isa_get() == AB_ISA_AVX512 && ab_cpu_isa_supported(AB_ISA_AMX) &&
+      ab_env_switch("ATTN_BACKENDS_DECODE_AMX") != 0) {
+    const ab_decode_cpu_table* t = ab_cpu_kernels_for(AB_ISA_AMX)->decode;
+    if (t && t->attend) return t;
+  }
+  return k->decode;
 }
 
 /* Whether the bfloat16 products of decode_cpu_impl.h run: a bfloat16 cache, the AVX-512 path (or
@@ -45,7 +55,22 @@ int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype) {
   return ab_env_switch("ATTN_BACKENDS_DECODE_BF16_DOT") != 0;
 }
 
-static int bf16_dot(const ab_kvcache_params* p) { return ab_kvcache_cpu_bf16_products(p->k_cache.dtype); }
+/* Whether steps 1 and 3 of p can go on tiles (decode_cpu_impl.h, "Tiles"; amx_rule says whether they do): a
+ * kernel with tiles (an AMX path's, decode_table), a bfloat16 cache, one query token, 2 to 16 query heads per
+ * KV head (a tile's G columns; MHA reads at the bandwidth with the vector products already), D a multiple of
+ * 32 up to 256; not with ATTN_BACKENDS_DECODE_AMX=0 or ATTN_BACKENDS_DECODE_BF16_DOT=0 (no bfloat16 products
+ * at all; both read at every call). */
+static int amx_tiles(const ab_kvcache_params* p) {
+  if (!decode_table()->tiles || p->k_cache.dtype != AB_DTYPE_BF16 || p->Hkv <= 0) return 0;
+  const int64_t G = p->Hq / p->Hkv;
+  return p->Sq == 1 && G >= 2 && G <= 16 && p->D % 32 == 0 && p->D <= 256 &&
+         ab_env_switch("ATTN_BACKENDS_DECODE_AMX") != 0 && ab_env_switch("ATTN_BACKENDS_DECODE_BF16_DOT") != 0;
+}
+
+/* bfloat16 q and P, on vdpbf16ps (ab_kvcache_cpu_bf16_products) or on tiles (amx_tiles) */
+static int bf16_dot(const ab_kvcache_params* p) {
+  return ab_kvcache_cpu_bf16_products(p->k_cache.dtype) || amx_tiles(p);
+}
 
 /* The AVX-512 path of an AMD CPU (Zen 4), where the prefetch rules below were measured. */
 static int amd_avx512(void) { return ab_cpu_isa_get() == AB_ISA_AVX512 && ab_cpu_vendor_detect() == AB_VENDOR_AMD; }
@@ -58,6 +83,13 @@ static int forced_or(const char* name, int rule) {
   const int forced = ab_env_switch(name);
   return forced >= 0 ? forced : rule;
 }
+
+/* Whether a call amx_tiles admits goes on tiles: where its caches fit the L3 (not from_dram).  On an Intel
+ * Xeon with AMX (2 cores, bfloat16 GQA, calls drawn at random against the vector products): 0.83-0.88x the
+ * time with the cache in the L3, but 1.04-1.07x from DRAM, where the tiles' head-by-head loads of key rows
+ * wait longer than the vector path's key-by-key stream with its requests ahead (docs/decode.md, "Tiles").
+ * ATTN_BACKENDS_DECODE_AMX=1 forces the tiles from DRAM too, =0 keeps them off. */
+static int amx_rule(int dram) { return forced_or("ATTN_BACKENDS_DECODE_AMX", !dram); }
 
 /* Decode's own working set: the caches (by K's address) that the last RECENT_CALLS calls read, and
  * how many K and V bytes each call read from its cache.  A model reads a cache per layer per token,
@@ -182,12 +214,14 @@ static int eo_pairs(const ab_kvcache_params* p) {
  * in MHA of one token over a float32 cache (always asked for elsewhere); step 3 key by key (pv_keys) in
  * MHA of one token, but where step 3 takes value columns by pairs (eo_pairs); and step 1 head by head
  * (scores_by_head) where the kernel can take it: bfloat16 products, G a multiple of four, D <= 128. */
-static uint32_t tunable(const ab_kvcache_params* p, int bf, int64_t hg) {
+static uint32_t tunable(const ab_kvcache_params* p, int bf, int am, int64_t hg) {
   const int64_t G = p->Hq / p->Hkv, HG = hg * G;
   const int64_t tt = ab_decode_tile_tokens(HG);
   const int64_t first = p->Sq < tt ? p->Sq : tt, last = p->Sq % tt ? p->Sq % tt : first;
   const int rows_path = bf || first * G < AB_DECODE_TILED_ROWS || last * G < AB_DECODE_TILED_ROWS;
   uint32_t free = 0;
+  if (am) /* on tiles only the pages ahead change what a call does */
+    return ab_env_switch("ATTN_BACKENDS_DECODE_PAGES_AHEAD") < 0 ? AB_TUNE_PAGES_AHEAD : 0;
   if (rows_path && !(G == 1 && p->k_cache.dtype != AB_DTYPE_F32) &&
       ab_env_switch("ATTN_BACKENDS_DECODE_KEYS_NEXT") < 0)
     free |= AB_TUNE_KEYS_NEXT;
@@ -751,22 +785,26 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   ab_par_status st = {AB_OK, err};
   const double bytes = kv_bytes(p, keys);
   const int dram = from_dram(p, bytes);
+  /* tiles where they pay (amx_rule); bf may have gone to 0 (prepare_q): then the vector products, and a path
+   * without them (amx_emu) takes the float32 ones */
+  const int am = bf && amx_tiles(p) && amx_rule(dram);
+  if (bf && !am && !ab_kvcache_cpu_bf16_products(p->k_cache.dtype)) bf = 0;
   const int64_t hg = heads_per_item(p, threads);
   const int64_t G = p->Hq / p->Hkv, block_size = paged(p) ? p->k_cache.sizes[1] : 0;
   const uint32_t rule = (keys_next(dram) ? AB_TUNE_KEYS_NEXT : 0) | (values_ahead() ? AB_TUNE_VALUES_AHEAD : 0) |
                         (pages_ahead(dram) ? AB_TUNE_PAGES_AHEAD : 0) | (pv_keys() ? AB_TUNE_PV_KEYS : 0) |
-                        (bf && scores_by_head(dram, block_size) ? AB_TUNE_SCORES_BY_HEAD : 0);
-  const ab_decode_tune_kind kind = {(int32_t)ab_cpu_isa_get(), (int32_t)p->k_cache.dtype, bf, (int32_t)block_size,
+                        (bf && !am && scores_by_head(dram, block_size) ? AB_TUNE_SCORES_BY_HEAD : 0);
+  const ab_decode_tune_kind kind = {(int32_t)ab_cpu_isa_get(), (int32_t)p->k_cache.dtype, bf + am, (int32_t)block_size,
                                     (int32_t)G, p->Sq == 1};
   ab_decode_tune_ticket ticket;
-  const uint32_t set = ab_decode_tune_begin(&kind, rule, tune(dram) && keys > 0 ? tunable(p, bf, hg) : 0, &ticket);
+  const uint32_t set = ab_decode_tune_begin(&kind, rule, tune(dram) && keys > 0 ? tunable(p, bf, am, hg) : 0, &ticket);
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        G, hg, nsplit, block_size, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, !!(set & AB_TUNE_KEYS_NEXT), !!(set & AB_TUNE_VALUES_AHEAD),
                        !!(set & AB_TUNE_PAGES_AHEAD), bf && !!(set & AB_TUNE_SCORES_BY_HEAD), !bf && four_keys(p, dram),
-                       !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS), bf && softmax_keys(),
+                       !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS), bf && !am && softmax_keys(),
                        keys_ahead(dram),
-                       (float)ldexp(p->scale, -qexp)};
+                       (float)ldexp(p->scale, -qexp), am};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   const double t0 = ticket.round >= 0 ? seconds_now() : 0.0;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));

@@ -137,6 +137,9 @@ typedef struct ab_decode_run {
   int32_t keys_ahead;     /* step 1 asks for the key row two keys ahead into L1 (decode_cpu.c) */
   float bf_scale;         /* bf16_dot only: what multiplies a float32 score, the scale over the power of two
                              q was multiplied by before its rounding (ab_half.h, ab_bf16_scale_exp) */
+  int32_t amx;            /* bf16_dot on a table with tiles: steps 1 and 3 on AMX tiles (decode_cpu_impl.h, "Tiles";
+                             decode_cpu.c amx_tiles: one query token, 2 to 16 query heads per KV head, D a multiple
+                             of 32 up to 256) */
 } ab_decode_run;
 
 typedef struct ab_decode_cpu_table {
@@ -148,6 +151,9 @@ typedef struct ab_decode_cpu_table {
    * products and rb is not read (prepare_q in decode_cpu.c; on the AVX-512 path vcvtne2ps2bf16, which takes a
    * subnormal input as 0: such an input is lost either way) */
   int (*q_bf16)(const float* row, uint16_t* rb, int64_t n, int qexp);
+  /* 1: the kernel of an AMX path (cpu_amx.c, real tiles; cpu_amx_emu.c, emulated ones), which takes steps 1
+   * and 3 of the calls decode_cpu.c's amx_tiles admits on tiles; 0: a vector path's */
+  int tiles;
 } ab_decode_cpu_table;
 
 /* The current path's q_bf16 on n floats (tests: _C.decode_q_bf16). */
@@ -170,6 +176,8 @@ static inline float ab_decode_add_sink(float lse, float s, float* factor) {
 extern const ab_decode_cpu_table ab_decode_cpu_generic;
 extern const ab_decode_cpu_table ab_decode_cpu_avx2;
 extern const ab_decode_cpu_table ab_decode_cpu_avx512;
+extern const ab_decode_cpu_table ab_decode_cpu_amx_vec;     /* cpu_amx.c: the avx512 kernel with tiles */
+extern const ab_decode_cpu_table ab_decode_cpu_amx_emu_vec; /* cpu_amx_emu.c: the generic one with emulated tiles */
 
 #ifdef __cplusplus
 }

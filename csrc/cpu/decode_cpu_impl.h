@@ -912,6 +912,17 @@ static inline __attribute__((always_inline)) void DC(pv_keys_bf)(float* acc, int
     }
 }
 
+#else
+#define DC_BF16 0
+#endif
+
+#if defined(AB_AMX_SFX)
+#define DC_AMX 1
+#else
+#define DC_AMX 0
+#endif
+
+#if DC_BF16 || DC_AMX
 /* An accumulator row back in column order (see above), in place, dpad a multiple of 32. */
 static inline void DC(bf_unpermute)(float* acc, int64_t dpad) {
   for (int64_t d = 0; d < dpad; d += 32) {
@@ -923,9 +934,171 @@ static inline void DC(bf_unpermute)(float* acc, int64_t dpad) {
     memcpy(acc + d, t, sizeof t);
   }
 }
-#else
-#define DC_BF16 0
 #endif
+
+#if DC_AMX
+#include "ab_amx.h"
+/* ---- tiles (AMX-BF16): steps 1 and 3 of one-token GQA decode over a bfloat16 cache -------------
+ *
+ * Where the vector products are what holds decode back (an Intel Xeon issues one vdpbf16ps per 0.6 ns,
+ * a quarter of its FMA rate: bfloat16 GQA ran at 38 ns per key and KV head on one core with the cache in
+ * the L3, against 20 ns of memory time per thread from DRAM), the AMX paths' kernel (cpu_amx.c, and
+ * cpu_amx_emu.c on emulated tiles) takes the products of the calls decode_cpu.c's amx_tiles admits (one
+ * query token, G = Hq / Hkv from 2 to 16, D a multiple of 32 up to 256, run->amx) on tiles, per KV head
+ * and chunk of 32 keys:
+ *   - step 1, S^T = K Q^T: A is 16 key rows of the head straight from the cache (tileloadd at the
+ *     cache's row stride; rows that are not one stride apart, at a page's end or past the chunk's
+ *     end, are copied to scratch first, zero past the end), B the head's G query rows as VNNI pairs of
+ *     q (packed once per tile, DC(amx_q)), C the 16 keys' G scores; D / 32 products per 16 keys; the
+ *     scores are then written to S row by row, times run->bf_scale, as the vector path leaves them;
+ *   - step 2, the softmax, is the vector path's, and P is rounded to bfloat16 pairs (DC(p_to_bf16));
+ *   - step 3, O += P V: A is the head's G rows of P (32 keys, 16 pairs), B the chunk's value rows
+ *     interleaved by pairs of keys as the vector path's unpacklo/hi_epi16 interleave them (DC(amx_pack_v)),
+ *     16 columns a tile, so the accumulators keep the vector path's permuted columns (DC(bf_unpermute)
+ *     puts them back), C the accumulators of those 16 columns, loaded from and stored to the tile's
+ *     scratch around each product.
+ * The sums are the tile unit's, not vdpbf16ps's: the bits differ from the vector path's (both within the
+ * correctness rule), and are the same for a dense and a paged cache (the tiles hold the same rows). */
+#define DC_AMX_S0 0 /* scores of keys 0-15 of the chunk: 16 rows x G floats */
+#define DC_AMX_S1 1 /* keys 16-31 */
+#define DC_AMX_K0 2 /* 16 key rows x 32 elements */
+#define DC_AMX_K1 7
+#define DC_AMX_Q 3 /* 16 pairs of q elements x G rows */
+#define DC_AMX_P 4 /* G rows of P x 16 pairs of keys */
+#define DC_AMX_V 5 /* 16 pairs of value rows x 16 columns */
+#define DC_AMX_O 6 /* G accumulator rows x 16 columns */
+
+static void DC(amx_config)(int64_t G) {
+  ab_tilecfg c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  const uint16_t g4 = (uint16_t)(G * 4);
+  c.rows[DC_AMX_S0] = c.rows[DC_AMX_S1] = c.rows[DC_AMX_Q] = 16;
+  c.colsb[DC_AMX_S0] = c.colsb[DC_AMX_S1] = c.colsb[DC_AMX_Q] = g4;
+  c.rows[DC_AMX_K0] = c.rows[DC_AMX_K1] = c.rows[DC_AMX_V] = 16;
+  c.colsb[DC_AMX_K0] = c.colsb[DC_AMX_K1] = c.colsb[DC_AMX_V] = 64;
+  c.rows[DC_AMX_P] = c.rows[DC_AMX_O] = (uint8_t)G;
+  c.colsb[DC_AMX_P] = c.colsb[DC_AMX_O] = 64;
+  AMX_CONFIG(&c);
+}
+
+/* One head's G query rows (bfloat16, rb + g * dpad) as the B operand of step 1, D / 32 tiles of 16 rows x G
+ * words: word (r, g) of tile db is the pair (q_g[32 db + 2r], q_g[32 db + 2r + 1]). */
+static inline void DC(amx_q)(const uint16_t* rb, int64_t dpad, int64_t G, int64_t D, uint32_t* qt) {
+  for (int64_t db = 0; db < D / 32; ++db)
+    for (int64_t r = 0; r < 16; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        const uint16_t* x = rb + g * dpad + db * 32 + 2 * r;
+        qt[(db * 16 + r) * G + g] = (uint32_t)x[0] | (uint32_t)x[1] << 16;
+      }
+}
+
+/* Step 1 on tiles for one head: the scores of the chunk's nk keys (rows at kb + ko[i] + hoff) against its G
+ * query rows (qt, DC(amx_q)), times scale, into S (row g at S + g * DC_CHUNK, key i at [i]).  Each 16 keys' rows
+ * go to a tile straight from the cache where they are one stride apart, else (a page's end, the chunk's end)
+ * through kt (16 rows of D, zero past nk); st: scratch for 32 x G floats. */
+static inline void DC(amx_scores)(const uint16_t* kb, const int64_t* ko, int64_t nk, int64_t hoff, int64_t D,
+                                  int64_t G, const uint32_t* qt, float scale, float* S, uint16_t* kt, float* st) {
+  const uint16_t* base[2] = {kb, kb};
+  int64_t stride[2] = {0, 0};
+  for (int x = 0; x < 2 && 16 * x < nk; ++x) {
+    const int64_t* o = ko + 16 * x;
+    const int64_t n = nk - 16 * x < 16 ? nk - 16 * x : 16;
+    int uniform = n == 16;
+    for (int64_t i = 2; i < n && uniform; ++i) uniform = o[i] - o[i - 1] == o[1] - o[0];
+    if (uniform) {
+      base[x] = kb + o[0] + hoff;
+      stride[x] = (o[1] - o[0]) * (int64_t)sizeof(uint16_t);
+    } else {
+      uint16_t* dst = kt + 16 * x * D;
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i < n)
+          memcpy(dst + i * D, kb + o[i] + hoff, (size_t)D * sizeof(uint16_t));
+        else
+          memset(dst + i * D, 0, (size_t)D * sizeof(uint16_t));
+      }
+      base[x] = dst;
+      stride[x] = D * (int64_t)sizeof(uint16_t);
+    }
+  }
+  const int two = nk > 16;
+  AMX_ZERO(DC_AMX_S0);
+  if (two) AMX_ZERO(DC_AMX_S1);
+  for (int64_t db = 0; db < D / 32; ++db) {
+    AMX_LOAD(DC_AMX_Q, qt + db * 16 * G, G * 4);
+    AMX_LOAD(DC_AMX_K0, base[0] + db * 32, stride[0]);
+    AMX_DPBF16(DC_AMX_S0, DC_AMX_K0, DC_AMX_Q);
+    if (two) {
+      AMX_LOAD(DC_AMX_K1, base[1] + db * 32, stride[1]);
+      AMX_DPBF16(DC_AMX_S1, DC_AMX_K1, DC_AMX_Q);
+    }
+  }
+  AMX_STORE(DC_AMX_S0, st, G * 4);
+  if (two) AMX_STORE(DC_AMX_S1, st + 16 * G, G * 4);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t i = 0; i < nk; ++i) S[g * DC_CHUNK + i] = st[i * G + g] * scale;
+}
+
+/* The chunk's value rows of one head (vb + vo[i] + hoff, i < nk) as the B operands of step 3: for each block
+ * of 32 columns, two tiles (its lo and hi halves) of 16 rows, row r the keys (2r, 2r + 1) interleaved as
+ * unpacklo / unpackhi_epi16 interleave them (DC(pvbf_rows)); a key past nk is a zero row. */
+static inline void DC(amx_pack_v)(const uint16_t* vb, const int64_t* vo, int64_t hoff, int64_t nk, int64_t D,
+                                  uint16_t* vp) {
+  for (int64_t r = 0; r < 16; ++r) {
+    const uint16_t* a = 2 * r < nk ? vb + vo[2 * r] + hoff : NULL;
+    const uint16_t* b = 2 * r + 1 < nk ? vb + vo[2 * r + 1] + hoff : NULL;
+    for (int64_t db = 0; db < D / 32; ++db) {
+      uint16_t* lo = vp + ((db * 2) * 16 + r) * 32;
+      uint16_t* hi = lo + 16 * 32;
+#if DC_BF16
+      const __m512i x = a ? _mm512_loadu_si512((const void*)(a + db * 32)) : _mm512_setzero_si512();
+      const __m512i y = b ? _mm512_loadu_si512((const void*)(b + db * 32)) : _mm512_setzero_si512();
+      _mm512_storeu_si512((void*)lo, _mm512_unpacklo_epi16(x, y));
+      _mm512_storeu_si512((void*)hi, _mm512_unpackhi_epi16(x, y));
+#else
+      for (int i = 0; i < 16; ++i) { /* lane i of the lo half: column (i / 4) * 8 + i % 4; of the hi half: + 4 */
+        const int64_t c = db * 32 + (i / 4) * 8 + i % 4;
+        lo[2 * i] = a ? a[c] : 0;
+        lo[2 * i + 1] = b ? b[c] : 0;
+        hi[2 * i] = a ? a[c + 4] : 0;
+        hi[2 * i + 1] = b ? b[c + 4] : 0;
+      }
+#endif
+    }
+  }
+}
+
+/* Step 3 on tiles for one head: acc (G rows, dpad apart, permuted columns) += P V over the chunk's keys, P the
+ * head's G rows as bfloat16 pairs (DC(p_to_bf16): row g at P + g * DC_CHUNK floats, zero past the chunk's end),
+ * V packed by DC(amx_pack_v) into vp. */
+static inline void DC(amx_pv)(float* acc, int64_t dpad, const float* P, const uint16_t* vp, int64_t D) {
+  AMX_LOAD(DC_AMX_P, P, DC_CHUNK * (int64_t)sizeof(float));
+  for (int64_t c = 0; c < D / 16; ++c) {
+    AMX_LOAD(DC_AMX_O, acc + c * 16, dpad * (int64_t)sizeof(float));
+    AMX_LOAD(DC_AMX_V, vp + c * 16 * 32, 64);
+    AMX_DPBF16(DC_AMX_O, DC_AMX_P, DC_AMX_V);
+    AMX_STORE(DC_AMX_O, acc + c * 16, dpad * (int64_t)sizeof(float));
+  }
+}
+
+#if !DC_BF16
+/* DC(p_to_bf16) of the vector path, element by element (the emulated tiles' build): the same rounding, the
+ * rounded weights summed in order. */
+static inline void DC(p_to_bf16)(float* P, int64_t n, float* lb) {
+  for (int64_t r = 0; r < n; ++r) {
+    float* row = P + r * DC_CHUNK;
+    uint16_t t[DC_CHUNK];
+    float sum = 0.0f;
+    for (int i = 0; i < DC_CHUNK; ++i) {
+      t[i] = ab_f32_to_bf16(row[i]);
+      sum += ab_bf16_to_f32(t[i]);
+    }
+    memcpy(row, t, sizeof t);
+    lb[r] += sum;
+  }
+}
+#endif
+#endif /* DC_AMX */
 
 /* ab_decode_cpu_table.q_bf16 (decode_cpu.h): with AVX512_BF16 32 elements a step (the same bits as
  * ab_f32_to_bf16 of ab_ldexpf, but for a subnormal input, 0 here: lost either way), else element by element.
@@ -1051,6 +1224,7 @@ typedef struct DC(tile) {
   float* lb; /* with bfloat16 products: the sum of the weights as rounded for P V (DC(p_to_bf16)) */
   float *kv, *st, *qt, *vlo, *vhi, *d0;
   int64_t *tlo, *thi;
+  uint16_t *kt, *vp; /* tiles (run->amx): 32 key rows (DC(amx_scores)), a chunk's value rows by pairs (DC(amx_pack_v)) */
 } DC(tile);
 
 /* ---- tiled products: tiles with many query rows per KV head --------------------------------
@@ -1358,6 +1532,8 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
    * run->keys_next says so (AMD's AVX-512 CPUs, decode_cpu.c) */
   const int k_next = (G == 1 && dt != AB_DTYPE_F32) || run->keys_next;
   const int alibi = p->alibi_slopes.ndim > 0;
+  /* steps 1 and 3 on tiles ("Tiles" above; decode_cpu.c admits only one-token calls, so one tile of rows) */
+  const int am = DC_AMX && bf && run->amx;
   vf lanes[DC_NV]; /* the key index of each lane of a chunk's score vectors */
   for (int v = 0; v < DC_NV; ++v)
     for (int u = 0; u < VLEN; ++u) lanes[v][u] = (float)(v * VLEN + u);
@@ -1400,6 +1576,12 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
     const int eo = VLEN == 8 && dt == AB_DTYPE_BF16 && !bf && !tiled && D % 16 == 0 && run->pv_pairs;
     const int64_t nrows = tiled ? hg * rhp : nr; /* rows of state, pad rows included */
     memset(w->acc, 0, (size_t)(nrows * dpad) * sizeof(float));
+#if DC_AMX
+    if (am) /* each head's query rows as step 1's B tiles, head h's at qt + h * G * D / 2 words */
+      for (int64_t h = 0; h < hg; ++h)
+        DC(amx_q)(run->qb + ((b * Sq + t0) * p->Hq + (h0 + h) * G) * dpad, dpad, G, D,
+                  (uint32_t*)w->qt + h * G * D / 2);
+#endif
     if (tiled) {
       memset(w->qt, 0, (size_t)(hg * dpad * rhp) * sizeof(float));
       for (int64_t h = 0; h < hg; ++h)
@@ -1483,12 +1665,20 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         int mha_tokens = G == 1 && !bf && tb - ta >= 4;
         for (int64_t t = ta; t < tb && mha_tokens; ++t)
           mha_tokens = (w->tlo[t - t0] > j ? w->tlo[t - t0] : j) < (w->thi[t - t0] < je ? w->thi[t - t0] : je);
+#if DC_AMX
+        /* per head, the next chunk's key rows and this chunk's value rows are asked for into L2 first: a tile
+         * load waits on its 16 rows, and the products have no other work to hide that behind */
+        if (am && tb > ta)
+          for (int64_t h = 0; h < hg; ++h)
+            DC(amx_scores)((const uint16_t*)kb, ko, nk, h * ks2, D, G, (const uint32_t*)w->qt + h * G * D / 2,
+                           run->bf_scale, w->S + h * G * DC_CHUNK, w->kt, w->st);
+#endif
 #if DC_BF16
         /* step 1 head by head (DC(head_scores_bf)) where run->scores_by_head says so: in a paged cache block
          * by block of the chunk, as step 3 (DC(block_end)); then token by token, each head's rows over the
          * keys it sees; the prefetches of step 1 go with the token's first pass over each head, for the keys
          * no earlier token of the tile saw; K row offsets two keys into the next chunk for them (kao) */
-        const int by_head = bf && run->scores_by_head && G % 4 == 0 && D <= 128;
+        const int by_head = bf && !am && run->scores_by_head && G % 4 == 0 && D <= 128;
         if (by_head) {
           int64_t kao[DC_CHUNK + DC_KEYS_AHEAD], nka = nk;
           memcpy(kao, ko, (size_t)nk * sizeof(int64_t));
@@ -1538,7 +1728,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         /* DC_NK keys at a time (DC(key_group_scores)) where each token sees all of them or none */
         const int four_keys = run->four_keys && !bf && !mha_tokens && (G == 1 || G % 4 == 0);
 #endif
-        for (int64_t jj = j; jj < je && !by_head; ++jj) {
+        for (int64_t jj = j; jj < je && !by_head && !am; ++jj) {
 #ifdef DC_NK
           int four = four_keys && (jj - j) % DC_NK == 0 && jj + DC_NK <= je;
           for (int64_t t = ta; t < tb && four; ++t)
@@ -1588,7 +1778,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         /* 2. softcap, ALiBi, visibility and the online softmax, per token; with run->softmax_keys (bfloat16
          * products) in GQA, the first token's rows ask for the next chunk's key rows of the first sh heads,
          * which step 3 leaves out */
-        const DC(kpf) kp = {(const char*)kb, nko, k_next ? nje - jn : 0, D * (int64_t)es, (int64_t)es};
+        const DC(kpf) kp = {(const char*)kb, nko, k_next && !am ? nje - jn : 0, D * (int64_t)es, (int64_t)es};
         const int64_t sh = run->softmax_keys && G > 1 && kp.n > 0 ? DC_SOFTMAX_KEYS_HEADS(hg) : 0;
         for (int64_t t = ta; t < tb; ++t) {
           const int64_t a = w->tlo[t - t0] > j ? w->tlo[t - t0] : j;
@@ -1603,8 +1793,15 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
 
         /* 3. O += P V, head by head, for the tokens that saw a key (a paged cache's chunk block by
          * block, DC(block_end)); meanwhile the next chunk's key rows of each head (DC(kpf)) */
-#if DC_BF16
+#if DC_BF16 || DC_AMX
         if (bf && tb > ta) DC(p_to_bf16)(w->S + (ta - t0) * HG * DC_CHUNK, (tb - ta) * HG, w->lb + (ta - t0) * HG);
+#endif
+#if DC_AMX
+        if (am && tb > ta)
+          for (int64_t h = 0; h < hg; ++h) {
+            DC(amx_pack_v)((const uint16_t*)vb, vo, h * vs2, nk, D, w->vp);
+            DC(amx_pv)(w->acc + h * G * dpad, dpad, w->S + h * G * DC_CHUNK, w->vp, D);
+          }
 #endif
         DC(kpf) kt = kp;
         for (int64_t h = 0; h < hg && !bf && mha_tokens; ++h, kt.base += ks2 * (int64_t)es) {
@@ -1614,7 +1811,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         }
         /* MHA, one token saw the chunk: key by key where run->pv_keys says so */
         const int by_keys = run->pv_keys && G == 1 && !mha_tokens && tb - ta == 1 && !eo;
-        for (int64_t j0 = 0, j1; j0 < nk && !mha_tokens; j0 = j1) { /* mha_tokens is never set with bf */
+        for (int64_t j0 = 0, j1; j0 < nk && !mha_tokens && !am; j0 = j1) { /* mha_tokens is never set with bf */
           j1 = DC(block_end)(run, j, j0, nk);
           DC(kpf) kq = DC(kpf_run)(kp, j0, j1);
           if (by_keys) {
@@ -1675,7 +1872,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       const float ln = bf && w->lb[r] > 0.0f ? w->lb[r] : l;
       const float inv = l != l ? l : ln > 0.0f ? 1.0f / ln : 0.0f;
       for (int64_t d = 0; d < dpad; d += VLEN) vstore(acc + d, vload(acc + d) * vset1(inv));
-#if DC_BF16
+#if DC_BF16 || DC_AMX
       if (bf) DC(bf_unpermute)(acc, dpad);
 #endif
 #if VLEN == 8
@@ -1707,8 +1904,9 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   const int64_t HG = run->hg * run->G, dpad = run->dpad;
   const int64_t tokens = ab_decode_tile_tokens(HG), rows = tokens * HG;
   const int64_t prows = rows + run->hg * VLEN; /* rows of state with each head's padded to VLEN (tiled) */
+  const size_t tile_floats = DC_AMX && run->amx ? (size_t)(32 * dpad) : 0; /* kt, vp: 16 dpad floats each */
   const size_t floats = (size_t)(prows * (dpad + 4) + rows * DC_CHUNK + DC_CHUNK * dpad +
-                                 2 * DC_CHUNK * (rows + VLEN) + dpad * prows + 3 * (rows + VLEN));
+                                 2 * DC_CHUNK * (rows + VLEN) + dpad * prows + 3 * (rows + VLEN)) + tile_floats;
   char* buf = (char*)ab_scratch_alloc(floats * sizeof(float) + 2 * (size_t)tokens * sizeof(int64_t) + 64);
   if (!buf) {
     ab_par_fail(run->st, AB_ERR_NOMEM, "out of memory for the decode kernel's scratch");
@@ -1728,16 +1926,21 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   w.vhi = w.vlo + rows + VLEN;
   w.d0 = w.vhi + rows + VLEN;
   w.mb = w.d0 + rows + VLEN;
+  w.kt = (uint16_t*)(w.mb + DC_CHUNK * (rows + VLEN));
+  w.vp = w.kt + 32 * dpad;
   w.tlo = (int64_t*)(buf + ((floats * sizeof(float) + 63) & ~(size_t)63));
   w.thi = w.tlo + tokens;
   const int64_t groups = p->Hkv / run->hg;
+#if DC_AMX
+  if (run->amx) DC(amx_config)(run->G); /* this thread's tiles, for its share of the items */
+#endif
   for (int64_t it = begin; it < end; ++it) {
     const int64_t s = it % run->nsplit, bg = it / run->nsplit;
     const int64_t b = bg / groups, h0 = bg % groups * run->hg;
     switch (run->kv_dtype) {
       case AB_DTYPE_F32: DC(item)(run, b, h0, s, &w, AB_DTYPE_F32, 0); break;
       case AB_DTYPE_BF16:
-#if DC_BF16
+#if DC_BF16 || DC_AMX
         if (run->bf16_dot) {
           DC(item)(run, b, h0, s, &w, AB_DTYPE_BF16, 1);
           break;
@@ -1748,7 +1951,10 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
       default: DC(item)(run, b, h0, s, &w, AB_DTYPE_F16, 0); break;
     }
   }
+#if DC_AMX
+  if (run->amx) AMX_RELEASE();
+#endif
   ab_scratch_free(buf);
 }
 
-const ab_decode_cpu_table DC(ab_decode_cpu) = {AB_ISA_NAME, DC(attend), DC(q_bf16)};
+const ab_decode_cpu_table DC(ab_decode_cpu) = {AB_ISA_NAME, DC(attend), DC(q_bf16), DC_AMX};
