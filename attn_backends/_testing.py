@@ -49,17 +49,17 @@ def decode_bf16_products(dtype) -> bool:
 
 
 def decode_tiles(dtype, G: int, D: int, Sq: int = 1) -> bool:
-    """Whether the CPU decode kernel can take a call on AMX tiles on the current path (csrc/cpu/decode_cpu.c,
-    decode_table and amx_tiles): an AMX path (amx, amx_emu), or avx512 on a CPU whose tiles are usable; a
-    bfloat16 cache, one query token, 2 to 16 query heads per KV head, D a multiple of 32 up to 256; neither
-    ATTN_BACKENDS_DECODE_AMX nor ATTN_BACKENDS_DECODE_BF16_DOT set to 0.  Whether it does is amx_rule's: where
-    decode's caches fit the L3, as a test's small caches do."""
+    """Whether the CPU decode kernel takes a call on AMX tiles on the current path (csrc/cpu/decode_cpu.c,
+    decode_table and amx_tiles): an AMX path (amx, amx_emu), or avx512 on a CPU whose tiles are usable with
+    ATTN_BACKENDS_DECODE_AMX=1; a bfloat16 cache, one query token, 2 to 16 query heads per KV head, D a multiple
+    of 32 up to 256; neither ATTN_BACKENDS_DECODE_AMX nor ATTN_BACKENDS_DECODE_BF16_DOT set to 0."""
     import os
 
     from . import _C
 
     isa = _C.cpu_isa()
-    path = isa in ("amx", "amx_emu") or (isa == "avx512" and _C.cpu_isa_supported("amx"))
+    path = isa in ("amx", "amx_emu") or (isa == "avx512" and _C.cpu_isa_supported("amx")
+                                         and os.environ.get("ATTN_BACKENDS_DECODE_AMX") == "1")
     return (path and dtype == torch.bfloat16 and Sq == 1 and 2 <= G <= 16 and D % 32 == 0 and D <= 256
             and os.environ.get("ATTN_BACKENDS_DECODE_AMX", "1") != "0"
             and os.environ.get("ATTN_BACKENDS_DECODE_BF16_DOT", "1") != "0")

@@ -84,9 +84,9 @@ def gen(request):
 def isa(request):
     # runs the test once on each CPU kernel path this machine has (the emulated AMX tiles included;
     # grid tests give those a reduced grid through indirect parametrization, test_flash_cpu.py)
-    # the avx512 param is the vector kernels: on a CPU with AMX, decode on that path would otherwise take the
-    # amx path's tiles for the calls they serve (csrc/cpu/decode_cpu.c decode_table), which the amx and amx_emu
-    # params test
+    # the avx512 param is the vector kernels: on a CPU with AMX, decode on that path takes the amx path's tiles
+    # where the caller's environment says ATTN_BACKENDS_DECODE_AMX=1 (csrc/cpu/decode_cpu.c decode_table); the
+    # amx and amx_emu params test the tiles
     if request.param == "avx512":
         request.getfixturevalue("monkeypatch").setenv("ATTN_BACKENDS_DECODE_AMX", "0")
     before = _C.cpu_isa()

@@ -379,7 +379,7 @@ def test_the_bf16_products_switch_takes_effect(monkeypatch, gen):
 # ---- steps 1 and 3 on AMX tiles (csrc/cpu/decode_cpu_impl.h, "Tiles") -----------------------------------
 # The AMX paths' decode kernel takes one-token GQA calls over a bfloat16 cache (2 to 16 query heads per KV head,
 # D a multiple of 32 up to 256) on tiles; amx_emu runs the same code on emulated tiles on every CPU, amx on
-# real ones where the CPU has them.  ATTN_BACKENDS_DECODE_AMX=1 takes them whatever the working set.
+# real ones where the CPU has them.  ATTN_BACKENDS_DECODE_AMX=1 (the default there) also says they may.
 
 TILE_ISAS = [i for i in ("amx_emu", "amx") if _C.cpu_isa_supported(i)]
 

@@ -32,13 +32,13 @@ int ab_env_switch(const char* name) {
 
 /* The decode kernel of the running path, from its table (cpu_<isa>.c).  The AMX paths' kernels are their
  * vector one (AVX-512 for amx, generic for amx_emu) with steps 1 and 3 on tiles for the calls amx_tiles
- * admits.  The avx512 path of a CPU whose AMX tiles are usable decodes with the amx path's kernel too
- * (ATTN_BACKENDS_DECODE_AMX=0, read at every call, keeps it on its own): on an Intel Xeon with AMX, the
- * products are what holds bfloat16 GQA decode back (docs/decode.md, "Tiles"). */
+ * admits.  With ATTN_BACKENDS_DECODE_AMX=1 (read at every call) the avx512 path of a CPU whose AMX tiles are
+ * usable decodes with the amx path's kernel: not by default, since the tiles are faster only where decode's
+ * caches fit the L3, and their sums are not the vector products' (docs/decode.md, "Tiles"). */
 static const ab_decode_cpu_table* decode_table(void) {
   const ab_cpu_kernels* k = ab_cpu_kernels_get();
-  if (ab_cpu_isa_get() == AB_ISA_AVX512 && ab_cpu_isa_supported(AB_ISA_AMX) &&
-      ab_env_switch("ATTN_BACKENDS_DECODE_AMX") != 0) {
+  if (ab_cpu_isa_get() == AB_ISA_AVX512 && ab_env_switch("ATTN_BACKENDS_DECODE_AMX") == 1 &&
+      ab_cpu_isa_supported(AB_ISA_AMX)) {
     const ab_decode_cpu_table* t = ab_cpu_kernels_for(AB_ISA_AMX)->decode;
     if (t && t->attend) return t;
   }
@@ -55,8 +55,7 @@ int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype) {
   return ab_env_switch("ATTN_BACKENDS_DECODE_BF16_DOT") != 0;
 }
 
-/* Whether steps 1 and 3 of p can go on tiles (decode_cpu_impl.h, "Tiles"; amx_rule says whether they do): a
- * kernel with tiles (an AMX path's, decode_table), a bfloat16 cache, one query token, 2 to 16 query heads per
+/* Whether steps 1 and 3 of p go on tiles (decode_cpu_impl.h, "Tiles"): a kernel with tiles (an AMX path's, decode_table), a bfloat16 cache, one query token, 2 to 16 query heads per
  * KV head (a tile's G columns; MHA reads at the bandwidth with the vector products already), D a multiple of
  * 32 up to 256; not with ATTN_BACKENDS_DECODE_AMX=0 or ATTN_BACKENDS_DECODE_BF16_DOT=0 (no bfloat16 products
  * at all; both read at every call). */
@@ -83,13 +82,6 @@ static int forced_or(const char* name, int rule) {
   const int forced = ab_env_switch(name);
   return forced >= 0 ? forced : rule;
 }
-
-/* Whether a call amx_tiles admits goes on tiles: where its caches fit the L3 (not from_dram).  On an Intel
- * Xeon with AMX (2 cores, bfloat16 GQA, calls drawn at random against the vector products): 0.83-0.88x the
- * time with the cache in the L3, but 1.04-1.07x from DRAM, where the tiles' head-by-head loads of key rows
- * wait longer than the vector path's key-by-key stream with its requests ahead (docs/decode.md, "Tiles").
- * ATTN_BACKENDS_DECODE_AMX=1 forces the tiles from DRAM too, =0 keeps them off. */
-static int amx_rule(int dram) { return forced_or("ATTN_BACKENDS_DECODE_AMX", !dram); }
 
 /* Decode's own working set: the caches (by K's address) that the last RECENT_CALLS calls read, and
  * how many K and V bytes each call read from its cache.  A model reads a cache per layer per token,
@@ -785,9 +777,10 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   ab_par_status st = {AB_OK, err};
   const double bytes = kv_bytes(p, keys);
   const int dram = from_dram(p, bytes);
-  /* tiles where they pay (amx_rule); bf may have gone to 0 (prepare_q): then the vector products, and a path
-   * without them (amx_emu) takes the float32 ones */
-  const int am = bf && amx_tiles(p) && amx_rule(dram);
+  /* tiles for every call they serve on a path whose kernel has them (not by a rule of the working set, such
+   * as the prefetch rules': the tiles change the bits); bf may have gone to 0 (prepare_q): then the vector
+   * products, and a path without them (amx_emu) takes the float32 ones */
+  const int am = bf && amx_tiles(p);
   if (bf && !am && !ab_kvcache_cpu_bf16_products(p->k_cache.dtype)) bf = 0;
   const int64_t hg = heads_per_item(p, threads);
   const int64_t G = p->Hq / p->Hkv, block_size = paged(p) ? p->k_cache.sizes[1] : 0;
