@@ -278,11 +278,18 @@ static int scores_by_head(int dram, int64_t block_size) {
  * docs/benchmarks.md, "Decode on a Zen 5"): from DRAM, GQA 1.07-1.15x the time in float32 and float16,
  * 0.97-1.11x in bfloat16 without its products, MHA 1.01-1.03x in float32 and 1.04-1.14x in the 2-byte
  * types; from the L3 0.75-0.92x.  So there it takes the keys together only when the caches fit the L3,
- * GQA and MHA.  Not measured on Intel's CPUs, nor on Zen 4 against key by key out of line.
+ * GQA and MHA.  On an Intel Xeon (AVX-512 with BF16, FP16 and AMX, 2 threads, 2026-12-06, docs/benchmarks.md,
+ * "Decode on an Intel Xeon with AMX"; `bench_decode.py --switch FOUR_KEYS`): from DRAM 0.89-0.98x the time in
+ * float32 (GQA and MHA, dense and paged), but float16 GQA 1.01-1.09x (MHA 0.97-0.98x); from the L3 float32
+ * 1.01x, float16 0.93x.  So on Intel's AVX-512 path (and the amx path, which runs its kernel) a float32 cache
+ * takes the keys together from DRAM too.  Not measured on Zen 4 against key by key out of line.
  * ATTN_BACKENDS_DECODE_FOUR_KEYS=1 takes the keys together in every call, =0 in none (read at every call;
  * the same bits either way). */
 static int four_keys(const ab_kvcache_params* p, int dram) {
-  const int rule = !dram || (ab_cpu_isa_get() == AB_ISA_AVX2 && p->Hq == p->Hkv);
+  const ab_cpu_isa isa = ab_cpu_isa_get();
+  const int intel_f32 = (isa == AB_ISA_AVX512 || isa == AB_ISA_AMX) && ab_cpu_vendor_detect() == AB_VENDOR_INTEL &&
+                        p->k_cache.dtype == AB_DTYPE_F32;
+  const int rule = !dram || (isa == AB_ISA_AVX2 && p->Hq == p->Hkv) || intel_f32;
   return forced_or("ATTN_BACKENDS_DECODE_FOUR_KEYS", rule);
 }
 
