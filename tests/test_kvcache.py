@@ -440,42 +440,14 @@ def test_tiles_take_the_calls_they_serve_and_only_those(tiles, monkeypatch, gen)
 def test_tiles_give_a_paged_cache_the_dense_bits(block, tiles, gen):
     # a tile of 16 keys comes straight from one page or, straddling two, through scratch: the same rows either
     # way, so the same bits as the dense cache; leftpads start chunks at odd keys inside a page
-    dtype, B, (Hq, Hkv), D, nb = torch.bfloat16, 3, (8, 2), 64, 9
-    S = nb * block
-    q = torch.randn(B, 1, Hq, D, generator=gen).to(dtype)
-    k = torch.randn(B, S, Hkv, D, generator=gen).to(dtype)
-    v = torch.randn(B, S, Hkv, D, generator=gen).to(dtype)
-    perm = torch.randperm(B * nb, generator=gen)
-    table = perm.view(B, nb).to(torch.int32)
-    pk = torch.empty(B * nb, block, Hkv, D, dtype=dtype)
-    pv = torch.empty_like(pk)
-    pk[perm] = k.reshape(B * nb, block, Hkv, D)
-    pv[perm] = v.reshape(B * nb, block, Hkv, D)
-    seqlens = torch.tensor([S, 37, 5 * block + 3], dtype=torch.int32)
-    leftpad = torch.tensor([0, 9, 17], dtype=torch.int32)
-    for splits in (1, 3):
-        kw = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, num_splits=splits, return_softmax_lse=True,
-                  backend="paged_attention", strict=True)
-        with torch.inference_mode():
-            dense = ab.attention_with_kvcache(q, k, v, **kw)
-            paged = ab.attention_with_kvcache(q, pk, pv, block_table=table, **kw)
-        assert torch.equal(dense[0], paged[0]) and torch.equal(dense[1], paged[1])
-        ref = _ref64(q, k, v)  # row 0 sees the whole cache
-        assert (dense[0][0].double() - ref[0]).abs().max() < 2e-2
+    q, k, v, row0 = _paged_gives_the_dense_bits(gen, block, torch.bfloat16, Sq=1, Hq=8, Hkv=2, D=64, causal=False)
+    assert (row0.double() - _ref64(q, k, v)[0]).abs().max() < 2e-2
 
 
 def test_tiles_weigh_values_by_the_rounded_weights(tiles):
     # as test_bf16_products_weigh_values_by_the_rounded_weights, two query heads per KV head: value rows of
     # 1000 under weights that bfloat16 rounds give exactly 1000
-    D, Sk = 32, 64
-    sc = torch.full((Sk,), -60.0)
-    sc[0], sc[1:32], sc[32] = 0.0, -2.0, 0.1
-    k = torch.zeros(1, Sk, 1, D)
-    k[0, :, 0, 0] = sc
-    q = torch.zeros(1, 1, 2, D)
-    q[..., 0] = 1.0
-    v = torch.full((1, Sk, 1, D), 1000.0)
-    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    q, k, v = _values_of_1000(Hq=2)
     with torch.no_grad():
         for splits in (1, 2):
             out = ab.attention_with_kvcache(q, k, v, softmax_scale=1.0, num_splits=splits)
@@ -497,6 +469,20 @@ def test_tiles_keep_a_q_that_bfloat16_would_flush(tiles, gen):
 def test_tiles_leave_garbage_outside_the_rows_alone(tiles, gen):
     check_garbage_outside_rows(KV(B=3, Hq=8, Hkv=2, D=64, S=90, block=16, snew=1, leftpad=True, causal=True,
                                   dtype=torch.bfloat16), gen, lambda call: call.run("paged_attention"))
+
+
+def _values_of_1000(Hq):
+    """bfloat16 q (1, 1, Hq, 32), k and v (1, 64, 1, 32): scores (under a scale of 1) whose weights bfloat16
+    rounds, every value 1000.  Chunk 0 holds the max and 31 keys at -2, chunk 1 a larger score."""
+    D, Sk = 32, 64
+    sc = torch.full((Sk,), -60.0)
+    sc[0], sc[1:32], sc[32] = 0.0, -2.0, 0.1
+    k = torch.zeros(1, Sk, 1, D)
+    k[0, :, 0, 0] = sc
+    q = torch.zeros(1, 1, Hq, D)
+    q[..., 0] = 1.0
+    v = torch.full((1, Sk, 1, D), 1000.0)
+    return q.bfloat16(), k.bfloat16(), v.bfloat16()
 
 
 def _bf16_products_or_skip():
@@ -564,15 +550,7 @@ def test_bf16_products_weigh_values_by_the_rounded_weights(on, monkeypatch):
         _bf16_products_or_skip()
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", on)
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX", "0")  # the vector products (tiles: test_tiles_*)
-    D, Sk = 32, 64
-    sc = torch.full((Sk,), -60.0)
-    sc[0], sc[1:32], sc[32] = 0.0, -2.0, 0.1  # chunk 0: its max and 31 keys at -2; chunk 1: a larger score
-    k = torch.zeros(1, Sk, 1, D)
-    k[0, :, 0, 0] = sc
-    q = torch.zeros(1, 1, 1, D)
-    q[..., 0] = 1.0
-    v = torch.full((1, Sk, 1, D), 1000.0)
-    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    q, k, v = _values_of_1000(Hq=1)
     before = _C.cpu_isa()
     assert _C.set_cpu_isa("avx512" if _C.cpu_isa_supported("avx512") else before)
     try:
@@ -636,7 +614,14 @@ def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, heads, i
     # dense one: the same sums in the same order, whatever the page size and the pages' order; O += P V
     # goes block by block there (DC(block_end)), so the leftpads start chunks inside a block at odd and
     # even keys
-    B, Sq, (Hq, Hkv), D, nb = 3, 2, heads, 72, 9
+    _paged_gives_the_dense_bits(gen, block, dtype, Sq=2, Hq=heads[0], Hkv=heads[1], D=72, causal=True)
+
+
+def _paged_gives_the_dense_bits(gen, block, dtype, Sq, Hq, Hkv, D, causal):
+    """Three rows over nine blocks each (one full, one short, one ending inside a block), leftpads 0, 9 and 17,
+    one and three splits: the paged cache under a shuffled table gives the dense cache's out and lse bit for bit.
+    Returns q, k, v and the dense output of row 0 (it sees the whole cache, no leftpad)."""
+    B, nb = 3, 9
     S = nb * block
     q = torch.randn(B, Sq, Hq, D, generator=gen).to(dtype)
     k = torch.randn(B, S, Hkv, D, generator=gen).to(dtype)
@@ -650,12 +635,13 @@ def test_a_paged_cache_gives_the_dense_result_bit_for_bit(block, dtype, heads, i
     seqlens = torch.tensor([S, 37, 5 * block + 3], dtype=torch.int32)
     leftpad = torch.tensor([0, 9, 17], dtype=torch.int32)
     for splits in (1, 3):
-        kw = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, causal=True, num_splits=splits,
+        kw = dict(cache_seqlens=seqlens, cache_leftpad=leftpad, causal=causal, num_splits=splits,
                   return_softmax_lse=True, backend="paged_attention", strict=True)
         with torch.inference_mode():
             dense = ab.attention_with_kvcache(q, k, v, **kw)
             paged = ab.attention_with_kvcache(q, pk, pv, block_table=table, **kw)
         assert torch.equal(dense[0], paged[0]) and torch.equal(dense[1], paged[1])
+    return q, k, v, dense[0][0]
 
 
 @pytest.mark.parametrize("case", [KV(B=2, Hq=8, Hkv=2, D=72, S=300, dtype=torch.bfloat16),

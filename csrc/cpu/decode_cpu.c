@@ -55,10 +55,11 @@ int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype) {
   return ab_env_switch("ATTN_BACKENDS_DECODE_BF16_DOT") != 0;
 }
 
-/* Whether steps 1 and 3 of p go on tiles (decode_cpu_impl.h, "Tiles"): a kernel with tiles (an AMX path's, decode_table), a bfloat16 cache, one query token, 2 to 16 query heads per
- * KV head (a tile's G columns; MHA reads at the bandwidth with the vector products already), D a multiple of
- * 32 up to 256; not with ATTN_BACKENDS_DECODE_AMX=0 or ATTN_BACKENDS_DECODE_BF16_DOT=0 (no bfloat16 products
- * at all; both read at every call). */
+/* Whether steps 1 and 3 of p go on tiles (decode_cpu_impl.h, "Tiles"): a kernel with tiles (an AMX path's,
+ * decode_table), a bfloat16 cache, one query token, 2 to 16 query heads per KV head (a tile's G columns; MHA
+ * reads at the bandwidth with the vector products already), D a multiple of 32 up to 256; not with
+ * ATTN_BACKENDS_DECODE_AMX=0 or ATTN_BACKENDS_DECODE_BF16_DOT=0 (no bfloat16 products at all; both read at
+ * every call). */
 static int amx_tiles(const ab_kvcache_params* p) {
   if (!decode_table()->tiles || p->k_cache.dtype != AB_DTYPE_BF16 || p->Hkv <= 0) return 0;
   const int64_t G = p->Hq / p->Hkv;
@@ -784,11 +785,9 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   ab_par_status st = {AB_OK, err};
   const double bytes = kv_bytes(p, keys);
   const int dram = from_dram(p, bytes);
-  /* tiles for every call they serve on a path whose kernel has them (not by a rule of the working set, such
-   * as the prefetch rules': the tiles change the bits); bf may have gone to 0 (prepare_q): then the vector
-   * products, and a path without them (amx_emu) takes the float32 ones */
+  /* tiles for every call they serve on a path whose kernel has them (not by a rule of the working set, as the
+   * prefetch rules go: the tiles change the bits); not where prepare_q sent the call to the float32 products */
   const int am = bf && amx_tiles(p);
-  if (bf && !am && !ab_kvcache_cpu_bf16_products(p->k_cache.dtype)) bf = 0;
   const int64_t hg = heads_per_item(p, threads);
   const int64_t G = p->Hq / p->Hkv, block_size = paged(p) ? p->k_cache.sizes[1] : 0;
   const uint32_t rule = (keys_next(dram) ? AB_TUNE_KEYS_NEXT : 0) | (values_ahead() ? AB_TUNE_VALUES_AHEAD : 0) |
