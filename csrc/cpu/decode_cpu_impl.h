@@ -1,6 +1,7 @@
 /* decode_cpu_impl.h -- the KV-cache attention kernel (decode_cpu.h), one source for every ISA.
  *
- * Included by cpu_generic.c / cpu_avx2.c / cpu_avx512.c (cpu_isa_impl.h) with AB_ISA_SFX set; VLEN follows from
+ * Included by cpu_generic.c / cpu_avx2.c / cpu_avx512.c, and by cpu_amx.c / cpu_amx_emu.c with steps 1 and 3 on
+ * tiles for the calls they serve ("Tiles" below), through cpu_isa_impl.h with AB_ISA_SFX set; VLEN follows from
  * the ISA's flags (ab_vec.h).
  *
  * Decode is memory-bound: per key, the arithmetic is a few dot products of length D while the
@@ -957,8 +958,10 @@ static inline void DC(bf_unpermute)(float* acc, int64_t dpad) {
  *     16 columns a tile, so the accumulators keep the vector path's permuted columns (DC(bf_unpermute)
  *     puts them back), C the accumulators of those 16 columns, loaded from and stored to the tile's
  *     scratch around each product.
- * The sums are the tile unit's, not vdpbf16ps's: the bits differ from the vector path's (both within the
- * correctness rule), and are the same for a dense and a paged cache (the tiles hold the same rows). */
+ * The sums are the tile unit's, not vdpbf16ps's: on the emulation the bits differ from the vector path's, on
+ * the one Xeon measured they matched for small calls but not all (both within the correctness rule); they are
+ * the same for a dense and a paged cache (the tiles hold the same rows).  From DRAM the tiles were slower than
+ * the vector products there (docs/decode.md, "Tiles"), so the avx512 path takes them only when asked. */
 #define DC_AMX_S0 0 /* scores of keys 0-15 of the chunk: 16 rows x G floats */
 #define DC_AMX_S1 1 /* keys 16-31 */
 #define DC_AMX_K0 2 /* 16 key rows x 32 elements */
