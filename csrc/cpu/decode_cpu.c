@@ -726,7 +726,8 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   const int threads = pool ? pool->num_threads : 1;
   const int64_t nsplit = ab_kvcache_cpu_splits(call, threads);
   size_t part_at, idx_at, values_at;
-  int bf = bf16_dot(call);
+  const int tiles = amx_tiles(call); /* read once: bf and am below both follow it */
+  int bf = ab_kvcache_cpu_bf16_products(call->k_cache.dtype) || tiles; /* bf16_dot */
   const size_t need = workspace_layout(call, nsplit, bf, &part_at, &idx_at, &values_at);
   if (!workspace || workspace_bytes < need)
     return ab_error_set(err, AB_ERR_INVALID, "the decode kernel needs %zu bytes of workspace, got %zu", need,
@@ -787,7 +788,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   const int dram = from_dram(p, bytes);
   /* tiles for every call they serve on a path whose kernel has them (not by a rule of the working set, as the
    * prefetch rules go: the tiles change the bits); not where prepare_q sent the call to the float32 products */
-  const int am = bf && amx_tiles(p);
+  const int am = bf && tiles;
   const int64_t hg = heads_per_item(p, threads);
   const int64_t G = p->Hq / p->Hkv, block_size = paged(p) ? p->k_cache.sizes[1] : 0;
   const uint32_t rule = (keys_next(dram) ? AB_TUNE_KEYS_NEXT : 0) | (values_ahead() ? AB_TUNE_VALUES_AHEAD : 0) |

@@ -924,13 +924,17 @@ static inline __attribute__((always_inline)) void DC(pv_keys_bf)(float* acc, int
 #endif
 
 #if DC_BF16 || DC_AMX
+/* The column of a 32-column block that lane i (< 16) of the lo half of unpacklo/hi_epi16's interleave holds;
+ * the hi half's lane i holds that column + 4. */
+#define DC_BF_COL(i) (((i) / 4) * 8 + (i) % 4)
+
 /* An accumulator row back in column order (see above), in place, dpad a multiple of 32. */
 static inline void DC(bf_unpermute)(float* acc, int64_t dpad) {
   for (int64_t d = 0; d < dpad; d += 32) {
     float t[32];
     for (int i = 0; i < 16; ++i) {
-      t[(i / 4) * 8 + i % 4] = acc[d + i];
-      t[(i / 4) * 8 + 4 + i % 4] = acc[d + 16 + i];
+      t[DC_BF_COL(i)] = acc[d + i];
+      t[DC_BF_COL(i) + 4] = acc[d + 16 + i];
     }
     memcpy(acc + d, t, sizeof t);
   }
@@ -996,22 +1000,33 @@ static inline void DC(amx_q)(const uint16_t* rb, int64_t dpad, int64_t G, int64_
       }
 }
 
+/* For each 16 keys of the chunk (offsets ko, nk keys), the elements between their rows where all 16 are one
+ * stride apart, which a tile then loads straight from the cache, else INT64_MIN (a page's end, the chunk's
+ * end: DC(amx_scores) copies them).  The same for every head of the chunk. */
+static inline void DC(amx_key_strides)(const int64_t* ko, int64_t nk, int64_t kst[2]) {
+  for (int x = 0; x < 2; ++x) {
+    const int64_t* o = ko + 16 * x;
+    int uniform = nk - 16 * x >= 16;
+    for (int64_t i = 2; i < 16 && uniform; ++i) uniform = o[i] - o[i - 1] == o[1] - o[0];
+    kst[x] = uniform ? o[1] - o[0] : INT64_MIN;
+  }
+}
+
 /* Step 1 on tiles for one head: the scores of the chunk's nk keys (rows at kb + ko[i] + hoff) against its G
  * query rows (qt, DC(amx_q)), times scale, into S (row g at S + g * DC_CHUNK, key i at [i]).  Each 16 keys' rows
- * go to a tile straight from the cache where they are one stride apart, else (a page's end, the chunk's end)
- * through kt (16 rows of D, zero past nk); st: scratch for 32 x G floats. */
-static inline void DC(amx_scores)(const uint16_t* kb, const int64_t* ko, int64_t nk, int64_t hoff, int64_t D,
-                                  int64_t G, const uint32_t* qt, float scale, float* S, uint16_t* kt, float* st) {
+ * go to a tile straight from the cache where DC(amx_key_strides) found them one stride apart (kst), else through
+ * kt (16 rows of D, zero past nk); st: scratch for 32 x G floats. */
+static inline void DC(amx_scores)(const uint16_t* kb, const int64_t* ko, const int64_t kst[2], int64_t nk,
+                                  int64_t hoff, int64_t D, int64_t G, const uint32_t* qt, float scale, float* S,
+                                  uint16_t* kt, float* st) {
   const uint16_t* base[2] = {kb, kb};
   int64_t stride[2] = {0, 0};
   for (int x = 0; x < 2 && 16 * x < nk; ++x) {
     const int64_t* o = ko + 16 * x;
     const int64_t n = nk - 16 * x < 16 ? nk - 16 * x : 16;
-    int uniform = n == 16;
-    for (int64_t i = 2; i < n && uniform; ++i) uniform = o[i] - o[i - 1] == o[1] - o[0];
-    if (uniform) {
+    if (kst[x] != INT64_MIN) {
       base[x] = kb + o[0] + hoff;
-      stride[x] = (o[1] - o[0]) * (int64_t)sizeof(uint16_t);
+      stride[x] = kst[x] * (int64_t)sizeof(uint16_t);
     } else {
       uint16_t* dst = kt + 16 * x * D;
       for (int64_t i = 0; i < 16; ++i) {
@@ -1059,8 +1074,8 @@ static inline void DC(amx_pack_v)(const uint16_t* vb, const int64_t* vo, int64_t
       _mm512_storeu_si512((void*)lo, _mm512_unpacklo_epi16(x, y));
       _mm512_storeu_si512((void*)hi, _mm512_unpackhi_epi16(x, y));
 #else
-      for (int i = 0; i < 16; ++i) { /* lane i of the lo half: column (i / 4) * 8 + i % 4; of the hi half: + 4 */
-        const int64_t c = db * 32 + (i / 4) * 8 + i % 4;
+      for (int i = 0; i < 16; ++i) { /* the vector path's interleave, lane by lane */
+        const int64_t c = db * 32 + DC_BF_COL(i);
         lo[2 * i] = a ? a[c] : 0;
         lo[2 * i + 1] = b ? b[c] : 0;
         hi[2 * i] = a ? a[c + 4] : 0;
@@ -1669,12 +1684,16 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
         for (int64_t t = ta; t < tb && mha_tokens; ++t)
           mha_tokens = (w->tlo[t - t0] > j ? w->tlo[t - t0] : j) < (w->thi[t - t0] < je ? w->thi[t - t0] : je);
 #if DC_AMX
-        /* per head, the next chunk's key rows and this chunk's value rows are asked for into L2 first: a tile
-         * load waits on its 16 rows, and the products have no other work to hide that behind */
-        if (am && tb > ta)
+        /* step 1 on tiles, head by head; whether each 16 keys' rows are one stride apart is the same for
+         * every head, so it is found once per chunk.  No requests ahead: each one tried made the tiles
+         * slower from DRAM (docs/decode.md, "Tiles") */
+        if (am && tb > ta) {
+          int64_t kst[2];
+          DC(amx_key_strides)(ko, nk, kst);
           for (int64_t h = 0; h < hg; ++h)
-            DC(amx_scores)((const uint16_t*)kb, ko, nk, h * ks2, D, G, (const uint32_t*)w->qt + h * G * D / 2,
+            DC(amx_scores)((const uint16_t*)kb, ko, kst, nk, h * ks2, D, G, (const uint32_t*)w->qt + h * G * D / 2,
                            run->bf_scale, w->S + h * G * DC_CHUNK, w->kt, w->st);
+        }
 #endif
 #if DC_BF16
         /* step 1 head by head (DC(head_scores_bf)) where run->scores_by_head says so: in a paged cache block
