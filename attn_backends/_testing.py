@@ -36,16 +36,22 @@ def cpu_isas() -> list:
     return [isa for isa in ("generic", "avx2", "avx512", "amx", "amx_emu") if _C.cpu_isa_supported(isa)]
 
 
-def decode_bf16_products(dtype) -> bool:
-    """Whether the CPU decode kernel multiplies a cache of `dtype` in bfloat16 on the current path
-    (csrc/cpu/decode_cpu.c, ab_kvcache_cpu_bf16_products): a bfloat16 cache, AVX512_BF16 on the CPU, the
-    avx512 or amx path, and ATTN_BACKENDS_DECODE_BF16_DOT not 0."""
+def decode_bf16_products(dtype, rows: int = 1) -> bool:
+    """Whether the CPU decode kernel multiplies a cache of `dtype` in bfloat16 on the current path for a call of
+    `rows` query rows per KV head, Sq x Hq / Hkv (csrc/cpu/decode_cpu.c, ab_kvcache_cpu_bf16_products): a
+    bfloat16 cache, AVX512_BF16 on the CPU, the avx512 or amx path; on an Intel CPU at most 2 rows;
+    ATTN_BACKENDS_DECODE_BF16_DOT=1 or =0 forces it."""
     import os
 
     from . import _C
 
-    return (dtype == torch.bfloat16 and bool(_C.cpu_features().get("avx512_bf16"))
-            and _C.cpu_isa() in ("avx512", "amx") and os.environ.get("ATTN_BACKENDS_DECODE_BF16_DOT", "1") != "0")
+    feats = _C.cpu_features()
+    if not (dtype == torch.bfloat16 and feats.get("avx512_bf16") and _C.cpu_isa() in ("avx512", "amx")):
+        return False
+    forced = os.environ.get("ATTN_BACKENDS_DECODE_BF16_DOT")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return rows <= 2 or feats.get("vendor") != "GenuineIntel"
 
 
 def decode_tiles(dtype, G: int, D: int, Sq: int = 1) -> bool:

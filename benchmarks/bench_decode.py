@@ -474,14 +474,15 @@ def slice_ratios(a, b):
 BITS_CHANGING = ("AMX", "BF16_DOT")
 
 
-def switch_table(switch, dtypes, rounds, shapes):
+def switch_table(switch, dtypes, rounds, shapes, tokens=1):
     """--switch NAME: our kernel over the decode shapes' caches (dense, and 16- and 256-key blocks shuffled; a new
     copy per call as in the main table) and over one cache the L3 holds (B=1 Hq=32 Hkv=8 Sk=1024, the same copy
     every call), with ATTN_BACKENDS_DECODE_<NAME> forced to 0 or to 1 call by call, drawn at random
     (shuffled_calls), in one process; on / off is the ratio of the medians.  The two settings' bits are checked
-    equal first (the values, for BITS_CHANGING)."""
+    equal first (the values, for BITS_CHANGING).  tokens > 1: that many query tokens per call, causal, and no
+    L3 row."""
     var = "ATTN_BACKENDS_DECODE_" + switch
-    print(f"one query token, ms per call with {var}=0 and =1, the calls shuffled (shuffled_calls); on / off: the "
+    print(f"{'one query token' if tokens == 1 else f'{tokens} query tokens (causal)'}, ms per call with {var}=0 and =1, the calls shuffled (shuffled_calls); on / off: the "
           f"ratio of the medians, and its least and greatest over {SLICES} slices of the calls in their order")
     print(f"{'shape':<24}  {'dtype':<8}  {'cache':<6}  {'off':>8}  {'on':>8}  {'on/off':>6}  slices")
     rows = []
@@ -489,8 +490,10 @@ def switch_table(switch, dtypes, rounds, shapes):
     saved = os.environ.get(var)
     try:
         for dtype in dtypes:
-            for label, B, Hq, Hkv, Sk in list(shapes) + [resident]:
+            for label, B, Hq, Hkv, Sk in list(shapes) + ([resident] if tokens == 1 else []):
                 gen, q, seqlens, dense = decode_inputs(B, Hq, Hkv, Sk, dtype, 1 if label == resident[0] else None)
+                if tokens > 1:
+                    q = torch.randn(B, tokens, Hq, D, generator=gen).to(dtype)
                 pools = {"dense": [(k, v, None) for k, v in dense]}
                 if len(dense) > 1:
                     pools["p16"] = [paged_copy(k, v, 16, gen) for k, v in dense]
@@ -502,7 +505,7 @@ def switch_table(switch, dtypes, rounds, shapes):
                         turn[0] += 1
                         k, v, table = seq[turn[0] % len(seq)]
                         return ab.attention_with_kvcache(q, k, v, cache_seqlens=seqlens, block_table=table,
-                                                         backend="paged_attention", strict=True)
+                                                         causal=tokens > 1, backend="paged_attention", strict=True)
 
                     def setting(name):
                         os.environ[var] = "1" if name == "on" else "0"
@@ -523,7 +526,8 @@ def switch_table(switch, dtypes, rounds, shapes):
                     spread = slice_ratios(times["on"], times["off"])
                     print(f"{label:<24}  {str(dtype)[6:]:<8}  {cache:<6}  {med['off']:8.3f}  {med['on']:8.3f}  "
                           f"{ratio:6.3f}  {min(spread):.3f}-{max(spread):.3f}", flush=True)
-                    rows.append(dict(shape=label, B=B, Hq=Hq, Hkv=Hkv, Sk=Sk, D=D, dtype=str(dtype)[6:], cache=cache,
+                    rows.append(dict(shape=label, B=B, Hq=Hq, Hkv=Hkv, Sk=Sk, D=D, Sq=tokens, dtype=str(dtype)[6:],
+                                     cache=cache,
                                      off_ms=med["off"], on_ms=med["on"], on_over_off=ratio,
                                      on_over_off_slices=spread, calls=[len(times["off"]), len(times["on"])]))
                 del pools, dense
@@ -632,8 +636,11 @@ def layers_table(layer_counts, dtypes, rounds):
 
 
 def bf16_products() -> str:
-    """Whether the CPU decode kernel multiplies a bfloat16 cache with AVX512_BF16 (docs/decode.md)."""
-    return "on" if decode_bf16_products(torch.bfloat16) else "off"
+    """Whether the CPU decode kernel multiplies a bfloat16 cache with AVX512_BF16 (docs/decode.md): for every call,
+    none, or (Intel) calls of at most 2 query rows per KV head."""
+    if not decode_bf16_products(torch.bfloat16, 1):
+        return "off"
+    return "on" if decode_bf16_products(torch.bfloat16, 2**62) else "on up to 2 query rows per KV head"
 
 
 def timed(fn, reps):
@@ -836,6 +843,10 @@ def main(argv=None):
                     "and as pools of 16- and 32-key blocks in several orders (shuffled, in order, in pairs)")
     ap.add_argument("--switch", default=None, help="a kernel switch, e.g. SCORES_BY_HEAD: our kernel over the "
                     "decode shapes with ATTN_BACKENDS_DECODE_<switch> forced 0 and 1 in turn, in one process")
+    ap.add_argument("--switch-shapes", default=None, help="--switch over these shapes instead, B,Hq,Hkv,Sk each, "
+                    "separated by ';' (e.g. '8,16,8,2048;1,32,8,8192')")
+    ap.add_argument("--switch-tokens", type=int, default=1, help="--switch with this many query tokens per call "
+                    "(causal)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
                     help="cuda: our CUDA decode kernel (switched on here) against torch SDPA on the GPU")
     ap.add_argument("--graph", action="store_true",
@@ -853,6 +864,12 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     rounds = 3 if args.quick else args.rounds
     shapes = SHAPES[:1] if args.quick else SHAPES
+    switch_shapes = shapes
+    if args.switch_shapes:
+        switch_shapes = []
+        for spec in args.switch_shapes.split(";"):
+            B, Hq, Hkv, Sk = (int(x) for x in spec.split(","))
+            switch_shapes.append((f"B{B} {Hq}/{Hkv} Sk{Sk}", B, Hq, Hkv, Sk))
     dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     blocks = (16, 256)
     if args.layers:
@@ -879,7 +896,8 @@ def main(argv=None):
     if args.switch:
         if DEVICE != "cpu" or args.tokens or args.layers or args.small or args.pool_layouts:
             ap.error("--switch times the CPU kernel, alone")
-        run_cpu_table(args.json, rounds, "switch", lambda: switch_table(args.switch, dtypes, rounds, shapes),
+        run_cpu_table(args.json, rounds, "switch",
+                      lambda: switch_table(args.switch, dtypes, rounds, switch_shapes, args.switch_tokens),
                       f", bfloat16 products {bf16_products()}", cpu_features=ab._C.cpu_features(),
                       bf16_products=bf16_products(), variable="ATTN_BACKENDS_DECODE_" + args.switch)
         return

@@ -15,10 +15,10 @@ ROUNDS, KEEP_CALLS = 4, 512  # csrc/cpu/decode_tune.h AB_TUNE_ROUNDS, AB_TUNE_KE
 SWITCHES = ("KEYS_NEXT", "VALUES_AHEAD", "PAGES_AHEAD", "PV_KEYS", "SCORES_BY_HEAD")
 
 
-def by_head(dtype, G, D=64):
+def by_head(dtype, G, D=64, Sq=1):
     """SCORES_BY_HEAD where the kernel can take step 1 head by head (bfloat16 products, G a multiple of four,
     D <= 128), else 0."""
-    return SCORES_BY_HEAD if decode_bf16_products(dtype) and G % 4 == 0 and D <= 128 else 0
+    return SCORES_BY_HEAD if decode_bf16_products(dtype, Sq * G) and G % 4 == 0 and D <= 128 else 0
 
 
 
@@ -181,7 +181,7 @@ def test_a_forced_switch_is_not_timed(tuner, monkeypatch, gen):
 ])
 def test_only_switches_that_change_the_call_are_timed(dtype, Hq, Hkv, Sq, free, tuner, gen):
     if free == "row path":  # the row path with bfloat16 products, else tiled
-        free = (KEYS_NEXT | PAGES_AHEAD | by_head(dtype, Hq // Hkv)) if decode_bf16_products(dtype) else 0
+        free = (KEYS_NEXT | PAGES_AHEAD | by_head(dtype, Hq // Hkv)) if decode_bf16_products(dtype, Hq // Hkv) else 0
         if decode_tiles(dtype, Hq // Hkv, 64, Sq):
             free = PAGES_AHEAD  # on tiles only the pages ahead change what a call does (decode_cpu.c tunable)
     call = decode_call(gen, dtype, Hq, Hkv, B=1, S=200, Sq=Sq)

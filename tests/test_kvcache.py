@@ -376,6 +376,37 @@ def test_the_bf16_products_switch_takes_effect(monkeypatch, gen):
     assert not torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("Hq,Hkv,Sq", [(8, 8, 1), (8, 4, 1), (8, 2, 1), (8, 8, 2), (8, 8, 4), (16, 2, 3)], ids=str)
+def test_unforced_the_bf16_products_follow_the_rows_rule(Hq, Hkv, Sq, monkeypatch, gen):
+    # with the switch unset the kernel asks ab_kvcache_cpu_bf16_products (decode_cpu.c): on an Intel CPU bfloat16
+    # products for calls of at most 2 query rows per KV head (Sq x Hq / Hkv), the float32 products above that;
+    # on other CPUs with AVX512_BF16 bfloat16 products for every call.  The output's bits say which ran.
+    if not (_C.cpu_features().get("avx512_bf16") and _C.cpu_isa_supported("avx512")):
+        pytest.skip("this CPU has no AVX512_BF16")
+    rows = Sq * Hq // Hkv
+    monkeypatch.delenv("ATTN_BACKENDS_DECODE_BF16_DOT", raising=False)
+    want = rows <= 2 or _C.cpu_features()["vendor"] != "GenuineIntel"
+    call = Call(KV(B=2, Sq=Sq, Hq=Hq, Hkv=Hkv, D=128, S=300, seqlens=None, causal=True, dtype=torch.bfloat16), gen)
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX", "0")  # the vector products (tiles: test_tiles_*)
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa("avx512")
+    try:
+        assert decode_bf16_products(torch.bfloat16, rows) == want
+        outs = {}
+        for on in ("1", "0", None):
+            if on is None:
+                monkeypatch.delenv("ATTN_BACKENDS_DECODE_BF16_DOT")
+            else:
+                monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", on)
+            out, lse = call.reset().run("paged_attention")
+            call.check(out, lse)
+            outs[on] = out
+    finally:
+        _C.set_cpu_isa(before)
+    assert not torch.equal(outs["1"], outs["0"])  # the bits tell the two products apart
+    assert torch.equal(outs[None], outs["1" if want else "0"])
+
+
 # ---- steps 1 and 3 on AMX tiles (csrc/cpu/decode_cpu_impl.h, "Tiles") -----------------------------------
 # The AMX paths' decode kernel takes one-token GQA calls over a bfloat16 cache (2 to 16 query heads per KV head,
 # D a multiple of 32 up to 256) on tiles; amx_emu runs the same code on emulated tiles on every CPU, amx on
@@ -881,7 +912,7 @@ def test_long_queries_stay_in_the_kernel_unless_it_multiplies_in_bfloat16(block,
     for dt, tid in ((torch.float32, 1), (torch.float16, 3), (torch.bfloat16, 2)):
         rows = [_C.kvcache_max_rows(tid, True, 2048), _C.kvcache_max_rows(tid, False, 2048),
                 _C.kvcache_max_rows(tid, True, 2047)]
-        assert rows == ([48, 64, 64] if decode_bf16_products(dt) else [huge] * 3), dt
+        assert rows == ([48, 64, 64] if decode_bf16_products(dt, huge) else [huge] * 3), dt
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "0")
     assert _C.kvcache_max_rows(2, True, 4096) == huge
     monkeypatch.delenv("ATTN_BACKENDS_DECODE_BF16_DOT")
@@ -893,7 +924,7 @@ def test_long_queries_stay_in_the_kernel_unless_it_multiplies_in_bfloat16(block,
     for _ in range(2):  # planned, then the fast path's turn: it hands the call back when flash serves it
         out, lse = _fast(lambda: call.reset().run("paged_attention"))[0]
         call.check(out, lse)
-    assert len(flash_calls) == (2 if decode_bf16_products(case.dtype) and not block else 0)
+    assert len(flash_calls) == (2 if decode_bf16_products(case.dtype, 13 * 4) and not block else 0)
 
 
 # tiles of >= 16 query rows per KV head (DC_TILED_ROWS): the tiled products, head-major rows, the

@@ -45,15 +45,37 @@ static const ab_decode_cpu_table* decode_table(void) {
   return k->decode;
 }
 
-/* Whether the bfloat16 products of decode_cpu_impl.h run: a bfloat16 cache, the AVX-512 path (or
- * AMX, which runs it) and a CPU with AVX512_BF16.  ATTN_BACKENDS_DECODE_BF16_DOT=0 turns them off
- * (the float32 products then run, as on CPUs without the instructions); read at every call. */
-int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype) {
+/* A switch's 0 or 1 when it is set to one, else the rule's. */
+static int forced_or(const char* name, int rule) {
+  const int forced = ab_env_switch(name);
+  return forced >= 0 ? forced : rule;
+}
+
+/* Query rows per KV head (Sq x Hq / Hkv) up to which Intel's AVX-512 path multiplies a bfloat16 cache in bfloat16. */
+#define INTEL_BF16_ROWS 2
+
+/* Whether the bfloat16 products of decode_cpu_impl.h run for a call of `rows` query rows per KV head: a bfloat16
+ * cache, the AVX-512 path (or AMX, which runs it) and a CPU with AVX512_BF16; on an Intel CPU only up to
+ * INTEL_BF16_ROWS rows.  There `vdpbf16ps` issues at a quarter of a float32 FMA's rate (an Intel Xeon with AMX,
+ * 0.60 ns against 0.15, `benchmarks/dpbf16_rate.c`), so it does half the multiply-adds per second, and the
+ * float32 products, which convert each key and value row once for all the rows, win as soon as there are a
+ * few (the same Xeon, 2 threads, 2026-12-07, docs/benchmarks.md "The bfloat16 products on Intel by rows";
+ * `bench_decode.py --switch BF16_DOT`, calls drawn at random, on / off from DRAM): 1 row (MHA) 0.97-0.99x the
+ * time, 2 rows (G = 2, or 2 tokens of MHA) 0.94-1.00x; one token of G = 4, 8, 16: 1.01-1.07x (1.10-1.12x with
+ * the cache in the L3); several tokens of GQA or MHA, 4 to 64 rows: 1.02-1.06x at 8 rows, 1.12-1.28x at 4 and
+ * 16, 1.50-1.81x at 16 tokens (the float32 products take 16 rows and more on the tiled products, and flash no
+ * longer takes the longest queries).  Not measured by rows on other CPUs (AMD's Zen 4 and Zen 5 keep them for
+ * every call, as measured before: docs/decode.md "bfloat16 products").  ATTN_BACKENDS_DECODE_BF16_DOT=1 turns them on for every call that can take them, =0
+ * off (the float32 products then run, as on CPUs without the instructions); read at every call. */
+int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype, int64_t rows) {
   if (kv_dtype != AB_DTYPE_BF16 || !ab_cpu_features_get()->avx512_bf16) return 0;
   const ab_cpu_isa isa = ab_cpu_isa_get();
   if (isa != AB_ISA_AVX512 && isa != AB_ISA_AMX) return 0;
-  return ab_env_switch("ATTN_BACKENDS_DECODE_BF16_DOT") != 0;
+  return forced_or("ATTN_BACKENDS_DECODE_BF16_DOT", rows <= INTEL_BF16_ROWS || ab_cpu_vendor_detect() != AB_VENDOR_INTEL);
 }
+
+/* A call's query rows per KV head (Sq x G). */
+static int64_t call_rows(const ab_kvcache_params* p) { return p->Hkv > 0 ? p->Sq * (p->Hq / p->Hkv) : 0; }
 
 /* Whether steps 1 and 3 of p go on tiles (decode_cpu_impl.h, "Tiles"): a kernel with tiles (an AMX path's,
  * decode_table), a bfloat16 cache, one query token, 2 to 16 query heads per KV head (a tile's G columns; MHA
@@ -69,7 +91,7 @@ static int amx_tiles(const ab_kvcache_params* p) {
 
 /* bfloat16 q and P, on vdpbf16ps (ab_kvcache_cpu_bf16_products) or on tiles (amx_tiles) */
 static int bf16_dot(const ab_kvcache_params* p) {
-  return ab_kvcache_cpu_bf16_products(p->k_cache.dtype) || amx_tiles(p);
+  return ab_kvcache_cpu_bf16_products(p->k_cache.dtype, call_rows(p)) || amx_tiles(p);
 }
 
 /* The AVX-512 path of an AMD CPU (Zen 4), where the prefetch rules below were measured. */
@@ -78,11 +100,6 @@ static int amd_avx512(void) { return ab_cpu_isa_get() == AB_ISA_AVX512 && ab_cpu
 /* That path on a Zen 4 (before family 26), the only AMD CPU the rules that name it were measured on. */
 static int amd_zen4_avx512(void) { return amd_avx512() && ab_cpu_features_get()->family < AB_AMD_FAMILY_ZEN5; }
 
-/* A prefetch rule's answer: the switch name's 0 or 1 when it is set to one, else the rule's. */
-static int forced_or(const char* name, int rule) {
-  const int forced = ab_env_switch(name);
-  return forced >= 0 ? forced : rule;
-}
 
 /* Decode's own working set: the caches (by K's address) that the last RECENT_CALLS calls read, and
  * how many K and V bytes each call read from its cache.  A model reads a cache per layer per token,
@@ -351,7 +368,7 @@ int ab_kvcache_cpu_q_bf16(const float* row, uint16_t* rb, int64_t n, int qexp) {
 }
 
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
-  if (!ab_kvcache_cpu_bf16_products(dt)) return INT64_MAX; /* the tiled products serve long queries */
+  if (!ab_kvcache_cpu_bf16_products(dt, INT64_MAX)) return INT64_MAX; /* the tiled products serve long queries */
   if (!in_place || positions < 2048) return 64;
   return 48;
 }
@@ -727,7 +744,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   const int64_t nsplit = ab_kvcache_cpu_splits(call, threads);
   size_t part_at, idx_at, values_at;
   const int tiles = amx_tiles(call); /* read once: bf and am below both follow it */
-  int bf = ab_kvcache_cpu_bf16_products(call->k_cache.dtype) || tiles; /* bf16_dot */
+  int bf = ab_kvcache_cpu_bf16_products(call->k_cache.dtype, call_rows(call)) || tiles; /* bf16_dot */
   const size_t need = workspace_layout(call, nsplit, bf, &part_at, &idx_at, &values_at);
   if (!workspace || workspace_bytes < need)
     return ab_error_set(err, AB_ERR_INVALID, "the decode kernel needs %zu bytes of workspace, got %zu", need,

@@ -61,10 +61,11 @@ typedef struct ab_kvcache_params {
 /* Bytes of workspace ab_kvcache_cpu_fwd needs for p on a pool of num_threads threads (0 when the
  * call is invalid: fwd then says why). */
 size_t ab_kvcache_cpu_workspace_size(const ab_kvcache_params* p, int num_threads);
-/* Whether the kernel multiplies a cache of kv_dtype in bfloat16 (AVX512_BF16, decode_cpu_impl.h):
- * a bfloat16 cache on the AVX-512 (or AMX) path of a CPU that has the instructions, unless
- * ATTN_BACKENDS_DECODE_BF16_DOT=0 (read at every call). */
-int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype);
+/* Whether the kernel multiplies a cache of kv_dtype in bfloat16 (AVX512_BF16, decode_cpu_impl.h) for a call
+ * of `rows` query rows per KV head (Sq x Hq / Hkv): a bfloat16 cache on the AVX-512 (or AMX) path of a CPU
+ * that has the instructions, on an Intel CPU for at most 2 rows (decode_cpu.c); ATTN_BACKENDS_DECODE_BF16_DOT
+ * =1 or =0 forces it (read at every call). */
+int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype, int64_t rows);
 /* The query rows per KV head (Sq x Hq / Hkv) up to which this kernel serves a call better than flash
  * over a gathered view of the cache (attn_backends/_kvcache.py run_kernel and the fast path ask
  * here).  Every length (INT64_MAX) where tiles of many rows run the tiled products
@@ -73,7 +74,10 @@ int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype);
  * 64 to 512 rows, bfloat16 and float32.  With bfloat16 products, which the tiled products do not
  * use, the rows of the measurement before them (AVX-512, same shape): 64 in general, 48 where flash
  * reads the cache in place (a dense cache without cache_batch_idx: a view, no copy) and the cache
- * is long (64 rows: 15.7 ms in the kernel against 13.1 in flash; 48 rows: 12.1 against 13.4). */
+ * is long (64 rows: 15.7 ms in the kernel against 13.1 in flash; 48 rows: 12.1 against 13.4).  On an Intel
+ * CPU, whose bfloat16 products stop at 2 rows (ab_kvcache_cpu_bf16_products), every length: on a Xeon with AMX
+ * (2 threads, 2026-12-07) the tiled products took 0.83x flash's time at 128 rows (B=1 Hq=32 Hkv=8 Sk=4096, 32
+ * tokens) and 0.92x at 64 (MHA, 64 tokens). */
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions);
 
 /* Decode's working set: the K and V bytes the last 64 calls of fwd read, each cache (K's address)
