@@ -307,19 +307,29 @@ _CPU = _planner.DEVICE_IDS["cpu"]
 _PLAIN = (ID["auto"], _PAGED)  # requests under which paged_attention serving a call is not a fallback
 
 
-def in_place(c: KVCall) -> bool:
-    """Whether attending to the cache as a dense call needs neither a mask nor the index values: a
-    dense cache whose rows all hold the same, host-known number of tokens (an int cache_seqlens or
-    none), without leftpad, window or ALiBi, causal only for one query token (then bottom-right causal
-    hides nothing).  The call descriptor's mask field is 0 then (the CPU fast path, csrc/ab_direct.c
-    ab_py_kvcache, computes it the same way)."""
+def _plain(c: KVCall) -> bool:
+    """A dense cache whose rows all hold the same, host-known number of tokens (an int cache_seqlens or
+    none), without leftpad, window or ALiBi: torch can read it in place."""
     return (c.seqlens is None and c.block_table is None and c.batch_idx is None and c.leftpad is None
-            and c.wl < 0 and c.wr < 0 and c.alibi is None and (not c.causal or c.q.shape[1] == 1))
+            and c.wl < 0 and c.wr < 0 and c.alibi is None)
+
+
+def in_place(c: KVCall) -> bool:
+    """Whether attending to the cache as a dense call needs neither a mask nor the index values: _plain,
+    causal only for one query token (then bottom-right causal hides nothing)."""
+    return _plain(c) and (not c.causal or c.q.shape[1] == 1)
+
+
+def mask_kind(c: KVCall) -> int:
+    """The call descriptor's mask field for a KV-cache call: 0 in_place, 2 _plain but causal over several
+    query tokens (a bottom-right causal mask of host-known sizes), 1 otherwise (a mask or the index values).
+    The CPU fast path (csrc/ab_direct.c ab_py_kvcache) computes it the same way."""
+    return 0 if in_place(c) else 2 if _plain(c) else 1
 
 
 def signature(c: KVCall, backend, want_lse=True) -> _planner.Call:
-    """The call descriptor (csrc/ab_planner.h ab_call): layout 2 = a KV-cache call; mask 1 unless
-    in_place(c)."""
+    """The call descriptor (csrc/ab_planner.h ab_call): layout 2 = a KV-cache call; mask mask_kind(c);
+    many_rows from _planner.KV_MANY_ROWS query rows per KV head and KV_MANY_TOKENS query tokens."""
     requested = "auto" if backend == "auto" else (resolve(backend) if backend is not None else "auto")
     if requested == "auto":
         requested = _planner.default_backend()
@@ -330,13 +340,16 @@ def signature(c: KVCall, backend, want_lse=True) -> _planner.Call:
     else:
         cc, lib_ok, smem = 0, 0, 0
     D, gqa, softcap = q.shape[3], q.shape[2] != c.k_cache.shape[2], c.softcap > 0
+    many = (q.shape[1] * (q.shape[2] // c.k_cache.shape[2]) >= _planner.KV_MANY_ROWS
+            and q.shape[1] >= _planner.KV_MANY_TOKENS)
     if _is_compiling():  # with dynamic=True sizes and floats are symbolic: constants for the plan (static_int)
-        D, (gqa, softcap) = _planner.static_int(D), _planner.static_flags(gqa, softcap)
+        D, (gqa, softcap, many) = _planner.static_int(D), _planner.static_flags(gqa, softcap, many)
     # every field by position (new_call's order): keywords cost a decode call microseconds
     return _planner.new_call(dev, cc, lib_ok, _planner.DTYPE_IDS[q.dtype], D, D, gqa,
-                             False, 0 if in_place(c) else 1, False, 2 if c.causal else 0, c.wl >= 0 or c.wr >= 0,
+                             False, mask_kind(c), False, 2 if c.causal else 0, c.wl >= 0 or c.wr >= 0,
                              softcap, False, False, False, bool(want_lse), 2, None, ID[requested],
-                             _planner.cpu_isa(), None, smem, c.sinks is not None, c.alibi is not None)
+                             _planner.cpu_isa(), None, smem, c.sinks is not None, c.alibi is not None,
+                             many_rows=many)
 
 
 def choose(c: KVCall, backend, strict, want_lse=True) -> str:
@@ -777,13 +790,14 @@ def run_exact(c: KVCall):
 
 
 def run_sdpa(c: KVCall):
-    """torch SDPA in the call's dtype over the cache's own view, with no mask, the new tokens written
-    with slices: no index value read back, nothing gathered, no host copy (what auto sends to torch on
-    CUDA in 16-bit types, csrc/ab_planner.c torch_first_kv).  The planner gives it only the calls
-    in_place(c) (no lse, softcap, sinks or ALiBi either): through a gathered copy and a mask, torch took
-    2.5-11.4x the CUDA kernel's time on an H200 and 4-68x the CPU kernel's on a Zen 4
+    """torch SDPA in the call's dtype over the cache's own view, the new tokens written with slices: no
+    index value read back, nothing gathered, no host copy (what auto sends to torch on CUDA in 16-bit
+    types, and on a CPU with AMX for chunked prefill: csrc/ab_planner.c torch_first_kv).  No mask, but a
+    bottom-right causal one over several query tokens, built from the sizes.  The planner gives it only
+    the calls _plain(c) (no lse, softcap, sinks or ALiBi either): through a gathered copy and a mask,
+    torch took 2.5-11.4x the CUDA kernel's time on an H200 and 4-68x the CPU kernel's on a Zen 4
     (benchmarks/bench_kv_routes.py), so those calls fall back to the kernel."""
-    if not in_place(c):
+    if not _plain(c):
         raise RuntimeError("attn_backends: torch SDPA's KV-cache route reads the cache in place only (the planner "
                            "sends it no other call)")
     B, Sq, Hq, D = c.q.shape
@@ -803,12 +817,19 @@ def run_sdpa(c: KVCall):
     if B == 0 or Sq == 0 or Hq == 0 or S == 0:
         return c.q.new_zeros(c.q.shape), None
     q = c.q
-    if c.cos is not None:  # every query token at cache_seqlens (one token, or no causal: flash-attn's rule)
-        q = rotate(q, c.cos, c.sin, torch.full((B, Sq), n, device=dev), c.interleaved, torch.float32).to(q.dtype)
+    mask = None
+    if c.causal and Sq > 1:  # query i at position S - Sq + i sees the keys up to it (bottom-right)
+        mask = torch.ones(Sq, S, dtype=torch.bool, device=dev).tril(S - Sq)
+    if c.cos is not None:  # flash-attn's rule: causal, query i at cache_seqlens + i; else all at cache_seqlens
+        pos = (n + torch.arange(Sq, device=dev) if c.causal else torch.full((Sq,), n, device=dev)).expand(B, Sq)
+        q = rotate(q, c.cos, c.sin, pos, c.interleaved, torch.float32).to(q.dtype)
     # torch's own function (ORIGINAL_SDPA: not a patched one), over (B, H, S, D) views of the cache
     out = ORIGINAL_SDPA(q.transpose(1, 2), c.k_cache[:B, :S].transpose(1, 2), c.v_cache[:B, :S].transpose(1, 2),
-                        scale=c.scale, enable_gqa=Hq != c.k_cache.shape[2])
-    return out.transpose(1, 2).contiguous(), None  # as _attend_flash's (a copy only where Sq > 1)
+                        attn_mask=mask, scale=c.scale, enable_gqa=Hq != c.k_cache.shape[2])
+    out = out.transpose(1, 2).contiguous()  # as _attend_flash's (a copy only where Sq > 1)
+    if mask is not None and Sq > S:  # queries before the first key see none: 0, as the kernel gives
+        out[:, :Sq - S] = 0
+    return out, None
 
 
 RUNNERS = {

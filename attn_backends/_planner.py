@@ -104,6 +104,8 @@ CPU_UNITS = _C.cpu_units()
 CPU_VENDOR = _C.cpu_vendor()
 CPU_FAMILY = _C.cpu_features()["family"]  # CPUID's display family (AMD Zen 4: 25, Zen 5: 26)
 FEW_QUERIES = _C.FEW_QUERIES  # a dense call of at most this many query tokens has few_queries set
+KV_MANY_ROWS = _C.KV_MANY_ROWS  # a KV-cache call of at least this many query rows per KV head
+KV_MANY_TOKENS = _C.KV_MANY_TOKENS  # and this many query tokens has many_rows set
 
 
 # ---- the device facts a call descriptor holds ----------------------------------------------------
@@ -166,11 +168,12 @@ def new_call(device=0, cuda_cc=0, cuda_lib_ok=0, dtype=0, D=64, Dv=64, gqa=False
              mask_grad=False, causal=0, window=False, softcap=False, dropout=False, need_grad=False,
              deterministic=False, want_lse=False, varlen=0, mps_fix=None, requested=0, cpu_isa=None,
              cpu_units=None, cuda_smem=0, sinks=False, alibi=False, compiling=None, cpu_vendor=None,
-             few_queries=False, cpu_family=None) -> Call:
+             few_queries=False, cpu_family=None, many_rows=False) -> Call:
     """The one constructor of the call descriptor (fields: csrc/ab_planner.h, AB_CALL_FIELDS).  Ids, not
     names: device (DEVICE_IDS), dtype (DTYPE_IDS), causal (CAUSAL_NAMES), requested (_names.ID).  Left as
     None, mps_fix, cpu_isa, cpu_units, cpu_vendor and cpu_family are this process's; the rest default to a
-    plain dense CPU float32 call of D=64 with more than FEW_QUERIES query tokens.  _dispatch passes every
+    plain dense CPU float32 call of D=64 with more than FEW_QUERIES query tokens (many_rows: a KV-cache call's,
+    _kvcache.signature).  _dispatch passes every
     field but cpu_vendor and cpu_family by position and few_queries by keyword (the per-call path).  While
     torch.compile traces, the fields as a plain tuple (dynamo cannot rebuild a struct sequence as a
     constant); build() turns it into a Call, and tuples and Calls of the same fields are equal keys.
@@ -182,7 +185,7 @@ def new_call(device=0, cuda_cc=0, cuda_lib_ok=0, dtype=0, D=64, Dv=64, gqa=False
                  settings["mps_fix"] if mps_fix is None else mps_fix, requested,
                  _cpu_isa_index() if cpu_isa is None else cpu_isa, CPU_UNITS if cpu_units is None else cpu_units,
                  cuda_smem, sinks, alibi, CPU_VENDOR if cpu_vendor is None else cpu_vendor, few_queries,
-                 CPU_FAMILY if cpu_family is None else cpu_family))
+                 CPU_FAMILY if cpu_family is None else cpu_family, many_rows))
 
 
 def _detect_providers() -> None:
@@ -250,8 +253,11 @@ class Plan:
             parts.append("GQA")
         if c["few_queries"]:
             parts.append(f"Sq <= {FEW_QUERIES} (decode)")
-        if c["varlen"] == 2:  # its mask field: whether attending to the cache as a dense call needs one
-            parts.append("KV cache" + (", no mask needed" if c["mask"] == "none" else ""))
+        if c["varlen"] == 2:  # its mask field: what attending to the cache as a dense call needs (0, 2, 1)
+            parts.append("KV cache" + {"none": ", no mask needed", "float": ", only a bottom-right causal mask"}.get(
+                c["mask"], ""))
+            if c["many_rows"]:
+                parts.append(f"at least {KV_MANY_ROWS} query rows per KV head and {KV_MANY_TOKENS} tokens")
         elif c["varlen"]:
             parts.append("varlen")
         if c["causal"] != "none":

@@ -1211,9 +1211,11 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
   c.window = wl >= 0 || wr >= 0;
   c.softcap = softcap > 0;
   c.want_lse = want_lse;
-  /* _kvcache.in_place: attending to the cache as a dense call needs no mask (the descriptor's mask 0) */
-  c.mask = !(!seq_tensor && !paged && !ix[1] && !ix[2] && wl < 0 && wr < 0 && args[KV_ALIBI] == Py_None &&
-             (!causal || tq->sizes[1] == 1));
+  /* _kvcache.mask_kind: attending to the cache as a dense call needs no mask (0), only a bottom-right causal
+   * one of host-known sizes (2), or a mask or the index values (1) */
+  const int plain = !seq_tensor && !paged && !ix[1] && !ix[2] && wl < 0 && wr < 0 && args[KV_ALIBI] == Py_None;
+  c.mask = !plain ? 1 : causal && tq->sizes[1] > 1 ? 2 : 0;
+  c.many_rows = tq->sizes[1] * (Hq / Hkv) >= AB_KV_MANY_ROWS && tq->sizes[1] >= AB_KV_MANY_TOKENS;
   c.varlen = 2;
   c.requested = requested;
   c.sinks = args[KV_SINKS] != Py_None;

@@ -586,6 +586,8 @@ static int ab_exec(PyObject* module) {
   st->call_type = (PyObject*)PyStructSequence_NewType(&k_call_desc);
   if (!st->call_type || PyModule_AddObjectRef(module, "Call", st->call_type) < 0) return -1;
   if (PyModule_AddIntConstant(module, "FEW_QUERIES", AB_FEW_QUERIES) < 0) return -1;
+  if (PyModule_AddIntConstant(module, "KV_MANY_ROWS", AB_KV_MANY_ROWS) < 0) return -1;
+  if (PyModule_AddIntConstant(module, "KV_MANY_TOKENS", AB_KV_MANY_TOKENS) < 0) return -1;
   return PyModule_AddStringConstant(module, "__version__", AB_VERSION);
 }
 

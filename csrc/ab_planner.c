@@ -133,13 +133,18 @@ static void why_not(const ab_call* c, int id, char* out, size_t n) {
   if (c->need_grad && c->deterministic && !(f & AB_F_DETERMINISTIC))
     WHY("its backward is not deterministic and deterministic algorithms are requested");
   if (c->want_lse && !(f & AB_F_LSE)) WHY("cannot return lse");
-  /* torch SDPA reads a KV cache only in place (attn_backends/_kvcache.py run_sdpa): the gathered copy, the
-   * mask and the index values read back to the host took 2.5-11.4x the CUDA kernel's time (H200) and
-   * 4-68x the CPU kernel's (Zen 4; benchmarks/bench_kv_routes.py), so a call that needs them is not
-   * torch's to serve */
-  if (c->varlen == 2 && id == AB_BK_SDPA && c->mask)
-    WHY("reads a KV cache only in place (a dense cache, an int cache_seqlens, no leftpad or window, causal "
-        "only for one query token); this call needs a mask or its index values on the host");
+  /* torch SDPA reads a KV cache only in place (attn_backends/_kvcache.py run_sdpa), with at most a
+   * bottom-right causal mask built from the host-known sizes (mask 2): the gathered copy, the mask and the
+   * index values read back to the host took 2.5-11.4x the CUDA kernel's time (H200) and 4-68x the CPU
+   * kernel's (Zen 4; benchmarks/bench_kv_routes.py), so a call that needs them is not torch's to serve */
+  if (c->varlen == 2 && id == AB_BK_SDPA && c->mask == 1)
+    WHY("reads a KV cache only in place (a dense cache, an int cache_seqlens, no leftpad or window); this "
+        "call needs a mask or its index values on the host");
+  /* On the CPU our decode kernel ran 5.6x (float32) to 34x (bfloat16) faster than torch SDPA at 4096 keys
+   * (bench_kv_routes.py, Zen 4): torch serves only chunked prefill there (torch_first_kv) */
+  if (c->varlen == 2 && id == AB_BK_SDPA && c->device == AB_DEVICE_CPU && !c->many_rows)
+    WHY("serves a KV-cache call on the CPU only from %d query rows per KV head and %d tokens (chunked "
+        "prefill; at decode our kernel ran 5.6-34x faster)", AB_KV_MANY_ROWS, AB_KV_MANY_TOKENS);
   if (c->gqa && !(f & AB_F_GQA)) WHY("no grouped-query attention (Hq != Hkv)");
   if (c->sinks && !(f & AB_F_SINKS)) WHY("no attention sinks");
   if (c->alibi && !(f & AB_F_ALIBI)) WHY("no ALiBi (alibi_slopes)");
@@ -209,9 +214,29 @@ static void torch_first(const ab_call* c, ab_plan* plan) {
  * kernel: torch needs a mask or a gathered copy and host copies of the index values there, and took
  * 2.5-11.4x the kernel's time (H200, benchmarks/bench_kv_routes.py). */
 static void torch_first_kv(const ab_call* c, ab_plan* plan) {
-  if (c->device != AB_DEVICE_CUDA || (c->dtype != AB_DTYPE_F16 && c->dtype != AB_DTYPE_BF16) || c->mask ||
-      plan->reason[AB_BK_SDPA][0] /* torch cannot serve it: lse, softcap, sinks, ALiBi */)
+  if (plan->reason[AB_BK_SDPA][0]) return; /* torch cannot serve it: lse, softcap, sinks, ALiBi, a mask */
+  if (c->device == AB_DEVICE_CPU) {
+    /* Chunked prefill on a CPU with a unit torch computes this dtype on and our kernels do not (AMX-BF16):
+     * from AB_KV_MANY_ROWS query rows per KV head the decode kernel, bound by its float32 FMAs, took 2.2-3x
+     * torch's time over the cache's view (an Intel Xeon with AMX, 2 threads, bfloat16, B=1 Hq=32 D=128 over
+     * 4096 keys, 2026-12-07, docs/decode.md "Chunked prefill on an AMX CPU": 4 query heads per KV head, 64
+     * to 256 tokens, 256 to 1024 rows, 20.5-78.6 ms against 9.4-26.3; 16 per KV head, 32 to 64 tokens,
+     * 512 to 1024 rows, 10.2-20.1 against 7.6-15.1; 8 per KV head, 32 tokens: 0.90x our time through the
+     * route; MHA, 256 tokens: 0.45x).  Below it torch was as slow or slower (4 per KV head, 33-48 tokens:
+     * 1.04-1.15x our time; MHA, 32-128 tokens: 0.96-1.62x), and at 16 tokens of 16 heads per KV head (256
+     * rows) even with the kernel, which is why it takes 32 tokens too; sdpa's why_not keeps it off those
+     * calls. */
+    uint32_t unless = 0;
+    const uint32_t gap = ab_torch_cpu_units(c->dtype, &unless) & c->cpu_units & ~ab_our_cpu_units(c->cpu_isa, c->dtype);
+    if (!gap || !c->many_rows) return;
+    push(plan, AB_BK_SDPA);
+    snprintf(plan->note, sizeof plan->note,
+             "torch SDPA first: from %d query rows per KV head and %d tokens it computes %s on %s here, "
+             "which our decode kernel does not use, so it is faster", AB_KV_MANY_ROWS, AB_KV_MANY_TOKENS,
+             ab_dtype_name(c->dtype), unit_name(gap & (0u - gap)));
     return;
+  }
+  if (c->device != AB_DEVICE_CUDA || (c->dtype != AB_DTYPE_F16 && c->dtype != AB_DTYPE_BF16) || c->mask) return;
   push(plan, AB_BK_SDPA);
   snprintf(plan->note, sizeof plan->note,
            "torch SDPA first: our CUDA decode kernel measured slower than torch SDPA in %s (H200: "

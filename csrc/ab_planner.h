@@ -168,8 +168,9 @@ int ab_provider_available(int id, const char** why_not);
   X(int64_t, Dv, "head dim of v")                                                                      \
   X(int32_t, gqa, "Hq != Hkv")                                                                         \
   X(int32_t, square, "Sq == Sk")                                                                       \
-  X(int32_t, mask, "attn_mask: 0 none, 1 bool, 2 float; a KV-cache call: 1 when attending to the cache as a "  \
-                   "dense call needs a mask or the index values (ab_planner.c, torch_first_kv)")                \
+  X(int32_t, mask, "attn_mask: 0 none, 1 bool, 2 float; a KV-cache call: what attending to the cache as a "   \
+                   "dense call needs: 0 nothing, 2 only a bottom-right causal mask of host-known sizes, 1 a "  \
+                   "mask or the index values (ab_planner.c, torch_first_kv)")                                 \
   X(int32_t, mask_grad, "the float mask needs a gradient")                                             \
   X(ab_causal, causal, "0 none, 1 top-left, 2 bottom-right (ab_causal)")                               \
   X(int32_t, window, "a sliding window is given")                                                      \
@@ -188,7 +189,9 @@ int ab_provider_available(int id, const char** why_not);
   X(int32_t, alibi, "ALiBi slopes are given")                                                          \
   X(int32_t, cpu_vendor, "0 other, 1 Intel, 2 AMD (ab_cpu_vendor): who made the CPU")                   \
   X(int32_t, few_queries, "a dense call of Sq <= AB_FEW_QUERIES query tokens (decode); 0 when packed") \
-  X(int32_t, cpu_family, "CPUID's display family of the CPU (AMD Zen 4: 25, Zen 5: 26); 0 off x86")
+  X(int32_t, cpu_family, "CPUID's display family of the CPU (AMD Zen 4: 25, Zen 5: 26); 0 off x86")        \
+  X(int32_t, many_rows, "a KV-cache call of at least AB_KV_MANY_ROWS query rows per KV head and AB_KV_MANY_TOKENS "  \
+                       "query tokens (chunked prefill)")
 
 /* The query tokens up to which a dense call counts as decode (ab_call.few_queries): flash's CPU forward
  * hands a forward of so few tokens to the decode kernel (csrc/cpu/flash_cpu.c; for MHA always, with
@@ -196,6 +199,12 @@ int ab_provider_available(int id, const char** why_not);
  * where torch's kernel measured faster, all measured on long queries and without GQA, do not describe
  * such a forward (ab_torch_cpu_faster; a call that needs a gradient keeps flash's own forward). */
 #define AB_FEW_QUERIES 4
+
+/* The query rows per KV head (Sq x Hq / Hkv) from which a KV-cache call counts as chunked prefill
+ * (ab_call.many_rows): on a CPU where torch computes the dtype on a matrix unit our kernels do not use,
+ * torch SDPA serves such a call faster than the decode kernel (ab_planner.c, torch_first_kv). */
+#define AB_KV_MANY_ROWS 256
+#define AB_KV_MANY_TOKENS 32 /* and at least this many query tokens */
 
 typedef struct ab_call {
 #define AB_CALL_MEMBER(type, name, doc) type name;

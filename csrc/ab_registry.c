@@ -139,12 +139,13 @@ static ab_backend_info g_backends[AB_BK_COUNT] = {
     [AB_BK_SDPA] = {"sdpa", ALIASES("native", "torch", "torch_sdpa", "scaled_dot_product_attention",
                                     "pytorch", "_native_npu", "_native_xla"),
                     AB_KIND_TORCH, "torch.nn.functional.scaled_dot_product_attention, its choice", 0, 1,
-                    /* KV-cache calls too, off the CPU (attn_backends/_kvcache.py run_sdpa: the cache's own
-                     * view, for the calls that need no mask: ab_planner.c); no lse, softcap, sinks or ALiBi.
-                     * On the CPU our decode kernel ran 5.6x (float32) to 34x (bfloat16) faster than torch's
-                     * SDPA at 4096 keys (bench_kv_routes.py, Zen 4), so a process default of sdpa does not
-                     * send decode steps there. */
-                    {CAPS(ALL_DT, SDPA_F), CAPS(ALL_DT, SDPA_KV_F), CAPS(NO_F64, SDPA_KV_F),
+                    /* KV-cache calls too (attn_backends/_kvcache.py run_sdpa: the cache's own view, for the
+                     * calls that need no mask but a bottom-right causal one: ab_planner.c); no lse, softcap,
+                     * sinks or ALiBi.  On the CPU only from AB_KV_MANY_ROWS query rows per KV head and
+                     * AB_KV_MANY_TOKENS tokens: our decode kernel ran 5.6x (float32) to 34x (bfloat16) faster
+                     * than torch's SDPA at 4096 keys (bench_kv_routes.py, Zen 4), so a process default of sdpa
+                     * does not send decode steps there (ab_planner.c why_not). */
+                    {CAPS(ALL_DT, SDPA_KV_F), CAPS(ALL_DT, SDPA_KV_F), CAPS(NO_F64, SDPA_KV_F),
                      CAPS(ALL_DT, SDPA_KV_F)}},
     [AB_BK_NATIVE_FLASH] = {"_native_flash", ALIASES("sdpa_flash", "torch_flash"), AB_KIND_TORCH,
                             "torch SDPA with its flash kernel forced", 0, 1,

@@ -1459,6 +1459,39 @@ def test_auto_uses_the_decode_kernel_on_cpu_and_math_for_float64(caplog, fresh_p
     assert any(m.startswith("attn_backends: math serves cpu, float64") for m in served)
 
 
+@pytest.mark.parametrize("Sq,many", [(64, True), (31, False)])
+def test_chunked_prefill_goes_where_the_planner_says(Sq, many, gen, monkeypatch, fresh_plans):
+    # Sq tokens x 8 query heads per KV head: 512 rows and 64 tokens count as chunked prefill (many_rows), 248 rows
+    # and 31 tokens do not.  In bfloat16 on a CPU with AMX-BF16 auto plans torch SDPA for chunked prefill
+    # (ab_planner.c torch_first_kv; test_planner.py has the rule), elsewhere the kernel: through the fast path
+    # (csrc/ab_direct.c computes many_rows too) or not, the call goes where that plan says, with the right answer
+    from attn_backends import _kvcache
+
+    case = KV(B=2, Sq=Sq, Hq=16, Hkv=2, D=32, S=160, seqlens=40, snew=Sq, causal=True, rotary="neox",
+              dtype=torch.bfloat16)
+    call = Call(case, gen)
+    kv = _checked(call)
+    assert _kvcache.signature(kv, "auto").many_rows == many
+    torch_first = many and bool(_C.cpu_units() & 1)  # AMX_BF16 (ab_planner.h), which our kernels do not use
+    want = _kvcache.choose(kv, "auto", False, False)
+    assert want == ("sdpa" if torch_first else "paged_attention")
+    ran = []
+    for name in ("sdpa", "paged_attention"):
+        real = _kvcache.RUNNERS[name]
+        monkeypatch.setitem(_kvcache.RUNNERS, name, lambda c, real=real, name=name: ran.append(name) or real(c))
+    monkeypatch.setattr(_kvcache, "_kernel_op", lambda c, real=_kvcache._kernel_op: ran.append("kernel") or real(c))
+    for _ in range(2):  # planned, then the fast path's turn
+        with torch.no_grad():
+            out = ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, call.k, call.v,
+                                            **call.kwargs())
+        call.check_out(out)
+        call.reset()
+    if torch_first:  # torch's route is Python's: both calls reach it
+        assert ran == ["sdpa", "sdpa"], ran
+    else:  # the kernel, through the fast path (which runs no Python runner) or run_kernel
+        assert "sdpa" not in ran, ran
+
+
 def test_a_backend_that_cannot_serve_falls_back_once_or_raises_when_strict(caplog, fresh_plans):
     caplog.set_level(logging.WARNING, logger="attn_backends")
     q, kc, vc = _tiny()
@@ -1469,11 +1502,11 @@ def test_a_backend_that_cannot_serve_falls_back_once_or_raises_when_strict(caplo
     assert len(warnings) == 1 and "does not serve KV-cache calls" in warnings[0] and "using 'flash'" in warnings[0]
     with pytest.raises(RuntimeError, match="every backend and why not"):
         ab.attention_with_kvcache(q, kc, vc, cache_seqlens=5, backend="sage", strict=True)
-    # torch SDPA serves no KV-cache call on the CPU (the decode kernel ran 5.6-34x faster at 4096 keys):
-    # named, or the process default, it falls back to the kernel
+    # torch SDPA serves a decode step on the CPU for no one (the decode kernel ran 5.6-34x faster at 4096
+    # keys), only chunked prefill: named, or the process default, it falls back to the kernel
     caplog.clear()
     ab.attention_with_kvcache(q, kc, vc, cache_seqlens=5, backend="sdpa")
-    assert "does not serve KV-cache calls" in caplog.records[-1].getMessage()
+    assert "only from 256 query rows per KV head and 32 tokens" in caplog.records[-1].getMessage()
     assert "using 'paged_attention'" in caplog.records[-1].getMessage()
 
 
@@ -1489,9 +1522,23 @@ SDPA_IN_PLACE = [
     KV(B=1, Sq=1, Hq=2, Hkv=1, D=32, S=16, seqlens=0, snew=1, causal=True),
     KV(B=2, Sq=1, Hq=2, Hkv=1, D=32, S=16, seqlens=0),  # no key at all: zeros
 ]
-SDPA_NEEDS_MASK = [c for c in CASES if not (c.softcap or c.sinks or c.alibi)] + [
+
+
+def _plain(c: KV) -> bool:
+    """A dense cache, every row at one host-known length, no leftpad, window or ALiBi (_kvcache._plain)."""
+    return (c.seqlens is None or isinstance(c.seqlens, int)) and not (c.block or c.leftpad or c.batch_idx or c.alibi
+                                                                      or c.window != (-1, -1))
+
+
+SDPA_NEEDS_MASK = [c for c in CASES if not (c.softcap or c.sinks or c.alibi or _plain(c))] + [
     KV(B=2, Sq=1, Hq=4, Hkv=2, D=64, S=64, seqlens=30, leftpad=True, dtype=torch.bfloat16),
-    KV(B=2, Sq=3, Hq=4, Hkv=2, D=64, S=64, seqlens=30, snew=3, causal=True),  # causal over 3 tokens: a mask
+]
+# several tokens, causal: a bottom-right causal mask built from the sizes (mask 2), chunked prefill's call
+SDPA_CAUSAL = [c for c in CASES if c.causal and c.Sq > 1 and _plain(c) and not (c.softcap or c.sinks)] + [
+    KV(B=2, Sq=3, Hq=4, Hkv=2, D=64, S=64, seqlens=30, snew=3, causal=True),
+    KV(B=2, Sq=5, Hq=8, Hkv=2, D=64, S=64, seqlens=20, snew=5, causal=True, rotary="neox", dtype=torch.bfloat16),
+    KV(B=1, Sq=4, Hq=4, Hkv=1, D=32, S=64, seqlens=9, snew=2, causal=True, rotary="interleaved"),  # snew != Sq
+    KV(B=2, Sq=7, Hq=2, Hkv=2, D=32, S=16, seqlens=2, snew=3, causal=True),  # 7 queries, 5 keys: rows see none
 ]
 
 
@@ -1527,6 +1574,24 @@ def test_sdpa_reads_a_plain_cache_in_place(case, gen, monkeypatch):
     call = Call(case, gen)
     assert _kvcache.signature(_checked(call), "auto").mask == 0
     call.check_out(_sdpa_route(call))
+
+
+@pytest.mark.parametrize("case", SDPA_CAUSAL, ids=str)
+def test_sdpa_reads_a_plain_cache_in_place_under_a_causal_mask_of_its_sizes(case, gen, monkeypatch):
+    # several query tokens, causal, over a plain cache: the route builds the bottom-right mask from the sizes
+    # (mask 2), rotates query i at cache_seqlens + i, and gives the rows that see no key zeros, as the kernel
+    from attn_backends import _kvcache
+
+    def no_gather(*args):
+        raise AssertionError("gathered a cache that torch can read in place")
+
+    monkeypatch.setattr(_kvcache, "gather", no_gather)
+    call = Call(case, gen)
+    kv = _checked(call)
+    assert not _kvcache.in_place(kv) and _kvcache.signature(kv, "auto").mask == 2
+    out = _sdpa_route(call)
+    assert not out.isnan().any()
+    call.check_out(out)
 
 
 @pytest.mark.parametrize("case", SDPA_NEEDS_MASK, ids=str)

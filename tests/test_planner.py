@@ -529,9 +529,10 @@ def test_kv_cache_calls_on_cuda_go_to_torch_in_16_bit_types_where_it_reads_the_c
                            (dict(softcap=1), "no softcap")):
             p = plan(**{**kv, "dtype": "bfloat16", "requested": "sdpa", **other})
             assert p.chosen == "paged_attention" and why in p.reasons["sdpa"], (other, p.reasons["sdpa"])
-        # on the CPU it serves none (the decode kernel ran 5.6-34x faster than torch at 4096 keys)
+        # on the CPU it serves only chunked prefill (the decode kernel ran 5.6-34x faster than torch at 4096
+        # keys; test_kv_cache_chunked_prefill_on_an_amx_cpu_goes_to_torch)
         p = plan(**{**kv, "device": CPU, "cc": 0, "dtype": "bfloat16", "requested": "sdpa"})
-        assert p.chosen == "paged_attention" and "does not serve KV-cache calls" in p.reasons["sdpa"]
+        assert p.chosen == "paged_attention" and "only from 256 query rows per KV head" in p.reasons["sdpa"]
         assert plan(**{**kv, "device": CPU, "cc": 0, "dtype": "bfloat16"}).chosen == "paged_attention"
         for extra in (dict(sinks=True), dict(alibi=True)):
             call = _planner.new_call(CUDA, 90, 1, DT["bfloat16"], 64, 64, True, False, 0, False, 2, False, False,
@@ -973,3 +974,35 @@ def test_auto_keeps_our_kernel_for_dv_other_than_d():
     v = torch.randn(1, 2, 64, 64)
     assert int(torch._fused_sdp_choice(q, k, v)) == 0  # torch: math
     assert ab.explain(q, k, v).chosen == "flash"
+
+
+def _chunked_prefill(**fields):
+    """The plan of a bfloat16 KV-cache call on the CPU's avx512 path with AMX-BF16, bottom-right causal over many
+    query rows (many_rows; mask 2: only a causal mask of its sizes), with fields replaced."""
+    kw = dict(device=CPU, dtype=DT["bfloat16"], gqa=True, square=False, mask=2, causal=2, varlen=2, cpu_isa=2,
+              cpu_units=AMX_BF16, many_rows=True, cpu_vendor=1, cpu_family=6)
+    kw.update(fields)
+    return _planner.build(_planner.new_call(**kw))
+
+
+def test_kv_cache_chunked_prefill_on_an_amx_cpu_goes_to_torch():
+    # from 256 query rows per KV head and 32 tokens (many_rows) a KV-cache call in bfloat16 goes to torch SDPA on
+    # a CPU where torch computes bfloat16 on AMX and our decode kernel does not (ab_planner.c torch_first_kv):
+    # there the kernel took 2.2-3x torch's time (docs/decode.md, "Chunked prefill on an AMX CPU")
+    p = _chunked_prefill()
+    assert p.chosen == "sdpa" and p.order[:2] == ("sdpa", "paged_attention")
+    assert p.note.startswith("torch SDPA first: from 256 query rows per KV head and 32 tokens it computes bfloat16 "
+                             "on AMX-BF16"), p.note
+    assert _chunked_prefill(mask=0, causal=0).chosen == "sdpa"  # several tokens without causal: no mask at all
+    # the kernel keeps decode and short chunks, float32 and float16 (no unit of torch's for them here), CPUs
+    # without AMX-BF16, calls torch would need the index values or a mask for, and lse, softcap, sinks, ALiBi
+    for other in (dict(many_rows=False), dict(dtype=DT["float32"]), dict(dtype=DT["float16"]), dict(cpu_units=0),
+                  dict(cpu_units=AMX_INT8), dict(mask=1), dict(window=True, mask=1), dict(want_lse=True),
+                  dict(softcap=True), dict(sinks=True), dict(alibi=True)):
+        p = _chunked_prefill(**other)
+        assert p.chosen == "paged_attention" and not p.note, other
+    # named, sdpa serves chunked prefill on any CPU, and leaves the rest to the kernel with its reason
+    assert _chunked_prefill(requested=_names.ID["sdpa"], dtype=DT["float32"], cpu_units=0).chosen == "sdpa"
+    p = _chunked_prefill(requested=_names.ID["sdpa"], many_rows=False)
+    assert p.chosen == "paged_attention"
+    assert "only from 256 query rows per KV head and 32 tokens" in p.reasons["sdpa"], p.reasons["sdpa"]
