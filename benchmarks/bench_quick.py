@@ -72,10 +72,18 @@ def machine_header() -> list:
     ]
 
 
-def median_us(fn, rounds: int) -> float:
-    t = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())  # its default is 1
-    t.timeit(1)
-    return statistics.median(t.timeit(3).median for _ in range(rounds)) * 1e6
+def medians_us(fns: dict, rounds: int) -> dict:
+    """Median microseconds per call of each fn (name -> fn), timed in interleaved rounds: each round times every
+    fn in turn (torch's Timer, three runs of a few calls), so drift over the run falls on all of them alike."""
+    timers = {n: benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())  # its default: 1
+              for n, fn in fns.items()}
+    for t in timers.values():
+        t.timeit(1)
+    times = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, t in timers.items():
+            times[n].append(t.timeit(3).median)
+    return {n: statistics.median(x) * 1e6 for n, x in times.items()}
 
 
 def run_case(label: str, dtype: torch.dtype, B: int, H: int, S: int, D: int, rounds: int) -> bool:
@@ -99,14 +107,15 @@ def run_case(label: str, dtype: torch.dtype, B: int, H: int, S: int, D: int, rou
 def _table(title: str, runs: dict, ref, bound: float, rounds: int) -> bool:
     print(f"\n{title}")
     print(f"{'backend':<34}{'max err vs fp64':>16}{'rule':>6}{'median ms':>12}{'vs torch':>10}")
-    ok, base = True, None
-    for name, (fn, view) in runs.items():
-        err = max_err(view(fn()), ref)
+    ok = True
+    errs = {name: max_err(view(fn()), ref) for name, (fn, view) in runs.items()}
+    times = medians_us({name: fn for name, (fn, _) in runs.items()}, rounds)
+    base = times["torch sdpa"]
+    for name, err in errs.items():
         verdict = "-" if name == "torch sdpa" else ("ok" if err <= bound else "FAIL")
         ok = ok and verdict != "FAIL"
-        t = median_us(fn, rounds) / 1e3
-        base = base or t
-        print(f"{name:<34}{err:>16.2e}{verdict:>6}{t:>12.3f}{t / base:>9.2f}x")
+        t = times[name]
+        print(f"{name:<34}{err:>16.2e}{verdict:>6}{t / 1e3:>12.3f}{t / base:>9.2f}x")
     return ok
 
 
