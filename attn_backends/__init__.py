@@ -258,12 +258,15 @@ def attention_with_kvcache(
         backend: ``"auto"`` (the paged_attention kernel, on CPU and on CUDA, but torch SDPA on CUDA in
             float16 and bfloat16 for a call it reads in place: a dense cache, an int cache_seqlens, no
             leftpad or window, causal only for one token, and none of lse, softcap, sinks, ALiBi, which
-            keep the kernel, so the same call with and without lse may differ in the last bits; on
+            keep the kernel, so the same call with and without lse may differ in the last bits; on a CPU
+            with AMX-BF16 torch SDPA too for bfloat16 chunked prefill, from 256 query rows per KV head
+            and 32 tokens, over a plain dense cache (bottom-right causal as a mask of its sizes); on
             CUDA eager for the rest under ATTN_BACKENDS_CUDA_DECODE=0; on MPS sdpa, else eager),
             ``"paged_attention"``, ``"flash"``
             (our flash kernel over a gathered view of the cache; the decode kernel for a few query
-            tokens), ``"sdpa"`` (off the CPU: torch SDPA over the cache's view, for the calls that need
-            no mask, and no lse, softcap, sinks or ALiBi; the others fall back to the kernel),
+            tokens), ``"sdpa"`` (torch SDPA over the cache's view, for the calls that need no mask, and no
+            lse, softcap, sinks or ALiBi; on the CPU only the chunked prefill above; the others fall
+            back to the kernel),
             ``"math"`` / ``"eager"`` (float64 torch ops over the gathered view, any device; float32 on
             MPS) or any accepted name; one that cannot serve a KV-cache call falls back along its
             chain (flex and the ``_native_*`` names to sdpa) and the list, with one warning.

@@ -16,8 +16,10 @@ One call validates its arguments, asks the planner which backend serves a KV-cac
   kernel's own arguments (with ALiBi each row's keys are first moved to end at S, so that the
   kernel's bottom-right alignment is the row's own).
 - ``sdpa``: torch SDPA in the call's dtype, over the cache's own view, for the calls that need no
-  mask (in_place; the others fall back to the kernel); first under auto on CUDA in 16-bit types
-  (csrc/ab_planner.c torch_first_kv).
+  mask (in_place), and on the CPU for those that need only a bottom-right causal mask of their sizes
+  (mask_kind 2), which it builds; the others fall back to the kernel.  First under auto on CUDA in
+  16-bit types for the in_place calls, and on a CPU with AMX-BF16 for bfloat16 chunked prefill; on the
+  CPU it serves only that chunked prefill (csrc/ab_planner.c torch_first_kv and why_not).
 - ``math`` and ``eager``: the same gathered view, attended in float64 with plain torch ops (any device;
   float32 on MPS, which has no float64).
 
@@ -317,7 +319,7 @@ def _plain(c: KVCall) -> bool:
 def in_place(c: KVCall) -> bool:
     """Whether attending to the cache as a dense call needs neither a mask nor the index values: _plain,
     causal only for one query token (then bottom-right causal hides nothing)."""
-    return _plain(c) and (not c.causal or c.q.shape[1] == 1)
+    return _plain(c) and (not c.causal or c.q.shape[1] <= 1)
 
 
 def mask_kind(c: KVCall) -> int:
@@ -348,8 +350,8 @@ def signature(c: KVCall, backend, want_lse=True) -> _planner.Call:
     return _planner.new_call(dev, cc, lib_ok, _planner.DTYPE_IDS[q.dtype], D, D, gqa,
                              False, mask_kind(c), False, 2 if c.causal else 0, c.wl >= 0 or c.wr >= 0,
                              softcap, False, False, False, bool(want_lse), 2, None, ID[requested],
-                             _planner.cpu_isa(), None, smem, c.sinks is not None, c.alibi is not None,
-                             many_rows=many)
+                             _planner.cpu_isa(), None, smem, c.sinks is not None, c.alibi is not None, None, None,
+                             False, None, many)
 
 
 def choose(c: KVCall, backend, strict, want_lse=True) -> str:

@@ -1461,9 +1461,9 @@ static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   if (!PyArg_ParseTuple(args, "Oi", &call, &chosen)) return NULL;
   ab_call c;
   if (ab_call_from_py(call, &c) < 0) return NULL;
-  /* A KV-cache call is kept under its own want_lse and mask fields (ab_py_kvcache builds them as
-   * _kvcache.signature does): on the CPU neither changes the plan, but the Python path logs each
-   * descriptor once, so the fast path serves only a descriptor the Python path planned and logged (until
+  /* A KV-cache call is kept under its own want_lse, mask and many_rows fields (ab_py_kvcache builds them as
+   * _kvcache.signature does; mask and many_rows may change a CPU plan: chunked prefill to torch), and the
+   * Python path logs each descriptor once, so the fast path serves only a descriptor the Python path planned and logged (until
    * 2026-12-06 one plan under want_lse 1 and mask 0 served them all, and the other variants' INFO line
    * never came).  Only plans of paged_attention under auto or its own name are remembered. */
   const int cpu = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !(c.mask && c.varlen == 1) &&

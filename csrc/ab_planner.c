@@ -83,6 +83,15 @@ static int is_torch_sdpa(int id) {
   } while (0)
 
 /* Writes why backend id cannot serve call c into out ("" when it can). */
+/* The matrix unit torch SDPA computes a CPU KV-cache call's dtype on and our decode kernel does not, for the
+ * dtype where that was measured to pay in chunked prefill (bfloat16 on AMX-BF16: torch_first_kv); 0 for any
+ * other (float16 on AMX-FP16 is not measured). */
+static uint32_t cpu_kv_torch_unit(const ab_call* c) {
+  if (c->device != AB_DEVICE_CPU || c->dtype != AB_DTYPE_BF16) return 0;
+  uint32_t unless = 0;
+  return ab_torch_cpu_units(c->dtype, &unless) & c->cpu_units & ~ab_our_cpu_units(c->cpu_isa, c->dtype);
+}
+
 static void why_not(const ab_call* c, int id, char* out, size_t n) {
   const ab_backend_info* b = ab_backend_at(id);
   const ab_caps* k = &b->caps[c->device < AB_DEV_COUNT ? c->device : AB_DEVICE_OTHER];
@@ -137,14 +146,17 @@ static void why_not(const ab_call* c, int id, char* out, size_t n) {
    * bottom-right causal mask built from the host-known sizes (mask 2): the gathered copy, the mask and the
    * index values read back to the host took 2.5-11.4x the CUDA kernel's time (H200) and 4-68x the CPU
    * kernel's (Zen 4; benchmarks/bench_kv_routes.py), so a call that needs them is not torch's to serve */
-  if (c->varlen == 2 && id == AB_BK_SDPA && c->mask == 1)
-    WHY("reads a KV cache only in place (a dense cache, an int cache_seqlens, no leftpad or window); this "
-        "call needs a mask or its index values on the host");
+  if (c->varlen == 2 && id == AB_BK_SDPA && (c->mask == 1 || (c->mask == 2 && c->device != AB_DEVICE_CPU)))
+    WHY("reads a KV cache only in place (a dense cache, an int cache_seqlens, no leftpad or window%s); this "
+        "call needs a mask or its index values on the host",
+        c->device == AB_DEVICE_CPU ? "" : ", causal only for one query token");
   /* On the CPU our decode kernel ran 5.6x (float32) to 34x (bfloat16) faster than torch SDPA at 4096 keys
-   * (bench_kv_routes.py, Zen 4): torch serves only chunked prefill there (torch_first_kv) */
-  if (c->varlen == 2 && id == AB_BK_SDPA && c->device == AB_DEVICE_CPU && !c->many_rows)
-    WHY("serves a KV-cache call on the CPU only from %d query rows per KV head and %d tokens (chunked "
-        "prefill; at decode our kernel ran 5.6-34x faster)", AB_KV_MANY_ROWS, AB_KV_MANY_TOKENS);
+   * (bench_kv_routes.py, Zen 4), and faster in chunked prefill too but where torch has a unit it does not
+   * use (cpu_kv_torch_unit): torch serves only that chunked prefill there, named or not */
+  if (c->varlen == 2 && id == AB_BK_SDPA && c->device == AB_DEVICE_CPU && !(c->many_rows && cpu_kv_torch_unit(c)))
+    WHY("serves a KV-cache call on the CPU only from %d query rows per KV head and %d tokens, in bfloat16 "
+        "on AMX-BF16 (chunked prefill; elsewhere our kernel ran 1.1-34x faster)", AB_KV_MANY_ROWS,
+        AB_KV_MANY_TOKENS);
   if (c->gqa && !(f & AB_F_GQA)) WHY("no grouped-query attention (Hq != Hkv)");
   if (c->sinks && !(f & AB_F_SINKS)) WHY("no attention sinks");
   if (c->alibi && !(f & AB_F_ALIBI)) WHY("no ALiBi (alibi_slopes)");
@@ -226,8 +238,7 @@ static void torch_first_kv(const ab_call* c, ab_plan* plan) {
      * 1.04-1.15x our time; MHA, 32-128 tokens: 0.96-1.62x), and at 16 tokens of 16 heads per KV head (256
      * rows) even with the kernel, which is why it takes 32 tokens too; sdpa's why_not keeps it off those
      * calls. */
-    uint32_t unless = 0;
-    const uint32_t gap = ab_torch_cpu_units(c->dtype, &unless) & c->cpu_units & ~ab_our_cpu_units(c->cpu_isa, c->dtype);
+    const uint32_t gap = cpu_kv_torch_unit(c);
     if (!gap || !c->many_rows) return;
     push(plan, AB_BK_SDPA);
     snprintf(plan->note, sizeof plan->note,

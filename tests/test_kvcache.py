@@ -18,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import attn_backends as ab
-from attn_backends import _C
+from attn_backends import _C, _planner
 from attn_backends._testing import check_2x, decode_bf16_products, reference_attention
 
 BACKENDS = ["paged_attention", "flash", "math"]
@@ -1271,6 +1271,36 @@ def test_the_fast_path_serves_plain_calls_with_the_python_paths_bits(case, gen):
         assert _fast(lambda: ab.attention_with_kvcache(*args, **kw))[1]
 
 
+@pytest.mark.parametrize("Sq,Hq,Hkv,causal,seq_tensor,mask,many", [
+    (1, 8, 8, True, False, 0, False),  # one causal token: nothing hidden, mask 0
+    (2, 8, 8, False, False, 0, False),
+    (2, 8, 8, True, False, 2, False),  # several causal tokens: a mask of the sizes
+    (2, 8, 8, True, True, 1, False),  # a tensor cache_seqlens: the index values
+    (31, 16, 2, True, False, 2, False),  # 248 rows per KV head
+    (32, 16, 2, True, False, 2, True),  # 256 rows and 32 tokens: chunked prefill
+    (16, 32, 2, True, False, 2, False),  # 256 rows but 16 tokens
+    (256, 2, 2, False, False, 0, True),
+], ids=str)
+def test_the_fast_path_describes_a_call_as_the_python_path(Sq, Hq, Hkv, causal, seq_tensor, mask, many, gen):
+    # csrc/ab_direct.c builds the descriptor of a KV-cache call (its mask kind and many_rows among the fields) as
+    # _kvcache.signature does: a float32 call, which the kernel serves everywhere, is planned by the Python path
+    # and then served from C only if C describes it the same way (remembered compares every field)
+    from attn_backends import _kvcache
+
+    ab._dispatch.reset_caches()
+    call = Call(KV(B=1, Sq=Sq, Hq=Hq, Hkv=Hkv, D=16, S=300, seqlens=40, causal=causal), gen)
+    seqlens = torch.tensor([40], dtype=torch.int32) if seq_tensor else 40
+    kv = _kvcache.check(call.q, call.k_cache, call.v_cache, None, None, None, None, seqlens, None, None, None, None,
+                        causal, (-1, -1), 0.0, True, None, 0)
+    sig = _kvcache.signature(kv, "auto", False)
+    assert (sig.mask, sig.many_rows) == (mask, many)
+    run = lambda: ab.attention_with_kvcache(call.q, call.k_cache, call.v_cache, cache_seqlens=seqlens, causal=causal)
+    first, served = _fast(run)
+    assert not served
+    out, served = _fast(run)
+    assert served and torch.equal(out, first)
+
+
 def test_the_fast_path_serves_only_descriptors_the_python_path_logged(caplog, gen):
     # one plan kept under lse and "no mask" used to serve every variant of the call from C, so a call without
     # lse, or with tensor lengths (a mask to a dense attention), never got its INFO line
@@ -1473,7 +1503,7 @@ def test_chunked_prefill_goes_where_the_planner_says(Sq, many, gen, monkeypatch,
     kv = _checked(call)
     assert _kvcache.signature(kv, "auto").many_rows == many
     torch_first = many and bool(_C.cpu_units() & 1)  # AMX_BF16 (ab_planner.h), which our kernels do not use
-    want = _kvcache.choose(kv, "auto", False, False)
+    want = _planner.build(_kvcache.signature(kv, "auto", False)).chosen  # planned, not remembered (choose would)
     assert want == ("sdpa" if torch_first else "paged_attention")
     ran = []
     for name in ("sdpa", "paged_attention"):
@@ -1488,8 +1518,8 @@ def test_chunked_prefill_goes_where_the_planner_says(Sq, many, gen, monkeypatch,
         call.reset()
     if torch_first:  # torch's route is Python's: both calls reach it
         assert ran == ["sdpa", "sdpa"], ran
-    else:  # the kernel, through the fast path (which runs no Python runner) or run_kernel
-        assert "sdpa" not in ran, ran
+    else:  # the kernel: the planned call through run_kernel, the next one through the fast path or run_kernel
+        assert ran[:2] == ["paged_attention", "kernel"] and "sdpa" not in ran, ran
 
 
 def test_a_backend_that_cannot_serve_falls_back_once_or_raises_when_strict(caplog, fresh_plans):
@@ -1510,10 +1540,11 @@ def test_a_backend_that_cannot_serve_falls_back_once_or_raises_when_strict(caplo
     assert "using 'paged_attention'" in caplog.records[-1].getMessage()
 
 
-# torch SDPA's KV-cache route (_kvcache.run_sdpa), which the planner gives, off the CPU, the calls it reads
-# in place (a dense cache, every row at one host-known length, no leftpad or window, causal only for one
-# token, no lse, softcap, sinks or ALiBi: csrc/ab_planner.c; test_planner.py has its choices).  Its
-# function runs on CPU tensors as on CUDA ones, so it is checked here, called directly.
+# torch SDPA's KV-cache route (_kvcache.run_sdpa), which the planner gives the calls it reads in place (a
+# dense cache, every row at one host-known length, no leftpad or window, causal only for one token, no lse,
+# softcap, sinks or ALiBi), and on the CPU those of several causal tokens too under a mask of their sizes, for
+# chunked prefill (csrc/ab_planner.c; test_planner.py has its choices).  Its function runs on CPU tensors as on
+# CUDA ones, so it is checked here, called directly.
 SDPA_IN_PLACE = [
     KV(seqlens=40),
     KV(B=3, Hq=8, Hkv=1, D=128, S=300, seqlens=250, snew=1, causal=True, rotary="neox", dtype=torch.bfloat16),

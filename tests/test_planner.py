@@ -519,13 +519,15 @@ def test_kv_cache_calls_on_cuda_go_to_torch_in_16_bit_types_where_it_reads_the_c
             assert p.chosen == "sdpa" and p.note.startswith("torch SDPA first: our CUDA decode kernel"), p.note
         # the kernel keeps float32, calls torch would need a mask for, lse, softcap, sinks, ALiBi, and
         # the calls that name it; the CPU is unchanged
-        for other in (dict(dtype="float32"), dict(mask=1), dict(want_lse=1), dict(softcap=1),
+        for other in (dict(dtype="float32"), dict(mask=1), dict(mask=2), dict(want_lse=1), dict(softcap=1),
                       dict(requested="paged_attention")):
             p = plan(**{**kv, "dtype": "bfloat16", **other})
             assert p.chosen == "paged_attention" and not p.note, other
         # named, sdpa serves what it reads in place, and leaves the rest to the kernel with its reason
         assert plan(**{**kv, "dtype": "bfloat16", "requested": "sdpa"}).chosen == "sdpa"
-        for other, why in ((dict(mask=1), "reads a KV cache only in place"), (dict(want_lse=1), "cannot return lse"),
+        # a causal call of several tokens (mask 2) too: only the CPU's chunked prefill takes torch's causal mask
+        for other, why in ((dict(mask=1), "reads a KV cache only in place"),
+                           (dict(mask=2), "causal only for one query token"), (dict(want_lse=1), "cannot return lse"),
                            (dict(softcap=1), "no softcap")):
             p = plan(**{**kv, "dtype": "bfloat16", "requested": "sdpa", **other})
             assert p.chosen == "paged_attention" and why in p.reasons["sdpa"], (other, p.reasons["sdpa"])
@@ -533,6 +535,8 @@ def test_kv_cache_calls_on_cuda_go_to_torch_in_16_bit_types_where_it_reads_the_c
         # keys; test_kv_cache_chunked_prefill_on_an_amx_cpu_goes_to_torch)
         p = plan(**{**kv, "device": CPU, "cc": 0, "dtype": "bfloat16", "requested": "sdpa"})
         assert p.chosen == "paged_attention" and "only from 256 query rows per KV head" in p.reasons["sdpa"]
+        # off the CPU, torch never takes a causal call of several tokens over a mask (MPS without its fix, too)
+        assert plan(device=MPS, dtype="float16", varlen=2, gqa=1, causal=2, square=0, mask=2, mps_fix=0).chosen == "eager"
         assert plan(**{**kv, "device": CPU, "cc": 0, "dtype": "bfloat16"}).chosen == "paged_attention"
         for extra in (dict(sinks=True), dict(alibi=True)):
             call = _planner.new_call(CUDA, 90, 1, DT["bfloat16"], 64, 64, True, False, 0, False, 2, False, False,
@@ -1001,8 +1005,10 @@ def test_kv_cache_chunked_prefill_on_an_amx_cpu_goes_to_torch():
                   dict(softcap=True), dict(sinks=True), dict(alibi=True)):
         p = _chunked_prefill(**other)
         assert p.chosen == "paged_attention" and not p.note, other
-    # named, sdpa serves chunked prefill on any CPU, and leaves the rest to the kernel with its reason
-    assert _chunked_prefill(requested=_names.ID["sdpa"], dtype=DT["float32"], cpu_units=0).chosen == "sdpa"
-    p = _chunked_prefill(requested=_names.ID["sdpa"], many_rows=False)
-    assert p.chosen == "paged_attention"
-    assert "only from 256 query rows per KV head and 32 tokens" in p.reasons["sdpa"], p.reasons["sdpa"]
+    # named (or the process default), sdpa serves the same calls and leaves the rest to the kernel with its reason:
+    # a process default of sdpa does not send decode steps, or chunked prefill the kernel serves faster, to torch
+    assert _chunked_prefill(requested=_names.ID["sdpa"]).chosen == "sdpa"
+    for other in (dict(many_rows=False), dict(dtype=DT["float32"]), dict(cpu_units=0)):
+        p = _chunked_prefill(requested=_names.ID["sdpa"], **other)
+        assert p.chosen == "paged_attention", other
+        assert "only from 256 query rows per KV head and 32 tokens, in bfloat16 on AMX-BF16" in p.reasons["sdpa"], other
