@@ -1594,23 +1594,10 @@ def _sdpa_route(call):
     return out
 
 
-@pytest.mark.parametrize("case", SDPA_IN_PLACE, ids=str)
-def test_sdpa_reads_a_plain_cache_in_place(case, gen, monkeypatch):
-    from attn_backends import _kvcache
-
-    def no_gather(*args):
-        raise AssertionError("gathered a cache that torch can read in place")
-
-    monkeypatch.setattr(_kvcache, "gather", no_gather)
-    call = Call(case, gen)
-    assert _kvcache.signature(_checked(call), "auto").mask == 0
-    call.check_out(_sdpa_route(call))
-
-
-@pytest.mark.parametrize("case", SDPA_CAUSAL, ids=str)
-def test_sdpa_reads_a_plain_cache_in_place_under_a_causal_mask_of_its_sizes(case, gen, monkeypatch):
-    # several query tokens, causal, over a plain cache: the route builds the bottom-right mask from the sizes
-    # (mask 2), rotates query i at cache_seqlens + i, and gives the rows that see no key zeros, as the kernel
+@pytest.mark.parametrize("case,mask", [(c, 0) for c in SDPA_IN_PLACE] + [(c, 2) for c in SDPA_CAUSAL], ids=str)
+def test_sdpa_reads_a_plain_cache_in_place(case, mask, gen, monkeypatch):
+    # mask 0: no mask at all; mask 2, several query tokens, causal: the route builds the bottom-right mask from
+    # the sizes, rotates query i at cache_seqlens + i, and gives the rows that see no key zeros, as the kernel
     from attn_backends import _kvcache
 
     def no_gather(*args):
@@ -1619,7 +1606,7 @@ def test_sdpa_reads_a_plain_cache_in_place_under_a_causal_mask_of_its_sizes(case
     monkeypatch.setattr(_kvcache, "gather", no_gather)
     call = Call(case, gen)
     kv = _checked(call)
-    assert not _kvcache.in_place(kv) and _kvcache.signature(kv, "auto").mask == 2
+    assert _kvcache.in_place(kv) == (mask == 0) and _kvcache.signature(kv, "auto").mask == mask
     out = _sdpa_route(call)
     assert not out.isnan().any()
     call.check_out(out)
