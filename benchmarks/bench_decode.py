@@ -482,7 +482,8 @@ def switch_table(switch, dtypes, rounds, shapes, tokens=1):
     equal first (the values, for BITS_CHANGING).  tokens > 1: that many query tokens per call, causal, and no
     L3 row."""
     var = "ATTN_BACKENDS_DECODE_" + switch
-    print(f"{'one query token' if tokens == 1 else f'{tokens} query tokens (causal)'}, ms per call with {var}=0 and =1, the calls shuffled (shuffled_calls); on / off: the "
+    what = "one query token" if tokens == 1 else f"{tokens} query tokens (causal)"
+    print(f"{what}, ms per call with {var}=0 and =1, the calls shuffled (shuffled_calls); on / off: the "
           f"ratio of the medians, and its least and greatest over {SLICES} slices of the calls in their order")
     print(f"{'shape':<24}  {'dtype':<8}  {'cache':<6}  {'off':>8}  {'on':>8}  {'on/off':>6}  slices")
     rows = []

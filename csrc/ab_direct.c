@@ -1185,7 +1185,8 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
                       B, Hq))
     Py_RETURN_NONE;
   /* queries run_kernel gives to flash over the cache (long ones, with bfloat16 products only) */
-  if (tq->sizes[1] * (Hq / Hkv) > ab_kvcache_cpu_max_rows(dt, !paged && !ix[1], tk->sizes[1])) Py_RETURN_NONE;
+  const int64_t rows = tq->sizes[1] * (Hq / Hkv); /* query rows per KV head */
+  if (rows > ab_kvcache_cpu_max_rows(dt, !paged && !ix[1], tk->sizes[1])) Py_RETURN_NONE;
   long long seqlen = -1;
   if (seq_o != Py_None && !seq_tensor && !small_int(seq_o, 0, &seqlen)) Py_RETURN_NONE;
   PyObject* scale_o = args[KV_SCALE];
@@ -1215,7 +1216,7 @@ static PyObject* ab_py_kvcache(PyObject* self, PyObject* const* args, Py_ssize_t
    * one of host-known sizes (2), or a mask or the index values (1) */
   const int plain = !seq_tensor && !paged && !ix[1] && !ix[2] && wl < 0 && wr < 0 && args[KV_ALIBI] == Py_None;
   c.mask = !plain ? 1 : causal && tq->sizes[1] > 1 ? 2 : 0;
-  c.many_rows = tq->sizes[1] * (Hq / Hkv) >= AB_KV_MANY_ROWS && tq->sizes[1] >= AB_KV_MANY_TOKENS;
+  c.many_rows = rows >= AB_KV_MANY_ROWS && tq->sizes[1] >= AB_KV_MANY_TOKENS;
   c.varlen = 2;
   c.requested = requested;
   c.sinks = args[KV_SINKS] != Py_None;
@@ -1463,7 +1464,8 @@ static PyObject* ab_py_remember(PyObject* self, PyObject* args) {
   if (ab_call_from_py(call, &c) < 0) return NULL;
   /* A KV-cache call is kept under its own want_lse, mask and many_rows fields (ab_py_kvcache builds them as
    * _kvcache.signature does; mask and many_rows may change a CPU plan: chunked prefill to torch), and the
-   * Python path logs each descriptor once, so the fast path serves only a descriptor the Python path planned and logged (until
+   * Python path logs each descriptor once, so the fast path serves only a descriptor the Python path planned
+   * and logged (until
    * 2026-12-06 one plan under want_lse 1 and mask 0 served them all, and the other variants' INFO line
    * never came).  Only plans of paged_attention under auto or its own name are remembered. */
   const int cpu = c.device == AB_DEVICE_CPU && !c.cuda_cc && !c.cuda_lib_ok && !(c.mask && c.varlen == 1) &&

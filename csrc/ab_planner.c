@@ -83,13 +83,18 @@ static int is_torch_sdpa(int id) {
   } while (0)
 
 /* Writes why backend id cannot serve call c into out ("" when it can). */
-/* The matrix unit torch SDPA computes a CPU KV-cache call's dtype on and our decode kernel does not, for the
- * dtype where that was measured to pay in chunked prefill (bfloat16 on AMX-BF16: torch_first_kv); 0 for any
- * other (float16 on AMX-FP16 is not measured). */
+/* The matrix units this CPU has that torch SDPA computes the call's dtype on and our kernels' ISA path does not
+ * (ab_registry.c holds both lists); *unless: the features under which torch does not use them. */
+static uint32_t torch_unit_gap(const ab_call* c, uint32_t* unless) {
+  *unless = 0;
+  return ab_torch_cpu_units(c->dtype, unless) & c->cpu_units & ~ab_our_cpu_units(c->cpu_isa, c->dtype);
+}
+
+/* torch_unit_gap for a CPU KV-cache call, in the dtype where it was measured to pay in chunked prefill
+ * (bfloat16 on AMX-BF16: torch_first_kv); 0 for any other (float16 on AMX-FP16 is not measured). */
 static uint32_t cpu_kv_torch_unit(const ab_call* c) {
-  if (c->device != AB_DEVICE_CPU || c->dtype != AB_DTYPE_BF16) return 0;
-  uint32_t unless = 0;
-  return ab_torch_cpu_units(c->dtype, &unless) & c->cpu_units & ~ab_our_cpu_units(c->cpu_isa, c->dtype);
+  uint32_t unless;
+  return c->device == AB_DEVICE_CPU && c->dtype == AB_DTYPE_BF16 ? torch_unit_gap(c, &unless) : 0;
 }
 
 static void why_not(const ab_call* c, int id, char* out, size_t n) {
@@ -197,8 +202,8 @@ static const char* unit_name(uint32_t unit) {
  * kernels still serve what it cannot (packed sequences, softcap, lse, ...). */
 static void torch_first(const ab_call* c, ab_plan* plan) {
   if (c->device != AB_DEVICE_CPU) return;
-  uint32_t unless = 0;
-  const uint32_t gap = ab_torch_cpu_units(c->dtype, &unless) & c->cpu_units & ~ab_our_cpu_units(c->cpu_isa, c->dtype);
+  uint32_t unless;
+  const uint32_t gap = torch_unit_gap(c, &unless);
   if (!gap) {
     const char* what = ab_torch_cpu_faster(c);
     if (!what) return;

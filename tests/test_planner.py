@@ -536,7 +536,8 @@ def test_kv_cache_calls_on_cuda_go_to_torch_in_16_bit_types_where_it_reads_the_c
         p = plan(**{**kv, "device": CPU, "cc": 0, "dtype": "bfloat16", "requested": "sdpa"})
         assert p.chosen == "paged_attention" and "only from 256 query rows per KV head" in p.reasons["sdpa"]
         # off the CPU, torch never takes a causal call of several tokens over a mask (MPS without its fix, too)
-        assert plan(device=MPS, dtype="float16", varlen=2, gqa=1, causal=2, square=0, mask=2, mps_fix=0).chosen == "eager"
+        mps = dict(device=MPS, dtype="float16", varlen=2, gqa=1, causal=2, square=0, mask=2, mps_fix=0)
+        assert plan(**mps).chosen == "eager"
         assert plan(**{**kv, "device": CPU, "cc": 0, "dtype": "bfloat16"}).chosen == "paged_attention"
         for extra in (dict(sinks=True), dict(alibi=True)):
             call = _planner.new_call(CUDA, 90, 1, DT["bfloat16"], 64, 64, True, False, 0, False, 2, False, False,

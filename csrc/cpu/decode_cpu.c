@@ -65,13 +65,15 @@ static int forced_or(const char* name, int rule) {
  * the cache in the L3); several tokens of GQA or MHA, 4 to 64 rows: 1.02-1.06x at 8 rows, 1.12-1.28x at 4 and
  * 16, 1.50-1.81x at 16 tokens (the float32 products take 16 rows and more on the tiled products, and flash no
  * longer takes the longest queries).  Not measured by rows on other CPUs (AMD's Zen 4 and Zen 5 keep them for
- * every call, as measured before: docs/decode.md "bfloat16 products").  ATTN_BACKENDS_DECODE_BF16_DOT=1 turns them on for every call that can take them, =0
- * off (the float32 products then run, as on CPUs without the instructions); read at every call. */
+ * every call, as measured before: docs/decode.md "bfloat16 products").  ATTN_BACKENDS_DECODE_BF16_DOT=1 turns
+ * them on for every call that can take them, =0 off (the float32 products then run, as on CPUs without the
+ * instructions); read at every call. */
 int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype, int64_t rows) {
   if (kv_dtype != AB_DTYPE_BF16 || !ab_cpu_features_get()->avx512_bf16) return 0;
   const ab_cpu_isa isa = ab_cpu_isa_get();
   if (isa != AB_ISA_AVX512 && isa != AB_ISA_AMX) return 0;
-  return forced_or("ATTN_BACKENDS_DECODE_BF16_DOT", rows <= INTEL_BF16_ROWS || ab_cpu_vendor_detect() != AB_VENDOR_INTEL);
+  return forced_or("ATTN_BACKENDS_DECODE_BF16_DOT",
+                   rows <= INTEL_BF16_ROWS || ab_cpu_vendor_detect() != AB_VENDOR_INTEL);
 }
 
 /* A call's query rows per KV head (Sq x G). */
