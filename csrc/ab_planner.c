@@ -90,11 +90,15 @@ static uint32_t torch_unit_gap(const ab_call* c, uint32_t* unless) {
   return ab_torch_cpu_units(c->dtype, unless) & c->cpu_units & ~ab_our_cpu_units(c->cpu_isa, c->dtype);
 }
 
-/* torch_unit_gap for a CPU KV-cache call, in the dtype where it was measured to pay in chunked prefill
- * (bfloat16 on AMX-BF16: torch_first_kv); 0 for any other (float16 on AMX-FP16 is not measured). */
+/* torch_unit_gap for a CPU KV-cache call, less the units our decode kernel computes chunked prefill on
+ * (ab_our_kv_cpu_units: AMX-BF16 on the avx512 and amx paths), in the dtype where it was measured to pay in
+ * chunked prefill (bfloat16 on AMX-BF16, with a kernel of float32 FMAs: torch_first_kv); 0 for any other (float16
+ * on AMX-FP16 is not measured). */
 static uint32_t cpu_kv_torch_unit(const ab_call* c) {
   uint32_t unless;
-  return c->device == AB_DEVICE_CPU && c->dtype == AB_DTYPE_BF16 ? torch_unit_gap(c, &unless) : 0;
+  return c->device == AB_DEVICE_CPU && c->dtype == AB_DTYPE_BF16
+             ? torch_unit_gap(c, &unless) & ~ab_our_kv_cpu_units(c->cpu_isa, c->dtype)
+             : 0;
 }
 
 static void why_not(const ab_call* c, int id, char* out, size_t n) {
@@ -160,7 +164,7 @@ static void why_not(const ab_call* c, int id, char* out, size_t n) {
    * use (cpu_kv_torch_unit): torch serves only that chunked prefill there, named or not */
   if (c->varlen == 2 && id == AB_BK_SDPA && c->device == AB_DEVICE_CPU && !(c->many_rows && cpu_kv_torch_unit(c)))
     WHY("serves a KV-cache call on the CPU only from %d query rows per KV head and %d tokens, in bfloat16 "
-        "on AMX-BF16 (chunked prefill; elsewhere our kernel ran 1.1-34x faster)", AB_KV_MANY_ROWS,
+        "on AMX-BF16 that our decode kernel leaves unused (elsewhere ours ran faster)", AB_KV_MANY_ROWS,
         AB_KV_MANY_TOKENS);
   if (c->gqa && !(f & AB_F_GQA)) WHY("no grouped-query attention (Hq != Hkv)");
   if (c->sinks && !(f & AB_F_SINKS)) WHY("no attention sinks");
@@ -233,10 +237,11 @@ static void torch_first(const ab_call* c, ab_plan* plan) {
 static void torch_first_kv(const ab_call* c, ab_plan* plan) {
   if (plan->reason[AB_BK_SDPA][0]) return; /* torch cannot serve it: lse, softcap, sinks, ALiBi, a mask */
   if (c->device == AB_DEVICE_CPU) {
-    /* Chunked prefill on a CPU with a unit torch computes this dtype on and our kernels do not (AMX-BF16):
-     * from AB_KV_MANY_ROWS query rows per KV head the decode kernel, bound by its float32 FMAs, took 2.2-3x
-     * torch's time over the cache's view (an Intel Xeon with AMX, 2 threads, bfloat16, B=1 Hq=32 D=128 over
-     * 4096 keys, 2026-12-07, docs/decode.md "Chunked prefill on an AMX CPU": 4 query heads per KV head, 64
+    /* Chunked prefill on a CPU with a unit torch computes this dtype on and our decode kernel does not
+     * (AMX-BF16 on the generic and avx2 paths; the avx512 and amx paths compute it on the tiles,
+     * ab_our_kv_cpu_units): from AB_KV_MANY_ROWS query rows per KV head the kernel, bound by its float32 FMAs,
+     * took 2.2-3x torch's time over the cache's view (an Intel Xeon with AMX, 2 threads, bfloat16, B=1 Hq=32
+     * D=128 over 4096 keys, 2026-12-07, docs/decode.md "Chunked prefill on an AMX CPU": 4 query heads per KV head, 64
      * to 256 tokens, 256 to 1024 rows, 20.5-78.6 ms against 9.4-26.3; 16 per KV head, 32 to 64 tokens,
      * 512 to 1024 rows, 10.2-20.1 against 7.6-15.1; 8 per KV head, 32 tokens: 0.90x our time through the
      * route; MHA, 256 tokens: 0.45x).  Below it torch was as slow or slower (4 per KV head, 33-48 tokens:

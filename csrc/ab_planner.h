@@ -134,6 +134,9 @@ uint32_t ab_torch_cpu_units(int dtype, uint32_t* unless_features);
  * measured (docs/benchmarks.md); a unit listed by ab_torch_cpu_units and not here means torch SDPA
  * is faster for that dtype on a CPU that has it. */
 uint32_t ab_our_cpu_units(int isa, int dtype);
+/* The units our CPU decode kernel computes a KV-cache call of many query rows per KV head (chunked prefill) in
+ * `dtype` on, on ISA path `isa` where the CPU has them (csrc/cpu/decode_cpu.c amx_rows). */
+uint32_t ab_our_kv_cpu_units(int isa, int dtype);
 
 /* Serves our CUDA kernels that have not run on a GPU yet (on = 1) or not (0): flash and
  * flash_varlen (forward and backward) and math's backward.  Opt-in until verified.  Called under

@@ -353,6 +353,16 @@ uint32_t ab_our_cpu_units(int isa, int dtype) {
   return 0;
 }
 
+/* AMX-BF16 for bfloat16 on the avx512 path, which borrows the amx path's decode kernel for such calls where the
+ * CPU's tiles are usable, and on the amx path: there the decode kernel takes both products of calls of several
+ * tokens and 16 query rows per KV head or more on tiles, and ran 1.02-3.0x torch SDPA's speed in chunked prefill
+ * over its best layout (an Intel Xeon with AMX, 2 threads, B=1 Hq=32 D=128 over 2048-4096 keys, 16 to 2048 tokens,
+ * 1 to 16 query heads per KV head, 2026-12-07; docs/decode.md, "Chunked prefill on an AMX CPU").  Not amx_emu:
+ * its tiles are emulated. */
+uint32_t ab_our_kv_cpu_units(int isa, int dtype) {
+  return dtype == AB_DTYPE_BF16 && (isa == AB_ISA_AVX512 || isa == AB_ISA_AMX) ? AB_UNIT_AMX_BF16 : 0u;
+}
+
 /* Classes of CPU calls where torch's fused kernel, on the CPUs named (the same FMA units as ours but
  * in the AMD row), measured faster than our flash, side by side (docs/benchmarks.md, "auto against
  * torch, per dtype"), per ISA path of our kernels.  Each holds only for a call torch serves as it is,

@@ -8,7 +8,7 @@ import torch
 
 import attn_backends as ab
 from attn_backends import _C
-from attn_backends._testing import decode_bf16_products, decode_tiles
+from attn_backends._testing import decode_amx_rows, decode_bf16_products, decode_tiles
 
 KEYS_NEXT, VALUES_AHEAD, PAGES_AHEAD, PV_KEYS, SCORES_BY_HEAD = 1, 2, 4, 8, 16
 ROUNDS, KEEP_CALLS = 4, 512  # csrc/cpu/decode_tune.h AB_TUNE_ROUNDS, AB_TUNE_KEEP_CALLS
@@ -178,8 +178,15 @@ def test_a_forced_switch_is_not_timed(tuner, monkeypatch, gen):
     (torch.float32, 8, 2, 3, KEYS_NEXT | PAGES_AHEAD),
     # several tokens of float32 MHA: the values are always asked for
     (torch.float32, 4, 4, 2, KEYS_NEXT | PAGES_AHEAD),
+    # four tokens of four heads per KV head in bfloat16: where the tiles take them (decode_cpu.c amx_rows), every
+    # tile goes through the tiled products on tiles, which switch nothing: nothing to time
+    (torch.bfloat16, 8, 2, 4, "tiles of many rows"),
 ])
 def test_only_switches_that_change_the_call_are_timed(dtype, Hq, Hkv, Sq, free, tuner, gen):
+    if free == "tiles of many rows":  # else the row path with bfloat16 products, or the tiled products
+        bf = decode_bf16_products(dtype, Sq * Hq // Hkv)
+        free = 0 if decode_amx_rows(dtype, Hq // Hkv, 64, Sq) or not bf else (
+            KEYS_NEXT | PAGES_AHEAD | by_head(dtype, Hq // Hkv, Sq=Sq))
     if free == "row path":  # the row path with bfloat16 products, else tiled
         free = (KEYS_NEXT | PAGES_AHEAD | by_head(dtype, Hq // Hkv)) if decode_bf16_products(dtype, Hq // Hkv) else 0
         if decode_tiles(dtype, Hq // Hkv, 64, Sq):

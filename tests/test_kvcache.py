@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import attn_backends as ab
 from attn_backends import _C, _planner
-from attn_backends._testing import check_2x, decode_bf16_products, reference_attention
+from attn_backends._testing import check_2x, decode_amx_rows, decode_bf16_products, reference_attention
 
 BACKENDS = ["paged_attention", "flash", "math"]
 
@@ -499,6 +499,110 @@ def test_tiles_keep_a_q_that_bfloat16_would_flush(tiles, gen):
 
 def test_tiles_leave_garbage_outside_the_rows_alone(tiles, gen):
     check_garbage_outside_rows(KV(B=3, Hq=8, Hkv=2, D=64, S=90, block=16, snew=1, leftpad=True, causal=True,
+                                  dtype=torch.bfloat16), gen, lambda call: call.run("paged_attention"))
+
+
+# ---- tiles of many rows (csrc/cpu/decode_cpu_impl.h, "tiles of many rows") ----------------------------------
+# Calls of several query tokens and 16 query rows per KV head or more over a bfloat16 cache (chunked prefill,
+# speculative decoding) take the tiled products with both products on tiles: on the AMX paths, and on the avx512
+# path of a CPU whose tiles are usable (it borrows the amx path's kernel).  ATTN_BACKENDS_DECODE_AMX_ROWS=1 sends
+# every call there, =0 none.
+
+ROWS_CASES = [
+    # G = 4, 5 tokens: 20 rows a head, two blocks of 16 (the second mostly padding); lengths 0, full and random
+    KV(B=3, Sq=5, Hq=8, Hkv=2, D=128, S=300, causal=True, dtype=torch.bfloat16),
+    # 70 tokens: 280 rows, two tiles of tokens (256 rows at most); 400 keys: blocks of 4 chunks, the last partial
+    KV(B=2, Sq=70, Hq=8, Hkv=2, D=64, S=400, seqlens=None, causal=True, dtype=torch.bfloat16),
+    # chunked prefill into pages of 16 under a shuffled table, with leftpads; G = 4, D = 64
+    KV(B=2, Sq=6, Hq=16, Hkv=4, D=64, S=200, block=16, snew=6, leftpad=True, causal=True, dtype=torch.bfloat16),
+    # G = 3, D = 96, pages of 48 (tiles of keys across two pages), a window
+    KV(B=2, Sq=6, Hq=12, Hkv=4, D=96, S=130, block=48, window=(40, 0), causal=True, leftpad=True,
+       dtype=torch.bfloat16),
+    # MHA of 20 tokens, rows picked by cache_batch_idx; softcap, ALiBi and sinks in the softmax between the tiles
+    KV(B=2, Sq=20, Hq=4, Hkv=4, D=32, S=90, batch_idx=True, softcap=3.0, alibi="bh", sinks=True,
+       dtype=torch.bfloat16),
+    # D = 256, new keys rotated into the cache first (q rotated per token), not causal
+    KV(B=1, Sq=3, Hq=16, Hkv=2, D=256, S=70, seqlens=60, rotary="interleaved", snew=3, dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("case", ROWS_CASES, ids=str)
+def test_tiles_of_many_rows_match_the_reference(case, splits, tiles, gen):
+    assert decode_amx_rows(case.dtype, case.Hq // case.Hkv, case.D, case.Sq)
+    call = Call(case, gen)
+    call.check(*call.run("paged_attention", num_splits=splits))
+
+
+def _rows_paths():
+    """The paths whose decode kernel has tiles of many rows: the AMX ones, and avx512 on a CPU with usable tiles."""
+    return TILE_ISAS + (["avx512"] if _C.cpu_isa_supported("amx") else [])
+
+
+@pytest.mark.parametrize("path", _rows_paths())
+def test_tiles_of_many_rows_take_the_calls_the_rule_names(path, monkeypatch, gen):
+    # with the switch unset the bits are those of ATTN_BACKENDS_DECODE_AMX_ROWS=1 for the calls the rule sends to
+    # the tiles (several tokens, 16 rows per KV head or more, bfloat16, D a multiple of 32) and those of =0 for the
+    # others; the two settings give other bits for every call here (q and P rounded to bfloat16 on the tiles)
+    monkeypatch.delenv("ATTN_BACKENDS_DECODE_AMX", raising=False)
+    monkeypatch.delenv("ATTN_BACKENDS_DECODE_BF16_DOT", raising=False)
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa(path)
+    cases = [KV(B=2, Sq=4, Hq=8, Hkv=2, D=64, S=100, causal=True, dtype=torch.bfloat16),    # 16 rows: served
+             KV(B=2, Sq=2, Hq=16, Hkv=1, D=32, S=100, causal=True, dtype=torch.bfloat16),   # 32 rows: served
+             KV(B=2, Sq=16, Hq=2, Hkv=2, D=64, S=100, causal=True, dtype=torch.bfloat16),   # MHA, 16 rows: served
+             KV(B=2, Sq=3, Hq=8, Hkv=2, D=64, S=100, causal=True, dtype=torch.bfloat16),    # 12 rows
+             KV(B=2, Sq=1, Hq=16, Hkv=1, D=64, S=100, dtype=torch.bfloat16),                # one token
+             KV(B=2, Sq=4, Hq=8, Hkv=2, D=72, S=100, causal=True, dtype=torch.bfloat16)]    # D = 72
+    try:
+        for case in cases:
+            served = case.Sq >= 2 and case.Sq * case.Hq // case.Hkv >= 16 and case.D % 32 == 0
+            assert decode_amx_rows(case.dtype, case.Hq // case.Hkv, case.D, case.Sq) == served, case
+            call = Call(case, gen)
+            outs = {}
+            for on in ("1", "0", None):
+                if on is None:
+                    monkeypatch.delenv("ATTN_BACKENDS_DECODE_AMX_ROWS")
+                else:
+                    monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX_ROWS", on)
+                outs[on] = call.reset().run("paged_attention")
+                call.check(*outs[on])
+            if case.D % 32 == 0:
+                assert not torch.equal(outs["1"][0], outs["0"][0]), case
+            want = outs["1"] if served else outs["0"]
+            assert torch.equal(outs[None][0], want[0]) and torch.equal(outs[None][1], want[1]), case
+    finally:
+        _C.set_cpu_isa(before)
+
+
+@pytest.mark.parametrize("block", [16, 48])
+def test_tiles_of_many_rows_give_a_paged_cache_the_dense_bits(block, tiles, gen):
+    q, k, v, row0 = _paged_gives_the_dense_bits(gen, block, torch.bfloat16, Sq=4, Hq=8, Hkv=2, D=64, causal=True)
+    assert decode_amx_rows(torch.bfloat16, 4, 64, 4)
+
+
+def test_tiles_of_many_rows_weigh_values_by_the_rounded_weights(tiles, monkeypatch):
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX_ROWS", "1")
+    q, k, v = _values_of_1000(Hq=2)
+    q = q.expand(1, 3, 2, 32)  # three tokens that see every key
+    with torch.no_grad():
+        for splits in (1, 2):
+            out = ab.attention_with_kvcache(q, k, v, softmax_scale=1.0, num_splits=splits)
+            assert torch.equal(out, torch.full_like(out, 1000.0)), (splits, out.flatten()[:4])
+
+
+def test_tiles_of_many_rows_keep_a_q_that_bfloat16_would_flush(tiles, monkeypatch, gen):
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX_ROWS", "1")
+    q = (torch.randn(1, 4, 8, 64, generator=gen) * 1e-37).bfloat16()
+    k = (torch.randn(1, 256, 2, 64, generator=gen) * 1e37).bfloat16()
+    v = torch.randn(1, 256, 2, 64, generator=gen).bfloat16()
+    with torch.no_grad():
+        out = ab.attention_with_kvcache(q, k, v)
+    assert (out.double() - _ref64(q, k, v)).abs().max() < 2e-2
+
+
+def test_tiles_of_many_rows_leave_garbage_outside_the_rows_alone(tiles, gen):
+    check_garbage_outside_rows(KV(B=3, Sq=4, Hq=8, Hkv=2, D=64, S=90, block=16, snew=4, leftpad=True, causal=True,
                                   dtype=torch.bfloat16), gen, lambda call: call.run("paged_attention"))
 
 
@@ -1489,12 +1593,27 @@ def test_auto_uses_the_decode_kernel_on_cpu_and_math_for_float64(caplog, fresh_p
     assert any(m.startswith("attn_backends: math serves cpu, float64") for m in served)
 
 
+@pytest.mark.parametrize("path", ["default", "avx2"])
 @pytest.mark.parametrize("Sq,many", [(64, True), (31, False)])
-def test_chunked_prefill_goes_where_the_planner_says(Sq, many, gen, monkeypatch, fresh_plans):
+def test_chunked_prefill_goes_where_the_planner_says(Sq, many, path, gen, monkeypatch, fresh_plans):
     # Sq tokens x 8 query heads per KV head: 512 rows and 64 tokens count as chunked prefill (many_rows), 248 rows
-    # and 31 tokens do not.  In bfloat16 on a CPU with AMX-BF16 auto plans torch SDPA for chunked prefill
-    # (ab_planner.c torch_first_kv; test_planner.py has the rule), elsewhere the kernel: through the fast path
+    # and 31 tokens do not.  In bfloat16 on a CPU with AMX-BF16 auto plans torch SDPA for chunked prefill where
+    # the decode kernel leaves the tiles unused (the avx2 path; ab_planner.c torch_first_kv; test_planner.py has
+    # the rule), elsewhere the kernel: through the fast path
     # (csrc/ab_direct.c computes many_rows too) or not, the call goes where that plan says, with the right answer
+    from attn_backends import _kvcache
+
+    if path != "default" and not _C.cpu_isa_supported(path):
+        pytest.skip(f"this CPU has no {path} path")
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa(before if path == "default" else path)
+    try:
+        _chunked_prefill_where_the_plan_says(Sq, many, gen, monkeypatch)
+    finally:
+        _C.set_cpu_isa(before)
+
+
+def _chunked_prefill_where_the_plan_says(Sq, many, gen, monkeypatch):
     from attn_backends import _kvcache
 
     case = KV(B=2, Sq=Sq, Hq=16, Hkv=2, D=32, S=160, seqlens=40, snew=Sq, causal=True, rotary="neox",
@@ -1502,7 +1621,8 @@ def test_chunked_prefill_goes_where_the_planner_says(Sq, many, gen, monkeypatch,
     call = Call(case, gen)
     kv = _checked(call)
     assert _kvcache.signature(kv, "auto").many_rows == many
-    torch_first = many and bool(_C.cpu_units() & 1)  # AMX_BF16 (ab_planner.h), which our kernels do not use
+    # AMX_BF16 (ab_planner.h), which the decode kernel uses on the avx512 and amx paths (ab_our_kv_cpu_units)
+    torch_first = many and bool(_C.cpu_units() & 1) and _C.cpu_isa() not in ("avx512", "amx")
     want = _planner.build(_kvcache.signature(kv, "auto", False)).chosen  # planned, not remembered (choose would)
     assert want == ("sdpa" if torch_first else "paged_attention")
     ran = []

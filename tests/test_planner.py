@@ -982,18 +982,28 @@ def test_auto_keeps_our_kernel_for_dv_other_than_d():
 
 
 def _chunked_prefill(**fields):
-    """The plan of a bfloat16 KV-cache call on the CPU's avx512 path with AMX-BF16, bottom-right causal over many
-    query rows (many_rows; mask 2: only a causal mask of its sizes), with fields replaced."""
-    kw = dict(device=CPU, dtype=DT["bfloat16"], gqa=True, square=False, mask=2, causal=2, varlen=2, cpu_isa=2,
+    """The plan of a bfloat16 KV-cache call on the avx2 path of a CPU with AMX-BF16 (a path whose decode kernel leaves
+    the tiles unused), bottom-right causal over many query rows (many_rows; mask 2: only a causal mask of its
+    sizes), with fields replaced."""
+    kw = dict(device=CPU, dtype=DT["bfloat16"], gqa=True, square=False, mask=2, causal=2, varlen=2, cpu_isa=1,
               cpu_units=AMX_BF16, many_rows=True, cpu_vendor=1, cpu_family=6)
     kw.update(fields)
     return _planner.build(_planner.new_call(**kw))
 
 
-def test_kv_cache_chunked_prefill_on_an_amx_cpu_goes_to_torch():
+def test_kv_cache_chunked_prefill_goes_to_torch_where_our_decode_kernel_leaves_amx_unused():
     # from 256 query rows per KV head and 32 tokens (many_rows) a KV-cache call in bfloat16 goes to torch SDPA on
-    # a CPU where torch computes bfloat16 on AMX and our decode kernel does not (ab_planner.c torch_first_kv):
-    # there the kernel took 2.2-3x torch's time (docs/decode.md, "Chunked prefill on an AMX CPU")
+    # a CPU where torch computes bfloat16 on AMX and our decode kernel does not (ab_planner.c torch_first_kv): the
+    # generic and avx2 paths, and amx_emu (emulated tiles); there the kernel took 2.2-3x torch's time (docs/decode.md,
+    # "Chunked prefill on an AMX CPU").  The avx512 and amx paths take such calls on the tiles
+    # (ab_our_kv_cpu_units), 1.02-3x torch's speed: the kernel keeps them, named sdpa or not
+    for isa in (0, 4):
+        assert _chunked_prefill(cpu_isa=isa).chosen == "sdpa", isa
+    for isa in (2, 3):
+        p = _chunked_prefill(cpu_isa=isa)
+        assert p.chosen == "paged_attention" and not p.note, isa
+        p = _chunked_prefill(cpu_isa=isa, requested=_names.ID["sdpa"])
+        assert p.chosen == "paged_attention" and "that our decode kernel leaves unused" in p.reasons["sdpa"], isa
     p = _chunked_prefill()
     assert p.chosen == "sdpa" and p.order[:2] == ("sdpa", "paged_attention")
     assert p.note.startswith("torch SDPA first: from 256 query rows per KV head and 32 tokens it computes bfloat16 "

@@ -6,7 +6,8 @@
  * (flash_amx_{fwd,bwd}_impl.h, sage_amx_impl.h); every other call runs the AVX-512 vector kernels
  * (compiled here once more so the tile kernels can use their pieces); decode is the AVX-512 kernel
  * compiled here once more, with its steps 1 and 3 on tiles for the calls decode_cpu.c's amx_tiles admits
- * (ab_decode_cpu_amx_vec; decode_cpu_impl.h, "Tiles").  Exports ab_cpu_amx (cpu_kernels.h).  The path is
+ * and both products on tiles for those amx_rows admits (ab_decode_cpu_amx_vec; decode_cpu_impl.h, "Tiles" and
+ * "tiles of many rows"; the avx512 path borrows it for the latter).  Exports ab_cpu_amx (cpu_kernels.h).  The path is
  * selectable only where CPUID, XCR0 and the kernel's tile-data permission all say yes
  * (cpu_isa.c), and it is not the default: on AMX hardware it is correct but not faster than torch SDPA (docs/amx.md).
  * A compiler without AMX support builds an empty table, which dispatch reports as not built.

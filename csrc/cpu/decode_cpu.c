@@ -30,18 +30,27 @@ int ab_env_switch(const char* name) {
   return env && (strcmp(env, "0") == 0 || strcmp(env, "1") == 0) ? env[0] == '1' : -1;
 }
 
-/* The decode kernel of the running path, from its table (cpu_<isa>.c).  The AMX paths' kernels are their
- * vector one (AVX-512 for amx, generic for amx_emu) with steps 1 and 3 on tiles for the calls amx_tiles
- * admits.  With ATTN_BACKENDS_DECODE_AMX=1 (read at every call) the avx512 path of a CPU whose AMX tiles are
- * usable decodes with the amx path's kernel: not by default, since the tiles are faster only where decode's
- * caches fit the L3, and their sums are not the vector products' (docs/decode.md, "Tiles"). */
-static const ab_decode_cpu_table* decode_table(void) {
+static int64_t call_rows(const ab_kvcache_params* p);
+static int amx_rows_wanted(const ab_kvcache_params* p);
+
+/* The amx path's decode kernel where the avx512 path may borrow it (a CPU whose AMX tiles are usable), else NULL. */
+static const ab_decode_cpu_table* borrowed_amx(void) {
+  if (ab_cpu_isa_get() != AB_ISA_AVX512 || !ab_cpu_isa_supported(AB_ISA_AMX)) return NULL;
+  const ab_decode_cpu_table* t = ab_cpu_kernels_for(AB_ISA_AMX)->decode;
+  return t && t->attend ? t : NULL;
+}
+
+/* The decode kernel of the running path for the call p, from its table (cpu_<isa>.c).  The AMX paths' kernels
+ * are their vector one (AVX-512 for amx, generic for amx_emu) with steps 1 and 3 on tiles for the calls
+ * amx_tiles admits, and both products of every tile on tiles for those amx_rows admits.  The avx512 path of a CPU
+ * whose AMX tiles are usable decodes with the amx path's kernel the calls amx_rows_wanted admits (many query
+ * rows per KV head), and every call with ATTN_BACKENDS_DECODE_AMX=1 (read at every call): not by default for
+ * one-token decode, since the tiles are faster there only where the caches fit the L3, and their sums are not
+ * the vector products' (docs/decode.md, "Tiles").  p NULL: the path's own (q_bf16, the same bits in each). */
+static const ab_decode_cpu_table* decode_table(const ab_kvcache_params* p) {
   const ab_cpu_kernels* k = ab_cpu_kernels_get();
-  if (ab_cpu_isa_get() == AB_ISA_AVX512 && ab_env_switch("ATTN_BACKENDS_DECODE_AMX") == 1 &&
-      ab_cpu_isa_supported(AB_ISA_AMX)) {
-    const ab_decode_cpu_table* t = ab_cpu_kernels_for(AB_ISA_AMX)->decode;
-    if (t && t->attend) return t;
-  }
+  const ab_decode_cpu_table* amx = borrowed_amx();
+  if (amx && (ab_env_switch("ATTN_BACKENDS_DECODE_AMX") == 1 || (p && amx_rows_wanted(p)))) return amx;
   return k->decode;
 }
 
@@ -79,21 +88,42 @@ int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype, int64_t rows) {
 /* A call's query rows per KV head (Sq x G). */
 static int64_t call_rows(const ab_kvcache_params* p) { return p->Hkv > 0 ? p->Sq * (p->Hq / p->Hkv) : 0; }
 
+/* Query rows per KV head (Sq x G) from which a bfloat16 cache's tiles go through the tiled products on AMX tiles
+ * (amx_rows_wanted). */
+#define AMX_ROWS 16
+
+/* Whether the call p would take every tile through the tiled products with both products on tiles
+ * (decode_cpu_impl.h, "tiles of many rows") on a kernel that has tiles: a bfloat16 cache, D a multiple of 32 up
+ * to 256, several query tokens and at least AMX_ROWS query rows per KV head (one-token decode keeps its own
+ * products: from DRAM it waits on its reads, not on its arithmetic); ATTN_BACKENDS_DECODE_AMX_ROWS=1 for every row count, =0 for
+ * none, and none with ATTN_BACKENDS_DECODE_AMX=0 (no tiles in decode) or ATTN_BACKENDS_DECODE_BF16_DOT=0 (no
+ * bfloat16 products at all; all read at every call). */
+static int amx_rows_wanted(const ab_kvcache_params* p) {
+  if (p->k_cache.dtype != AB_DTYPE_BF16 || p->Hkv <= 0 || p->D % 32 != 0 || p->D > 256 ||
+      ab_env_switch("ATTN_BACKENDS_DECODE_BF16_DOT") == 0 || ab_env_switch("ATTN_BACKENDS_DECODE_AMX") == 0)
+    return 0;
+  return forced_or("ATTN_BACKENDS_DECODE_AMX_ROWS", p->Sq >= 2 && call_rows(p) >= AMX_ROWS);
+}
+
+/* Whether p takes tiles of many rows: amx_rows_wanted on a kernel with tiles (an AMX path's, or the one the
+ * avx512 path borrows, decode_table). */
+static int amx_rows(const ab_kvcache_params* p) { return decode_table(p)->tiles && amx_rows_wanted(p); }
+
 /* Whether steps 1 and 3 of p go on tiles (decode_cpu_impl.h, "Tiles"): a kernel with tiles (an AMX path's,
  * decode_table), a bfloat16 cache, one query token, 2 to 16 query heads per KV head (a tile's G columns; MHA
- * reads at the bandwidth with the vector products already), D a multiple of 32 up to 256; not with
- * ATTN_BACKENDS_DECODE_AMX=0 or ATTN_BACKENDS_DECODE_BF16_DOT=0 (no bfloat16 products at all; both read at
- * every call). */
+ * reads at the bandwidth with the vector products already), D a multiple of 32 up to 256, where amx_rows does
+ * not take it; not with ATTN_BACKENDS_DECODE_AMX=0 or ATTN_BACKENDS_DECODE_BF16_DOT=0 (no bfloat16 products at
+ * all; both read at every call). */
 static int amx_tiles(const ab_kvcache_params* p) {
-  if (!decode_table()->tiles || p->k_cache.dtype != AB_DTYPE_BF16 || p->Hkv <= 0) return 0;
+  if (!decode_table(p)->tiles || p->k_cache.dtype != AB_DTYPE_BF16 || p->Hkv <= 0 || amx_rows(p)) return 0;
   const int64_t G = p->Hq / p->Hkv;
   return p->Sq == 1 && G >= 2 && G <= 16 && p->D % 32 == 0 && p->D <= 256 &&
          ab_env_switch("ATTN_BACKENDS_DECODE_AMX") != 0 && ab_env_switch("ATTN_BACKENDS_DECODE_BF16_DOT") != 0;
 }
 
-/* bfloat16 q and P, on vdpbf16ps (ab_kvcache_cpu_bf16_products) or on tiles (amx_tiles) */
+/* bfloat16 q and P, on vdpbf16ps (ab_kvcache_cpu_bf16_products) or on tiles (amx_tiles, amx_rows) */
 static int bf16_dot(const ab_kvcache_params* p) {
-  return ab_kvcache_cpu_bf16_products(p->k_cache.dtype, call_rows(p)) || amx_tiles(p);
+  return ab_kvcache_cpu_bf16_products(p->k_cache.dtype, call_rows(p)) || amx_tiles(p) || amx_rows(p);
 }
 
 /* The AVX-512 path of an AMD CPU (Zen 4), where the prefetch rules below were measured. */
@@ -366,7 +396,7 @@ static int keys_ahead(int dram) {
 }
 
 int ab_kvcache_cpu_q_bf16(const float* row, uint16_t* rb, int64_t n, int qexp) {
-  return decode_table()->q_bf16(row, rb, n, qexp);
+  return decode_table(NULL)->q_bf16(row, rb, n, qexp);
 }
 
 int64_t ab_kvcache_cpu_max_rows(ab_dtype dt, int in_place, int64_t positions) {
@@ -594,7 +624,7 @@ static int prepare_q(const ab_kvcache_params* p, float* qf, uint16_t* qb, int64_
         memset(row, 0, (size_t)dpad * sizeof(float));
         ab_vec_load_row(p->q.data, p->q.dtype, ab_off4(&p->q, b, t, h, 0), p->D, p->q.strides[3], row);
         if (p->rotary_cos.ndim) rotate(p, seqlen_of(p, b) + (per_token ? t : 0), row);
-        if (qb) lost |= decode_table()->q_bf16(row, qb + ((b * p->Sq + t) * p->Hq + h) * dpad, dpad, qexp);
+        if (qb) lost |= decode_table(p)->q_bf16(row, qb + ((b * p->Sq + t) * p->Hq + h) * dpad, dpad, qexp);
         for (int64_t d = 0; d < p->D; ++d) row[d] *= (float)p->scale;
       }
   return lost;
@@ -745,8 +775,10 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   const int threads = pool ? pool->num_threads : 1;
   const int64_t nsplit = ab_kvcache_cpu_splits(call, threads);
   size_t part_at, idx_at, values_at;
-  const int tiles = amx_tiles(call); /* read once: bf and am below both follow it */
-  int bf = ab_kvcache_cpu_bf16_products(call->k_cache.dtype, call_rows(call)) || tiles; /* bf16_dot */
+  /* read once: bf, am and amr below follow them */
+  const int tiles = amx_tiles(call), rows_tiles = amx_rows(call);
+  const ab_decode_cpu_table* table = decode_table(call);
+  int bf = ab_kvcache_cpu_bf16_products(call->k_cache.dtype, call_rows(call)) || tiles || rows_tiles; /* bf16_dot */
   const size_t need = workspace_layout(call, nsplit, bf, &part_at, &idx_at, &values_at);
   if (!workspace || workspace_bytes < need)
     return ab_error_set(err, AB_ERR_INVALID, "the decode kernel needs %zu bytes of workspace, got %zu", need,
@@ -807,26 +839,28 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   const int dram = from_dram(p, bytes);
   /* tiles for every call they serve on a path whose kernel has them (not by a rule of the working set, as the
    * prefetch rules go: the tiles change the bits); not where prepare_q sent the call to the float32 products */
-  const int am = bf && tiles;
+  const int am = bf && tiles, amr = bf && rows_tiles;
   const int64_t hg = heads_per_item(p, threads);
   const int64_t G = p->Hq / p->Hkv, block_size = paged(p) ? p->k_cache.sizes[1] : 0;
   const uint32_t rule = (keys_next(dram) ? AB_TUNE_KEYS_NEXT : 0) | (values_ahead() ? AB_TUNE_VALUES_AHEAD : 0) |
                         (pages_ahead(dram) ? AB_TUNE_PAGES_AHEAD : 0) | (pv_keys() ? AB_TUNE_PV_KEYS : 0) |
                         (bf && !am && scores_by_head(dram, block_size) ? AB_TUNE_SCORES_BY_HEAD : 0);
-  const ab_decode_tune_kind kind = {(int32_t)ab_cpu_isa_get(), (int32_t)p->k_cache.dtype, bf + am, (int32_t)block_size,
+  const ab_decode_tune_kind kind = {(int32_t)ab_cpu_isa_get(), (int32_t)p->k_cache.dtype, bf + am + 2 * amr,
+                                    (int32_t)block_size,
                                     (int32_t)G, p->Sq == 1};
   ab_decode_tune_ticket ticket;
-  const uint32_t set = ab_decode_tune_begin(&kind, rule, tune(dram) && keys > 0 ? tunable(p, bf, am, hg) : 0, &ticket);
+  const uint32_t set = ab_decode_tune_begin(&kind, rule, tune(dram) && keys > 0 && !amr ? tunable(p, bf, am, hg) : 0,
+                                              &ticket);
   ab_decode_run run = {p, (const float*)ws, qb, nsplit > 1 ? (float*)(ws + part_at) : NULL, lo, end, row, dpad,
                        G, hg, nsplit, block_size, (int32_t)p->k_cache.dtype,
                        bf, sink, &st, !!(set & AB_TUNE_KEYS_NEXT), !!(set & AB_TUNE_VALUES_AHEAD),
                        !!(set & AB_TUNE_PAGES_AHEAD), bf && !!(set & AB_TUNE_SCORES_BY_HEAD), !bf && four_keys(p, dram),
                        !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS), bf && !am && softmax_keys(),
                        keys_ahead(dram),
-                       (float)ldexp(p->scale, -qexp), am};
+                       (float)ldexp(p->scale, -qexp), am, amr};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   const double t0 = ticket.round >= 0 ? seconds_now() : 0.0;
-  TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, decode_table()->attend, &run, &st));
+  TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, table->attend, &run, &st));
   if (ticket.round >= 0) ab_decode_tune_end(&ticket, (seconds_now() - t0) / (bytes > 0.0 ? bytes : 1.0));
   if (nsplit > 1) TRY(ab_par_run(pool, p->B * p->Hq, 1, work, merge, &run, &st));
   return AB_OK;

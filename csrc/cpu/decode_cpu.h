@@ -109,6 +109,12 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t
 /* Query tokens per tile of a work item of HG query heads: as many as keep its rows within AB_DECODE_TILE_ROWS,
  * at least one. */
 static inline int64_t ab_decode_tile_tokens(int64_t HG) { return HG >= AB_DECODE_TILE_ROWS ? 1 : AB_DECODE_TILE_ROWS / HG; }
+#ifndef AB_DECODE_AMX_TILE_ROWS
+#define AB_DECODE_AMX_TILE_ROWS 256 /* the same with both products on tiles (decode_cpu_impl.h, "tiles of many rows") */
+#endif
+static inline int64_t ab_decode_amx_tile_tokens(int64_t HG) {
+  return HG >= AB_DECODE_AMX_TILE_ROWS ? 1 : AB_DECODE_AMX_TILE_ROWS / HG;
+}
 /* rows per KV head (tokens of the tile x G) from which a tile without bfloat16 products takes the tiled
  * products (decode_cpu_impl.h); avx2, B=1 Hq=32 Hkv=8 D=128 Sk=4096: 12 rows 1.0-1.5x the row path's time,
  * 16 rows 0.7-1.1x (float32 about even), 24 rows 0.6-0.9x */
@@ -144,6 +150,8 @@ typedef struct ab_decode_run {
   int32_t amx;            /* bf16_dot on a table with tiles: steps 1 and 3 on AMX tiles (decode_cpu_impl.h, "Tiles";
                              decode_cpu.c amx_tiles: one query token, 2 to 16 query heads per KV head, D a multiple
                              of 32 up to 256) */
+  int32_t amx_rows;       /* bf16_dot on a table with tiles: every tile through the tiled products, both products
+                             on tiles (decode_cpu_impl.h, "tiles of many rows"; decode_cpu.c amx_rows) */
 } ab_decode_run;
 
 typedef struct ab_decode_cpu_table {
@@ -156,7 +164,8 @@ typedef struct ab_decode_cpu_table {
    * subnormal input as 0: such an input is lost either way) */
   int (*q_bf16)(const float* row, uint16_t* rb, int64_t n, int qexp);
   /* 1: the kernel of an AMX path (cpu_amx.c, real tiles; cpu_amx_emu.c, emulated ones), which takes steps 1
-   * and 3 of the calls decode_cpu.c's amx_tiles admits on tiles; 0: a vector path's */
+   * and 3 of the calls decode_cpu.c's amx_tiles admits, and both products of those amx_rows admits, on tiles;
+   * 0: a vector path's */
   int tiles;
 } ab_decode_cpu_table;
 

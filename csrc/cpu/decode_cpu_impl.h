@@ -57,6 +57,7 @@
 #define DC_ROWS AB_DECODE_TILE_ROWS /* query rows per tile, unless one token alone has more (G > 64) */
 #define DC_NV (DC_CHUNK / VLEN)
 #define DC_KEYS_AHEAD 2 /* key rows prefetched ahead of the scores' loads */
+#define DC_AMX_BLOCK 4  /* tiles of many rows: chunks of keys per pass over the accumulators ("tiles of many rows") */
 
 /* VLEN elements of the cache at base + off, as float32. */
 static inline __attribute__((always_inline)) vf DC(ld)(const void* base, int64_t off, const int dt) {
@@ -1099,6 +1100,204 @@ static inline void DC(amx_pv)(float* acc, int64_t dpad, const float* P, const ui
   }
 }
 
+/* ---- tiles of many rows (AMX-BF16): the tiled products on tiles ------------------------------
+ *
+ * With many query rows per KV head (chunked prefill, speculative decoding) a bfloat16 cache's tiles go through
+ * the tiled products' steps ("tiled products" below: head by head, the scores transposed, keys x rows, and
+ * the rows' state head-major, each head's rows padded to 16) with both products on tiles, where the vector
+ * kernel's float32 FMAs leave the time to the arithmetic (decode_cpu.c amx_rows admits them):
+ *   - S^T = K Q^T: A is 16 key rows straight from the cache (as DC(amx_scores): rows that are not one
+ *     stride apart go through scratch), B 16 of the head's query rows as VNNI pairs of q (DC(amx_qt), once
+ *     per tile), C the 16 keys' scores of those 16 rows, stored straight into the transposed scores;
+ *   - the softmax is the tiled products' (DC(softmax_t)), with the sum of the weights as rounded kept as
+ *     the bfloat16 products keep it;
+ *   - O += P V: P^T is rounded to bfloat16 and transposed to rows of 32 keys (DC(amx_p_rows)), the A
+ *     operand; B the chunk's value rows by pairs of keys (DC(amx_pack_v), the vector path's permuted
+ *     columns, put back at the end), C 16 rows x 16 columns of the accumulators.
+ * Every tile of this mode is 16 rows of 64 bytes (DC(amx_rows_config)). */
+#define DC_AMXR_C0 0 /* scores of keys 0-15: 16 keys x 16 query rows */
+#define DC_AMXR_C1 1 /* keys 16-31 */
+#define DC_AMXR_K0 2 /* 16 key rows x 32 elements */
+#define DC_AMXR_K1 3
+#define DC_AMXR_Q 4 /* 16 pairs of q elements x 16 query rows */
+#define DC_AMXR_P 5 /* 16 rows of P x 16 pairs of keys */
+#define DC_AMXR_V 6 /* 16 pairs of value rows x 16 columns */
+#define DC_AMXR_O 7 /* 16 accumulator rows x 16 columns */
+
+static void DC(amx_rows_config)(void) {
+  ab_tilecfg c;
+  memset(&c, 0, sizeof c);
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  AMX_CONFIG(&c);
+}
+
+/* A head's rh query rows (bfloat16, D elements; row r, of token r / G and query head r % G, at q + r / G * ts +
+ * r % G * gs) as the B operands of S^T = K Q^T: word (d / 2) * rhp + r is the pair (q_r[d], q_r[d + 1]); rows
+ * rh .. rhp are 0. */
+static inline void DC(amx_qt)(const uint16_t* q, int64_t ts, int64_t gs, int64_t G, int64_t rh, int64_t rhp,
+                              int64_t D, uint32_t* qv) {
+  for (int64_t r = 0; r < rhp; ++r) {
+    const uint16_t* x = r < rh ? q + r / G * ts + r % G * gs : NULL;
+    for (int64_t d2 = 0; d2 < D / 2; ++d2)
+      qv[d2 * rhp + r] = x ? (uint32_t)x[2 * d2] | (uint32_t)x[2 * d2 + 1] << 16 : 0u;
+  }
+}
+
+/* The A operands of S^T = K Q^T for one head and chunk: the chunk's nk keys (rows at kb + ko[i] + hoff; kst from
+ * DC(amx_key_strides)), 16 keys a tile: base[x] and stride[x] (bytes) of keys 16 x .. 16 x + 15, straight from
+ * the cache where they are one stride apart, else copied to kt + 16 x D (zero past nk). */
+static inline void DC(amx_key_tiles)(const uint16_t* kb, const int64_t* ko, const int64_t kst[2], int64_t nk,
+                                     int64_t hoff, int64_t D, uint16_t* kt, const uint16_t* base[2],
+                                     int64_t stride[2]) {
+  for (int x = 0; x < 2; ++x) {
+    const int64_t* o = ko + 16 * x;
+    const int64_t n = nk - 16 * x < 16 ? nk - 16 * x : 16;
+    base[x] = kb;
+    stride[x] = 0;
+    if (n <= 0) continue;
+    if (kst[x] != INT64_MIN) {
+      base[x] = kb + o[0] + hoff;
+      stride[x] = kst[x] * (int64_t)sizeof(uint16_t);
+    } else {
+      uint16_t* dst = kt + 16 * x * D;
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i < n)
+          memcpy(dst + i * D, kb + o[i] + hoff, (size_t)D * sizeof(uint16_t));
+        else
+          memset(dst + i * D, 0, (size_t)D * sizeof(uint16_t));
+      }
+      base[x] = dst;
+      stride[x] = D * (int64_t)sizeof(uint16_t);
+    }
+  }
+}
+
+/* S^T = K Q^T on tiles for one chunk and 16 query rows of a head: the chunk's nk keys (A operands from
+ * DC(amx_key_tiles)) against the rows' q (qv: the head's B operands, DC(amx_qt), rhp rows, from row rb), times
+ * scale, into st (key i of row r at st[i * 16 + r]); keys past nk are not written. */
+static inline void DC(amx_scores16)(const uint16_t* const base[2], const int64_t stride[2], int64_t nk, int64_t D,
+                                    const uint32_t* qv, int64_t rhp, int64_t rb, float scale, float* st) {
+  const int two = nk > 16;
+  const int64_t qs = rhp * (int64_t)sizeof(uint32_t);
+  AMX_ZERO(DC_AMXR_C0);
+  if (two) AMX_ZERO(DC_AMXR_C1);
+  for (int64_t db = 0; db < D / 32; ++db) {
+    AMX_LOAD(DC_AMXR_Q, qv + db * 16 * rhp + rb, qs);
+    AMX_LOAD(DC_AMXR_K0, base[0] + db * 32, stride[0]);
+    AMX_DPBF16(DC_AMXR_C0, DC_AMXR_K0, DC_AMXR_Q);
+    if (two) {
+      AMX_LOAD(DC_AMXR_K1, base[1] + db * 32, stride[1]);
+      AMX_DPBF16(DC_AMXR_C1, DC_AMXR_K1, DC_AMXR_Q);
+    }
+  }
+  AMX_STORE(DC_AMXR_C0, st, 64);
+  if (two) AMX_STORE(DC_AMXR_C1, st + 16 * 16, 64);
+  const vf sc = vset1(scale);
+  for (int64_t i = 0; i < nk * 16; i += VLEN) vstore(st + i, vload(st + i) * sc);
+}
+
+/* 32 keys of P^T (st: key i of row r at st[i * rhp + r], nk of them, 0 past nk) as bfloat16 at pb + kw r (row r),
+ * rounded to nearest even; lb[r] += their sum as rounded, key by key in order. */
+static inline void DC(amx_p_rows32)(const float* st, int64_t nk, int64_t kw, int64_t rhp, uint16_t* pb, float* lb) {
+#if DC_BF16
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t rb = 0; rb < rhp; rb += 16) {
+    __m512 sum = _mm512_setzero_ps();
+    __m512i x[16]; /* x[j]: word r is row rb + r's pair of keys (2j, 2j + 1) */
+    for (int j = 0; j < 16; ++j) {
+      const __m512 a = 2 * j < nk ? _mm512_loadu_ps(st + 2 * j * rhp + rb) : _mm512_setzero_ps();
+      const __m512 b = 2 * j + 1 < nk ? _mm512_loadu_ps(st + (2 * j + 1) * rhp + rb) : _mm512_setzero_ps();
+      const __m512i ab = DC(cvt2bf16)(a, b); /* words 0-15: a rounded, 16-31: b */
+      sum += (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(ab)), 16);
+      sum += (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(ab, 1)), 16);
+      x[j] = _mm512_permutexvar_epi16(pairs, ab);
+    }
+    _mm512_storeu_ps(lb + rb, _mm512_loadu_ps(lb + rb) + sum);
+    /* the 16 x 16 words transposed: row r gets word r of every x[j] */
+    __m512i y[16], z[16];
+    for (int i = 0; i < 8; ++i) {
+      y[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+      y[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; ++g) { /* z[4g + c]: lane L holds word 4L + c of x[4g .. 4g + 3] */
+      z[4 * g] = _mm512_unpacklo_epi64(y[4 * g], y[4 * g + 2]);
+      z[4 * g + 1] = _mm512_unpackhi_epi64(y[4 * g], y[4 * g + 2]);
+      z[4 * g + 2] = _mm512_unpacklo_epi64(y[4 * g + 1], y[4 * g + 3]);
+      z[4 * g + 3] = _mm512_unpackhi_epi64(y[4 * g + 1], y[4 * g + 3]);
+    }
+    for (int c = 0; c < 4; ++c) { /* rows 4L + c: lane L of z[c], z[4 + c], z[8 + c], z[12 + c] */
+      const __m512i s0 = _mm512_shuffle_i32x4(z[c], z[4 + c], 0x44), s1 = _mm512_shuffle_i32x4(z[8 + c], z[12 + c], 0x44);
+      const __m512i s2 = _mm512_shuffle_i32x4(z[c], z[4 + c], 0xee), s3 = _mm512_shuffle_i32x4(z[8 + c], z[12 + c], 0xee);
+      uint16_t* o = pb + (rb + c) * kw;
+      _mm512_storeu_si512((void*)o, _mm512_shuffle_i32x4(s0, s1, 0x88));
+      _mm512_storeu_si512((void*)(o + 4 * kw), _mm512_shuffle_i32x4(s0, s1, 0xdd));
+      _mm512_storeu_si512((void*)(o + 8 * kw), _mm512_shuffle_i32x4(s2, s3, 0x88));
+      _mm512_storeu_si512((void*)(o + 12 * kw), _mm512_shuffle_i32x4(s2, s3, 0xdd));
+    }
+  }
+#else
+  for (int64_t r = 0; r < rhp; ++r) {
+    float sum = 0.0f;
+    for (int64_t i = 0; i < DC_CHUNK; ++i) {
+      const uint16_t u = ab_f32_to_bf16(i < nk ? st[i * rhp + r] : 0.0f);
+      pb[r * kw + i] = u;
+      sum += ab_bf16_to_f32(u);
+    }
+    lb[r] += sum;
+  }
+#endif
+}
+
+/* P^T (st after DC(softmax_t): key i of row r at st[i * rhp + r], nk keys) as rows of bfloat16 for O += P V: row
+ * r's kw keys (kw a multiple of 32) at pb + kw r, rounded to nearest even, 0 past nk; lb[r] += the sum of row r's
+ * rounded weights, key by key in order (the bfloat16 products' DC(p_to_bf16) sum, 32 keys at a time). */
+static inline void DC(amx_p_rows)(const float* st, int64_t nk, int64_t kw, int64_t rhp, uint16_t* pb, float* lb) {
+  for (int64_t k0 = 0; k0 < kw; k0 += 32, st += 32 * rhp, pb += 32)
+    DC(amx_p_rows32)(st, nk - k0, kw, rhp, pb, lb);
+}
+
+/* O += P V on tiles for one head over nc chunks of keys: acc (rhp rows, dpad apart, permuted columns as
+ * DC(amx_pv)), P's rows from DC(amx_p_rows) (32 nc keys a row), chunk c's value rows packed by DC(amx_pack_v) at
+ * vp + c * 32 * D words.  Each 16 x 16 block of the accumulators is loaded and stored once for the nc chunks: with
+ * one chunk a pass, their loads and stores took more time than the products (rows of 1 KiB and more in L2). */
+static inline void DC(amx_pv_rows)(float* acc, int64_t dpad, int64_t rhp, const uint16_t* pb, int nc,
+                                   const uint16_t* vp, int64_t D) {
+  const int64_t as = dpad * (int64_t)sizeof(float), kw = 32 * nc;
+  for (int64_t rb = 0; rb < rhp; rb += 16) {
+    /* chunk c's P in tile c (the scores' tiles, free by now: a tile's number is an immediate) */
+    const int64_t ps = kw * (int64_t)sizeof(uint16_t);
+    AMX_LOAD(0, pb + rb * kw, ps);
+    if (nc > 1) AMX_LOAD(1, pb + rb * kw + 32, ps);
+    if (nc > 2) AMX_LOAD(2, pb + rb * kw + 64, ps);
+    if (nc > 3) AMX_LOAD(3, pb + rb * kw + 96, ps);
+    for (int64_t x = 0; x < D / 16; ++x) {
+      float* o = acc + rb * dpad + x * 16;
+      const uint16_t* v = vp + x * 16 * 32;
+      AMX_LOAD(DC_AMXR_O, o, as);
+      AMX_LOAD(DC_AMXR_V, v, 64);
+      AMX_DPBF16(DC_AMXR_O, 0, DC_AMXR_V);
+      if (nc > 1) {
+        AMX_LOAD(DC_AMXR_V, v + 32 * D, 64);
+        AMX_DPBF16(DC_AMXR_O, 1, DC_AMXR_V);
+      }
+      if (nc > 2) {
+        AMX_LOAD(DC_AMXR_V, v + 64 * D, 64);
+        AMX_DPBF16(DC_AMXR_O, 2, DC_AMXR_V);
+      }
+      if (nc > 3) {
+        AMX_LOAD(DC_AMXR_V, v + 96 * D, 64);
+        AMX_DPBF16(DC_AMXR_O, 3, DC_AMXR_V);
+      }
+      AMX_STORE(DC_AMXR_O, o, as);
+    }
+  }
+}
+
 #if !DC_BF16
 /* DC(p_to_bf16) of the vector path, element by element (the emulated tiles' build): the same rounding, the
  * rounded weights summed in order. */
@@ -1410,12 +1609,13 @@ static inline void DC(softmax)(const DC(tile) * w, int64_t r0, int64_t nrows, fl
 }
 
 /* The online softmax of one head's rows over one chunk, on the transposed scores st (nk keys x rhp
- * rows, P left in place): softcap, ALiBi (slope and d0 per row), the mask (mbt: DC(mask_tile); NULL
- * without one) and visibility ([vlo, vhi) per row),
- * then per row the running max m, sum l and the rescale of its accumulator row (rows < rh). */
-static inline void DC(softmax_t)(float* st, int64_t nk, int64_t rhp, int64_t rh, float* m, float* l,
+ * rows, P left in place): softcap, ALiBi (slope and d0 per row), the mask (mbt: DC(mask_tile), key i of row r
+ * at mbt[i * ms + r]; NULL without one) and visibility ([vlo, vhi) per row),
+ * then per row the running max m, sum l (and lb, the sum of the rounded weights, where not NULL: tiles of
+ * many rows) and the rescale of its accumulator row (rows < rh). */
+static inline void DC(softmax_t)(float* st, int64_t nk, int64_t rhp, int64_t rh, float* m, float* l, float* lb,
                                  const float* slope, const float* vlo, const float* vhi, const float* d0, float cap,
-                                 int alibi, float* acc, int64_t dpad, const float* mbt, int mbool) {
+                                 int alibi, float* acc, int64_t dpad, const float* mbt, int64_t ms, int mbool) {
   const vf ninf = vset1(-INFINITY), zero = vset1(0.0f), one = vset1(1.0f);
   for (int64_t v = 0; v < rhp; v += VLEN) {
     const vf lo = vload(vlo + v), hi = vload(vhi + v);
@@ -1430,7 +1630,7 @@ static inline void DC(softmax_t)(float* st, int64_t nk, int64_t rhp, int64_t rh,
         x -= vload(slope + v) * dist;
       }
       if (mbt) { /* the mask, as DC(softmax) applies it */
-        const vf mv = vload(mbt + i * rhp + v);
+        const vf mv = vload(mbt + i * ms + v);
         x = mbool ? vselect(mv < zero, ninf, x) : x + mv;
       }
       x = vselect((ki >= lo) & (ki < hi), x, ninf);
@@ -1448,6 +1648,7 @@ static inline void DC(softmax_t)(float* st, int64_t nk, int64_t rhp, int64_t rh,
     vf alpha = vselect(m_old > ninf, vexp_nonpos(m_old - base), zero);
     alpha = vselect(m_old == m_new, one, alpha);
     vstore(l + v, vload(l + v) * alpha + sum);
+    if (lb) vstore(lb + v, vload(lb + v) * alpha);
     vstore(m + v, m_new);
     for (int u = 0; u < VLEN && v + u < rh; ++u) {
       const float a = alpha[u];
@@ -1466,7 +1667,7 @@ static void DC(mask_tile)(const ab_kvcache_params* p, int64_t b, int64_t hq0, in
                           int64_t nk, int64_t rh, int64_t rhp, const float* vlo, const float* vhi, float* mbt) {
   const ab_tensor* mk = &p->mask;
   memset(mbt, 0, (size_t)(nk * rhp) * sizeof(float));
-  float vals[DC_CHUNK];
+  float vals[DC_AMX_BLOCK * DC_CHUNK];
   for (int64_t r = 0; r < rh; ++r) {
     const int64_t lo = (int64_t)vlo[r], n = (int64_t)vhi[r] - lo;
     const int64_t off = b * mk->strides[0] + (hq0 + r % G) * mk->strides[1] + (t0 + r / G) * mk->strides[2] +
@@ -1518,12 +1719,79 @@ static inline __attribute__((always_inline)) void DC(tiled_chunk)(const ab_decod
     }
     const float* qh = w->qt + h * dpad * rhp;
     SYM(scores_t)(nk, rhp / VLEN, D, w->kv, dpad, qh, rhp, w->st, rhp);
-    DC(softmax_t)(w->st, nk, rhp, rh, w->m + h * rhp, w->l + h * rhp, w->slope + h * rhp, w->vlo, w->vhi, w->d0,
-                  (float)p->softcap, alibi, acc, dpad, masked ? w->mb : NULL, p->mask.dtype == AB_DTYPE_BOOL);
+    DC(softmax_t)(w->st, nk, rhp, rh, w->m + h * rhp, w->l + h * rhp, NULL, w->slope + h * rhp, w->vlo, w->vhi,
+                  w->d0, (float)p->softcap, alibi, acc, dpad, masked ? w->mb : NULL, rhp, p->mask.dtype == AB_DTYPE_BOOL);
     for (int64_t i = 0; i < nk; ++i) DC(row_f32)(vb, vo[i] + h * vs2, D, dt, w->kv + i * dpad);
     SYM(gemm)(rh, nvec, nk, w->st, 1, rhp, w->kv, dpad, acc, dpad, AB_ACC_RUN);
   }
 }
+
+#if DC_AMX
+#if DC_AMX_BLOCK > 4
+#error "DC(amx_pv_rows) holds at most 4 chunks' P in tiles"
+#endif
+/* Keys [klo, khi) of a tile of many rows on tiles ("tiles of many rows" above; rows as in DC(tiled_chunk): rh per
+ * head padded to rhp, head h's query rows packed at qt + h * (D / 2) * rhp words), DC_AMX_BLOCK chunks at a time,
+ * head by head: S^T = K Q^T chunk by chunk into one block of scores, the softmax over the block (with the mask's
+ * tile where there is a mask), P rounded and transposed, O += P V with each accumulator block loaded and stored
+ * once for the block's chunks.  qpos0: the position of the tile's first token. */
+static void DC(amx_rows_keys)(const ab_decode_run* run, const DC(tile) * w, int64_t rh, int64_t rhp, int64_t klo,
+                              int64_t khi, int64_t qpos0, int64_t b, int64_t h0, int64_t t0) {
+  const ab_kvcache_params* p = run->p;
+  const int64_t D = p->D, G = run->G, dpad = run->dpad, ks2 = p->k_cache.strides[2], vs2 = p->v_cache.strides[2];
+  const uint16_t *kb = (const uint16_t*)p->k_cache.data, *vb = (const uint16_t*)p->v_cache.data;
+  const int alibi = p->alibi_slopes.ndim > 0, masked = p->mask.ndim > 0, per_head = masked && p->mask.strides[1] != 0;
+  int64_t ko[DC_AMX_BLOCK * DC_CHUNK], vo[DC_AMX_BLOCK * DC_CHUNK], nks[DC_AMX_BLOCK], kst[DC_AMX_BLOCK][2];
+  for (int64_t j = klo, je; j < khi; j = je) {
+    int nc = 0;
+    for (je = j; nc < DC_AMX_BLOCK && je < khi; ++nc) {
+      int64_t e;
+      DC(chunk_at)(run, b, h0, je, khi, &e, ko + nc * DC_CHUNK, vo + nc * DC_CHUNK);
+      nks[nc] = e - je;
+      DC(amx_key_strides)(ko + nc * DC_CHUNK, nks[nc], kst[nc]);
+      je = e;
+    }
+    const int64_t nk = je - j;
+    for (int64_t i = 0; i < rhp; ++i) { /* pad rows see nothing */
+      int64_t lo = 0, hi = 0;
+      w->d0[i] = 0.0f;
+      if (i < rh) {
+        const int64_t t = i / G; /* from t0 */
+        lo = w->tlo[t] > j ? w->tlo[t] - j : 0;
+        hi = (w->thi[t] < je ? w->thi[t] : je) - j;
+        w->d0[i] = (float)(j - (qpos0 + t));
+      }
+      w->vlo[i] = (float)lo;
+      w->vhi[i] = (float)(hi > lo ? hi : lo);
+    }
+    if (masked && !per_head) DC(mask_tile)(p, b, h0 * G, t0, G, j, nk, rh, rhp, w->vlo, w->vhi, w->mb);
+    for (int64_t h = 0; h < run->hg; ++h) {
+      float* acc = w->acc + h * rhp * dpad;
+      const uint32_t* qv = (const uint32_t*)w->qt + h * (D / 2) * rhp;
+      if (per_head) DC(mask_tile)(p, b, (h0 + h) * G, t0, G, j, nk, rh, rhp, w->vlo, w->vhi, w->mb);
+      for (int c = 0; c < nc; ++c)
+        DC(amx_pack_v)(vb, vo + c * DC_CHUNK, h * vs2, nks[c], D, w->vp + c * 32 * D);
+      /* 16 rows at a time: their scores, P and accumulators stay in L1 (the whole tile's, 256 rows x 128 keys,
+       * went to L2 and back between the steps) */
+      const uint16_t* base[DC_AMX_BLOCK][2];
+      int64_t stride[DC_AMX_BLOCK][2];
+      for (int c = 0; c < nc; ++c)
+        DC(amx_key_tiles)(kb, ko + c * DC_CHUNK, kst[c], nks[c], h * ks2, D, w->kt + c * 32 * D, base[c], stride[c]);
+      for (int64_t rb = 0; rb < rhp; rb += 16) {
+        const int64_t live = rh - rb < 16 ? rh - rb : 16; /* rows of the block that are not padding */
+        for (int c = 0; c < nc; ++c)
+          DC(amx_scores16)(base[c], stride[c], nks[c], D, qv, rhp, rb, run->bf_scale, w->st + c * DC_CHUNK * 16);
+        const int64_t r = h * rhp + rb;
+        DC(softmax_t)(w->st, nk, 16, live, w->m + r, w->l + r, w->lb + r, w->slope + r, w->vlo + rb, w->vhi + rb,
+                      w->d0 + rb, (float)p->softcap, alibi, acc + rb * dpad, dpad, masked ? w->mb + rb : NULL, rhp,
+                      p->mask.dtype == AB_DTYPE_BOOL);
+        DC(amx_p_rows)(w->st, nk, nc * DC_CHUNK, 16, (uint16_t*)w->S, w->lb + r);
+        DC(amx_pv_rows)(acc + rb * dpad, dpad, 16, (const uint16_t*)w->S, nc, w->vp, D);
+      }
+    }
+  }
+}
+#endif
 
 /* One work item: batch row b, KV heads [h0, h0 + hg), split s; dt is the cache dtype and bf whether
  * the bfloat16 products run (constants at each call site, so the loads are specialized).  Rows of a
@@ -1552,6 +1820,8 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
   const int alibi = p->alibi_slopes.ndim > 0;
   /* steps 1 and 3 on tiles ("Tiles" above; decode_cpu.c admits only one-token calls, so one tile of rows) */
   const int am = DC_AMX && bf && run->amx;
+  /* every tile through the tiled products, both on tiles ("tiles of many rows" above) */
+  const int amr = DC_AMX && bf && run->amx_rows;
   vf lanes[DC_NV]; /* the key index of each lane of a chunk's score vectors */
   for (int v = 0; v < DC_NV; ++v)
     for (int u = 0; u < VLEN; ++u) lanes[v][u] = (float)(v * VLEN + u);
@@ -1570,7 +1840,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
   int64_t ks = ulo + chunks * s / run->nsplit * DC_CHUNK, ke = ulo + chunks * (s + 1) / run->nsplit * DC_CHUNK;
   ke = ke < uhi ? ke : uhi;
 
-  const int64_t tt = ab_decode_tile_tokens(HG);
+  const int64_t tt = amr ? ab_decode_amx_tile_tokens(HG) : ab_decode_tile_tokens(HG);
   for (int64_t t0 = 0; t0 < Sq; t0 += tt) {
     const int64_t t1 = t0 + tt < Sq ? t0 + tt : Sq, nr = (t1 - t0) * HG;
     int64_t klo = ke, khi = ks;
@@ -1588,8 +1858,8 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
     }
     /* the tiled products (above): rh rows per head, padded to rhp, head-major (row i of head h at
      * h * rhp + i); qt holds head h's rows as columns, qt[h * dpad * rhp + d * rhp + i] */
-    const int64_t rh = (t1 - t0) * G, rhp = (rh + VLEN - 1) / VLEN * VLEN;
-    const int tiled = !bf && rh >= DC_TILED_ROWS;
+    const int64_t rh = (t1 - t0) * G, rpad = amr ? 16 : VLEN, rhp = (rh + rpad - 1) / rpad * rpad;
+    const int tiled = amr || (!bf && rh >= DC_TILED_ROWS);
     /* step 3 by pairs (DC(ld_pair)) where run->pv_pairs says so: the accumulators by even and odd columns */
     const int eo = VLEN == 8 && dt == AB_DTYPE_BF16 && !bf && !tiled && D % 16 == 0 && run->pv_pairs;
     const int64_t nrows = tiled ? hg * rhp : nr; /* rows of state, pad rows included */
@@ -1599,8 +1869,12 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
       for (int64_t h = 0; h < hg; ++h)
         DC(amx_q)(run->qb + ((b * Sq + t0) * p->Hq + (h0 + h) * G) * dpad, dpad, G, D,
                   (uint32_t*)w->qt + h * G * D / 2);
+    if (amr) /* head h's rows as the B operands of S^T = K Q^T, at qt + h * (D / 2) * rhp words */
+      for (int64_t h = 0; h < hg; ++h)
+        DC(amx_qt)(run->qb + ((b * Sq + t0) * p->Hq + (h0 + h) * G) * dpad, p->Hq * dpad, dpad, G, rh, rhp, D,
+                   (uint32_t*)w->qt + h * (D / 2) * rhp);
 #endif
-    if (tiled) {
+    if (tiled && !amr) {
       memset(w->qt, 0, (size_t)(hg * dpad * rhp) * sizeof(float));
       for (int64_t h = 0; h < hg; ++h)
         for (int64_t i = 0; i < rh; ++i) {
@@ -1642,7 +1916,10 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
     if (klo < khi) DC(chunk_at)(run, b, h0, klo, khi, &je, ko, vo);
     int64_t nje = je;
     if (je < khi) DC(chunk_at)(run, b, h0, je, khi, &nje, nko, nvo);
-    for (int64_t j = klo; j < khi;) {
+#if DC_AMX
+    if (amr) DC(amx_rows_keys)(run, w, rh, rhp, klo, khi, t0 + kv_end - Sq, b, h0, t0);
+#endif
+    for (int64_t j = klo; j < khi && !amr;) {
       /* the keys a few rows ahead and this chunk's values are asked for while the scores are
        * computed: one core's demand misses alone leave most of the memory bandwidth unused, and
        * a row of hg heads (hg * D elements every Hkv * D) is a pattern the hardware prefetchers
@@ -1924,11 +2201,18 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   const ab_decode_run* run = (const ab_decode_run*)ctx;
   const ab_kvcache_params* p = run->p;
   const int64_t HG = run->hg * run->G, dpad = run->dpad;
-  const int64_t tokens = ab_decode_tile_tokens(HG), rows = tokens * HG;
-  const int64_t prows = rows + run->hg * VLEN; /* rows of state with each head's padded to VLEN (tiled) */
-  const size_t tile_floats = DC_AMX && run->amx ? (size_t)(32 * dpad) : 0; /* kt, vp: 16 dpad floats each */
-  const size_t floats = (size_t)(prows * (dpad + 4) + rows * DC_CHUNK + DC_CHUNK * dpad +
-                                 2 * DC_CHUNK * (rows + VLEN) + dpad * prows + 3 * (rows + VLEN)) + tile_floats;
+  const int64_t tokens = DC_AMX && run->amx_rows ? ab_decode_amx_tile_tokens(HG) : ab_decode_tile_tokens(HG);
+  const int64_t rows = tokens * HG;
+  /* rows of state with each head's padded to VLEN, or 16 on tiles (tiled); pr: one head's padded rows at most */
+  const int64_t prows = rows + run->hg * 16, pr = rows + 16;
+  /* keys of scores at a time: a chunk, or DC_AMX_BLOCK chunks on tiles of many rows */
+  const int64_t kc = DC_AMX && run->amx_rows ? DC_AMX_BLOCK * DC_CHUNK : DC_CHUNK;
+  /* kt, vp: 16 dpad floats each, both DC_AMX_BLOCK times that on tiles of many rows */
+  const size_t tile_floats = DC_AMX && run->amx_rows ? (size_t)(32 * DC_AMX_BLOCK * dpad)
+                             : DC_AMX && run->amx    ? (size_t)(32 * dpad)
+                                                     : 0;
+  const size_t floats = (size_t)(prows * (dpad + 4) + pr * kc + DC_CHUNK * dpad + 2 * kc * pr + dpad * prows +
+                                 3 * pr) + tile_floats;
   char* buf = (char*)ab_scratch_alloc(floats * sizeof(float) + 2 * (size_t)tokens * sizeof(int64_t) + 64);
   if (!buf) {
     ab_par_fail(run->st, AB_ERR_NOMEM, "out of memory for the decode kernel's scratch");
@@ -1937,24 +2221,25 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   DC(tile) w;
   w.acc = (float*)buf;
   w.S = w.acc + prows * dpad;
-  w.m = w.S + rows * DC_CHUNK;
+  w.m = w.S + pr * kc;
   w.l = w.m + prows;
   w.slope = w.l + prows;
   w.lb = w.slope + prows;
   w.kv = w.lb + prows;
   w.st = w.kv + DC_CHUNK * dpad;
-  w.qt = w.st + DC_CHUNK * (rows + VLEN);
+  w.qt = w.st + kc * pr;
   w.vlo = w.qt + dpad * prows;
-  w.vhi = w.vlo + rows + VLEN;
-  w.d0 = w.vhi + rows + VLEN;
-  w.mb = w.d0 + rows + VLEN;
-  w.kt = (uint16_t*)(w.mb + DC_CHUNK * (rows + VLEN));
-  w.vp = w.kt + 32 * dpad;
+  w.vhi = w.vlo + pr;
+  w.d0 = w.vhi + pr;
+  w.mb = w.d0 + pr;
+  w.kt = (uint16_t*)(w.mb + kc * pr);
+  w.vp = w.kt + (DC_AMX && run->amx_rows ? DC_AMX_BLOCK : 1) * 32 * dpad;
   w.tlo = (int64_t*)(buf + ((floats * sizeof(float) + 63) & ~(size_t)63));
   w.thi = w.tlo + tokens;
   const int64_t groups = p->Hkv / run->hg;
 #if DC_AMX
   if (run->amx) DC(amx_config)(run->G); /* this thread's tiles, for its share of the items */
+  if (run->amx_rows) DC(amx_rows_config)();
 #endif
   for (int64_t it = begin; it < end; ++it) {
     const int64_t s = it % run->nsplit, bg = it / run->nsplit;
@@ -1974,7 +2259,7 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
     }
   }
 #if DC_AMX
-  if (run->amx) AMX_RELEASE();
+  if (run->amx || run->amx_rows) AMX_RELEASE();
 #endif
   ab_scratch_free(buf);
 }

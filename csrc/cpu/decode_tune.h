@@ -40,7 +40,7 @@ enum { AB_TUNE_ROUNDS = 4, AB_TUNE_KEEP_CALLS = 512 };
 /* Calls of one kind share their timings: the same ISA path, cache dtype, products, block size (0: dense), the same
  * query heads per KV head, one query token or several. */
 typedef struct ab_decode_tune_kind {
-  int32_t isa, dtype, bf16_dot, block_size, group, one_token; /* bf16_dot 2: on tiles; block_size 0: dense; group:
+  int32_t isa, dtype, bf16_dot, block_size, group, one_token; /* bf16_dot 2: on tiles, 3: tiles of many rows; block_size 0: dense; group:
                                                                  query heads per KV head */
 } ab_decode_tune_kind;
 
