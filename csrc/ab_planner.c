@@ -204,10 +204,28 @@ static const char* unit_name(uint32_t unit) {
  * ISA path of our kernels does not (ab_registry.c holds both lists), or for the calls where torch's
  * kernel measured faster on this kind of CPU (ab_torch_cpu_faster), torch SDPA goes first; our
  * kernels still serve what it cannot (packed sequences, softcap, lse, ...). */
+/* Whether flash's CPU forward hands the call to the decode kernel (csrc/cpu/flash_cpu.c, "short queries";
+ * ab_flash_cpu_decode_route): a dense forward of few query tokens with no dropout, Dv = D, and causal or a window
+ * aligned bottom-right (or Sq = Sk, where both alignments agree).  The route also wants keys and values with a
+ * contiguous last dimension, which the descriptor does not hold: a call without one runs flash's own kernel. */
+static int decode_route(const ab_call* c) {
+  const int top_left = c->causal == AB_CAUSAL_TOP_LEFT || (c->window && c->causal != AB_CAUSAL_BOTTOM_RIGHT);
+  return c->few_queries && !c->need_grad && !c->dropout && c->Dv == c->D && (!top_left || c->square);
+}
+
 static void torch_first(const ab_call* c, ab_plan* plan) {
   if (c->device != AB_DEVICE_CPU) return;
   uint32_t unless;
   const uint32_t gap = torch_unit_gap(c, &unless);
+  /* Decode through ab.attention in bfloat16 on the avx512 and amx paths goes to the decode kernel even where
+   * torch has a unit ours lack: decode reads more than it computes, and the kernel streams each KV head once
+   * for its query heads (an Intel Xeon with AMX, 2 threads, bfloat16, D=128, (B, H, S, D) caches as HF keeps
+   * them, 2026-12-07: 1.66-2.30x torch SDPA's speed at one token, 2.0-4.65x at 2 and 4 tokens causal, B=1
+   * Hq=32 Hkv=8 over 4096 keys, B=8 over 2048, MHA B=4 over 2048; docs/benchmarks.md, "Decode through
+   * ab.attention on the AMX Xeon") */
+  if (gap && decode_route(c) && c->dtype == AB_DTYPE_BF16 &&
+      (c->cpu_isa == AB_ISA_AVX512 || c->cpu_isa == AB_ISA_AMX))
+    return;
   if (!gap) {
     const char* what = ab_torch_cpu_faster(c);
     if (!what) return;

@@ -90,6 +90,26 @@ def test_torch_first_only_where_torch_keeps_its_advantage():
     assert not plan(device=CUDA, cc=90, dtype="bfloat16", units=amx).note
 
 
+def test_decode_through_the_plain_api_stays_ours_in_bfloat16_on_amx():
+    # a bfloat16 forward of few query tokens that flash hands to the decode kernel (ab_planner.c decode_route) keeps
+    # our kernel on the avx512 and amx paths even where torch computes bfloat16 on AMX: the decode kernel ran
+    # 1.66-4.65x torch's speed there (docs/benchmarks.md, "Decode through ab.attention on the AMX Xeon")
+    amx = AMX_BF16 | AMX_FP16 | AMX_INT8
+    for isa in (2, 3):
+        for kw in (dict(), dict(causal=2, square=0), dict(causal=1, square=1), dict(mask=1), dict(gqa=1),
+                   dict(window=1, causal=2, square=0)):
+            p = plan(dtype="bfloat16", units=amx, isa=isa, few=1, **kw)
+            assert p.chosen == "flash" and not p.note, (isa, kw)
+    # calls the route does not take (a gradient, Dv != D, top-left causal with Sq != Sk, more tokens), the other
+    # paths (generic, avx2, amx_emu) and float16 (not measured) keep torch first
+    for kw in (dict(need_grad=1), dict(Dv=32), dict(causal=1, square=0), dict(few=0), dict(isa=0), dict(isa=1),
+               dict(isa=4), dict(dtype="float16")):
+        args = dict(dtype="bfloat16", units=amx, isa=2, few=1)
+        args.update(kw)
+        p = plan(**args)
+        assert p.chosen == "sdpa" and p.note.startswith("torch SDPA first"), kw
+
+
 def test_torch_first_where_its_fma_kernel_measured_faster():
     # float32 forward, no grad, no causal, no mask, no GQA, D >= 128: torch's fused kernel measured
     # faster than ours on the same FMA units (csrc/ab_registry.c ab_torch_cpu_faster), on every path
@@ -273,6 +293,10 @@ def test_this_cpu_units_reach_the_plan():
     assert p.call["cpu_units"] == tuple(n for i, n in enumerate(_planner.UNIT_NAMES) if _C.cpu_units() >> i & 1)
     assert (p.chosen == "sdpa") == bool(_C.cpu_units() & AMX_BF16)
     assert _C.cpu_features()["amx_state"]
+    # one decode token: the decode kernel on the avx512 and amx paths, AMX or not (ab_planner.c decode_route)
+    k = torch.randn(1, 2, 64, 16, dtype=torch.bfloat16)
+    p = ab.explain(q[:, :, :1], k, k)
+    assert (p.chosen == "sdpa") == (bool(_C.cpu_units() & AMX_BF16) and _C.cpu_isa() not in ("avx512", "amx"))
 
 
 def test_report_says_when_auto_prefers_torch_on_this_cpu(monkeypatch):
