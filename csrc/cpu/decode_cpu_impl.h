@@ -1013,18 +1013,18 @@ static inline void DC(amx_key_strides)(const int64_t* ko, int64_t nk, int64_t ks
   }
 }
 
-/* Step 1 on tiles for one head: the scores of the chunk's nk keys (rows at kb + ko[i] + hoff) against its G
- * query rows (qt, DC(amx_q)), times scale, into S (row g at S + g * DC_CHUNK, key i at [i]).  Each 16 keys' rows
- * go to a tile straight from the cache where DC(amx_key_strides) found them one stride apart (kst), else through
- * kt (16 rows of D, zero past nk); st: scratch for 32 x G floats. */
-static inline void DC(amx_scores)(const uint16_t* kb, const int64_t* ko, const int64_t kst[2], int64_t nk,
-                                  int64_t hoff, int64_t D, int64_t G, const uint32_t* qt, float scale, float* S,
-                                  uint16_t* kt, float* st) {
-  const uint16_t* base[2] = {kb, kb};
-  int64_t stride[2] = {0, 0};
-  for (int x = 0; x < 2 && 16 * x < nk; ++x) {
+/* The A operands of S^T = K Q^T for one head and chunk: the chunk's nk keys (rows at kb + ko[i] + hoff; kst from
+ * DC(amx_key_strides)), 16 keys a tile: base[x] and stride[x] (bytes) of keys 16 x .. 16 x + 15, straight from
+ * the cache where they are one stride apart, else copied to kt + 16 x D (zero past nk). */
+static inline void DC(amx_key_tiles)(const uint16_t* kb, const int64_t* ko, const int64_t kst[2], int64_t nk,
+                                     int64_t hoff, int64_t D, uint16_t* kt, const uint16_t* base[2],
+                                     int64_t stride[2]) {
+  for (int x = 0; x < 2; ++x) {
     const int64_t* o = ko + 16 * x;
     const int64_t n = nk - 16 * x < 16 ? nk - 16 * x : 16;
+    base[x] = kb;
+    stride[x] = 0;
+    if (n <= 0) continue;
     if (kst[x] != INT64_MIN) {
       base[x] = kb + o[0] + hoff;
       stride[x] = kst[x] * (int64_t)sizeof(uint16_t);
@@ -1040,6 +1040,18 @@ static inline void DC(amx_scores)(const uint16_t* kb, const int64_t* ko, const i
       stride[x] = D * (int64_t)sizeof(uint16_t);
     }
   }
+}
+
+/* Step 1 on tiles for one head: the scores of the chunk's nk keys (rows at kb + ko[i] + hoff) against its G
+ * query rows (qt, DC(amx_q)), times scale, into S (row g at S + g * DC_CHUNK, key i at [i]).  Each 16 keys' rows
+ * go to a tile straight from the cache where DC(amx_key_strides) found them one stride apart (kst), else through
+ * kt (16 rows of D, zero past nk); st: scratch for 32 x G floats. */
+static inline void DC(amx_scores)(const uint16_t* kb, const int64_t* ko, const int64_t kst[2], int64_t nk,
+                                  int64_t hoff, int64_t D, int64_t G, const uint32_t* qt, float scale, float* S,
+                                  uint16_t* kt, float* st) {
+  const uint16_t* base[2];
+  int64_t stride[2];
+  DC(amx_key_tiles)(kb, ko, kst, nk, hoff, D, kt, base, stride);
   const int two = nk > 16;
   AMX_ZERO(DC_AMX_S0);
   if (two) AMX_ZERO(DC_AMX_S1);
@@ -1144,35 +1156,6 @@ static inline void DC(amx_qt)(const uint16_t* q, int64_t ts, int64_t gs, int64_t
     const uint16_t* x = r < rh ? q + r / G * ts + r % G * gs : NULL;
     for (int64_t d2 = 0; d2 < D / 2; ++d2)
       qv[d2 * rhp + r] = x ? (uint32_t)x[2 * d2] | (uint32_t)x[2 * d2 + 1] << 16 : 0u;
-  }
-}
-
-/* The A operands of S^T = K Q^T for one head and chunk: the chunk's nk keys (rows at kb + ko[i] + hoff; kst from
- * DC(amx_key_strides)), 16 keys a tile: base[x] and stride[x] (bytes) of keys 16 x .. 16 x + 15, straight from
- * the cache where they are one stride apart, else copied to kt + 16 x D (zero past nk). */
-static inline void DC(amx_key_tiles)(const uint16_t* kb, const int64_t* ko, const int64_t kst[2], int64_t nk,
-                                     int64_t hoff, int64_t D, uint16_t* kt, const uint16_t* base[2],
-                                     int64_t stride[2]) {
-  for (int x = 0; x < 2; ++x) {
-    const int64_t* o = ko + 16 * x;
-    const int64_t n = nk - 16 * x < 16 ? nk - 16 * x : 16;
-    base[x] = kb;
-    stride[x] = 0;
-    if (n <= 0) continue;
-    if (kst[x] != INT64_MIN) {
-      base[x] = kb + o[0] + hoff;
-      stride[x] = kst[x] * (int64_t)sizeof(uint16_t);
-    } else {
-      uint16_t* dst = kt + 16 * x * D;
-      for (int64_t i = 0; i < 16; ++i) {
-        if (i < n)
-          memcpy(dst + i * D, kb + o[i] + hoff, (size_t)D * sizeof(uint16_t));
-        else
-          memset(dst + i * D, 0, (size_t)D * sizeof(uint16_t));
-      }
-      base[x] = dst;
-      stride[x] = D * (int64_t)sizeof(uint16_t);
-    }
   }
 }
 
@@ -1677,6 +1660,25 @@ static void DC(mask_tile)(const ab_kvcache_params* p, int64_t b, int64_t hq0, in
   }
 }
 
+/* The keys [j, je) each row of a tiled tile sees, from j (vlo, vhi: as floats for the softmax's lanes; pad rows
+ * rh .. rhp none), and each row's key position minus query position at key j (d0, for ALiBi): row i is token
+ * i / G from the tile's first, whose position is qpos0. */
+static inline void DC(tiled_rows_seen)(const DC(tile) * w, int64_t rh, int64_t rhp, int64_t G, int64_t j,
+                                       int64_t je, int64_t qpos0) {
+  for (int64_t i = 0; i < rhp; ++i) { /* pad rows see nothing */
+    int64_t lo = 0, hi = 0;
+    w->d0[i] = 0.0f;
+    if (i < rh) {
+      const int64_t t = i / G; /* from t0 */
+      lo = w->tlo[t] > j ? w->tlo[t] - j : 0;
+      hi = (w->thi[t] < je ? w->thi[t] : je) - j;
+      w->d0[i] = (float)(j - (qpos0 + t));
+    }
+    w->vlo[i] = (float)lo;
+    w->vhi[i] = (float)(hi > lo ? hi : lo);
+  }
+}
+
 /* Keys [j, je) of a tiled tile (tokens from t0 of batch row b, rh rows per head padded to rhp; K and V
  * rows of head h0 at ko, vo; the next chunk's nn keys at nko, nvo, asked for into L2 a chunk ahead),
  * head by head: S^T = K Q^T, the softmax (with the mask's tile, DC(mask_tile), where there is a
@@ -1693,18 +1695,7 @@ static inline __attribute__((always_inline)) void DC(tiled_chunk)(const ab_decod
   const void *kb = p->k_cache.data, *vb = p->v_cache.data;
   const int64_t ks2 = p->k_cache.strides[2], vs2 = p->v_cache.strides[2], es = dt == AB_DTYPE_F32 ? 4 : 2;
   const int alibi = p->alibi_slopes.ndim > 0;
-  for (int64_t i = 0; i < rhp; ++i) { /* pad rows see nothing */
-    int64_t lo = 0, hi = 0;
-    w->d0[i] = 0.0f;
-    if (i < rh) {
-      const int64_t t = i / G; /* from t0 */
-      lo = w->tlo[t] > j ? w->tlo[t] - j : 0;
-      hi = (w->thi[t] < je ? w->thi[t] : je) - j;
-      w->d0[i] = (float)(j - (qpos0 + t));
-    }
-    w->vlo[i] = (float)lo;
-    w->vhi[i] = (float)(hi > lo ? hi : lo);
-  }
+  DC(tiled_rows_seen)(w, rh, rhp, G, j, je, qpos0);
   const int masked = p->mask.ndim > 0, per_head = masked && p->mask.strides[1] != 0;
   if (masked && !per_head) DC(mask_tile)(p, b, h0 * G, t0, G, j, nk, rh, rhp, w->vlo, w->vhi, w->mb);
   for (int64_t h = 0; h < run->hg; ++h) {
@@ -1752,18 +1743,7 @@ static void DC(amx_rows_keys)(const ab_decode_run* run, const DC(tile) * w, int6
       je = e;
     }
     const int64_t nk = je - j;
-    for (int64_t i = 0; i < rhp; ++i) { /* pad rows see nothing */
-      int64_t lo = 0, hi = 0;
-      w->d0[i] = 0.0f;
-      if (i < rh) {
-        const int64_t t = i / G; /* from t0 */
-        lo = w->tlo[t] > j ? w->tlo[t] - j : 0;
-        hi = (w->thi[t] < je ? w->thi[t] : je) - j;
-        w->d0[i] = (float)(j - (qpos0 + t));
-      }
-      w->vlo[i] = (float)lo;
-      w->vhi[i] = (float)(hi > lo ? hi : lo);
-    }
+    DC(tiled_rows_seen)(w, rh, rhp, G, j, je, qpos0);
     if (masked && !per_head) DC(mask_tile)(p, b, h0 * G, t0, G, j, nk, rh, rhp, w->vlo, w->vhi, w->mb);
     for (int64_t h = 0; h < run->hg; ++h) {
       float* acc = w->acc + h * rhp * dpad;
