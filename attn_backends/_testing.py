@@ -54,43 +54,44 @@ def decode_bf16_products(dtype, rows: int = 1) -> bool:
     return rows <= 2 or feats.get("vendor") != "GenuineIntel"
 
 
-def decode_tiles(dtype, G: int, D: int, Sq: int = 1) -> bool:
-    """Whether the CPU decode kernel takes steps 1 and 3 of a one-token call on AMX tiles on the current path
-    (csrc/cpu/decode_cpu.c, decode_table and amx_tiles): an AMX path (amx, amx_emu), or avx512 on a CPU whose
-    tiles are usable with ATTN_BACKENDS_DECODE_AMX=1; a bfloat16 cache, one query token, 2 to 16 query heads per
-    KV head, D a multiple of 32 up to 256, where decode_amx_rows does not take it; neither
-    ATTN_BACKENDS_DECODE_AMX nor ATTN_BACKENDS_DECODE_BF16_DOT set to 0."""
-    import os
-
-    from . import _C
-
-    isa = _C.cpu_isa()
-    path = isa in ("amx", "amx_emu") or (isa == "avx512" and _C.cpu_isa_supported("amx")
-                                         and os.environ.get("ATTN_BACKENDS_DECODE_AMX") == "1")
-    return (path and dtype == torch.bfloat16 and Sq == 1 and 2 <= G <= 16 and D % 32 == 0 and D <= 256
-            and os.environ.get("ATTN_BACKENDS_DECODE_AMX", "1") != "0"
-            and os.environ.get("ATTN_BACKENDS_DECODE_BF16_DOT", "1") != "0"
-            and not decode_amx_rows(dtype, G, D, Sq))
-
-
-def decode_amx_rows(dtype, G: int, D: int, Sq: int) -> bool:
-    """Whether the CPU decode kernel takes every tile of a call through its tiled products with both products on
-    AMX tiles on the current path (csrc/cpu/decode_cpu.c, amx_rows; decode_cpu_impl.h, "tiles of many rows"): an
-    AMX path (amx, amx_emu), or avx512 on a CPU whose tiles are usable; a bfloat16 cache, D a multiple of 32 up to
-    256, at least 2 query tokens and 16 query rows per KV head (Sq x G), or any call with
-    ATTN_BACKENDS_DECODE_AMX_ROWS=1; none with ATTN_BACKENDS_DECODE_AMX_ROWS, ATTN_BACKENDS_DECODE_AMX or
+def _decode_tile_shape(dtype, D: int, borrowed: bool) -> bool:
+    """What both kinds of the CPU decode kernel's tiles ask (csrc/cpu/decode_cpu.c, decode_table and tile_shape):
+    a path whose kernel has tiles (amx, amx_emu, or avx512 on a CPU whose tiles are usable where `borrowed` says
+    it borrows them), a bfloat16 cache, D a multiple of 32 up to 256, and neither ATTN_BACKENDS_DECODE_AMX nor
     ATTN_BACKENDS_DECODE_BF16_DOT set to 0."""
     import os
 
     from . import _C
 
     isa = _C.cpu_isa()
-    path = isa in ("amx", "amx_emu") or (isa == "avx512" and _C.cpu_isa_supported("amx"))
-    env = os.environ.get
-    if not (path and dtype == torch.bfloat16 and D % 32 == 0 and D <= 256 and env("ATTN_BACKENDS_DECODE_AMX") != "0"
-            and env("ATTN_BACKENDS_DECODE_BF16_DOT") != "0"):
+    path = isa in ("amx", "amx_emu") or (isa == "avx512" and _C.cpu_isa_supported("amx") and borrowed)
+    return (path and dtype == torch.bfloat16 and D % 32 == 0 and D <= 256
+            and os.environ.get("ATTN_BACKENDS_DECODE_AMX") != "0"
+            and os.environ.get("ATTN_BACKENDS_DECODE_BF16_DOT") != "0")
+
+
+def decode_tiles(dtype, G: int, D: int, Sq: int = 1) -> bool:
+    """Whether the CPU decode kernel takes steps 1 and 3 of a one-token call on AMX tiles on the current path
+    (csrc/cpu/decode_cpu.c, amx_tiles): _decode_tile_shape, the avx512 path borrowing only with
+    ATTN_BACKENDS_DECODE_AMX=1; one query token, 2 to 16 query heads per KV head, where decode_amx_rows does not
+    take it."""
+    import os
+
+    borrowed = os.environ.get("ATTN_BACKENDS_DECODE_AMX") == "1"
+    return (_decode_tile_shape(dtype, D, borrowed) and Sq == 1 and 2 <= G <= 16
+            and not decode_amx_rows(dtype, G, D, Sq))
+
+
+def decode_amx_rows(dtype, G: int, D: int, Sq: int) -> bool:
+    """Whether the CPU decode kernel takes every tile of a call through its tiled products with both products on
+    AMX tiles on the current path (csrc/cpu/decode_cpu.c, amx_rows; decode_cpu_impl.h, "tiles of many rows"):
+    _decode_tile_shape (the avx512 path borrows for these calls), at least 2 query tokens and 16 query rows per KV
+    head (Sq x G), or any call with ATTN_BACKENDS_DECODE_AMX_ROWS=1; none with it set to 0."""
+    import os
+
+    if not _decode_tile_shape(dtype, D, borrowed=True):
         return False
-    forced = env("ATTN_BACKENDS_DECODE_AMX_ROWS")
+    forced = os.environ.get("ATTN_BACKENDS_DECODE_AMX_ROWS")
     if forced in ("0", "1"):
         return forced == "1"
     return Sq >= 2 and Sq * G >= 16

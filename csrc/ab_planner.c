@@ -82,7 +82,6 @@ static int is_torch_sdpa(int id) {
     return;                            \
   } while (0)
 
-/* Writes why backend id cannot serve call c into out ("" when it can). */
 /* The matrix units this CPU has that torch SDPA computes the call's dtype on and our kernels' ISA path does not
  * (ab_registry.c holds both lists); *unless: the features under which torch does not use them. */
 static uint32_t torch_unit_gap(const ab_call* c, uint32_t* unless) {
@@ -101,6 +100,7 @@ static uint32_t cpu_kv_torch_unit(const ab_call* c) {
              : 0;
 }
 
+/* Writes why backend id cannot serve call c into out ("" when it can). */
 static void why_not(const ab_call* c, int id, char* out, size_t n) {
   const ab_backend_info* b = ab_backend_at(id);
   const ab_caps* k = &b->caps[c->device < AB_DEV_COUNT ? c->device : AB_DEVICE_OTHER];
@@ -204,15 +204,6 @@ static const char* unit_name(uint32_t unit) {
  * ISA path of our kernels does not (ab_registry.c holds both lists), or for the calls where torch's
  * kernel measured faster on this kind of CPU (ab_torch_cpu_faster), torch SDPA goes first; our
  * kernels still serve what it cannot (packed sequences, softcap, lse, ...). */
-/* Whether flash's CPU forward hands the call to the decode kernel (csrc/cpu/flash_cpu.c, "short queries";
- * ab_flash_cpu_decode_route): a dense forward of few query tokens with no dropout, Dv = D, and causal or a window
- * aligned bottom-right (or Sq = Sk, where both alignments agree).  The route also wants keys and values with a
- * contiguous last dimension, which the descriptor does not hold: a call without one runs flash's own kernel. */
-static int decode_route(const ab_call* c) {
-  const int top_left = c->causal == AB_CAUSAL_TOP_LEFT || (c->window && c->causal != AB_CAUSAL_BOTTOM_RIGHT);
-  return c->few_queries && !c->need_grad && !c->dropout && c->Dv == c->D && (!top_left || c->square);
-}
-
 static void torch_first(const ab_call* c, ab_plan* plan) {
   if (c->device != AB_DEVICE_CPU) return;
   uint32_t unless;
@@ -223,7 +214,7 @@ static void torch_first(const ab_call* c, ab_plan* plan) {
    * them, 2026-12-07: 1.66-2.30x torch SDPA's speed at one token, 2.0-4.65x at 2 and 4 tokens causal, B=1
    * Hq=32 Hkv=8 over 4096 keys, B=8 over 2048, MHA B=4 over 2048; docs/benchmarks.md, "Decode through
    * ab.attention on the AMX Xeon") */
-  if (gap && decode_route(c) && c->dtype == AB_DTYPE_BF16 &&
+  if (gap && ab_call_decode_route(c) && c->dtype == AB_DTYPE_BF16 &&
       (c->cpu_isa == AB_ISA_AVX512 || c->cpu_isa == AB_ISA_AMX))
     return;
   if (!gap) {

@@ -242,6 +242,12 @@ void ab_plan_build(const ab_call* call, ab_plan* plan);
  * ("a float32 forward at D >= 128"); NULL otherwise (ab_registry.c lists the classes and the
  * figures). */
 const char* ab_torch_cpu_faster(const ab_call* call);
+/* Whether flash's CPU forward hands the call to the decode kernel (csrc/cpu/flash_cpu.c, "short queries";
+ * ab_flash_cpu_decode_route): a dense forward of few query tokens (few_queries) with no gradient, no dropout,
+ * Dv = D, and causal or a window aligned bottom-right (or Sq = Sk, where both alignments agree).  The route also
+ * wants keys and values with a contiguous last dimension, which the descriptor does not hold: a call without one
+ * runs flash's own kernel. */
+int ab_call_decode_route(const ab_call* c);
 
 #ifdef __cplusplus
 }

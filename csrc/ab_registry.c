@@ -425,8 +425,13 @@ static const torch_faster_row k_torch_faster[] = {
 };
 #undef ISA_BIT
 
+int ab_call_decode_route(const ab_call* c) {
+  const int top_left = c->causal == AB_CAUSAL_TOP_LEFT || (c->window && c->causal != AB_CAUSAL_BOTTOM_RIGHT);
+  return c->few_queries && !c->need_grad && !c->dropout && c->Dv == c->D && (!top_left || c->square);
+}
+
 const char* ab_torch_cpu_faster(const ab_call* c) {
-  const int decode = c->few_queries && !c->need_grad && c->Dv == c->D; /* flash's route to the decode kernel */
+  const int decode = ab_call_decode_route(c); /* flash's route to the decode kernel */
   /* Dv != D: torch's fused CPU kernel takes one head dim for q, k and v, and sends such a call to its unfused
    * math path (2.8x our flash's time, float32 D=128 Dv=64 S=1024 H=8, an AMD EPYC, avx512 path): not a call
    * the rows were measured on */

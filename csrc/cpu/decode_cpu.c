@@ -92,38 +92,42 @@ static int64_t call_rows(const ab_kvcache_params* p) { return p->Hkv > 0 ? p->Sq
  * (amx_rows_wanted). */
 #define AMX_ROWS 16
 
-/* Whether the call p would take every tile through the tiled products with both products on tiles
- * (decode_cpu_impl.h, "tiles of many rows") on a kernel that has tiles: a bfloat16 cache, D a multiple of 32 up
- * to 256, several query tokens and at least AMX_ROWS query rows per KV head (one-token decode keeps its own
- * products: from DRAM it waits on its reads, not on its arithmetic); ATTN_BACKENDS_DECODE_AMX_ROWS=1 for every row count, =0 for
- * none, and none with ATTN_BACKENDS_DECODE_AMX=0 (no tiles in decode) or ATTN_BACKENDS_DECODE_BF16_DOT=0 (no
- * bfloat16 products at all; all read at every call). */
-static int amx_rows_wanted(const ab_kvcache_params* p) {
-  if (p->k_cache.dtype != AB_DTYPE_BF16 || p->Hkv <= 0 || p->D % 32 != 0 || p->D > 256 ||
-      ab_env_switch("ATTN_BACKENDS_DECODE_BF16_DOT") == 0 || ab_env_switch("ATTN_BACKENDS_DECODE_AMX") == 0)
-    return 0;
-  return forced_or("ATTN_BACKENDS_DECODE_AMX_ROWS", p->Sq >= 2 && call_rows(p) >= AMX_ROWS);
+/* What both kinds of tiles ask of a call: a bfloat16 cache, D a multiple of 32 up to 256, and neither
+ * ATTN_BACKENDS_DECODE_AMX=0 (no tiles in decode) nor ATTN_BACKENDS_DECODE_BF16_DOT=0 (no bfloat16 products at
+ * all; both read at every call). */
+static int tile_shape(const ab_kvcache_params* p) {
+  return p->k_cache.dtype == AB_DTYPE_BF16 && p->Hkv > 0 && p->D % 32 == 0 && p->D <= 256 &&
+         ab_env_switch("ATTN_BACKENDS_DECODE_AMX") != 0 && ab_env_switch("ATTN_BACKENDS_DECODE_BF16_DOT") != 0;
 }
 
-/* Whether p takes tiles of many rows: amx_rows_wanted on a kernel with tiles (an AMX path's, or the one the
- * avx512 path borrows, decode_table). */
-static int amx_rows(const ab_kvcache_params* p) { return decode_table(p)->tiles && amx_rows_wanted(p); }
+/* Whether the call p would take every tile through the tiled products with both products on tiles
+ * (decode_cpu_impl.h, "tiles of many rows") on a kernel that has tiles: tile_shape, several query tokens and at
+ * least AMX_ROWS query rows per KV head (one-token decode keeps its own products: from DRAM it waits on its
+ * reads, not on its arithmetic); ATTN_BACKENDS_DECODE_AMX_ROWS=1 for every row count, =0 for none (read at every
+ * call). */
+static int amx_rows_wanted(const ab_kvcache_params* p) {
+  return tile_shape(p) && forced_or("ATTN_BACKENDS_DECODE_AMX_ROWS", p->Sq >= 2 && call_rows(p) >= AMX_ROWS);
+}
 
-/* Whether steps 1 and 3 of p go on tiles (decode_cpu_impl.h, "Tiles"): a kernel with tiles (an AMX path's,
- * decode_table), a bfloat16 cache, one query token, 2 to 16 query heads per KV head (a tile's G columns; MHA
- * reads at the bandwidth with the vector products already), D a multiple of 32 up to 256, where amx_rows does
- * not take it; not with ATTN_BACKENDS_DECODE_AMX=0 or ATTN_BACKENDS_DECODE_BF16_DOT=0 (no bfloat16 products at
- * all; both read at every call). */
-static int amx_tiles(const ab_kvcache_params* p) {
-  if (!decode_table(p)->tiles || p->k_cache.dtype != AB_DTYPE_BF16 || p->Hkv <= 0 || amx_rows(p)) return 0;
+/* Whether p takes tiles of many rows on the kernel t (decode_table(p)): amx_rows_wanted on a kernel with tiles
+ * (an AMX path's, or the one the avx512 path borrows). */
+static int amx_rows(const ab_decode_cpu_table* t, const ab_kvcache_params* p) {
+  return t->tiles && amx_rows_wanted(p);
+}
+
+/* Whether steps 1 and 3 of p go on tiles (decode_cpu_impl.h, "Tiles") on the kernel t (decode_table(p)): a
+ * kernel with tiles, tile_shape, one query token, 2 to 16 query heads per KV head (a tile's G columns; MHA reads
+ * at the bandwidth with the vector products already), where amx_rows does not take it. */
+static int amx_tiles(const ab_decode_cpu_table* t, const ab_kvcache_params* p) {
+  if (!t->tiles || !tile_shape(p) || amx_rows_wanted(p)) return 0;
   const int64_t G = p->Hq / p->Hkv;
-  return p->Sq == 1 && G >= 2 && G <= 16 && p->D % 32 == 0 && p->D <= 256 &&
-         ab_env_switch("ATTN_BACKENDS_DECODE_AMX") != 0 && ab_env_switch("ATTN_BACKENDS_DECODE_BF16_DOT") != 0;
+  return p->Sq == 1 && G >= 2 && G <= 16;
 }
 
 /* bfloat16 q and P, on vdpbf16ps (ab_kvcache_cpu_bf16_products) or on tiles (amx_tiles, amx_rows) */
 static int bf16_dot(const ab_kvcache_params* p) {
-  return ab_kvcache_cpu_bf16_products(p->k_cache.dtype, call_rows(p)) || amx_tiles(p) || amx_rows(p);
+  const ab_decode_cpu_table* t = decode_table(p);
+  return ab_kvcache_cpu_bf16_products(p->k_cache.dtype, call_rows(p)) || amx_tiles(t, p) || amx_rows(t, p);
 }
 
 /* The AVX-512 path of an AMD CPU (Zen 4), where the prefetch rules below were measured. */
@@ -258,7 +262,7 @@ static int eo_pairs(const ab_kvcache_params* p) {
  * (scores_by_head) where the kernel can take it: bfloat16 products, G a multiple of four, D <= 128. */
 static uint32_t tunable(const ab_kvcache_params* p, int bf, int am, int64_t hg) {
   const int64_t G = p->Hq / p->Hkv, HG = hg * G;
-  const int64_t tt = ab_decode_tile_tokens(HG);
+  const int64_t tt = ab_decode_tile_tokens(HG, AB_DECODE_TILE_ROWS); /* tunable is not asked for tiles of many rows */
   const int64_t first = p->Sq < tt ? p->Sq : tt, last = p->Sq % tt ? p->Sq % tt : first;
   const int rows_path = bf || first * G < AB_DECODE_TILED_ROWS || last * G < AB_DECODE_TILED_ROWS;
   uint32_t free = 0;
@@ -613,8 +617,10 @@ static void append(const ab_kvcache_params* p, float* row) {
  * products.  Returns whether that bfloat16 q lost an element: one that is not 0 but whose bfloat16 value
  * is subnormal or 0 (vdpbf16ps takes bfloat16 subnormals as 0), so that the caller runs the float32
  * products instead (a q near 1e-37, or near 1 under a scale near 1e-38, against keys near 1e37: scores of
- * order 1 that the bfloat16 products made 0). */
-static int prepare_q(const ab_kvcache_params* p, float* qf, uint16_t* qb, int64_t dpad, int qexp) {
+ * order 1 that the bfloat16 products made 0).  kernel: the call's decode kernel (decode_table), whose q_bf16
+ * rounds. */
+static int prepare_q(const ab_kvcache_params* p, const ab_decode_cpu_table* kernel, float* qf, uint16_t* qb,
+                     int64_t dpad, int qexp) {
   const int per_token = q_rotates_per_token(p);
   int lost = 0;
   for (int64_t b = 0; b < p->B; ++b)
@@ -624,7 +630,7 @@ static int prepare_q(const ab_kvcache_params* p, float* qf, uint16_t* qb, int64_
         memset(row, 0, (size_t)dpad * sizeof(float));
         ab_vec_load_row(p->q.data, p->q.dtype, ab_off4(&p->q, b, t, h, 0), p->D, p->q.strides[3], row);
         if (p->rotary_cos.ndim) rotate(p, seqlen_of(p, b) + (per_token ? t : 0), row);
-        if (qb) lost |= decode_table(p)->q_bf16(row, qb + ((b * p->Sq + t) * p->Hq + h) * dpad, dpad, qexp);
+        if (qb) lost |= kernel->q_bf16(row, qb + ((b * p->Sq + t) * p->Hq + h) * dpad, dpad, qexp);
         for (int64_t d = 0; d < p->D; ++d) row[d] *= (float)p->scale;
       }
   return lost;
@@ -776,8 +782,8 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   const int64_t nsplit = ab_kvcache_cpu_splits(call, threads);
   size_t part_at, idx_at, values_at;
   /* read once: bf, am and amr below follow them */
-  const int tiles = amx_tiles(call), rows_tiles = amx_rows(call);
   const ab_decode_cpu_table* table = decode_table(call);
+  const int tiles = amx_tiles(table, call), rows_tiles = amx_rows(table, call);
   int bf = ab_kvcache_cpu_bf16_products(call->k_cache.dtype, call_rows(call)) || tiles || rows_tiles; /* bf16_dot */
   const size_t need = workspace_layout(call, nsplit, bf, &part_at, &idx_at, &values_at);
   if (!workspace || workspace_bytes < need)
@@ -826,7 +832,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   const int qexp = bf ? ab_bf16_scale_exp(p->scale) : 0;
   /* a q the bfloat16 products would lose part of goes to the float32 products (same workspace: its dpad,
    * a multiple of 32, is one of 16 too) */
-  if (prepare_q(p, (float*)ws, qb, dpad, qexp)) bf = 0;
+  if (prepare_q(p, table, (float*)ws, qb, dpad, qexp)) bf = 0;
   int64_t keys = 0;
   for (int64_t b = 0; b < p->B; ++b) {
     lo[b] = p->cache_leftpad.ndim ? index_at(&p->cache_leftpad, b, 0) : 0;

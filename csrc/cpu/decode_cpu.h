@@ -106,15 +106,10 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* p, void* workspace, size_t
 #define AB_DECODE_CHUNK 32 /* keys per chunk of a work item (decode_cpu_impl.h DC_CHUNK) */
 #define AB_DECODE_DPAD 16 /* q and accumulator rows are padded to a multiple of 16 floats (32 with bf16_dot) */
 #define AB_DECODE_TILE_ROWS 64 /* query rows per tile (tokens x the item's query heads), unless one token has more */
-/* Query tokens per tile of a work item of HG query heads: as many as keep its rows within AB_DECODE_TILE_ROWS,
- * at least one. */
-static inline int64_t ab_decode_tile_tokens(int64_t HG) { return HG >= AB_DECODE_TILE_ROWS ? 1 : AB_DECODE_TILE_ROWS / HG; }
-#ifndef AB_DECODE_AMX_TILE_ROWS
 #define AB_DECODE_AMX_TILE_ROWS 256 /* the same with both products on tiles (decode_cpu_impl.h, "tiles of many rows") */
-#endif
-static inline int64_t ab_decode_amx_tile_tokens(int64_t HG) {
-  return HG >= AB_DECODE_AMX_TILE_ROWS ? 1 : AB_DECODE_AMX_TILE_ROWS / HG;
-}
+/* Query tokens per tile of a work item of HG query heads: as many as keep its rows within `rows`
+ * (AB_DECODE_TILE_ROWS, or AB_DECODE_AMX_TILE_ROWS on tiles of many rows), at least one. */
+static inline int64_t ab_decode_tile_tokens(int64_t HG, int64_t rows) { return HG >= rows ? 1 : rows / HG; }
 /* rows per KV head (tokens of the tile x G) from which a tile without bfloat16 products takes the tiled
  * products (decode_cpu_impl.h); avx2, B=1 Hq=32 Hkv=8 D=128 Sk=4096: 12 rows 1.0-1.5x the row path's time,
  * 16 rows 0.7-1.1x (float32 about even), 24 rows 0.6-0.9x */

@@ -1773,6 +1773,11 @@ static void DC(amx_rows_keys)(const ab_decode_run* run, const DC(tile) * w, int6
 }
 #endif
 
+/* Query tokens per tile of the run's work items of HG query heads (DC(item) and its scratch, DC(attend)). */
+static inline int64_t DC(tile_tokens)(const ab_decode_run* run, int64_t HG) {
+  return ab_decode_tile_tokens(HG, DC_AMX && run->amx_rows ? AB_DECODE_AMX_TILE_ROWS : AB_DECODE_TILE_ROWS);
+}
+
 /* One work item: batch row b, KV heads [h0, h0 + hg), split s; dt is the cache dtype and bf whether
  * the bfloat16 products run (constants at each call site, so the loads are specialized).  Rows of a
  * tile: r = (t - t0) * hg * G + (h - h0) * G + g. */
@@ -1820,7 +1825,7 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
   int64_t ks = ulo + chunks * s / run->nsplit * DC_CHUNK, ke = ulo + chunks * (s + 1) / run->nsplit * DC_CHUNK;
   ke = ke < uhi ? ke : uhi;
 
-  const int64_t tt = amr ? ab_decode_amx_tile_tokens(HG) : ab_decode_tile_tokens(HG);
+  const int64_t tt = DC(tile_tokens)(run, HG);
   for (int64_t t0 = 0; t0 < Sq; t0 += tt) {
     const int64_t t1 = t0 + tt < Sq ? t0 + tt : Sq, nr = (t1 - t0) * HG;
     int64_t klo = ke, khi = ks;
@@ -1892,14 +1897,17 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
     const int touch = run->pages_ahead && !tiled;
     int64_t offs[6][DC_CHUNK];
     int64_t *ko = offs[0], *vo = offs[1], *nko = offs[2], *nvo = offs[3], *fko = offs[4], *fvo = offs[5];
+#if DC_AMX
+    if (amr) { /* its own chunks, DC_AMX_BLOCK at a time */
+      DC(amx_rows_keys)(run, w, rh, rhp, klo, khi, t0 + kv_end - Sq, b, h0, t0);
+      klo = khi;
+    }
+#endif
     int64_t je = klo;
     if (klo < khi) DC(chunk_at)(run, b, h0, klo, khi, &je, ko, vo);
     int64_t nje = je;
     if (je < khi) DC(chunk_at)(run, b, h0, je, khi, &nje, nko, nvo);
-#if DC_AMX
-    if (amr) DC(amx_rows_keys)(run, w, rh, rhp, klo, khi, t0 + kv_end - Sq, b, h0, t0);
-#endif
-    for (int64_t j = klo; j < khi && !amr;) {
+    for (int64_t j = klo; j < khi;) {
       /* the keys a few rows ahead and this chunk's values are asked for while the scores are
        * computed: one core's demand misses alone leave most of the memory bandwidth unused, and
        * a row of hg heads (hg * D elements every Hkv * D) is a pattern the hardware prefetchers
@@ -2181,8 +2189,7 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   const ab_decode_run* run = (const ab_decode_run*)ctx;
   const ab_kvcache_params* p = run->p;
   const int64_t HG = run->hg * run->G, dpad = run->dpad;
-  const int64_t tokens = DC_AMX && run->amx_rows ? ab_decode_amx_tile_tokens(HG) : ab_decode_tile_tokens(HG);
-  const int64_t rows = tokens * HG;
+  const int64_t tokens = DC(tile_tokens)(run, HG), rows = tokens * HG;
   /* rows of state with each head's padded to VLEN, or 16 on tiles (tiled); pr: one head's padded rows at most */
   const int64_t prows = rows + run->hg * 16, pr = rows + 16;
   /* keys of scores at a time: a chunk, or DC_AMX_BLOCK chunks on tiles of many rows */
