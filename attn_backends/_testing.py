@@ -79,14 +79,16 @@ def decode_tiles(dtype, G: int, D: int, Sq: int = 1) -> bool:
 
     borrowed = os.environ.get("ATTN_BACKENDS_DECODE_AMX") == "1"
     return (_decode_tile_shape(dtype, D, borrowed) and Sq == 1 and 2 <= G <= 16
-            and not decode_amx_rows(dtype, G, D, Sq))
+            and not decode_amx_rows(dtype, G, D, Sq, positions=0))  # one token: the cache's size is not asked
 
 
-def decode_amx_rows(dtype, G: int, D: int, Sq: int) -> bool:
+def decode_amx_rows(dtype, G: int, D: int, Sq: int, positions: int) -> bool:
     """Whether the CPU decode kernel takes every tile of a call through its tiled products with both products on
     AMX tiles on the current path (csrc/cpu/decode_cpu.c, amx_rows; decode_cpu_impl.h, "tiles of many rows"):
     _decode_tile_shape (the avx512 path borrows for these calls), at least 2 query tokens and 16 query rows per KV
-    head (Sq x G), or any call with ATTN_BACKENDS_DECODE_AMX_ROWS=1; none with it set to 0."""
+    head (Sq x G), or 4 in GQA and 8 in MHA where a cache row holds 128 positions or more (`positions`: the dense
+    cache's second size, or block_table's columns times the block size), or any call with
+    ATTN_BACKENDS_DECODE_AMX_ROWS=1; none with it set to 0."""
     import os
 
     if not _decode_tile_shape(dtype, D, borrowed=True):
@@ -94,7 +96,7 @@ def decode_amx_rows(dtype, G: int, D: int, Sq: int) -> bool:
     forced = os.environ.get("ATTN_BACKENDS_DECODE_AMX_ROWS")
     if forced in ("0", "1"):
         return forced == "1"
-    return Sq >= 2 and Sq * G >= 16
+    return Sq >= 2 and (Sq * G >= 16 or (Sq * G >= (8 if G == 1 else 4) and positions >= 128))
 
 
 def visible(Sq: int, Sk: int, causal, window, device=None) -> torch.Tensor:

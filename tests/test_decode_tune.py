@@ -185,7 +185,7 @@ def test_a_forced_switch_is_not_timed(tuner, monkeypatch, gen):
 def test_only_switches_that_change_the_call_are_timed(dtype, Hq, Hkv, Sq, free, tuner, gen):
     if free == "tiles of many rows":  # else the row path with bfloat16 products, or the tiled products
         bf = decode_bf16_products(dtype, Sq * Hq // Hkv)
-        free = 0 if decode_amx_rows(dtype, Hq // Hkv, 64, Sq) or not bf else (
+        free = 0 if decode_amx_rows(dtype, Hq // Hkv, 64, Sq, positions=200) or not bf else (
             KEYS_NEXT | PAGES_AHEAD | by_head(dtype, Hq // Hkv, Sq=Sq))
     if free == "row path":  # the row path with bfloat16 products, else tiled
         free = (KEYS_NEXT | PAGES_AHEAD | by_head(dtype, Hq // Hkv)) if decode_bf16_products(dtype, Hq // Hkv) else 0

@@ -448,11 +448,12 @@ def test_tiles_match_the_reference(case, splits, tiles, gen):
 
 def test_tiles_take_the_calls_they_serve_and_only_those(tiles, monkeypatch, gen):
     # on the emulated tiles the lse bits differ from those of the vector kernel (ATTN_BACKENDS_DECODE_AMX=0: the
-    # float32 products there); a call the tiles do not serve (two tokens, MHA, float16, D = 72) gives the vector
-    # kernel's bits whatever the switch says.  On real tiles (amx) the served call is not checked: on the one
+    # float32 products there); a call the tiles do not serve (two tokens over a cache of fewer than 128 positions,
+    # which the tiles of many rows leave too, MHA, float16, D = 72) gives the vector kernel's bits whatever the
+    # switch says.  On real tiles (amx) the served call is not checked: on the one
     # Xeon measured, tdpbf16ps gave the bits of the vector path's vdpbf16ps and its reduction
     served = KV(B=2, Hq=8, Hkv=2, D=128, S=300, seqlens=None, dtype=torch.bfloat16)
-    others = [KV(B=2, Sq=2, Hq=8, Hkv=2, D=128, S=300, dtype=torch.bfloat16),
+    others = [KV(B=2, Sq=2, Hq=8, Hkv=2, D=128, S=40, dtype=torch.bfloat16),
               KV(B=2, Hq=4, Hkv=4, D=64, S=100, dtype=torch.bfloat16),
               KV(B=2, Hq=8, Hkv=2, D=64, S=100, dtype=torch.float16),
               KV(B=2, Hq=8, Hkv=2, D=72, S=100, dtype=torch.bfloat16)]
@@ -504,9 +505,14 @@ def test_tiles_leave_garbage_outside_the_rows_alone(tiles, gen):
 
 # ---- tiles of many rows (csrc/cpu/decode_cpu_impl.h, "tiles of many rows") ----------------------------------
 # Calls of several query tokens and 16 query rows per KV head or more over a bfloat16 cache (chunked prefill,
-# speculative decoding) take the tiled products with both products on tiles: on the AMX paths, and on the avx512
-# path of a CPU whose tiles are usable (it borrows the amx path's kernel).  ATTN_BACKENDS_DECODE_AMX_ROWS=1 sends
-# every call there, =0 none.
+# speculative decoding), or 4 rows or more (8 in MHA) over a cache of 128 positions or more, take the tiled products
+# with both products on tiles: on the AMX paths, and on the avx512 path of a CPU whose tiles are usable (it borrows
+# the amx path's kernel).  ATTN_BACKENDS_DECODE_AMX_ROWS=1 sends every call there, =0 none.
+
+
+def _positions(call):
+    """Positions a cache row of the call holds, as the kernel counts them (csrc/cpu/decode_cpu.c, capacity)."""
+    return call.block_table.shape[1] * call.c.block if call.c.block else call.c.S
 
 ROWS_CASES = [
     # G = 4, 5 tokens: 20 rows a head, two blocks of 16 (the second mostly padding); lengths 0, full and random
@@ -523,14 +529,20 @@ ROWS_CASES = [
        dtype=torch.bfloat16),
     # D = 256, new keys rotated into the cache first (q rotated per token), not causal
     KV(B=1, Sq=3, Hq=16, Hkv=2, D=256, S=70, seqlens=60, rotary="interleaved", snew=3, dtype=torch.bfloat16),
+    # few rows: 2 tokens of G = 2 (4 rows, 12 of the tile's 16 padding) into pages of 32, with leftpads
+    KV(B=3, Sq=2, Hq=8, Hkv=4, D=64, S=150, block=32, snew=2, leftpad=True, causal=True, dtype=torch.bfloat16),
+    # 9 tokens of MHA (9 rows), D = 160, a window that leaves early keys out, ALiBi
+    KV(B=2, Sq=9, Hq=3, Hkv=3, D=160, S=140, window=(20, 0), causal=True, alibi="h", dtype=torch.bfloat16),
+    # 3 tokens of G = 4 (12 rows), softcap and sinks
+    KV(B=2, Sq=3, Hq=8, Hkv=2, D=128, S=260, causal=True, softcap=2.0, sinks=True, dtype=torch.bfloat16),
 ]
 
 
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("case", ROWS_CASES, ids=str)
 def test_tiles_of_many_rows_match_the_reference(case, splits, tiles, gen):
-    assert decode_amx_rows(case.dtype, case.Hq // case.Hkv, case.D, case.Sq)
     call = Call(case, gen)
+    assert decode_amx_rows(case.dtype, case.Hq // case.Hkv, case.D, case.Sq, _positions(call))
     call.check(*call.run("paged_attention", num_splits=splits))
 
 
@@ -542,8 +554,9 @@ def _rows_paths():
 @pytest.mark.parametrize("path", _rows_paths())
 def test_tiles_of_many_rows_take_the_calls_the_rule_names(path, monkeypatch, gen):
     # with the switch unset the bits are those of ATTN_BACKENDS_DECODE_AMX_ROWS=1 for the calls the rule sends to
-    # the tiles (several tokens, 16 rows per KV head or more, bfloat16, D a multiple of 32) and those of =0 for the
-    # others; the two settings give other bits for every call here (q and P rounded to bfloat16 on the tiles)
+    # the tiles (several tokens, 16 rows per KV head or more, or 4 (8 in MHA) over a cache of 128 positions or more,
+    # bfloat16, D a multiple of 32) and those of =0 for the others; the two settings give other bits for every call
+    # here (q and P rounded to bfloat16 on the tiles)
     monkeypatch.delenv("ATTN_BACKENDS_DECODE_AMX", raising=False)
     monkeypatch.delenv("ATTN_BACKENDS_DECODE_BF16_DOT", raising=False)
     before = _C.cpu_isa()
@@ -551,14 +564,25 @@ def test_tiles_of_many_rows_take_the_calls_the_rule_names(path, monkeypatch, gen
     cases = [KV(B=2, Sq=4, Hq=8, Hkv=2, D=64, S=100, causal=True, dtype=torch.bfloat16),    # 16 rows: served
              KV(B=2, Sq=2, Hq=16, Hkv=1, D=32, S=100, causal=True, dtype=torch.bfloat16),   # 32 rows: served
              KV(B=2, Sq=16, Hq=2, Hkv=2, D=64, S=100, causal=True, dtype=torch.bfloat16),   # MHA, 16 rows: served
-             KV(B=2, Sq=3, Hq=8, Hkv=2, D=64, S=100, causal=True, dtype=torch.bfloat16),    # 12 rows
+             KV(B=2, Sq=3, Hq=8, Hkv=2, D=64, S=100, causal=True, dtype=torch.bfloat16),    # 12 rows: served
+             KV(B=2, Sq=2, Hq=4, Hkv=2, D=64, S=128, causal=True, dtype=torch.bfloat16),    # 4 rows, 128: served
+             KV(B=2, Sq=2, Hq=4, Hkv=2, D=64, S=127, causal=True, dtype=torch.bfloat16),    # 4 rows, 127 positions
+             KV(B=2, Sq=3, Hq=8, Hkv=2, D=64, S=100, block=16, causal=True,                 # 12 rows, 8 pages of
+                dtype=torch.bfloat16),                                                      # 16: 128, served
+             KV(B=2, Sq=3, Hq=8, Hkv=2, D=64, S=90, block=16, causal=True,                  # 12 rows, 7 pages of
+                dtype=torch.bfloat16),                                                      # 16: 112 positions
+             KV(B=2, Sq=4, Hq=8, Hkv=2, D=64, S=40, causal=True, dtype=torch.bfloat16),     # 16 rows, 40: served
+             KV(B=2, Sq=8, Hq=3, Hkv=3, D=64, S=130, causal=True, dtype=torch.bfloat16),    # MHA, 8 rows: served
+             KV(B=2, Sq=7, Hq=3, Hkv=3, D=64, S=130, causal=True, dtype=torch.bfloat16),    # MHA, 7 rows
              KV(B=2, Sq=1, Hq=16, Hkv=1, D=64, S=100, dtype=torch.bfloat16),                # one token
              KV(B=2, Sq=4, Hq=8, Hkv=2, D=72, S=100, causal=True, dtype=torch.bfloat16)]    # D = 72
     try:
         for case in cases:
-            served = case.Sq >= 2 and case.Sq * case.Hq // case.Hkv >= 16 and case.D % 32 == 0
-            assert decode_amx_rows(case.dtype, case.Hq // case.Hkv, case.D, case.Sq) == served, case
             call = Call(case, gen)
+            rows, positions = case.Sq * case.Hq // case.Hkv, _positions(call)
+            few = 8 if case.Hq == case.Hkv else 4
+            served = case.Sq >= 2 and (rows >= 16 or (rows >= few and positions >= 128)) and case.D % 32 == 0
+            assert decode_amx_rows(case.dtype, case.Hq // case.Hkv, case.D, case.Sq, positions) == served, case
             outs = {}
             for on in ("1", "0", None):
                 if on is None:
@@ -578,7 +602,7 @@ def test_tiles_of_many_rows_take_the_calls_the_rule_names(path, monkeypatch, gen
 @pytest.mark.parametrize("block", [16, 48])
 def test_tiles_of_many_rows_give_a_paged_cache_the_dense_bits(block, tiles, gen):
     q, k, v, row0 = _paged_gives_the_dense_bits(gen, block, torch.bfloat16, Sq=4, Hq=8, Hkv=2, D=64, causal=True)
-    assert decode_amx_rows(torch.bfloat16, 4, 64, 4)
+    assert decode_amx_rows(torch.bfloat16, 4, 64, 4, positions=9 * block)
 
 
 def test_tiles_of_many_rows_weigh_values_by_the_rounded_weights(tiles, monkeypatch):

@@ -31,6 +31,7 @@ int ab_env_switch(const char* name) {
 }
 
 static int64_t call_rows(const ab_kvcache_params* p);
+static int64_t capacity(const ab_kvcache_params* p);
 static int amx_rows_wanted(const ab_kvcache_params* p);
 
 /* The amx path's decode kernel where the avx512 path may borrow it (a CPU whose AMX tiles are usable), else NULL. */
@@ -89,8 +90,13 @@ int ab_kvcache_cpu_bf16_products(ab_dtype kv_dtype, int64_t rows) {
 static int64_t call_rows(const ab_kvcache_params* p) { return p->Hkv > 0 ? p->Sq * (p->Hq / p->Hkv) : 0; }
 
 /* Query rows per KV head (Sq x G) from which a bfloat16 cache's tiles go through the tiled products on AMX tiles
- * (amx_rows_wanted). */
+ * whatever the cache's size (amx_rows_wanted). */
 #define AMX_ROWS 16
+/* Fewer rows per KV head take them where a cache row holds AMX_FEW_POSITIONS positions or more: from AMX_FEW_ROWS
+ * rows in GQA, from AMX_FEW_ROWS_MHA in MHA. */
+#define AMX_FEW_ROWS 4
+#define AMX_FEW_ROWS_MHA 8
+#define AMX_FEW_POSITIONS 128
 
 /* What both kinds of tiles ask of a call: a bfloat16 cache, D a multiple of 32 up to 256, and neither
  * ATTN_BACKENDS_DECODE_AMX=0 (no tiles in decode) nor ATTN_BACKENDS_DECODE_BF16_DOT=0 (no bfloat16 products at
@@ -102,11 +108,22 @@ static int tile_shape(const ab_kvcache_params* p) {
 
 /* Whether the call p would take every tile through the tiled products with both products on tiles
  * (decode_cpu_impl.h, "tiles of many rows") on a kernel that has tiles: tile_shape, several query tokens and at
- * least AMX_ROWS query rows per KV head (one-token decode keeps its own products: from DRAM it waits on its
- * reads, not on its arithmetic); ATTN_BACKENDS_DECODE_AMX_ROWS=1 for every row count, =0 for none (read at every
- * call). */
+ * least AMX_ROWS query rows per KV head, or fewer (AMX_FEW_ROWS in GQA, AMX_FEW_ROWS_MHA in MHA) where a cache row
+ * holds AMX_FEW_POSITIONS positions or more (one-token decode keeps its own products: from DRAM it waits on its
+ * reads, not on its arithmetic).  Below 16 rows a tile is partly padding.  On an Intel Xeon with AMX (2 threads,
+ * 2026-12-07, docs/benchmarks.md "Tiles of few rows"; B = 1, Hq = 32, D = 128, causal) the tiles took, against the
+ * vector products' time: in GQA (G = 2, 4; 4 to 12 rows) 0.49-0.87x over 1024 and 4096 keys, 0.95-1.24x over 64;
+ * in MHA 0.51-0.88x at 8 and 12 rows over 1024 and 4096 keys, but at 4 rows 0.77x over 1024 and 1.27x over 4096
+ * (a cache from beyond the L2, where the vector kernel reads faster), and at 2 rows 1.33-1.57x at every length.
+ * By the cache's capacity, not by the keys its rows hold: that is a shape, read before the index values are (and
+ * before the workspace, which the tiles change, is asked for); a larger cache holding few keys costs at most the
+ * 64-key figures above, on calls of tens of microseconds.  ATTN_BACKENDS_DECODE_AMX_ROWS=1 for every row count,
+ * =0 for none (read at every call). */
 static int amx_rows_wanted(const ab_kvcache_params* p) {
-  return tile_shape(p) && forced_or("ATTN_BACKENDS_DECODE_AMX_ROWS", p->Sq >= 2 && call_rows(p) >= AMX_ROWS);
+  const int64_t rows = call_rows(p), few = p->Hq == p->Hkv ? AMX_FEW_ROWS_MHA : AMX_FEW_ROWS;
+  return tile_shape(p) &&
+         forced_or("ATTN_BACKENDS_DECODE_AMX_ROWS",
+                   p->Sq >= 2 && (rows >= AMX_ROWS || (rows >= few && capacity(p) >= AMX_FEW_POSITIONS)));
 }
 
 /* Whether p takes tiles of many rows on the kernel t (decode_table(p)): amx_rows_wanted on a kernel with tiles
