@@ -16,7 +16,8 @@ of them alike; the table shows medians over rounds:
     between rounds moves too).
 
 Every candidate reads a different copy of its cache than the call before it, with enough copies
-that they do not fit in the last-level cache, so each call streams from memory.  Shapes (issue
+that they do not fit in the last-level cache, so each call streams from memory; the copies of all
+candidates are allocated in turn, copy by copy (memory a process allocated first can read slower).  Shapes (issue
 19): B=1 Hq=32 Hkv=8 Sk=16384; B=8 Hq=32 Hkv=8 Sk=2048; MHA B=4 Hq=Hkv=32 Sk=2048; D=128; bfloat16
 and float32.  --sweep adds time against cache length (B=1 Hq=32 Hkv=8 D=128) for a plot: a CSV
 always, a PNG when matplotlib is installed.
@@ -140,13 +141,15 @@ class Case:
         self.q = torch.randn(B, 1, Hq, D, generator=gen).to(DEVICE, dtype)
         self.seqlens = torch.full((B,), Sk, dtype=torch.int32, device=DEVICE)
         self.dense, self.sdpa, self.paged = [], [], {b: [] for b in blocks}
+        # each copy's dense, torch and paged caches allocated together, so that no candidate's memory is all
+        # allocated before another's: on a KVM guest the first gigabyte a process allocated read 1.15-1.25x
+        # slower than what it allocated next, the same layout (docs/benchmarks.md, "Allocation order")
         for _ in range(copies):
             k = torch.randn(B, Sk, Hkv, D, generator=gen).to(DEVICE, dtype)
             v = torch.randn(B, Sk, Hkv, D, generator=gen).to(DEVICE, dtype)
             self.dense.append((k, v))
             self.sdpa.append((k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()))
-        for block in blocks:
-            for k, v in self.dense[:copies]:
+            for block in blocks:
                 self.paged[block].append(tuple(t.to(DEVICE) for t in paged_copy(k.cpu(), v.cpu(), block, gen)))
         self.q_sdpa = self.q.transpose(1, 2).contiguous()
         self.turn = 0
