@@ -376,6 +376,20 @@ def test_the_bf16_products_switch_takes_effect(monkeypatch, gen):
     assert not torch.equal(outs[0], outs[1])
 
 
+def _runs_by_switch(call, monkeypatch, name):
+    """The call's (out, lse) with the switch `name` set to "1", to "0" and unset (key None), each from the caches as
+    they were and checked against the reference."""
+    outs = {}
+    for on in ("1", "0", None):
+        if on is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, on)
+        outs[on] = call.reset().run("paged_attention")
+        call.check(*outs[on])
+    return outs
+
+
 @pytest.mark.parametrize("Hq,Hkv,Sq", [(8, 8, 1), (8, 4, 1), (8, 2, 1), (8, 8, 2), (8, 8, 4), (16, 2, 3)], ids=str)
 def test_unforced_the_bf16_products_follow_the_rows_rule(Hq, Hkv, Sq, monkeypatch, gen):
     # with the switch unset the kernel asks ab_kvcache_cpu_bf16_products (decode_cpu.c): on an Intel CPU bfloat16
@@ -392,19 +406,11 @@ def test_unforced_the_bf16_products_follow_the_rows_rule(Hq, Hkv, Sq, monkeypatc
     assert _C.set_cpu_isa("avx512")
     try:
         assert decode_bf16_products(torch.bfloat16, rows) == want
-        outs = {}
-        for on in ("1", "0", None):
-            if on is None:
-                monkeypatch.delenv("ATTN_BACKENDS_DECODE_BF16_DOT")
-            else:
-                monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", on)
-            out, lse = call.reset().run("paged_attention")
-            call.check(out, lse)
-            outs[on] = out
+        outs = _runs_by_switch(call, monkeypatch, "ATTN_BACKENDS_DECODE_BF16_DOT")
     finally:
         _C.set_cpu_isa(before)
-    assert not torch.equal(outs["1"], outs["0"])  # the bits tell the two products apart
-    assert torch.equal(outs[None], outs["1" if want else "0"])
+    assert not torch.equal(outs["1"][0], outs["0"][0])  # the bits tell the two products apart
+    assert torch.equal(outs[None][0], outs["1" if want else "0"][0])
 
 
 # ---- steps 1 and 3 on AMX tiles (csrc/cpu/decode_cpu_impl.h, "Tiles") -----------------------------------
@@ -583,14 +589,7 @@ def test_tiles_of_many_rows_take_the_calls_the_rule_names(path, monkeypatch, gen
             few = 8 if case.Hq == case.Hkv else 4
             served = case.Sq >= 2 and (rows >= 16 or (rows >= few and positions >= 128)) and case.D % 32 == 0
             assert decode_amx_rows(case.dtype, case.Hq // case.Hkv, case.D, case.Sq, positions) == served, case
-            outs = {}
-            for on in ("1", "0", None):
-                if on is None:
-                    monkeypatch.delenv("ATTN_BACKENDS_DECODE_AMX_ROWS")
-                else:
-                    monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX_ROWS", on)
-                outs[on] = call.reset().run("paged_attention")
-                call.check(*outs[on])
+            outs = _runs_by_switch(call, monkeypatch, "ATTN_BACKENDS_DECODE_AMX_ROWS")
             if case.D % 32 == 0:
                 assert not torch.equal(outs["1"][0], outs["0"][0]), case
             want = outs["1"] if served else outs["0"]
