@@ -49,6 +49,12 @@ best, as above) and on the cache's own (B, S, H, D) tensors transposed (what a c
 flash-attn cache would pass); ratios = torch / ours.
     python benchmarks/bench_decode.py --small --json benchmarks/results/decode_small.json
 
+--small-layers times small MHA models' decode steps instead: one query token against each layer's own cache
+(B=1, H, Sk, D in torch's (B, H, S, D) layout) in turn through ab.attention, 6 to 512 MiB of caches in all: auto,
+the runs of keys forced on and off (ATTN_BACKENDS_DECODE_MHA_RUNS, docs/decode.md), and torch SDPA; ratio =
+torch / auto.  Where the layers' caches together outgrow the caches, one-token MHA goes by chunks.
+    python benchmarks/bench_decode.py --small-layers --json benchmarks/results/decode_small_layers.json
+
 --pool-layouts times our kernel alone over the decode shapes' caches, dense and as pools laid out four
 ways (blocks of 16 under a shuffled table, in order, shuffled in pairs so that each 32-key chunk of the
 kernel is one contiguous run, and blocks of 32 shuffled), the same data and bits in each; layout / dense
@@ -356,6 +362,70 @@ def small_table(dtypes, rounds):
     return rows
 
 
+SMALL_MODELS = [  # (layers, heads, Sk, D): small MHA models' decode steps (--small-layers), 6 to 512 MiB of caches
+    (8, 12, 256, 64),
+    (12, 12, 256, 64),
+    (12, 12, 1024, 64),
+    (24, 16, 1024, 64),
+    (8, 32, 256, 128),
+    (32, 32, 1024, 128),
+]
+
+
+def small_layers_table(dtypes, rounds):
+    """--small-layers: one decode step of a small MHA model, one query token against each layer's own
+    (B=1, H, Sk, D) cache in turn through ab.attention (the layout HF passes): auto, the runs of keys forced on
+    and off (ATTN_BACKENDS_DECODE_MHA_RUNS), and torch SDPA on the same tensors; medians over interleaved rounds;
+    ratio = torch / auto."""
+    var = "ATTN_BACKENDS_DECODE_MHA_RUNS"
+    print("one decode step, layers in turn; us per step; ratio = torch / auto")
+    print(f"{'layers H Sk D (MiB)':<24}  {'dtype':<8}  {'auto':>9}  {'runs':>9}  {'chunks':>9}  {'torch':>9}  ratio")
+    rows = []
+    saved = os.environ.get(var)
+    gen = torch.Generator().manual_seed(0)
+    try:
+        for dtype in dtypes:
+            for L, H, Sk, Ds in SMALL_MODELS:
+                qs = [torch.randn(1, H, 1, Ds, generator=gen).to(dtype) for _ in range(L)]
+                kv = [tuple(torch.randn(1, H, Sk, Ds, generator=gen).to(dtype) for _ in range(2)) for _ in range(L)]
+
+                def ours(setting):
+                    def step():
+                        if setting is None:
+                            os.environ.pop(var, None)
+                        else:
+                            os.environ[var] = setting
+                        for q, (k, v) in zip(qs, kv):
+                            out = ab.attention(q, k, v)
+                        return out
+                    return step
+
+                def sdpa():
+                    for q, (k, v) in zip(qs, kv):
+                        out = F.scaled_dot_product_attention(q, k, v)
+                    return out
+
+                cands = {"auto": ours(None), "runs": ours("1"), "chunks": ours("0"), "torch": sdpa}
+                want = cands["torch"]().float()
+                for name in ("auto", "runs", "chunks"):
+                    err = (cands[name]().float() - want).abs().max().item()
+                    assert err < (1e-4 if dtype == torch.float32 else 2e-2), f"{name}: {err} from torch SDPA"
+                med = {n: t * 1e6 for n, t in interleaved_medians(cands, "auto", rounds, 0.05, 3).items()}
+                mib = L * 2 * H * Sk * Ds * torch.finfo(dtype).bits / 8 / 2**20
+                print(f"{f'{L} {H} {Sk} {Ds} ({mib:.0f})':<24}  {str(dtype)[6:]:<8}  {med['auto']:9.1f}  "
+                      f"{med['runs']:9.1f}  {med['chunks']:9.1f}  {med['torch']:9.1f}  "
+                      f"{med['torch'] / med['auto']:5.2f}", flush=True)
+                rows.append(dict(layers=L, H=H, Sk=Sk, D=Ds, MiB=mib, dtype=str(dtype)[6:],
+                                 **{f"{n}_us": t for n, t in med.items()}))
+                del qs, kv
+    finally:
+        if saved is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = saved
+    return rows
+
+
 def paged_layout(k, v, block, order, gen):
     """The dense cache (B, Sk, Hkv, D) as pages of `block` positions: "shuffled" (paged_copy's), "in order"
     (row b's block i at b * nb + i: one contiguous run per row) or "pairs" (two neighbouring blocks kept
@@ -473,8 +543,9 @@ def slice_ratios(a, b):
 
 
 # switches that change the sums, so the bits (the others may not): the AMX tiles for the products
-# (csrc/cpu/decode_cpu.c decode_table, amx_tiles), the bfloat16 products themselves
-BITS_CHANGING = ("AMX", "BF16_DOT")
+# (csrc/cpu/decode_cpu.c decode_table, amx_tiles), the bfloat16 products themselves, one-token MHA in runs of keys
+# (mha_runs: the sums in another order)
+BITS_CHANGING = ("AMX", "BF16_DOT", "MHA_RUNS")
 
 
 def switch_table(switch, dtypes, rounds, shapes, tokens=1):
@@ -843,6 +914,8 @@ def main(argv=None):
                     "per layer, read in turn) instead of the decode shapes: auto, the rules alone, the next-keys prefetch off/on")
     ap.add_argument("--small", action="store_true", help="small decode calls, the cache in the caches: ours "
                     "against torch SDPA on contiguous copies and on the cache's transposed view")
+    ap.add_argument("--small-layers", action="store_true", help="small MHA models' decode steps (a cache per "
+                    "layer, read in turn through ab.attention): auto, the runs of keys forced on and off, torch SDPA")
     ap.add_argument("--pool-layouts", action="store_true", help="our kernel over the decode shapes, dense "
                     "and as pools of 16- and 32-key blocks in several orders (shuffled, in order, in pairs)")
     ap.add_argument("--switch", default=None, help="a kernel switch, e.g. SCORES_BY_HEAD: our kernel over the "
@@ -888,6 +961,12 @@ def main(argv=None):
         if DEVICE != "cpu" or args.tokens or args.layers:
             ap.error("--small times the CPU calls, alone")
         run_cpu_table(args.json, rounds, "small", lambda: small_table(dtypes, rounds), "",
+                      cpu_features=ab._C.cpu_features())
+        return
+    if args.small_layers:
+        if DEVICE != "cpu" or args.tokens or args.layers or args.small:
+            ap.error("--small-layers times the CPU calls, alone")
+        run_cpu_table(args.json, rounds, "small_layers", lambda: small_layers_table(dtypes, rounds), "",
                       cpu_features=ab._C.cpu_features())
         return
     if args.pool_layouts:

@@ -2156,16 +2156,16 @@ def test_random_calls_through_torch_sdpa_match_the_reference(case, seed):
 NAN_PLACES = ["q", "k_seen", "v_seen", "k_hidden", "k_inf"]
 
 
-def check_nan_and_inf(where, Sq, splits, gen, dtype=torch.float32, dev=lambda t: t, atol=1e-5, **kw):
+def check_nan_and_inf(where, Sq, splits, gen, dtype=torch.float32, dev=lambda t: t, atol=1e-5, Hq=4, Hkv=2, **kw):
     """One call with a NaN or an inf at `where` (q, a key and a value some rows see, a key no row
     sees, an inf key): NaN exactly where the float64 reference has it (out and lse), the rest
     within atol of it.  The inputs are made in float32 and rounded to dtype; dev moves them."""
-    B, Hq, Hkv, D, S = 2, 4, 2, 16, 300
+    B, D, S = 2, 16, 300
     q = torch.randn(B, Sq, Hq, D, generator=gen)
     kc, vc = (torch.randn(B, S, Hkv, D, generator=gen) for _ in range(2))
     seqlens = torch.tensor([200, 300], dtype=torch.int32)
     if where == "q":
-        q[0, 1, 2, 3] = float("nan")
+        q[0, min(1, Sq - 1), 2 % Hq, 3] = float("nan")
     elif where == "k_seen":
         kc[1, 10, 1, 0] = float("nan")
     elif where == "v_seen":
@@ -2204,6 +2204,108 @@ def test_nan_and_inf_reach_the_rows_that_see_them(where, Sq, splits, gen):
     check_nan_and_inf(where, Sq, splits, gen)
 
 
+# ---- one-token MHA in runs of keys (csrc/cpu/decode_cpu_impl.h, "one-token MHA in runs of keys") ------------------
+# On the AVX-512 kernels (the avx512 and amx paths) one-token MHA without a mask, D <= 128, goes head by head over runs
+# of up to 128 keys, each head's accumulators in registers, where decode's working set is at most 8 MiB and a quarter
+# of the L3 (csrc/cpu/decode_cpu.c mha_runs); ATTN_BACKENDS_DECODE_MHA_RUNS=1 forces it wherever it can run.
+
+RUNS_ISAS = [i for i in ("avx512", "amx") if _C.cpu_isa_supported(i)]
+MHA_RUNS_WORKING_SET = 8 << 20  # csrc/cpu/decode_cpu.c
+
+
+@pytest.fixture(params=RUNS_ISAS or [pytest.param("avx512", marks=pytest.mark.skip(reason="no AVX-512 path here"))])
+def runs_isa(request, monkeypatch):
+    if request.param == "avx512":
+        monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX", "0")
+    before = _C.cpu_isa()
+    assert _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa(before)
+
+
+RUNS_CASES = [
+    # bfloat16 products, D = 72 (a partial block of 32), lengths 0, full and random, pages of 16 under a shuffled table
+    KV(B=3, Hq=5, Hkv=5, D=72, S=300, block=16, dtype=torch.bfloat16),
+    # runs that start and end at odd keys: leftpads, a window, a new token rotated into the cache first
+    KV(B=2, Hq=4, Hkv=4, D=64, S=261, leftpad=True, snew=1, rotary="neox", window=(50, 0), causal=True,
+       dtype=torch.bfloat16),
+    # float16 in float32 arithmetic, D = 40 (a partial vector of 16), softcap, ALiBi per row, sinks, cache_batch_idx
+    KV(B=2, Hq=3, Hkv=3, D=40, S=200, batch_idx=True, softcap=3.0, alibi="bh", sinks=True, dtype=torch.float16),
+    # float32, D = 128, pages of 48: a run's chunks cross pages
+    KV(B=2, Hq=6, Hkv=6, D=128, S=400, block=48),
+    # float32, one head of D = 8
+    KV(B=2, Hq=1, Hkv=1, D=8, S=150),
+    # bfloat16, D = 128, interleaved rotary, ALiBi per head; bfloat16 D = 96 (three blocks)
+    KV(B=1, Hq=8, Hkv=8, D=128, S=520, snew=1, rotary="interleaved", alibi="h", dtype=torch.bfloat16),
+    KV(B=2, Hq=2, Hkv=2, D=96, S=129, seqlens=None, dtype=torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("case", RUNS_CASES, ids=str)
+def test_mha_runs_match_the_reference(case, splits, runs_isa, monkeypatch, gen):
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_MHA_RUNS", "1")
+    call = Call(case, gen)
+    call.check(*call.run("paged_attention", num_splits=splits))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_mha_runs_give_a_paged_cache_the_dense_bits(dtype, runs_isa, monkeypatch, gen):
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_MHA_RUNS", "1")
+    _paged_gives_the_dense_bits(gen, 16, dtype, Sq=1, Hq=4, Hkv=4, D=64, causal=False)
+
+
+@pytest.mark.parametrize("where", NAN_PLACES)
+def test_mha_runs_carry_nan_and_inf_to_the_rows_that_see_them(where, runs_isa, monkeypatch, gen):
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_MHA_RUNS", "1")
+    for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        for splits in (1, 2):
+            check_nan_and_inf(where, 1, splits, gen, dtype=dtype, atol=atol, Hq=2, Hkv=2)
+
+
+def test_mha_runs_follow_their_rule(runs_isa, monkeypatch, gen):
+    # unset, the rule: one query token, MHA, no mask, D <= 128, decode's working set (this call included) at most
+    # 8 MiB and a quarter of the L3; the bits say which path ran (the runs add in another order)
+    l3 = _C.cpu_features().get("l3_bytes", 0)
+    cases = [(KV(B=2, Hq=4, Hkv=4, D=64, S=300, seqlens=None, dtype=torch.bfloat16), True),
+             (KV(B=2, Hq=3, Hkv=3, D=128, S=200, seqlens=None), True),
+             (KV(B=2, Hq=3, Hkv=3, D=136, S=200, seqlens=None), False),  # D > 128
+             (KV(B=2, Sq=2, Hq=4, Hkv=4, D=64, S=200, seqlens=None, causal=True), False),  # two tokens
+             (KV(B=2, Hq=8, Hkv=4, D=64, S=200, seqlens=None), False),  # GQA
+             # 10 MiB of K and V: past the working set, so the chunks unless forced
+             (KV(B=1, Hq=4, Hkv=4, D=64, S=5000, seqlens=None), True)]
+    tiny = Call(KV(B=1, Hq=1, Hkv=1, D=8, S=4, seqlens=None), gen)
+    for case, can in cases:
+        call = Call(case, gen)
+        for _ in range(64):  # the last 64 calls' caches: only the tiny one's, then this one's
+            tiny.reset().run("paged_attention")
+        outs = _runs_by_switch(call, monkeypatch, "ATTN_BACKENDS_DECODE_MHA_RUNS")
+        working_set = _C.kvcache_working_set()
+        assert working_set < 2 * call.k_cache.numel() * call.k_cache.element_size() + 4096
+        want = can and working_set <= MHA_RUNS_WORKING_SET and (l3 <= 0 or 4 * working_set <= l3)
+        assert want or not can or case.S == 5000 or 0 < l3 < 4 * working_set
+        if can:
+            assert not torch.equal(outs["1"][0], outs["0"][0]), case
+        else:
+            assert torch.equal(outs["1"][0], outs["0"][0]), case
+        assert torch.equal(outs[None][0], (outs["1"] if want else outs["0"])[0]), case
+
+
+def test_mha_runs_leave_a_masked_call_to_the_chunks(runs_isa, monkeypatch, gen):
+    # a masked call reaches the decode kernel with its mask (tests/test_short_queries.py): the runs do not take it,
+    # forced or not, so a mask that hides nothing gives the chunks' bits of the unmasked call, not the runs'
+    B, H, Sk, D = 2, 4, 300, 64
+    q, k, v = (torch.randn(B, H, S, D, generator=gen) for S in (1, Sk, Sk))  # (B, H, S, D), as torch SDPA
+    one = torch.ones(B, 1, 1, Sk, dtype=torch.bool)
+    got = {}
+    with torch.no_grad():
+        for on in ("1", "0"):
+            monkeypatch.setenv("ATTN_BACKENDS_DECODE_MHA_RUNS", on)
+            got[on] = (ab.attention(q, k, v, backend="flash"), ab.attention(q, k, v, attn_mask=one, backend="flash"))
+    assert not torch.equal(got["1"][0], got["0"][0])  # the runs' bits, and the chunks'
+    assert torch.equal(got["1"][1], got["0"][0]) and torch.equal(got["0"][1], got["0"][0])
+
+
 # ---- garbage outside the rows ---------------------------------------------------------------------
 
 GARBAGE_CASES = [
@@ -2211,6 +2313,8 @@ GARBAGE_CASES = [
     KV(B=2, Sq=40, Hq=4, Hkv=1, D=32, S=120, block=16, snew=8, causal=True, dtype=torch.bfloat16),  # long queries
     KV(B=3, Sq=3, Hq=8, Hkv=2, D=64, S=64, batch_idx=True, snew=2, window=(9, 0), alibi="h", leftpad=True),
     KV(B=2, Sq=20, Hq=2, Hkv=2, D=16, S=70, block=32, leftpad=True, softcap=3.0, sinks=True),
+    # one-token MHA (in runs of keys on the AVX-512 paths): a run's last group of 16 keys repeats its last key
+    KV(B=3, Sq=1, Hq=3, Hkv=3, D=72, S=150, block=16, leftpad=True, snew=1, dtype=torch.bfloat16),
 ]
 
 

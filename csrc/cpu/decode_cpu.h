@@ -147,6 +147,8 @@ typedef struct ab_decode_run {
                              of 32 up to 256) */
   int32_t amx_rows;       /* bf16_dot on a table with tiles: every tile through the tiled products, both products
                              on tiles (decode_cpu_impl.h, "tiles of many rows"; decode_cpu.c amx_rows) */
+  int32_t mha_runs;       /* bf16_dot, one query token, MHA: each head over runs of keys, its accumulators in
+                             registers (decode_cpu_impl.h, "one-token MHA in runs of keys"; decode_cpu.c mha_runs) */
 } ab_decode_run;
 
 typedef struct ab_decode_cpu_table {
@@ -162,6 +164,8 @@ typedef struct ab_decode_cpu_table {
    * and 3 of the calls decode_cpu.c's amx_tiles admits, and both products of those amx_rows admits, on tiles;
    * 0: a vector path's */
   int tiles;
+  /* 1: the kernel has the runs of keys of one-token MHA (decode_cpu_impl.h, run->mha_runs; the AVX-512 kernels) */
+  int runs;
 } ab_decode_cpu_table;
 
 /* The current path's q_bf16 on n floats (tests: _C.decode_q_bf16). */

@@ -1781,6 +1781,318 @@ static inline int64_t DC(tile_tokens)(const ab_decode_run* run, int64_t HG) {
 /* One work item: batch row b, KV heads [h0, h0 + hg), split s; dt is the cache dtype and bf whether
  * the bfloat16 products run (constants at each call site, so the loads are specialized).  Rows of a
  * tile: r = (t - t0) * hg * G + (h - h0) * G + g. */
+#if VLEN == 16
+/* ---- one-token MHA in runs of keys (run->mha_runs; the AVX-512 kernels) -----------------------
+ *
+ * MHA of one query token has one row per KV head, so the key-by-key steps above share nothing between a
+ * key's heads, and each chunk of 32 keys costs every head a softmax, a rescale of its accumulators in L1 and
+ * their loads and stores around each pair of value rows.  Here each head goes over a run of up to
+ * DC_MR_KEYS keys of the item at a time instead (the row offsets found chunk by chunk, DC(chunk_at), so paged
+ * and dense caches take the same sums):
+ *   1. the head's q row in registers, sixteen keys' dot products at a time, their sums reduced together
+ *      (DC(mr_sum16)) to one vector of sixteen scores; the key rows DC_MR_AHEAD keys on asked for into L1;
+ *   2. softcap and ALiBi, then one online-softmax step for the run (its max, the weights, l and m);
+ *   3. O += P V with the head's accumulators in registers, rescaled once per run; even and odd key pairs
+ *      (keys) in their own accumulators, added at the end, so that the chains do not wait on the latency of
+ *      the instruction before.
+ * With bfloat16 products (BF) steps 1 and 3 take vdpbf16ps, the weights rounded to bfloat16 pairs as
+ * DC(p_to_bf16) leaves them (lb their sum), two keys per instruction as DC(pvbf_rows), so the accumulators are
+ * in its permuted column order; without them (float32, float16, and bfloat16 on CPUs without AVX512_BF16) the
+ * products are float32 FMAs over the converted rows, the weights kept in float32.
+ * Calls with a mask keep the chunk path, as does D > 128.  The sums go in another order than the chunk
+ * path's: not its bits. */
+#define DC_MR_KEYS (4 * DC_CHUNK)
+/* step 1 asks for the key rows this many keys ahead into L1: 0.96-0.99x the time of 16 keys ahead (an Intel Xeon
+ * with AMX, 2 threads, 2026-12-07, float32 and bfloat16 caches of 1.5-8 MiB); the value rows asked for in step 1 as well
+ * took 1.01-1.09x */
+#define DC_MR_AHEAD 32
+
+/* 0, 1, .., 15 */
+static inline __attribute__((always_inline)) vf DC(mr_lanes)(void) {
+  return (vf)_mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+}
+
+/* lane i: the sum of a[i]'s sixteen lanes */
+static inline __attribute__((always_inline)) __m512 DC(mr_sum16)(const __m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i) /* per 128-bit lane: a[2i], a[2i+1], a[2i], a[2i+1] */
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) /* per 128-bit lane: a[4i] .. a[4i+3] */
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xee));
+  for (int i = 0; i < 2; ++i) /* 128-bit lanes: c[2i] (0, 1 + 2, 3), c[2i+1] (the same) */
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+}
+
+/* Step 1 of a run: the scores of n keys (K rows at kb + ko[i] + hk) against q (NB blocks of 32, zero past D),
+ * times scale, to s[0 .. n rounded up to 16); past n, key n - 1's again. */
+static inline __attribute__((always_inline)) void DC(mr_scores)(const int NB, const int tail, const uint16_t* q,
+                                                               const uint16_t* kb, const int64_t* ko, int64_t hk,
+                                                               int64_t n, __mmask32 mlast, float scale, float* s) {
+  __m512i qv[4];
+  for (int c = 0; c < NB; ++c) qv[c] = _mm512_loadu_si512((const void*)(q + c * 32));
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512 a[16];
+    for (int k = 0; k < 16; ++k) {
+      const uint16_t* kr = kb + ko[i + k < n ? i + k : n - 1] + hk;
+      if (i + DC_MR_AHEAD + k < n) SYM(pf_lines)((const char*)(kb + ko[i + DC_MR_AHEAD + k] + hk), NB * 64, 3);
+      a[k] = _mm512_setzero_ps();
+      for (int c = 0; c < NB; ++c)
+        a[k] = DC(dpbf16)(a[k], qv[c],
+                          tail && c == NB - 1 ? _mm512_maskz_loadu_epi16(mlast, kr + c * 32)
+                                              : _mm512_loadu_si512((const void*)(kr + c * 32)));
+    }
+    _mm512_storeu_ps(s + i, _mm512_mul_ps(DC(mr_sum16)(a), _mm512_set1_ps(scale)));
+  }
+}
+
+/* Step 3 of a run: acc (NB blocks of 32, permuted) times alpha, plus the n keys' value rows (vb + vo[i] + hv)
+ * weighted by the bfloat16 pairs Pw (pair i: keys 2i, 2i + 1; a last odd key's partner weighs 0).  Even and odd
+ * pairs go to their own accumulators, added at the end: two chains per vector where one waits on vdpbf16ps's
+ * latency. */
+static inline __attribute__((always_inline)) void DC(mr_pv)(const int NB, const int tail, float* acc, float alpha,
+                                                           const uint32_t* Pw, const uint16_t* vb, const int64_t* vo,
+                                                           int64_t hv, int64_t n, __mmask32 mlast) {
+  __m512 o[4][2], e[4][2];
+  for (int c = 0; c < NB; ++c) {
+    o[c][0] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 32), _mm512_set1_ps(alpha));
+    o[c][1] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 32 + 16), _mm512_set1_ps(alpha));
+    e[c][0] = e[c][1] = _mm512_setzero_ps();
+  }
+#define DC_MR_PAIR(acc_, j_)                                                                                   \
+  do {                                                                                                         \
+    const __m512i pw = _mm512_set1_epi32((int)Pw[(j_) / 2]);                                                   \
+    const uint16_t *v0 = vb + vo[j_] + hv, *v1 = vb + vo[(j_) + 1] + hv;                                       \
+    for (int c = 0; c < NB; ++c) {                                                                             \
+      const __mmask32 m = tail && c == NB - 1 ? mlast : (__mmask32)~0u;                                        \
+      const __m512i x = tail && c == NB - 1 ? _mm512_maskz_loadu_epi16(m, v0 + c * 32)                        \
+                                            : _mm512_loadu_si512((const void*)(v0 + c * 32));                  \
+      const __m512i y = tail && c == NB - 1 ? _mm512_maskz_loadu_epi16(m, v1 + c * 32)                        \
+                                            : _mm512_loadu_si512((const void*)(v1 + c * 32));                  \
+      acc_[c][0] = DC(dpbf16)(acc_[c][0], _mm512_unpacklo_epi16(x, y), pw);                                    \
+      acc_[c][1] = DC(dpbf16)(acc_[c][1], _mm512_unpackhi_epi16(x, y), pw);                                    \
+    }                                                                                                          \
+  } while (0)
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    DC_MR_PAIR(o, j);
+    DC_MR_PAIR(e, j + 2);
+  }
+  if (j + 2 <= n) {
+    DC_MR_PAIR(o, j);
+    j += 2;
+  }
+#undef DC_MR_PAIR
+  if (j < n) { /* the last odd key, its partner's weight 0 */
+    const __m512i pw = _mm512_set1_epi32((int)Pw[j / 2]);
+    const uint16_t* v0 = vb + vo[j] + hv;
+    for (int c = 0; c < NB; ++c) {
+      const __m512i x = DC(ldbf)(v0 + c * 32, c == NB - 1 ? mlast : (__mmask32)~0u), y = _mm512_setzero_si512();
+      e[c][0] = DC(dpbf16)(e[c][0], _mm512_unpacklo_epi16(x, y), pw);
+      e[c][1] = DC(dpbf16)(e[c][1], _mm512_unpackhi_epi16(x, y), pw);
+    }
+  }
+  for (int c = 0; c < NB; ++c) {
+    _mm512_storeu_ps(acc + c * 32, _mm512_add_ps(o[c][0], e[c][0]));
+    _mm512_storeu_ps(acc + c * 32 + 16, _mm512_add_ps(o[c][1], e[c][1]));
+  }
+}
+
+
+/* ---- the same without bfloat16 products: float32, float16 and bfloat16 caches in float32 arithmetic ---- */
+
+/* 16 elements of the cache at base + off as float32; the first bits of m only where !full (zero past them) */
+static inline __attribute__((always_inline)) __m512 DC(mr_ld)(const void* base, int64_t off, const int dt,
+                                                             const int full, __mmask16 m) {
+  if (dt == AB_DTYPE_F32)
+    return full ? _mm512_loadu_ps((const float*)base + off) : _mm512_maskz_loadu_ps(m, (const float*)base + off);
+  const uint16_t* s = (const uint16_t*)base + off;
+  const __m256i x = full ? _mm256_loadu_si256((const __m256i*)s) : _mm256_maskz_loadu_epi16(m, s);
+  if (dt == AB_DTYPE_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
+  return _mm512_cvtph_ps(x);
+}
+
+/* Step 1 of a run in float32: the scores of n keys (K rows at kb + ko[i] + hk, dtype dt) against the float32 q
+ * row (NV vectors, already scaled, zero past D) to s[0 .. n rounded up to 16); past n, key n - 1's again. */
+static inline __attribute__((always_inline)) void DC(mr_scores_f)(const int NV, const int dt, const float* q,
+                                                                 const void* kb, const int64_t* ko, int64_t hk,
+                                                                 int64_t n, int tail, __mmask16 mlast, int64_t es,
+                                                                 float* s) {
+  __m512 qv[8];
+  for (int c = 0; c < NV; ++c) qv[c] = _mm512_loadu_ps(q + c * 16);
+  for (int64_t i = 0; i < n; i += 16) {
+    __m512 a[16];
+    for (int k = 0; k < 16; ++k) {
+      const int64_t kr = ko[i + k < n ? i + k : n - 1] + hk;
+      if (i + DC_MR_AHEAD + k < n) SYM(pf_lines)((const char*)kb + (ko[i + DC_MR_AHEAD + k] + hk) * es, NV * 16 * es, 3);
+      a[k] = _mm512_mul_ps(qv[0], DC(mr_ld)(kb, kr, dt, NV > 1 || !tail, mlast));
+      for (int c = 1; c < NV; ++c)
+        a[k] = _mm512_fmadd_ps(qv[c], DC(mr_ld)(kb, kr + c * 16, dt, c < NV - 1 || !tail, mlast), a[k]);
+    }
+    _mm512_storeu_ps(s + i, DC(mr_sum16)(a));
+  }
+}
+
+/* Step 3 of a run in float32: acc (NV vectors) times alpha, plus the n keys' value rows (vb + vo[i] + hv) weighted
+ * by P; even and odd keys to their own accumulators, added at the end. */
+static inline __attribute__((always_inline)) void DC(mr_pv_f)(const int NV, const int dt, float* acc, float alpha,
+                                                             const float* P, const void* vb, const int64_t* vo,
+                                                             int64_t hv, int64_t n, int tail, __mmask16 mlast) {
+  __m512 o[8], e[8];
+  for (int c = 0; c < NV; ++c) {
+    o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + c * 16), _mm512_set1_ps(alpha));
+    e[c] = _mm512_setzero_ps();
+  }
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    const __m512 p0 = _mm512_set1_ps(P[j]), p1 = _mm512_set1_ps(P[j + 1]);
+    const int64_t v0 = vo[j] + hv, v1 = vo[j + 1] + hv;
+    for (int c = 0; c < NV; ++c) {
+      const int full = c < NV - 1 || !tail;
+      o[c] = _mm512_fmadd_ps(p0, DC(mr_ld)(vb, v0 + c * 16, dt, full, mlast), o[c]);
+      e[c] = _mm512_fmadd_ps(p1, DC(mr_ld)(vb, v1 + c * 16, dt, full, mlast), e[c]);
+    }
+  }
+  if (j < n) {
+    const __m512 p0 = _mm512_set1_ps(P[j]);
+    for (int c = 0; c < NV; ++c)
+      o[c] = _mm512_fmadd_ps(p0, DC(mr_ld)(vb, vo[j] + hv + c * 16, dt, c < NV - 1 || !tail, mlast), o[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + c * 16, _mm512_add_ps(o[c], e[c]));
+}
+
+/* One token's rows of the item's hg heads (G = 1) over keys [klo, khi) of row b, the query at position qpos:
+ * the state (acc, m, l, lb) of row h in w, as DC(item) leaves it for its output.  BF: the bfloat16 products, NB
+ * blocks of 32 a row (TAIL: the last one partial); else float32 arithmetic over a cache of dtype dt, NB vectors of
+ * 16 a row. */
+static inline __attribute__((always_inline)) void DC(mr_heads)(const int BF, const int NB, const int TAIL, const int dt,
+                                                              const ab_decode_run* run, const DC(tile) * w, int64_t b,
+                                                              int64_t h0, int64_t klo, int64_t khi, int64_t qpos) {
+  const ab_kvcache_params* p = run->p;
+  const int64_t D = p->D, dpad = run->dpad, hg = run->hg, ks2 = p->k_cache.strides[2], vs2 = p->v_cache.strides[2];
+  const int64_t es = dt == AB_DTYPE_F32 ? 4 : 2;
+  const void *kb = p->k_cache.data, *vb = p->v_cache.data;
+  const __mmask32 mlast = D % 32 ? (__mmask32)((1u << (D % 32)) - 1) : (__mmask32)~0u;
+  const __mmask16 mlast16 = D % 16 ? (__mmask16)((1u << (D % 16)) - 1) : (__mmask16)~0u;
+  const float cap = (float)p->softcap;
+  const int alibi = p->alibi_slopes.ndim > 0;
+  const __m512i hi_half = _mm512_set1_epi32((int)0xffff0000u);
+  int64_t ko[DC_MR_KEYS], vo[DC_MR_KEYS];
+  float* s = w->S;                              /* DC_MR_KEYS scores (without BF: then the weights) */
+  uint32_t* Pw = (uint32_t*)(w->S + DC_MR_KEYS); /* BF: DC_MR_KEYS / 2 pairs of weights */
+  const vf lanes = DC(mr_lanes)();
+  for (int64_t j = klo; j < khi;) {
+    const int64_t je = j + DC_MR_KEYS < khi ? j + DC_MR_KEYS : khi, n = je - j, nv = (n + 15) / 16;
+    for (int64_t x = j, xe; x < je; x = xe) DC(chunk_at)(run, b, h0, x, je, &xe, ko + (x - j), vo + (x - j));
+    for (int64_t h = 0; h < hg; ++h) {
+      if (w->l[h] != w->l[h]) continue; /* a NaN seen before: the row stays NaN */
+      /* 1. scores */
+      if (BF)
+        DC(mr_scores)(NB, TAIL, run->qb + (b * p->Hq + h0 + h) * dpad, (const uint16_t*)kb, ko, h * ks2, n, mlast,
+                      run->bf_scale, s);
+      else
+        DC(mr_scores_f)(NB, dt, run->qf + (b * p->Hq + h0 + h) * dpad, kb, ko, h * ks2, n, TAIL, mlast16, es, s);
+      /* 2. the run's transforms, visibility (keys past n: -inf), max */
+      vf mx = vset1(-INFINITY);
+      vi nan = {0};
+      for (int64_t v = 0; v < nv; ++v) {
+        vf x = vload(s + v * 16);
+        if (cap > 0) x = vset1(cap) * vtanh(x * vset1(1.0f / cap));
+        if (alibi) {
+          vf dist = lanes + vset1((float)(j + v * 16 - qpos));
+          dist = vselect(dist < vset1(0.0f), -dist, dist);
+          x -= vset1(w->slope[h]) * dist;
+        }
+        if (v == nv - 1) x = vselect(lanes < vset1((float)(n - v * 16)), x, vset1(-INFINITY));
+        if (cap > 0 || alibi || v == nv - 1) vstore(s + v * 16, x);
+        mx = vmax(mx, x);
+        nan |= x != x;
+      }
+      if (vany_lane(nan)) { /* NaN in, NaN out, as the float64 reference does */
+        w->l[h] = __builtin_nanf("");
+        continue;
+      }
+      const float m_old = w->m[h], cm = vmax_lanes(mx), m_new = cm > m_old ? cm : m_old;
+      if (m_new == -INFINITY) continue; /* nothing visible yet: weights 0 */
+      const float alpha = m_old == -INFINITY ? 0.0f : expf(m_old - m_new);
+      __m512 sum = _mm512_setzero_ps(), sumb = sum;
+      if (BF) /* the weights as bfloat16 pairs, as DC(p_to_bf16) leaves them, and their sum as rounded */
+        for (int64_t v = 0; v < nv; v += 2) {
+          const __m512 e0 = (__m512)vexp_nonpos(vload(s + v * 16) - vset1(m_new));
+          const __m512 e1 =
+              v + 1 < nv ? (__m512)vexp_nonpos(vload(s + v * 16 + 16) - vset1(m_new)) : _mm512_setzero_ps();
+          sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+          const __m512i x = DC(cvt2bf16)(e0, e1);
+          _mm512_storeu_si512((void*)(Pw + v * 8), x);
+          sumb = _mm512_add_ps(sumb, _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+                                                   _mm512_castsi512_ps(_mm512_and_si512(x, hi_half))));
+        }
+      else
+        for (int64_t v = 0; v < nv; ++v) {
+          const __m512 e0 = (__m512)vexp_nonpos(vload(s + v * 16) - vset1(m_new));
+          _mm512_storeu_ps(s + v * 16, e0);
+          sum = _mm512_add_ps(sum, e0);
+        }
+      w->l[h] = w->l[h] * alpha + _mm512_reduce_add_ps(sum);
+      if (BF) w->lb[h] = w->lb[h] * alpha + _mm512_reduce_add_ps(sumb);
+      w->m[h] = m_new;
+      /* 3. O += P V */
+      if (BF)
+        DC(mr_pv)(NB, TAIL, w->acc + h * dpad, alpha, Pw, (const uint16_t*)vb, vo, h * vs2, n, mlast);
+      else
+        DC(mr_pv_f)(NB, dt, w->acc + h * dpad, alpha, s, vb, vo, h * vs2, n, TAIL, mlast16);
+    }
+    j = je;
+  }
+}
+
+#define DC_MR_F(nv)                                                                  \
+  case nv:                                                                           \
+    if (dt == AB_DTYPE_F32)                                                          \
+      DC(mr_heads)(0, nv, tail, AB_DTYPE_F32, run, w, b, h0, klo, khi, qpos);          \
+    else if (dt == AB_DTYPE_BF16)                                                    \
+      DC(mr_heads)(0, nv, tail, AB_DTYPE_BF16, run, w, b, h0, klo, khi, qpos);         \
+    else                                                                             \
+      DC(mr_heads)(0, nv, tail, AB_DTYPE_F16, run, w, b, h0, klo, khi, qpos);          \
+    break;
+
+/* DC(mr_heads) for the call's D and products (bf) over a cache of dtype dt */
+static __attribute__((noinline)) void DC(mha_runs)(const ab_decode_run* run, const DC(tile) * w, int64_t b,
+                                                   int64_t h0, int64_t klo, int64_t khi, int64_t qpos, const int dt,
+                                                   const int bf) {
+  const int64_t D = run->p->D;
+  if (bf) {
+    const int tail = D % 32 != 0;
+    switch ((D + 31) / 32 * 2 + tail) {
+      case 2: DC(mr_heads)(1, 1, 0, AB_DTYPE_BF16, run, w, b, h0, klo, khi, qpos); break;
+      case 3: DC(mr_heads)(1, 1, 1, AB_DTYPE_BF16, run, w, b, h0, klo, khi, qpos); break;
+      case 4: DC(mr_heads)(1, 2, 0, AB_DTYPE_BF16, run, w, b, h0, klo, khi, qpos); break;
+      case 5: DC(mr_heads)(1, 2, 1, AB_DTYPE_BF16, run, w, b, h0, klo, khi, qpos); break;
+      case 6: DC(mr_heads)(1, 3, 0, AB_DTYPE_BF16, run, w, b, h0, klo, khi, qpos); break;
+      case 7: DC(mr_heads)(1, 3, 1, AB_DTYPE_BF16, run, w, b, h0, klo, khi, qpos); break;
+      case 8: DC(mr_heads)(1, 4, 0, AB_DTYPE_BF16, run, w, b, h0, klo, khi, qpos); break;
+      default: DC(mr_heads)(1, 4, 1, AB_DTYPE_BF16, run, w, b, h0, klo, khi, qpos); break;
+    }
+    return;
+  }
+  const int tail = D % 16 != 0;
+  switch ((D + 15) / 16) {
+    DC_MR_F(1)
+    DC_MR_F(2)
+    DC_MR_F(3)
+    DC_MR_F(4)
+    DC_MR_F(5)
+    DC_MR_F(6)
+    DC_MR_F(7)
+    default:
+    DC_MR_F(8)
+  }
+}
+#undef DC_MR_F
+#endif
+
 static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* run, int64_t b, int64_t h0,
                                                           int64_t s, const DC(tile) * w, const int dt,
                                                           const int bf) {
@@ -1900,6 +2212,12 @@ static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* 
 #if DC_AMX
     if (amr) { /* its own chunks, DC_AMX_BLOCK at a time */
       DC(amx_rows_keys)(run, w, rh, rhp, klo, khi, t0 + kv_end - Sq, b, h0, t0);
+      klo = khi;
+    }
+#endif
+#if VLEN == 16
+    if (run->mha_runs) { /* one token, G = 1: the heads in runs of keys */
+      DC(mha_runs)(run, w, b, h0, klo, khi, kv_end - 1, dt, bf);
       klo = khi;
     }
 #endif
@@ -2251,4 +2569,4 @@ static void DC(attend)(int64_t begin, int64_t end, void* ctx) {
   ab_scratch_free(buf);
 }
 
-const ab_decode_cpu_table DC(ab_decode_cpu) = {AB_ISA_NAME, DC(attend), DC(q_bf16), DC_AMX};
+const ab_decode_cpu_table DC(ab_decode_cpu) = {AB_ISA_NAME, DC(attend), DC(q_bf16), DC_AMX, VLEN == 16};
