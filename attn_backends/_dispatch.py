@@ -14,7 +14,7 @@ import torch
 
 from . import _C, _kvcache, _planner, _validate
 from ._names import ID, resolve
-from ._providers import RUNNERS, Attn, direct_guards, new_attn
+from ._providers import RUNNERS, Attn, new_attn, read_guards
 from ._providers.ours import dual_level, run_composite
 
 _DTYPE_IDS = _planner.DTYPE_IDS
@@ -94,7 +94,7 @@ _FEW_QUERIES = _planner.FEW_QUERIES
 _chosen = ({}, {})  # Call -> backend id, for strict False and True: the Python path's one lookup
 _FLASH = ID["flash"]
 # what the fast path reads (csrc/ab_direct.c): the same facts prepare() reads below
-_C.set_fast_api(torch.Tensor, torch.nn.Parameter, direct_guards, torch.is_grad_enabled, _deterministic, _planner._context_backend.get,
+_C.set_fast_api(torch.Tensor, torch.nn.Parameter, read_guards, torch.is_grad_enabled, _deterministic, _planner._context_backend.get,
                 _planner._process_default, _SETTINGS)
 fast_attention = _C.attention
 _PLAIN = (ID["auto"], _FLASH)  # requests under which flash serving a call is not a fallback

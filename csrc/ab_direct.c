@@ -14,7 +14,7 @@
  * plan lookup done here too (below).
  *
  * kvcache_fwd_cpu: the CPU decode kernel (decode_cpu.h) for an attention_with_kvcache call, on the same
- * terms as flash_fwd_cpu except that inference mode is allowed; the outputs and the workspace as the
+ * terms as flash_fwd_cpu (inference mode allowed in both); the outputs and the workspace as the
  * kvcache_fwd op makes them.  A decode call is small, so the op's fixed cost is a third of it.  A call
  * that writes new keys and values into the cache then bumps the caches' version counters
  * (torch._C._increment_version, what torch.autograd.graph.increment_version calls), as the op's
@@ -589,8 +589,8 @@ static PyObject* ab_py_set_tensor_api(PyObject* self, PyObject* args) {
  *     None or float32 (Hq,) or (B, Hq) (a module's nn.Parameter for either); attn_mask None or a plain
  *     CPU bool or floating tensor of 1 to 4 dims that broadcasts to (B, Hq, Sq, Sk), a float one not
  *     requiring grad (fast_mask);
- *   - none of the guards set_fast_api gave (dispatch and function modes, inference mode, jit
- *     tracing, functorch transforms) is active, and no gradient is needed;
+ *   - none of the guards set_fast_api gave (dispatch and function modes, jit tracing, functorch
+ *     transforms, forward-mode AD; inference mode may be on) is active, and no gradient is needed;
  *   - the call's descriptor (the same ab_call the Python path builds: the requested backend as
  *     ab.use() / the process default / the argument make it, the CPU path, the deterministic flag)
  *     is remembered: the Python path planned it once, logged it, did not fall back, and chose flash.
@@ -1416,8 +1416,7 @@ done:
   return result;
 }
 
-/* set_kvcache_guards(guards, increment_version): kvcache()'s guards (set_fast_api's, less inference
- * mode), and torch._C._increment_version for the direct calls that write into a cache. */
+/* set_kvcache_guards(guards, increment_version): kvcache()'s guards (set_fast_api's), and torch._C._increment_version for the direct calls that write into a cache. */
 static PyObject* ab_py_set_kvcache_guards(PyObject* self, PyObject* args) {
   ab_state* st = ab_module_state(self);
   PyObject *guards, *bump;

@@ -3,7 +3,8 @@ csrc/ab_direct.c: flash_fwd_cpu, and attention, ab.attention's fast path).
 
 A plain eager call that needs no gradient skips the op's fixed cost; it must give exactly what the op
 gives (same bits, same output layout, same errors), and everything that has to see the op (autograd,
-torch.compile, dispatch modes, FakeTensor, inference mode, functorch) must still get it.
+torch.compile, dispatch modes, FakeTensor, functorch) must still get it.  Inference mode need not: it only
+leaves autograd out, as a call that needs no gradient does.
 """
 
 from __future__ import annotations
@@ -141,17 +142,13 @@ def _kw():
     return dict(backend="flash", causal=True)
 
 
-@pytest.mark.parametrize("how", ["requires_grad", "inference_mode", "dispatch_mode", "fake_tensor", "dropout",
-                                 "vmap", "subclass"])
+@pytest.mark.parametrize("how", ["requires_grad", "dispatch_mode", "fake_tensor", "dropout", "vmap", "subclass"])
 def test_the_op_path_is_kept_where_something_must_see_the_op(how, calls):
     q = torch.randn(2, 2, 6, 16)
     if how == "requires_grad":
         qg = q.clone().requires_grad_()
         ab.attention(qg, q, q, **_kw()).sum().backward()
         assert qg.grad is not None
-    elif how == "inference_mode":
-        with torch.inference_mode():
-            ab.attention(q, q, q, **_kw())
     elif how == "dispatch_mode":
         seen = []
 
@@ -179,6 +176,24 @@ def test_the_op_path_is_kept_where_something_must_see_the_op(how, calls):
         p = torch.nn.Parameter(q, requires_grad=False)
         ab.attention(p, q, q, **_kw())
     assert calls["direct"] == 0 and calls["op"] >= 1, calls
+
+
+@pytest.mark.parametrize("Sq", [6, 1])  # the flash kernel; a decode step (the decode kernel's direct call)
+def test_inference_mode_takes_the_direct_path_with_the_ops_bits(Sq, calls, monkeypatch):
+    # inference mode leaves autograd out and nothing else: ab.attention's fast path (once planned) and the direct
+    # call serve it, with the op's bits, and the output is an inference tensor as the op's is
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, Sq, 16, generator=g)
+    k, v = (torch.randn(2, 4, 40, 16, generator=g) for _ in range(2))
+    with torch.inference_mode():
+        ab.attention(q, k, v, causal=True)  # planned by the Python path
+        out, served = _served(lambda: ab.attention(q, k, v, causal=True))
+        assert served and out.is_inference()
+        direct, op = both_paths(monkeypatch, lambda: ab.attention(q, k, v, causal=True, backend="flash"))
+    assert_same(out, op)
+    assert_same(direct, op)
+    assert op.is_inference() and direct.is_inference()
+    assert calls["op"] >= 1
 
 
 def test_the_op_path_is_kept_under_torch_compile(calls):

@@ -22,7 +22,7 @@ import torch
 
 from .._names import CANONICAL, ID
 from . import flex, ours, packages, packed, torch_sdpa
-from .ours import direct_guards, direct_ok, draw_rng_state  # noqa: F401  (public to the package's users)
+from .ours import direct_ok, draw_rng_state, read_guards  # noqa: F401  (public to the package's users)
 from .torch_sdpa import ORIGINAL_SDPA  # noqa: F401
 
 

@@ -92,7 +92,6 @@ _Tensor = torch.Tensor
 _Parameter = torch.nn.Parameter
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode = torch._C._is_torch_function_mode_enabled
-_inference_mode = torch.is_inference_mode_enabled
 _tracing_state = torch._C._get_tracing_state
 _functorch_layer = torch._C._functorch.peek_interpreter_stack
 _forward_ad = torch.autograd.forward_ad
@@ -104,11 +103,13 @@ def dual_level() -> bool:
     return _forward_ad._current_level >= 0
 
 
-# each returns something false when no mode, transform or trace is active.  read_guards: the calls that
-# may run in inference mode (attention_with_kvcache's direct call and fast path, _kvcache.py);
-# direct_guards: direct_ok's and ab.attention's fast path, which leave inference mode to the op
+# each returns something false when no mode, transform or trace is active: the direct calls (direct_ok,
+# the decode kernel's direct call, attention_with_kvcache's and ab.attention's fast paths) serve a call only
+# when none is.  Inference mode is not one of them: it only leaves autograd out, as a call that needs no
+# gradient does, so the op below autograd and the direct call do the same there (until 2026-12-07
+# ab.attention left it to the op and its Python path: a decode step of a small model took 1.6x torch SDPA's
+# time under torch.inference_mode(), docs/benchmarks.md "One-token MHA in runs of keys on the AMX Xeon")
 read_guards = (_dispatch_modes, _function_mode, _tracing_state, _functorch_layer, dual_level)
-direct_guards = read_guards + (_inference_mode,)
 
 
 def read_ok(*tensors) -> bool:
@@ -125,12 +126,10 @@ def direct_ok(q, k, v, mask) -> bool:
     traces (first, so that dynamo folds the rest away) or a jit trace records; q, k, v and the mask
     plain torch.Tensors (a FakeTensor or any other subclass has its own dispatch); no
     TorchDispatchMode or TorchFunctionMode active (they must see the op), no functorch transform
-    (vmap, grad), not in inference mode (left to the op: the direct path is kept to the plainest
-    eager calls)."""
+    (vmap, grad); inference mode allowed (read_guards)."""
     return (not _is_compiling() and q.__class__ is _Tensor and k.__class__ is _Tensor and v.__class__ is _Tensor
             and (mask is None or mask.__class__ is _Tensor) and not _dispatch_modes() and not _function_mode()
-            and not _inference_mode() and _tracing_state() is None and _functorch_layer() is None
-            and not dual_level())
+            and _tracing_state() is None and _functorch_layer() is None and not dual_level())
 
 
 _FLASH_OP, _MATH_OP = _ops.ops.flash_fwd.default, _ops.ops.math_fwd.default
