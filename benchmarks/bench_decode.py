@@ -81,6 +81,7 @@ Numbers are only meaningful on a quiet machine: the candidates and the bandwidth
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import json
 import os
@@ -362,6 +363,19 @@ def small_table(dtypes, rounds):
     return rows
 
 
+@contextlib.contextmanager
+def variable_restored(var):
+    """Runs the block, then puts the environment variable var back as it was (set or unset)."""
+    saved = os.environ.get(var)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = saved
+
+
 SMALL_MODELS = [  # (layers, heads, Sk, D): small MHA models' decode steps (--small-layers), 6 to 512 MiB of caches
     (8, 12, 256, 64),
     (12, 12, 256, 64),
@@ -381,9 +395,8 @@ def small_layers_table(dtypes, rounds):
     print("one decode step, layers in turn; us per step; ratio = torch / auto")
     print(f"{'layers H Sk D (MiB)':<24}  {'dtype':<8}  {'auto':>9}  {'runs':>9}  {'chunks':>9}  {'torch':>9}  ratio")
     rows = []
-    saved = os.environ.get(var)
     gen = torch.Generator().manual_seed(0)
-    try:
+    with variable_restored(var):
         for dtype in dtypes:
             for L, H, Sk, Ds in SMALL_MODELS:
                 qs = [torch.randn(1, H, 1, Ds, generator=gen).to(dtype) for _ in range(L)]
@@ -417,12 +430,6 @@ def small_layers_table(dtypes, rounds):
                       f"{med['torch'] / med['auto']:5.2f}", flush=True)
                 rows.append(dict(layers=L, H=H, Sk=Sk, D=Ds, MiB=mib, dtype=str(dtype)[6:],
                                  **{f"{n}_us": t for n, t in med.items()}))
-                del qs, kv
-    finally:
-        if saved is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = saved
     return rows
 
 
@@ -562,8 +569,7 @@ def switch_table(switch, dtypes, rounds, shapes, tokens=1):
     print(f"{'shape':<24}  {'dtype':<8}  {'cache':<6}  {'off':>8}  {'on':>8}  {'on/off':>6}  slices")
     rows = []
     resident = ("B1 GQA 32/8 Sk1024 (L3)", 1, 32, 8, 1024)
-    saved = os.environ.get(var)
-    try:
+    with variable_restored(var):
         for dtype in dtypes:
             for label, B, Hq, Hkv, Sk in list(shapes) + ([resident] if tokens == 1 else []):
                 gen, q, seqlens, dense = decode_inputs(B, Hq, Hkv, Sk, dtype, 1 if label == resident[0] else None)
@@ -606,11 +612,6 @@ def switch_table(switch, dtypes, rounds, shapes, tokens=1):
                                      off_ms=med["off"], on_ms=med["on"], on_over_off=ratio,
                                      on_over_off_slices=spread, calls=[len(times["off"]), len(times["on"])]))
                 del pools, dense
-    finally:
-        if saved is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = saved
     return rows
 
 
