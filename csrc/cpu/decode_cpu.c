@@ -426,7 +426,7 @@ static int keys_ahead(int dram) {
  * follow poorly.  On an Intel Xeon with AMX (2 threads, 2026-12-07, docs/benchmarks.md "One-token MHA in runs of
  * keys on the AMX Xeon"): with a cache the caches hold 0.62-1.01x the chunks' time (bench_decode.py --small, every
  * dtype), a bfloat16 model's layers of 6-9 MiB in all 0.91-0.94x (--small-layers); but its layers of 32-512 MiB
- * 1.04-1.36x, and caches from DRAM (--switch MHA_RUNS) 1.1-1.6x in bfloat16 and float16, 0.94-1.21x in float32.
+ * 1.04-1.36x, and caches from DRAM (--switch MHA_RUNS) 1.25-1.77x in bfloat16 and float16, 0.92-1.06x in float32.
  * ATTN_BACKENDS_DECODE_MHA_RUNS=1 takes them in every call that can, =0 in none (read at every
  * call; the sums go in another order: not the same bits). */
 static int mha_runs(const ab_decode_cpu_table* t, const ab_kvcache_params* p, int am, int amr,
