@@ -1794,7 +1794,8 @@ static inline int64_t DC(tile_tokens)(const ab_decode_run* run, int64_t HG) {
  *   2. softcap and ALiBi, then one online-softmax step for the run (its max, the weights, l and m);
  *   3. O += P V with the head's accumulators in registers, rescaled once per run; even and odd key pairs
  *      (keys) in their own accumulators, added at the end, so that the chains do not wait on the latency of
- *      the instruction before.
+ *      the instruction before; with bfloat16 products the value rows DC_MR_VALUES_AHEAD keys on asked for
+ *      into L1.
  * With bfloat16 products (BF) steps 1 and 3 take vdpbf16ps, the weights rounded to bfloat16 pairs as
  * DC(p_to_bf16) leaves them (lb their sum), two keys per instruction as DC(pvbf_rows), so the accumulators are
  * in its permuted column order; without them (float32, float16, and bfloat16 on CPUs without AVX512_BF16) the
@@ -1806,6 +1807,10 @@ static inline int64_t DC(tile_tokens)(const ab_decode_run* run, int64_t HG) {
  * with AMX, 2 threads, 2026-12-07, float32 and bfloat16 caches of 1.5-8 MiB); the value rows asked for in step 1 as well
  * took 1.01-1.09x */
 #define DC_MR_AHEAD 32
+/* with bfloat16 products, step 3 asks for the value rows this many keys ahead into L1: 0.88-0.95x the time with the
+ * cache in the L3 (bfloat16 MHA of 3-4 MiB, 2 threads, 2026-12-07), 1.00x from the L2; 16 or 32 keys ahead
+ * 0.95-0.98x; in float32 arithmetic 1.00-1.07x, so not there */
+#define DC_MR_VALUES_AHEAD 8
 
 /* 0, 1, .., 15 */
 static inline __attribute__((always_inline)) vf DC(mr_lanes)(void) {
@@ -1863,6 +1868,10 @@ static inline __attribute__((always_inline)) void DC(mr_pv)(const int NB, const 
   }
 #define DC_MR_PAIR(acc_, j_)                                                                                   \
   do {                                                                                                         \
+    if ((j_) + DC_MR_VALUES_AHEAD + 1 < n) {                                                                   \
+      SYM(pf_lines)((const char*)(vb + vo[(j_) + DC_MR_VALUES_AHEAD] + hv), NB * 64, 3);                       \
+      SYM(pf_lines)((const char*)(vb + vo[(j_) + DC_MR_VALUES_AHEAD + 1] + hv), NB * 64, 3);                   \
+    }                                                                                                          \
     const __m512i pw = _mm512_set1_epi32((int)Pw[(j_) / 2]);                                                   \
     const uint16_t *v0 = vb + vo[j_] + hv, *v1 = vb + vo[(j_) + 1] + hv;                                       \
     for (int c = 0; c < NB; ++c) {                                                                             \
