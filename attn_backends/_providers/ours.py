@@ -113,8 +113,8 @@ read_guards = (_dispatch_modes, _function_mode, _tracing_state, _functorch_layer
 
 
 def read_ok(*tensors) -> bool:
-    """Whether a direct call that may run in inference mode can serve (the decode kernel's: here and in
-    _kvcache.py): not while torch.compile traces, no read_guards active, every tensor (None allowed) a
+    """Whether a direct call that reads its inputs can serve (the decode kernel's: here and in _kvcache.py;
+    inference mode allowed): not while torch.compile traces, no read_guards active, every tensor (None allowed) a
     plain torch.Tensor or a torch.nn.Parameter (a module's weights, such as GPT-OSS's sinks: Parameter
     turns __torch_function__ off and dispatches as a plain tensor)."""
     return (not _is_compiling() and not any(g() for g in read_guards)
@@ -170,8 +170,8 @@ def _device_cu_seqlens(a, q):
 
 def _decode_tokens(a) -> int:
     """The query tokens of every sequence when a CPU call without a gradient goes to the decode kernel,
-    else 0, for the calls that take the op (packed calls off the fast path, sinks, ALiBi, inference
-    mode): the op keeps the row statistics, so the CPU flash forward's own route (csrc/cpu/flash_cpu.c,
+    else 0, for the calls that take the op (packed calls off the fast path, sinks, ALiBi): the op keeps
+    the row statistics, so the CPU flash forward's own route (csrc/cpu/flash_cpu.c,
     "short queries") does not take them; its rule is asked here (_C.flash_decode_route) and the call
     goes to the decode kernel's direct call."""
     q, k, v = a.q, a.k, a.v
