@@ -415,26 +415,28 @@ static int keys_ahead(int dram) {
   return forced_or("ATTN_BACKENDS_DECODE_KEYS_AHEAD", dram || !amd_zen4_avx512());
 }
 
-/* Decode's working set (note_call) up to which one-token MHA goes in runs of keys (mha_runs). */
-#define MHA_RUNS_WORKING_SET ((int64_t)8 << 20)
+/* The K and V bytes a one-token MHA call over a 2-byte cache reads up to which it goes in runs of keys (mha_runs). */
+#define MHA_RUNS_CALL_BYTES ((int64_t)1 << 20)
 
 /* Whether one-token MHA goes head by head over runs of up to 128 keys, each head's accumulators in registers
  * (decode_cpu_impl.h, "one-token MHA in runs of keys"), instead of chunk by chunk over the work item's heads: on a
- * kernel that has them (the AVX-512 ones), without a mask, D <= 128, not on tiles, where decode's working set
- * (note_call, this call included) is at most MHA_RUNS_WORKING_SET and a quarter of the L3.  A head's key rows are
- * then read a head at a time, which from the caches costs nothing and from DRAM a stride the hardware prefetchers
- * follow poorly.  On an Intel Xeon with AMX (2 threads, 2026-12-07, docs/benchmarks.md "One-token MHA in runs of
- * keys on the AMX Xeon"): with a cache the caches hold 0.62-1.01x the chunks' time (bench_decode.py --small, every
- * dtype), a bfloat16 model's layers of 6-9 MiB in all 0.91-0.94x (--small-layers); but its layers of 32-512 MiB
- * 1.04-1.36x, and caches from DRAM (--switch MHA_RUNS) 1.25-1.77x in bfloat16 and float16, 0.92-1.06x in float32.
- * ATTN_BACKENDS_DECODE_MHA_RUNS=1 takes them in every call that can, =0 in none (read at every
- * call; the sums go in another order: not the same bits). */
-static int mha_runs(const ab_decode_cpu_table* t, const ab_kvcache_params* p, int am, int amr,
-                    int64_t working_set) {
-  const int64_t l3 = ab_cpu_features_get()->l3_bytes;
+ * kernel that has them (the AVX-512 ones), without a mask, D <= 128, not on tiles; over a float32 cache every such
+ * call, over a 2-byte one the calls that read at most MHA_RUNS_CALL_BYTES of K and V (`bytes`, from the call's own
+ * key counts).  A head's key rows are read a head at a time, which from the caches costs nothing and from DRAM, in
+ * 16-bit types, more than the chunks' arithmetic saves.  On an Intel Xeon with AMX (2 threads, 2026-12-07,
+ * docs/benchmarks.md "One-token MHA in runs of keys on the AMX Xeon"): with a cache the caches hold 0.62-1.01x the
+ * chunks' time (bench_decode.py --small, every dtype); from DRAM (--switch MHA_RUNS) 1.25-1.77x in bfloat16 and
+ * float16, 0.92-1.06x in float32; a model's layers (--small-layers) in float32 0.91-0.98x at every size (12 MiB to
+ * 1 GiB), in bfloat16 0.91-0.94x where they come to 6-9 MiB, 1.04-1.36x from 32 MiB (layers of 3-16 MiB), 1.04x
+ * and 1.14x at 18 MiB (layers of 0.75 and 1.5 MiB, scratch runs).
+ * By the call alone, not by decode's working set (note_call), which would pick the path better for a model whose
+ * layers outgrow the caches: the runs add in another order than the chunks, so a rule of the working set would
+ * give the same call other bits after other calls.  ATTN_BACKENDS_DECODE_MHA_RUNS=1 takes them in every call that
+ * can, =0 in none (read at every call; not the chunks' bits). */
+static int mha_runs(const ab_decode_cpu_table* t, const ab_kvcache_params* p, int am, int amr, double bytes) {
   const int can = t->runs && !am && !amr && p->Hq == p->Hkv && p->Sq == 1 && p->mask.ndim == 0 && p->D <= 128;
   return can && forced_or("ATTN_BACKENDS_DECODE_MHA_RUNS",
-                          working_set <= MHA_RUNS_WORKING_SET && (l3 <= 0 || 4 * working_set <= l3));
+                          p->k_cache.dtype == AB_DTYPE_F32 || bytes <= (double)MHA_RUNS_CALL_BYTES);
 }
 
 int ab_kvcache_cpu_q_bf16(const float* row, uint16_t* rb, int64_t n, int qexp) {
@@ -880,8 +882,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
   }
   ab_par_status st = {AB_OK, err};
   const double bytes = kv_bytes(p, keys);
-  const int64_t working_set = note_call(p->k_cache.data, (int64_t)bytes);
-  const int dram = from_dram(working_set);
+  const int dram = from_dram(note_call(p->k_cache.data, (int64_t)bytes));
   /* tiles for every call they serve on a path whose kernel has them (not by a rule of the working set, as the
    * prefetch rules go: the tiles change the bits); not where prepare_q sent the call to the float32 products */
   const int am = bf && tiles, amr = bf && rows_tiles;
@@ -902,7 +903,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
                        !!(set & AB_TUNE_PAGES_AHEAD), bf && !!(set & AB_TUNE_SCORES_BY_HEAD), !bf && four_keys(p, dram),
                        !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS), bf && !am && softmax_keys(),
                        keys_ahead(dram),
-                       (float)ldexp(p->scale, -qexp), am, amr, mha_runs(table, p, am, amr, working_set)};
+                       (float)ldexp(p->scale, -qexp), am, amr, mha_runs(table, p, am, amr, bytes)};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   const double t0 = ticket.round >= 0 ? seconds_now() : 0.0;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, table->attend, &run, &st));
