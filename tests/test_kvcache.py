@@ -2206,12 +2206,12 @@ def test_nan_and_inf_reach_the_rows_that_see_them(where, Sq, splits, gen):
 
 # ---- one-token MHA in runs of keys (csrc/cpu/decode_cpu_impl.h, "one-token MHA in runs of keys") ------------------
 # On the AVX-512 kernels (the avx512 and amx paths) one-token MHA without a mask, D <= 128, goes head by head over runs
-# of up to 128 keys, each head's accumulators in registers: over a float32 cache always, over a 2-byte one where the call
-# reads at most 1 MiB of K and V (csrc/cpu/decode_cpu.c mha_runs); ATTN_BACKENDS_DECODE_MHA_RUNS=1 forces it wherever
-# it can run.
+# of up to 128 keys, each head's accumulators in registers, where the call reads at most 2**19 elements of K and V (1 MiB
+# of a 2-byte cache, 2 MiB of a float32 one; csrc/cpu/decode_cpu.c mha_runs); ATTN_BACKENDS_DECODE_MHA_RUNS=1 forces it
+# wherever it can run.
 
 RUNS_ISAS = [i for i in ("avx512", "amx") if _C.cpu_isa_supported(i)]
-MHA_RUNS_CALL_BYTES = 1 << 20  # csrc/cpu/decode_cpu.c
+MHA_RUNS_CALL_ELEMENTS = 1 << 19  # csrc/cpu/decode_cpu.c: 1 MiB of a 2-byte cache, 2 MiB of a float32 one
 
 
 @pytest.fixture(params=RUNS_ISAS or [pytest.param("avx512", marks=pytest.mark.skip(reason="no AVX-512 path here"))])
@@ -2265,16 +2265,17 @@ def test_mha_runs_carry_nan_and_inf_to_the_rows_that_see_them(where, runs_isa, m
 
 
 def test_mha_runs_follow_their_rule(runs_isa, monkeypatch, gen):
-    # unset, the rule: one query token, MHA, no mask, D <= 128; over a float32 cache every such call, over a 2-byte
-    # one those that read at most 1 MiB of K and V (the call's own keys, not what other calls read: the bits of a
-    # call do not depend on the calls before it); the bits say which path ran (the runs add in another order)
+    # unset, the rule: one query token, MHA, no mask, D <= 128, calls that read at most 2**19 elements of K and V (the
+    # call's own keys, not what other calls read: the bits of a call do not depend on the calls before it); the bits
+    # say which path ran (the runs add in another order)
     bf16, f16 = torch.bfloat16, torch.float16
     cases = [(KV(B=2, Hq=4, Hkv=4, D=64, S=300, seqlens=None, dtype=bf16), True),
              (KV(B=2, Hq=3, Hkv=3, D=128, S=200, seqlens=None), True),
              (KV(B=2, Hq=3, Hkv=3, D=136, S=200, seqlens=None), False),  # D > 128
              (KV(B=2, Sq=2, Hq=4, Hkv=4, D=64, S=200, seqlens=None, causal=True), False),  # two tokens
              (KV(B=2, Hq=8, Hkv=4, D=64, S=200, seqlens=None), False),  # GQA
-             (KV(B=1, Hq=4, Hkv=4, D=64, S=5000, seqlens=None), True),  # float32: 10 MiB
+             (KV(B=1, Hq=4, Hkv=4, D=64, S=5000, seqlens=None), True),  # float32, 10 MiB: not
+             (KV(B=1, Hq=4, Hkv=4, D=64, S=1024, seqlens=None), True),  # float32, 2 MiB: taken
              (KV(B=1, Hq=4, Hkv=4, D=64, S=1024, seqlens=None, dtype=bf16), True),  # 1 MiB: taken
              (KV(B=1, Hq=4, Hkv=4, D=64, S=1025, seqlens=None, dtype=bf16), True),  # one key more: not
              (KV(B=1, Hq=4, Hkv=4, D=64, S=1025, seqlens=None, dtype=f16), True),  # float16 as bfloat16
@@ -2283,15 +2284,14 @@ def test_mha_runs_follow_their_rule(runs_isa, monkeypatch, gen):
         call = Call(case, gen)
         outs = _runs_by_switch(call, monkeypatch, "ATTN_BACKENDS_DECODE_MHA_RUNS")
         keys = case.B * (case.S if case.seqlens is None else case.seqlens)
-        read = 2 * keys * case.Hkv * case.D * call.k_cache.element_size()
-        want = can and (case.dtype == torch.float32 or read <= MHA_RUNS_CALL_BYTES)
+        want = can and 2 * keys * case.Hkv * case.D <= MHA_RUNS_CALL_ELEMENTS
         def same(a, b):  # out and lse (a float16 out may round the two paths' sums alike)
             return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
         # the two paths' bits differ where both can run (a float16 out and lse may round them alike: not checked)
         assert same(outs["1"], outs["0"]) != can or case.dtype == f16, case
         assert same(outs[None], outs["1"] if want else outs["0"]), case
-        assert want == (case.S in (300, 200, 5000, 1024, 1100) and can), case
+        assert want == (case.S in (300, 200, 1024, 1100) and can), case
 
 
 def test_a_calls_bits_do_not_depend_on_the_calls_before_it(runs_isa, gen):

@@ -415,15 +415,16 @@ static int keys_ahead(int dram) {
   return forced_or("ATTN_BACKENDS_DECODE_KEYS_AHEAD", dram || !amd_zen4_avx512());
 }
 
-/* The K and V bytes a one-token MHA call over a 2-byte cache reads up to which it goes in runs of keys (mha_runs). */
-#define MHA_RUNS_CALL_BYTES ((int64_t)1 << 20)
+/* The K and V elements a one-token MHA call reads up to which it goes in runs of keys (mha_runs): 1 MiB of a 2-byte
+ * cache, 2 MiB of a float32 one. */
+#define MHA_RUNS_CALL_ELEMENTS ((int64_t)1 << 19)
 
 /* Whether one-token MHA goes head by head over runs of up to 128 keys, each head's accumulators in registers
  * (decode_cpu_impl.h, "one-token MHA in runs of keys"), instead of chunk by chunk over the work item's heads: on a
- * kernel that has them (the AVX-512 ones), without a mask, D <= 128, not on tiles; over a float32 cache every such
- * call, over a 2-byte one the calls that read at most MHA_RUNS_CALL_BYTES of K and V (`bytes`, from the call's own
- * key counts).  A head's key rows are read a head at a time, which from the caches costs nothing and from DRAM, in
- * 16-bit types, more than the chunks' arithmetic saves.  On an Intel Xeon with AMX (2 threads, 2026-12-07,
+ * kernel that has them (the AVX-512 ones), without a mask, D <= 128, not on tiles, for the calls that read at most
+ * MHA_RUNS_CALL_ELEMENTS elements of K and V (`bytes`, from the call's own key counts).  A head's key rows are read
+ * a head at a time, which from the caches costs nothing and from DRAM more than the chunks' arithmetic saves (float32
+ * B=4 Hq=Hkv=32 Sk=2048 D=128: 12.35 ms against the chunks' 9.73 in the run before, 0.91x torch SDPA against 1.09x).  On an Intel Xeon with AMX (2 threads, 2026-12-07,
  * docs/benchmarks.md "One-token MHA in runs of keys on the AMX Xeon"): with a cache the caches hold 0.62-1.01x the
  * chunks' time (bench_decode.py --small, every dtype); from DRAM (--switch MHA_RUNS) 1.25-1.77x in bfloat16 and
  * float16, 0.92-1.06x in float32; a model's layers (--small-layers) in float32 0.91-0.98x at every size (12 MiB to
@@ -435,8 +436,8 @@ static int keys_ahead(int dram) {
  * can, =0 in none (read at every call; not the chunks' bits). */
 static int mha_runs(const ab_decode_cpu_table* t, const ab_kvcache_params* p, int am, int amr, double bytes) {
   const int can = t->runs && !am && !amr && p->Hq == p->Hkv && p->Sq == 1 && p->mask.ndim == 0 && p->D <= 128;
-  return can && forced_or("ATTN_BACKENDS_DECODE_MHA_RUNS",
-                          p->k_cache.dtype == AB_DTYPE_F32 || bytes <= (double)MHA_RUNS_CALL_BYTES);
+  const double elements = bytes / (double)ab_dtype_size(p->k_cache.dtype);
+  return can && forced_or("ATTN_BACKENDS_DECODE_MHA_RUNS", elements <= (double)MHA_RUNS_CALL_ELEMENTS);
 }
 
 int ab_kvcache_cpu_q_bf16(const float* row, uint16_t* rb, int64_t n, int qexp) {
