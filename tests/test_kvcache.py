@@ -2214,14 +2214,9 @@ RUNS_ISAS = [i for i in ("avx512", "amx") if _C.cpu_isa_supported(i)]
 MHA_RUNS_CALL_ELEMENTS = 1 << 19  # csrc/cpu/decode_cpu.c: 1 MiB of a 2-byte cache, 2 MiB of a float32 one
 
 
-@pytest.fixture(params=RUNS_ISAS or [pytest.param("avx512", marks=pytest.mark.skip(reason="no AVX-512 path here"))])
-def runs_isa(request, monkeypatch):
-    if request.param == "avx512":
-        monkeypatch.setenv("ATTN_BACKENDS_DECODE_AMX", "0")
-    before = _C.cpu_isa()
-    assert _C.set_cpu_isa(request.param)
-    yield request.param
-    _C.set_cpu_isa(before)
+# conftest.py's isa fixture on the paths that have the runs (none on a CPU without AVX-512: the tests then skip)
+runs_isas = pytest.mark.parametrize(
+    "isa", RUNS_ISAS or [pytest.param("avx512", marks=pytest.mark.skip(reason="no AVX-512 path here"))], indirect=True)
 
 
 RUNS_CASES = [
@@ -2242,29 +2237,33 @@ RUNS_CASES = [
 ]
 
 
+@runs_isas
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("case", RUNS_CASES, ids=str)
-def test_mha_runs_match_the_reference(case, splits, runs_isa, monkeypatch, gen):
+def test_mha_runs_match_the_reference(case, splits, isa, monkeypatch, gen):
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_MHA_RUNS", "1")
     call = Call(case, gen)
     call.check(*call.run("paged_attention", num_splits=splits))
 
 
+@runs_isas
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_mha_runs_give_a_paged_cache_the_dense_bits(dtype, runs_isa, monkeypatch, gen):
+def test_mha_runs_give_a_paged_cache_the_dense_bits(dtype, isa, monkeypatch, gen):
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_MHA_RUNS", "1")
     _paged_gives_the_dense_bits(gen, 16, dtype, Sq=1, Hq=4, Hkv=4, D=64, causal=False)
 
 
+@runs_isas
 @pytest.mark.parametrize("where", NAN_PLACES)
-def test_mha_runs_carry_nan_and_inf_to_the_rows_that_see_them(where, runs_isa, monkeypatch, gen):
+def test_mha_runs_carry_nan_and_inf_to_the_rows_that_see_them(where, isa, monkeypatch, gen):
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_MHA_RUNS", "1")
     for dtype, atol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         for splits in (1, 2):
             check_nan_and_inf(where, 1, splits, gen, dtype=dtype, atol=atol, Hq=2, Hkv=2)
 
 
-def test_mha_runs_follow_their_rule(runs_isa, monkeypatch, gen):
+@runs_isas
+def test_mha_runs_follow_their_rule(isa, monkeypatch, gen):
     # unset, the rule: one query token, MHA, no mask, D <= 128, calls that read at most 2**19 elements of K and V (the
     # call's own keys, not what other calls read: the bits of a call do not depend on the calls before it); the bits
     # say which path ran (the runs add in another order)
@@ -2294,7 +2293,8 @@ def test_mha_runs_follow_their_rule(runs_isa, monkeypatch, gen):
         assert want == (case.S in (300, 200, 1024, 1100) and can), case
 
 
-def test_a_calls_bits_do_not_depend_on_the_calls_before_it(runs_isa, gen):
+@runs_isas
+def test_a_calls_bits_do_not_depend_on_the_calls_before_it(isa, gen):
     # the runs change the bits, so their rule reads the call alone: a small bfloat16 MHA call gives the same bits
     # before and after calls over a cache of 18 MiB (which the kernel's working set, read by its prefetch rules,
     # then counts)
@@ -2308,7 +2308,8 @@ def test_a_calls_bits_do_not_depend_on_the_calls_before_it(runs_isa, gen):
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
-def test_mha_runs_leave_a_masked_call_to_the_chunks(runs_isa, monkeypatch, gen):
+@runs_isas
+def test_mha_runs_leave_a_masked_call_to_the_chunks(isa, monkeypatch, gen):
     # a masked call reaches the decode kernel with its mask (tests/test_short_queries.py): the runs do not take it,
     # forced or not, so a mask that hides nothing gives the chunks' bits of the unmasked call, not the runs'
     B, H, Sk, D = 2, 4, 300, 64

@@ -799,6 +799,16 @@ static inline __attribute__((always_inline)) void DC(head_scores_bf)(const int N
   }
 }
 
+/* 32 weights (lo's 16, then hi's) as bfloat16 pairs to dst (word i: weights 2i and 2i + 1); returns the rounded
+ * weights as float32, pair by pair summed (16 lanes), for their sum. */
+static inline __attribute__((always_inline)) __m512 DC(bf16_pairs)(__m512 lo, __m512 hi, void* dst) {
+  const __m512i x = DC(cvt2bf16)(lo, hi);
+  _mm512_storeu_si512(dst, x);
+  /* the pairs' low words (key 2i) shifted up and the high words (key 2i + 1) masked: the float32 values */
+  return _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
+                       _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u))));
+}
+
 /* The P rows of n query rows (row stride DC_CHUNK floats) as bfloat16 pairs (P_2i, P_2i+1), written
  * over the first half of each row: word i of row r is then the pair for keys 2i and 2i + 1.  The rounded
  * weights' sum is added to lb[r]: the output is divided by it rather than by l (the unrounded sum, which
@@ -806,15 +816,9 @@ static inline __attribute__((always_inline)) void DC(head_scores_bf)(const int N
  * weight, the same way for keys of equal scores) scaled the whole output: value rows of 1000 gave 996
  * or 1004 where the exact result, and torch's, is 1000. */
 static inline void DC(p_to_bf16)(float* P, int64_t n, float* lb) {
-  const __m512i hi_half = _mm512_set1_epi32((int)0xffff0000u);
   for (int64_t r = 0; r < n; ++r) {
     float* row = P + r * DC_CHUNK;
-    const __m512i x = DC(cvt2bf16)(_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16));
-    _mm512_storeu_si512((void*)row, x);
-    /* the pairs' low words (key 2i) shifted up and the high words (key 2i + 1) masked: the float32 values */
-    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
-    const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(x, hi_half));
-    lb[r] += _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    lb[r] += _mm512_reduce_add_ps(DC(bf16_pairs)(_mm512_loadu_ps(row), _mm512_loadu_ps(row + 16), row));
   }
 }
 
@@ -1778,9 +1782,6 @@ static inline int64_t DC(tile_tokens)(const ab_decode_run* run, int64_t HG) {
   return ab_decode_tile_tokens(HG, DC_AMX && run->amx_rows ? AB_DECODE_AMX_TILE_ROWS : AB_DECODE_TILE_ROWS);
 }
 
-/* One work item: batch row b, KV heads [h0, h0 + hg), split s; dt is the cache dtype and bf whether
- * the bfloat16 products run (constants at each call site, so the loads are specialized).  Rows of a
- * tile: r = (t - t0) * hg * G + (h - h0) * G + g. */
 #if VLEN == 16
 /* ---- one-token MHA in runs of keys (run->mha_runs; the AVX-512 kernels) -----------------------
  *
@@ -1845,9 +1846,7 @@ static inline __attribute__((always_inline)) void DC(mr_scores)(const int NB, co
       if (i + DC_MR_AHEAD + k < n) SYM(pf_lines)((const char*)(kb + ko[i + DC_MR_AHEAD + k] + hk), NB * 64, 3);
       a[k] = _mm512_setzero_ps();
       for (int c = 0; c < NB; ++c)
-        a[k] = DC(dpbf16)(a[k], qv[c],
-                          tail && c == NB - 1 ? _mm512_maskz_loadu_epi16(mlast, kr + c * 32)
-                                              : _mm512_loadu_si512((const void*)(kr + c * 32)));
+        a[k] = DC(dpbf16)(a[k], qv[c], DC(ldbf)(kr + c * 32, tail && c == NB - 1 ? mlast : (__mmask32)~0u));
     }
     _mm512_storeu_ps(s + i, _mm512_mul_ps(DC(mr_sum16)(a), _mm512_set1_ps(scale)));
   }
@@ -1876,10 +1875,7 @@ static inline __attribute__((always_inline)) void DC(mr_pv)(const int NB, const 
     const uint16_t *v0 = vb + vo[j_] + hv, *v1 = vb + vo[(j_) + 1] + hv;                                       \
     for (int c = 0; c < NB; ++c) {                                                                             \
       const __mmask32 m = tail && c == NB - 1 ? mlast : (__mmask32)~0u;                                        \
-      const __m512i x = tail && c == NB - 1 ? _mm512_maskz_loadu_epi16(m, v0 + c * 32)                        \
-                                            : _mm512_loadu_si512((const void*)(v0 + c * 32));                  \
-      const __m512i y = tail && c == NB - 1 ? _mm512_maskz_loadu_epi16(m, v1 + c * 32)                        \
-                                            : _mm512_loadu_si512((const void*)(v1 + c * 32));                  \
+      const __m512i x = DC(ldbf)(v0 + c * 32, m), y = DC(ldbf)(v1 + c * 32, m);                                \
       acc_[c][0] = DC(dpbf16)(acc_[c][0], _mm512_unpacklo_epi16(x, y), pw);                                    \
       acc_[c][1] = DC(dpbf16)(acc_[c][1], _mm512_unpackhi_epi16(x, y), pw);                                    \
     }                                                                                                          \
@@ -1912,13 +1908,12 @@ static inline __attribute__((always_inline)) void DC(mr_pv)(const int NB, const 
 
 /* ---- the same without bfloat16 products: float32, float16 and bfloat16 caches in float32 arithmetic ---- */
 
-/* 16 elements of the cache at base + off as float32; the first bits of m only where !full (zero past them) */
+/* 16 elements of the cache at base + off as float32 (DC(ld)); where !full only those of m's bits, zero past them */
 static inline __attribute__((always_inline)) __m512 DC(mr_ld)(const void* base, int64_t off, const int dt,
                                                              const int full, __mmask16 m) {
-  if (dt == AB_DTYPE_F32)
-    return full ? _mm512_loadu_ps((const float*)base + off) : _mm512_maskz_loadu_ps(m, (const float*)base + off);
-  const uint16_t* s = (const uint16_t*)base + off;
-  const __m256i x = full ? _mm256_loadu_si256((const __m256i*)s) : _mm256_maskz_loadu_epi16(m, s);
+  if (full) return (__m512)DC(ld)(base, off, dt);
+  if (dt == AB_DTYPE_F32) return _mm512_maskz_loadu_ps(m, (const float*)base + off);
+  const __m256i x = _mm256_maskz_loadu_epi16(m, (const uint16_t*)base + off);
   if (dt == AB_DTYPE_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(x), 16));
   return _mm512_cvtph_ps(x);
 }
@@ -1987,7 +1982,6 @@ static inline __attribute__((always_inline)) void DC(mr_heads)(const int BF, con
   const __mmask16 mlast16 = D % 16 ? (__mmask16)((1u << (D % 16)) - 1) : (__mmask16)~0u;
   const float cap = (float)p->softcap;
   const int alibi = p->alibi_slopes.ndim > 0;
-  const __m512i hi_half = _mm512_set1_epi32((int)0xffff0000u);
   int64_t ko[DC_MR_KEYS], vo[DC_MR_KEYS];
   float* s = w->S;                              /* DC_MR_KEYS scores (without BF: then the weights) */
   uint32_t* Pw = (uint32_t*)(w->S + DC_MR_KEYS); /* BF: DC_MR_KEYS / 2 pairs of weights */
@@ -2033,10 +2027,7 @@ static inline __attribute__((always_inline)) void DC(mr_heads)(const int BF, con
           const __m512 e1 =
               v + 1 < nv ? (__m512)vexp_nonpos(vload(s + v * 16 + 16) - vset1(m_new)) : _mm512_setzero_ps();
           sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
-          const __m512i x = DC(cvt2bf16)(e0, e1);
-          _mm512_storeu_si512((void*)(Pw + v * 8), x);
-          sumb = _mm512_add_ps(sumb, _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(x, 16)),
-                                                   _mm512_castsi512_ps(_mm512_and_si512(x, hi_half))));
+          sumb = _mm512_add_ps(sumb, DC(bf16_pairs)(e0, e1, Pw + v * 8));
         }
       else
         for (int64_t v = 0; v < nv; ++v) {
@@ -2102,6 +2093,9 @@ static __attribute__((noinline)) void DC(mha_runs)(const ab_decode_run* run, con
 #undef DC_MR_F
 #endif
 
+/* One work item: batch row b, KV heads [h0, h0 + hg), split s; dt is the cache dtype and bf whether
+ * the bfloat16 products run (constants at each call site, so the loads are specialized).  Rows of a
+ * tile: r = (t - t0) * hg * G + (h - h0) * G + g. */
 static inline __attribute__((always_inline)) void DC(item)(const ab_decode_run* run, int64_t b, int64_t h0,
                                                           int64_t s, const DC(tile) * w, const int dt,
                                                           const int bf) {
