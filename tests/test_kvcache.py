@@ -2206,12 +2206,12 @@ def test_nan_and_inf_reach_the_rows_that_see_them(where, Sq, splits, gen):
 
 # ---- one-token MHA in runs of keys (csrc/cpu/decode_cpu_impl.h, "one-token MHA in runs of keys") ------------------
 # On the AVX-512 kernels (the avx512 and amx paths) one-token MHA without a mask, D <= 128, goes head by head over runs
-# of up to 128 keys, each head's accumulators in registers, where the call reads at most 2**19 elements of K and V (1 MiB
-# of a 2-byte cache, 2 MiB of a float32 one; csrc/cpu/decode_cpu.c mha_runs); ATTN_BACKENDS_DECODE_MHA_RUNS=1 forces it
+# of up to 128 keys, each head's accumulators in registers, where the call reads at most 2**21 elements of K and V (4 MiB
+# of a 2-byte cache, 8 MiB of a float32 one; csrc/cpu/decode_cpu.c mha_runs); ATTN_BACKENDS_DECODE_MHA_RUNS=1 forces it
 # wherever it can run.
 
 RUNS_ISAS = [i for i in ("avx512", "amx") if _C.cpu_isa_supported(i)]
-MHA_RUNS_CALL_ELEMENTS = 1 << 19  # csrc/cpu/decode_cpu.c: 1 MiB of a 2-byte cache, 2 MiB of a float32 one
+MHA_RUNS_CALL_ELEMENTS = 1 << 21  # csrc/cpu/decode_cpu.c: 4 MiB of a 2-byte cache, 8 MiB of a float32 one
 
 
 # conftest.py's isa fixture on the paths that have the runs (none on a CPU without AVX-512: the tests then skip)
@@ -2264,7 +2264,7 @@ def test_mha_runs_carry_nan_and_inf_to_the_rows_that_see_them(where, isa, monkey
 
 @runs_isas
 def test_mha_runs_follow_their_rule(isa, monkeypatch, gen):
-    # unset, the rule: one query token, MHA, no mask, D <= 128, calls that read at most 2**19 elements of K and V (the
+    # unset, the rule: one query token, MHA, no mask, D <= 128, calls that read at most 2**21 elements of K and V (the
     # call's own keys, not what other calls read: the bits of a call do not depend on the calls before it); the bits
     # say which path ran (the runs add in another order)
     bf16, f16 = torch.bfloat16, torch.float16
@@ -2274,11 +2274,11 @@ def test_mha_runs_follow_their_rule(isa, monkeypatch, gen):
              (KV(B=2, Sq=2, Hq=4, Hkv=4, D=64, S=200, seqlens=None, causal=True), False),  # two tokens
              (KV(B=2, Hq=8, Hkv=4, D=64, S=200, seqlens=None), False),  # GQA
              (KV(B=1, Hq=4, Hkv=4, D=64, S=5000, seqlens=None), True),  # float32, 10 MiB: not
-             (KV(B=1, Hq=4, Hkv=4, D=64, S=1024, seqlens=None), True),  # float32, 2 MiB: taken
-             (KV(B=1, Hq=4, Hkv=4, D=64, S=1024, seqlens=None, dtype=bf16), True),  # 1 MiB: taken
-             (KV(B=1, Hq=4, Hkv=4, D=64, S=1025, seqlens=None, dtype=bf16), True),  # one key more: not
-             (KV(B=1, Hq=4, Hkv=4, D=64, S=1025, seqlens=None, dtype=f16), True),  # float16 as bfloat16
-             (KV(B=1, Hq=4, Hkv=4, D=64, S=1100, seqlens=700, dtype=bf16), True)]  # the keys read, not the cache
+             (KV(B=1, Hq=4, Hkv=4, D=64, S=4096, seqlens=None), True),  # float32, 8 MiB: taken
+             (KV(B=1, Hq=4, Hkv=4, D=64, S=4096, seqlens=None, dtype=bf16), True),  # 4 MiB: taken
+             (KV(B=1, Hq=4, Hkv=4, D=64, S=4097, seqlens=None, dtype=bf16), True),  # one key more: not
+             (KV(B=1, Hq=4, Hkv=4, D=64, S=4097, seqlens=None, dtype=f16), True),  # float16 as bfloat16
+             (KV(B=1, Hq=4, Hkv=4, D=64, S=4500, seqlens=3000, dtype=bf16), True)]  # the keys read, not the cache
     for case, can in cases:
         call = Call(case, gen)
         outs = _runs_by_switch(call, monkeypatch, "ATTN_BACKENDS_DECODE_MHA_RUNS")
@@ -2290,7 +2290,7 @@ def test_mha_runs_follow_their_rule(isa, monkeypatch, gen):
         # the two paths' bits differ where both can run (a float16 out and lse may round them alike: not checked)
         assert same(outs["1"], outs["0"]) != can or case.dtype == f16, case
         assert same(outs[None], outs["1"] if want else outs["0"]), case
-        assert want == (case.S in (300, 200, 1024, 1100) and can), case
+        assert want == (case.S in (300, 200, 4096, 4500) and can), case
 
 
 @runs_isas

@@ -1,0 +1,107 @@
+"""One-token MHA decode from DRAM: the runs of keys, the chunks and torch SDPA over the same calls.
+
+The kernel's one-token MHA rule (csrc/cpu/decode_cpu.c, mha_runs) sends a call to the runs of keys or to the chunks
+by the call's own size; the runs are faster with the cache in the caches and slower from DRAM.  This times both
+(ATTN_BACKENDS_DECODE_MHA_RUNS=1 and =0) and torch SDPA (contiguous (B, H, S, D) copies, the layout it likes best)
+over --copies caches per candidate, a different copy every call so that each call streams from memory, the
+candidates shuffled call by call in one process; the copies of the three are allocated in turn, copy by copy
+(memory a process allocated first can read slower: benchmarks/alloc_order.py).  Medians in us and the ratios
+torch / runs and runs / chunks.  The line the rule draws was set from this (docs/benchmarks.md, "Reading the runs
+key by key, and the runs' call limit at 2**21 elements").
+
+    python benchmarks/mha_runs_dram.py [--shapes "1,32,256,128;1,12,1024,64"] [--dtypes bfloat16,float32]
+        [--copies 150] [--calls 600] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import attn_backends as ab
+from bench_decode import cpu_name
+
+VAR = "ATTN_BACKENDS_DECODE_MHA_RUNS"
+
+
+def time_shape(B, H, Sk, D, dtype, copies, calls, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, 1, H, D, generator=gen).to(dtype)
+    qc = q.transpose(1, 2).contiguous()
+    ours, theirs = [], []
+    for _ in range(copies):  # in turn: ours, then torch's copy of the same data
+        k, v = (torch.randn(B, Sk, H, D, generator=gen).to(dtype) for _ in range(2))
+        ours.append((k, v))
+        theirs.append(tuple(t.transpose(1, 2).contiguous() for t in (k, v)))
+    seqlens = torch.full((B,), Sk, dtype=torch.int32)
+    times = {"chunks": [], "runs": [], "torch": []}
+    saved = os.environ.get(VAR)
+    try:
+        with torch.inference_mode():
+            want = F.scaled_dot_product_attention(qc, *theirs[0]).transpose(1, 2).float()
+            for name, flag in (("runs", "1"), ("chunks", "0")):
+                os.environ[VAR] = flag
+                got = ab.attention_with_kvcache(q, *ours[0], cache_seqlens=seqlens).float()
+                err = (got - want).abs().max().item()
+                assert err < (1e-4 if dtype == torch.float32 else 2e-2), f"{name}: {err} from torch SDPA"
+            for i in range(calls):
+                names = list(times)
+                random.shuffle(names)
+                for name in names:
+                    if name == "torch":
+                        k, v = theirs[i % copies]
+                        t0 = time.perf_counter()
+                        F.scaled_dot_product_attention(qc, k, v)
+                    else:
+                        os.environ[VAR] = "1" if name == "runs" else "0"
+                        k, v = ours[i % copies]
+                        t0 = time.perf_counter()
+                        ab.attention_with_kvcache(q, k, v, cache_seqlens=seqlens)
+                    times[name].append(time.perf_counter() - t0)
+    finally:
+        if saved is None:
+            os.environ.pop(VAR, None)
+        else:
+            os.environ[VAR] = saved
+    return {n: statistics.median(t) * 1e6 for n, t in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="1,32,256,128;1,12,1024,64;4,12,256,64", help="B,H,Sk,D;... (MHA)")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--copies", type=int, default=150, help="copies per candidate (default: %(default)s)")
+    ap.add_argument("--calls", type=int, default=600, help="calls per candidate (default: %(default)s)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    machine = (f"attn_backends {ab.__version__}, torch {torch.__version__}, {cpu_name()}, "
+               f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}")
+    print(machine)
+    print(f"{'B H Sk D':<16}  {'dtype':<8}  {'MiB':>4}  {'chunks':>8}  {'runs':>8}  {'torch':>8}  torch/runs  runs/chunks")
+    rows = []
+    for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
+        for shape in args.shapes.split(";"):
+            B, H, Sk, D = (int(x) for x in shape.split(","))
+            mib = 2 * B * H * Sk * D * torch.finfo(dtype).bits // 8 / 2**20
+            med = time_shape(B, H, Sk, D, dtype, args.copies, args.calls)
+            print(f"{shape.replace(',', ' '):<16}  {str(dtype)[6:]:<8}  {mib:4.0f}  {med['chunks']:8.1f}  "
+                  f"{med['runs']:8.1f}  {med['torch']:8.1f}  {med['torch'] / med['runs']:10.2f}  "
+                  f"{med['runs'] / med['chunks']:11.2f}", flush=True)
+            rows.append(dict(B=B, H=H, Sk=Sk, D=D, dtype=str(dtype)[6:], mib=mib, copies=args.copies,
+                             **{f"{n}_us": t for n, t in med.items()}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(machine=machine, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           calls=args.calls, rows=rows), f, indent=1)
+        print("wrote", args.json)
+
+
+if __name__ == "__main__":
+    main()
