@@ -433,11 +433,11 @@ static int keys_ahead(int dram) {
  * float16, 0.92-1.06x in float32; a model's layers (--small-layers) in float32 0.91-0.98x at every size (12 MiB to
  * 1 GiB), in bfloat16 0.91-0.94x where they come to 6-9 MiB, 1.04-1.36x from 32 MiB (layers of 3-16 MiB), 1.04x
  * and 1.14x at 18 MiB (layers of 0.75 and 1.5 MiB, scratch runs).  So the limit serves "auto is never slower
- * than torch" first: from DRAM the runs of calls up to the limit lose to the chunks (bfloat16 3-4 MiB calls 1.14-
- * 1.44x the chunks' time) and stay near torch (0.88-1.15x in bfloat16, 1.06-1.15x in float32 of 6-8 MiB;
- * benchmarks/mha_runs_dram.py), where the chunks from the caches trail it (0.75-0.83x).  Reading the rows key by key over the heads in the runs (the same sums: a
- * rule of the working set could pick it) did not close the gap from DRAM (1.14-1.23x the chunks' time in bfloat16,
- * 1.03-1.21x in float32; not kept).
+ * than torch" first: from DRAM the runs of calls up to the limit lose to the chunks (bfloat16 3-4 MiB calls
+ * 1.14-1.44x the chunks' time) and stay near torch (0.88-1.15x in bfloat16, 1.06-1.15x in float32 of 6-8 MiB;
+ * benchmarks/mha_runs_dram.py), where the chunks from the caches trail it (0.75-0.83x).  Reading the rows key by
+ * key over the heads in the runs (the same sums: a rule of the working set could pick it) did not close the gap
+ * from DRAM (1.14-1.23x the chunks' time in bfloat16, 1.03-1.21x in float32; not kept).
  * By the call alone, not by decode's working set (note_call), which would pick the path better for a model whose
  * layers outgrow the caches: the runs add in another order than the chunks, so a rule of the working set would
  * give the same call other bits after other calls.  ATTN_BACKENDS_DECODE_MHA_RUNS=1 takes them in every call that
