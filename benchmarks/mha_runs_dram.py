@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import attn_backends as ab
-from bench_decode import cpu_name
+from bench_decode import cpu_name, variable_restored
 
 VAR = "ATTN_BACKENDS_DECODE_MHA_RUNS"
 
@@ -42,34 +42,27 @@ def time_shape(B, H, Sk, D, dtype, copies, calls, seed=0):
         theirs.append(tuple(t.transpose(1, 2).contiguous() for t in (k, v)))
     seqlens = torch.full((B,), Sk, dtype=torch.int32)
     times = {"chunks": [], "runs": [], "torch": []}
-    saved = os.environ.get(VAR)
-    try:
-        with torch.inference_mode():
-            want = F.scaled_dot_product_attention(qc, *theirs[0]).transpose(1, 2).float()
-            for name, flag in (("runs", "1"), ("chunks", "0")):
-                os.environ[VAR] = flag
-                got = ab.attention_with_kvcache(q, *ours[0], cache_seqlens=seqlens).float()
-                err = (got - want).abs().max().item()
-                assert err < (1e-4 if dtype == torch.float32 else 2e-2), f"{name}: {err} from torch SDPA"
-            for i in range(calls):
-                names = list(times)
-                random.shuffle(names)
-                for name in names:
-                    if name == "torch":
-                        k, v = theirs[i % copies]
-                        t0 = time.perf_counter()
-                        F.scaled_dot_product_attention(qc, k, v)
-                    else:
-                        os.environ[VAR] = "1" if name == "runs" else "0"
-                        k, v = ours[i % copies]
-                        t0 = time.perf_counter()
-                        ab.attention_with_kvcache(q, k, v, cache_seqlens=seqlens)
-                    times[name].append(time.perf_counter() - t0)
-    finally:
-        if saved is None:
-            os.environ.pop(VAR, None)
-        else:
-            os.environ[VAR] = saved
+    with variable_restored(VAR), torch.inference_mode():
+        want = F.scaled_dot_product_attention(qc, *theirs[0]).transpose(1, 2).float()
+        for name, flag in (("runs", "1"), ("chunks", "0")):
+            os.environ[VAR] = flag
+            got = ab.attention_with_kvcache(q, *ours[0], cache_seqlens=seqlens).float()
+            err = (got - want).abs().max().item()
+            assert err < (1e-4 if dtype == torch.float32 else 2e-2), f"{name}: {err} from torch SDPA"
+        for i in range(calls):
+            names = list(times)
+            random.shuffle(names)
+            for name in names:
+                if name == "torch":
+                    k, v = theirs[i % copies]
+                    t0 = time.perf_counter()
+                    F.scaled_dot_product_attention(qc, k, v)
+                else:
+                    os.environ[VAR] = "1" if name == "runs" else "0"
+                    k, v = ours[i % copies]
+                    t0 = time.perf_counter()
+                    ab.attention_with_kvcache(q, k, v, cache_seqlens=seqlens)
+                times[name].append(time.perf_counter() - t0)
     return {n: statistics.median(t) * 1e6 for n, t in times.items()}
 
 

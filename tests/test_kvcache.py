@@ -2279,14 +2279,14 @@ def test_mha_runs_follow_their_rule(isa, monkeypatch, gen):
              (KV(B=1, Hq=4, Hkv=4, D=64, S=4097, seqlens=None, dtype=bf16), True),  # one key more: not
              (KV(B=1, Hq=4, Hkv=4, D=64, S=4097, seqlens=None, dtype=f16), True),  # float16 as bfloat16
              (KV(B=1, Hq=4, Hkv=4, D=64, S=4500, seqlens=3000, dtype=bf16), True)]  # the keys read, not the cache
+    def same(a, b):  # out and lse
+        return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
     for case, can in cases:
         call = Call(case, gen)
         outs = _runs_by_switch(call, monkeypatch, "ATTN_BACKENDS_DECODE_MHA_RUNS")
         keys = case.B * (case.S if case.seqlens is None else case.seqlens)
         want = can and 2 * keys * case.Hkv * case.D <= MHA_RUNS_CALL_ELEMENTS
-        def same(a, b):  # out and lse (a float16 out may round the two paths' sums alike)
-            return torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
-
         # the two paths' bits differ where both can run (a float16 out and lse may round them alike: not checked)
         assert same(outs["1"], outs["0"]) != can or case.dtype == f16, case
         assert same(outs[None], outs["1"] if want else outs["0"]), case

@@ -416,35 +416,35 @@ static int keys_ahead(int dram) {
 }
 
 /* The K and V elements a one-token MHA call reads up to which it goes in runs of keys (mha_runs): 4 MiB of a 2-byte
- * cache, 8 MiB of a float32 one (2**19 before 2026-12-07 13:40 UTC: bfloat16 calls of 3-4 MiB then went by chunks
- * at 0.75-0.83x torch SDPA with the cache in the caches; by runs 0.92-1.07x, and from DRAM, where the chunks are
- * faster, the runs 0.88-1.15x torch; docs/benchmarks.md, "Reading the runs key by key, and the runs' call limit at
- * 2**21 elements"). */
+ * cache, 8 MiB of a float32 one (2**19 before 2026-12-07 13:40 UTC; why it moved: mha_runs). */
 #define MHA_RUNS_CALL_ELEMENTS ((int64_t)1 << 21)
 
 /* Whether one-token MHA goes head by head over runs of up to 128 keys, each head's accumulators in registers
  * (decode_cpu_impl.h, "one-token MHA in runs of keys"), instead of chunk by chunk over the work item's heads: on a
  * kernel that has them (the AVX-512 ones), without a mask, D <= 128, not on tiles, for the calls that read at most
- * MHA_RUNS_CALL_ELEMENTS elements of K and V (`bytes`, from the call's own key counts).  A head's key rows are read
- * a head at a time, which from the caches costs nothing and from DRAM more than the chunks' arithmetic saves (float32
- * B=4 Hq=Hkv=32 Sk=2048 D=128: 12.35 ms against the chunks' 9.73 in the run before, 0.91x torch SDPA against 1.09x).  On an Intel Xeon with AMX (2 threads, 2026-12-07,
- * docs/benchmarks.md "One-token MHA in runs of keys on the AMX Xeon"): with a cache the caches hold 0.62-1.01x the
- * chunks' time (bench_decode.py --small, every dtype); from DRAM (--switch MHA_RUNS) 1.25-1.77x in bfloat16 and
- * float16, 0.92-1.06x in float32; a model's layers (--small-layers) in float32 0.91-0.98x at every size (12 MiB to
- * 1 GiB), in bfloat16 0.91-0.94x where they come to 6-9 MiB, 1.04-1.36x from 32 MiB (layers of 3-16 MiB), 1.04x
- * and 1.14x at 18 MiB (layers of 0.75 and 1.5 MiB, scratch runs).  So the limit serves "auto is never slower
- * than torch" first: from DRAM the runs of calls up to the limit lose to the chunks (bfloat16 3-4 MiB calls
- * 1.14-1.44x the chunks' time) and stay near torch (0.88-1.15x in bfloat16, 1.06-1.15x in float32 of 6-8 MiB;
- * benchmarks/mha_runs_dram.py), where the chunks from the caches trail it (0.75-0.83x).  Reading the rows key by
- * key over the heads in the runs (the same sums: a rule of the working set could pick it) did not close the gap
- * from DRAM (1.14-1.23x the chunks' time in bfloat16, 1.03-1.21x in float32; not kept).
+ * MHA_RUNS_CALL_ELEMENTS elements of K and V (2 x `keys`, the call's own key count, x Hkv x D).  A head's key rows
+ * are read a head at a time, which from the caches costs nothing and from DRAM more than the chunks' arithmetic
+ * saves (float32 B=4 Hq=Hkv=32 Sk=2048 D=128: 12.35 ms against the chunks' 9.73, 0.91x torch SDPA against 1.09x).
+ * On an Intel Xeon with AMX (2 threads, 2026-12-07, docs/benchmarks.md "One-token MHA in runs of keys on the AMX
+ * Xeon" and "Reading the runs key by key, and the runs' call limit at 2**21 elements"):
+ *   - with a cache the caches hold, 0.62-1.01x the chunks' time (bench_decode.py --small, every dtype); bfloat16
+ *     calls of 3-4 MiB 0.92-1.07x torch on the runs, 0.75-0.83x on the chunks;
+ *   - from DRAM (--switch MHA_RUNS) 1.25-1.77x the chunks' time in bfloat16 and float16, 0.92-1.06x in float32;
+ *     bfloat16 calls of 3-4 MiB 1.14-1.44x, yet 0.88-1.15x torch (float32 of 6-8 MiB 1.06-1.15x;
+ *     benchmarks/mha_runs_dram.py);
+ *   - a model's layers (--small-layers) in float32 0.91-0.98x the chunks' time at every size (12 MiB to 1 GiB), in
+ *     bfloat16 0.91-0.94x where they come to 6-9 MiB, 1.04-1.36x from 32 MiB (layers of 3-16 MiB).
+ * So the limit puts "auto is never slower than torch" first: up to it the runs' worst case is nearer torch than the
+ * chunks'.  Reading the rows key by key over the heads in the runs (the same sums: a rule of the working set could
+ * pick it) did not close the gap from DRAM (1.14-1.23x the chunks' time in bfloat16, 1.03-1.21x in float32; not
+ * kept).
  * By the call alone, not by decode's working set (note_call), which would pick the path better for a model whose
  * layers outgrow the caches: the runs add in another order than the chunks, so a rule of the working set would
  * give the same call other bits after other calls.  ATTN_BACKENDS_DECODE_MHA_RUNS=1 takes them in every call that
  * can, =0 in none (read at every call; not the chunks' bits). */
-static int mha_runs(const ab_decode_cpu_table* t, const ab_kvcache_params* p, int am, int amr, double bytes) {
+static int mha_runs(const ab_decode_cpu_table* t, const ab_kvcache_params* p, int am, int amr, int64_t keys) {
   const int can = t->runs && !am && !amr && p->Hq == p->Hkv && p->Sq == 1 && p->mask.ndim == 0 && p->D <= 128;
-  const double elements = bytes / (double)ab_dtype_size(p->k_cache.dtype);
+  const double elements = 2.0 * (double)keys * (double)(p->Hkv * p->D);
   return can && forced_or("ATTN_BACKENDS_DECODE_MHA_RUNS", elements <= (double)MHA_RUNS_CALL_ELEMENTS);
 }
 
@@ -912,7 +912,7 @@ ab_status ab_kvcache_cpu_fwd(const ab_kvcache_params* call, void* workspace, siz
                        !!(set & AB_TUNE_PAGES_AHEAD), bf && !!(set & AB_TUNE_SCORES_BY_HEAD), !bf && four_keys(p, dram),
                        !bf && pv_wide(), !bf && pv_pairs(), !!(set & AB_TUNE_PV_KEYS), bf && !am && softmax_keys(),
                        keys_ahead(dram),
-                       (float)ldexp(p->scale, -qexp), am, amr, mha_runs(table, p, am, amr, bytes)};
+                       (float)ldexp(p->scale, -qexp), am, amr, mha_runs(table, p, am, amr, keys)};
   const double work = 2.0 * (double)keys * (double)p->Hq * (double)p->Sq * (double)p->D;
   const double t0 = ticket.round >= 0 ? seconds_now() : 0.0;
   TRY(ab_par_run(pool, p->B * (p->Hkv / hg) * nsplit, 1, work, table->attend, &run, &st));
