@@ -430,12 +430,14 @@ static int keys_ahead(int dram) {
  *   - with a cache the caches hold, 0.62-1.01x the chunks' time (bench_decode.py --small, every dtype); bfloat16
  *     calls of 3-4 MiB 0.92-1.07x torch on the runs, 0.75-0.83x on the chunks;
  *   - from DRAM (--switch MHA_RUNS) 1.25-1.77x the chunks' time in bfloat16 and float16, 0.92-1.06x in float32;
- *     bfloat16 calls of 3-4 MiB 1.14-1.44x, yet 0.88-1.15x torch (float32 of 6-8 MiB 1.06-1.15x;
- *     benchmarks/mha_runs_dram.py);
+ *     bfloat16 calls of 3-4 MiB 1.17-1.47x, 0.74-0.93x torch over contiguous copies and 0.91-1.24x torch over the
+ *     cache's own memory, where the chunks are 1.04-1.13x and 1.32-1.45x (float32 of 6-8 MiB: runs 0.94-1.04x and
+ *     1.10-1.32x; benchmarks/mha_runs_dram.py, docs/benchmarks.md "mha_runs_dram.py corrected");
  *   - a model's layers (--small-layers) in float32 0.91-0.98x the chunks' time at every size (12 MiB to 1 GiB), in
  *     bfloat16 0.91-0.94x where they come to 6-9 MiB, 1.04-1.36x from 32 MiB (layers of 3-16 MiB).
- * So the limit puts "auto is never slower than torch" first: up to it the runs' worst case is nearer torch than the
- * chunks'.  Reading the rows key by key over the heads in the runs (the same sums: a rule of the working set could
+ * So the limit puts "auto is never slower than torch" first: up to it the runs' worst case is no further from torch
+ * than the chunks' (bfloat16 D = 64 of 3 MiB 0.74-0.77x from DRAM against the chunks' 0.77-0.80x from the caches;
+ * D = 128 of 4 MiB 0.91-0.93x against 0.79x; float32 0.93x against 0.77x).  Reading the rows key by key over the heads in the runs (the same sums: a rule of the working set could
  * pick it) did not close the gap from DRAM (1.14-1.23x the chunks' time in bfloat16, 1.03-1.21x in float32; not
  * kept).
  * By the call alone, not by decode's working set (note_call), which would pick the path better for a model whose
