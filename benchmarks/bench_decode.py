@@ -863,11 +863,25 @@ def cpu_name() -> str:
     return f"{name}, {flags}"
 
 
+def huge_pages() -> str:
+    """Whether the caches can sit on 2 MiB pages: the system's transparent huge pages setting, and whether torch's
+    allocator asks for them (THP_MEM_ALLOC_ENABLE=1).  On the AMX Xeon the probe and torch read 1.2-1.3x faster on
+    them and our kernel did not (docs/benchmarks.md, "Decode on the AMX Xeon against cache length, with huge pages,
+    and the kernel's own ceiling"), so a table names its pages."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            mode = f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        mode = "unknown"
+    asked = os.environ.get("THP_MEM_ALLOC_ENABLE", "") not in ("", "0")
+    return f"transparent huge pages {mode}" + (", torch asks for them (THP_MEM_ALLOC_ENABLE)" if asked else "")
+
+
 def run_cpu_table(path, rounds, key, table, line, **record):
     """--layers, --small, --tokens: prints the machine's line (plus `line`), runs table() in inference mode
     and, with --json, writes its rows under `key` beside the machine's record (and `record`)."""
     print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {cpu_name()}, "
-          f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}{line}")
+          f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}{line}, {huge_pages()}")
     with torch.inference_mode():
         rows = table()
     tuned = tune_report()
@@ -875,7 +889,7 @@ def run_cpu_table(path, rounds, key, table, line, **record):
         with open(path, "w") as f:
             json.dump(dict(machine=platform.platform(), processor=platform.processor(), cpu=cpu_name(), device="cpu",
                            threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
-                           **record, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds=rounds,
+                           pages=huge_pages(), **record, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds=rounds,
                            **{key: rows}, tuned=tuned), f, indent=1)
         print(f"wrote {path}")
 
@@ -996,7 +1010,7 @@ def main(argv=None):
     probe = read_bandwidth_probe()
     where = (f"{torch.cuda.get_device_name()}, attention kernel {cuda_attention_kernel()}" if DEVICE == "cuda"
              else f"{cpu_name()}, {torch.get_num_threads()} threads, "
-                  f"CPU path {ab._C.cpu_isa()}, bfloat16 products {bf16_products()}")
+                  f"CPU path {ab._C.cpu_isa()}, bfloat16 products {bf16_products()}, {huge_pages()}")
     print(f"attn_backends {ab.__version__}, torch {torch.__version__}, {where}"
           + (f", CUDA graphs of {GRAPH_CALLS} calls" if GRAPH else ""))
     print("per candidate: ms per call, GB/s of K and V (medians over rounds), % of the read bandwidth; "
@@ -1036,7 +1050,7 @@ def main(argv=None):
                            cuda_attention_kernel=cuda_attention_kernel() if DEVICE == "cuda" else None,
                            threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
                            bf16_products=bf16_products() if DEVICE == "cpu" else None,
-                           date=time.strftime("%Y-%m-%d"), rounds=rounds, results=results, sweeps=sweeps, tuned=tuned),
+                           pages=huge_pages() if DEVICE == "cpu" else None, date=time.strftime("%Y-%m-%d"), rounds=rounds, results=results, sweeps=sweeps, tuned=tuned),
                       f, indent=1)
         print(f"wrote {args.json}")
 
