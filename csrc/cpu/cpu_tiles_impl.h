@@ -149,10 +149,27 @@ static inline void SYM(scores_t)(int64_t nb, int64_t nvec, int64_t D, const floa
 }
 
 /* Prefetches every cache line of `bytes` bytes from row (the first line too when row is not aligned
- * to one): into L1 with locality 3, into L2 with 2 (a compile-time constant at every call site). */
+ * to one): into L1 with locality 3, into L2 with 2 (a compile-time constant at every call site).  Four
+ * lines a turn: the decode kernel asks for each 256-byte row it will read (D = 128 in 16 bits), and one
+ * line a turn cost step 1 at G = 4 about 1.8 ns per key and KV head against 0.6-0.9 unrolled, its loop
+ * alone 8.5-9 (benchmarks/decode_step1_rate.c, an Intel Xeon with AMX, 2026-12-07). */
 static inline __attribute__((always_inline)) void SYM(pf_lines)(const char* row, int64_t bytes, const int locality) {
   const uintptr_t first = (uintptr_t)row & ~(uintptr_t)63, last = (uintptr_t)row + (uintptr_t)bytes;
-  for (uintptr_t x = first; x < last; x += 64) {
+  uintptr_t x = first;
+  for (; x + 192 < last; x += 256) {
+    if (locality == 3) {
+      __builtin_prefetch((const void*)x, 0, 3);
+      __builtin_prefetch((const void*)(x + 64), 0, 3);
+      __builtin_prefetch((const void*)(x + 128), 0, 3);
+      __builtin_prefetch((const void*)(x + 192), 0, 3);
+    } else {
+      __builtin_prefetch((const void*)x, 0, 2);
+      __builtin_prefetch((const void*)(x + 64), 0, 2);
+      __builtin_prefetch((const void*)(x + 128), 0, 2);
+      __builtin_prefetch((const void*)(x + 192), 0, 2);
+    }
+  }
+  for (; x < last; x += 64) {
     if (locality == 3)
       __builtin_prefetch((const void*)x, 0, 3);
     else
