@@ -889,8 +889,8 @@ def run_cpu_table(path, rounds, key, table, line, **record):
         with open(path, "w") as f:
             json.dump(dict(machine=platform.platform(), processor=platform.processor(), cpu=cpu_name(), device="cpu",
                            threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
-                           pages=huge_pages(), **record, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), rounds=rounds,
-                           **{key: rows}, tuned=tuned), f, indent=1)
+                           pages=huge_pages(), **record, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                           rounds=rounds, **{key: rows}, tuned=tuned), f, indent=1)
         print(f"wrote {path}")
 
 
@@ -1050,7 +1050,8 @@ def main(argv=None):
                            cuda_attention_kernel=cuda_attention_kernel() if DEVICE == "cuda" else None,
                            threads=torch.get_num_threads(), torch=torch.__version__, cpu_path=ab._C.cpu_isa(),
                            bf16_products=bf16_products() if DEVICE == "cpu" else None,
-                           pages=huge_pages() if DEVICE == "cpu" else None, date=time.strftime("%Y-%m-%d"), rounds=rounds, results=results, sweeps=sweeps, tuned=tuned),
+                           pages=huge_pages() if DEVICE == "cpu" else None, date=time.strftime("%Y-%m-%d"),
+                           rounds=rounds, results=results, sweeps=sweeps, tuned=tuned),
                       f, indent=1)
         print(f"wrote {args.json}")
 

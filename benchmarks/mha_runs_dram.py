@@ -61,11 +61,9 @@ def time_shape(B, H, Sk, D, dtype, copies, calls, seed=0):
             random.shuffle(names)
             for name in names:
                 k, v = pools[name][i % copies]
-                if name == "torch":
-                    t0 = time.perf_counter()
-                    F.scaled_dot_product_attention(qc, k, v)
-                elif name == "view":
-                    k, v = k.transpose(1, 2), v.transpose(1, 2)
+                if name in ("torch", "view"):
+                    if name == "view":
+                        k, v = k.transpose(1, 2), v.transpose(1, 2)
                     t0 = time.perf_counter()
                     F.scaled_dot_product_attention(qc, k, v)
                 else:
@@ -87,7 +85,8 @@ def main() -> None:
     machine = (f"attn_backends {ab.__version__}, torch {torch.__version__}, {cpu_name()}, "
                f"{torch.get_num_threads()} threads, CPU path {ab._C.cpu_isa()}")
     print(machine)
-    print(f"{'B H Sk D':<16}  {'dtype':<8}  {'MiB':>4}  {'chunks':>8}  {'runs':>8}  {'torch':>8}  {'view':>8}  torch/runs  view/runs  runs/chunks")
+    print(f"{'B H Sk D':<16}  {'dtype':<8}  {'MiB':>4}  {'chunks':>8}  {'runs':>8}  {'torch':>8}  {'view':>8}  "
+          "torch/runs  view/runs  runs/chunks")
     rows = []
     for dtype in (getattr(torch, d) for d in args.dtypes.split(",")):
         for shape in args.shapes.split(";"):

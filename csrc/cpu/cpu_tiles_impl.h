@@ -148,6 +148,14 @@ static inline void SYM(scores_t)(int64_t nb, int64_t nvec, int64_t D, const floa
               d0 > 0 ? AB_ACC_ADD : 0);
 }
 
+/* One line at x, locality as SYM(pf_lines) takes it. */
+static inline __attribute__((always_inline)) void SYM(pf_line)(uintptr_t x, const int locality) {
+  if (locality == 3)
+    __builtin_prefetch((const void*)x, 0, 3);
+  else
+    __builtin_prefetch((const void*)x, 0, 2);
+}
+
 /* Prefetches every cache line of `bytes` bytes from row (the first line too when row is not aligned
  * to one): into L1 with locality 3, into L2 with 2 (a compile-time constant at every call site).  Four
  * lines a turn: the decode kernel asks for each 256-byte row it will read (D = 128 in 16 bits), and one
@@ -156,25 +164,9 @@ static inline void SYM(scores_t)(int64_t nb, int64_t nvec, int64_t D, const floa
 static inline __attribute__((always_inline)) void SYM(pf_lines)(const char* row, int64_t bytes, const int locality) {
   const uintptr_t first = (uintptr_t)row & ~(uintptr_t)63, last = (uintptr_t)row + (uintptr_t)bytes;
   uintptr_t x = first;
-  for (; x + 192 < last; x += 256) {
-    if (locality == 3) {
-      __builtin_prefetch((const void*)x, 0, 3);
-      __builtin_prefetch((const void*)(x + 64), 0, 3);
-      __builtin_prefetch((const void*)(x + 128), 0, 3);
-      __builtin_prefetch((const void*)(x + 192), 0, 3);
-    } else {
-      __builtin_prefetch((const void*)x, 0, 2);
-      __builtin_prefetch((const void*)(x + 64), 0, 2);
-      __builtin_prefetch((const void*)(x + 128), 0, 2);
-      __builtin_prefetch((const void*)(x + 192), 0, 2);
-    }
-  }
-  for (; x < last; x += 64) {
-    if (locality == 3)
-      __builtin_prefetch((const void*)x, 0, 3);
-    else
-      __builtin_prefetch((const void*)x, 0, 2);
-  }
+  for (; x + 192 < last; x += 256)
+    for (int i = 0; i < 4; ++i) SYM(pf_line)(x + 64 * (uintptr_t)i, locality);
+  for (; x < last; x += 64) SYM(pf_line)(x, locality);
 }
 
 /* ---- per-sequence geometry (dense and packed calls alike) ------------------------------------- */

@@ -437,9 +437,9 @@ static int keys_ahead(int dram) {
  *     bfloat16 0.91-0.94x where they come to 6-9 MiB, 1.04-1.36x from 32 MiB (layers of 3-16 MiB).
  * So the limit puts "auto is never slower than torch" first: up to it the runs' worst case is no further from torch
  * than the chunks' (bfloat16 D = 64 of 3 MiB 0.74-0.77x from DRAM against the chunks' 0.77-0.80x from the caches;
- * D = 128 of 4 MiB 0.91-0.93x against 0.79x; float32 0.93x against 0.77x).  Reading the rows key by key over the heads in the runs (the same sums: a rule of the working set could
- * pick it) did not close the gap from DRAM (1.14-1.23x the chunks' time in bfloat16, 1.03-1.21x in float32; not
- * kept).
+ * D = 128 of 4 MiB 0.91-0.93x against 0.79x; float32 0.93x against 0.77x).  Reading the rows key by key over the
+ * heads in the runs (the same sums: a rule of the working set could pick it) did not close the gap from DRAM
+ * (1.14-1.23x the chunks' time in bfloat16, 1.03-1.21x in float32; not kept).
  * By the call alone, not by decode's working set (note_call), which would pick the path better for a model whose
  * layers outgrow the caches: the runs add in another order than the chunks, so a rule of the working set would
  * give the same call other bits after other calls.  ATTN_BACKENDS_DECODE_MHA_RUNS=1 takes them in every call that
