@@ -16,6 +16,7 @@ from . import _C, _kvcache, _planner, _validate
 from ._names import ID, resolve
 from ._providers import RUNNERS, Attn, new_attn, read_guards
 from ._providers.ours import dual_level, run_composite
+from ._providers.torch_sdpa import breaks_cpu_rule
 
 _DTYPE_IDS = _planner.DTYPE_IDS
 _DEVICE_IDS = _planner.DEVICE_IDS
@@ -98,6 +99,11 @@ _C.set_fast_api(torch.Tensor, torch.nn.Parameter, read_guards, torch.is_grad_ena
                 _planner._process_default, _SETTINGS)
 fast_attention = _C.attention
 _PLAIN = (ID["auto"], _FLASH)  # requests under which flash serving a call is not a fallback
+_AUTO, _SDPA = ID["auto"], ID["sdpa"]
+_SDPA_AUTO: dict = {}  # Call -> the runner of torch SDPA as auto's choice (_sdpa_as_auto)
+_EXACT_OURS = ("flash", "flash_varlen", "math", "eager")  # our kernels that keep the rule for NaN (not sage)
+_CHECK_TORCH_NAN = _planner._env_flag("ATTN_BACKENDS_CHECK_TORCH_NAN")
+_anomaly = torch.is_anomaly_enabled
 _FLASH_VARLEN = ID["flash_varlen"]
 _PLAIN_VARLEN = (ID["auto"], _FLASH_VARLEN)
 _CPU = _planner.DEVICE_IDS["cpu"]
@@ -106,7 +112,7 @@ fast_attention_varlen = _C.attention_varlen
 
 def reset_caches() -> None:
     """Forgets every plan and every fallback already reported (tests; after changing providers)."""
-    for d in (*_chosen, *_kvcache._chosen):
+    for d in (*_chosen, *_kvcache._chosen, _SDPA_AUTO):
         d.clear()
     _transform_warned.clear()
     _C.forget()
@@ -131,7 +137,36 @@ def _runner(sig, strict):
         # a call the fast path could have served: its table (ab_direct.c) is bounded, and a plan it let go
         # of comes back here
         _arm_fast_path(sig, chosen)
+    if chosen == _SDPA and sig.requested == _AUTO and (_CHECK_TORCH_NAN or _anomaly()):
+        run = _SDPA_AUTO.get(sig)
+        if run is None:
+            run = _sdpa_as_auto(sig)
+            if len(_SDPA_AUTO) < 65536:
+                _SDPA_AUTO[sig] = run
+        return run
     return RUNNERS[chosen]
+
+
+def _sdpa_as_auto(sig):
+    """torch SDPA where auto chose it, checked: on CPU tensors, a call whose output breaks our rule for
+    non-finite inputs (torch_sdpa.breaks_cpu_rule: torch's fused CPU kernel turns NaN rows into zeros and
+    empty rows into NaN) is served again by the first of our exact kernels in auto's order that can serve it
+    (flash, or math where flash cannot), which keep the rule; torch's output stands where none can.  Only
+    under torch's anomaly mode (torch.autograd.detect_anomaly / set_detect_anomaly, where NaN is being
+    hunted) or with ATTN_BACKENDS_CHECK_TORCH_NAN=1 (read at import): the check cost 3-23% of torch's time
+    on this machine's calls (docs/reliability.md), and auto is never to be slower than torch."""
+    run_torch = RUNNERS[_SDPA]
+
+    def run(a):
+        out, lse = run_torch(a)
+        if breaks_cpu_rule(a, out):
+            plan = _planner.build(sig)
+            for name in plan.order:
+                if name in _EXACT_OURS and not plan.reasons[name]:
+                    return RUNNERS[ID[name]](a)
+        return out, lse
+
+    return run
 
 
 def _arm_fast_path(sig, chosen) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import attn_backends as ab
-from attn_backends._testing import FLOORS, make_packed, max_err
+from attn_backends._testing import FLOORS, check_2x, make_packed, max_err, reference_attention
 
 ops = torch.ops.attn_backends
 CPU_BACKENDS = ["flash", "math", "eager", "sdpa", "flex"]
@@ -656,6 +656,78 @@ def test_torch_sdpa_backend_keeps_causal_rows_under_a_negative_scale(shape, dtyp
             got = ab.sdpa(q, k, v, is_causal=True, scale=-0.5)
         assert not torch.isnan(got).any(), f"{backend}: NaN rows"
         assert max_err(got, ref64) <= 2 * max_err(want, ref64) + FLOORS[dtype], backend
+
+
+def _pattern(t):
+    return torch.stack([torch.isnan(t), torch.isposinf(t), torch.isneginf(t)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["q_nan", "q_nan_masked_row", "k_inf_bottom_right", "q_inf_v_nan", "finite",
+                                  "finite_masked_rows"])
+def test_torch_as_autos_choice_keeps_the_rule_for_nan(case, dtype, gen):
+    # torch's fused CPU kernel (2.13) gives a row with a NaN or +inf score zeros, and a row a mask hides entirely
+    # NaN when its q holds a NaN (docs/reliability.md); where auto chooses torch (bfloat16 on AMX-BF16, some
+    # float32 classes), the runner auto uses then (_dispatch._sdpa_as_auto, built here for any CPU) serves such a
+    # call with our kernels, and leaves torch's own output, bit for bit, wherever q and k are finite
+    from attn_backends import _dispatch
+    from attn_backends._providers import RUNNERS
+
+    Sq, Sk, D = 5, 16, 8
+    q, k, v = (torch.randn(2, 2, n, D, generator=gen).to(dtype) for n in (Sq, Sk, Sk))
+    causal, mask = False, None
+    if case == "q_nan":
+        q[0, 1, 2, 3] = math.nan
+        causal = True
+    elif case == "q_nan_masked_row":
+        q[1, 0, 0, 0] = math.nan
+        mask = torch.ones(2, 1, Sq, Sk, dtype=torch.bool)
+        mask[1, :, 0] = False  # the NaN row sees no key: zeros
+    elif case == "k_inf_bottom_right":
+        k[0, 0, 0, 1] = math.inf
+        causal = "bottom_right"
+    elif case == "q_inf_v_nan":
+        q[1, 1, 4, 0] = math.inf
+        v[1, 1, 3, 1] = math.nan
+    elif case == "finite_masked_rows":
+        mask = torch.ones(2, 1, Sq, Sk, dtype=torch.bool)
+        mask[0, :, 1] = False  # a padded row: zeros from torch, kept
+    opts = dict(causal=causal, attn_mask=mask)
+    args, sig = _dispatch.prepare(q, k, v, "auto", causal, mask, 0.0, None, None, 0.0, False)
+    got, _ = _dispatch._sdpa_as_auto(sig)(args)
+    torch_own, _ = RUNNERS[_dispatch._SDPA](args)
+    want = ab.attention(q, k, v, backend="math", **opts)
+    if case.startswith("finite"):
+        assert torch.equal(got, torch_own)  # torch's bits: no second run
+    assert torch.equal(_pattern(got), _pattern(want)), case
+    fin = torch.isfinite(want)
+    assert torch.equal(fin, torch.isfinite(got))
+    ref64, _ = reference_attention(q, k, v, only_visible=True, **opts)
+    ref_d, _ = reference_attention(q, k, v, dtype=dtype, only_visible=True, **opts)
+    zero = torch.zeros((), dtype=torch.float64)
+    check_2x("finite part", torch.where(fin, got.double(), zero), torch.where(fin, ref64, zero),
+             torch.where(fin, ref_d.double(), zero), 2, dtype, FLOORS[dtype])
+
+
+def test_torch_as_autos_choice_is_checked_only_when_asked(monkeypatch):
+    # the check costs 3-23% of torch's time (docs/reliability.md): auto's runner for torch SDPA is torch's own
+    # unless anomaly mode is on or ATTN_BACKENDS_CHECK_TORCH_NAN=1 was set at import
+    from attn_backends import _dispatch
+    from attn_backends._providers import RUNNERS
+
+    q = torch.randn(1, 2, 8, 16, dtype=torch.bfloat16)
+    _, sig = _dispatch.prepare(q, q, q, "auto", True, None, 0.0, None, None, 0.0, False)
+    monkeypatch.setattr(_dispatch, "_chosen", ({sig: _dispatch._SDPA}, {sig: _dispatch._SDPA}))  # auto chose torch
+    monkeypatch.setattr(_dispatch, "_CHECK_TORCH_NAN", False)
+    assert _dispatch._runner(sig, False) is RUNNERS[_dispatch._SDPA]
+    with torch.autograd.set_detect_anomaly(True):
+        checked = _dispatch._runner(sig, False)
+    assert checked is not RUNNERS[_dispatch._SDPA]
+    monkeypatch.setattr(_dispatch, "_CHECK_TORCH_NAN", True)
+    assert _dispatch._runner(sig, False) is checked
+    # a named torch SDPA is torch's, checked or not
+    _, named = _dispatch.prepare(q, q, q, "sdpa", True, None, 0.0, None, None, 0.0, False)
+    assert _dispatch._runner(named, False) is RUNNERS[_dispatch._SDPA]
 
 
 @pytest.mark.parametrize("backend", ["math", "eager"])

@@ -91,6 +91,44 @@ class _SecondOrder(torch.autograd.Function):
         return None, None, dq, dk, dv, dmask if mask is not None and mask.dtype != torch.bool else None
 
 
+# the bits of a dtype's values as integers: (integer dtype, exponent mask, magnitude mask)
+_BITS = {torch.bfloat16: (torch.int16, 0x7F80, 0x7FFF), torch.float16: (torch.int16, 0x7C00, 0x7FFF),
+         torch.float32: (torch.int32, 0x7F800000, 0x7FFFFFFF), torch.float64: (torch.int64, 0x7FF << 52, (1 << 63) - 1)}
+
+
+def _magnitudes(t):
+    """t's values as their bits without the sign (numpy, a view where it can): NaN and inf are those at or
+    above the exponent mask, zeros are 0.  torch's own isfinite and comparisons took 0.3-0.7 ms over one
+    element a row of a (1, 32, 1024, 128) bfloat16 output (strided), the bits through numpy 0.28."""
+    it, _, mag = _BITS[t.dtype]
+    return t.detach().view(it).numpy() & mag
+
+
+def breaks_cpu_rule(a, out) -> bool:
+    """Whether torch SDPA's output for the call a, on CPU tensors, may break our rule for non-finite inputs
+    (docs/reliability.md), so that auto, which chose torch, serves the call with one of our kernels instead
+    (attn_backends/_dispatch.py).  torch's fused CPU kernel (2.13) breaks it, whatever the dtype, with and
+    without a mask: a row whose visible scores hold a NaN or +inf (a NaN in q or in a key the row sees, an inf
+    key) comes out zeros where the float64 reference and our kernels give NaN, and a row a mask hides
+    entirely comes out NaN where it should be zeros if q's row holds a NaN.  A row torch zeroes is 0 V: zeros,
+    NaN in a column where some v is not finite.  So: a row of out whose first element is not finite (from
+    non-finite inputs alone, where ours gives the reference's answer, NaN or not), or whose first element is
+    exactly zero while q or k holds a value that is not finite.  With finite q and k every score is finite
+    and torch's rows are right (a zero row is one the mask hides, or values whose weighted sum is 0).  The
+    check reads one element a row of the output torch has just written, and q and k only where one of those
+    is zero (a padded batch's empty rows): 1.03-1.05x torch's time at B=1 H=32 S=1024 D=128 bfloat16, 1.23-1.26x
+    at H=8 S=128 D=64 (docs/reliability.md, "A fifth fuzz run"), hence only when asked (_dispatch._runner)."""
+    if not out.is_cpu or out.numel() == 0 or out.dtype not in _BITS or _is_compiling():
+        return False
+    expo = _BITS[out.dtype][1]
+    first = _magnitudes(out[..., 0])
+    if bool((first >= expo).any()):
+        return True
+    if not bool((first == 0).any()):
+        return False
+    return any(bool((_magnitudes(t) >= expo).any()) for t in (a.q, a.k))
+
+
 def runner(forced=None):
     """The runner of torch SDPA, with SDPBackend.<forced> when given.  A call that needs a gradient gets
     _SecondOrder on its output; not while torch.compile traces (AOTAutograd differentiates torch's ops), nor
