@@ -843,6 +843,35 @@ def test_the_prefetch_switches_leave_the_bits_alone(case, switch, isa, monkeypat
         call.check(*results[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("G,D", [(3, 128), (7, 40), (7, 128)])
+def test_three_rows_left_in_a_group_take_the_sums_of_four(G, D, dtype, isa, monkeypatch, gen):
+    # a group's last three rows (G = 3, 7: 2026-12-07) share one conversion of the key row (DC(dot3)), with
+    # DC(dot4)'s sums for each row: the rows of G = 7 are those of G = 8 with one more query head in each group,
+    # bit for bit, on every path, and the reference's (float32 products: BF16_DOT=0; step 1 key by key and four
+    # keys at a time, which G = 8 takes from the caches)
+    monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "0")
+    B, Hkv, S = 2, 2, 90
+    q8 = torch.randn(B, 1, Hkv, 8, D, generator=gen).to(dtype)
+    k, v = (torch.randn(B, S, Hkv, D, generator=gen).to(dtype) for _ in range(2))
+    lens = torch.tensor([S, S - 29], dtype=torch.int32)
+    outs = {}
+    for n in (G, 8 if G > 4 else 4):
+        q = q8[:, :, :, :n].reshape(B, 1, Hkv * n, D)
+        out, lse = ab.attention_with_kvcache(q, k, v, cache_seqlens=lens, backend="paged_attention", strict=True,
+                                             return_softmax_lse=True)
+        outs[n] = (out.view(B, 1, Hkv, n, D)[:, :, :, :G], lse.view(B, Hkv, n, 1)[:, :, :G])
+        if n == G:
+            kk, vv = (t.double().repeat_interleave(G, 2) for t in (k, v))
+            s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) / math.sqrt(D)
+            s = s.masked_fill(torch.arange(S).view(1, 1, 1, S) >= lens.view(B, 1, 1, 1), -math.inf)
+            ref = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), vv)
+            tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+            assert (out.double() - ref).abs().max() <= tol * max(1.0, ref.abs().max().item())
+    (a, la), (b, lb) = outs.values()
+    assert torch.equal(a, b) and torch.equal(la, lb)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("Hq,Hkv,block", [(8, 2, None), (4, 4, None), (8, 2, 16), (4, 4, 32)])
 def test_pages_ahead_over_head_major_caches(Hq, Hkv, block, dtype, isa, monkeypatch, gen):
@@ -2109,7 +2138,7 @@ def kv_calls(draw, backend):
     seqlens = draw(st.sampled_from(["spread", "int"] + ([None] if snew == 0 and block is None else [])))
     dtype = draw(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
     return KV(
-        B=draw(st.integers(1, 3)), Sq=draw(st.integers(1, 4)), Hkv=Hkv, Hq=Hkv * draw(st.sampled_from([1, 2, 4, 5])),
+        B=draw(st.integers(1, 3)), Sq=draw(st.integers(1, 4)), Hkv=Hkv, Hq=Hkv * draw(st.sampled_from([1, 2, 3, 4, 5, 7])),
         D=draw(st.sampled_from([8, 40, 64, 72])), S=S, block=block, snew=snew,
         seqlens=draw(st.integers(0, S - snew)) if seqlens == "int" else seqlens,
         rotary=(draw(st.sampled_from([None, "interleaved", "neox"]))

@@ -296,6 +296,35 @@ static inline __attribute__((always_inline)) void DC(dot4xk)(const float* q, int
 }
 #endif
 
+/* DC(dot4) for three query rows against one key row (kst 0), scores to s0, s1, s2: the last three rows of a
+ * GQA group whose G is not a multiple of four (G = 3, 7, ...), the key row converted once for the three where
+ * DC(dot1) converted it per row.  Each row's sum is DC(dot4)'s (the same FMAs in each lane, DC(hsum4)'s tree over
+ * its own vector), a fourth chain repeating the third for the tree. */
+static inline __attribute__((always_inline)) void DC(dot3)(const float* q0, const float* q1, const float* q2,
+                                                          const void* kb, int64_t ko, int64_t D, const int dt,
+                                                          float* s0, float* s1, float* s2) {
+  const int64_t full = D / VLEN * VLEN;
+  vf a0 = vset1(0.0f), a1 = a0, a2 = a0;
+  int64_t d = 0;
+  for (; d < full; d += VLEN) {
+    const vf k = DC(ld)(kb, ko + d, dt);
+    a0 += vload(q0 + d) * k;
+    a1 += vload(q1 + d) * k;
+    a2 += vload(q2 + d) * k;
+  }
+  if (d < D) {
+    const vf k = DC(ld_tail)(kb, ko + d, D - d, dt);
+    a0 += vload(q0 + d) * k;
+    a1 += vload(q1 + d) * k;
+    a2 += vload(q2 + d) * k;
+  }
+  float t[4];
+  DC(hsum4)(a0, a1, a2, a2, 1.0f, t, 1); /* q is scaled already */
+  *s0 = t[0];
+  *s1 = t[1];
+  *s2 = t[2];
+}
+
 /* One dot product of length D, in two chains so a lone row is not bound by the FMA latency. */
 static inline __attribute__((always_inline)) void DC(dot1)(const float* q, const void* kb, int64_t ko, int64_t D,
                                                           const int dt, float* s) {
@@ -422,6 +451,11 @@ static inline __attribute__((always_inline)) void DC(key_scores)(const float* q,
     int64_t g = 0;
     for (; g + 4 <= G; g += 4)
       DC(dot4)(qh + g * dpad, dpad, kb, ko + h * ks2, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK);
+    if (G - g == 3) { /* three rows left: one conversion of the key row for the three */
+      DC(dot3)(qh + g * dpad, qh + (g + 1) * dpad, qh + (g + 2) * dpad, kb, ko + h * ks2, D, dt, sh + g * DC_CHUNK,
+               sh + (g + 1) * DC_CHUNK, sh + (g + 2) * DC_CHUNK);
+      g = G;
+    }
     for (; g < G; ++g) DC(dot1)(qh + g * dpad, kb, ko + h * ks2, D, dt, sh + g * DC_CHUNK);
   }
 }
