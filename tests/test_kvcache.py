@@ -844,12 +844,12 @@ def test_the_prefetch_switches_leave_the_bits_alone(case, switch, isa, monkeypat
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("G,D", [(3, 128), (7, 40), (7, 128)])
-def test_three_rows_left_in_a_group_take_the_sums_of_four(G, D, dtype, isa, monkeypatch, gen):
-    # a group's last three rows (G = 3, 7: 2026-12-07) share one conversion of the key row (DC(dot3)), with
-    # DC(dot4)'s sums for each row: the rows of G = 7 are those of G = 8 with one more query head in each group,
-    # bit for bit, on every path, and the reference's (float32 products: BF16_DOT=0; step 1 key by key and four
-    # keys at a time, which G = 8 takes from the caches)
+@pytest.mark.parametrize("G,D", [(2, 64), (3, 128), (6, 40), (7, 40), (7, 128)])
+def test_rows_left_in_a_group_take_the_sums_of_four(G, D, dtype, isa, monkeypatch, gen):
+    # a group's last two or three rows (G = 2, 3, 6, 7: 2026-12-07) share one conversion of the key row
+    # (DC(dot3)), with DC(dot4)'s sums for each row: the rows of G = 7 are those of G = 8 with one more query
+    # head in each group, bit for bit, on every path, and the reference's (float32 products: BF16_DOT=0; step 1
+    # key by key, and four keys at a time, which G = 8 takes from the caches)
     monkeypatch.setenv("ATTN_BACKENDS_DECODE_BF16_DOT", "0")
     B, Hkv, S = 2, 2, 90
     q8 = torch.randn(B, 1, Hkv, 8, D, generator=gen).to(dtype)

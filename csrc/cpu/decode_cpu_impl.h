@@ -296,13 +296,14 @@ static inline __attribute__((always_inline)) void DC(dot4xk)(const float* q, int
 }
 #endif
 
-/* DC(dot4) for three query rows against one key row (kst 0), scores to s0, s1, s2: the last three rows of a
- * GQA group whose G is not a multiple of four (G = 3, 7, ...), the key row converted once for the three where
- * DC(dot1) converted it per row.  Each row's sum is DC(dot4)'s (the same FMAs in each lane, DC(hsum4)'s tree over
- * its own vector), a fourth chain repeating the third for the tree. */
+/* DC(dot4) for three query rows against one key row (kst 0), scores to s0, s1, s2, or for two (three 0: q1 and s1
+ * again in q2's and s2's places, s2 unwritten): the last rows of a GQA group whose G is not a multiple of four
+ * (three left, G = 3, 7; two, G = 2, 6), the key row converted once for them where DC(dot1) converted it per
+ * row.  Each row's sum is DC(dot4)'s (the same FMAs in each lane, DC(hsum4)'s tree over its own vector), the
+ * last chain repeated for the tree.  One row left (G = 1, 5) stays DC(dot1): its two chains cost no more. */
 static inline __attribute__((always_inline)) void DC(dot3)(const float* q0, const float* q1, const float* q2,
-                                                          const void* kb, int64_t ko, int64_t D, const int dt,
-                                                          float* s0, float* s1, float* s2) {
+                                                          const int three, const void* kb, int64_t ko, int64_t D,
+                                                          const int dt, float* s0, float* s1, float* s2) {
   const int64_t full = D / VLEN * VLEN;
   vf a0 = vset1(0.0f), a1 = a0, a2 = a0;
   int64_t d = 0;
@@ -310,19 +311,20 @@ static inline __attribute__((always_inline)) void DC(dot3)(const float* q0, cons
     const vf k = DC(ld)(kb, ko + d, dt);
     a0 += vload(q0 + d) * k;
     a1 += vload(q1 + d) * k;
-    a2 += vload(q2 + d) * k;
+    if (three) a2 += vload(q2 + d) * k;
   }
   if (d < D) {
     const vf k = DC(ld_tail)(kb, ko + d, D - d, dt);
     a0 += vload(q0 + d) * k;
     a1 += vload(q1 + d) * k;
-    a2 += vload(q2 + d) * k;
+    if (three) a2 += vload(q2 + d) * k;
   }
+  if (!three) a2 = a1;
   float t[4];
   DC(hsum4)(a0, a1, a2, a2, 1.0f, t, 1); /* q is scaled already */
   *s0 = t[0];
   *s1 = t[1];
-  *s2 = t[2];
+  if (three) *s2 = t[2];
 }
 
 /* One dot product of length D, in two chains so a lone row is not bound by the FMA latency. */
@@ -452,8 +454,12 @@ static inline __attribute__((always_inline)) void DC(key_scores)(const float* q,
     for (; g + 4 <= G; g += 4)
       DC(dot4)(qh + g * dpad, dpad, kb, ko + h * ks2, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK);
     if (G - g == 3) { /* three rows left: one conversion of the key row for the three */
-      DC(dot3)(qh + g * dpad, qh + (g + 1) * dpad, qh + (g + 2) * dpad, kb, ko + h * ks2, D, dt, sh + g * DC_CHUNK,
+      DC(dot3)(qh + g * dpad, qh + (g + 1) * dpad, qh + (g + 2) * dpad, 1, kb, ko + h * ks2, D, dt, sh + g * DC_CHUNK,
                sh + (g + 1) * DC_CHUNK, sh + (g + 2) * DC_CHUNK);
+      g = G;
+    } else if (G - g == 2) { /* two */
+      DC(dot3)(qh + g * dpad, qh + (g + 1) * dpad, NULL, 0, kb, ko + h * ks2, D, dt, sh + g * DC_CHUNK,
+               sh + (g + 1) * DC_CHUNK, NULL);
       g = G;
     }
     for (; g < G; ++g) DC(dot1)(qh + g * dpad, kb, ko + h * ks2, D, dt, sh + g * DC_CHUNK);
