@@ -137,7 +137,8 @@ def _runner(sig, strict):
         # a call the fast path could have served: its table (ab_direct.c) is bounded, and a plan it let go
         # of comes back here
         _arm_fast_path(sig, chosen)
-    if chosen == _SDPA and sig.requested == _AUTO and (_CHECK_TORCH_NAN or _anomaly()):
+    # not while tracing: there torch's own ops run, unchecked (and the descriptor is a plain tuple to dynamo)
+    if chosen == _SDPA and not _is_compiling() and sig.requested == _AUTO and (_CHECK_TORCH_NAN or _anomaly()):
         run = _SDPA_AUTO.get(sig)
         if run is None:
             run = _sdpa_as_auto(sig)
