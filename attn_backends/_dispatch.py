@@ -154,7 +154,7 @@ def _sdpa_as_auto(sig):
     empty rows into NaN) is served again by the first of our exact kernels in auto's order that can serve it
     (flash, or math where flash cannot), which keep the rule; torch's output stands where none can.  Only
     under torch's anomaly mode (torch.autograd.detect_anomaly / set_detect_anomaly, where NaN is being
-    hunted) or with ATTN_BACKENDS_CHECK_TORCH_NAN=1 (read at import): the check cost 3-23% of torch's time
+    hunted) or with ATTN_BACKENDS_CHECK_TORCH_NAN=1 (read at import): the check cost 3-26% of torch's time
     on this machine's calls (docs/reliability.md), and auto is never to be slower than torch."""
     run_torch = RUNNERS[_SDPA]
 
