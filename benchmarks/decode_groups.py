@@ -11,7 +11,6 @@ KV head per thread.  Meant for comparing two builds of the kernel too: run it un
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import time
@@ -19,16 +18,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+from bench_kv_prefill import header  # the machine line: versions, CPU, flags, threads, path
+
 import attn_backends as ab
-from attn_backends import _C
-
-
-def header() -> str:
-    f = _C.cpu_features()
-    flags = " ".join(k for k, v in f.items() if v is True)
-    return (f"attn_backends {ab.__version__}, torch {torch.__version__}, {f.get('brand')} (family {f.get('family')} "
-            f"model {f.get('model')}), {flags}, {torch.get_num_threads()} threads, CPU path {_C.cpu_isa()}, "
-            f"{platform.machine()}")
 
 
 def run(G: int, hkv: int, keys: int, d: int, dtype, rounds: int) -> dict:
