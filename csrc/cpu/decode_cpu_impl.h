@@ -226,10 +226,14 @@ static inline void DC(hsum4)(vf a0, vf a1, vf a2, vf a3, float scale, float* s, 
 
 /* Four dot products of length D: q rows at q + i * qs with cache rows at kb + ko + i * kst (kst 0:
  * one key row shared by four query rows of a GQA group, loaded once).  Scores to s + i * st; the
- * query rows' pad lanes are 0. */
+ * query rows' pad lanes are 0.  n (a constant at each call site) fewer rows, 2 or 3, with kst 0: the last
+ * rows of a GQA group whose G is not a multiple of four (G = 2, 3, 6, 7), the key row converted once for them
+ * where DC(dot1) converted it per row; each row's sum is the four rows' (the same FMAs in each lane, DC(hsum4)'s
+ * tree over its own vector), the last row's chain repeated for the tree.  One row left (G = 5) stays DC(dot1):
+ * its two chains cost no more. */
 static inline __attribute__((always_inline)) void DC(dot4)(const float* q, int64_t qs, const void* kb, int64_t ko,
                                                           int64_t kst, int64_t D, const int dt, float* s,
-                                                          int64_t st) {
+                                                          int64_t st, const int n) {
   const int64_t full = D / VLEN * VLEN;
   vf a0 = vset1(0.0f), a1 = a0, a2 = a0, a3 = a0;
   int64_t d = 0;
@@ -238,8 +242,8 @@ static inline __attribute__((always_inline)) void DC(dot4)(const float* q, int64
       const vf k = DC(ld)(kb, ko + d, dt);
       a0 += vload(q + d) * k;
       a1 += vload(q + qs + d) * k;
-      a2 += vload(q + 2 * qs + d) * k;
-      a3 += vload(q + 3 * qs + d) * k;
+      if (n > 2) a2 += vload(q + 2 * qs + d) * k;
+      if (n > 3) a3 += vload(q + 3 * qs + d) * k;
     } else {
       a0 += vload(q + d) * DC(ld)(kb, ko + d, dt);
       a1 += vload(q + qs + d) * DC(ld)(kb, ko + kst + d, dt);
@@ -250,10 +254,17 @@ static inline __attribute__((always_inline)) void DC(dot4)(const float* q, int64
   if (d < D) {
     a0 += vload(q + d) * DC(ld_tail)(kb, ko + d, D - d, dt);
     a1 += vload(q + qs + d) * DC(ld_tail)(kb, ko + kst + d, D - d, dt);
-    a2 += vload(q + 2 * qs + d) * DC(ld_tail)(kb, ko + 2 * kst + d, D - d, dt);
-    a3 += vload(q + 3 * qs + d) * DC(ld_tail)(kb, ko + 3 * kst + d, D - d, dt);
+    if (n > 2) a2 += vload(q + 2 * qs + d) * DC(ld_tail)(kb, ko + 2 * kst + d, D - d, dt);
+    if (n > 3) a3 += vload(q + 3 * qs + d) * DC(ld_tail)(kb, ko + 3 * kst + d, D - d, dt);
   }
-  DC(hsum4)(a0, a1, a2, a3, 1.0f, s, st); /* q is scaled already */
+  if (n == 4) {
+    DC(hsum4)(a0, a1, a2, a3, 1.0f, s, st); /* q is scaled already */
+    return;
+  }
+  if (n == 2) a2 = a1;
+  float t[4];
+  DC(hsum4)(a0, a1, a2, a2, 1.0f, t, 1);
+  for (int i = 0; i < n; ++i) s[i * st] = t[i];
 }
 
 #if VLEN == 16 || VLEN == 8
@@ -295,37 +306,6 @@ static inline __attribute__((always_inline)) void DC(dot4xk)(const float* q, int
 #endif
 }
 #endif
-
-/* DC(dot4) for three query rows against one key row (kst 0), scores to s0, s1, s2, or for two (three 0: q1 and s1
- * again in q2's and s2's places, s2 unwritten): the last rows of a GQA group whose G is not a multiple of four
- * (three left, G = 3, 7; two, G = 2, 6), the key row converted once for them where DC(dot1) converted it per
- * row.  Each row's sum is DC(dot4)'s (the same FMAs in each lane, DC(hsum4)'s tree over its own vector), the
- * last chain repeated for the tree.  One row left (G = 1, 5) stays DC(dot1): its two chains cost no more. */
-static inline __attribute__((always_inline)) void DC(dot3)(const float* q0, const float* q1, const float* q2,
-                                                          const int three, const void* kb, int64_t ko, int64_t D,
-                                                          const int dt, float* s0, float* s1, float* s2) {
-  const int64_t full = D / VLEN * VLEN;
-  vf a0 = vset1(0.0f), a1 = a0, a2 = a0;
-  int64_t d = 0;
-  for (; d < full; d += VLEN) {
-    const vf k = DC(ld)(kb, ko + d, dt);
-    a0 += vload(q0 + d) * k;
-    a1 += vload(q1 + d) * k;
-    if (three) a2 += vload(q2 + d) * k;
-  }
-  if (d < D) {
-    const vf k = DC(ld_tail)(kb, ko + d, D - d, dt);
-    a0 += vload(q0 + d) * k;
-    a1 += vload(q1 + d) * k;
-    if (three) a2 += vload(q2 + d) * k;
-  }
-  if (!three) a2 = a1;
-  float t[4];
-  DC(hsum4)(a0, a1, a2, a2, 1.0f, t, 1); /* q is scaled already */
-  *s0 = t[0];
-  *s1 = t[1];
-  if (three) *s2 = t[2];
-}
 
 /* One dot product of length D, in two chains so a lone row is not bound by the FMA latency. */
 static inline __attribute__((always_inline)) void DC(dot1)(const float* q, const void* kb, int64_t ko, int64_t D,
@@ -438,7 +418,7 @@ static inline __attribute__((always_inline)) void DC(key_scores)(const float* q,
     int64_t h = 0;
     for (; h + 4 <= hg; h += 4) {
       for (int i = 0; i < 4; ++i) DC(pf_head)(f, h + i);
-      DC(dot4)(q + h * dpad, dpad, kb, ko + h * ks2, ks2, D, dt, s + h * DC_CHUNK, DC_CHUNK);
+      DC(dot4)(q + h * dpad, dpad, kb, ko + h * ks2, ks2, D, dt, s + h * DC_CHUNK, DC_CHUNK, 4);
     }
     for (; h < hg; ++h) {
       DC(pf_head)(f, h);
@@ -452,16 +432,13 @@ static inline __attribute__((always_inline)) void DC(key_scores)(const float* q,
     float* sh = s + h * G * DC_CHUNK;
     int64_t g = 0;
     for (; g + 4 <= G; g += 4)
-      DC(dot4)(qh + g * dpad, dpad, kb, ko + h * ks2, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK);
-    if (G - g == 3) { /* three rows left: one conversion of the key row for the three */
-      DC(dot3)(qh + g * dpad, qh + (g + 1) * dpad, qh + (g + 2) * dpad, 1, kb, ko + h * ks2, D, dt, sh + g * DC_CHUNK,
-               sh + (g + 1) * DC_CHUNK, sh + (g + 2) * DC_CHUNK);
-      g = G;
-    } else if (G - g == 2) { /* two */
-      DC(dot3)(qh + g * dpad, qh + (g + 1) * dpad, NULL, 0, kb, ko + h * ks2, D, dt, sh + g * DC_CHUNK,
-               sh + (g + 1) * DC_CHUNK, NULL);
-      g = G;
-    }
+      DC(dot4)(qh + g * dpad, dpad, kb, ko + h * ks2, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK, 4);
+    /* three or two rows left: one conversion of the key row for them */
+    if (G - g == 3)
+      DC(dot4)(qh + g * dpad, dpad, kb, ko + h * ks2, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK, 3);
+    else if (G - g == 2)
+      DC(dot4)(qh + g * dpad, dpad, kb, ko + h * ks2, 0, D, dt, sh + g * DC_CHUNK, DC_CHUNK, 2);
+    if (G - g >= 2) g = G;
     for (; g < G; ++g) DC(dot1)(qh + g * dpad, kb, ko + h * ks2, D, dt, sh + g * DC_CHUNK);
   }
 }
