@@ -231,6 +231,12 @@ def sage_recipe(q, k, v, *, scale=None, **opts):
     return reference_attention(q_eff, k_eff, v, scale=scale, dtype=torch.float64, **opts)
 
 
+def nonfinite_pattern(t: torch.Tensor) -> torch.Tensor:
+    """Where t is NaN, +inf and -inf, stacked (3, *t.shape): two outputs with the same non-finite elements of
+    the same kinds have equal patterns."""
+    return torch.stack([torch.isnan(t), torch.isposinf(t), torch.isneginf(t)])
+
+
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| in float64; NaN (or NaN in only one of them) gives inf so it never passes."""
     a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import attn_backends as ab
-from attn_backends._testing import FLOORS, check_2x, make_packed, max_err, reference_attention
+from attn_backends._testing import FLOORS, check_2x, make_packed, max_err, nonfinite_pattern, reference_attention
 
 ops = torch.ops.attn_backends
 CPU_BACKENDS = ["flash", "math", "eager", "sdpa", "flex"]
@@ -658,10 +658,6 @@ def test_torch_sdpa_backend_keeps_causal_rows_under_a_negative_scale(shape, dtyp
         assert max_err(got, ref64) <= 2 * max_err(want, ref64) + FLOORS[dtype], backend
 
 
-def _pattern(t):
-    return torch.stack([torch.isnan(t), torch.isposinf(t), torch.isneginf(t)])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", ["q_nan", "q_nan_masked_row", "k_inf_bottom_right", "q_inf_v_nan", "finite",
                                   "finite_masked_rows"])
@@ -699,7 +695,7 @@ def test_torch_as_autos_choice_keeps_the_rule_for_nan(case, dtype, gen):
     want = ab.attention(q, k, v, backend="math", **opts)
     if case.startswith("finite"):
         assert torch.equal(got, torch_own)  # torch's bits: no second run
-    assert torch.equal(_pattern(got), _pattern(want)), case
+    assert torch.equal(nonfinite_pattern(got), nonfinite_pattern(want)), case
     fin = torch.isfinite(want)
     assert torch.equal(fin, torch.isfinite(got))
     ref64, _ = reference_attention(q, k, v, only_visible=True, **opts)

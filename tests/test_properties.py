@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 import attn_backends as ab
 from attn_backends._testing import (FLOORS, check_2x, flat_softmax_floor, keep_mask_for_next_call, make_packed, max_err,
-                                    out_and_grads_three_ways, reference_attention, varlen_reference, visible)
+                                    nonfinite_pattern, out_and_grads_three_ways, reference_attention, varlen_reference,
+                                    visible)
 
 from cuda_devices import cuda_kernels
 
@@ -193,10 +194,6 @@ def _check_problem(p):
 # ---- NaN and inf -------------------------------------------------------------------------------
 
 
-def pattern(t):
-    return torch.stack([torch.isnan(t), torch.isposinf(t), torch.isneginf(t)])
-
-
 @given(
     st.integers(1, 2), st.integers(1, 2), st.integers(1, 70), st.integers(1, 70), st.integers(1, 40),
     st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
@@ -245,7 +242,7 @@ def test_nan_and_inf_reach_the_rows_that_see_them(emulated, B, H, Sq, Sk, D, dty
         strictd, _ = reference_attention(q, k, v, dtype=dtype, only_visible=True, **opts)
         spread64, _ = reference_attention(q, k, v, **opts)
 
-        po, ps = pattern(out), pattern(strict64)
+        po, ps = nonfinite_pattern(out), nonfinite_pattern(strict64)
         must = ps.any(0)
         # same kind as the reference, except that a NaN the row cannot see may still reach it through
         # 0 * NaN in P.V (unspecified, as in a plain matmul) and win over an inf it does see
