@@ -100,19 +100,25 @@ def _inputs(case, gen):
     return make_inputs(case, generator=gen)
 
 
+@pytest.mark.parametrize("keys", ["strided", "contiguous"])
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.bool])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_masks_of_any_dtype_and_stride_match_the_reference(isa, mask_dtype, dtype, gen):
+def test_masks_of_any_dtype_and_stride_match_the_reference(isa, mask_dtype, dtype, keys, gen):
     # the mask is read row by row with one loop per mask dtype (cpu_tiles_impl.h mask_scores): a mask of
-    # another dtype than q, and one whose keys are not contiguous (a transposed view), forward and backward
-    B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 37, 45, 32
+    # another dtype than q, and one whose keys are not contiguous (a transposed view), forward and backward.
+    # Contiguous keys: AVX2 reads a float32 mask in place, eight keys of eight rows at a time, and the last
+    # keys of a block (150 = 2 x 64 + 22, 22 = 2 x 8 + 6) and the rows past a chunk's end one by one
+    B, Hq, Hkv, Sq, D = 2, 4, 2, 37, 32
+    Sk = 45 if keys == "strided" else 150
     q, k, v = (torch.randn(B, h, s, D, generator=gen).to(dtype) for h, s in ((Hq, Sq), (Hkv, Sk), (Hkv, Sk)))
     seen = torch.rand(B, Hq, Sk, Sq, generator=gen) > 0.3
     seen[0, :, :, 3] = False  # query row 3 of batch row 0 sees nothing
     mask = seen if mask_dtype == torch.bool else torch.randn(B, Hq, Sk, Sq, generator=gen).masked_fill(~seen,
                                                                                                       -torch.inf)
     mask = mask.to(mask_dtype).transpose(2, 3)  # (B, Hq, Sq, Sk), keys strided
-    assert mask.stride(-1) != 1
+    if keys == "contiguous":
+        mask = mask.contiguous()
+    assert (mask.stride(-1) == 1) == (keys == "contiguous")
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out = ab.attention(*leaves, attn_mask=mask, backend="flash", strict=True)
     g = torch.randn(out.shape, generator=gen).to(dtype)

@@ -77,6 +77,28 @@ static inline vi vgather_words(const void* p, int32_t stride) {
 /* VLEN floats at p, p + stride, p + 2 stride, ... */
 static inline vf vgather(const float* p, int32_t stride) { return (vf)vgather_words(p, stride); }
 
+#if VLEN == 8 && defined(__AVX2__)
+/* t[0..7], eight rows of eight floats, transposed in place (t[k] gets element k of every row). */
+static inline void ab_transpose8_ps(__m256 t[8]) {
+  __m256 a[8], b[8];
+  for (int i = 0; i < 8; i += 2) {
+    a[i] = _mm256_unpacklo_ps(t[i], t[i + 1]);     /* r_i0 r_i+1,0 r_i1 r_i+1,1 | same at 4.. */
+    a[i + 1] = _mm256_unpackhi_ps(t[i], t[i + 1]); /* elements 2, 3 | 6, 7 */
+  }
+  for (int i = 0; i < 8; i += 4)
+    for (int h = 0; h < 2; ++h) {
+      b[i + h] = _mm256_shuffle_ps(a[i + h], a[i + h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      b[i + h + 2] = _mm256_shuffle_ps(a[i + h], a[i + h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+  /* b[0]: elements 0 (and 4) of rows 0-3; b[2]: 1 (5); b[1]: 2 (6); b[3]: 3 (7); b[4..7] the same of rows 4-7 */
+  static const int from[4] = {0, 2, 1, 3};
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm256_permute2f128_ps(b[from[k]], b[4 + from[k]], 0x20);
+    t[k + 4] = _mm256_permute2f128_ps(b[from[k]], b[4 + from[k]], 0x31);
+  }
+}
+#endif
+
 /* 1 if every lane of the comparison result m is true. */
 static inline int vall(vi m) {
   int all = 1;

@@ -313,13 +313,51 @@ static void SYM(mask_scores)(const ab_attn_params* p, const SYM(seq) * s, int64_
     const int64_t ms_i = p->mask.strides[2], ms_j = p->mask.strides[3];
     const int is_bool = p->mask.dtype == AB_DTYPE_BOOL;
     float rows[rc * (nb < BK ? (nb > 0 ? nb : 1) : BK)];
+#if VLEN == 8 && defined(__AVX2__)
+    /* AVX2: eight keys of eight rows at a time, transposed in registers, instead of a gather of eight values
+     * (which took about as long as the block's softmax on an AMD Zen 3); a float32 mask with contiguous keys
+     * read in place, not copied to rows first (the copy was most of what was left, 2026-12-07,
+     * docs/benchmarks.md "Masked calls on an AVX2 CPU").  The same values reach the same scores: the same bits. */
+    static const float zeros8[8] = {0};
+    const int direct = p->mask.dtype == AB_DTYPE_F32 && ms_j == 1;
+    const float* mf = (const float*)p->mask.data + s->mask + i0 * ms_i + j0;
+#endif
     for (int64_t jb = 0; jb < nb; jb += BK) {
       const int64_t n = nb - jb < BK ? nb - jb : BK;
+      int64_t j = 0;
+#if VLEN == 8 && defined(__AVX2__)
+      if (direct) {
+        for (; j + 8 <= n; j += 8)
+          for (int64_t v = 0; v < rc; v += 8) {
+            __m256 t[8];
+            for (int u = 0; u < 8; ++u)
+              t[u] = _mm256_loadu_ps(v + u < nrows ? mf + (v + u) * ms_i + jb + j : zeros8);
+            ab_transpose8_ps(t);
+            for (int u = 0; u < 8; ++u) vstore(St + (jb + j + u) * rc + v, vload(St + (jb + j + u) * rc + v) + (vf)t[u]);
+          }
+        for (; j < n; ++j)
+          for (int64_t r = 0; r < nrows; ++r) St[(jb + j) * rc + r] += mf[r * ms_i + jb + j];
+        continue;
+      }
+#endif
       for (int64_t r = 0; r < nrows; ++r)
         ab_vec_load_mask_row(p->mask.data, p->mask.dtype, s->mask + (i0 + r) * ms_i + (j0 + jb) * ms_j, n, ms_j,
                              rows + r * n);
       memset(rows + nrows * n, 0, sizeof(float) * (size_t)((rc - nrows) * n));
-      for (int64_t j = 0; j < n; ++j) {
+#if VLEN == 8 && defined(__AVX2__)
+      for (; j + 8 <= n; j += 8)
+        for (int64_t v = 0; v < rc; v += 8) {
+          __m256 t[8];
+          for (int u = 0; u < 8; ++u) t[u] = _mm256_loadu_ps(rows + (v + u) * n + j);
+          ab_transpose8_ps(t);
+          for (int u = 0; u < 8; ++u) {
+            float* sj = St + (jb + j + u) * rc + v;
+            const vf m = (vf)t[u];
+            vstore(sj, is_bool ? vselect(m < vset1(0.0f), m, vload(sj)) : vload(sj) + m);
+          }
+        }
+#endif
+      for (; j < n; ++j) {
         float* sj = St + (jb + j) * rc;
         for (int64_t v = 0; v < rc; v += VLEN) {
           const vf m = vgather(rows + v * n + j, (int32_t)n);
