@@ -42,7 +42,22 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--grid", action="store_true",
+                    help="instead of the rows' calls, every (dtype, D, pass, mask) at --grid-seqlens: float32, "
+                         "bfloat16, float16; D 64, 128; fwd, fwd+bwd; no mask, bool, float (finds a class the "
+                         "rows miss)")
+    ap.add_argument("--grid-seqlens", default="1024")
+    ap.add_argument("--grid-dtypes", default="float32,bfloat16,float16")
+    ap.add_argument("--grid-dims", default="64,128")
+    ap.add_argument("--grid-passes", default="fwd,fwd+bwd")
+    ap.add_argument("--grid-masks", default="none,bool,float")
     args = ap.parse_args()
+    rows = ROWS
+    if args.grid:
+        rows = [(getattr(torch, dt), D, S, grad == "fwd+bwd", None if mask == "none" else mask)
+                for dt in args.grid_dtypes.split(",") for D in map(int, args.grid_dims.split(","))
+                for S in map(int, args.grid_seqlens.split(",")) for grad in args.grid_passes.split(",")
+                for mask in args.grid_masks.split(",")]
     feats = ab._C.cpu_features()
     print(f"{feats['brand'].strip()} (family {feats['family']} model {feats['model']}), {torch.get_num_threads()} "
           f"threads, CPU path {ab._C.cpu_isa()}, torch {torch.__version__}")
@@ -50,7 +65,7 @@ def main():
           f"{'torch/flash':>11} {'torch/auto':>10}  auto chose")
     g = torch.Generator().manual_seed(0)
     results = []
-    for dtype, D, S, grad, mask in ROWS:
+    for dtype, D, S, grad, mask in rows:
         q, k, v = (torch.randn(2, 8, S, D, generator=g).to(dtype).requires_grad_(grad) for _ in range(3))
         m = (torch.randn(S, S, generator=g).to(dtype) if mask == "float"
              else torch.rand(S, S, generator=g) > 0.2 if mask == "bool" else None)
