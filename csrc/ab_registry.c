@@ -379,6 +379,11 @@ uint32_t ab_our_kv_cpu_units(int isa, int dtype) {
  *   - avx2 path, bfloat16 forward, D >= 64 (measured at 64 and 128): 0.74-0.89 (AMD EPYC, Zen 3, 2026-11-26), 0.80-1.24 after the
  *     8-wide bfloat16 conversion and 32-row chunks (a noisy machine: parity, not an advantage).  Its
  *     backward stays ours (forward+backward 4.9-8.4x).
+ *     With a float attn_mask too (HF's additive one): 0.80-0.88 at D=128, 0.93 at D=64, after the AVX2 mask
+ *     changes of 2026-12-07 (AMD EPYC, Zen 3, S=1024; docs/benchmarks.md "Masked calls on an AVX2 CPU"); with a
+ *     bool mask ours measured 0.95-1.13 there (parity: stays ours).
+ *   - avx2 path, float32 forward with a float attn_mask, D >= 128: 0.85-0.91 (same runs); with a bool mask
+ *     0.96-1.00 (stays ours), at D=64 0.96 (stays ours).
  *   - avx2 path, float32 forward+backward, D >= 128: 0.67-0.91 (same run; D=64 1.03-1.24 stays ours).
  *   - avx512 path on an AMD CPU (Zen 4: AVX512_BF16, no AMX), bfloat16 forward+backward, D >= 128:
  *     0.86-0.92 at S=2048 in three runs, 0.92-1.08 at S=1024 (2026-11-27); torch's bfloat16 backward
@@ -414,8 +419,10 @@ static const torch_faster_row k_torch_faster[] = {
     {~ISA_BIT(AB_ISA_AVX512), AB_DTYPE_F32, 0, 128, AB_VENDOR_OTHER, 1, 0, "a float32 forward at D >= 128"},
     {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_F32, 0, 128, AB_VENDOR_OTHER, 1, AB_AMD_FAMILY_ZEN5,
      "a float32 forward at D >= 128"},
-    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_BF16, 0, 64, AB_VENDOR_OTHER, 1, 0,
+    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_BF16, 0, 64, AB_VENDOR_OTHER, 5, 0,
      "a bfloat16 forward at D >= 64 on the avx2 path"},
+    {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_F32, 0, 128, AB_VENDOR_OTHER, 4, 0,
+     "a float32 forward at D >= 128 with a float attn_mask on the avx2 path"},
     {ISA_BIT(AB_ISA_AVX2), AB_DTYPE_F32, 1, 128, AB_VENDOR_OTHER, 1, 0,
      "a float32 forward+backward at D >= 128 on the avx2 path"},
     {ISA_BIT(AB_ISA_AVX512), AB_DTYPE_BF16, 1, 128, AB_VENDOR_AMD, 7, AB_AMD_FAMILY_ZEN5,
